@@ -1,0 +1,33 @@
+"""The ``satp`` command. Each area registers its own subcommands; errors print one line."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="satp", description="Structure-Aware Transformer pipeline")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from preprocessing.cli import register as register_preprocessing
+
+    register_preprocessing(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's PyPI version check
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, OSError) as exc:
+        if os.environ.get("SATP_DEBUG"):
+            raise
+        print(f"satp: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Job files: one YAML per job, validated into typed sections at the edge.
+
+A job YAML has the sections ``data``, ``transform``, ``shards`` (preprocessing),
+``model`` (:class:`sat.SATConfig`), ``train``, ``resources``, ``mlflow`` and an
+optional ``tune``. Unknown or mistyped keys are rejected with a one-line error
+that names the file and the dotted key. ``--set dotted.key=value`` overrides
+any key; the value is parsed as YAML (``--set train.lr=3e-4``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, field_validator
+
+from sat.config import SATConfig
+
+
+class StrictModel(BaseModel):
+    """Base of every config section: unknown keys are errors, values are validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+_SAT_CONFIG = TypeAdapter(SATConfig)
+
+
+class JobConfig(StrictModel):
+    name: str
+    model: SATConfig
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_from_dict(cls, value: Any) -> SATConfig:
+        if isinstance(value, SATConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("expected a mapping")
+        unknown = sorted(set(value) - set(SATConfig.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown keys {unknown}")
+        return _SAT_CONFIG.validate_python(value)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``dotted.key=value`` overrides to a nested dict (values parsed as YAML)."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected dotted.key=value")
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"--set {key}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(text)
+    return raw
+
+
+def format_validation_error(source: str, error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "<top>"
+    message = first["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ").removeprefix(f"{where}.")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+    return f"{source}: {where}: {message}{more}"
+
+
+def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """Read, override and validate a job YAML; raise ``ValueError`` with a one-line message."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: job file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of sections at the top level")
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ValueError(format_validation_error(str(path), exc)) from None

@@ -1,0 +1,98 @@
+"""Typed configuration of a SAT model, buildable from a plain dict (e.g. a job YAML's ``model:``)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, get_args, get_type_hints
+
+AttentionImpl = Literal["dense", "sparse"]
+ExtractorKind = Literal["subtree", "subgraph"]
+GNNType = Literal["gcn", "gin", "gine", "sage", "pna"]
+NodeEncoderKind = Literal["embedding", "linear", "code2_ast", "constant", "edge_sum"]
+EdgeEncoderKind = Literal["none", "embedding", "linear"]
+PEKind = Literal["none", "rwpe", "lap"]
+Readout = Literal["mean", "sum", "cls"]
+NormKind = Literal["batch", "layer"]
+HeadKind = Literal["graph_classification", "graph_regression", "node_classification", "code2_sequence"]
+
+
+@dataclass
+class SATConfig:
+    """Hyperparameters of :class:`sat.SAT` (Chen et al., ICML 2022; Table 8 for the paper's values).
+
+    ``k_hops = 0`` gives the plain Transformer baseline (no structure extractor).
+    """
+
+    # transformer
+    hidden_dim: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    ffn_ratio: float = 2.0
+    dropout: float = 0.2
+    attn_dropout: float = 0.0
+    attention: AttentionImpl = "dense"
+    norm: NormKind = "batch"
+    pre_norm: bool = False
+    degree_scaling: bool = True  # x + attn / sqrt(deg); always off for the [CLS] readout
+    # structure extractor
+    extractor: ExtractorKind = "subtree"
+    k_hops: int = 2
+    gnn_type: GNNType = "gcn"
+    use_edge_attr: bool = True
+    concat_hops: bool = False
+    pna_degree_histogram: list[int] | None = None  # PNA's in-degree histogram (from the train split)
+    # inputs
+    node_encoder: NodeEncoderKind = "embedding"
+    node_in_dim: int = 1  # vocabulary size (embedding) or feature width (linear, edge_sum)
+    edge_encoder: EdgeEncoderKind = "none"
+    edge_in_dim: int = 0  # vocabulary size (embedding) or feature width (linear)
+    edge_dim: int = 0  # width of edge embeddings fed to edge-aware GNNs; 0 = hidden_dim
+    code2_num_node_types: int = 98
+    code2_num_node_attributes: int = 10030
+    code2_max_depth: int = 20
+    pe: PEKind = "none"
+    pe_dim: int = 0
+    # output
+    readout: Readout = "mean"
+    head: HeadKind = "graph_classification"
+    num_classes: int = 1  # classes (per position for code2_sequence), or regression targets
+    max_seq_len: int = 5  # code2_sequence only
+
+    def __post_init__(self) -> None:
+        hints = get_type_hints(SATConfig)
+        for f in dataclasses.fields(self):
+            allowed = get_args(hints[f.name])
+            value = getattr(self, f.name)
+            if allowed and all(isinstance(a, str) for a in allowed) and value not in allowed:
+                raise ValueError(f"model.{f.name}: expected one of {list(allowed)}, got {value!r}")
+        for name in ("hidden_dim", "num_layers", "num_heads", "num_classes", "max_seq_len"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"model.{name}: expected a positive integer, got {getattr(self, name)!r}")
+        if self.k_hops < 0:
+            raise ValueError(f"model.k_hops: expected >= 0, got {self.k_hops}")
+        if self.hidden_dim % self.num_heads:
+            raise ValueError(
+                f"model.hidden_dim: {self.hidden_dim} is not divisible by model.num_heads={self.num_heads}"
+            )
+        if not 0.0 <= self.dropout < 1.0 or not 0.0 <= self.attn_dropout < 1.0:
+            raise ValueError("model.dropout / model.attn_dropout: expected a value in [0, 1)")
+        if self.pe != "none" and self.pe_dim < 1:
+            raise ValueError(f"model.pe_dim: pe={self.pe!r} needs pe_dim >= 1")
+        if self.gnn_type == "pna" and self.k_hops > 0 and not self.pna_degree_histogram:
+            raise ValueError("model.pna_degree_histogram: gnn_type='pna' needs the in-degree histogram")
+
+    @property
+    def effective_edge_dim(self) -> int:
+        return self.edge_dim or self.hidden_dim
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SATConfig":
+        """Build from a dict, rejecting unknown keys with a message naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"model: unknown keys {unknown}; known keys are {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
