@@ -1,0 +1,60 @@
+"""`make bench`: run the benchmark modules and append their figures to benchmarks/RESULTS.md.
+
+Each ``benchmarks/bench_<area>.py`` exposes ``run() -> str``, a markdown section with
+its own command line and figures. ``BENCH=model,preprocessing make bench`` selects areas.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+AREAS = ("model", "preprocessing", "training")
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        gpu = "none"
+    import torch
+
+    return f"{cpu}, {os.cpu_count()} cores, GPU: {gpu}, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def main() -> int:
+    selected = [a for a in os.environ.get("BENCH", ",".join(AREAS)).split(",") if a]
+    sections = []
+    for area in selected:
+        module = importlib.import_module(f"benchmarks.bench_{area}")
+        print(f"== benchmark: {area}", flush=True)
+        sections.append(module.run())
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    text = f"\n## {stamp} (commit {commit})\nMachine: {machine()}\n\n" + "\n\n".join(sections) + "\n"
+    with open(HERE / "RESULTS.md", "a") as fh:
+        fh.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
