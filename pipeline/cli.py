@@ -12,6 +12,12 @@ def build_parser() -> argparse.ArgumentParser:
     from preprocessing.cli import register as register_preprocessing
 
     register_preprocessing(sub)
+    from pipeline.commands import register as register_training
+
+    register_training(sub)
+    from pipeline.registry_commands import register as register_registry  # tune, models, predict
+
+    register_registry(sub)
     return parser
 
 

@@ -9,11 +9,14 @@ any key; the value is parsed as YAML (``--set train.lr=3e-4``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, field_validator
 
+from pipeline.train_config import MlflowConfig, ResourcesConfig, TrainConfig
+from pipeline.tune_config import TuneConfig
+from preprocessing.config import DataConfig, ShardConfig, TransformConfig
 from sat.config import SATConfig
 
 
@@ -29,6 +32,13 @@ _SAT_CONFIG = TypeAdapter(SATConfig)
 class JobConfig(StrictModel):
     name: str
     model: SATConfig
+    data: DataConfig
+    transform: TransformConfig = TransformConfig()
+    shards: ShardConfig = ShardConfig()
+    train: TrainConfig = TrainConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+    tune: Optional[TuneConfig] = None  # ASHA sweep (satp tune), see pipeline.tune_config
 
     @field_validator("model", mode="before")
     @classmethod

@@ -1,1 +1,35 @@
-"""preprocessing package."""
+"""Preprocessing: OGB graph datasets into Arrow shards with SAT's precomputed features.
+
+Public API (used by the training pipeline)::
+
+    from preprocessing import DataConfig, TransformConfig, ShardConfig, preprocess, shard_dir
+    from preprocessing.reader import ShardDataset
+
+    path = preprocess(data, transform, shards, address=None)  # build / resume / validate -> shard dir
+    path = shard_dir(data, transform, shards)                 # the same directory, computing nothing
+    ds = ShardDataset(path, "train")                          # len(ds), ds[i] -> SATData,
+                                                              # ds.num_nodes, ds.manifest, ds.vocab
+    graphs = preprocessing.reader.featurise(raws, task, transform, vocab)  # new inputs, as in training
+
+- :mod:`preprocessing.config`: the ``data`` / ``transform`` / ``shards`` job sections.
+- :mod:`preprocessing.sources`: OGB loading (offline from OGB's raw layout) and input checks.
+- :mod:`preprocessing.pycode`: Python source -> ogbg-code2 raw layout (``satp data pycode``).
+- :mod:`preprocessing.synthetic`: synthetic ogbg-ppa raw layout (``satp data synthetic-ppa``).
+- :mod:`preprocessing.transforms`: per-graph transforms (augment_edge, targets, RWPE, LapPE,
+  k-hop subgraph indices, degree).
+- :mod:`preprocessing.shards`: the shard format (schema version 1) and manifest.
+- :mod:`preprocessing.build`: the Ray-parallel build with resume.
+- :mod:`preprocessing.reader`: :class:`~preprocessing.reader.ShardDataset`.
+"""
+from preprocessing.config import DataConfig, ShardConfig, TransformConfig, config_hash
+
+__all__ = ["DataConfig", "ShardConfig", "TransformConfig", "config_hash", "preprocess", "shard_dir"]
+
+
+def __getattr__(name: str):
+    # lazy: `pipeline.config` imports `preprocessing.config`, which must not pull in torch / PyG
+    if name in ("preprocess", "shard_dir", "build_shards"):
+        from preprocessing import build
+
+        return getattr(build, name)
+    raise AttributeError(f"module 'preprocessing' has no attribute {name!r}")

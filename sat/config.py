@@ -45,7 +45,8 @@ class SATConfig:
     node_encoder: NodeEncoderKind = "embedding"
     node_in_dim: int = 1  # vocabulary size (embedding) or feature width (linear, edge_sum)
     edge_encoder: EdgeEncoderKind = "none"
-    edge_in_dim: int = 0  # vocabulary size (embedding) or feature width (linear)
+    edge_in_dim: int = 0  # vocabulary size per column (embedding) or feature width (linear)
+    edge_in_columns: int = 1  # embedding only: number of long columns of edge_attr, one table each
     edge_dim: int = 0  # width of edge embeddings fed to edge-aware GNNs; 0 = hidden_dim
     code2_num_node_types: int = 98
     code2_num_node_attributes: int = 10030
@@ -78,6 +79,14 @@ class SATConfig:
             raise ValueError("model.dropout / model.attn_dropout: expected a value in [0, 1)")
         if self.pe != "none" and self.pe_dim < 1:
             raise ValueError(f"model.pe_dim: pe={self.pe!r} needs pe_dim >= 1")
+        if self.node_encoder in ("embedding", "linear", "edge_sum") and self.node_in_dim < 1:
+            raise ValueError(f"model.node_in_dim: node_encoder={self.node_encoder!r} needs node_in_dim >= 1")
+        if self.edge_encoder != "none" and self.edge_in_dim < 1:
+            raise ValueError(f"model.edge_in_dim: edge_encoder={self.edge_encoder!r} needs edge_in_dim >= 1")
+        if self.edge_in_columns < 1:
+            raise ValueError(f"model.edge_in_columns: expected >= 1, got {self.edge_in_columns}")
+        if self.ffn_ratio <= 0:
+            raise ValueError(f"model.ffn_ratio: expected > 0, got {self.ffn_ratio}")
         if self.gnn_type == "pna" and self.k_hops > 0 and not self.pna_degree_histogram:
             raise ValueError("model.pna_degree_histogram: gnn_type='pna' needs the in-degree histogram")
 

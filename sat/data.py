@@ -87,36 +87,39 @@ def k_hop_subgraph_indices(edge_index: torch.Tensor, num_nodes: int, k: int) -> 
     edges = edge_index.detach().cpu().numpy().astype(np.int64, copy=False)
     if edges.size and (edges.min() < 0 or edges.max() >= num_nodes):
         raise ValueError(f"edge_index holds node ids outside [0, {num_nodes})")
+    n = int(num_nodes)
     src, dst = edges[0], edges[1]
-    loops = np.arange(num_nodes)
+    loops = np.arange(n)
     rows = np.concatenate([src, dst, loops])
     cols = np.concatenate([dst, src, loops])
-    adj = sp.csr_matrix((np.ones(rows.size, dtype=np.float32), (rows, cols)), shape=(num_nodes, num_nodes))
-    adj.data[:] = 1.0
+    adj = sp.csr_matrix((np.ones(rows.size, dtype=np.float32), (rows, cols)), shape=(n, n))
     reach = adj
     for _ in range(k - 1):
         reach = reach @ adj
-        reach.data[:] = 1.0
     reach.sort_indices()
-    nnz = reach.nnz
+    node = reach.indices.astype(np.int64)
     # entries in CSR order: sorted by centre, then node id
     centre = np.repeat(loops, np.diff(reach.indptr))
-    node = reach.indices.astype(np.int64)
-    # 1 + entry position, so that 0 means "outside this centre's subgraph"
-    reach.data = np.arange(1, nnz + 1, dtype=np.float64)
-    at_src = reach[:, src].tocsc()
-    at_dst = reach[:, dst].tocsc()
-    inside = at_src.multiply(at_dst > 0).tocoo()
-    edge_centre, edge_id = inside.row.astype(np.int64), inside.col.astype(np.int64)
-    order = np.lexsort((edge_id, edge_centre))
-    edge_centre, edge_id = edge_centre[order], edge_id[order]
-    pos_src = np.asarray(at_src[edge_centre, edge_id]).ravel().astype(np.int64) - 1
-    pos_dst = np.asarray(at_dst[edge_centre, edge_id]).ravel().astype(np.int64) - 1
+    # candidate (entry, edge) pairs: every edge leaving an entry's node; kept when the edge's target
+    # is an entry of the same centre (looked up in the sorted keys centre * N + node)
+    by_src = np.argsort(src, kind="stable")
+    src_ptr = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=n))])
+    out_deg = src_ptr[node + 1] - src_ptr[node]
+    entry = np.repeat(np.arange(node.size), out_deg)
+    first = np.repeat(src_ptr[node] - np.concatenate([[0], np.cumsum(out_deg)[:-1]]), out_deg)
+    edge_id = by_src[np.arange(entry.size) + first]
+    edge_centre = centre[entry]
+    keys = centre * n + node
+    wanted = edge_centre * n + dst[edge_id]
+    pos_dst = np.minimum(np.searchsorted(keys, wanted), max(keys.size - 1, 0))
+    inside = keys[pos_dst] == wanted
+    entry, edge_id, edge_centre, pos_dst = entry[inside], edge_id[inside], edge_centre[inside], pos_dst[inside]
+    order = np.argsort(edge_centre * max(src.size, 1) + edge_id, kind="stable")
     return {
         "subgraph_node_index": torch.from_numpy(node),
         "subgraph_indicator": torch.from_numpy(centre),
-        "subgraph_edge_index": torch.from_numpy(np.stack([pos_src, pos_dst])),
-        "subgraph_edge_id": torch.from_numpy(edge_id),
+        "subgraph_edge_index": torch.from_numpy(np.stack([entry[order], pos_dst[order]])),
+        "subgraph_edge_id": torch.from_numpy(edge_id[order]),
     }
 
 

@@ -90,3 +90,24 @@ def incident_edge_sum(edge_index: torch.Tensor, edge_attr: torch.Tensor, num_nod
     """
     out = torch.zeros(num_nodes, edge_attr.size(-1), dtype=edge_attr.dtype, device=edge_attr.device)
     return out.index_add_(0, edge_index[1], edge_attr)
+
+
+def node_degree(edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """In-degree of every node over ``edge_index`` (edges counted at their target), clamped at 1.
+
+    This is ``d_v`` of SAT's degree-scaled skip connection ``x_v + d_v^{-1/2} SA-attn(v)``
+    (Chen et al., ICML 2022, Sec. 4.2). The preprocessing stage stores it as ``data.degree``
+    with this same function; :class:`sat.SAT` falls back to calling it when a batch lacks
+    ``degree``. Clamping keeps isolated nodes (and the factor) finite.
+
+    Args:
+        edge_index: ``[2, E]`` long tensor (one graph or a batch).
+        num_nodes: ``N``.
+
+    Returns:
+        ``[N]`` float32, every entry ``>= 1``.
+    """
+    deg = torch.zeros(num_nodes, dtype=torch.float32, device=edge_index.device)
+    if edge_index.numel():
+        deg.index_add_(0, edge_index[1], torch.ones(edge_index.size(1), dtype=torch.float32, device=edge_index.device))
+    return deg.clamp_(min=1.0)

@@ -1,0 +1,76 @@
+"""``satp train``, ``satp submit`` and ``satp demo`` (registered by :mod:`pipeline.cli`)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a job on Ray Train + DeepSpeed and register the model")
+    p.add_argument("job", help="job YAML (jobs/*.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a job key, e.g. --set train.lr=3e-4 (repeatable)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray)")
+    p.add_argument("--no-register", action="store_true", help="do not log/register the model in MLflow")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("submit", help="submit a job YAML to a Ray cluster (Ray job submission), stream its logs")
+    p.add_argument("job", help="job YAML inside the working directory")
+    p.add_argument("--address", default=None, help="job server URL (default $RAY_ADDRESS or http://127.0.0.1:8265)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--no-wait", action="store_true", help="return once submitted")
+    p.add_argument("--working-dir", default=".", help="directory uploaded as the job's working dir (default .)")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("demo", help="the main job end to end, locally on CPU (offline Python-source dataset)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_demo)
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def summary(outcome) -> str:
+    m = outcome.metric
+    best = outcome.best
+    lines = [
+        f"run {outcome.run_name}: best epoch {best['epoch']} val {m} {best['val']:.4f}, test {m} {best['test']:.4f}",
+    ]
+    if outcome.constant is not None:
+        lines.append(f"test {m} {best['test']:.4f} vs best constant predictor {outcome.constant:.4f}")
+    if outcome.registered and outcome.registered.get("registered_uri"):
+        lines.append(f"registered model: {outcome.registered['registered_uri']} (tracking {outcome.tracking_uri})")
+    return "\n".join(lines)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from pipeline.submit import enter_workdir
+    from pipeline.config import load_job
+
+    from pathlib import Path
+
+    job_path = Path(args.job).resolve()
+    enter_workdir()
+    job = load_job(job_path, args.overrides)
+    _logging()
+    from pipeline.train import train_job
+
+    outcome = train_job(job, address=args.address, register=not args.no_register)
+    print(summary(outcome), flush=True)
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from pipeline.submit import submit
+
+    return submit(args.job, address=args.address, overrides=args.overrides, wait=not args.no_wait,
+                  working_dir=args.working_dir)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pipeline.demo import run_demo
+
+    _logging()
+    return run_demo(args.overrides)

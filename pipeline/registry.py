@@ -1,0 +1,157 @@
+"""Logging a trained model to MLflow, registering it, and loading it back.
+
+A logged model (``mlflow.pytorch`` flavour, ``serialization_format="pickle"``:
+the default ``pt2`` format cannot save a PyG model) carries, beside the
+pickled :class:`sat.SAT` module (eval mode, fp32, CPU), one extra file
+``extra_files/satp_model.json``::
+
+    {"format": 1, "task": {"name": "code2", "max_seq_len": 5},
+     "model_config": {...SATConfig fields...}, "vocab": [...] | null,
+     "data_manifest_hash": "...", "git_commit": "...", "metrics": {...},
+     "run_name": "...", "job": {...}}
+
+which is what prediction needs: :func:`load_model` returns the module with the
+task rebuilt (vocabulary included) so that ``task.predict(model(batch))`` gives
+decoded predictions. Only load models from your own registry (pickle).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pipeline.tasks import Task, make_task
+from sat.config import SATConfig
+
+META_FILE = "satp_model.json"
+FORMAT = 1
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    task: Task
+    model_config: SATConfig
+    vocab: Optional[list[str]]
+    info: dict[str, Any]
+
+
+def git_commit(cwd: Optional[str | Path] = None) -> str:
+    """The project's git commit (``$SATP_GIT_COMMIT`` first: a Ray job's working dir has no .git)."""
+    if os.environ.get("SATP_GIT_COMMIT"):
+        return os.environ["SATP_GIT_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd or Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
+        )
+        if out.returncode == 0:
+            commit = out.stdout.strip()
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=cwd or Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10,
+            ).stdout.strip()
+            return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def log_and_register(
+    model: torch.nn.Module,
+    *,
+    task: Task,
+    model_config: SATConfig,
+    vocab: Optional[list[str]],
+    run_id: str,
+    tracking_uri: str,
+    registered_model: Optional[str],
+    data_manifest_hash: str = "",
+    metrics: Optional[dict[str, float]] = None,
+    extra: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Log ``model`` (+ what it needs to predict) to MLflow run ``run_id``; register it under
+    ``registered_model`` (skipped when None). Tags the version with the data manifest hash, the
+    git commit, the task and the metrics.
+
+    Returns ``{"model_uri", "registered_model", "version", "registered_uri"}``
+    (the last two None when not registered).
+    """
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    model = model.to("cpu").float().eval()
+    commit = git_commit()
+    meta = {
+        "format": FORMAT,
+        "task": task.state(),
+        "model_config": dataclasses.asdict(model_config),
+        "vocab": list(vocab) if vocab is not None else None,
+        "data_manifest_hash": data_manifest_hash,
+        "git_commit": commit,
+        "metrics": dict(metrics or {}),
+        **(extra or {}),
+    }
+    mlflow.set_tracking_uri(tracking_uri)
+    client = MlflowClient(tracking_uri=tracking_uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        meta_path = Path(tmp) / META_FILE
+        meta_path.write_text(json.dumps(meta, default=str))
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pytorch.log_model(
+                model,
+                name="model",
+                serialization_format="pickle",
+                extra_files=[str(meta_path)],
+                pip_requirements=["torch", "torch-geometric", "satp"],
+            )
+    result: dict[str, Any] = {"model_uri": info.model_uri, "registered_model": None, "version": None, "registered_uri": None}
+    if registered_model:
+        version = mlflow.register_model(info.model_uri, registered_model, tags={"task": task.name})
+        tags = {
+            "data_manifest_hash": data_manifest_hash or "unknown",
+            "git_commit": commit,
+            "task": task.name,
+            "run_id": run_id,
+            **{f"metric.{k}": f"{v:.6g}" for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
+        }
+        for key, value in tags.items():
+            client.set_model_version_tag(registered_model, version.version, key, str(value))
+        result.update(
+            registered_model=registered_model,
+            version=int(version.version),
+            registered_uri=f"models:/{registered_model}/{version.version}",
+        )
+    return result
+
+
+def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
+    """Load a logged SAT model (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``, ``runs:/...``).
+
+    Raises ``ValueError`` with a one-line message when the model does not exist
+    or was not logged by :func:`log_and_register`.
+    """
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
+    try:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri)
+    except MlflowException as exc:
+        raise ValueError(f"{uri}: {str(exc).splitlines()[0]}") from None
+    meta_path = Path(local) / "extra_files" / META_FILE
+    if not meta_path.is_file():
+        raise ValueError(f"{uri}: not a satp model (no {META_FILE})")
+    meta = json.loads(meta_path.read_text())
+    model = mlflow.pytorch.load_model(local, map_location="cpu").eval()
+    vocab = meta.get("vocab")
+    task_state = dict(meta["task"])
+    task = make_task(task_state.pop("name"), vocab=vocab, **task_state)
+    config = SATConfig.from_dict(meta["model_config"])
+    return LoadedModel(model=model, task=task, model_config=config, vocab=vocab, info=meta)

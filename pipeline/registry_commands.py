@@ -1,0 +1,157 @@
+"""``satp tune``, ``satp models`` and ``satp predict`` (registered by :mod:`pipeline.cli`).
+
+::
+
+    satp tune JOB.yaml [--set dotted.key=value ...] [--address ADDR]
+        the job's ASHA sweep (tune: section), MLflow parent + child runs, best model registered,
+        alias champion moved only if it beats the current champion; a rerun resumes
+    satp models [--tracking-uri URI] [--json]
+        registered models, versions, aliases, each version's metric, data hash and commit
+    satp predict MODEL_URI INPUT [--tracking-uri URI] [--split test] [--json]
+        models:/NAME@alias or models:/NAME/VERSION; INPUT: a Python file (code2), a shard
+        directory or a JSON graph file (ppa)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tune", help="ASHA hyperparameter sweep of a job (its tune: section), logged to MLflow")
+    p.add_argument("job", help="job YAML with a tune: section (jobs/code2-sweep*.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a job key, e.g. --set tune.num_samples=8 (repeatable)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray)")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("models", help="registered models: versions, aliases, metrics, data hash, commit")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("predict", help="predict with a registered model (code2: method names of a Python file)")
+    p.add_argument("model_uri", metavar="MODEL_URI", help="models:/NAME@alias or models:/NAME/VERSION")
+    p.add_argument("input", metavar="INPUT", help="a Python file (code2), a shard directory or a JSON graph file (ppa)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)")
+    p.add_argument("--split", default="test", help="split to predict when INPUT is a shard directory (default test)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_predict)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pipeline.config import load_job
+
+    job_path = Path(args.job).resolve()
+    try:  # run from the project directory (relative paths in jobs), as satp train does
+        from pipeline.submit import enter_workdir
+
+        enter_workdir()
+    except ImportError:
+        pass
+    job = load_job(job_path, args.overrides)
+    if job.tune is None:
+        raise ValueError(f"{job_path}: no tune: section (see jobs/code2-sweep-local.yaml)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    from pipeline.tune import format_outcome, run_sweep
+
+    outcome = run_sweep(job, address=args.address)
+    print(format_outcome(outcome), flush=True)
+    return 130 if outcome.interrupted else 0
+
+
+# ----------------------------------------------------------------------------- satp models
+def list_models(tracking_uri: str | None = None) -> list[dict]:
+    """Registered models with their aliases and versions (tags: metrics, data hash, commit)."""
+    from pipeline.predict import check_reachable, resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
+    check_reachable(uri)
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    out = []
+    try:
+        models = list(client.search_registered_models(max_results=1000))
+        for rm in sorted(models, key=lambda m: m.name):
+            aliases = dict(rm.aliases or {})
+            by_version: dict[str, list[str]] = {}
+            for alias, version in aliases.items():
+                by_version.setdefault(str(version), []).append(alias)
+            versions = []
+            for v in sorted(client.search_model_versions(f"name='{rm.name}'"), key=lambda v: int(v.version)):
+                tags = dict(v.tags or {})
+                versions.append({
+                    "version": int(v.version),
+                    "aliases": sorted(by_version.get(str(v.version), [])),
+                    "task": tags.get("task"),
+                    "metrics": {k.removeprefix("metric."): _num(val) for k, val in sorted(tags.items()) if k.startswith("metric.")},
+                    "data_manifest_hash": tags.get("data_manifest_hash"),
+                    "git_commit": tags.get("git_commit"),
+                    "run_id": v.run_id,
+                    "created": v.creation_timestamp,
+                    "replaced_reason": tags.get("satp.replaced_reason"),
+                })
+            out.append({"name": rm.name, "aliases": aliases, "versions": versions})
+    except MlflowException as exc:
+        raise OSError(f"tracking store {uri}: {str(exc).splitlines()[0]}") from None
+    return out
+
+
+def _num(text: str):
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return text
+
+
+def format_models(models: list[dict]) -> str:
+    if not models:
+        return "no registered models"
+    lines = []
+    for m in models:
+        aliases = ", ".join(f"@{a} -> v{v}" for a, v in sorted(m["aliases"].items())) or "no aliases"
+        lines.append(f"{m['name']}  ({len(m['versions'])} versions; {aliases})")
+        for v in m["versions"]:
+            metric = ", ".join(f"{k} {val:.4f}" if isinstance(val, float) else f"{k} {val}"
+                               for k, val in v["metrics"].items() if k.startswith("best_val") or k.startswith("best_test"))
+            alias = " ".join(f"@{a}" for a in v["aliases"])
+            data = (v["data_manifest_hash"] or "-")[:12]
+            commit = (v["git_commit"] or "-")[:12] + ("-dirty" if (v["git_commit"] or "").endswith("-dirty") else "")
+            lines.append(f"  v{v['version']:<3} {alias:<11} {v['task'] or '-':<6} {metric or '-'}  data {data}  commit {commit}")
+    return "\n".join(lines)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    models = list_models(args.tracking_uri)
+    print(json.dumps(models, indent=1) if args.json else format_models(models))
+    return 0
+
+
+# ----------------------------------------------------------------------------- satp predict
+def cmd_predict(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pipeline.predict import FunctionPrediction, format_predictions, load
+
+    if not Path(args.input).exists():
+        raise ValueError(f"{args.input}: no such file")
+    model = load(args.model_uri, tracking_uri=args.tracking_uri)
+    predictions = model.predict_file(args.input, split=args.split)
+    if args.json:
+        rows = [
+            {"name": p.name, "line": p.line, "actual": p.actual, "predicted": p.predicted}
+            if isinstance(p, FunctionPrediction) else {"graph": p[0], "predicted": p[1]}
+            for p in predictions
+        ]
+        print(json.dumps(rows))
+    else:
+        print(f"# {args.model_uri} ({model.task_name}) on {args.input}: {len(predictions)} "
+              f"{'functions' if model.task_name == 'code2' else 'graphs'}")
+        print(format_predictions(predictions))
+    return 0

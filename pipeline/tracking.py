@@ -1,0 +1,166 @@
+"""MLflow tracking: one MLflow run per training run.
+
+The driver (:func:`open_run`) finds or creates the run before any worker
+starts, keyed by the tag ``satp.run_key`` (storage path + run name), so a
+resumed or retried training run keeps logging into the same MLflow run. During
+training only rank 0 writes (:class:`EpochLogger`): per-epoch metrics, system
+metrics, the training-curve plot. The driver closes the run
+(:func:`close_run`). SQLite allows one writer, so nothing else logs meanwhile.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+RUN_KEY_TAG = "satp.run_key"
+
+
+def flatten(values: Any, prefix: str = "") -> dict[str, str]:
+    """Nested dicts/lists -> ``{"a.b": "value"}`` (MLflow params; values truncated to 500 chars)."""
+    out: dict[str, str] = {}
+    if isinstance(values, dict):
+        for key, value in values.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+    elif isinstance(values, (list, tuple)) and len(values) > 20:
+        out[prefix[:-1]] = f"[{len(values)} items]"
+    else:
+        out[prefix[:-1]] = str(values)[:500]
+    return out
+
+
+def _client(tracking_uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def open_run(tracking_uri: str, experiment: str, run_key: str, run_name: str, params: dict, config_text: str) -> str:
+    """Return the id of the MLflow run for ``run_key``, creating it (with params and config) if needed."""
+    client = _client(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+    escaped = run_key.replace("'", "\\'")
+    found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{escaped}'", max_results=1)
+    if found:
+        run_id = found[0].info.run_id
+        if found[0].info.status != "RUNNING":
+            client.update_run(run_id, status="RUNNING")
+        return run_id
+    run = client.create_run(exp_id, run_name=run_name, tags={RUN_KEY_TAG: run_key})
+    run_id = run.info.run_id
+    from mlflow.entities import Param
+
+    items = [Param(k, v) for k, v in flatten(params).items()]
+    for i in range(0, len(items), 100):
+        client.log_batch(run_id, params=items[i : i + 100])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "job.yaml"
+        path.write_text(config_text)
+        client.log_artifact(run_id, str(path))
+    return run_id
+
+
+def close_run(tracking_uri: str, run_id: str, status: str) -> None:
+    _client(tracking_uri).set_terminated(run_id, status=status)
+
+
+class EpochLogger:
+    """Rank 0's writer: metrics per epoch, system metrics, the training-curve plot."""
+
+    def __init__(self, tracking_uri: str, run_id: str, system_metrics: bool = True) -> None:
+        self.tracking_uri, self.run_id = tracking_uri, run_id
+        self.client = _client(tracking_uri)
+        self.monitor = None
+        if system_metrics:
+            try:
+                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+                self.monitor = SystemMetricsMonitor(run_id, resume_logging=True, tracking_uri=tracking_uri)
+                self.monitor.start()
+            except Exception as exc:  # system metrics are a nicety (psutil missing, ...)
+                log.warning("system metrics disabled: %s", exc)
+                self.monitor = None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        import math
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [
+            Metric(k, float(v), now, step)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and math.isfinite(float(v))
+        ]
+        if items:
+            self.client.log_batch(self.run_id, metrics=items)
+
+    def catch_up(self, history: list[dict[str, Any]]) -> None:
+        """After a resume: log the epochs of ``history`` this run has not seen (killed after
+        the checkpoint was reported but before the metrics were logged)."""
+        if not history:
+            return
+        logged = self.client.get_run(self.run_id).data.metrics.get("epoch")
+        for entry in history:
+            if logged is None or entry["epoch"] > logged:
+                self.log_metrics(entry, step=int(entry["epoch"]))
+
+    def log_curves(self, history: list[dict[str, Any]], metric: str) -> None:
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "training_curves.png"
+                plot_curves(history, metric, path)
+                self.client.log_artifact(self.run_id, str(path), artifact_path="plots")
+        except Exception as exc:
+            log.warning("could not log the training curves: %s", exc)
+
+    def log_dict(self, values: dict, name: str) -> None:
+        self.client.log_dict(self.run_id, values, name)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            try:
+                self.monitor.finish()
+            except Exception:
+                pass
+            self.monitor = None
+
+
+def plot_curves(history: list[dict[str, Any]], metric: str, path: str | os.PathLike) -> None:
+    """Loss and train/val/test ``metric`` per epoch, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [h.get("train_loss") for h in history], marker="o", label="train loss")
+    ax_loss.set_xlabel("epoch")
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend()
+    for split in ("train", "val", "test"):
+        key = f"{split}_{metric}"
+        points = [(h["epoch"], h[key]) for h in history if h.get(key) is not None]
+        if points:
+            ax_metric.plot(*zip(*points), marker="o", label=key)
+    baseline = [h.get(f"constant_{metric}") for h in history if h.get(f"constant_{metric}") is not None]
+    if baseline:
+        ax_metric.axhline(baseline[-1], color="grey", linestyle="--", label="constant predictor")
+    ax_metric.set_xlabel("epoch")
+    ax_metric.set_ylabel(metric)
+    ax_metric.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_json(path: str | Path, values: dict) -> None:
+    Path(path).write_text(json.dumps(values, indent=1))

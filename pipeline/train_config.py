@@ -1,0 +1,105 @@
+"""Job sections owned by training: ``train``, ``resources`` and ``mlflow``.
+
+Each section is a strict pydantic model (unknown keys are errors) with the
+defaults of a small local run; ``jobs/*.yaml`` set the paper's values. Paths
+that default to the project's run directory (``runs/`` under the current
+directory, or ``$SATP_RUNS_DIR``) are resolved to absolute paths by
+:func:`resolve_paths` in the driver, before anything reaches a Ray worker
+(a worker's or a Ray job's working directory is a temporary copy).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+TaskName = Literal["code2", "ppa"]
+
+
+class StrictModel(BaseModel):
+    """Same rules as ``pipeline.config.StrictModel`` (unknown keys are errors).
+
+    Defined here rather than imported so that ``pipeline.config`` can import
+    these sections at its top without an import cycle.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrainConfig(StrictModel):
+    """Optimisation, batching, checkpointing (paper, appendix C: AdamW, warm-up then cosine)."""
+
+    task: Optional[TaskName] = None  # None: inferred from data.name (see pipeline.tasks)
+    epochs: int = Field(4, ge=1)
+    warmup_epochs: float = Field(1.0, ge=0)
+    lr: float = Field(1e-4, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = Field(1e-6, ge=0)
+    scheduler: Literal["cosine", "constant"] = "cosine"
+    # batching: a batch holds graphs of similar size up to `node_budget` padded nodes
+    # (graphs x largest graph), so dense attention wastes little; a graph larger than
+    # the budget gets a batch of its own (never dropped)
+    node_budget: int = Field(4000, ge=1)
+    max_graphs_per_batch: Optional[int] = Field(None, ge=1)
+    eval_node_budget: Optional[int] = Field(None, ge=1)  # default: 2 x node_budget
+    bucket_size: int = Field(2048, ge=1)  # graphs per shuffled bucket sorted by size
+    loader_workers: int = Field(0, ge=0)
+    train_subset: Optional[int] = Field(None, ge=1)  # first N graphs of a seeded permutation
+    eval_subset: Optional[int] = Field(None, ge=1)
+    seed: int = 0
+    # DeepSpeed
+    precision: Precision = "auto"  # auto: bf16 where supported, else fp16 on GPU, fp32 on CPU
+    zero_stage: Literal[0, 1, 2] = 0
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables
+    # bookkeeping
+    eval_every: int = Field(1, ge=1)
+    log_every_steps: int = Field(50, ge=1)
+    run_name: Optional[str] = None  # default: the job's name; a rerun with the same name resumes
+    storage_path: Optional[str] = None  # default: <runs>/ray
+    checkpoints_to_keep: int = Field(2, ge=1)
+    max_failures: int = Field(2, ge=0)  # worker-group restarts from the last checkpoint
+
+
+class ResourcesConfig(StrictModel):
+    """Ray Train workers: one DeepSpeed rank each."""
+
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1, gt=0)
+    gpus_per_worker: float = Field(1, ge=0)
+    torch_threads: Optional[int] = Field(None, ge=1)  # default: cpus_per_worker
+
+    @model_validator(mode="after")
+    def _gpu(self) -> "ResourcesConfig":
+        if self.use_gpu and self.gpus_per_worker <= 0:
+            raise ValueError("use_gpu needs gpus_per_worker > 0")
+        return self
+
+
+class MlflowConfig(StrictModel):
+    """Tracking: one MLflow run per training run, logged from rank 0."""
+
+    enabled: bool = True
+    tracking_uri: Optional[str] = None  # default: sqlite:////abs/<runs>/mlflow.db
+    experiment: str = "satp"
+    registered_model: Optional[str] = None  # default: sat-<task>; registered at the end of a run
+    log_system_metrics: bool = True
+
+    @model_validator(mode="after")
+    def _uri(self) -> "MlflowConfig":
+        uri = self.tracking_uri
+        if uri and uri.startswith("sqlite:") and not uri.startswith("sqlite:////"):
+            raise ValueError(f"tracking_uri {uri!r}: use an absolute SQLite path (sqlite:////abs/path.db)")
+        return self
+
+
+def runs_dir() -> Path:
+    """The project's run directory: ``$SATP_RUNS_DIR`` or ``./runs`` (absolute)."""
+    return Path(os.environ.get("SATP_RUNS_DIR") or Path.cwd() / "runs").resolve()
+
+
+def default_tracking_uri() -> str:
+    return f"sqlite:///{runs_dir() / 'mlflow.db'}"

@@ -1,0 +1,184 @@
+"""The ``tune:`` section of a job YAML: an ASHA sweep over dotted keys of the job.
+
+Example (``jobs/code2-sweep-local.yaml``)::
+
+    tune:
+      num_samples: 4              # trials (each a full Ray Train run)
+      metric: val_f1              # default: val_<task metric> (val_f1 for code2, val_acc for ppa)
+      mode: max                   # default: the task's (max for F1 and accuracy)
+      max_concurrent_trials: 2    # further capped by the cluster's resources
+      seed: 0                     # of the random search (null: not seeded)
+      asha:
+        grace_period: 1           # epochs every trial runs before it can be stopped
+        reduction_factor: 2       # keep the top 1/reduction_factor at each rung
+        max_epochs: 4             # default: train.epochs (every trial runs at most this many)
+      space:                      # dotted key into the job -> distribution
+        train.lr: {loguniform: [1.0e-4, 3.0e-3]}
+        model.dropout: {choice: [0.0, 0.1, 0.2]}
+        model.gnn_type: {choice: [gcn, gin]}
+        model.num_layers: {randint: [1, 4]}        # 1..3 (upper bound exclusive, as Ray's randint)
+        "transform.rwpe_steps,model.pe_dim": {choice: [8, 16]}   # one value, set at both keys
+
+Distributions (each a mapping with exactly one key): ``choice: [v, ...]``,
+``grid: [v, ...]`` (every value, times ``num_samples``), ``uniform: [lo, hi]``,
+``loguniform: [lo, hi]``, ``randint: [lo, hi]`` (``hi`` exclusive),
+``quniform: [lo, hi, q]``, or ``value: v`` (a constant). A key may list several
+dotted keys separated by commas: the sampled value is set at each of them (for
+settings that must agree, e.g. RWPE steps in the transform and the model's PE
+width). Keys under ``data``, ``transform`` and ``shards`` change the
+preprocessed shards: they must be ``choice``/``grid``/``value`` so that every
+variant is built once, in the driver, before the trials start.
+
+Every sampled value is checked against the job's own validation before the sweep
+starts (a bad key or value is a one-line error naming ``tune.space.<key>``).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint", "quniform", "value")
+#: Keys a sweep may not vary (they identify the run or where it is logged).
+FORBIDDEN_PREFIXES = ("tune", "name", "mlflow", "train.run_name", "train.storage_path")
+#: Sections whose keys change the preprocessed shards.
+DATA_SECTIONS = ("data", "transform", "shards")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Distribution(_Strict):
+    """One search dimension: exactly one of the fields is set."""
+
+    choice: Optional[list[Any]] = None
+    grid: Optional[list[Any]] = None
+    uniform: Optional[tuple[float, float]] = None
+    loguniform: Optional[tuple[float, float]] = None
+    randint: Optional[tuple[int, int]] = None
+    quniform: Optional[tuple[float, float, float]] = None
+    value: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a mapping with one of {list(DISTRIBUTIONS)}, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "Distribution":
+        given = [k for k in DISTRIBUTIONS if k in self.model_fields_set]
+        if len(given) != 1:
+            raise ValueError(f"expected exactly one of {list(DISTRIBUTIONS)}, got {given or 'none'}")
+        kind = given[0]
+        if kind in ("choice", "grid") and not getattr(self, kind):
+            raise ValueError(f"{kind}: expected a non-empty list")
+        if kind in ("uniform", "loguniform", "randint", "quniform"):
+            lo, hi = getattr(self, kind)[:2]
+            if not lo < hi:
+                raise ValueError(f"{kind}: expected low < high, got [{lo}, {hi}]")
+            if kind == "loguniform" and lo <= 0:
+                raise ValueError("loguniform: expected low > 0")
+            if kind == "quniform" and self.quniform[2] <= 0:
+                raise ValueError("quniform: expected q > 0")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in DISTRIBUTIONS if k in self.model_fields_set)
+
+    @property
+    def finite(self) -> bool:
+        return self.kind in ("choice", "grid", "value")
+
+    def candidates(self) -> list[Any]:
+        """Values to validate: every value of a finite distribution, else the bounds."""
+        kind = self.kind
+        if kind in ("choice", "grid"):
+            return list(getattr(self, kind))
+        if kind == "value":
+            return [self.value]
+        if kind == "randint":
+            return [self.randint[0], self.randint[1] - 1]
+        return [float(v) for v in getattr(self, kind)[:2]]
+
+    def to_tune(self):
+        """The Ray Tune search-space object."""
+        from ray import tune
+
+        kind = self.kind
+        if kind == "choice":
+            return tune.choice(self.choice)
+        if kind == "grid":
+            return tune.grid_search(self.grid)
+        if kind == "uniform":
+            return tune.uniform(*self.uniform)
+        if kind == "loguniform":
+            return tune.loguniform(*self.loguniform)
+        if kind == "randint":
+            return tune.randint(*self.randint)
+        if kind == "quniform":
+            return tune.quniform(*self.quniform)
+        return self.value
+
+
+class AshaConfig(_Strict):
+    """Ray Tune's ``ASHAScheduler`` (time unit: epochs = ``training_iteration``)."""
+
+    grace_period: int = Field(1, ge=1)
+    reduction_factor: float = Field(2.0, gt=1)
+    max_epochs: Optional[int] = Field(None, ge=1)  # default: train.epochs
+    brackets: int = Field(1, ge=1)
+
+
+class TuneConfig(_Strict):
+    """An ASHA sweep: each trial is a full Ray Train run of the job with sampled settings."""
+
+    space: dict[str, Distribution]
+    metric: Optional[str] = None  # default: val_<task metric>
+    mode: Optional[Literal["max", "min"]] = None  # default: the task's
+    num_samples: int = Field(4, ge=1)
+    max_concurrent_trials: Optional[int] = Field(None, ge=1)  # capped by the cluster's resources
+    seed: Optional[int] = 0
+    asha: AshaConfig = AshaConfig()
+    #: Sweep name (Tune experiment directory, MLflow parent run): default ``<job name>-sweep``.
+    #: A rerun with the same name and storage path resumes the sweep.
+    name: Optional[str] = None
+    #: Tune's storage (experiment state, trials' Train checkpoints): default ``<runs>/tune``.
+    storage_path: Optional[str] = None
+    #: CPUs reserved by each trial's Tune function, which only drives its Train run.
+    trial_cpus: float = Field(0.0, ge=0)
+    #: Times a trial whose Train driver died is restarted (its Train run resumes).
+    max_failures: int = Field(1, ge=0)
+    #: Register the best trial's model (under ``mlflow.registered_model``) at the end.
+    register_best: bool = True
+    #: Alias moved to the new version only when it beats the current holder's validation metric.
+    champion_alias: str = "champion"
+
+    @field_validator("space")
+    @classmethod
+    def _keys(cls, space: dict[str, Distribution]) -> dict[str, Distribution]:
+        if not space:
+            raise ValueError("expected at least one dotted key to sweep")
+        seen: set[str] = set()
+        for key, dist in space.items():
+            for part in split_key(key):
+                if not part or any(not p for p in part.split(".")):
+                    raise ValueError(f"{key!r}: expected dotted keys such as train.lr")
+                if any(part == p or part.startswith(p + ".") for p in FORBIDDEN_PREFIXES):
+                    raise ValueError(f"{key!r}: {part} cannot be swept")
+                if part in seen:
+                    raise ValueError(f"{key!r}: {part} appears twice in the space")
+                seen.add(part)
+                if part.split(".")[0] in DATA_SECTIONS and not dist.finite:
+                    raise ValueError(
+                        f"{key!r}: keys that change preprocessing need choice, grid or value (got {dist.kind})"
+                    )
+        return space
+
+
+def split_key(key: str) -> list[str]:
+    """``"transform.rwpe_steps, model.pe_dim"`` -> ``["transform.rwpe_steps", "model.pe_dim"]``."""
+    return [part.strip() for part in key.split(",")]

@@ -1,0 +1,280 @@
+"""Build, resume and validate a shard directory, one Ray task per shard.
+
+:func:`preprocess` loads the source (:mod:`preprocessing.sources`), plans the shards (each split
+in OGB's order, optionally a seeded subset of ``data.max_graphs_per_split`` graphs, cut into
+``shards.graphs_per_shard`` graphs), skips the shards already finished (sidecar present, same
+config hash and source fingerprint, sha256 matching), computes the others as Ray tasks (at most
+``shards.max_in_flight`` at once; each task gets its graphs' raw arrays and returns the encoded
+shard, which the driver writes atomically), and writes ``manifest.json`` last. Ray is started
+locally (and stopped afterwards) unless it is already initialised or ``address`` names a cluster.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from preprocessing.config import SPLITS, DataConfig, ShardConfig, TransformConfig, config_hash
+from preprocessing.shards import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    VOCAB_FILE,
+    atomic_write_bytes,
+    atomic_write_json,
+    column_specs,
+    encode_shard,
+    sha256_file,
+)
+from preprocessing.sources import TASK, RawStore, check_raw, ensure_dataset, iter_chunk, load_source
+from preprocessing.transforms import build_vocab, transform_graph
+
+
+def shard_dir(data: DataConfig, transform: TransformConfig, shards: ShardConfig) -> Path:
+    """The directory a configuration writes to: ``<shards.root>/<dataset>-<config hash[:12]>``."""
+    return Path(shards.root) / f"{data.name}-{config_hash(data, transform, shards)[:12]}"
+
+
+@dataclass
+class ShardPlan:
+    split: str
+    index: int
+    ids: np.ndarray
+
+    @property
+    def file(self) -> str:
+        return f"{self.split}-{self.index:05d}.arrow"
+
+    @property
+    def sidecar(self) -> str:
+        return f"{self.split}-{self.index:05d}.json"
+
+
+def select_split(ids: np.ndarray, limit: int | None, seed: int) -> np.ndarray:
+    """All of ``ids``, or a seeded random subset of ``limit`` of them (kept in OGB's order)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if limit is None or ids.size <= limit:
+        return ids
+    keep = np.sort(np.random.default_rng(seed).choice(ids.size, size=limit, replace=False))
+    return ids[keep]
+
+
+def plan_shards(store: RawStore, data: DataConfig, shards: ShardConfig) -> list[ShardPlan]:
+    plans = []
+    for split in SPLITS:
+        ids = select_split(store.splits[split], data.max_graphs_per_split, data.seed)
+        for index, start in enumerate(range(0, ids.size, shards.graphs_per_shard)):
+            plans.append(ShardPlan(split, index, ids[start : start + shards.graphs_per_shard]))
+    return plans
+
+
+def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | None) -> bytes:
+    """Transform one shard's raw graphs and encode them (the body of a Ray task)."""
+    import torch
+
+    torch.set_num_threads(1)
+    cfg = TransformConfig.model_validate(transform)
+    vocab_index = {w: i for i, w in enumerate(vocab)} if vocab is not None else None
+    rows = [transform_graph(g, task, cfg, vocab_index) for g in iter_chunk(chunk)]
+    return encode_shard(rows, column_specs(task, cfg))
+
+
+def _shard_done(out: Path, plan: ShardPlan, key: dict) -> dict | None:
+    side, path = out / plan.sidecar, out / plan.file
+    if not side.is_file() or not path.is_file():
+        return None
+    try:
+        meta = json.loads(side.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if any(meta.get(k) != v for k, v in key.items()) or meta.get("rows") != int(plan.ids.size):
+        return None
+    if path.stat().st_size != meta.get("bytes") or sha256_file(path) != meta.get("sha256"):
+        return None
+    return meta
+
+
+def _check_owner(out: Path, chash: str) -> None:
+    """A directory written by another configuration is never reused or mixed."""
+    manifest = out / MANIFEST
+    if manifest.is_file():
+        try:
+            found = json.loads(manifest.read_text()).get("config_hash")
+        except (OSError, json.JSONDecodeError):
+            found = None
+        if found != chash:
+            raise ValueError(f"{out}: shard directory of another configuration (config hash {found!r}, expected {chash[:12]}...)")
+    for side in sorted(out.glob("*.json")):
+        if side.name in (MANIFEST, VOCAB_FILE):
+            continue
+        try:
+            found = json.loads(side.read_text()).get("config_hash")
+        except (OSError, json.JSONDecodeError):
+            continue  # an unreadable sidecar only means its shard is recomputed
+        if found != chash:
+            raise ValueError(f"{side}: shard of another configuration (config hash {found!r}, expected {chash[:12]}...)")
+
+
+def preprocess(data: DataConfig, transform: TransformConfig, shards: ShardConfig, address: str | None = None,
+               progress: bool = True) -> Path:
+    """Build (or resume, or just validate) the shards of a configuration; return their directory.
+
+    Raises:
+        ValueError: bad input (one line naming the file, graph or key), or a directory holding
+            another configuration's shards, or source data that changed under finished shards.
+    """
+    chash = config_hash(data, transform, shards)
+    out = shard_dir(data, transform, shards)
+    if out.exists():
+        _check_owner(out, chash)
+    fingerprint = None
+    if (out / MANIFEST).is_file():
+        folder = ensure_dataset(data)
+        if folder.exists():
+            fingerprint = check_raw(folder, data.name)
+            if _complete(out, fingerprint):
+                return out  # finished and intact: nothing to load
+    store = load_source(data, fingerprint=fingerprint)
+    return build_shards(store, data, transform, shards, address=address, progress=progress)
+
+
+def _complete(out: Path, fingerprint: str) -> bool:
+    """True when ``out`` holds a manifest for ``fingerprint`` and every shard matches it."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if manifest.get("schema_version") != SCHEMA_VERSION or manifest.get("source", {}).get("fingerprint") != fingerprint:
+        return False
+    for entry in manifest.get("shards", []):
+        path = out / entry["file"]
+        if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+            return False
+    return True
+
+
+def build_shards(store: RawStore, data: DataConfig, transform: TransformConfig, shards: ShardConfig,
+                 address: str | None = None, progress: bool = True) -> Path:
+    """:func:`preprocess` on an already loaded :class:`~preprocessing.sources.RawStore`."""
+    chash = config_hash(data, transform, shards)
+    out = shard_dir(data, transform, shards)
+    if out.exists():
+        _check_owner(out, chash)
+    task = TASK[data.name]
+    if out.exists() and (out / MANIFEST).is_file():
+        old = json.loads((out / MANIFEST).read_text())
+        if old.get("source", {}).get("fingerprint") != store.fingerprint:
+            raise ValueError(
+                f"{out}: built from other source data than {store.folder} now holds (fingerprint changed); "
+                "delete the directory to rebuild"
+            )
+    plans = plan_shards(store, data, shards)
+    if not plans:
+        raise ValueError(f"{store.folder}: no graphs in any split")
+    vocab = None
+    if task == "code2":
+        train_ids = np.concatenate([p.ids for p in plans if p.split == "train"] or [np.zeros(0, np.int64)])
+        if train_ids.size == 0:
+            raise ValueError(f"{store.folder}: the train split is empty, no vocabulary can be built")
+        vocab = build_vocab((store.y_tokens[i] for i in train_ids.tolist()), transform.vocab_size)
+    out.mkdir(parents=True, exist_ok=True)
+    if vocab is not None:
+        payload = (json.dumps(vocab) + "\n").encode()
+        if not (out / VOCAB_FILE).is_file() or (out / VOCAB_FILE).read_bytes() != payload:
+            atomic_write_bytes(out / VOCAB_FILE, payload)
+    key = {"config_hash": chash, "fingerprint": store.fingerprint, "schema_version": SCHEMA_VERSION}
+    done = {p.file: _shard_done(out, p, key) for p in plans}
+    pending = [p for p in plans if done[p.file] is None]
+    if pending:
+        (out / MANIFEST).unlink(missing_ok=True)  # incomplete from here on
+        results = _run_ray(pending, store, task, transform, vocab, out, shards, key, address, progress)
+        done.update(results)
+    specs = column_specs(task, transform)
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "dataset": data.name,
+        "task": task,
+        "config_hash": chash,
+        "config": {
+            "data": data.model_dump(mode="json"),
+            "transform": transform.model_dump(mode="json"),
+            "shards": shards.model_dump(mode="json", include={"graphs_per_shard"}),
+        },
+        "source": {"folder": str(store.folder.resolve()), "fingerprint": store.fingerprint},
+        "splits": {},
+        "shards": [],
+        "columns": specs,
+        "vocab_file": VOCAB_FILE if vocab is not None else None,
+        "num_vocab": len(vocab) if vocab is not None else None,
+        "num_classes": len(vocab) if vocab is not None else 37,
+        "max_seq_len": transform.max_seq_len if task == "code2" else None,
+    }
+    node_counts = np.diff(store.node_ptr)
+    for split in SPLITS:
+        mine = [p for p in plans if p.split == split]
+        ids = np.concatenate([p.ids for p in mine]) if mine else np.zeros(0, np.int64)
+        manifest["splits"][split] = {
+            "graphs": int(ids.size),
+            "nodes": int(node_counts[ids].sum()) if ids.size else 0,
+            "shards": [p.file for p in mine],
+        }
+    for p in plans:
+        meta = done[p.file]
+        manifest["shards"].append(
+            {"file": p.file, "split": p.split, "rows": meta["rows"], "bytes": meta["bytes"], "sha256": meta["sha256"]}
+        )
+    atomic_write_json(out / MANIFEST, manifest)
+    return out
+
+
+def _run_ray(pending: list[ShardPlan], store: RawStore, task: str, transform: TransformConfig,
+             vocab: list[str] | None, out: Path, shards: ShardConfig, key: dict, address: str | None,
+             progress: bool) -> dict[str, dict]:
+    import ray
+    from tqdm import tqdm
+
+    started = False
+    if not ray.is_initialized():
+        if address or os.environ.get("RAY_ADDRESS"):  # a cluster (inside a Ray job RAY_ADDRESS is set)
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(include_dashboard=False, log_to_driver=False)
+        started = True
+    results: dict[str, dict] = {}
+    try:
+        remote = ray.remote(num_cpus=shards.cpus_per_task, max_retries=2)(compute_shard)
+        cpus = ray.cluster_resources().get("CPU", 1.0)
+        limit = shards.max_in_flight or max(1, int(cpus // shards.cpus_per_task))
+        vocab_ref = ray.put(vocab)
+        tdict = transform.model_dump(mode="json")
+        in_flight: dict = {}
+        queue = list(pending)
+        bar = tqdm(total=int(sum(p.ids.size for p in pending)), unit="graph", desc=f"preprocess {out.name}",
+                   disable=not progress, file=sys.stderr, mininterval=1.0)
+        with bar:
+            while queue or in_flight:
+                while queue and len(in_flight) < limit:
+                    plan = queue.pop(0)
+                    in_flight[remote.remote(store.chunk(plan.ids), task, tdict, vocab_ref)] = plan
+                ready, _ = ray.wait(list(in_flight), num_returns=1)
+                for ref in ready:
+                    plan = in_flight.pop(ref)
+                    try:
+                        payload = ray.get(ref)
+                    except ray.exceptions.RayTaskError as exc:
+                        cause = getattr(exc, "cause", None) or exc
+                        raise ValueError(f"{out / plan.file}: {str(cause).splitlines()[0]}") from None
+                    atomic_write_bytes(out / plan.file, payload)
+                    meta = dict(key, file=plan.file, split=plan.split, rows=int(plan.ids.size), bytes=len(payload),
+                                sha256=hashlib.sha256(payload).hexdigest())
+                    atomic_write_json(out / plan.sidecar, meta)
+                    results[plan.file] = meta
+                    bar.update(int(plan.ids.size))
+    finally:
+        if started:
+            ray.shutdown()
+    return results

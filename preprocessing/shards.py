@@ -1,0 +1,180 @@
+"""Arrow shard format, schema version 1.
+
+A shard directory (``<shards.root>/<dataset>-<config hash[:12]>/``) holds::
+
+    manifest.json            written last, atomically: the directory is complete when it exists
+    vocab.json               code2 only: the target vocabulary, a JSON list in id order
+    train-00000.arrow        Arrow IPC *file* format (uncompressed, one record batch, memory-mappable)
+    train-00000.json         sidecar of a finished shard: rows, bytes, sha256, config hash, fingerprint
+    valid-00000.arrow ...
+
+A shard never mixes splits; shards hold ``shards.graphs_per_shard`` graphs (the last one of a
+split fewer). Every file is written under a temporary name and renamed, so a crash never leaves
+a shard that looks valid; a shard counts as finished only when its sidecar exists and its sha256
+matches.
+
+**Rows and columns.** One row per graph. Scalar columns: ``graph_id`` (int64, index in the OGB
+dataset), ``num_nodes`` (int32), ``num_edges`` (int32). Every tensor is a ``large_list`` column of
+its flattened values (row-major); its storage type, its shape (``-1`` = N, E or S of that graph)
+and the dtype it decodes to are in ``manifest.json["columns"]``:
+
+=======================  ==================  =================  ====================================
+column                   storage             shape              decoded ``SATData`` attribute
+=======================  ==================  =================  ====================================
+``x``                    int32 (code2),      [N, 2] / [N, 1]    ``x`` long (float32 for
+                         int8 / float32 (ppa) / [N, 7]          ``ppa_node_input: edge_sum``)
+``edge_index``           int32               [2, E]             ``edge_index`` long
+``edge_attr``            int8 (code2) /      [E, 2] / [E, 7]    ``edge_attr`` long / float32
+                         float32 (ppa)
+``node_depth``           int32               [N]                ``node_depth`` long (code2)
+``y``                    int64               [1, L] / [1]       ``y`` long: code2 ``[1, max_seq_len]``
+                                                                vocabulary ids, ppa ``[1]`` class
+``y_tokens``             list<string>        [T]                ``y_tokens`` list of str (code2: the
+                                                                true subtokens, for OGB's evaluator)
+``degree``               float32             [N]                ``degree`` (in-degree, >= 1)
+``rwpe``                 float32             [N, P]             ``rwpe`` (if ``rwpe_steps``)
+``lap_pe``               float32             [N, M]             ``lap_pe`` (if ``lap_pe_dim``)
+``subgraph_node_index``  int32               [S]                ``subgraph_node_index`` long
+``subgraph_size``        int32               [N]                ``subgraph_indicator`` long (run-
+                                                                length: centre c repeated size[c])
+``subgraph_edge_index``  int32               [2, Es]            ``subgraph_edge_index`` long
+``subgraph_edge_id``     int32               [Es]               ``subgraph_edge_id`` long
+=======================  ==================  =================  ====================================
+
+The subgraph columns exist when ``transform.k_hops > 0`` (layout of :mod:`sat.data`), ``graph_id``
+is also decoded (``[1]`` long). Readers must check ``schema_version``; a change of the layout
+bumps it.
+
+**manifest.json**: ``schema_version``, ``dataset``, ``task``, ``config_hash``, ``config``
+(data/transform/shards sections), ``source`` (dataset folder and fingerprint: sha256 of OGB's raw
+and split files), ``splits`` (per split: graphs, nodes, shard files), ``shards`` (per shard:
+file, split, rows, bytes, sha256), ``columns`` (see above), ``vocab_file`` and ``num_vocab``
+(code2), ``num_classes``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+VOCAB_FILE = "vocab.json"
+_SCALARS = {"graph_id": pa.int64(), "num_nodes": pa.int32(), "num_edges": pa.int32()}
+
+
+def column_specs(task: str, transform) -> dict[str, dict]:
+    """name -> ``{"type", "shape", "decode"}`` for a task and transform config (ordered)."""
+    specs: dict[str, dict] = {}
+    if task == "code2":
+        specs["x"] = {"type": "int32", "shape": [-1, 2], "decode": "int64"}
+    elif transform.ppa_node_input == "edge_sum":
+        specs["x"] = {"type": "float32", "shape": [-1, 7], "decode": "float32"}
+    else:
+        specs["x"] = {"type": "int8", "shape": [-1, 1], "decode": "int64"}
+    specs["edge_index"] = {"type": "int32", "shape": [2, -1], "decode": "int64"}
+    if task == "code2":
+        if transform.augment_edge:
+            specs["edge_attr"] = {"type": "int8", "shape": [-1, 2], "decode": "int64"}
+        specs["node_depth"] = {"type": "int32", "shape": [-1], "decode": "int64"}
+        specs["y"] = {"type": "int64", "shape": [1, -1], "decode": "int64"}
+        specs["y_tokens"] = {"type": "string", "shape": [-1], "decode": "str"}
+    else:
+        specs["edge_attr"] = {"type": "float32", "shape": [-1, 7], "decode": "float32"}
+        specs["y"] = {"type": "int64", "shape": [-1], "decode": "int64"}
+    specs["degree"] = {"type": "float32", "shape": [-1], "decode": "float32"}
+    if transform.rwpe_steps:
+        specs["rwpe"] = {"type": "float32", "shape": [-1, transform.rwpe_steps], "decode": "float32"}
+    if transform.lap_pe_dim:
+        specs["lap_pe"] = {"type": "float32", "shape": [-1, transform.lap_pe_dim], "decode": "float32"}
+    if transform.k_hops:
+        specs["subgraph_node_index"] = {"type": "int32", "shape": [-1], "decode": "int64"}
+        specs["subgraph_size"] = {"type": "int32", "shape": [-1], "decode": "int64"}
+        specs["subgraph_edge_index"] = {"type": "int32", "shape": [2, -1], "decode": "int64"}
+        specs["subgraph_edge_id"] = {"type": "int32", "shape": [-1], "decode": "int64"}
+    return specs
+
+
+def arrow_schema(specs: dict[str, dict]) -> pa.Schema:
+    fields = [pa.field(k, t, nullable=False) for k, t in _SCALARS.items()]
+    for name, spec in specs.items():
+        value_type = pa.string() if spec["type"] == "string" else pa.from_numpy_dtype(np.dtype(spec["type"]))
+        fields.append(pa.field(name, pa.large_list(pa.field("item", value_type, nullable=False)), nullable=False))
+    return pa.schema(fields, metadata={"satp.schema_version": str(SCHEMA_VERSION)})
+
+
+def encode_shard(rows: list[dict], specs: dict[str, dict]) -> bytes:
+    """Rows (as :func:`preprocessing.transforms.transform_graph` returns them) -> Arrow IPC file bytes."""
+    schema = arrow_schema(specs)
+    arrays = [
+        pa.array([int(r["graph_id"]) for r in rows], type=pa.int64()),
+        pa.array([int(r["num_nodes"]) for r in rows], type=pa.int32()),
+        pa.array([int(r["edge_index"].shape[1]) for r in rows], type=pa.int32()),
+    ]
+    for name, spec in specs.items():
+        if spec["type"] == "string":
+            arrays.append(pa.array([list(r[name]) for r in rows], type=schema.field(name).type))
+            continue
+        dtype = np.dtype(spec["type"])
+        flat = [np.ascontiguousarray(r[name]).reshape(-1) for r in rows]
+        lengths = np.fromiter((f.size for f in flat), dtype=np.int64, count=len(flat))
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        values = np.concatenate(flat) if flat else np.zeros(0, dtype=dtype)
+        if np.issubdtype(dtype, np.integer) and values.size and values.dtype != dtype:
+            info = np.iinfo(dtype)
+            if values.min() < info.min or values.max() > info.max:
+                raise ValueError(f"column {name}: values do not fit the shard's {dtype} storage")
+        values = values.astype(dtype, copy=False)
+        arrays.append(pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), pa.array(values)))
+    batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def atomic_write_bytes(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` via a temporary file in the same directory and a rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def read_manifest(shard_dir: str | Path) -> dict:
+    path = Path(shard_dir) / MANIFEST
+    if not path.is_file():
+        raise ValueError(f"{path}: no manifest: not a finished shard directory (run `satp preprocess`)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: unreadable manifest ({exc})") from None
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(
+            f"{path}: shard schema version {manifest.get('schema_version')!r}, this reader reads {SCHEMA_VERSION}"
+        )
+    return manifest

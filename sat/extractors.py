@@ -1,0 +1,256 @@
+"""Structure extractors phi(u, G) of SAT (Chen et al., ICML 2022, Sec. 4.1).
+
+The structure-aware attention compares nodes through ``phi(u, G)``, a
+representation of the local structure around ``u``:
+
+* :class:`SubtreeExtractor` (the *k-subtree GNN extractor*): the output at ``u`` of
+  ``k`` layers of a base GNN run on the whole graph. It represents the k-subtree
+  rooted at ``u`` and is at most as expressive as 1-WL.
+* :class:`SubgraphExtractor` (the *k-subgraph GNN extractor*): the same GNN run
+  inside the k-hop subgraph of every node ``u`` (precomputed indices, see
+  :class:`sat.data.SATData`), sum-pooled over the subgraph's nodes, concatenated
+  with ``x_u`` and projected. It is strictly more expressive than 1-WL
+  (cf. Zhang & Li, Nested GNNs, 2021).
+
+``k = 0`` means no extractor: the plain Transformer (queries and keys from ``x``).
+
+Base GNNs (:func:`gnn_layer`): GCN, GIN, GraphSAGE, PNA, and the edge-aware
+GINE; GCN and PNA also take edge features, GCN in the form of OGB's examples
+(``relu(x_j + e_ji)`` messages with symmetric normalisation plus a root term).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch_geometric.nn import GCNConv, GINConv, GINEConv, MessagePassing, PNAConv, SAGEConv
+from torch_geometric.utils import degree as pyg_degree
+from torch_geometric.utils import scatter
+
+GNN_TYPES = ("gcn", "gin", "gine", "sage", "pna")
+EDGE_AWARE_GNNS = ("gcn", "gine", "pna")  # GNNs that can take edge features
+PNA_AGGREGATORS = ["mean", "min", "max", "std"]
+PNA_SCALERS = ["identity", "amplification", "attenuation"]
+
+
+class EdgeGCNConv(MessagePassing):
+    """GCN with edge features, as ``GCNConv`` of OGB's ``examples/graphproppred`` (mol, ppa, code2):
+
+        h_v = sum_{u -> v} norm_uv * relu(W x_u + E e_uv) + relu(W x_v + r) / deg_v
+
+    with ``norm_uv = (deg_u deg_v)^{-1/2}``, ``deg = 1 + out-degree`` as in OGB's code.
+
+    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``.
+    """
+
+    def __init__(self, hidden_dim: int, edge_dim: int):
+        super().__init__(aggr="add")
+        self.linear = nn.Linear(hidden_dim, hidden_dim)
+        self.root_emb = nn.Embedding(1, hidden_dim)
+        self.edge_encoder = nn.Linear(edge_dim, hidden_dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.linear.reset_parameters()
+        self.root_emb.reset_parameters()
+        self.edge_encoder.reset_parameters()
+
+    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Tensor) -> Tensor:
+        x = self.linear(x)
+        edge_embedding = self.edge_encoder(edge_attr)
+        row, col = edge_index
+        deg = pyg_degree(row, x.size(0), dtype=torch.float32) + 1  # counted in fp32 (exact under autocast)
+        deg_inv_sqrt = deg.pow(-0.5)
+        norm = (deg_inv_sqrt[row] * deg_inv_sqrt[col]).to(x.dtype)
+        out = self.propagate(edge_index, x=x, edge_attr=edge_embedding, norm=norm)
+        return out + F.relu(x + self.root_emb.weight) / deg.view(-1, 1).to(x.dtype)
+
+    def message(self, x_j: Tensor, edge_attr: Tensor, norm: Tensor) -> Tensor:
+        return norm.view(-1, 1) * F.relu(x_j + edge_attr)
+
+
+def _mlp(hidden_dim: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(hidden_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, hidden_dim))
+
+
+def gnn_layer(
+    gnn_type: str, hidden_dim: int, edge_dim: Optional[int] = None, pna_degree_histogram: Optional[Sequence[int]] = None
+) -> nn.Module:
+    """One base-GNN layer ``[N, d] -> [N, d]``.
+
+    Args:
+        gnn_type: one of ``gcn, gin, gine, sage, pna``.
+        edge_dim: width of the edge features the layer takes, or ``None`` for none. Ignored by
+            ``gin`` and ``sage``; ``gine`` without edge features gets zeros (GIN with ReLU'd messages).
+        pna_degree_histogram: PNA's in-degree histogram (``hist[d]`` = number of nodes of
+            in-degree ``d`` in the training data).
+    """
+    if gnn_type == "gcn":
+        return GCNConv(hidden_dim, hidden_dim) if edge_dim is None else EdgeGCNConv(hidden_dim, edge_dim)
+    if gnn_type == "gin":
+        return GINConv(_mlp(hidden_dim), train_eps=True)
+    if gnn_type == "gine":
+        return GINEConv(_mlp(hidden_dim), train_eps=True, edge_dim=edge_dim if edge_dim not in (None, hidden_dim) else None)
+    if gnn_type == "sage":
+        return SAGEConv(hidden_dim, hidden_dim)
+    if gnn_type == "pna":
+        if not pna_degree_histogram:
+            raise ValueError("gnn_type='pna' needs pna_degree_histogram (in-degree histogram of the training graphs)")
+        towers = next(t for t in (4, 2, 1) if hidden_dim % t == 0)
+        deg = torch.as_tensor(list(pna_degree_histogram), dtype=torch.long)
+        return PNAConv(
+            hidden_dim, hidden_dim, PNA_AGGREGATORS, PNA_SCALERS, deg, edge_dim=edge_dim, towers=towers, divide_input=True
+        )
+    raise ValueError(f"unknown gnn_type {gnn_type!r}; expected one of {list(GNN_TYPES)}")
+
+
+def takes_edge_attr(gnn_type: str, use_edge_attr: bool) -> bool:
+    """Whether a base GNN of this type consumes (encoded) edge features."""
+    return use_edge_attr and gnn_type in EDGE_AWARE_GNNS
+
+
+class _GNNStack(nn.Module):
+    """``k`` layers of a base GNN, each followed by ReLU; returns the last output, or the
+    concatenation ``[x, h_1, ..., h_k]`` when ``concat_hops`` (authors' ``StructureExtractor``)."""
+
+    def __init__(self, hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram):
+        super().__init__()
+        if gnn_type not in GNN_TYPES:
+            raise ValueError(f"unknown gnn_type {gnn_type!r}; expected one of {list(GNN_TYPES)}")
+        if k < 1:
+            raise ValueError(f"a structure extractor needs k >= 1, got {k}")
+        self.gnn_type = gnn_type
+        self.edge_dim = edge_dim if gnn_type in EDGE_AWARE_GNNS else None
+        self.concat_hops = concat_hops
+        self.convs = nn.ModuleList(gnn_layer(gnn_type, hidden_dim, self.edge_dim, pna_degree_histogram) for _ in range(k))
+        self.out_dim = (k + 1) * hidden_dim if concat_hops else hidden_dim
+
+    def reset_parameters(self) -> None:
+        for conv in self.convs:
+            conv.reset_parameters()
+
+    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor]) -> Tensor:
+        hops = [x]
+        if self.gnn_type == "gine" and edge_attr is None:
+            edge_attr = x.new_zeros(edge_index.size(1), x.size(-1))
+        for conv in self.convs:
+            if self.gnn_type == "gine" or self.edge_dim is not None:
+                if edge_attr is None:
+                    raise ValueError(f"the {self.gnn_type} extractor was built for edge features but got edge_attr=None")
+                x = conv(x, edge_index, edge_attr)
+            else:
+                x = conv(x, edge_index)
+            x = F.relu(x)
+            hops.append(x)
+        return torch.cat(hops, dim=-1) if self.concat_hops else x
+
+
+class SubtreeExtractor(nn.Module):
+    """k-subtree GNN extractor: ``phi(u, G) = GNN^(k)(G)_u`` (Sec. 4.1), then BatchNorm and a
+    linear projection (as in the authors' ``StructureExtractor``).
+
+    Args:
+        hidden_dim: ``d``.
+        gnn_type: base GNN (see :func:`gnn_layer`).
+        k: number of GNN layers (hops), ``>= 1``.
+        edge_dim: width of edge features for edge-aware GNNs, ``None`` for none.
+        concat_hops: concatenate the input and all hops' outputs before the projection.
+        pna_degree_histogram: PNA only.
+
+    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``.
+    """
+
+    def __init__(
+        self,
+        hidden_dim: int,
+        gnn_type: str,
+        k: int,
+        edge_dim: Optional[int] = None,
+        concat_hops: bool = False,
+        pna_degree_histogram: Optional[Sequence[int]] = None,
+    ):
+        super().__init__()
+        self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram)
+        self.norm = nn.BatchNorm1d(self.gnn.out_dim)
+        self.out_proj = nn.Linear(self.gnn.out_dim, hidden_dim)
+
+    def reset_parameters(self) -> None:
+        self.gnn.reset_parameters()
+        self.norm.reset_parameters()
+        self.out_proj.reset_parameters()
+
+    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor] = None) -> Tensor:
+        return self.out_proj(self.norm(self.gnn(x, edge_index, edge_attr)))
+
+
+class SubgraphExtractor(nn.Module):
+    """k-subgraph GNN extractor (Sec. 4.1): ``phi(u, G) = W [x_u || sum_{w in S_k(u)} GNN^(k)(S_k(u))_w]``.
+
+    The GNN runs on the disjoint union of all k-hop subgraphs, laid out by the precomputed
+    indices of :class:`sat.data.SATData` (``S`` entries, ``Es`` subgraph edges): node features
+    are gathered with ``subgraph_node_index``, edge features with ``subgraph_edge_id``, and the
+    entries' outputs are sum-pooled per centre via ``subgraph_indicator``. BatchNorm and a linear
+    projection follow the concatenation (authors' ``KHopStructureExtractor``).
+
+    Shapes: x ``[N, d]``, subgraph_node_index / subgraph_indicator ``[S]``,
+    subgraph_edge_index ``[2, Es]``, subgraph_edge_id ``[Es]``, edge_attr ``[E, edge_dim]``
+    -> ``[N, d]``. Memory grows with ``S * d`` per GNN layer.
+    """
+
+    def __init__(
+        self,
+        hidden_dim: int,
+        gnn_type: str,
+        k: int,
+        edge_dim: Optional[int] = None,
+        concat_hops: bool = False,
+        pna_degree_histogram: Optional[Sequence[int]] = None,
+    ):
+        super().__init__()
+        self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram)
+        self.norm = nn.BatchNorm1d(hidden_dim + self.gnn.out_dim)
+        self.out_proj = nn.Linear(hidden_dim + self.gnn.out_dim, hidden_dim)
+
+    def reset_parameters(self) -> None:
+        self.gnn.reset_parameters()
+        self.norm.reset_parameters()
+        self.out_proj.reset_parameters()
+
+    def forward(
+        self,
+        x: Tensor,
+        edge_index: Tensor,
+        edge_attr: Optional[Tensor] = None,
+        *,
+        subgraph_node_index: Tensor,
+        subgraph_indicator: Tensor,
+        subgraph_edge_index: Tensor,
+        subgraph_edge_id: Tensor,
+    ) -> Tensor:
+        sub_attr = edge_attr[subgraph_edge_id] if edge_attr is not None else None
+        h = self.gnn(x[subgraph_node_index], subgraph_edge_index, sub_attr)
+        pooled = scatter(h, subgraph_indicator, dim=0, dim_size=x.size(0), reduce="sum")
+        return self.out_proj(self.norm(torch.cat([x, pooled], dim=-1)))
+
+
+def build_extractor(
+    kind: str,
+    hidden_dim: int,
+    gnn_type: str,
+    k: int,
+    edge_dim: Optional[int] = None,
+    concat_hops: bool = False,
+    pna_degree_histogram: Optional[Sequence[int]] = None,
+) -> Optional[nn.Module]:
+    """The extractor of ``kind`` (``subtree`` / ``subgraph``), or ``None`` for ``k = 0``."""
+    if k == 0:
+        return None
+    if kind == "subtree":
+        cls = SubtreeExtractor
+    elif kind == "subgraph":
+        cls = SubgraphExtractor
+    else:
+        raise ValueError(f"unknown extractor {kind!r}; expected 'subtree' or 'subgraph'")
+    return cls(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram)

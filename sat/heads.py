@@ -1,0 +1,115 @@
+"""Readouts and prediction heads of SAT (Chen et al., ICML 2022, Sec. 4.2 and 5.5).
+
+Readouts turn node representations into graph representations:
+
+* ``mean`` / ``sum``: pooling over each graph's nodes;
+* ``cls``: a virtual [CLS] node per graph (Jain et al., 2021), attached *without edges*: it
+  attends and is attended by every node of its graph, and its final representation is the graph
+  representation. Its attention weights over the graph's nodes give SAT's attention maps (Sec. 5.5).
+  :class:`ClsToken` inserts one such node in front of each graph's nodes and remaps the indices.
+
+Heads (``SATConfig.head``):
+
+* ``graph_classification`` / ``graph_regression``: MLP ``d -> d -> num_classes`` on the graph
+  representation, ``[B, num_classes]`` (logits / values);
+* ``node_classification``: the same MLP on every real node, ``[N, num_classes]``;
+* ``code2_sequence``: ``max_seq_len`` independent linear layers, as OGB's code2 example,
+  stacked to ``[B, max_seq_len, num_classes]`` (logits over the subtoken vocabulary).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+from torch_geometric.utils import scatter
+
+READOUTS = ("mean", "sum", "cls")
+HEADS = ("graph_classification", "graph_regression", "node_classification", "code2_sequence")
+
+
+def pool_nodes(x: Tensor, graph_index: Tensor, num_graphs: int, reduce: str) -> Tensor:
+    """Mean or sum of ``x`` ``[N, d]`` over each graph -> ``[B, d]``."""
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"unknown pooling {reduce!r}")
+    return scatter(x, graph_index, dim=0, dim_size=num_graphs, reduce=reduce)
+
+
+class ClsToken(nn.Module):
+    """A learned [CLS] node per graph, placed before the graph's nodes.
+
+    :meth:`attach` returns the node features ``[N + B, d]`` and the remapped graph layout: the
+    new id of real node ``i`` of graph ``g`` is ``i + g + 1`` and graph ``g``'s [CLS] node sits at
+    ``ptr[g] + g``, so nodes stay sorted by graph. The [CLS] node has no edges; for the k-subgraph
+    extractor its subgraph is itself (one entry, no edges).
+    """
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.token = nn.Parameter(torch.empty(1, hidden_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.token, std=hidden_std(self.token.size(1)))
+
+    def attach(
+        self,
+        x: Tensor,
+        graph_index: Tensor,
+        ptr: Tensor,
+        edge_index: Tensor,
+        subgraph: Optional[dict[str, Tensor]] = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[dict[str, Tensor]]]:
+        """Returns ``(x, graph_index, edge_index, node_pos, cls_pos, subgraph)`` in the new layout."""
+        num_graphs = ptr.numel() - 1
+        n = x.size(0)
+        device = x.device
+        node_pos = torch.arange(n, device=device) + graph_index + 1
+        cls_pos = ptr[:-1] + torch.arange(num_graphs, device=device)
+        out = x.new_empty(n + num_graphs, x.size(1))
+        out[node_pos] = x
+        out[cls_pos] = self.token.to(x.dtype).expand(num_graphs, -1)
+        new_index = torch.empty(n + num_graphs, dtype=graph_index.dtype, device=device)
+        new_index[node_pos] = graph_index
+        new_index[cls_pos] = torch.arange(num_graphs, device=device, dtype=graph_index.dtype)
+        if subgraph is not None:
+            subgraph = dict(subgraph)
+            subgraph["subgraph_node_index"] = torch.cat([node_pos[subgraph["subgraph_node_index"]], cls_pos])
+            subgraph["subgraph_indicator"] = torch.cat([node_pos[subgraph["subgraph_indicator"]], cls_pos])
+        return out, new_index, node_pos[edge_index], node_pos, cls_pos, subgraph
+
+
+def hidden_std(dim: int) -> float:
+    return dim**-0.5
+
+
+class Head(nn.Module):
+    """The prediction head of ``kind`` (see the module docstring).
+
+    Shapes: graph heads take ``[B, d]`` and return ``[B, num_classes]`` (``code2_sequence``:
+    ``[B, max_seq_len, num_classes]``); ``node_classification`` takes ``[N, d]``.
+    """
+
+    def __init__(self, kind: str, hidden_dim: int, num_classes: int, max_seq_len: int = 5):
+        super().__init__()
+        if kind not in HEADS:
+            raise ValueError(f"unknown head {kind!r}; expected one of {list(HEADS)}")
+        self.kind = kind
+        if kind == "code2_sequence":
+            self.seq = nn.ModuleList(nn.Linear(hidden_dim, num_classes) for _ in range(max_seq_len))
+        else:
+            self.mlp = nn.Sequential(nn.Linear(hidden_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, num_classes))
+
+    @property
+    def node_level(self) -> bool:
+        return self.kind == "node_classification"
+
+    def reset_parameters(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+
+    def forward(self, h: Tensor) -> Tensor:
+        if self.kind == "code2_sequence":
+            return torch.stack([lin(h) for lin in self.seq], dim=1)
+        return self.mlp(h)

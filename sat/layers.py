@@ -1,0 +1,119 @@
+"""The SAT encoder layer (Chen et al., ICML 2022, Sec. 4.2, Fig. 1).
+
+One layer = structure extractor + structure-aware attention + skip connection
+with the degree factor + FFN, each sub-block followed (post-norm) or preceded
+(pre-norm) by a normalisation layer:
+
+    x' = x + dropout(d_v^{-1/2} * SA-attn(v))     (degree factor optional)
+    x'' = x' + dropout(W_2 dropout(relu(W_1 x')))
+
+The degree factor reduces the influence of highly connected components (after
+Mialon et al., GraphiT); it is switched off with the [CLS] readout, as in the
+paper's code. Each layer owns its structure extractor, applied to the layer's
+input (the authors' code puts it inside the attention module).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from torch import Tensor, nn
+
+from .attention import GraphLayout, StructureAwareAttention
+from .extractors import SubgraphExtractor, build_extractor
+
+
+def _norm(kind: str, dim: int) -> nn.Module:
+    if kind == "batch":
+        return nn.BatchNorm1d(dim)
+    if kind == "layer":
+        return nn.LayerNorm(dim)
+    raise ValueError(f"unknown norm {kind!r}; expected 'batch' or 'layer'")
+
+
+class SATLayer(nn.Module):
+    """One SAT encoder layer.
+
+    Args:
+        hidden_dim, num_heads: attention width and heads.
+        ffn_ratio: FFN width = ``ffn_ratio * hidden_dim``.
+        dropout: dropout on the attention output, inside and after the FFN.
+        attn_dropout: dropout on the attention weights.
+        attention: ``dense`` or ``sparse`` (see :mod:`sat.attention`).
+        norm: ``batch`` or ``layer``.
+        pre_norm: normalise before each sub-block instead of after.
+        extractor, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram: the
+            structure extractor (see :mod:`sat.extractors`); ``k_hops = 0`` for none.
+
+    Shapes:
+        x ``[N, d]``; edge_index ``[2, E]``; edge_attr ``[E, edge_dim]`` or None; subgraph: the
+        four k-subgraph index tensors (dict) or None; degree_scale ``[N]`` (``d_v^{-1/2}``) or
+        None -> ``([N, d], attention weights or None)``.
+    """
+
+    def __init__(
+        self,
+        hidden_dim: int,
+        num_heads: int,
+        ffn_ratio: float = 2.0,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        attention: str = "dense",
+        norm: str = "batch",
+        pre_norm: bool = False,
+        extractor: str = "subtree",
+        gnn_type: str = "gcn",
+        k_hops: int = 2,
+        edge_dim: Optional[int] = None,
+        concat_hops: bool = False,
+        pna_degree_histogram: Optional[Sequence[int]] = None,
+    ):
+        super().__init__()
+        self.pre_norm = pre_norm
+        self.extractor = build_extractor(
+            extractor, hidden_dim, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram
+        )
+        self.attn = StructureAwareAttention(hidden_dim, num_heads, attn_dropout, attention)
+        ffn_dim = max(1, int(round(ffn_ratio * hidden_dim)))
+        self.ffn = nn.Sequential(
+            nn.Linear(hidden_dim, ffn_dim), nn.ReLU(), nn.Dropout(dropout), nn.Linear(ffn_dim, hidden_dim)
+        )
+        self.norm1 = _norm(norm, hidden_dim)
+        self.norm2 = _norm(norm, hidden_dim)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+
+    def reset_parameters(self) -> None:
+        if self.extractor is not None:
+            self.extractor.reset_parameters()
+        self.attn.reset_parameters()
+        for m in (self.ffn[0], self.ffn[3], self.norm1, self.norm2):
+            m.reset_parameters()
+
+    def forward(
+        self,
+        x: Tensor,
+        layout: GraphLayout,
+        edge_index: Tensor,
+        edge_attr: Optional[Tensor] = None,
+        subgraph: Optional[dict[str, Tensor]] = None,
+        degree_scale: Optional[Tensor] = None,
+        return_attention: bool = False,
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        h = self.norm1(x) if self.pre_norm else x
+        if self.extractor is None:
+            h_struct = h
+        elif isinstance(self.extractor, SubgraphExtractor):
+            if subgraph is None:
+                raise ValueError("the k-subgraph extractor needs the subgraph indices (see sat.add_subgraph_indices)")
+            h_struct = self.extractor(h, edge_index, edge_attr, **subgraph)
+        else:
+            h_struct = self.extractor(h, edge_index, edge_attr)
+        a, weights = self.attn(h, h_struct, layout, return_attention)
+        if degree_scale is not None:
+            a = a * degree_scale.unsqueeze(-1).to(a.dtype)
+        x = x + self.dropout1(a)
+        h = self.norm2(x) if self.pre_norm else self.norm1(x)
+        x = (x if self.pre_norm else h) + self.dropout2(self.ffn(h))
+        if not self.pre_norm:
+            x = self.norm2(x)
+        return x, weights

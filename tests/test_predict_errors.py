@@ -1,0 +1,188 @@
+"""Registry lookup and prediction without Ray: tiny untrained models logged straight to a SQLite store.
+
+Covers the Python API (code2 source text, ppa JSON graphs) and the bad inputs: unknown model,
+alias or version, a model of another task, a file that is not valid Python, a missing SQLite
+store, an unreachable tracking server (fails fast), each a one-line error (exit 2 from the CLI).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+NODE_TYPES = ["Module", "FunctionDef", "arguments", "arg", "Return", "Name", "Load", "Attribute", "Constant",
+              "BinOp", "Add", "Assign", "Store", "Call", "Expr", "__UNK__"]
+ATTRS = ["_mask_", "self", "x", "__UNK__", "__NONE__"]
+
+SOURCE = '''
+def get_name(self):
+    return self.name
+
+
+class Box:
+    def setValue(self, x):
+        self.value = x + 1
+
+    async def fetch_all_items(self):
+        return [i for i in self.items]
+'''
+
+
+def _log(tmp_path, name: str, task_name: str) -> str:
+    from mlflow.tracking import MlflowClient
+    from sat import SAT
+    from sat.config import SATConfig
+    from sat.data import SATData
+
+    from pipeline.registry import log_and_register
+    from pipeline.tasks import make_task
+    from preprocessing.config import TransformConfig
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("t")
+    exp_id = exp.experiment_id if exp else client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(exp_id).info.run_id
+    torch.manual_seed(0)
+    if task_name == "code2":
+        vocab = ["get", "name", "set", "value", "fetch", "all", "items", "__UNK__", "__EOS__"]
+        task = make_task("code2", vocab=vocab, max_seq_len=5)
+        sample = SATData(x=torch.zeros(3, 2, dtype=torch.long), edge_index=torch.tensor([[0, 1], [1, 2]]),
+                         edge_attr=torch.tensor([[0, 0], [1, 1]]), node_depth=torch.zeros(3, dtype=torch.long))
+        spec = {"input": {"task": "code2", "transform": TransformConfig(rwpe_steps=0, k_hops=0).model_dump(mode="json"),
+                          "node_types": NODE_TYPES, "node_attributes": ATTRS}}
+    else:
+        vocab = None
+        task = make_task("ppa", num_classes=37)
+        sample = SATData(x=torch.zeros(3, 1, dtype=torch.long), edge_index=torch.tensor([[0, 1], [1, 2]]),
+                         edge_attr=torch.rand(2, 7))
+        spec = {"input": {"task": "ppa", "transform": TransformConfig(rwpe_steps=0, k_hops=0).model_dump(mode="json")}}
+    config = task.configure(SATConfig(hidden_dim=8, num_layers=1, num_heads=2, k_hops=1, dropout=0.0), sample)
+    model = SAT(config).eval()
+    log_and_register(model, task=task, model_config=config, vocab=vocab, run_id=run_id, tracking_uri=uri,
+                     registered_model=name, data_manifest_hash="abc", metrics={"best_val_x": 0.5}, extra=spec)
+    client.set_terminated(run_id)
+    return uri
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("registry")
+    _log(tmp, "tiny-code2", "code2")
+    uri = _log(tmp, "tiny-ppa", "ppa")
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(uri).set_registered_model_alias("tiny-code2", "champion", "1")
+    return {"uri": uri, "tmp": tmp}
+
+
+def test_code2_predicts_every_function_of_source_text(store):
+    from pipeline.predict import FunctionPrediction, load
+
+    model = load("models:/tiny-code2@champion", tracking_uri=store["uri"])
+    preds = model.predict(SOURCE)
+    assert [p.name for p in preds] == ["get_name", "setValue", "fetch_all_items"]
+    assert [p.line for p in preds] == [2, 7, 10]
+    assert preds[1].actual == ["set", "value"]
+    assert all(isinstance(p, FunctionPrediction) and len(p.predicted) <= 5 for p in preds)
+    assert all(tok in model.vocab for p in preds for tok in p.predicted)
+    # the same through graphs, and deterministic
+    graphs = [d for *_, d in model.source_graphs(SOURCE)]
+    assert model.predict(graphs) == [p.predicted for p in preds]
+
+
+def test_ppa_predicts_json_graphs(store, tmp_path):
+    import json
+
+    from pipeline.predict import load
+
+    model = load("models:/tiny-ppa/1", tracking_uri=store["uri"])
+    graphs = [{"num_nodes": 4, "edge_index": [[0, 1, 2], [1, 2, 3]], "edge_attr": [[0.1] * 7, [0.5] * 7, [0.9] * 7]},
+              {"num_nodes": 2, "edge_index": [[0], [1]], "edge_attr": [[0.3] * 7]}]
+    path = tmp_path / "graphs.json"
+    path.write_text(json.dumps(graphs))
+    out = model.predict_file(path)
+    assert [label for label, _ in out] == ["graph 0", "graph 1"]
+    assert all(0 <= cls < 37 for _, cls in out)
+
+
+@pytest.mark.parametrize("uri, match", [
+    ("models:/no-such-model@champion", "no-such-model"),
+    ("models:/tiny-code2@no-such-alias", "no-such-alias"),
+    ("models:/tiny-code2/99", "tiny-code2"),
+    ("sat-code2", "expected a model URI"),
+])
+def test_unknown_model_alias_or_version(store, uri, match):
+    from pipeline.predict import load
+
+    with pytest.raises(ValueError, match=match) as info:
+        load(uri, tracking_uri=store["uri"])
+    assert "\n" not in str(info.value)
+
+
+def test_model_of_another_task(store, tmp_path):
+    from pipeline.predict import load
+
+    source = tmp_path / "mod.py"
+    source.write_text(SOURCE)
+    with pytest.raises(ValueError, match="is a ppa model; .* needs a code2 model"):
+        load("models:/tiny-ppa/1", tracking_uri=store["uri"]).predict_file(source)
+    graph_file = tmp_path / "g.json"
+    graph_file.write_text("[]")
+    with pytest.raises(ValueError, match="is a code2 model; .* needs a ppa model"):
+        load("models:/tiny-code2/1", tracking_uri=store["uri"]).predict_file(graph_file)
+
+
+def test_invalid_python_names_file_and_line(store, tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text("def ok():\n    return 1\n\ndef broken(:\n    pass\n")
+    from pipeline.predict import load
+
+    with pytest.raises(ValueError, match=r"broken\.py:4: not valid Python"):
+        load("models:/tiny-code2@champion", tracking_uri=store["uri"]).predict_file(bad)
+
+
+def test_cli_errors_are_one_line_exit_2(store, tmp_path, capsys):
+    from pipeline.cli import main
+
+    source = tmp_path / "mod.py"
+    source.write_text(SOURCE)
+    bad = tmp_path / "broken.py"
+    bad.write_text("x = (\n")
+    cases = [
+        (["predict", "models:/nope@champion", str(source), "--tracking-uri", store["uri"]], "nope"),
+        (["predict", "models:/tiny-ppa/1", str(source), "--tracking-uri", store["uri"]], "ppa model"),
+        (["predict", "models:/tiny-code2@champion", str(bad), "--tracking-uri", store["uri"]], "broken.py:1"),
+        (["predict", "models:/tiny-code2@champion", str(tmp_path / "missing.py"), "--tracking-uri", store["uri"]], "no such file"),
+        (["predict", "models:/tiny-code2@champion", str(source), "--tracking-uri", f"sqlite:///{tmp_path}/none.db"], "no such SQLite"),
+        (["models", "--tracking-uri", f"sqlite:///{tmp_path}/none.db"], "no such SQLite"),
+    ]
+    for argv, needle in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("satp: error: ") and needle in err and "\n" not in err, (argv, err)
+    assert not (tmp_path / "none.db").exists()  # no empty store created by mistake
+    assert main(["predict", "models:/tiny-code2@champion", str(source), "--tracking-uri", store["uri"]]) == 0
+    out = capsys.readouterr().out
+    assert "get_name" in out and "fetch_all_items" in out
+
+
+def test_unreachable_tracking_server_fails_fast(capsys):
+    from pipeline.cli import main
+    from pipeline.predict import load
+
+    start = time.time()
+    with pytest.raises(OSError, match="unreachable"):
+        load("models:/x@champion", tracking_uri="http://127.0.0.1:9")
+    assert main(["models", "--tracking-uri", "http://127.0.0.1:9"]) == 2
+    assert "unreachable" in capsys.readouterr().err
+    assert time.time() - start < 30
+
+
+def test_models_lists_versions_and_aliases(store, capsys):
+    from pipeline.cli import main
+
+    assert main(["models", "--tracking-uri", store["uri"]]) == 0
+    text = capsys.readouterr().out
+    assert "tiny-code2" in text and "@champion" in text and "tiny-ppa" in text

@@ -1,0 +1,172 @@
+"""Job submission to a local Ray cluster with the job server: the documented ``ray job submit``
+line (entrypoint reads the job YAML) and ``satp submit JOB.yaml`` (Ray's JobSubmissionClient).
+
+The module starts its own head node (``ray start --head --block``, dashboard on 127.0.0.1, token
+auth disabled, its own ports and temp dir) and stops exactly the processes it started: never
+``ray stop``, which would stop every Ray cluster on the machine.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_train_ray import tiny_data, tiny_job_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _pids_with(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.fixture(scope="module")
+def job_server():
+    temp = tempfile.mkdtemp(prefix="satpj", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = _free_ports(9)
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OUTDATED_IGNORE="1",
+               DS_ACCELERATOR="cpu", PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    env.pop("RAY_ADDRESS", None)
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--node-ip-address=127.0.0.1",
+           "--dashboard-host=127.0.0.1", f"--port={gcs}", f"--dashboard-port={dash}",
+           f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
+           f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+           f"--runtime-env-agent-port={rt_env}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
+           f"--temp-dir={temp}", "--disable-usage-stats"]
+    log = open(Path(temp) / "ray-start.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{address}/api/version", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("the test Ray head node did not start: " + (Path(temp) / "ray-start.log").read_text()[-2000:])
+                time.sleep(1)
+        yield address, env
+    finally:
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            end = time.time() + wait
+            while time.time() < end and (proc.poll() is None or _pids_with(temp)):
+                time.sleep(0.5)
+            for pid in _pids_with(temp):  # processes of this cluster only (they carry its temp dir)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp() / "satp-tiny"
+    base.mkdir(exist_ok=True)
+    return base, tiny_data(base)
+
+
+def _job_file(directory: Path, base: Path, name: str) -> Path:
+    values = tiny_job_dict(base, epochs=1, run_name=name, storage_path=str(directory / "ray"))
+    values["resources"]["num_workers"] = 1
+    values["mlflow"]["tracking_uri"] = f"sqlite:///{directory / 'mlflow.db'}"
+    values["mlflow"]["registered_model"] = f"sat-{name}"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "job.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def _versions(directory: Path, name: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(f"sqlite:///{directory / 'mlflow.db'}").search_model_versions(f"name='{name}'")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_job_submit_and_satp_submit_run_the_job_yaml(job_server, shards, tmp_path):
+    address, env = job_server
+    base, _ = shards
+    cli_dir, wrap_dir = tmp_path / "cli", tmp_path / "wrapped"
+    cli_job, wrap_job = _job_file(cli_dir, base, "via-cli"), _job_file(wrap_dir, base, "via-satp")
+    # the README's form: Ray's CLI, the project as working dir, the entrypoint reads the YAML
+    ray_cli = subprocess.Popen(
+        [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
+         "python", "-m", "pipeline.cli", "train", str(cli_job)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the one-argument form (run concurrently: the cluster has a CPU for each)
+    wrapped = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "submit", str(wrap_job), "--address", address,
+         "--working-dir", str(wrap_dir)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out_cli, _ = ray_cli.communicate(timeout=400)
+    out_wrapped, _ = wrapped.communicate(timeout=400)
+    assert ray_cli.returncode == 0, out_cli[-3000:]
+    assert wrapped.returncode == 0, out_wrapped[-3000:]
+    assert "registered model: models:/sat-via-cli/1" in out_cli
+    assert "registered model: models:/sat-via-satp/1" in out_wrapped  # logs were streamed
+    assert "SUCCEEDED" in out_wrapped
+    assert len(_versions(cli_dir, "sat-via-cli")) == 1 and len(_versions(wrap_dir, "sat-via-satp")) == 1
+
+
+@pytest.mark.ray
+def test_satp_submit_exits_nonzero_when_the_job_fails(job_server, shards, tmp_path):
+    address, env = job_server
+    base, _ = shards
+    job = _job_file(tmp_path / "failing", base, "failing")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "submit", str(job), "--address", address,
+         "--working-dir", str(tmp_path / "failing"), "--set", "data.source=ogb",
+         "--set", f"data.root={tmp_path / 'nowhere'}"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "FAILED" in proc.stdout
+
+
+def test_satp_submit_rejects_a_bad_job_before_submitting(tmp_path, capsys):
+    from pipeline.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "x", "data": {"name": "ogbg-code2"}, "model": {}, "train": {"epochs": 0}}))
+    # unreachable address: the job is rejected locally before any connection is tried
+    assert main(["submit", str(bad), "--address", "http://127.0.0.1:9", "--working-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "train.epochs" in err and err.count("\n") == 1

@@ -1,0 +1,110 @@
+"""Checkpoint round trip of the DeepSpeed engine + loop state, in fresh processes.
+
+DeepSpeed cannot be initialised twice in one process (FACTS.md), so the save and
+the restore each run in a subprocess: the first trains 3 steps, checkpoints,
+then takes a 4th step; the second restores the checkpoint and must take the
+same 4th step (same loss, same lr, same weights).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = r'''
+import json, os, sys
+import torch
+from torch_geometric.data import Batch
+from sat import SAT, SATConfig, SATData
+from pipeline import checkpoint as ckpt
+from pipeline.engine import build_engine
+from pipeline.tasks import Code2Task
+from pipeline.train_config import TrainConfig
+
+mode, directory, precision = sys.argv[1], sys.argv[2], sys.argv[3]
+torch.manual_seed(0)
+vocab = [f"t{i}" for i in range(20)] + ["__UNK__", "__EOS__"]
+task = Code2Task(vocab)
+
+def graph(n, g):
+    gen = torch.Generator().manual_seed(g)
+    parent = torch.randint(0, 1, (n - 1,))
+    ei = torch.stack([torch.tensor([torch.randint(0, i, (1,), generator=gen).item() for i in range(1, n)]), torch.arange(1, n)])
+    ei = torch.cat([ei, ei.flip(0)], 1)
+    ea = torch.zeros(ei.size(1), 2, dtype=torch.long); ea[n - 1:, 1] = 1
+    x = torch.stack([torch.randint(0, 98, (n,), generator=gen), torch.randint(0, 100, (n,), generator=gen)], 1)
+    y = torch.randint(0, 22, (1, 5), generator=gen)
+    return SATData(x=x, edge_index=ei, edge_attr=ea, node_depth=torch.randint(0, 20, (n,), generator=gen), y=y, num_nodes=n)
+
+batches = [Batch.from_data_list([graph(8 + 3 * j, 10 * s + j) for j in range(4)]) for s in range(4)]
+cfg = task.configure(SATConfig(hidden_dim=16, num_layers=1, num_heads=2, dropout=0.0), batches[0].get_example(0))
+model = SAT(cfg)
+train = TrainConfig(epochs=2, warmup_epochs=0.5, lr=1e-2, grad_clip=1.0)
+engine = build_engine(model, train, precision, steps_per_epoch=4, world_size=1)
+
+def step(b):
+    engine.train()
+    loss = task.loss(engine(b), b)
+    engine.backward(loss)
+    engine.step()
+    return float(loss)
+
+out = {}
+if mode == "save":
+    out["losses"] = [step(b) for b in batches[:3]]
+    state = {"epoch": 0, "sampler": {"seed": 0, "epoch": 0}, "best": {"epoch": 0, "val": 0.5, "test": 0.4}, "history": [{"epoch": 0}]}
+    best = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    ckpt.save(directory, engine, state, best, rank=0)
+else:
+    state = ckpt.restore(directory, engine)
+    out["state"] = state
+    out["best_keys"] = len(ckpt.load_best_weights(directory))
+out["lr"] = engine.optimizer.param_groups[0]["lr"]
+out["steps"] = engine.global_steps
+out["next_loss"] = step(batches[3])
+out["weights"] = float(sum(p.double().sum() for p in engine.module.parameters()))
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _run(mode: str, directory: Path, precision: str) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(directory), precision], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.slow
+def test_checkpoint_round_trip(tmp_path):
+    from pipeline.engine import resolve_precision
+
+    precision = resolve_precision("auto", use_gpu=False)
+    saved = _run("save", tmp_path / "ckpt", precision)
+    assert (tmp_path / "ckpt" / "state.json").is_file() and (tmp_path / "ckpt" / "best_model.pt").is_file()
+    restored = _run("load", tmp_path / "ckpt", precision)
+    assert restored["state"]["best"] == {"epoch": 0, "val": 0.5, "test": 0.4}
+    assert restored["state"]["sampler"] == {"seed": 0, "epoch": 0}
+    assert restored["best_keys"] > 0
+    assert restored["steps"] == saved["steps"] == 3
+    assert restored["lr"] == pytest.approx(saved["lr"])
+    assert restored["next_loss"] == pytest.approx(saved["next_loss"], rel=1e-4)
+    assert restored["weights"] == pytest.approx(saved["weights"], rel=1e-5)
+
+
+def test_incomplete_checkpoint_is_rejected(tmp_path):
+    from pipeline import checkpoint as ckpt
+
+    (tmp_path / "ds").mkdir()
+    with pytest.raises(ValueError, match="incomplete checkpoint"):
+        ckpt.load_state(tmp_path)

@@ -1,0 +1,118 @@
+"""Unit tests of the training pipeline's pieces (no Ray, no DeepSpeed): batching, tasks, schedule."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.batching import NodeBudgetSampler, pack, padding_stats, subset_indices
+from pipeline.engine import deepspeed_config, resolve_precision, warmup_cosine
+from pipeline.tasks import Code2Task, PPATask, best_constant_sequence, make_task, task_name_for
+from pipeline.train_config import TrainConfig
+
+
+def sizes(n=3000, seed=0):
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(125) - 0.28, 0.75, n), 10, 1000).astype(int)
+
+
+def test_pack_respects_budget_and_keeps_large_graphs():
+    s = np.array([5, 5, 5, 50, 300, 7])
+    order = np.argsort(s, kind="stable")
+    batches = pack(order, s, node_budget=100)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(6))
+    for b in batches:
+        assert len(b) == 1 or len(b) * s[b].max() <= 100
+    assert any(len(b) == 1 and s[b[0]] == 300 for b in batches)  # too large: alone, not dropped
+
+
+def test_train_sampler_equal_batches_per_rank_and_deterministic():
+    s = sizes()
+    ranks = [NodeBudgetSampler(s, 4000, rank=r, world_size=2, seed=3) for r in range(2)]
+    for epoch in range(3):
+        per_rank = [r.epoch_batches(epoch) for r in ranks]
+        assert len(per_rank[0]) == len(per_rank[1]) == len(ranks[0])
+        again = NodeBudgetSampler(s, 4000, rank=0, world_size=2, seed=3).epoch_batches(epoch)
+        assert all(np.array_equal(a, b) for a, b in zip(again, per_rank[0]))
+    first = np.concatenate(ranks[0].epoch_batches(0))
+    second = np.concatenate(ranks[0].epoch_batches(1))
+    assert not np.array_equal(first[:50], second[:50])  # reshuffled per epoch
+    stats = padding_stats(ranks[0].epoch_batches(0) + ranks[1].epoch_batches(0), s)
+    assert stats["attention_padding"] < 0.15
+
+
+def test_eval_sampler_covers_every_graph_once():
+    s = sizes(1001)
+    s[17] = 5000  # larger than the budget
+    seen = np.concatenate([b for r in range(3) for b in NodeBudgetSampler(s, 4000, rank=r, world_size=3, shuffle=False).epoch_batches()])
+    assert sorted(seen.tolist()) == list(range(1001))
+
+
+def test_sampler_state_round_trip_and_subset():
+    s = sizes(500)
+    a = NodeBudgetSampler(s, 2000, seed=1)
+    a.set_epoch(4)
+    b = NodeBudgetSampler(s, 2000, seed=99)
+    b.load_state_dict(a.state_dict())
+    assert all(np.array_equal(x, y) for x, y in zip(a.epoch_batches(), b.epoch_batches()))
+    idx = subset_indices(500, 100, seed=0)
+    assert len(idx) == 100 and len(set(idx.tolist())) == 100
+    assert subset_indices(500, None, 0) is None
+    sub = NodeBudgetSampler(s, 2000, shuffle=False, indices=idx)
+    assert sorted(np.concatenate(sub.epoch_batches()).tolist()) == idx.tolist()
+
+
+def test_code2_task_decode_loss_metric_and_constant():
+    vocab = ["get", "set", "name", "value", "__UNK__", "__EOS__"]
+    task = Code2Task(vocab)
+    logits = torch.full((2, 5, 6), -5.0)
+    for pos, tok in enumerate([0, 2, 5, 1, 1]):
+        logits[0, pos, tok] = 5.0
+    for pos, tok in enumerate([1, 5, 5, 5, 5]):
+        logits[1, pos, tok] = 5.0
+    assert task.predict(logits) == [["get", "name"], ["set"]]
+    refs = [["get", "name"], ["set", "value"]]
+    assert task.score(task.predict(logits), refs) == pytest.approx((1.0 + 2 / 3) / 2)
+
+    class B:
+        y = torch.tensor([[0, 2, 5, 5, 5], [1, 3, 5, 5, 5]])
+        y_tokens = refs
+
+    assert float(task.loss(logits, B)) > 0
+    assert task.targets(B) == refs
+    train = [["get", "name"]] * 5 + [["get", "value"]] * 3 + [["set"]] * 2
+    assert best_constant_sequence(train)[0] == "get"
+    assert 0 < task.constant_baseline(train, refs) < 1
+    with pytest.raises(ValueError, match="vocabulary"):
+        Code2Task([])
+
+
+def test_ppa_task_and_task_lookup():
+    task = make_task("ppa")
+    assert isinstance(task, PPATask)
+    out = torch.eye(37)[[3, 4, 5]]
+    assert task.predict(out) == [3, 4, 5]
+    assert task.score([3, 4, 5], [3, 4, 6]) == pytest.approx(2 / 3)
+    assert task.constant_baseline([1, 1, 2], [1, 2, 1, 1]) == pytest.approx(0.75)
+    assert task_name_for(None, "ogbg-code2") == "code2"
+    assert task_name_for("ppa", "ogbg-code2") == "ppa"
+    with pytest.raises(ValueError, match="train.task"):
+        task_name_for(None, "zinc")
+
+
+def test_schedule_and_deepspeed_config():
+    f = warmup_cosine(total_steps=100, warmup_steps=10)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.5, abs=0.02) and f(99) < 0.01
+    assert warmup_cosine(100, 0, cosine=False)(50) == 1.0
+    cfg = deepspeed_config(TrainConfig(grad_clip=0.5, zero_stage=1), "bf16", world_size=2)
+    assert cfg["gradient_clipping"] == 0.5 and cfg["zero_optimization"]["stage"] == 1
+    assert cfg["torch_autocast"]["dtype"] == "bfloat16"
+    assert "torch_autocast" not in deepspeed_config(TrainConfig(), "fp32", 1)
+    assert resolve_precision("fp32", False) == "fp32"
+    with pytest.raises(ValueError, match="fp16"):
+        resolve_precision("fp16", use_gpu=False)
+    assert resolve_precision("auto", False) in ("bf16", "fp32")
+    assert math.isfinite(f(1000))
