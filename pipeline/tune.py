@@ -55,6 +55,7 @@ _TUNE_KEYS = {
     "training_iteration", "time_this_iter_s", "time_total_s", "timestamp", "pid", "iterations_since_restore",
     "time_since_restore", "done", "timesteps_total", "episodes_total", "timesteps_since_restore",
     "checkpoint_dir_name", "should_checkpoint", "node_ip", "hostname", "date", "experiment_tag", "trial_id",
+    "epochs_done",
 }
 
 
@@ -179,17 +180,34 @@ def trial_job(ctx: SweepContext, config: dict[str, Any], trial_id: str) -> JobCo
     return _validate(raw, f"trial {trial_id}")
 
 
+#: ASHA's time unit: epochs completed, reported with every epoch's metrics. Not Tune's
+#: ``training_iteration``: a resumed trial's Train run restarts from its last checkpoint, so its
+#: iterations no longer count epochs.
+TIME_ATTR = "epochs_done"
+
+
+def _report_callback():
+    """Tune's ``TuneReportCallback`` (Train -> Tune metrics), adding :data:`TIME_ATTR`."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class EpochReportCallback(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            metrics = [dict(m, **{TIME_ATTR: int(m["epoch"]) + 1}) if "epoch" in m else m for m in metrics]
+            super().after_report(run_context, metrics, checkpoint)
+
+    return EpochReportCallback()
+
+
 def _trial(config: dict[str, Any], ctx: SweepContext) -> None:
     """A Tune trial: one full Ray Train run of the job with ``config`` applied."""
     import ray.tune
-    from ray.tune.integration.ray_train import TuneReportCallback
 
     from pipeline.train import train_job
 
     trial_id = ray.tune.get_context().get_trial_id()
     job = trial_job(ctx, config, trial_id)
     shard_dir = ctx.shard_dirs[variant_key(config, ctx.data_keys)]
-    train_job(job, shard_dir=shard_dir, register=False, callbacks=[TuneReportCallback()])
+    train_job(job, shard_dir=shard_dir, register=False, callbacks=[_report_callback()])
 
 
 # ----------------------------------------------------------------------------- MLflow
@@ -221,6 +239,32 @@ def artifact_location(tracking_uri: str) -> Optional[str]:
     if tracking_uri.startswith("sqlite:///"):
         return (Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
     return None
+
+
+def catch_up_metrics(client, run_id: str, checkpoint_path: str) -> int:
+    """Log the epochs of a trial's Train history (its last checkpoint's ``state.json``) that its
+    MLflow run lacks: an epoch reported just before an interruption never reached the driver's
+    callback. Returns the number of epochs logged."""
+    from mlflow.entities import Metric
+
+    from pipeline import checkpoint as ckpt
+
+    try:
+        history = ckpt.load_state(checkpoint_path).get("history") or []
+    except (ValueError, OSError):
+        return 0
+    logged = {int(m.step) for m in client.get_metric_history(run_id, "epoch")}
+    now = int(time.time() * 1000)
+    count = 0
+    for entry in history:
+        epoch = int(entry.get("epoch", -1))
+        if epoch < 0 or epoch in logged:
+            continue
+        items = [Metric(k, v, now, epoch) for k, v in _numeric(entry).items()]
+        if items:
+            client.log_batch(run_id, metrics=items)
+            count += 1
+    return count
 
 
 def _numeric(values: dict[str, Any]) -> dict[str, float]:
@@ -409,20 +453,34 @@ class SweepOutcome:
         return [t for t in self.trials if t.status == "early_stopped"]
 
 
-def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int) -> list[TrialSummary]:
-    try:  # Tune's trials, in the order of the results: PENDING / RUNNING / PAUSED = interrupted
+def saved_states(path: str | Path) -> dict[str, str]:
+    """Trial states in the sweep's saved experiment state. After an interruption (Ctrl-C) Tune
+    stops the running trials and marks them TERMINATED in memory, but it saves them first as
+    PENDING/RUNNING so that ``Tuner.restore`` resumes them: the saved state tells."""
+    try:
+        from ray.tune import ExperimentAnalysis
+
+        return {t.trial_id: t.status for t in ExperimentAnalysis(str(path)).trials}
+    except Exception as exc:  # unreadable state: trust the in-memory results
+        log.debug("no saved experiment state at %s: %s", path, exc)
+        return {}
+
+
+def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
+              states: Optional[dict[str, str]] = None) -> list[TrialSummary]:
+    try:  # Tune's trials, in the order of the results
         tune_trials = list(results._experiment_analysis.trials)
     except AttributeError:
         tune_trials = []
     if len(tune_trials) != len(results):
         tune_trials = [None] * len(results)
-    states: dict[str, str] = {}
+    states = dict(states or {})
     out = []
     for trial, result in zip(tune_trials, results):
         df = result.metrics_dataframe
         last = result.metrics or {}
         tid = trial.trial_id if trial is not None else last.get("trial_id") or Path(result.path).name
-        if trial is not None:
+        if trial is not None and tid not in states:
             states[tid] = trial.status
         curve: list[tuple[int, float]] = []
         best = None
@@ -613,12 +671,13 @@ def _init_ray(address: Optional[str]) -> None:
 
     if ray.is_initialized():
         return
-    env = {"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     address = address or os.environ.get("RAY_ADDRESS")  # set inside a Ray job
     if address:
-        ray.init(address=address, runtime_env={"env_vars": env})
-    else:  # a local Ray for this command (stopped at exit)
-        ray.init(include_dashboard=False, runtime_env={"env_vars": env})
+        ray.init(address=address, runtime_env={"env_vars": {"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"}})
+    else:  # a new local Ray for this command, never someone else's (see pipeline.cluster)
+        from pipeline.cluster import init_local_ray
+
+        init_local_ray()
 
 
 def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1) -> SweepOutcome:
@@ -712,7 +771,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
                                        resume_errored=True)
         else:
             param_space = {key: dist.to_tune() for key, dist in tune_cfg.space.items()}
-            scheduler = ASHAScheduler(time_attr="training_iteration", max_t=max_epochs,
+            scheduler = ASHAScheduler(time_attr=TIME_ATTR, max_t=max_epochs,
                                       grace_period=tune_cfg.asha.grace_period,
                                       reduction_factor=tune_cfg.asha.reduction_factor,
                                       brackets=tune_cfg.asha.brackets)
@@ -740,13 +799,16 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
             pass
         raise
 
-    trials = summarize(results, metric, mode, val_metric, max_epochs)
+    trials = summarize(results, metric, mode, val_metric, max_epochs, saved_states(sweep_dir))
     for t in trials:
         found = _find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, TRIAL_TAG: t.trial_id})
         t.run_id = found.info.run_id if found is not None else None
         t.config = {**t.config, "__shard_dir__": shard_dirs[variant_key(t.config, data_keys)],
                     "__job__": trial_job(ctx, {k: v for k, v in t.config.items() if not k.startswith("__")},
                                          t.trial_id).model_dump(mode="json")}
+    for t in trials:
+        if t.run_id and t.checkpoint_path:
+            catch_up_metrics(client, t.run_id, t.checkpoint_path)
     if any(t.status == "interrupted" for t in trials):
         client.set_tag(parent_id, "satp.interrupted", "true")
         client.set_terminated(parent_id, status="KILLED")
@@ -784,8 +846,9 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     registered = None
     if best is None:
         client.set_terminated(parent_id, status="FAILED")
-        errors = [r.error for r in results if r.error is not None]
-        raise RuntimeError(f"sweep {name}: no trial reported {metric}" + (f" (first error: {errors[0]})" if errors else ""))
+        errors = [str(r.error).strip().splitlines() for r in results if r.error is not None]
+        first = next((e[-1] for e in errors if e), "")
+        raise ValueError(f"sweep {name}: no trial reported {metric}" + (f" (last line of the first error: {first})" if first else ""))
     client.set_tag(parent_id, "satp.best_trial", best.trial_id)
     if best.run_id:
         client.set_tag(parent_id, "satp.best_run_id", best.run_id)
@@ -821,7 +884,7 @@ def format_outcome(outcome: SweepOutcome) -> str:
         lines.append(f"best trial {outcome.best.trial_id}: {outcome.metric} {outcome.best.best:.4f}")
     reg = outcome.registered
     if reg:
-        verdict = {True: "now the champion", False: "champion unchanged", None: ""}[reg.get("champion")]
-        lines.append(f"registered {reg['registered_uri']} ({verdict}; {reg.get('reason')})")
+        verdict = {True: "now the champion; ", False: "champion unchanged; ", None: ""}[reg.get("champion")]
+        lines.append(f"registered {reg['registered_uri']} ({verdict}{reg.get('reason')})")
     lines.append(f"MLflow parent run {outcome.parent_run_id} ({outcome.tracking_uri})")
     return "\n".join(lines)

@@ -5,8 +5,10 @@ in OGB's order, optionally a seeded subset of ``data.max_graphs_per_split`` grap
 ``shards.graphs_per_shard`` graphs), skips the shards already finished (sidecar present, same
 config hash and source fingerprint, sha256 matching), computes the others as Ray tasks (at most
 ``shards.max_in_flight`` at once; each task gets its graphs' raw arrays and returns the encoded
-shard, which the driver writes atomically), and writes ``manifest.json`` last. Ray is started
-locally (and stopped afterwards) unless it is already initialised or ``address`` names a cluster.
+shard, which the driver writes atomically), and writes ``manifest.json`` last. A directory whose
+manifest matches the raw files' fingerprint and whose shards all match their sha256 is returned
+without loading the dataset. Ray is started locally (and stopped afterwards) unless it is already
+initialised, ``address`` names a cluster, or ``RAY_ADDRESS`` is set (inside a Ray job).
 """
 from __future__ import annotations
 
@@ -248,7 +250,8 @@ def _run_ray(pending: list[ShardPlan], store: RawStore, task: str, transform: Tr
     try:
         remote = ray.remote(num_cpus=shards.cpus_per_task, max_retries=2)(compute_shard)
         cpus = ray.cluster_resources().get("CPU", 1.0)
-        limit = shards.max_in_flight or max(1, int(cpus // shards.cpus_per_task))
+        # twice the slots: a queued task starts as soon as a worker is free, while the driver writes
+        limit = shards.max_in_flight or 2 * max(1, int(cpus // shards.cpus_per_task))
         vocab_ref = ray.put(vocab)
         tdict = transform.model_dump(mode="json")
         in_flight: dict = {}
@@ -256,13 +259,17 @@ def _run_ray(pending: list[ShardPlan], store: RawStore, task: str, transform: Tr
         bar = tqdm(total=int(sum(p.ids.size for p in pending)), unit="graph", desc=f"preprocess {out.name}",
                    disable=not progress, file=sys.stderr, mininterval=1.0)
         with bar:
-            while queue or in_flight:
+            def submit() -> None:
                 while queue and len(in_flight) < limit:
                     plan = queue.pop(0)
                     in_flight[remote.remote(store.chunk(plan.ids), task, tdict, vocab_ref)] = plan
+
+            while queue or in_flight:
+                submit()
                 ready, _ = ray.wait(list(in_flight), num_returns=1)
-                for ref in ready:
-                    plan = in_flight.pop(ref)
+                finished = [(ref, in_flight.pop(ref)) for ref in ready]
+                submit()  # keep the workers busy while the driver writes
+                for ref, plan in finished:
                     try:
                         payload = ray.get(ref)
                     except ray.exceptions.RayTaskError as exc:

@@ -94,7 +94,7 @@ class ShardConfig(_Strict):
     root: str = "runs/shards"
     #: Target shard size in graphs (a shard never mixes splits).
     graphs_per_shard: int = Field(default=2048, ge=1)
-    #: Most shards computed at once (None: the cluster's CPU count).
+    #: Most shard tasks submitted at once (None: twice the tasks the cluster's CPUs can run).
     max_in_flight: int | None = Field(default=None, ge=1)
     #: CPUs reserved by each Ray task.
     cpus_per_task: float = Field(default=1.0, gt=0)

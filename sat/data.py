@@ -35,6 +35,8 @@ import scipy.sparse as sp
 import torch
 from torch_geometric.data import Data
 
+_DENSE_TABLE_LIMIT = 1 << 22  # k_hop_subgraph_indices: N^2 of a direct position table (32 MiB)
+
 SUBGRAPH_KEYS = (
     "subgraph_node_index",
     "subgraph_indicator",
@@ -89,32 +91,41 @@ def k_hop_subgraph_indices(edge_index: torch.Tensor, num_nodes: int, k: int) -> 
         raise ValueError(f"edge_index holds node ids outside [0, {num_nodes})")
     n = int(num_nodes)
     src, dst = edges[0], edges[1]
-    loops = np.arange(n)
-    rows = np.concatenate([src, dst, loops])
-    cols = np.concatenate([dst, src, loops])
-    adj = sp.csr_matrix((np.ones(rows.size, dtype=np.float32), (rows, cols)), shape=(n, n))
+    loops = np.arange(n, dtype=np.int64)
+    # A + I, undirected, as a canonical CSR built directly from the sorted keys row * N + col
+    keys = np.unique(np.concatenate([src * n + dst, dst * n + src, loops * (n + 1)]))
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(keys // n, minlength=n), out=indptr[1:])
+    adj = sp.csr_matrix((np.ones(keys.size, dtype=np.float32), keys % n, indptr), shape=(n, n))
     reach = adj
     for _ in range(k - 1):
         reach = reach @ adj
-    reach.sort_indices()
-    node = reach.indices.astype(np.int64)
+        reach.sort_indices()
     # entries in CSR order: sorted by centre, then node id
+    node = reach.indices.astype(np.int64)
     centre = np.repeat(loops, np.diff(reach.indptr))
-    # candidate (entry, edge) pairs: every edge leaving an entry's node; kept when the edge's target
-    # is an entry of the same centre (looked up in the sorted keys centre * N + node)
+    # candidate (entry, edge) pairs: every edge leaving an entry's node, kept when the edge's
+    # target is an entry of the same centre (position table, or binary search for large N)
     by_src = np.argsort(src, kind="stable")
-    src_ptr = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=n))])
+    src_ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(src, minlength=n), out=src_ptr[1:])
     out_deg = src_ptr[node + 1] - src_ptr[node]
     entry = np.repeat(np.arange(node.size), out_deg)
-    first = np.repeat(src_ptr[node] - np.concatenate([[0], np.cumsum(out_deg)[:-1]]), out_deg)
-    edge_id = by_src[np.arange(entry.size) + first]
-    edge_centre = centre[entry]
-    keys = centre * n + node
-    wanted = edge_centre * n + dst[edge_id]
-    pos_dst = np.minimum(np.searchsorted(keys, wanted), max(keys.size - 1, 0))
-    inside = keys[pos_dst] == wanted
-    entry, edge_id, edge_centre, pos_dst = entry[inside], edge_id[inside], edge_centre[inside], pos_dst[inside]
-    order = np.argsort(edge_centre * max(src.size, 1) + edge_id, kind="stable")
+    shift = src_ptr[node]
+    shift[1:] -= np.cumsum(out_deg)[:-1]
+    edge_id = by_src[np.arange(entry.size) + np.repeat(shift, out_deg)]
+    wanted = centre[entry] * n + dst[edge_id]
+    flat = centre * n + node
+    if n * n <= _DENSE_TABLE_LIMIT:
+        table = np.full(n * n, -1, dtype=np.int64)
+        table[flat] = np.arange(node.size)
+        pos_dst = table[wanted]
+        inside = np.flatnonzero(pos_dst >= 0)
+    else:
+        pos_dst = np.minimum(np.searchsorted(flat, wanted), max(flat.size - 1, 0))
+        inside = np.flatnonzero(flat[pos_dst] == wanted)
+    entry, edge_id, pos_dst = entry[inside], edge_id[inside], pos_dst[inside]
+    order = np.argsort(centre[entry] * max(src.size, 1) + edge_id, kind="stable")
     return {
         "subgraph_node_index": torch.from_numpy(node),
         "subgraph_indicator": torch.from_numpy(centre),

@@ -57,9 +57,23 @@ class EdgeGCNConv(MessagePassing):
         self.root_emb.reset_parameters()
         self.edge_encoder.reset_parameters()
 
-    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Tensor) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        edge_index: Tensor,
+        edge_attr: Tensor,
+        node_index: Optional[Tensor] = None,
+        edge_id: Optional[Tensor] = None,
+    ) -> Tensor:
+        """``node_index`` / ``edge_id`` (optional) gather the rows of ``x`` / ``edge_attr`` *after*
+        the linear maps: the result equals ``forward(x[node_index], edge_index, edge_attr[edge_id])``
+        but the maps run once per node / edge instead of once per k-subgraph entry."""
         x = self.linear(x)
+        if node_index is not None:
+            x = x[node_index]
         edge_embedding = self.edge_encoder(edge_attr)
+        if edge_id is not None:
+            edge_embedding = edge_embedding[edge_id]
         row, col = edge_index
         deg = pyg_degree(row, x.size(0), dtype=torch.float32) + 1  # counted in fp32 (exact under autocast)
         deg_inv_sqrt = deg.pow(-0.5)
@@ -131,19 +145,48 @@ class _GNNStack(nn.Module):
         for conv in self.convs:
             conv.reset_parameters()
 
-    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor]) -> Tensor:
-        hops = [x]
-        if self.gnn_type == "gine" and edge_attr is None:
-            edge_attr = x.new_zeros(edge_index.size(1), x.size(-1))
+    def forward(
+        self,
+        x: Tensor,
+        edge_index: Tensor,
+        edge_attr: Optional[Tensor],
+        node_index: Optional[Tensor] = None,
+        edge_id: Optional[Tensor] = None,
+    ) -> Tensor:
+        """Run the stack on ``(x[node_index], edge_index, edge_attr[edge_id])`` (gathers optional).
+
+        The gathers are deferred where a layer allows it (:class:`EdgeGCNConv` maps nodes and
+        edges before gathering), which saves most of the k-subgraph extractor's linear work.
+        """
+        uses_edges = self.gnn_type == "gine" or self.edge_dim is not None
+        if uses_edges and edge_attr is None and self.gnn_type != "gine":
+            raise ValueError(f"the {self.gnn_type} extractor was built for edge features but got edge_attr=None")
+        gathered: list[Optional[Tensor]] = []
+
+        def entry_edge_attr(width: int, like: Tensor) -> Tensor:
+            if not gathered:
+                if edge_attr is None:  # GINE without edge features: zero edge embeddings
+                    gathered.append(like.new_zeros(edge_index.size(1), width))
+                else:
+                    gathered.append(edge_attr if edge_id is None else edge_attr[edge_id])
+            return gathered[0]
+
+        hops = [x if node_index is None else x[node_index]] if self.concat_hops else []
+        pending = node_index  # rows of x still to be gathered
         for conv in self.convs:
-            if self.gnn_type == "gine" or self.edge_dim is not None:
-                if edge_attr is None:
-                    raise ValueError(f"the {self.gnn_type} extractor was built for edge features but got edge_attr=None")
-                x = conv(x, edge_index, edge_attr)
+            if isinstance(conv, EdgeGCNConv):
+                x = conv(x, edge_index, edge_attr, node_index=pending, edge_id=edge_id)
             else:
-                x = conv(x, edge_index)
+                if pending is not None:
+                    x = x[pending]
+                if uses_edges:
+                    x = conv(x, edge_index, entry_edge_attr(x.size(-1), x))
+                else:
+                    x = conv(x, edge_index)
+            pending = None
             x = F.relu(x)
-            hops.append(x)
+            if self.concat_hops:
+                hops.append(x)
         return torch.cat(hops, dim=-1) if self.concat_hops else x
 
 
@@ -229,8 +272,7 @@ class SubgraphExtractor(nn.Module):
         subgraph_edge_index: Tensor,
         subgraph_edge_id: Tensor,
     ) -> Tensor:
-        sub_attr = edge_attr[subgraph_edge_id] if edge_attr is not None else None
-        h = self.gnn(x[subgraph_node_index], subgraph_edge_index, sub_attr)
+        h = self.gnn(x, subgraph_edge_index, edge_attr, node_index=subgraph_node_index, edge_id=subgraph_edge_id)
         pooled = scatter(h, subgraph_indicator, dim=0, dim_size=x.size(0), reduce="sum")
         return self.out_proj(self.norm(torch.cat([x, pooled], dim=-1)))
 

@@ -79,7 +79,7 @@ def job_server():
                 time.sleep(1)
         yield address, env
     finally:
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+        for sig, wait in ((signal.SIGTERM, 8), (signal.SIGKILL, 5)):
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
@@ -104,7 +104,8 @@ def shards(tmp_path_factory):
 
 
 def _job_file(directory: Path, base: Path, name: str) -> Path:
-    values = tiny_job_dict(base, epochs=1, run_name=name, storage_path=str(directory / "ray"))
+    values = tiny_job_dict(base, epochs=1, run_name=name, storage_path=str(directory / "ray"),
+                           train_subset=300, eval_subset=100)
     values["resources"]["num_workers"] = 1
     values["mlflow"]["tracking_uri"] = f"sqlite:///{directory / 'mlflow.db'}"
     values["mlflow"]["registered_model"] = f"sat-{name}"

@@ -163,6 +163,11 @@ def test_loaded_model_equals_model_at_end_of_training(sweep):
     state = {k: v for k, v in trained.state_dict().items()}
     for key, value in loaded.model.state_dict().items():
         assert torch.equal(value, state[key]), key
+    # a shard directory as predict's input: every graph of the split, in order
+    pairs = loaded.predict_file(out.best.config["__shard_dir__"], split="test")
+    with torch.no_grad():
+        expected_tokens = [p for b in _chunks(graphs) for p in loaded.task.predict(trained(b))]
+    assert [p for _, p in pairs] == expected_tokens and pairs[0][0].startswith("test[0] graph ")
 
 
 def test_source_graphs_match_the_training_shards(sweep):
