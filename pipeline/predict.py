@@ -30,7 +30,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
