@@ -543,6 +543,9 @@ def plot_sweep(trials: list[TrialSummary], val_metric: str, path: str | os.PathL
         if t.status == "early_stopped":
             ax.plot(xs[-1], ys[-1], "x", color="red", markersize=10, markeredgewidth=2)
     ax.plot([], [], "x", color="red", markersize=10, markeredgewidth=2, label="stopped early (ASHA)")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel(val_metric)
     ax.set_title(title or f"{val_metric} per trial")

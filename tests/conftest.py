@@ -11,17 +11,13 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
+def ray_cluster():
     """One local Ray cluster for the whole test session (starting one costs ~5 s and ~1 GiB)."""
     import ray
 
+    from pipeline.cluster import init_local_ray
+
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            _temp_dir=str(tmp_path_factory.mktemp("ray")),
-            runtime_env={"env_vars": {"OUTDATED_IGNORE": "1", "DS_ACCELERATOR": "cpu"}},
-        )
+        init_local_ray(num_cpus=2, dashboard=False, log_to_driver=False, env_vars={"DS_ACCELERATOR": "cpu"})
     yield ray
     ray.shutdown()
