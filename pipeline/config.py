@@ -12,18 +12,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, field_validator
+from pydantic import TypeAdapter, ValidationError, field_validator
 
 from pipeline.train_config import MlflowConfig, ResourcesConfig, TrainConfig
 from pipeline.tune_config import TuneConfig
-from preprocessing.config import DataConfig, ShardConfig, TransformConfig
+from preprocessing.config import DataConfig, ShardConfig, StrictModel, TransformConfig
 from sat.config import SATConfig
-
-
-class StrictModel(BaseModel):
-    """Base of every config section: unknown keys are errors, values are validated."""
-
-    model_config = ConfigDict(extra="forbid", frozen=False)
 
 
 _SAT_CONFIG = TypeAdapter(SATConfig)
@@ -59,15 +53,22 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set {item!r}: expected dotted.key=value")
-        node = raw
-        parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ValueError(f"--set {key}: {part!r} is not a section")
-            node = child
-        node[parts[-1]] = yaml.safe_load(text)
+        set_dotted(raw, key, yaml.safe_load(text), where="--set ")
     return raw
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any, where: str = "") -> None:
+    """Set ``raw[a][b][c] = value`` for ``key = "a.b.c"``, creating missing sections."""
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ValueError(f"{where}{key}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
 
 
 def format_validation_error(source: str, error: ValidationError) -> str:

@@ -34,40 +34,65 @@ def flatten(values: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _client(tracking_uri: str):
+def client(tracking_uri: str):
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def open_run(tracking_uri: str, experiment: str, run_key: str, run_name: str, params: dict, config_text: str) -> str:
-    """Return the id of the MLflow run for ``run_key``, creating it (with params and config) if needed."""
-    client = _client(tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
-    escaped = run_key.replace("'", "\\'")
-    found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{escaped}'", max_results=1)
-    if found:
-        run_id = found[0].info.run_id
-        if found[0].info.status != "RUNNING":
-            client.update_run(run_id, status="RUNNING")
-        return run_id
-    run = client.create_run(exp_id, run_name=run_name, tags={RUN_KEY_TAG: run_key})
-    run_id = run.info.run_id
+def artifact_location(tracking_uri: str) -> Optional[str]:
+    """Artifacts of a SQLite store live beside the database (``<dir>/mlartifacts``), not in the
+    current directory (MLflow's default ``./mlruns``, a temporary copy in a Ray job)."""
+    if tracking_uri.startswith("sqlite:///"):
+        return (Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+    return None
+
+
+def ensure_experiment(mlflow_client, name: str, tracking_uri: str) -> str:
+    """The id of experiment ``name``, created (artifacts beside a SQLite store) if absent."""
+    exp = mlflow_client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    return mlflow_client.create_experiment(name, artifact_location=artifact_location(tracking_uri))
+
+
+def find_run(mlflow_client, experiment_id: str, tags: dict[str, str]):
+    """The first run of the experiment carrying all ``tags``, or None."""
+    clauses = " and ".join(f"tags.`{k}` = '{str(v).replace(chr(39), chr(92) + chr(39))}'" for k, v in tags.items())
+    found = mlflow_client.search_runs([experiment_id], filter_string=clauses, max_results=1)
+    return found[0] if found else None
+
+
+def log_params(mlflow_client, run_id: str, params: dict) -> None:
+    """Log a nested dict as flattened params, in batches (MLflow caps a batch at 100 params)."""
     from mlflow.entities import Param
 
     items = [Param(k, v) for k, v in flatten(params).items()]
     for i in range(0, len(items), 100):
-        client.log_batch(run_id, params=items[i : i + 100])
+        mlflow_client.log_batch(run_id, params=items[i : i + 100])
+
+
+def open_run(tracking_uri: str, experiment: str, run_key: str, run_name: str, params: dict, config_text: str) -> str:
+    """Return the id of the MLflow run for ``run_key``, creating it (with params and config) if needed."""
+    mlflow_client = client(tracking_uri)
+    exp_id = ensure_experiment(mlflow_client, experiment, tracking_uri)
+    found = find_run(mlflow_client, exp_id, {RUN_KEY_TAG: run_key})
+    if found is not None:
+        run_id = found.info.run_id
+        if found.info.status != "RUNNING":
+            mlflow_client.update_run(run_id, status="RUNNING")
+        return run_id
+    run_id = mlflow_client.create_run(exp_id, run_name=run_name, tags={RUN_KEY_TAG: run_key}).info.run_id
+    log_params(mlflow_client, run_id, params)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "job.yaml"
         path.write_text(config_text)
-        client.log_artifact(run_id, str(path))
+        mlflow_client.log_artifact(run_id, str(path))
     return run_id
 
 
 def close_run(tracking_uri: str, run_id: str, status: str) -> None:
-    _client(tracking_uri).set_terminated(run_id, status=status)
+    client(tracking_uri).set_terminated(run_id, status=status)
 
 
 class EpochLogger:
@@ -75,7 +100,7 @@ class EpochLogger:
 
     def __init__(self, tracking_uri: str, run_id: str, system_metrics: bool = True) -> None:
         self.tracking_uri, self.run_id = tracking_uri, run_id
-        self.client = _client(tracking_uri)
+        self.client = client(tracking_uri)
         self.monitor = None
         if system_metrics:
             try:

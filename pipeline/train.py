@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import signal
 import tempfile
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 
 from pipeline import checkpoint as ckpt
-from pipeline.batching import NodeBudgetSampler, padding_stats, subset_indices
+from pipeline.batching import NodeBudgetSampler, subset_indices
 from pipeline.config import JobConfig
 from pipeline.tasks import Task, make_task, task_name_for
 from pipeline.train_config import default_tracking_uri, runs_dir

@@ -13,20 +13,12 @@ import os
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from preprocessing.config import StrictModel
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 TaskName = Literal["code2", "ppa"]
-
-
-class StrictModel(BaseModel):
-    """Same rules as ``pipeline.config.StrictModel`` (unknown keys are errors).
-
-    Defined here rather than imported so that ``pipeline.config`` can import
-    these sections at its top without an import cycle.
-    """
-
-    model_config = ConfigDict(extra="forbid")
 
 
 class TrainConfig(StrictModel):

@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline.config import JobConfig, format_validation_error
+from pipeline import tracking
+from pipeline.config import JobConfig, format_validation_error, set_dotted
 from pipeline.tune_config import DATA_SECTIONS, TuneConfig, split_key
 
 log = logging.getLogger(__name__)
@@ -60,19 +61,6 @@ _TUNE_KEYS = {
 
 
 # ----------------------------------------------------------------------------- dotted keys
-def set_dotted(raw: dict, key: str, value: Any) -> None:
-    node = raw
-    parts = key.split(".")
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ValueError(f"{key}: {part!r} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
 def apply_config(raw: dict, config: dict[str, Any]) -> dict:
     """A copy of the job dict ``raw`` with a trial's sampled ``config`` set at its dotted keys."""
     out = copy.deepcopy(raw)
@@ -211,36 +199,6 @@ def _trial(config: dict[str, Any], ctx: SweepContext) -> None:
 
 
 # ----------------------------------------------------------------------------- MLflow
-def _client(tracking_uri: str):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=tracking_uri)
-
-
-def _log_params(client, run_id: str, params: dict) -> None:
-    from mlflow.entities import Param
-
-    from pipeline.tracking import flatten
-
-    items = [Param(k, v) for k, v in flatten(params).items()]
-    for i in range(0, len(items), 100):
-        client.log_batch(run_id, params=items[i : i + 100])
-
-
-def _find_run(client, experiment_id: str, tags: dict[str, str]):
-    clauses = " and ".join(f"tags.`{k}` = '{str(v).replace(chr(39), chr(92) + chr(39))}'" for k, v in tags.items())
-    found = client.search_runs([experiment_id], filter_string=clauses, max_results=1)
-    return found[0] if found else None
-
-
-def artifact_location(tracking_uri: str) -> Optional[str]:
-    """Artifacts of a SQLite store live beside the database (``<dir>/mlartifacts``), not in the
-    current directory (MLflow's default ``./mlruns``, a temporary copy in a Ray job)."""
-    if tracking_uri.startswith("sqlite:///"):
-        return (Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
-    return None
-
-
 def catch_up_metrics(client, run_id: str, checkpoint_path: str) -> int:
     """Log the epochs of a trial's Train history (its last checkpoint's ``state.json``) that its
     MLflow run lacks: an epoch reported just before an interruption never reached the driver's
@@ -360,7 +318,7 @@ class SweepLogger(_import_tune_callback()):
     @property
     def client(self):
         if self._client is None:
-            self._client = _client(self.tracking_uri)
+            self._client = tracking.client(self.tracking_uri)
         return self._client
 
     def run_id(self, trial) -> str:
@@ -368,7 +326,7 @@ class SweepLogger(_import_tune_callback()):
         if tid in self._runs:
             return self._runs[tid]
         client = self.client
-        found = _find_run(client, self.experiment_id, {SWEEP_KEY_TAG: self.sweep_key, TRIAL_TAG: tid})
+        found = tracking.find_run(client, self.experiment_id, {SWEEP_KEY_TAG: self.sweep_key, TRIAL_TAG: tid})
         if found is not None:
             run_id = found.info.run_id
             if found.info.status != "RUNNING":
@@ -380,7 +338,7 @@ class SweepLogger(_import_tune_callback()):
             run_id = run.info.run_id
             params = apply_config(self.ctx.base, trial.config)
             params["train"]["epochs"] = self.max_epochs
-            _log_params(client, run_id, params)
+            tracking.log_params(client, run_id, params)
         self._runs[tid] = run_id
         return run_id
 
@@ -604,7 +562,7 @@ def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, 
         reg = log_and_register(model, task=task, model_config=config, vocab=vocab, run_id=best.run_id,
                                tracking_uri=tracking_uri, registered_model=name, data_manifest_hash=manifest_hash,
                                metrics=metrics, extra=extra)
-    client = _client(tracking_uri)
+    client = tracking.client(tracking_uri)
     client.set_model_version_tag(name, str(reg["version"]), "satp.sweep", sweep_name)
     reg.update(promote(client, name, reg["version"], metrics.get(f"best_val_{m}"), f"best_val_{m}", mode, alias,
                        sweep_name))
@@ -742,15 +700,13 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
                        train_storage=str(sweep_dir / "train"), max_epochs=max_epochs)
 
     # MLflow: experiment and parent run before any trial starts (one writer: this process)
-    client = _client(tracking_uri)
-    exp = client.get_experiment_by_name(job.mlflow.experiment)
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(
-        job.mlflow.experiment, artifact_location=artifact_location(tracking_uri))
+    client = tracking.client(tracking_uri)
+    exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)
     sweep_key = str(sweep_dir)
-    parent = _find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, "satp.kind": "sweep"})
+    parent = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, "satp.kind": "sweep"})
     if parent is None:
         parent_id = client.create_run(exp_id, run_name=name, tags={SWEEP_KEY_TAG: sweep_key, "satp.kind": "sweep"}).info.run_id
-        _log_params(client, parent_id, {**base, "tune": job.tune.model_dump(mode="json")})
+        tracking.log_params(client, parent_id, {**base, "tune": job.tune.model_dump(mode="json")})
     else:
         parent_id = parent.info.run_id
         if parent.info.status != "RUNNING":
@@ -804,7 +760,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
 
     trials = summarize(results, metric, mode, val_metric, max_epochs, saved_states(sweep_dir))
     for t in trials:
-        found = _find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, TRIAL_TAG: t.trial_id})
+        found = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, TRIAL_TAG: t.trial_id})
         t.run_id = found.info.run_id if found is not None else None
         t.config = {**t.config, "__shard_dir__": shard_dirs[variant_key(t.config, data_keys)],
                     "__job__": trial_job(ctx, {k: v for k, v in t.config.items() if not k.startswith("__")},

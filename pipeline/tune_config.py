@@ -36,7 +36,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from preprocessing.config import StrictModel
 
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint", "quniform", "value")
 #: Keys a sweep may not vary (they identify the run or where it is logged).
@@ -45,11 +47,7 @@ FORBIDDEN_PREFIXES = ("tune", "name", "mlflow", "train.run_name", "train.storage
 DATA_SECTIONS = ("data", "transform", "shards")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Distribution(_Strict):
+class Distribution(StrictModel):
     """One search dimension: exactly one of the fields is set."""
 
     choice: Optional[list[Any]] = None
@@ -124,7 +122,7 @@ class Distribution(_Strict):
         return self.value
 
 
-class AshaConfig(_Strict):
+class AshaConfig(StrictModel):
     """Ray Tune's ``ASHAScheduler`` (time unit: epochs = ``training_iteration``)."""
 
     grace_period: int = Field(1, ge=1)
@@ -133,7 +131,7 @@ class AshaConfig(_Strict):
     brackets: int = Field(1, ge=1)
 
 
-class TuneConfig(_Strict):
+class TuneConfig(StrictModel):
     """An ASHA sweep: each trial is a full Ray Train run of the job with sampled settings."""
 
     space: dict[str, Distribution]

@@ -33,11 +33,13 @@ DATASETS = ("ogbg-code2", "ogbg-ppa")
 SPLITS = ("train", "valid", "test")
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Base of every job-file section: unknown keys are errors, values are validated."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class DataConfig(_Strict):
+class DataConfig(StrictModel):
     """Which dataset, where its OGB raw layout lives, and how to create it when absent."""
 
     name: Literal["ogbg-code2", "ogbg-ppa"]
@@ -66,7 +68,7 @@ class DataConfig(_Strict):
         return self
 
 
-class TransformConfig(_Strict):
+class TransformConfig(StrictModel):
     """Per-graph features precomputed into the shards."""
 
     #: RWPE steps p (random-walk return probabilities for 1..p steps); 0 = not stored.
@@ -87,7 +89,7 @@ class TransformConfig(_Strict):
     ppa_node_input: Literal["zeros", "edge_sum"] = "zeros"
 
 
-class ShardConfig(_Strict):
+class ShardConfig(StrictModel):
     """Where and how the Arrow shards are written."""
 
     #: Base directory; each configuration writes to ``root/<dataset>-<hash>``.

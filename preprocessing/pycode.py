@@ -28,7 +28,7 @@ import sysconfig
 import tokenize
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
