@@ -26,6 +26,7 @@ import math
 import numpy as np
 import torch
 
+from preprocessing.transforms import augment_edge
 from sat.data import SATData
 
 NUM_NODE_TYPES = 98
@@ -59,17 +60,6 @@ def _random_dfs_tree(num_nodes: int, rng: np.random.Generator) -> np.ndarray:
         parents[i - 1] = path[-1]
         path.append(i)
     return parents
-
-
-def augment_edge(ast_edges: np.ndarray, is_attributed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """OGB code2's ``augment_edge`` on numpy arrays: returns ``edge_index [2, E]``, ``edge_attr [E, 2]``."""
-    attributed = np.flatnonzero(is_attributed)
-    next_token = np.stack([attributed[:-1], attributed[1:]])
-    parts = [ast_edges, ast_edges[::-1], next_token, next_token[::-1]]
-    attrs = [(0, 0), (0, 1), (1, 0), (1, 1)]
-    edge_index = np.concatenate(parts, axis=1)
-    edge_attr = np.concatenate([np.tile(np.array(a, dtype=np.int64), (p.shape[1], 1)) for p, a in zip(parts, attrs)])
-    return edge_index, edge_attr
 
 
 def code2_like_graphs(n: int, seed: int = 0) -> list[SATData]:

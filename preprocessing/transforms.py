@@ -8,8 +8,7 @@ turns it into the dict of arrays stored in one shard row (see :mod:`preprocessin
   reverse [1, 1], AST edges [0, 0]); targets encoded to ``max_seq_len`` ids as the example's
   ``encode_y_to_arr`` (vocabulary id or ``__UNK__``, padded with ``__EOS__``); ``node_depth``.
 - ppa: ``x`` zeros ``[N, 1]`` or the summed incident edge features ``[N, 7]``.
-- RWPE (:func:`random_walk_pe`, equal to :func:`sat.encodings.random_walk_pe` to float32
-  rounding, ~10x faster on tree-like graphs), optional Laplacian PE
+- RWPE (:func:`sat.encodings.random_walk_pe`), optional Laplacian PE
   (:func:`sat.encodings.laplacian_pe`), k-hop subgraph indices
   (:func:`sat.data.k_hop_subgraph_indices`) and in-degrees (:func:`sat.encodings.node_degree`).
 """
@@ -19,11 +18,10 @@ from collections import Counter
 from typing import Iterable, Sequence
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 
 from sat.data import k_hop_subgraph_indices
-from sat.encodings import laplacian_pe, node_degree
+from sat.encodings import incident_edge_sum, laplacian_pe, node_degree, random_walk_pe
 
 UNK = "__UNK__"
 EOS = "__EOS__"
@@ -69,41 +67,6 @@ def augment_edge(edge_index: np.ndarray, node_is_attributed: np.ndarray) -> tupl
 
 
 # --------------------------------------------------------------------------- encodings
-def random_walk_pe(edge_index: np.ndarray, num_nodes: int, steps: int) -> np.ndarray:
-    """RWPE ``[(D^-1 A)^p]_ii`` for ``p = 1..steps`` as ``[N, steps]`` float32.
-
-    Same definition as :func:`sat.encodings.random_walk_pe` (undirected, no self-loops,
-    isolated nodes 0). ``(D^-1 A)^p`` has the diagonal of the symmetric
-    ``S^p = (D^-1/2 A D^-1/2)^p``; the powers ``S^1..S^h`` (``h = ceil(steps / 2)``) are built by
-    sparse-dense products (cost ``nnz * N`` each, not ``N^3``), and as ``S`` is symmetric
-    ``diag(S^(2a)) = rowsum(S^a * S^a)`` and ``diag(S^(2a-1)) = rowsum(S^(a-1) * S^a)``: two
-    dense ``N x N`` powers in memory at a time.
-    """
-    n = int(num_nodes)
-    out = np.zeros((n, steps), dtype=np.float32)
-    if n == 0 or steps == 0:
-        return out
-    e = edge_index.astype(np.int64, copy=False)
-    keep = e[0] != e[1]
-    a, b = e[0][keep], e[1][keep]
-    key = np.unique(np.concatenate([a * n + b, b * n + a]))  # undirected, duplicates collapsed
-    rows, cols = key // n, key % n
-    deg = np.bincount(rows, minlength=n)
-    inv_sqrt = np.zeros(n, dtype=np.float32)
-    np.divide(1.0, np.sqrt(deg.astype(np.float32)), out=inv_sqrt, where=deg > 0)
-    indptr = np.concatenate([[0], np.cumsum(deg)])
-    sym = sp.csr_matrix((inv_sqrt[rows] * inv_sqrt[cols], cols, indptr), shape=(n, n))
-    # diag(S^(2a)) = rowsum(S^a * S^a), diag(S^(2a-1)) = rowsum(S^(a-1) * S^a); diag(S) = 0
-    prev, cur = None, sym.toarray()
-    for power in range(1, (steps + 1) // 2 + 1):
-        if power > 1:
-            prev, cur = cur, np.asarray(sym @ cur)
-            out[:, 2 * power - 2] = np.einsum("ij,ij->i", prev, cur)
-        if 2 * power <= steps:
-            out[:, 2 * power - 1] = np.einsum("ij,ij->i", cur, cur)
-    return out
-
-
 # --------------------------------------------------------------------------- one graph
 def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | None = None) -> dict[str, np.ndarray]:
     """Transform one raw graph into the arrays of one shard row.
@@ -135,9 +98,7 @@ def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | N
         edge_attr = graph["edge_attr"].astype(np.float32, copy=False)
         out["edge_attr"] = edge_attr
         if cfg.ppa_node_input == "edge_sum":
-            x = np.zeros((n, edge_attr.shape[1]), dtype=np.float32)
-            np.add.at(x, edge_index[1], edge_attr)
-            out["x"] = x
+            out["x"] = incident_edge_sum(torch.from_numpy(edge_index), torch.from_numpy(edge_attr), n).numpy()
         else:
             out["x"] = np.zeros((n, 1), dtype=np.int64)
         out["y"] = np.asarray([graph["y"]], dtype=np.int64)
@@ -147,7 +108,7 @@ def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | N
     ei_t = torch.from_numpy(edge_index)
     out["degree"] = node_degree(ei_t, n).numpy()
     if cfg.rwpe_steps:
-        out["rwpe"] = random_walk_pe(edge_index, n, cfg.rwpe_steps)
+        out["rwpe"] = random_walk_pe(torch.from_numpy(edge_index), n, cfg.rwpe_steps).numpy()
     if cfg.lap_pe_dim:
         out["lap_pe"] = laplacian_pe(ei_t, n, cfg.lap_pe_dim).numpy()
     if cfg.k_hops:

@@ -31,7 +31,6 @@ order of the graph's nodes, zero on padding).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch

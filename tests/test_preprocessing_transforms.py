@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from preprocessing.config import TransformConfig
-from preprocessing.transforms import EOS, UNK, augment_edge, build_vocab, encode_targets, random_walk_pe, transform_graph
+from preprocessing.transforms import EOS, UNK, augment_edge, build_vocab, encode_targets, transform_graph
 from sat.data import k_hop_subgraph_indices
-from sat.encodings import random_walk_pe as reference_rwpe
 
 
 def _ogb_augment_edge(edge_index: torch.Tensor, node_is_attributed: torch.Tensor):
@@ -67,18 +66,6 @@ def test_vocab_and_targets_match_ogb():
     y = encode_targets([vocab[0], "never-seen", vocab[1]], index, 5)
     assert y.tolist() == [0, index[UNK], 1, index[EOS], index[EOS]]
     assert encode_targets([vocab[0]] * 9, index, 5).tolist() == [0] * 5
-
-
-@pytest.mark.parametrize("n,steps", [(30, 20), (200, 20), (57, 7), (12, 1)])
-def test_rwpe_matches_sat_encodings(n, steps):
-    ei, att = _tree(n, n)
-    ei, _ = augment_edge(ei, att)
-    ei = np.concatenate([ei, [[0], [0]]], axis=1)  # a self-loop is ignored by both
-    mine = random_walk_pe(ei, n + 2, steps)  # two isolated nodes
-    ref = reference_rwpe(torch.from_numpy(ei), n + 2, steps).numpy()
-    assert mine.dtype == np.float32 and mine.shape == (n + 2, steps)
-    np.testing.assert_allclose(mine, ref, atol=2e-6)
-    assert (mine[-2:] == 0).all()
 
 
 def _raw_code2(n=50, seed=3):
