@@ -308,19 +308,19 @@ def worker_loop(config: dict) -> None:
 
 
 def _should_fail(fault: dict, rank: int, epoch: int, step: int, seconds: float) -> bool:
-    """Test hook: kill this worker once, at the first step >= ``step`` that is at least
+    """Test hook: kill this worker once, at step ``step`` of epoch ``epoch``, no sooner than
     ``seconds`` into the epoch (``fault = {rank, epoch, step, seconds, marker}``).
 
     Ray Train registers a reported checkpoint when its controller next polls the workers
     (every 2 s); a worker group that dies sooner after a report resumes from the checkpoint
-    before. ``seconds`` lets a test kill deterministically after the registration."""
-    if rank != fault.get("rank", 0) or epoch != fault.get("epoch", 0):
-        return False
-    if step < fault.get("step", 0) or seconds < fault.get("seconds", 0.0):
+    before. Waiting out ``seconds`` makes the kill land after the registration, however fast
+    the epoch runs."""
+    if rank != fault.get("rank", 0) or epoch != fault.get("epoch", 0) or step < fault.get("step", 0):
         return False
     marker = Path(fault["marker"])
     if marker.exists():
         return False
+    time.sleep(max(0.0, fault.get("seconds", 0.0) - seconds))
     marker.write_text(str(os.getpid()))
     return True
 
