@@ -5,13 +5,12 @@ import argparse
 import logging
 import sys
 
+from pipeline.config import add_job_arguments
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a job on Ray Train + DeepSpeed and register the model")
-    p.add_argument("job", help="job YAML (jobs/*.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a job key, e.g. --set train.lr=3e-4 (repeatable)")
-    p.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray)")
+    add_job_arguments(p, "train.lr=3e-4")
     p.add_argument("--no-register", action="store_true", help="do not log/register the model in MLflow")
     p.set_defaults(func=cmd_train)
 

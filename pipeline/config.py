@@ -81,6 +81,14 @@ def format_validation_error(source: str, error: ValidationError) -> str:
     return f"{source}: {where}: {message}{more}"
 
 
+def add_job_arguments(parser, example: str) -> None:
+    """The arguments every job command takes: the job YAML, ``--set`` overrides, ``--address``."""
+    parser.add_argument("job", help="job YAML (jobs/*.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a job key, e.g. --set {example} (repeatable)")
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray)")
+
+
 def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     """Read, override and validate a job YAML; raise ``ValueError`` with a one-line message."""
     path = Path(path)

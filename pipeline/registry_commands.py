@@ -18,13 +18,12 @@ import json
 import logging
 import sys
 
+from pipeline.config import add_job_arguments
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="ASHA hyperparameter sweep of a job (its tune: section), logged to MLflow")
-    p.add_argument("job", help="job YAML with a tune: section (jobs/code2-sweep*.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a job key, e.g. --set tune.num_samples=8 (repeatable)")
-    p.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray)")
+    add_job_arguments(p, "tune.num_samples=8")
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("models", help="registered models: versions, aliases, metrics, data hash, commit")

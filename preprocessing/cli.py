@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from pipeline.config import add_job_arguments
+
 
 def _pycode(args: argparse.Namespace) -> int:
     from preprocessing.pycode import build_pycode
@@ -64,9 +66,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     ppa.set_defaults(func=_synthetic_ppa)
 
     pre = sub.add_parser("preprocess", help="a job's dataset into Arrow shards, in parallel on Ray")
-    pre.add_argument("job", help="job YAML")
-    pre.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a job key, e.g. --set transform.k_hops=3 (repeatable)")
-    pre.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray)")
+    add_job_arguments(pre, "transform.k_hops=3")
     pre.add_argument("--no-progress", action="store_true", help="no progress bar")
     pre.set_defaults(func=_preprocess)
