@@ -219,7 +219,7 @@ def _ray_part(lines: list[str], ray) -> None:
         arrow_bytes = sum(p.stat().st_size for p in out.glob("*.arrow"))
         lines += [
             "### 2. Ray build, 1 -> 2 workers (local Ray, 2 CPUs)",
-            f"{total} graphs, 16 shards of 250, full features (workers = 2 CPUs / `shards.cpus_per_task`; the driver writes the shards atomically):",
+            f"{total} graphs, 16 shards of 250, full features (workers = 2 CPUs / `shards.cpus_per_task`; each task writes its shard atomically):",
             "",
             "| workers | seconds | graphs/s | speed-up |",
             "|---|---|---|---|",

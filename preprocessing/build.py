@@ -4,8 +4,9 @@
 in OGB's order, optionally a seeded subset of ``data.max_graphs_per_split`` graphs, cut into
 ``shards.graphs_per_shard`` graphs), skips the shards already finished (sidecar present, same
 config hash and source fingerprint, sha256 matching), computes the others as Ray tasks (at most
-``shards.max_in_flight`` at once; each task gets its graphs' raw arrays and returns the encoded
-shard, which the driver writes atomically), and writes ``manifest.json`` last. A directory whose
+``shards.max_in_flight`` at once; each task gets its graphs' raw arrays, writes its shard atomically
+and returns its size and sha256; the driver then writes the shard's sidecar), and writes
+``manifest.json`` last. On a multi-node cluster ``shards.root`` must be shared storage. A directory whose
 manifest matches the raw files' fingerprint and whose shards all match their sha256 is returned
 without loading the dataset. Ray is started locally (and stopped afterwards) unless it is already
 initialised, ``address`` names a cluster, or ``RAY_ADDRESS`` is set (inside a Ray job).
@@ -75,7 +76,7 @@ def plan_shards(store: RawStore, data: DataConfig, shards: ShardConfig) -> list[
 
 
 def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | None) -> bytes:
-    """Transform one shard's raw graphs and encode them (the body of a Ray task)."""
+    """Transform one shard's raw graphs and encode them."""
     import torch
 
     torch.set_num_threads(1)
@@ -83,6 +84,14 @@ def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | No
     vocab_index = {w: i for i, w in enumerate(vocab)} if vocab is not None else None
     rows = [transform_graph(g, task, cfg, vocab_index) for g in iter_chunk(chunk)]
     return encode_shard(rows, column_specs(task, cfg))
+
+
+def write_shard(path: str, chunk: dict, task: str, transform: dict, vocab: list[str] | None) -> dict:
+    """The body of a Ray task: compute one shard and write it atomically where it belongs (on a
+    multi-node cluster ``shards.root`` is shared storage); only its size and checksum travel back."""
+    payload = compute_shard(chunk, task, transform, vocab)
+    atomic_write_bytes(Path(path), payload)
+    return {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
 
 
 def _shard_done(out: Path, plan: ShardPlan, key: dict) -> dict | None:
@@ -244,13 +253,13 @@ def _run_ray(pending: list[ShardPlan], store: RawStore, task: str, transform: Tr
         if address or os.environ.get("RAY_ADDRESS"):  # a cluster (inside a Ray job RAY_ADDRESS is set)
             ray.init(address=address, log_to_driver=False)
         else:
-            ray.init(include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never someone else's
         started = True
     results: dict[str, dict] = {}
     try:
-        remote = ray.remote(num_cpus=shards.cpus_per_task, max_retries=2)(compute_shard)
+        remote = ray.remote(num_cpus=shards.cpus_per_task, max_retries=2)(write_shard)
         cpus = ray.cluster_resources().get("CPU", 1.0)
-        # twice the slots: a queued task starts as soon as a worker is free, while the driver writes
+        # twice the slots: a queued task starts as soon as a worker is free
         limit = shards.max_in_flight or 2 * max(1, int(cpus // shards.cpus_per_task))
         vocab_ref = ray.put(vocab)
         tdict = transform.model_dump(mode="json")
@@ -262,22 +271,20 @@ def _run_ray(pending: list[ShardPlan], store: RawStore, task: str, transform: Tr
             def submit() -> None:
                 while queue and len(in_flight) < limit:
                     plan = queue.pop(0)
-                    in_flight[remote.remote(store.chunk(plan.ids), task, tdict, vocab_ref)] = plan
+                    in_flight[remote.remote(str(out / plan.file), store.chunk(plan.ids), task, tdict, vocab_ref)] = plan
 
             while queue or in_flight:
                 submit()
                 ready, _ = ray.wait(list(in_flight), num_returns=1)
                 finished = [(ref, in_flight.pop(ref)) for ref in ready]
-                submit()  # keep the workers busy while the driver writes
+                submit()
                 for ref, plan in finished:
                     try:
-                        payload = ray.get(ref)
+                        written = ray.get(ref)
                     except ray.exceptions.RayTaskError as exc:
                         cause = getattr(exc, "cause", None) or exc
                         raise ValueError(f"{out / plan.file}: {str(cause).splitlines()[0]}") from None
-                    atomic_write_bytes(out / plan.file, payload)
-                    meta = dict(key, file=plan.file, split=plan.split, rows=int(plan.ids.size), bytes=len(payload),
-                                sha256=hashlib.sha256(payload).hexdigest())
+                    meta = dict(key, file=plan.file, split=plan.split, rows=int(plan.ids.size), **written)
                     atomic_write_json(out / plan.sidecar, meta)
                     results[plan.file] = meta
                     bar.update(int(plan.ids.size))
