@@ -190,7 +190,34 @@ class _GNNStack(nn.Module):
         return torch.cat(hops, dim=-1) if self.concat_hops else x
 
 
-class SubtreeExtractor(nn.Module):
+class _Extractor(nn.Module):
+    """A k-layer base GNN followed by BatchNorm and a projection back to ``hidden_dim``; the
+    k-subgraph extractor also concatenates the node's own features before them."""
+
+    keeps_input = False
+
+    def __init__(
+        self,
+        hidden_dim: int,
+        gnn_type: str,
+        k: int,
+        edge_dim: Optional[int] = None,
+        concat_hops: bool = False,
+        pna_degree_histogram: Optional[Sequence[int]] = None,
+    ):
+        super().__init__()
+        self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram)
+        width = self.gnn.out_dim + (hidden_dim if self.keeps_input else 0)
+        self.norm = nn.BatchNorm1d(width)
+        self.out_proj = nn.Linear(width, hidden_dim)
+
+    def reset_parameters(self) -> None:
+        self.gnn.reset_parameters()
+        self.norm.reset_parameters()
+        self.out_proj.reset_parameters()
+
+
+class SubtreeExtractor(_Extractor):
     """k-subtree GNN extractor: ``phi(u, G) = GNN^(k)(G)_u`` (Sec. 4.1), then BatchNorm and a
     linear projection (as in the authors' ``StructureExtractor``).
 
@@ -205,30 +232,11 @@ class SubtreeExtractor(nn.Module):
     Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``.
     """
 
-    def __init__(
-        self,
-        hidden_dim: int,
-        gnn_type: str,
-        k: int,
-        edge_dim: Optional[int] = None,
-        concat_hops: bool = False,
-        pna_degree_histogram: Optional[Sequence[int]] = None,
-    ):
-        super().__init__()
-        self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram)
-        self.norm = nn.BatchNorm1d(self.gnn.out_dim)
-        self.out_proj = nn.Linear(self.gnn.out_dim, hidden_dim)
-
-    def reset_parameters(self) -> None:
-        self.gnn.reset_parameters()
-        self.norm.reset_parameters()
-        self.out_proj.reset_parameters()
-
     def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor] = None) -> Tensor:
         return self.out_proj(self.norm(self.gnn(x, edge_index, edge_attr)))
 
 
-class SubgraphExtractor(nn.Module):
+class SubgraphExtractor(_Extractor):
     """k-subgraph GNN extractor (Sec. 4.1): ``phi(u, G) = W [x_u || sum_{w in S_k(u)} GNN^(k)(S_k(u))_w]``.
 
     The GNN runs on the disjoint union of all k-hop subgraphs, laid out by the precomputed
@@ -242,24 +250,7 @@ class SubgraphExtractor(nn.Module):
     -> ``[N, d]``. Memory grows with ``S * d`` per GNN layer.
     """
 
-    def __init__(
-        self,
-        hidden_dim: int,
-        gnn_type: str,
-        k: int,
-        edge_dim: Optional[int] = None,
-        concat_hops: bool = False,
-        pna_degree_histogram: Optional[Sequence[int]] = None,
-    ):
-        super().__init__()
-        self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram)
-        self.norm = nn.BatchNorm1d(hidden_dim + self.gnn.out_dim)
-        self.out_proj = nn.Linear(hidden_dim + self.gnn.out_dim, hidden_dim)
-
-    def reset_parameters(self) -> None:
-        self.gnn.reset_parameters()
-        self.norm.reset_parameters()
-        self.out_proj.reset_parameters()
+    keeps_input = True
 
     def forward(
         self,
