@@ -42,6 +42,9 @@ def run_demo(overrides: list[str] | None = None, job_path: str | Path = LOCAL_JO
         print(f"constant {m:<9}{outcome.constant:.4f}  (best constant predictor; the model {verdict} it)")
     reg = outcome.registered or {}
     print(f"registered model  {reg.get('registered_uri')}")
+    if reg.get("registered_model"):
+        alias = f"models:/{reg['registered_model']}@champion"
+        print(f"champion          {alias} {'is this version' if reg.get('champion') else 'unchanged'} ({reg.get('reason')})")
     print(f"tracking URI      {outcome.tracking_uri}")
     print(f"elapsed           {elapsed:.0f} s")
     return 0

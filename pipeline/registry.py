@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import tempfile
@@ -30,6 +31,7 @@ from pipeline.tasks import Task, make_task
 from sat.config import SATConfig
 
 META_FILE = "satp_model.json"
+CHAMPION = "champion"  # the alias that serves a model name: the best version by validation metric
 FORMAT = 1
 
 
@@ -155,3 +157,63 @@ def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
     task = make_task(task_state.pop("name"), vocab=vocab, **task_state)
     config = SATConfig.from_dict(meta["model_config"])
     return LoadedModel(model=model, task=task, model_config=config, vocab=vocab, info=meta)
+
+
+def finite_float(v: Any) -> Optional[float]:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def better(new: Optional[float], old: Optional[float], mode: str) -> bool:
+    """Whether ``new`` beats ``old`` under ``mode`` (``max``/``min``); a missing ``new`` never does."""
+    if new is None or not math.isfinite(new):
+        return False
+    if old is None or not math.isfinite(old):
+        return True
+    return new > old if mode == "max" else new < old
+
+
+def promote(client, name: str, version: int, value: Optional[float], metric_key: str, mode: str, alias: str,
+            why: str) -> dict[str, Any]:
+    """Move ``alias`` to ``version`` of ``name`` if ``value`` beats the current holder's ``metric_key`` tag.
+
+    The replaced version is tagged ``satp.replaced_by`` and ``satp.replaced_reason``; the
+    candidate is tagged ``satp.champion_decision`` either way. Returns ``{"champion", "reason"}``.
+    """
+    from mlflow.exceptions import MlflowException
+
+    current = None
+    try:
+        current = client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        current = None
+    if current is not None and int(current.version) == int(version):
+        return {"champion": True, "reason": "already the champion"}
+    old_value = finite_float(current.tags.get(f"metric.{metric_key}")) if current is not None else None
+    if value is not None and math.isfinite(value):
+        value = float(f"{value:.6g}")  # the precision of the metric tags: equal there is not better
+    if current is None:
+        reason = f"no {alias} yet"
+        promoted = True
+    elif better(value, old_value, mode):
+        reason = (f"{metric_key} {value:.6g} {'>' if mode == 'max' else '<'} "
+                  f"{'unknown' if old_value is None else f'{old_value:.6g}'} of version {current.version}")
+        promoted = True
+    else:
+        shown = "none" if value is None else f"{value:.6g}"
+        reason = (f"{metric_key} {shown} does not beat {old_value:.6g} of version {current.version} "
+                  f"(the {alias})")
+        promoted = False
+    if promoted:
+        client.set_registered_model_alias(name, alias, str(version))
+        if current is not None:
+            client.set_model_version_tag(name, current.version, "satp.replaced_by", str(version))
+            client.set_model_version_tag(
+                name, current.version, "satp.replaced_reason",
+                f"{alias} moved to version {version} ({why}): {reason}")
+    client.set_model_version_tag(name, str(version), "satp.champion_decision",
+                                 f"{'promoted' if promoted else 'not promoted'} to {alias}: {reason}")
+    return {"champion": promoted, "reason": reason}

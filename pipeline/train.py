@@ -545,7 +545,8 @@ def train_job(
 
 
 def _log_best_model(job: JobConfig, setup: WorkerSetup, task: Task, state: dict, best_weights: dict) -> dict:
-    from pipeline.registry import log_and_register
+    from pipeline import tracking
+    from pipeline.registry import CHAMPION, log_and_register, promote
 
     config = SATConfig.from_dict(setup.model_config)
     model = build_model(config)
@@ -558,7 +559,7 @@ def _log_best_model(job: JobConfig, setup: WorkerSetup, task: Task, state: dict,
         metrics[f"constant_{metric}"] = state["constant"]
     name = job.mlflow.registered_model or f"sat-{task.name}"
     _log_attention_plot(job, setup, model, task)
-    return log_and_register(
+    registered = log_and_register(
         model,
         task=task,
         model_config=config,
@@ -570,6 +571,10 @@ def _log_best_model(job: JobConfig, setup: WorkerSetup, task: Task, state: dict,
         metrics={k: v for k, v in metrics.items() if v is not None},
         extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json"), **_input_spec(setup.shard_dir)},
     )
+    # the same rule as sweeps: the alias moves only to a version with a better validation metric
+    registered.update(promote(tracking.client(job.mlflow.tracking_uri), name, registered["version"],
+                              best["val"], f"best_val_{metric}", task.mode, CHAMPION, f"run {job.train.run_name}"))
+    return registered
 
 
 def _input_spec(shard_dir: str) -> dict:

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline import tracking
+from pipeline import registry, tracking
 from pipeline.config import JobConfig, format_validation_error, set_dotted
 from pipeline.tune_config import DATA_SECTIONS, TuneConfig, split_key
 
@@ -136,14 +136,6 @@ def task_metric(job: JobConfig) -> tuple[str, str, str]:
     if name not in classes:
         raise ValueError(f"unknown task {name!r}")
     return name, classes[name].metric, classes[name].mode
-
-
-def _better(new: Optional[float], old: Optional[float], mode: str) -> bool:
-    if new is None or not math.isfinite(new):
-        return False
-    if old is None or not math.isfinite(old):
-        return True
-    return new > old if mode == "max" else new < old
 
 
 # ----------------------------------------------------------------------------- the trial
@@ -456,7 +448,7 @@ def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
                 if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
                     curve.append((int(epoch), float(v)))
                 m = row.get(metric)
-                if isinstance(m, (int, float)) and math.isfinite(m) and (best is None or _better(m, best, mode)):
+                if isinstance(m, (int, float)) and math.isfinite(m) and (best is None or registry.better(m, best, mode)):
                     best = float(m)
                 if row.get("checkpoint_path") and isinstance(row.get("checkpoint_path"), str):
                     checkpoint_path = row["checkpoint_path"]
@@ -472,16 +464,8 @@ def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
             status = "finished"
         config = dict(result.config or (trial.config if trial is not None else {}) or {})
         out.append(TrialSummary(tid, config, status, epochs, best,
-                                _float(best_val), _float(best_test), curve, checkpoint_path))
+                                registry.finite_float(best_val), registry.finite_float(best_test), curve, checkpoint_path))
     return out
-
-
-def _float(v: Any) -> Optional[float]:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
 
 
 def plot_sweep(trials: list[TrialSummary], val_metric: str, path: str | os.PathLike, title: str = "") -> None:
@@ -564,52 +548,9 @@ def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, 
                                metrics=metrics, extra=extra)
     client = tracking.client(tracking_uri)
     client.set_model_version_tag(name, str(reg["version"]), "satp.sweep", sweep_name)
-    reg.update(promote(client, name, reg["version"], metrics.get(f"best_val_{m}"), f"best_val_{m}", mode, alias,
+    reg.update(registry.promote(client, name, reg["version"], metrics.get(f"best_val_{m}"), f"best_val_{m}", mode, alias,
                        sweep_name))
     return reg
-
-
-def promote(client, name: str, version: int, value: Optional[float], metric_key: str, mode: str, alias: str,
-            why: str) -> dict[str, Any]:
-    """Move ``alias`` to ``version`` of ``name`` if ``value`` beats the current holder's ``metric_key`` tag.
-
-    The replaced version is tagged ``satp.replaced_by`` and ``satp.replaced_reason``; the
-    candidate is tagged ``satp.champion_decision`` either way. Returns ``{"champion", "reason"}``.
-    """
-    from mlflow.exceptions import MlflowException
-
-    current = None
-    try:
-        current = client.get_model_version_by_alias(name, alias)
-    except MlflowException:
-        current = None
-    if current is not None and int(current.version) == int(version):
-        return {"champion": True, "reason": "already the champion"}
-    old_value = _float(current.tags.get(f"metric.{metric_key}")) if current is not None else None
-    if value is not None and math.isfinite(value):
-        value = float(f"{value:.6g}")  # the precision of the metric tags: equal there is not better
-    if current is None:
-        reason = f"no {alias} yet"
-        promoted = True
-    elif _better(value, old_value, mode):
-        reason = (f"{metric_key} {value:.6g} {'>' if mode == 'max' else '<'} "
-                  f"{'unknown' if old_value is None else f'{old_value:.6g}'} of version {current.version}")
-        promoted = True
-    else:
-        shown = "none" if value is None else f"{value:.6g}"
-        reason = (f"{metric_key} {shown} does not beat {old_value:.6g} of version {current.version} "
-                  f"(the {alias})")
-        promoted = False
-    if promoted:
-        client.set_registered_model_alias(name, alias, str(version))
-        if current is not None:
-            client.set_model_version_tag(name, current.version, "satp.replaced_by", str(version))
-            client.set_model_version_tag(
-                name, current.version, "satp.replaced_reason",
-                f"{alias} moved to version {version} ({why}): {reason}")
-    client.set_model_version_tag(name, str(version), "satp.champion_decision",
-                                 f"{'promoted' if promoted else 'not promoted'} to {alias}: {reason}")
-    return {"champion": promoted, "reason": reason}
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -777,7 +718,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     ok = [t for t in trials if t.status != "error" and t.best is not None]
     best = None
     for t in ok:
-        if best is None or _better(t.best, best.best, mode):
+        if best is None or registry.better(t.best, best.best, mode):
             best = t
 
     with tempfile.TemporaryDirectory() as tmp:

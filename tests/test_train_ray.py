@@ -99,6 +99,10 @@ def test_two_worker_deepspeed_run_learns_and_registers(tiny, tmp_path):
     assert reg["registered_uri"] == f"models:/sat-tiny/{reg['version']}"
     version = client.get_model_version("sat-tiny", str(reg["version"]))
     assert version.tags["data_manifest_hash"] and version.tags["git_commit"] and version.tags["task"] == "code2"
+    # the champion alias follows the validation metric: this version holds it iff it was promoted
+    champion = client.get_model_version_by_alias("sat-tiny", "champion")
+    assert (int(champion.version) == int(reg["version"])) == reg["champion"]
+    assert version.tags["satp.champion_decision"].startswith("promoted" if reg["champion"] else "not promoted")
 
     loaded = load_model(reg["registered_uri"], tracking_uri=outcome.tracking_uri)
     assert loaded.task.name == "code2" and loaded.vocab and loaded.info["data_manifest_hash"]

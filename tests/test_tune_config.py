@@ -93,7 +93,7 @@ class FakeVersion:
 
 
 class FakeClient:
-    """The four MlflowClient calls :func:`pipeline.tune.promote` makes."""
+    """The four MlflowClient calls :func:`pipeline.registry.promote` makes."""
 
     def __init__(self, versions, alias=None):
         self.versions = {int(v.version): v for v in versions}
@@ -114,7 +114,7 @@ class FakeClient:
 
 
 def test_champion_moves_only_to_a_better_version():
-    from pipeline.tune import promote
+    from pipeline.registry import promote
 
     client = FakeClient([FakeVersion(1, {"metric.best_val_f1": "0.30"}), FakeVersion(2, {}), FakeVersion(3, {})])
     first = promote(client, "m", 1, 0.30, "best_val_f1", "max", "champion", "sweep a")

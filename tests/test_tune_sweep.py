@@ -255,7 +255,7 @@ def test_champion_moves_only_for_a_better_version_in_the_registry(sweep):
     one takes it and the replaced version is tagged with the reason."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.tune import promote
+    from pipeline.registry import promote
 
     client = MlflowClient(sweep["uri"])
     champion = client.get_model_version_by_alias("sat-t", "champion")
