@@ -8,6 +8,13 @@ decay, stepped once per optimizer step by the engine.
 Mixed precision is DeepSpeed's ``torch_autocast`` (weights and optimizer state
 in fp32, forward under ``torch.autocast``): bf16 on CPUs and GPUs that support
 it, fp16 (with a gradient scaler) on GPUs that lack bf16, or plain fp32.
+
+The optimizer step (:func:`optimizer_step`) avoids per-parameter work on the host: AdamW is
+torch's fused (CUDA) or foreach implementation, and without ZeRO partitioning (stage 0, no fp16
+scaler) gradients are clipped here with one foreach norm instead of DeepSpeed's loop over the
+parameters (a norm kernel, a host-made tensor and a multiply per parameter). With one rank,
+DeepSpeed's gradient all-reduce (flatten, all-reduce, copy back) is switched off: it has nothing
+to reduce.
 """
 from __future__ import annotations
 
@@ -51,7 +58,7 @@ def deepspeed_config(train: TrainConfig, precision: str, world_size: int) -> dic
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if train.grad_clip > 0:
+    if train.grad_clip > 0 and not clips_outside_deepspeed(train, precision):
         config["gradient_clipping"] = float(train.grad_clip)
     if precision in ("bf16", "fp16"):
         config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16" if precision == "bf16" else "float16"}
@@ -74,13 +81,22 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float = 0.0, c
     return factor
 
 
+def clips_outside_deepspeed(train: TrainConfig, precision: str) -> bool:
+    """Whether :func:`optimizer_step` clips the gradients itself (whole, unscaled gradients on
+    every rank: ZeRO stage 0 without the fp16 gradient scaler)."""
+    return train.zero_stage == 0 and precision != "fp16"
+
+
 def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, steps_per_epoch: int, world_size: int):
     """``deepspeed.initialize`` with AdamW and the warm-up + cosine schedule; returns the engine."""
     import deepspeed
 
     if "RANK" not in os.environ:
         raise RuntimeError("DeepSpeed needs RANK/WORLD_SIZE/MASTER_ADDR (run inside a Ray Train worker)")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+    on_cuda = next(model.parameters()).is_cuda or os.environ.get("DS_ACCELERATOR") == "cuda"
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=train.lr, weight_decay=train.weight_decay, **({"fused": True} if on_cuda else {})
+    )
     schedule = warmup_cosine(
         total_steps=steps_per_epoch * train.epochs,
         warmup_steps=round(steps_per_epoch * train.warmup_epochs),
@@ -94,7 +110,17 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, ste
         lr_scheduler=scheduler,
         config=deepspeed_config(train, precision, world_size),
     )
+    if world_size == 1:
+        engine.enable_backward_allreduce = False  # one rank: nothing to reduce
     return engine
+
+
+def optimizer_step(engine, grad_clip: float, clip_here: bool) -> None:
+    """Clip (when this module owns clipping, see :func:`clips_outside_deepspeed`) and step the
+    engine: optimizer, zeroed gradients, lr schedule. Reads nothing back from the device."""
+    if clip_here and grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), grad_clip)  # foreach where supported
+    engine.step()
 
 
 def current_lr(engine) -> float:

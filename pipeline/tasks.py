@@ -60,13 +60,27 @@ class Task:
         raise NotImplementedError
 
     def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        """The mean loss over the batch's :meth:`batch_size` units."""
+        raise NotImplementedError
+
+    def batch_size(self, batch: Any) -> int:
+        """The number of units the loss averages over (graphs; nodes for node tasks), from the host."""
+        return int(batch.num_graphs)
+
+    def predictions(self, output: torch.Tensor) -> torch.Tensor:
+        """Per-graph predictions as a tensor on the output's device (no host transfer)."""
+        raise NotImplementedError
+
+    def decode(self, predictions: torch.Tensor) -> list:
+        """:meth:`predictions` (on the CPU) as plain Python objects, cheap to gather across ranks."""
         raise NotImplementedError
 
     def predict(self, output: torch.Tensor) -> list:
-        """Per-graph predictions (plain Python objects, cheap to gather across ranks)."""
-        raise NotImplementedError
+        """Per-graph predictions as plain Python objects."""
+        return self.decode(self.predictions(output).cpu())
 
     def targets(self, batch: Any) -> list:
+        """Per-graph targets as plain Python objects (read from a CPU batch)."""
         raise NotImplementedError
 
     def score(self, predictions: Sequence, targets: Sequence) -> float:
@@ -113,7 +127,8 @@ class Code2Task(Task):
         y = batch.y.view(-1, self.max_seq_len)
         return F.cross_entropy(output.float().reshape(-1, output.size(-1)), y.reshape(-1))
 
-    def decode(self, ids: Sequence[int]) -> list[str]:
+    def decode_ids(self, ids: Sequence[int]) -> list[str]:
+        """Subtokens of one id sequence, up to the first ``__EOS__``."""
         out = []
         for i in ids:
             if int(i) == self.eos:
@@ -121,14 +136,16 @@ class Code2Task(Task):
             out.append(self.vocab[int(i)])
         return out
 
-    def predict(self, output: torch.Tensor) -> list:
-        ids = output.argmax(-1).cpu().tolist()
-        return [self.decode(row) for row in ids]
+    def predictions(self, output: torch.Tensor) -> torch.Tensor:
+        return output.argmax(-1)  # [B, max_seq_len] subtoken ids
+
+    def decode(self, predictions: torch.Tensor) -> list:
+        return [self.decode_ids(row) for row in predictions.tolist()]
 
     def targets(self, batch: Any) -> list:
         tokens = getattr(batch, "y_tokens", None)
         if tokens is None:  # fall back to the encoded targets
-            return [self.decode(row) for row in batch.y.view(-1, self.max_seq_len).tolist()]
+            return [self.decode_ids(row) for row in batch.y.view(-1, self.max_seq_len).tolist()]
         return [list(t) for t in tokens]
 
     def score(self, predictions: Sequence, targets: Sequence) -> float:
@@ -213,8 +230,11 @@ class PPATask(Task):
     def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
         return F.cross_entropy(output.float(), batch.y.view(-1).long())
 
-    def predict(self, output: torch.Tensor) -> list:
-        return output.argmax(-1).cpu().tolist()
+    def predictions(self, output: torch.Tensor) -> torch.Tensor:
+        return output.argmax(-1)
+
+    def decode(self, predictions: torch.Tensor) -> list:
+        return predictions.tolist()
 
     def targets(self, batch: Any) -> list:
         return batch.y.view(-1).cpu().tolist()

@@ -1,4 +1,4 @@
-"""Distributed training: the worker loop and :func:`train_job`, which builds and fits the trainer.
+"""Distributed training, the driver side: :func:`train_job` checks a job, builds and fits the trainer.
 
 :func:`train_job` is the reusable entry point (the CLI's ``satp train``, the
 demo and Tune trials call it): it validates everything it can in the driver
@@ -7,24 +7,17 @@ starts), opens the MLflow run, fits a Ray Train V2 ``TorchTrainer`` whose
 workers run :func:`worker_loop`, and, only when the fit succeeded, logs and
 registers the best model.
 
-Each worker: reads its share of the shards through the preprocessing reader,
-builds :class:`sat.SAT` from the job's model config (completed by the task) and
-a DeepSpeed engine (:mod:`pipeline.engine`), then per epoch trains on its
-node-budget batches (:mod:`pipeline.batching`), evaluates its share of the
-validation and test batches, gathers the predictions, and reports metrics and a
-checkpoint (:mod:`pipeline.checkpoint`) with ``ray.train.report`` (every rank,
-once per epoch). Rank 0 logs to MLflow (:mod:`pipeline.tracking`). A rerun with
-the same run name and storage path resumes from the last checkpoint, and so
-does a retry after a worker died (``FailureConfig``).
+The workers (:mod:`pipeline.worker`) train, evaluate, checkpoint and report every
+epoch; rank 0 logs to MLflow (:mod:`pipeline.tracking`). A rerun with the same run
+name and storage path resumes from the last checkpoint, and so does a retry after a
+worker died (``FailureConfig``).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-import signal
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,297 +25,14 @@ import numpy as np
 import torch
 
 from pipeline import checkpoint as ckpt
-from pipeline.batching import NodeBudgetSampler, subset_indices
 from pipeline.config import JobConfig
+from pipeline.loader import open_split
 from pipeline.tasks import Task, make_task, task_name_for
 from pipeline.train_config import default_tracking_uri, runs_dir
+from pipeline.worker import WorkerSetup, build_model, worker_loop
 from sat.config import SATConfig
 
 log = logging.getLogger(__name__)
-
-TRAIN_SAMPLE_FOR_BASELINE = 20000
-
-
-# ----------------------------------------------------------------------------- helpers
-def collate(items: list) -> Any:
-    from torch_geometric.data import Batch
-
-    return Batch.from_data_list(items)
-
-
-def open_split(shard_dir: str | Path, split: str):
-    from preprocessing.reader import ShardDataset
-
-    return ShardDataset(shard_dir, split)
-
-
-def build_model(config: SATConfig) -> torch.nn.Module:
-    import sat
-
-    return sat.SAT(config)
-
-
-def _gather(obj: Any) -> list:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out: list = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-    return [obj]
-
-
-def _sum_across(values: list[float], device) -> list[float]:
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    return batch.to(device) if device.type != "cpu" else batch
-
-
-def _unzip(parts: list[tuple[list, list]]) -> tuple[list, list]:
-    preds, targets = [], []
-    for p, t in parts:
-        preds.extend(p)
-        targets.extend(t)
-    return preds, targets
-
-
-@dataclasses.dataclass
-class WorkerSetup:
-    """Everything a worker needs, resolved in the driver (plain, picklable)."""
-
-    job: JobConfig
-    shard_dir: str
-    model_config: dict
-    task_name: str
-    task_state: dict
-    precision: str
-    run_id: Optional[str]
-    tracking_uri: Optional[str]
-    fault: Optional[dict] = None
-
-
-# ----------------------------------------------------------------------------- worker
-def evaluate(engine, task: Task, dataset, sampler: NodeBudgetSampler, device) -> tuple[list, list]:
-    """This rank's (predictions, targets) over its share of the split's batches."""
-    engine.eval()
-    preds: list = []
-    targets: list = []
-    with torch.no_grad():
-        for idx in sampler:
-            batch = _to(collate([dataset[i] for i in idx]), device)
-            out = engine(batch)
-            preds.extend(task.predict(out))
-            targets.extend(task.targets(batch))
-    return preds, targets
-
-
-def worker_loop(config: dict) -> None:
-    """``train_loop_per_worker`` of the TorchTrainer (``config = {"setup": WorkerSetup}``)."""
-    import ray.train
-
-    setup: WorkerSetup = config["setup"]
-    job, train = setup.job, setup.job.train
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    use_gpu = job.resources.use_gpu
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_gpu else "cpu")
-    torch.set_num_threads(job.resources.torch_threads or max(1, int(job.resources.cpus_per_worker)))
-    if use_gpu:
-        import ray.train.torch as rtt
-
-        device = rtt.get_device()
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-
-    train_ds = open_split(setup.shard_dir, "train")
-    task = make_task(setup.task_name, vocab=train_ds.vocab, **setup.task_state)
-    val_ds, test_ds = open_split(setup.shard_dir, "valid"), open_split(setup.shard_dir, "test")
-
-    def sampler(ds, shuffle: bool, subset: Optional[int]) -> NodeBudgetSampler:
-        return NodeBudgetSampler(
-            np.asarray(ds.num_nodes),
-            train.node_budget if shuffle else (train.eval_node_budget or 2 * train.node_budget),
-            rank=rank,
-            world_size=world,
-            shuffle=shuffle,
-            seed=train.seed,
-            bucket_size=train.bucket_size,
-            max_graphs=train.max_graphs_per_batch,
-            indices=subset_indices(len(ds), subset, train.seed),
-        )
-
-    train_sampler = sampler(train_ds, True, train.train_subset)
-    val_sampler = sampler(val_ds, False, train.eval_subset)
-    test_sampler = sampler(test_ds, False, train.eval_subset)
-
-    torch.manual_seed(train.seed)
-    model = build_model(SATConfig.from_dict(setup.model_config))
-    from pipeline.engine import build_engine, current_lr
-
-    from pipeline.engine import resolve_precision
-
-    precision = resolve_precision(setup.precision, use_gpu)  # "auto" is resolved where the GPU is
-    engine = build_engine(model, train, precision, len(train_sampler), world)
-
-    state: dict[str, Any] = {
-        "epoch": -1,
-        "sampler": train_sampler.state_dict(),
-        "best": {"epoch": -1, "val": None, "test": None},
-        "history": [],
-        "constant": None,
-        "mlflow_run_id": setup.run_id,
-        "task": setup.task_state | {"name": setup.task_name},
-        "model_config": setup.model_config,
-    }
-    best_weights: Optional[dict] = None
-    restored = ray.train.get_checkpoint()
-    if restored is not None:
-        with restored.as_directory() as directory:
-            state = ckpt.restore(directory, engine)
-            if rank == 0:
-                best_weights = ckpt.load_best_weights(directory)
-        train_sampler.load_state_dict(state["sampler"])
-        log.info("rank %d resumed after epoch %d", rank, state["epoch"])
-
-    logger = None
-    if rank == 0 and setup.run_id and setup.tracking_uri:
-        from pipeline.tracking import EpochLogger
-
-        logger = EpochLogger(setup.tracking_uri, setup.run_id, job.mlflow.log_system_metrics)
-        logger.catch_up(state["history"])
-        logger.client.set_tag(setup.run_id, "satp.precision", precision)
-        logger.client.set_tag(setup.run_id, "satp.world_size", str(world))
-
-    from torch.utils.data import DataLoader
-
-    loader = DataLoader(
-        train_ds,
-        batch_sampler=train_sampler,
-        collate_fn=collate,
-        num_workers=train.loader_workers,
-        persistent_workers=train.loader_workers > 0,
-    )
-    metric = task.metric
-    baseline_targets: list = []
-    try:
-        for epoch in range(state["epoch"] + 1, train.epochs):
-            train_sampler.set_epoch(epoch)
-            engine.train()
-            t0 = time.perf_counter()
-            wait = step_time = 0.0
-            loss_sum, n_graphs, n_steps = 0.0, 0, 0
-            train_preds: list = []
-            train_targets: list = []
-            it = iter(loader)
-            step = 0
-            while True:
-                t_fetch = time.perf_counter()
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
-                batch = _to(batch, device)
-                t_step = time.perf_counter()
-                wait += t_step - t_fetch
-                if setup.fault and _should_fail(setup.fault, rank, epoch, step, time.perf_counter() - t0):
-                    os.kill(os.getpid(), signal.SIGKILL)
-                out = engine(batch)
-                loss = task.loss(out, batch)
-                engine.backward(loss)
-                engine.step()
-                loss_sum += loss.item() * batch.num_graphs
-                n_graphs += batch.num_graphs
-                n_steps += 1
-                train_preds.extend(task.predict(out.detach()))
-                train_targets.extend(task.targets(batch))
-                step_time += time.perf_counter() - t_step
-                step += 1
-                if rank == 0 and step % train.log_every_steps == 0:
-                    log.info("epoch %d step %d/%d loss %.4f", epoch, step, len(train_sampler), loss.item())
-            train_seconds = time.perf_counter() - t0
-            if not baseline_targets and state["constant"] is None:
-                baseline_targets = train_targets[:TRAIN_SAMPLE_FOR_BASELINE]
-            loss_total, graphs_total, wait_total, step_total = _sum_across(
-                [loss_sum, n_graphs, wait, step_time], device
-            )
-            gathered = _gather((train_preds, train_targets))
-            metrics: dict[str, Any] = {
-                "epoch": epoch,
-                "train_loss": loss_total / max(graphs_total, 1),
-                "lr": current_lr(engine),
-                "graphs_per_s": graphs_total / max(train_seconds, 1e-9),
-                "data_wait_frac": wait_total / max(wait_total + step_total, 1e-9),
-                "epoch_seconds": train_seconds,
-                f"train_{metric}": task.score(*_unzip(gathered)) if rank == 0 else None,
-            }
-            if (epoch + 1) % train.eval_every == 0 or epoch == train.epochs - 1:
-                t_eval = time.perf_counter()
-                val = _gather(evaluate(engine, task, val_ds, val_sampler, device))
-                test = _gather(evaluate(engine, task, test_ds, test_sampler, device))
-                metrics["eval_seconds"] = time.perf_counter() - t_eval
-                if rank == 0:
-                    val_score = task.score(*_unzip(val))
-                    test_preds, test_targets = _unzip(test)
-                    metrics[f"val_{metric}"] = val_score
-                    metrics[f"test_{metric}"] = task.score(test_preds, test_targets)
-                    if state["constant"] is None:
-                        state["constant"] = task.constant_baseline(baseline_targets, test_targets)
-                    best = state["best"]
-                    better = best["val"] is None or (
-                        val_score > best["val"] if task.mode == "max" else val_score < best["val"]
-                    )
-                    if better:
-                        state["best"] = {"epoch": epoch, "val": val_score, "test": metrics[f"test_{metric}"]}
-                        best_weights = {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
-            if rank == 0:
-                metrics[f"constant_{metric}"] = state["constant"]
-                metrics[f"best_val_{metric}"] = state["best"]["val"]
-                metrics[f"best_test_{metric}"] = state["best"]["test"]
-                metrics["best_epoch"] = state["best"]["epoch"]
-            metrics = {k: v for k, v in metrics.items() if v is not None}
-            state["epoch"] = epoch
-            state["sampler"] = train_sampler.state_dict()
-            if rank == 0:
-                state["history"].append(metrics)
-            with tempfile.TemporaryDirectory(prefix="satp-ckpt-") as directory:
-                ckpt.save(directory, engine, state, best_weights, rank)
-                has_files = any(p.is_file() for p in Path(directory).rglob("*"))
-                checkpoint = ray.train.Checkpoint.from_directory(directory) if has_files else None
-                ray.train.report(metrics, checkpoint=checkpoint)
-            if logger is not None:
-                logger.log_metrics(metrics, step=epoch)
-                logger.log_curves(state["history"], metric)
-            if rank == 0:
-                log.info("epoch %d: %s", epoch, {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
-    finally:
-        if logger is not None:
-            logger.close()
-
-
-def _should_fail(fault: dict, rank: int, epoch: int, step: int, seconds: float) -> bool:
-    """Test hook: kill this worker once, at step ``step`` of epoch ``epoch``, no sooner than
-    ``seconds`` into the epoch (``fault = {rank, epoch, step, seconds, marker}``).
-
-    Ray Train registers a reported checkpoint when its controller next polls the workers
-    (every 2 s); a worker group that dies sooner after a report resumes from the checkpoint
-    before. Waiting out ``seconds`` makes the kill land after the registration, however fast
-    the epoch runs."""
-    if rank != fault.get("rank", 0) or epoch != fault.get("epoch", 0) or step < fault.get("step", 0):
-        return False
-    marker = Path(fault["marker"])
-    if marker.exists():
-        return False
-    time.sleep(max(0.0, fault.get("seconds", 0.0) - seconds))
-    marker.write_text(str(os.getpid()))
-    return True
 
 
 # ----------------------------------------------------------------------------- driver
@@ -598,7 +308,9 @@ def _log_attention_plot(job: JobConfig, setup: WorkerSetup, model: torch.nn.Modu
         test = open_split(setup.shard_dir, "test")
         sizes = np.asarray(test.num_nodes)
         index = int(np.argsort(sizes)[len(sizes) // 2])  # a median-size graph
-        batch = collate([test[index]])
+        from torch_geometric.data import Batch
+
+        batch = Batch.from_data_list([test[index]])
         with torch.no_grad():
             attn = model.cls_attention(batch)
         if isinstance(attn, (list, tuple)):

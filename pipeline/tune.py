@@ -508,7 +508,8 @@ def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, 
     from pipeline.predict import input_spec
     from pipeline.registry import log_and_register
     from pipeline.tasks import make_task
-    from pipeline.train import build_model, open_split
+    from pipeline.loader import open_split
+    from pipeline.worker import build_model
     from sat.config import SATConfig
 
     if not best.checkpoint_path:

@@ -8,15 +8,22 @@ representations* rather than node features:
 Queries and keys come from the structure extractor's output ``phi`` (see
 :mod:`sat.extractors`), values from the node features ``x``. Every node attends
 to every node of its own graph (a mini-batch is a disjoint union of graphs, so
-attention never crosses graph boundaries).
+attention never crosses graph boundaries; :class:`sat.layout.GraphLayout` says where
+each graph's nodes are).
 
-Two interchangeable implementations share the same parameters:
+Three implementations share the same parameters:
 
-* ``dense`` (default): graphs are padded into ``[G, L, H, D]`` blocks (like
+* ``varlen`` (GPU): the packed nodes go straight into FlashAttention-2's
+  variable-length kernel (:func:`torch.nn.attention.varlen.varlen_attn`, torch >= 2.10),
+  one sequence per graph, no padding, no mask, no per-shape plan. CUDA with bf16/fp16
+  inputs only, and without attention dropout (the kernel has none).
+* ``dense``: graphs are padded into ``[G, L, H, D]`` blocks (like
   :func:`torch_geometric.utils.to_dense_batch`) and fed to
   :func:`torch.nn.functional.scaled_dot_product_attention` with an additive
   float mask over padded keys. Graphs are grouped by size into a few blocks so
-  that one large graph does not pad a whole batch to its size.
+  that one large graph does not pad a whole batch to its size. On CUDA the cuDNN
+  backend is excluded: it builds an execution plan per exact shape (0.15-0.8 s each on
+  Hopper), and the blocks change shape with nearly every batch.
 * ``sparse``: scatter softmax over the list of all intra-graph node pairs, the
   formulation of the authors' code. It is the reference for tests and the
   benchmark baseline. The per-pair products (scores and weighted values) run in
@@ -25,12 +32,18 @@ Two interchangeable implementations share the same parameters:
   ``sum_g n_g^2 * d`` (the authors' code keeps the ``[pairs, d]`` gathers:
   19.6 GB at the benchmark settings).
 
+``auto`` (the default) takes ``varlen`` where it applies (CUDA, bf16/fp16 inputs under
+autocast, no attention dropout in training, no attention weights requested) and ``dense``
+everywhere else, so the model computes the same function on every device: only the
+kernel differs. With ``attn_dropout > 0`` in training, ``auto`` stays on ``dense``.
+
 Attention weights, when requested, are returned densely as ``[B, H, L, L]``
 (``L`` the largest graph of the batch; row = query, column = key, both in the
 order of the graph's nodes, zero on padding).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -38,99 +51,29 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch_geometric.utils import softmax
 
-ATTENTION_IMPLS = ("dense", "sparse")
+from .layout import GraphLayout
+
+ATTENTION_IMPLS = ("auto", "varlen", "dense", "sparse")
+_HALF = (torch.bfloat16, torch.float16)
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None
 
 
-class GraphLayout:
-    """Index bookkeeping of a mini-batch of graphs, computed once per forward pass and
-    shared by all layers' attention.
+def varlen_available() -> bool:
+    """Whether this torch build has the packed variable-length attention kernel and a GPU."""
+    return _varlen_attn is not None and torch.cuda.is_available()
 
-    Args:
-        batch: ``[N]`` graph id of every node, sorted (PyG's ``Batch.batch``).
-        num_graphs: ``B``.
-        bucket_ratio: dense attention groups graphs whose sizes differ by at most this
-            factor into one padded block; ``None`` pads all graphs to the largest one.
-    """
 
-    def __init__(self, batch: Tensor, num_graphs: int, bucket_ratio: Optional[float] = 1.5) -> None:
-        self.batch = batch
-        self.num_graphs = int(num_graphs)
-        self.num_nodes = batch.numel()
-        self.counts = torch.bincount(batch, minlength=self.num_graphs)
-        self.ptr = torch.cat([self.counts.new_zeros(1), self.counts.cumsum(0)])
-        self.local_index = torch.arange(self.num_nodes, device=batch.device) - self.ptr[batch]
-        self.bucket_ratio = bucket_ratio
-        self._sizes: Optional[list[int]] = None
-        self._groups: dict[bool, list[tuple[Tensor, Tensor, int, int]]] = {}
-        self._pairs: Optional[tuple[Tensor, Tensor]] = None
+def _sdpa_backends(device: torch.device):
+    """SDPA without cuDNN on CUDA (see the module docstring); the default choice elsewhere."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    @property
-    def sizes(self) -> list[int]:
-        """Number of nodes of every graph (a host copy, taken once)."""
-        if self._sizes is None:
-            self._sizes = self.counts.tolist()
-        return self._sizes
-
-    @property
-    def max_nodes(self) -> int:
-        return max(self.sizes, default=0)
-
-    def dense_groups(self, bucketed: bool = True) -> list[tuple[Tensor, Tensor, int, int]]:
-        """Padded blocks for dense attention.
-
-        Returns a list of ``(nodes, flat, G, L)``: the ids of the block's nodes ``[n]``, their
-        position ``graph_slot * L + local_index`` in the block ``[G, L]``, the number of graph
-        slots ``G`` and the padded length ``L``. Unbucketed, there is one block whose slot of
-        graph ``g`` is ``g`` (so it can be returned as ``[B, ...]``).
-        """
-        bucketed = bucketed and self.bucket_ratio is not None
-        if bucketed in self._groups:
-            return self._groups[bucketed]
-        device = self.batch.device
-        if not bucketed:
-            nodes = torch.arange(self.num_nodes, device=device)
-            L = self.max_nodes
-            groups = [(nodes, self.batch * L + self.local_index, self.num_graphs, L)]
-        else:
-            sizes = self.sizes
-            order = sorted((g for g in range(self.num_graphs) if sizes[g] > 0), key=lambda g: -sizes[g])
-            runs: list[list[int]] = []
-            for g in order:
-                if runs and sizes[g] * self.bucket_ratio >= sizes[runs[-1][0]]:
-                    runs[-1].append(g)
-                else:
-                    runs.append([g])
-            if len(runs) == 1 and len(runs[0]) == self.num_graphs:
-                groups = self.dense_groups(bucketed=False)
-            else:
-                slot = torch.full((self.num_graphs,), -1, dtype=torch.long)
-                group_of = torch.full((self.num_graphs,), -1, dtype=torch.long)
-                for gid, run in enumerate(runs):
-                    slot[run] = torch.arange(len(run))
-                    group_of[run] = gid
-                slot, group_of = slot.to(device), group_of.to(device)
-                node_group = group_of[self.batch]
-                groups = []
-                for gid, run in enumerate(runs):
-                    nodes = (node_group == gid).nonzero().view(-1)
-                    L = sizes[run[0]]
-                    flat = slot[self.batch[nodes]] * L + self.local_index[nodes]
-                    groups.append((nodes, flat, len(run), L))
-        self._groups[bucketed] = groups
-        return groups
-
-    def pairs(self) -> tuple[Tensor, Tensor]:
-        """All intra-graph ordered node pairs ``(target, source)``, each ``[sum_g n_g^2]``,
-        sorted by target (sparse attention)."""
-        if self._pairs is None:
-            size_of_node = self.counts[self.batch]
-            device = self.batch.device
-            tgt = torch.repeat_interleave(torch.arange(self.num_nodes, device=device), size_of_node)
-            start = size_of_node.cumsum(0) - size_of_node
-            offset = torch.arange(tgt.numel(), device=device) - torch.repeat_interleave(start, size_of_node)
-            src = self.ptr[self.batch][tgt] + offset
-            self._pairs = (tgt, src)
-        return self._pairs
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _chunk_size(width: int) -> int:
@@ -210,8 +153,9 @@ class StructureAwareAttention(nn.Module):
     Args:
         hidden_dim: ``d``, split into ``num_heads`` heads of ``d / num_heads``.
         num_heads: ``H``.
-        dropout: dropout on the attention weights.
-        impl: ``"dense"`` or ``"sparse"`` (same parameters; switchable at any time).
+        dropout: dropout on the attention weights (``varlen`` has none; ``auto`` then uses ``dense``).
+        impl: ``"auto"``, ``"varlen"``, ``"dense"`` or ``"sparse"`` (same parameters; switchable
+            at any time; see the module docstring).
         bias: bias of the query/key/value projections (off, as in the authors' code).
 
     Shapes:
@@ -219,7 +163,7 @@ class StructureAwareAttention(nn.Module):
         ``weights`` is ``None`` or ``[B, H, L, L]`` (see the module docstring).
     """
 
-    def __init__(self, hidden_dim: int, num_heads: int, dropout: float = 0.0, impl: str = "dense", bias: bool = False):
+    def __init__(self, hidden_dim: int, num_heads: int, dropout: float = 0.0, impl: str = "auto", bias: bool = False):
         super().__init__()
         if hidden_dim % num_heads:
             raise ValueError(f"hidden_dim {hidden_dim} is not divisible by num_heads {num_heads}")
@@ -251,11 +195,34 @@ class StructureAwareAttention(nn.Module):
         q, k = self.to_qk(x_struct).chunk(2, dim=-1)
         v = self.to_v(x)
         q, k, v = (t.reshape(-1, H, D) for t in (q, k, v))
-        if self.impl == "sparse":
+        impl = self.resolve_impl(q, return_attention)
+        if impl == "varlen":
+            out, weights = self._varlen(q, k, v, layout), None
+        elif impl == "sparse":
             out, weights = self._sparse(q, k, v, layout, return_attention)
         else:
             out, weights = self._dense(q, k, v, layout, return_attention)
         return self.out_proj(out.reshape(-1, H * D)), weights
+
+    def resolve_impl(self, q: Tensor, return_attention: bool = False) -> str:
+        """The implementation that runs for queries ``q`` (``auto`` resolved; ``varlen`` checked)."""
+        dropout_active = self.training and self.dropout > 0
+        usable = _varlen_attn is not None and q.is_cuda and q.dtype in _HALF and not dropout_active
+        if self.impl == "auto":
+            return "varlen" if usable and not return_attention else "dense"
+        if self.impl == "varlen" and (not usable or return_attention):
+            raise ValueError(
+                "attention 'varlen' needs torch >= 2.10, CUDA tensors in bf16/fp16 (autocast), no attention "
+                f"dropout in training and no attention weights (got {q.device.type} {q.dtype}, "
+                f"attn_dropout {self.dropout}); use attention 'auto' to fall back to 'dense'"
+            )
+        return self.impl
+
+    def _varlen(self, q: Tensor, k: Tensor, v: Tensor, layout: GraphLayout) -> Tensor:
+        # one sequence per graph; the kernel wants a unit stride on the head dimension only,
+        # but q and k are column halves of one projection: make them dense rows
+        cu, L = layout.cu_seqlens, layout.max_nodes
+        return _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, L, L)
 
     def _sparse(self, q: Tensor, k: Tensor, v: Tensor, layout: GraphLayout, return_attention: bool):
         tgt, src = layout.pairs()
@@ -294,9 +261,10 @@ class StructureAwareAttention(nn.Module):
                 weights = attn * valid.view(G, 1, L, 1).to(attn.dtype)
                 res = F.dropout(attn, p=self.dropout, training=self.training) @ blocks[2]
             else:
-                res = F.scaled_dot_product_attention(
-                    blocks[0], blocks[1], blocks[2], attn_mask=mask, dropout_p=self.dropout if self.training else 0.0
-                )
+                with _sdpa_backends(q.device):
+                    res = F.scaled_dot_product_attention(
+                        blocks[0], blocks[1], blocks[2], attn_mask=mask, dropout_p=self.dropout if self.training else 0.0
+                    )
             parts.append((nodes, res.transpose(1, 2).reshape(G * L, H, D)[flat]))
         if len(parts) == 1 and parts[0][0].numel() == layout.num_nodes:
             return parts[0][1], weights  # one block holding every node, in order

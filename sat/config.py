@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_type_hints
 
-AttentionImpl = Literal["dense", "sparse"]
+AttentionImpl = Literal["auto", "varlen", "dense", "sparse"]
 ExtractorKind = Literal["subtree", "subgraph"]
 GNNType = Literal["gcn", "gin", "gine", "sage", "pna"]
 NodeEncoderKind = Literal["embedding", "linear", "code2_ast", "constant", "edge_sum"]
@@ -14,6 +14,8 @@ PEKind = Literal["none", "rwpe", "lap"]
 Readout = Literal["mean", "sum", "cls"]
 NormKind = Literal["batch", "layer"]
 HeadKind = Literal["graph_classification", "graph_regression", "node_classification", "code2_sequence"]
+
+EDGE_AWARE_GNNS = ("gcn", "gine", "pna")  # base GNNs that can take edge features
 
 
 @dataclass
@@ -30,7 +32,7 @@ class SATConfig:
     ffn_ratio: float = 2.0
     dropout: float = 0.2
     attn_dropout: float = 0.0
-    attention: AttentionImpl = "dense"
+    attention: AttentionImpl = "auto"  # auto: varlen on CUDA in bf16/fp16, else dense (sat.attention)
     norm: NormKind = "batch"
     pre_norm: bool = False
     degree_scaling: bool = True  # x + attn / sqrt(deg); always off for the [CLS] readout
@@ -93,6 +95,18 @@ class SATConfig:
     @property
     def effective_edge_dim(self) -> int:
         return self.edge_dim or self.hidden_dim
+
+    @property
+    def uses_edge_features(self) -> bool:
+        """Whether edge features reach the model (only through an edge-aware base GNN)."""
+        return (
+            self.k_hops > 0 and self.edge_encoder != "none" and self.use_edge_attr and self.gnn_type in EDGE_AWARE_GNNS
+        )
+
+    @property
+    def needs_subgraphs(self) -> bool:
+        """Whether a batch must carry the k-hop subgraph indices (k-subgraph extractor)."""
+        return self.extractor == "subgraph" and self.k_hops > 0
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SATConfig":

@@ -29,8 +29,9 @@ from torch_geometric.nn import GCNConv, GINConv, GINEConv, MessagePassing, PNACo
 from torch_geometric.utils import degree as pyg_degree
 from torch_geometric.utils import scatter
 
+from .config import EDGE_AWARE_GNNS
+
 GNN_TYPES = ("gcn", "gin", "gine", "sage", "pna")
-EDGE_AWARE_GNNS = ("gcn", "gine", "pna")  # GNNs that can take edge features
 PNA_AGGREGATORS = ["mean", "min", "max", "std"]
 PNA_SCALERS = ["identity", "amplification", "attenuation"]
 
@@ -118,11 +119,6 @@ def gnn_layer(
             hidden_dim, hidden_dim, PNA_AGGREGATORS, PNA_SCALERS, deg, edge_dim=edge_dim, towers=towers, divide_input=True
         )
     raise ValueError(f"unknown gnn_type {gnn_type!r}; expected one of {list(GNN_TYPES)}")
-
-
-def takes_edge_attr(gnn_type: str, use_edge_attr: bool) -> bool:
-    """Whether a base GNN of this type consumes (encoded) edge features."""
-    return use_edge_attr and gnn_type in EDGE_AWARE_GNNS
 
 
 class _GNNStack(nn.Module):

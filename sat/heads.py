@@ -24,6 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch_geometric.utils import scatter
 
+from .layout import GraphLayout
+
 READOUTS = ("mean", "sum", "cls")
 HEADS = ("graph_classification", "graph_regression", "node_classification", "code2_sequence")
 
@@ -38,9 +40,10 @@ def pool_nodes(x: Tensor, graph_index: Tensor, num_graphs: int, reduce: str) -> 
 class ClsToken(nn.Module):
     """A learned [CLS] node per graph, placed before the graph's nodes.
 
-    :meth:`attach` returns the node features ``[N + B, d]`` and the remapped graph layout: the
+    :meth:`attach` returns the node features ``[N + B, d]`` and the remapped indices: the
     new id of real node ``i`` of graph ``g`` is ``i + g + 1`` and graph ``g``'s [CLS] node sits at
-    ``ptr[g] + g``, so nodes stay sorted by graph. The [CLS] node has no edges; for the k-subgraph
+    ``ptr[g] + g``, so nodes stay sorted by graph (:class:`sat.layout.GraphLayout` with
+    ``cls_token=True`` holds both maps). The [CLS] node has no edges; for the k-subgraph
     extractor its subgraph is itself (one entry, no edges).
     """
 
@@ -53,30 +56,19 @@ class ClsToken(nn.Module):
         nn.init.normal_(self.token, std=hidden_std(self.token.size(1)))
 
     def attach(
-        self,
-        x: Tensor,
-        graph_index: Tensor,
-        ptr: Tensor,
-        edge_index: Tensor,
-        subgraph: Optional[dict[str, Tensor]] = None,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[dict[str, Tensor]]]:
-        """Returns ``(x, graph_index, edge_index, node_pos, cls_pos, subgraph)`` in the new layout."""
-        num_graphs = ptr.numel() - 1
-        n = x.size(0)
-        device = x.device
-        node_pos = torch.arange(n, device=device) + graph_index + 1
-        cls_pos = ptr[:-1] + torch.arange(num_graphs, device=device)
-        out = x.new_empty(n + num_graphs, x.size(1))
+        self, x: Tensor, edge_index: Tensor, subgraph: Optional[dict[str, Tensor]], layout: GraphLayout
+    ) -> tuple[Tensor, Tensor, Optional[dict[str, Tensor]]]:
+        """Insert the [CLS] nodes: returns ``(x [N + B, d], edge_index, subgraph)`` in the ids of
+        ``layout`` (a :class:`sat.layout.GraphLayout` built with ``cls_token=True``)."""
+        node_pos, cls_pos = layout.real_index, layout.cls_index
+        out = x.new_empty(layout.num_nodes, x.size(1))
         out[node_pos] = x
-        out[cls_pos] = self.token.to(x.dtype).expand(num_graphs, -1)
-        new_index = torch.empty(n + num_graphs, dtype=graph_index.dtype, device=device)
-        new_index[node_pos] = graph_index
-        new_index[cls_pos] = torch.arange(num_graphs, device=device, dtype=graph_index.dtype)
+        out[cls_pos] = self.token.to(x.dtype).expand(layout.num_graphs, -1)
         if subgraph is not None:
             subgraph = dict(subgraph)
             subgraph["subgraph_node_index"] = torch.cat([node_pos[subgraph["subgraph_node_index"]], cls_pos])
             subgraph["subgraph_indicator"] = torch.cat([node_pos[subgraph["subgraph_indicator"]], cls_pos])
-        return out, new_index, node_pos[edge_index], node_pos, cls_pos, subgraph
+        return out, node_pos[edge_index], subgraph
 
 
 def hidden_std(dim: int) -> float:

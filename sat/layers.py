@@ -18,7 +18,8 @@ from typing import Optional, Sequence
 
 from torch import Tensor, nn
 
-from .attention import GraphLayout, StructureAwareAttention
+from .attention import StructureAwareAttention
+from .layout import GraphLayout
 from .extractors import SubgraphExtractor, build_extractor
 
 
@@ -38,7 +39,7 @@ class SATLayer(nn.Module):
         ffn_ratio: FFN width = ``ffn_ratio * hidden_dim``.
         dropout: dropout on the attention output, inside and after the FFN.
         attn_dropout: dropout on the attention weights.
-        attention: ``dense`` or ``sparse`` (see :mod:`sat.attention`).
+        attention: ``auto``, ``varlen``, ``dense`` or ``sparse`` (see :mod:`sat.attention`).
         norm: ``batch`` or ``layer``.
         pre_norm: normalise before each sub-block instead of after.
         extractor, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram: the
@@ -57,7 +58,7 @@ class SATLayer(nn.Module):
         ffn_ratio: float = 2.0,
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
-        attention: str = "dense",
+        attention: str = "auto",
         norm: str = "batch",
         pre_norm: bool = False,
         extractor: str = "subtree",

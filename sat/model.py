@@ -26,14 +26,16 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from .attention import GraphLayout
+from .attention import ATTENTION_IMPLS
 from .config import SATConfig
 from .data import SUBGRAPH_KEYS
 from .encoders import EdgeEncoder, NodeEncoder, PositionalEncoder
 from .encodings import node_degree
-from .extractors import GNN_TYPES, takes_edge_attr
+from .extractors import GNN_TYPES
 from .heads import ClsToken, Head, pool_nodes
 from .layers import SATLayer
+from .layout import GraphLayout
+from .validation import validate_batch
 
 
 class SAT(nn.Module):
@@ -62,9 +64,7 @@ class SAT(nn.Module):
         self.node_encoder = NodeEncoder(config)
         self.pe_encoder = PositionalEncoder(config) if config.pe != "none" else None
         # edge features reach the model only through edge-aware base GNNs
-        self.uses_edge_attr = (
-            config.k_hops > 0 and config.edge_encoder != "none" and takes_edge_attr(config.gnn_type, config.use_edge_attr)
-        )
+        self.uses_edge_attr = config.uses_edge_features
         self.edge_encoder = EdgeEncoder(config) if self.uses_edge_attr else None
         edge_dim = config.effective_edge_dim if self.uses_edge_attr else None
         self.layers = nn.ModuleList(
@@ -92,7 +92,7 @@ class SAT(nn.Module):
 
     @property
     def needs_subgraphs(self) -> bool:
-        return self.config.extractor == "subgraph" and self.config.k_hops > 0
+        return self.config.needs_subgraphs
 
     def reset_parameters(self) -> None:
         for m in (self.node_encoder, self.pe_encoder, self.edge_encoder, self.final_norm, self.cls, self.head):
@@ -102,78 +102,57 @@ class SAT(nn.Module):
             layer.reset_parameters()
 
     def set_attention(self, impl: str) -> None:
-        """Switch every layer to the ``dense`` or ``sparse`` attention (same parameters)."""
-        if impl not in ("dense", "sparse"):
-            raise ValueError(f"attention: expected 'dense' or 'sparse', got {impl!r}")
+        """Switch every layer to another attention implementation (same parameters; see
+        :mod:`sat.attention`: ``auto``, ``varlen``, ``dense``, ``sparse``)."""
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention: expected one of {list(ATTENTION_IMPLS)}, got {impl!r}")
         for layer in self.layers:
             layer.attn.impl = impl
 
     # ------------------------------------------------------------------ validation
     def validate(self, batch: Any) -> None:
-        """Raise a one-line :class:`ValueError` for inputs this model cannot use."""
-        edge_index = getattr(batch, "edge_index", None)
+        """Raise a one-line :class:`ValueError` for inputs this model cannot use
+        (:func:`sat.validation.validate_batch`)."""
+        validate_batch(self.config, batch)
+
+    def layout(self, batch: Any) -> GraphLayout:
+        """The batch's :class:`sat.layout.GraphLayout` for this model: the one it carries as
+        ``batch.graph_layout`` (built on the host by the data loader, see
+        :meth:`GraphLayout.from_sizes`) when it matches, else one built here."""
         n = batch.num_nodes
-        if n is None or n < 1:
-            raise ValueError("the batch has no nodes")
-        if edge_index is None or edge_index.dim() != 2 or edge_index.size(0) != 2 or edge_index.is_floating_point():
-            shape = None if edge_index is None else list(edge_index.shape)
-            raise ValueError(f"edge_index must be an integer tensor of shape [2, E], got {shape}")
-        if edge_index.numel() and (edge_index.min() < 0 or edge_index.max() >= n):
-            raise ValueError(
-                f"edge_index holds node ids outside [0, {n}) (min {int(edge_index.min())}, max {int(edge_index.max())})"
-            )
         graph_index = getattr(batch, "batch", None)
-        if graph_index is not None:
-            if graph_index.numel() != n:
-                raise ValueError(f"batch.batch has {graph_index.numel()} entries for {n} nodes")
-            if graph_index.numel() > 1 and bool((graph_index[1:] < graph_index[:-1]).any()):
-                raise ValueError("batch.batch must be sorted (nodes grouped by graph, as Batch.from_data_list makes)")
-        deg = getattr(batch, "degree", None)
-        if deg is not None and deg.numel() != n:
-            raise ValueError(f"batch.degree has {deg.numel()} entries for {n} nodes")
-        if self.uses_edge_attr:
-            ea = getattr(batch, "edge_attr", None)
-            if ea is None:
-                raise ValueError(
-                    f"gnn_type={self.config.gnn_type!r} with use_edge_attr=True needs batch.edge_attr "
-                    "(or set model.use_edge_attr: false / model.edge_encoder: none)"
-                )
-            if ea.size(0) != edge_index.size(1):
-                raise ValueError(f"edge_attr has {ea.size(0)} rows for {edge_index.size(1)} edges")
-        if self.needs_subgraphs:
-            missing = [k for k in SUBGRAPH_KEYS if getattr(batch, k, None) is None]
-            if missing:
-                raise ValueError(
-                    f"extractor='subgraph' needs the k-hop subgraph indices; the batch lacks {missing} "
-                    "(compute them with sat.add_subgraph_indices(data, k) or the preprocessing stage)"
-                )
-            sni, ind = batch.subgraph_node_index, batch.subgraph_indicator
-            if sni.numel() != ind.numel():
-                raise ValueError("subgraph_node_index and subgraph_indicator differ in length")
-            for name, t, hi in (
-                ("subgraph_node_index", sni, n),
-                ("subgraph_indicator", ind, n),
-                ("subgraph_edge_index", batch.subgraph_edge_index, sni.numel()),
-                ("subgraph_edge_id", batch.subgraph_edge_id, edge_index.size(1)),
-            ):
-                if t.numel() and (t.min() < 0 or t.max() >= hi):
-                    raise ValueError(f"{name} holds ids outside [0, {hi})")
+        num_graphs = 1 if graph_index is None else int(getattr(batch, "num_graphs", None) or int(graph_index.max()) + 1)
+        cls = self.cls is not None
+        layout = getattr(batch, "graph_layout", None)
+        if isinstance(layout, GraphLayout) and layout.matches(num_graphs, n, cls):
+            return layout
+        if graph_index is None:
+            sizes = [n]
+        else:
+            sizes = torch.bincount(graph_index.detach().cpu(), minlength=num_graphs).numpy()
+        return GraphLayout.from_sizes(sizes, self.bucket_ratio, cls_token=cls).to(batch.edge_index.device)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, batch: Any, return_attention: bool = False) -> Union[Tensor, tuple[Tensor, list[Tensor]]]:
-        """Run the model on a PyG batch; see the module docstring for inputs and outputs."""
-        self.validate(batch)
+    def forward(
+        self, batch: Any, return_attention: bool = False, validate: bool = True
+    ) -> Union[Tensor, tuple[Tensor, list[Tensor]]]:
+        """Run the model on a PyG batch; see the module docstring for inputs and outputs.
+
+        ``validate=False`` skips :meth:`validate`, whose value checks read tensors back to the
+        host: for batches checked already on the CPU (the training pipeline does so in its
+        data-loading workers). Without any device-to-host read and with ``batch.graph_layout``
+        built on the host, the forward pass does not synchronise with the accelerator.
+        """
+        if validate:
+            self.validate(batch)
         cfg = self.config
         n = batch.num_nodes
         edge_index = batch.edge_index.long()
-        device = edge_index.device
+        layout = self.layout(batch)
+        num_graphs = layout.num_graphs
         graph_index = getattr(batch, "batch", None)
         if graph_index is None:
-            graph_index = torch.zeros(n, dtype=torch.long, device=device)
-            num_graphs = 1
-        else:
-            graph_index = graph_index.long()
-            num_graphs = int(getattr(batch, "num_graphs", None) or int(graph_index.max()) + 1)
+            graph_index = torch.zeros(n, dtype=torch.long, device=edge_index.device)
 
         x = self.node_encoder(batch)
         if self.pe_encoder is not None:
@@ -187,13 +166,8 @@ class SAT(nn.Module):
             deg = node_degree(edge_index, n) if deg is None else deg.float().clamp(min=1.0)
             degree_scale = deg.rsqrt()
 
-        node_pos = cls_pos = None
         if self.cls is not None:
-            ptr = torch.cat([graph_index.new_zeros(1), torch.bincount(graph_index, minlength=num_graphs).cumsum(0)])
-            x, graph_index, edge_index, node_pos, cls_pos, subgraph = self.cls.attach(
-                x, graph_index, ptr, edge_index, subgraph
-            )
-        layout = GraphLayout(graph_index, num_graphs, self.bucket_ratio)
+            x, edge_index, subgraph = self.cls.attach(x, edge_index, subgraph, layout)
 
         attention = []
         for layer in self.layers:
@@ -204,13 +178,11 @@ class SAT(nn.Module):
             x = self.final_norm(x)
 
         if self.head.node_level:
-            out = self.head(x if node_pos is None else x[node_pos])
+            out = self.head(x if layout.real_index is None else x[layout.real_index])
+        elif self.cls is not None:
+            out = self.head(x[layout.cls_index])
         else:
-            if cls_pos is not None:
-                h = x[cls_pos]
-            else:
-                h = pool_nodes(x, graph_index, num_graphs, cfg.readout)
-            out = self.head(h)
+            out = self.head(pool_nodes(x, graph_index, num_graphs, cfg.readout))
         return (out, attention) if return_attention else out
 
     @torch.no_grad()

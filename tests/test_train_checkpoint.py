@@ -22,8 +22,9 @@ import torch
 from torch_geometric.data import Batch
 from sat import SAT, SATConfig, SATData
 from pipeline import checkpoint as ckpt
-from pipeline.engine import build_engine
+from pipeline.engine import build_engine, clips_outside_deepspeed
 from pipeline.tasks import Code2Task
+from pipeline.train_step import TrainStep
 from pipeline.train_config import TrainConfig
 
 mode, directory, precision = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -47,12 +48,11 @@ model = SAT(cfg)
 train = TrainConfig(epochs=2, warmup_epochs=0.5, lr=1e-2, grad_clip=1.0)
 engine = build_engine(model, train, precision, steps_per_epoch=4, world_size=1)
 
+train_step = TrainStep(engine, task, train.grad_clip, clips_outside_deepspeed(train, precision))
+
 def step(b):
     engine.train()
-    loss = task.loss(engine(b), b)
-    engine.backward(loss)
-    engine.step()
-    return float(loss)
+    return float(train_step(b)[1])
 
 out = {}
 if mode == "save":

@@ -73,7 +73,9 @@ def _runs(tracking_uri: str, experiment: str = "tiny"):
 @pytest.mark.slow
 def test_two_worker_deepspeed_run_learns_and_registers(tiny, tmp_path):
     from pipeline.registry import load_model
-    from pipeline.train import collate, open_split, train_job
+    from torch_geometric.data import Batch
+
+    from pipeline.train import open_split, train_job
 
     base, shards = tiny
     outcome = train_job(_job(base, run_name="learns", epochs=4), shard_dir=shards)
@@ -107,7 +109,7 @@ def test_two_worker_deepspeed_run_learns_and_registers(tiny, tmp_path):
     loaded = load_model(reg["registered_uri"], tracking_uri=outcome.tracking_uri)
     assert loaded.task.name == "code2" and loaded.vocab and loaded.info["data_manifest_hash"]
     test = open_split(shards, "test")
-    batch = collate([test[i] for i in range(8)])
+    batch = Batch.from_data_list([test[i] for i in range(8)])
     preds = loaded.task.predict(loaded.model(batch))
     assert len(preds) == 8 and all(isinstance(p, list) for p in preds)
 

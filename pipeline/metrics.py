@@ -1,0 +1,73 @@
+"""Training metrics of a worker: accumulated on the device during an epoch, reduced across ranks
+once at its end (a step never reads a value back to the host), plus the collectives that gather
+per-graph predictions for OGB's evaluators on rank 0."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def gather_objects(obj: Any) -> list:
+    """``obj`` of every rank (rank order); ``[obj]`` without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def concat_gathered(parts: list[tuple[list, list]]) -> tuple[list, list]:
+    """``(predictions, targets)`` of every rank, concatenated."""
+    preds, targets = [], []
+    for p, t in parts:
+        preds.extend(p)
+        targets.extend(t)
+    return preds, targets
+
+
+def sum_across(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise sum of ``values`` over the ranks."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+class EpochMeter:
+    """One epoch of one rank: loss summed on the device (weighted by graphs), host counters, timing.
+
+    ``data_wait`` is the time the loop spent blocked on the data loader.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.graphs = 0
+        self.steps = 0
+        self.data_wait = 0.0
+        self.started = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, graphs: int) -> None:
+        self.loss_sum += loss.detach().float() * graphs
+        self.graphs += graphs
+        self.steps += 1
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    def reduce(self, device: torch.device) -> dict[str, float]:
+        """The epoch's figures over all ranks (a collective: every rank calls it)."""
+        seconds = self.seconds
+        loss, graphs, wait, rank_seconds = sum_across([float(self.loss_sum), self.graphs, self.data_wait, seconds], device)
+        return {
+            "train_loss": loss / max(graphs, 1),
+            "graphs_per_s": graphs / max(seconds, 1e-9),
+            "data_wait_frac": wait / max(rank_seconds, 1e-9),
+            "epoch_seconds": seconds,
+        }

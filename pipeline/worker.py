@@ -1,0 +1,273 @@
+"""The Ray Train worker: ``train_loop_per_worker`` of the TorchTrainer that :func:`pipeline.train.train_job` fits.
+
+Each worker (one DeepSpeed rank) builds its parts once (:class:`WorkerRun`): data loaders over its
+share of the node-budget batches (:mod:`pipeline.loader`, :mod:`pipeline.batching`), the model
+and DeepSpeed engine (:mod:`pipeline.engine`), the loop state restored from Ray Train's last
+checkpoint, and on rank 0 the MLflow logger (:mod:`pipeline.tracking`). Then, per epoch:
+
+* :meth:`WorkerRun.train_epoch`: the steps (:class:`pipeline.train_step.TrainStep`), the loss
+  accumulated on the device (:class:`pipeline.metrics.EpochMeter`), a sample of the batches'
+  predictions kept for the train metric (decoded at the end of the epoch, never per step);
+* :meth:`WorkerRun.evaluate_epoch`: validation and test predictions, gathered to rank 0, OGB's
+  metric, the best epoch by validation;
+* :meth:`WorkerRun.report`: a checkpoint (:mod:`pipeline.checkpoint`) and the metrics through
+  ``ray.train.report`` (every rank, once per epoch), then MLflow.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from pipeline import checkpoint as ckpt
+from pipeline.batching import NodeBudgetSampler, subset_indices
+from pipeline.config import JobConfig
+from pipeline.engine import build_engine, clips_outside_deepspeed, current_lr, resolve_precision
+from pipeline.loader import BatchCollator, make_loader, open_split, to_device
+from pipeline.metrics import EpochMeter, concat_gathered, gather_objects
+from pipeline.tasks import make_task
+from pipeline.train_step import TrainStep, evaluate
+from sat.config import SATConfig
+
+log = logging.getLogger(__name__)
+
+TRAIN_SAMPLE_FOR_BASELINE = 20000  # train targets kept for the best constant predictor
+TRAIN_METRIC_BATCHES = 32  # about this many batches per epoch feed the train metric
+
+
+def build_model(config: SATConfig) -> torch.nn.Module:
+    import sat
+
+    return sat.SAT(config)
+
+
+@dataclasses.dataclass
+class WorkerSetup:
+    """Everything a worker needs, resolved in the driver (plain, picklable)."""
+
+    job: JobConfig
+    shard_dir: str
+    model_config: dict
+    task_name: str
+    task_state: dict
+    precision: str
+    run_id: Optional[str]
+    tracking_uri: Optional[str]
+    fault: Optional[dict] = None
+
+
+def worker_loop(config: dict) -> None:
+    """``train_loop_per_worker`` of the TorchTrainer (``config = {"setup": WorkerSetup}``)."""
+    run = WorkerRun(config["setup"])
+    try:
+        for epoch in range(run.state["epoch"] + 1, run.job.train.epochs):
+            metrics = run.train_epoch(epoch)
+            train = run.job.train
+            if (epoch + 1) % train.eval_every == 0 or epoch == train.epochs - 1:
+                metrics.update(run.evaluate_epoch(epoch))
+            run.report(epoch, metrics)
+    finally:
+        run.close()
+
+
+class WorkerRun:
+    """The parts of one worker's training run; see the module docstring."""
+
+    def __init__(self, setup: WorkerSetup) -> None:
+        import ray.train
+
+        self.setup = setup
+        self.job = job = setup.job
+        train = job.train
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        use_gpu = job.resources.use_gpu
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_gpu else "cpu")
+        torch.set_num_threads(job.resources.torch_threads or max(1, int(job.resources.cpus_per_worker)))
+        if use_gpu:
+            import ray.train.torch as rtt
+
+            self.device = rtt.get_device()
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+
+        train_ds = open_split(setup.shard_dir, "train")
+        self.task = make_task(setup.task_name, vocab=train_ds.vocab, **setup.task_state)
+        model_config = SATConfig.from_dict(setup.model_config)
+        collator = BatchCollator(model_config)
+        pin = self.device.type == "cuda"
+        self.train_sampler = self._sampler(train_ds, shuffle=True)
+        self.train_loader = make_loader(train_ds, self.train_sampler, collator, train.loader_workers, pin)
+        self.eval_loaders = {
+            split: make_loader(ds, self._sampler(ds, shuffle=False), collator, train.loader_workers, pin)
+            for split, ds in ((s, open_split(setup.shard_dir, s)) for s in ("valid", "test"))
+        }
+
+        torch.manual_seed(train.seed)
+        model = build_model(model_config)
+        self.precision = resolve_precision(setup.precision, use_gpu)  # "auto" is resolved where the GPU is
+        self.engine = build_engine(model, train, self.precision, len(self.train_sampler), self.world)
+        self.step = TrainStep(self.engine, self.task, train.grad_clip, clips_outside_deepspeed(train, self.precision))
+
+        self.state: dict[str, Any] = {
+            "epoch": -1,
+            "sampler": self.train_sampler.state_dict(),
+            "best": {"epoch": -1, "val": None, "test": None},
+            "history": [],
+            "constant": None,
+            "mlflow_run_id": setup.run_id,
+            "task": setup.task_state | {"name": setup.task_name},
+            "model_config": setup.model_config,
+        }
+        self.best_weights: Optional[dict] = None
+        self.baseline_targets: list = []
+        self._restore()
+
+        self.logger = None
+        if self.rank == 0 and setup.run_id and setup.tracking_uri:
+            from pipeline.tracking import EpochLogger
+
+            self.logger = EpochLogger(setup.tracking_uri, setup.run_id, job.mlflow.log_system_metrics)
+            self.logger.catch_up(self.state["history"])
+            self.logger.client.set_tag(setup.run_id, "satp.precision", self.precision)
+            self.logger.client.set_tag(setup.run_id, "satp.world_size", str(self.world))
+
+    def _sampler(self, dataset, shuffle: bool) -> NodeBudgetSampler:
+        train = self.job.train
+        return NodeBudgetSampler(
+            np.asarray(dataset.num_nodes),
+            train.node_budget if shuffle else (train.eval_node_budget or 2 * train.node_budget),
+            rank=self.rank,
+            world_size=self.world,
+            shuffle=shuffle,
+            seed=train.seed,
+            bucket_size=train.bucket_size,
+            max_graphs=train.max_graphs_per_batch,
+            indices=subset_indices(len(dataset), train.train_subset if shuffle else train.eval_subset, train.seed),
+        )
+
+    def _restore(self) -> None:
+        import ray.train
+
+        restored = ray.train.get_checkpoint()
+        if restored is None:
+            return
+        with restored.as_directory() as directory:
+            self.state = ckpt.restore(directory, self.engine)
+            if self.rank == 0:
+                self.best_weights = ckpt.load_best_weights(directory)
+        self.train_sampler.load_state_dict(self.state["sampler"])
+        log.info("rank %d resumed after epoch %d", self.rank, self.state["epoch"])
+
+    # ------------------------------------------------------------------ epochs
+    def train_epoch(self, epoch: int) -> dict[str, Any]:
+        """Train one epoch; returns its metrics (train metric on rank 0 only)."""
+        train, task, device = self.job.train, self.task, self.device
+        self.train_sampler.set_epoch(epoch)
+        self.engine.train()
+        steps = len(self.train_sampler)
+        sample_every = max(1, math.ceil(steps / TRAIN_METRIC_BATCHES))
+        meter = EpochMeter(device)
+        sampled_predictions: list[torch.Tensor] = []
+        sampled_targets: list = []
+        batches = iter(self.train_loader)
+        for step in range(steps):
+            waited = time.perf_counter()
+            cpu_batch = next(batches)
+            meter.data_wait += time.perf_counter() - waited
+            if self.setup.fault:
+                _maybe_fail(self.setup.fault, self.rank, epoch, step, meter.seconds)
+            out, loss = self.step(to_device(cpu_batch, device))
+            meter.add(loss, task.batch_size(cpu_batch))
+            if step % sample_every == 0:
+                sampled_predictions.append(task.predictions(out))
+                sampled_targets.extend(task.targets(cpu_batch))
+            if self.rank == 0 and (step + 1) % train.log_every_steps == 0:
+                log.info("epoch %d step %d/%d loss %.4f", epoch, step + 1, steps, float(loss))
+        metrics: dict[str, Any] = {"epoch": epoch, **meter.reduce(device), "lr": current_lr(self.engine)}
+        predictions = task.decode(torch.cat(sampled_predictions).cpu())
+        if not self.baseline_targets and self.state["constant"] is None:
+            self.baseline_targets = sampled_targets[:TRAIN_SAMPLE_FOR_BASELINE]
+        gathered = gather_objects((predictions, sampled_targets))
+        if self.rank == 0:
+            metrics[f"train_{task.metric}"] = task.score(*concat_gathered(gathered))
+        return metrics
+
+    def evaluate_epoch(self, epoch: int) -> dict[str, Any]:
+        """Validation and test metrics (rank 0), and the best epoch by validation."""
+        task, metric = self.task, self.task.metric
+        started = time.perf_counter()
+        results = {split: gather_objects(evaluate(self.engine, task, loader, self.device))
+                   for split, loader in self.eval_loaders.items()}
+        metrics: dict[str, Any] = {"eval_seconds": time.perf_counter() - started}
+        if self.rank != 0:
+            return metrics
+        val_score = task.score(*concat_gathered(results["valid"]))
+        test_preds, test_targets = concat_gathered(results["test"])
+        metrics[f"val_{metric}"] = val_score
+        metrics[f"test_{metric}"] = task.score(test_preds, test_targets)
+        if self.state["constant"] is None:
+            self.state["constant"] = task.constant_baseline(self.baseline_targets, test_targets)
+        best = self.state["best"]
+        if best["val"] is None or (val_score > best["val"] if task.mode == "max" else val_score < best["val"]):
+            self.state["best"] = {"epoch": epoch, "val": val_score, "test": metrics[f"test_{metric}"]}
+            self.best_weights = {k: v.detach().float().cpu().clone() for k, v in self.engine.module.state_dict().items()}
+        return metrics
+
+    def report(self, epoch: int, metrics: dict[str, Any]) -> None:
+        """Checkpoint and report the epoch (every rank), then log it to MLflow (rank 0)."""
+        import ray.train
+
+        metric, state = self.task.metric, self.state
+        if self.rank == 0:
+            metrics[f"constant_{metric}"] = state["constant"]
+            metrics[f"best_val_{metric}"] = state["best"]["val"]
+            metrics[f"best_test_{metric}"] = state["best"]["test"]
+            metrics["best_epoch"] = state["best"]["epoch"]
+        metrics = {k: v for k, v in metrics.items() if v is not None}
+        state["epoch"] = epoch
+        state["sampler"] = self.train_sampler.state_dict()
+        if self.rank == 0:
+            state["history"].append(metrics)
+        with tempfile.TemporaryDirectory(prefix="satp-ckpt-") as directory:
+            ckpt.save(directory, self.engine, state, self.best_weights, self.rank)
+            has_files = any(p.is_file() for p in Path(directory).rglob("*"))
+            checkpoint = ray.train.Checkpoint.from_directory(directory) if has_files else None
+            ray.train.report(metrics, checkpoint=checkpoint)
+        if self.logger is not None:
+            self.logger.log_metrics(metrics, step=epoch)
+            self.logger.log_curves(state["history"], metric)
+        if self.rank == 0:
+            log.info("epoch %d: %s", epoch, {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+
+
+def _maybe_fail(fault: dict, rank: int, epoch: int, step: int, seconds: float) -> None:
+    """Test hook: kill this worker once, at step ``step`` of epoch ``epoch``, no sooner than
+    ``seconds`` into the epoch (``fault = {rank, epoch, step, seconds, marker}``).
+
+    Ray Train registers a reported checkpoint when its controller next polls the workers
+    (every 2 s); a worker group that dies sooner after a report resumes from the checkpoint
+    before. Waiting out ``seconds`` makes the kill land after the registration, however fast
+    the epoch runs."""
+    if rank != fault.get("rank", 0) or epoch != fault.get("epoch", 0) or step < fault.get("step", 0):
+        return
+    marker = Path(fault["marker"])
+    if marker.exists():
+        return
+    time.sleep(max(0.0, fault.get("seconds", 0.0) - seconds))
+    marker.write_text(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGKILL)

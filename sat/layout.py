@@ -1,0 +1,198 @@
+"""Node layout of a mini-batch of graphs, shared by every layer's attention (Chen et al., ICML 2022,
+Sec. 4.1: every node attends to every node of its own graph).
+
+A PyG mini-batch is a disjoint union of ``B`` graphs whose nodes are stored graph after graph.
+:class:`GraphLayout` holds what the attention implementations need to keep graphs apart:
+
+* ``ptr`` ``[B + 1]`` (long) and ``cu_seqlens`` ``[B + 1]`` (int32): node offsets of the graphs,
+  the second in the form FlashAttention's variable-length kernels take;
+* ``batch`` ``[N]``: graph id of every node; ``local_index`` ``[N]``: its position in its graph;
+* ``max_nodes`` (a Python int): the largest graph, the kernels' ``max_seqlen``;
+* dense blocks: graphs grouped by size (sizes within ``bucket_ratio`` of each other) into padded
+  ``[G, L]`` blocks, each given by the ids of its nodes and their flat position ``slot * L + local``;
+* with ``cls=True``, a virtual [CLS] node in front of every graph (:class:`sat.heads.ClsToken`):
+  ``real_index`` ``[N_real]`` is where the real nodes go, ``cls_index`` ``[B]`` where each [CLS] node
+  sits, and every other field describes the enlarged graphs.
+
+Everything is derived from the graphs' node counts on the host. :meth:`GraphLayout.from_sizes`
+builds it without touching an accelerator, e.g. in a DataLoader worker, and :meth:`to` moves it
+(``non_blocking`` from pinned memory) with the batch, so the forward pass reads no value back
+from the device. Built from a device ``batch`` vector (:meth:`from_batch`), it copies the node
+counts to the host once.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+DenseGroup = tuple[Tensor, Tensor, int, int]  # (node ids [n], flat positions [n], G, L)
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + l)`` for every pair (vectorised)."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    return np.arange(total, dtype=np.int64) + offsets
+
+
+def _size_runs(sizes: np.ndarray, bucket_ratio: float) -> list[np.ndarray]:
+    """Non-empty graphs, largest first, cut into runs whose sizes differ by at most ``bucket_ratio``."""
+    order = np.argsort(-sizes, kind="stable")
+    order = order[sizes[order] > 0]
+    runs: list[list[int]] = []
+    for g in order.tolist():
+        if runs and sizes[g] * bucket_ratio >= sizes[runs[-1][0]]:
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    return [np.asarray(run, dtype=np.int64) for run in runs]
+
+
+class GraphLayout:
+    """Index bookkeeping of a mini-batch of graphs; see the module docstring.
+
+    ``GraphLayout(batch, num_graphs, bucket_ratio)`` is :meth:`from_batch`.
+
+    Args:
+        batch: ``[N]`` graph id of every node, sorted (PyG's ``Batch.batch``).
+        num_graphs: ``B``.
+        bucket_ratio: dense attention groups graphs whose sizes differ by at most this factor
+            into one padded block; ``None`` pads all graphs to the largest one.
+    """
+
+    def __init__(self, batch: Tensor, num_graphs: int, bucket_ratio: Optional[float] = 1.5) -> None:
+        sizes = torch.bincount(batch.detach().cpu(), minlength=int(num_graphs)).numpy()
+        self._build(sizes, bucket_ratio, cls=False)
+        if batch.device.type != "cpu":
+            self.__dict__.update(self.to(batch.device).__dict__)
+        self.batch = batch  # the caller's own tensor (same values)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_batch(cls, batch: Tensor, num_graphs: int, bucket_ratio: Optional[float] = 1.5) -> "GraphLayout":
+        return cls(batch, num_graphs, bucket_ratio)
+
+    @classmethod
+    def from_sizes(
+        cls, sizes: Union[Sequence[int], np.ndarray, Tensor], bucket_ratio: Optional[float] = 1.5, cls_token: bool = False
+    ) -> "GraphLayout":
+        """The layout of graphs with ``sizes[g]`` real nodes each, on the CPU (see :meth:`to`).
+
+        ``cls_token``: put a virtual [CLS] node in front of every graph.
+        """
+        if isinstance(sizes, Tensor):
+            sizes = sizes.detach().cpu().numpy()
+        layout = cls.__new__(cls)
+        layout._build(np.asarray(sizes, dtype=np.int64).reshape(-1), bucket_ratio, cls=cls_token)
+        return layout
+
+    def _build(self, real_sizes: np.ndarray, bucket_ratio: Optional[float], cls: bool) -> None:
+        real_sizes = np.asarray(real_sizes, dtype=np.int64)
+        if (real_sizes < 0).any():
+            raise ValueError("graph sizes must be non-negative")
+        sizes = real_sizes + 1 if cls else real_sizes
+        B = sizes.size
+        ptr = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(sizes, out=ptr[1:])
+        N = int(ptr[-1])
+        batch = np.repeat(np.arange(B, dtype=np.int64), sizes)
+        local = np.arange(N, dtype=np.int64) - ptr[:-1][batch]
+        self.num_graphs = int(B)
+        self.num_nodes = N
+        self.num_real_nodes = int(real_sizes.sum())
+        self.has_cls = bool(cls)
+        self.sizes = sizes  # host copy: node count of every graph in this layout
+        self.max_nodes = int(sizes.max()) if B else 0
+        self.bucket_ratio = bucket_ratio
+        self.batch = torch.from_numpy(batch)
+        self.ptr = torch.from_numpy(ptr)
+        self.cu_seqlens = torch.from_numpy(ptr.astype(np.int32))
+        self.local_index = torch.from_numpy(local)
+        if cls:
+            is_cls = local == 0
+            self.cls_index: Optional[Tensor] = torch.from_numpy(np.flatnonzero(is_cls))
+            self.real_index: Optional[Tensor] = torch.from_numpy(np.flatnonzero(~is_cls))
+        else:
+            self.cls_index = self.real_index = None
+        self._groups: list[DenseGroup] = self._bucketed_groups(ptr, local) if bucket_ratio is not None else []
+        self._full_group: Optional[DenseGroup] = None
+        self._pairs: Optional[tuple[Tensor, Tensor]] = None
+
+    def _bucketed_groups(self, ptr: np.ndarray, local: np.ndarray) -> list[DenseGroup]:
+        runs = _size_runs(self.sizes, float(self.bucket_ratio))
+        if len(runs) <= 1 and all(len(r) == self.num_graphs for r in runs):
+            return []  # one block holding every graph: the unbucketed block, in node order
+        groups = []
+        for run in runs:
+            nodes = _ranges(ptr[:-1][run], self.sizes[run])
+            L = int(self.sizes[run[0]])
+            slot = np.repeat(np.arange(run.size, dtype=np.int64), self.sizes[run])
+            groups.append((torch.from_numpy(nodes), torch.from_numpy(slot * L + local[nodes]), int(run.size), L))
+        return groups
+
+    # ------------------------------------------------------------------ devices
+    @property
+    def device(self) -> torch.device:
+        return self.ptr.device
+
+    def _map(self, fn) -> "GraphLayout":
+        out = copy.copy(self)
+        for name in ("batch", "ptr", "cu_seqlens", "local_index", "cls_index", "real_index"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(out, name, fn(value))
+        out._groups = [(fn(nodes), fn(flat), G, L) for nodes, flat, G, L in self._groups]
+        out._full_group = None
+        out._pairs = None
+        return out
+
+    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "GraphLayout":
+        """This layout with its index tensors on ``device`` (``self`` when they are there already)."""
+        device = torch.device(device)
+        if self.ptr.device == device:
+            return self
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "GraphLayout":
+        """This layout in page-locked memory (DataLoader ``pin_memory=True``), for non-blocking copies."""
+        return self._map(lambda t: t.pin_memory())
+
+    def matches(self, num_graphs: int, num_real_nodes: int, cls: bool) -> bool:
+        """Whether this layout describes a batch of ``num_graphs`` graphs and ``num_real_nodes`` nodes."""
+        return self.num_graphs == num_graphs and self.num_real_nodes == num_real_nodes and self.has_cls == cls
+
+    # ------------------------------------------------------------------ dense blocks
+    def dense_groups(self, bucketed: bool = True) -> list[DenseGroup]:
+        """Padded blocks for dense attention: a list of ``(nodes, flat, G, L)``: the ids of the
+        block's nodes ``[n]``, their position ``graph_slot * L + local_index`` in the block
+        ``[G, L]``, the number of graph slots ``G`` and the padded length ``L``. Unbucketed (or
+        when every graph fits one bucket) there is one block whose slot of graph ``g`` is ``g``.
+        """
+        if bucketed and self._groups:
+            return self._groups
+        if self._full_group is None:
+            L = self.max_nodes
+            nodes = torch.arange(self.num_nodes, device=self.device)
+            self._full_group = (nodes, self.batch * L + self.local_index, self.num_graphs, L)
+        return [self._full_group]
+
+    def pairs(self) -> tuple[Tensor, Tensor]:
+        """All intra-graph ordered node pairs ``(target, source)``, each ``[sum_g n_g^2]``,
+        sorted by target (sparse attention)."""
+        if self._pairs is None:
+            counts = torch.from_numpy(self.sizes).to(self.device)
+            size_of_node = counts[self.batch]
+            total = int((self.sizes * self.sizes).sum())
+            device = self.device
+            tgt = torch.repeat_interleave(torch.arange(self.num_nodes, device=device), size_of_node, output_size=total)
+            start = size_of_node.cumsum(0) - size_of_node
+            offset = torch.arange(total, device=device) - torch.repeat_interleave(start, size_of_node, output_size=total)
+            src = self.ptr[self.batch][tgt] + offset
+            self._pairs = (tgt, src)
+        return self._pairs
