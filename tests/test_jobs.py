@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -64,10 +63,11 @@ def test_bad_job_is_rejected_with_one_line(case, tmp_path, capsys):
 
 def test_bad_job_fails_before_ray_starts(tmp_path):
     path = _bad(tmp_path, lambda r: r["train"].update(optimiser="sgd"))
-    start = time.time()
+    # "before Ray starts" is shown by what the process did, not by how long it took (a wall-clock
+    # bound here measured the import time of torch on the machine at hand); the timeout only
+    # guards against a hang
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", str(path)], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, SATP_RUNS_DIR=str(tmp_path / "runs")))
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "train.optimiser: unknown key" in proc.stderr
     assert "Ray" not in proc.stderr and not (tmp_path / "runs").exists()
-    assert time.time() - start < 60

@@ -121,10 +121,12 @@ def test_killed_worker_resumes_from_checkpoint_in_one_mlflow_run(tiny, tmp_path)
 
     base, shards = tiny
     marker = tmp_path / "killed"
-    # rank 1 SIGKILLs itself at step 1 of epoch 1 (>= 3 s in, after Ray registered epoch 0's checkpoint),
-    # once; FailureConfig restarts the worker group from that checkpoint
+    # rank 1 SIGKILLs itself at step 1 of epoch 1, once; FailureConfig restarts the worker group from
+    # epoch 0's checkpoint. Ray Train registers that checkpoint at its controller's next poll of the
+    # workers (every 2 s), so the kill waits until >= 10 s into the epoch (3 s left one late poll on
+    # a loaded 2-core machine between passing and retraining epoch 0)
     outcome = train_job(_job(base, run_name="killed", epochs=2), shard_dir=shards,
-                        fault={"rank": 1, "epoch": 1, "step": 1, "seconds": 3.0, "marker": str(marker)})
+                        fault={"rank": 1, "epoch": 1, "step": 1, "seconds": 10.0, "marker": str(marker)})
     assert marker.exists()
     assert [h["epoch"] for h in outcome.history] == [0, 1]
     client, runs = _runs(outcome.tracking_uri)
