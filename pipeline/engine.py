@@ -3,7 +3,8 @@
 A ``torch.optim.AdamW`` is passed to ``deepspeed.initialize`` (a DeepSpeed-config
 optimizer JIT-compiles ``fused_adam``, 85 s on CPU), together with a
 ``LambdaLR`` implementing the paper's schedule: linear warm-up, then cosine
-decay, stepped once per optimizer step by the engine.
+decay (OGB) or the Transformer's inverse square root (PATTERN, CLUSTER; :func:`lr_schedule`),
+stepped once per optimizer step by the engine.
 
 Mixed precision is DeepSpeed's ``torch_autocast`` (weights and optimizer state
 in fp32, forward under ``torch.autocast``): bf16 on CPUs and GPUs that support
@@ -14,7 +15,7 @@ torch's fused (CUDA) or foreach implementation, and without ZeRO partitioning (s
 scaler) gradients are clipped here with one foreach norm instead of DeepSpeed's loop over the
 parameters (a norm kernel, a host-made tensor and a multiply per parameter). With one rank,
 DeepSpeed's gradient all-reduce (flatten, all-reduce, copy back) is switched off: it has nothing
-to reduce.
+to reduce. DeepSpeed's throughput timer, which synchronises the device twice per step, is off.
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def deepspeed_config(train: TrainConfig, precision: str, world_size: int) -> dic
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # the throughput timer synchronises the device at the start and end of every step by
+        # default; the worker measures throughput itself, once per epoch
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
     if train.grad_clip > 0 and not clips_outside_deepspeed(train, precision):
         config["gradient_clipping"] = float(train.grad_clip)
@@ -81,6 +85,30 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float = 0.0, c
     return factor
 
 
+def warmup_inverse_sqrt(warmup_steps: int):
+    """The Transformer's schedule (Vaswani et al., 2017), scaled to peak at the base lr, as a
+    multiplier of it at optimizer step ``step`` (LambdaLR semantics). With ``s = step + 1`` and
+    ``w = warmup_steps`` it is ``s / w`` during the warm-up and ``sqrt(w / s)`` after it. The SAT
+    authors used it on ZINC, PATTERN and CLUSTER (paper, appendix; ``lr_scheduler`` in their
+    ``train_SBMs.py``: a linear ramp from 1e-6, then ``lr * sqrt(w / s)``)."""
+    w = max(1, int(warmup_steps))
+
+    def factor(step: int) -> float:
+        s = step + 1
+        return s / w if s < w else math.sqrt(w / s)
+
+    return factor
+
+
+def lr_schedule(train: TrainConfig, steps_per_epoch: int):
+    """The job's schedule (``train.scheduler``) as a LambdaLR multiplier. The warm-up is
+    ``train.warmup_steps`` if set, else ``train.warmup_epochs`` epochs."""
+    warmup = train.warmup_steps if train.warmup_steps is not None else round(steps_per_epoch * train.warmup_epochs)
+    if train.scheduler == "inverse_sqrt":
+        return warmup_inverse_sqrt(warmup)
+    return warmup_cosine(steps_per_epoch * train.epochs, warmup, train.min_lr_ratio, cosine=train.scheduler == "cosine")
+
+
 def clips_outside_deepspeed(train: TrainConfig, precision: str) -> bool:
     """Whether :func:`optimizer_step` clips the gradients itself (whole, unscaled gradients on
     every rank: ZeRO stage 0 without the fp16 gradient scaler)."""
@@ -88,7 +116,7 @@ def clips_outside_deepspeed(train: TrainConfig, precision: str) -> bool:
 
 
 def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, steps_per_epoch: int, world_size: int):
-    """``deepspeed.initialize`` with AdamW and the warm-up + cosine schedule; returns the engine."""
+    """``deepspeed.initialize`` with AdamW and the job's lr schedule (:func:`lr_schedule`); returns the engine."""
     import deepspeed
 
     if "RANK" not in os.environ:
@@ -97,13 +125,7 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, ste
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=train.lr, weight_decay=train.weight_decay, **({"fused": True} if on_cuda else {})
     )
-    schedule = warmup_cosine(
-        total_steps=steps_per_epoch * train.epochs,
-        warmup_steps=round(steps_per_epoch * train.warmup_epochs),
-        min_ratio=train.min_lr_ratio,
-        cosine=train.scheduler == "cosine",
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(train, steps_per_epoch))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

@@ -73,7 +73,12 @@ def make_loader(dataset, batch_sampler, collator: BatchCollator, workers: int, p
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` on ``device`` (a non-blocking copy; the CPU batch is returned as is on the CPU)."""
+    """``batch``'s tensors (and layout) on ``device``, copied without blocking; a no-op on the CPU.
+
+    PyG moves a batch in place: read what is needed from the CPU batch first. Host lists
+    (``y_tokens``) are left alone rather than walked item by item.
+    """
     if device.type == "cpu":
         return batch
-    return batch.to(device, non_blocking=True)
+    keys = [key for key, value in batch if not isinstance(value, list)]
+    return batch.to(device, *keys, non_blocking=True)

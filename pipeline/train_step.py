@@ -40,7 +40,7 @@ def evaluate(engine, task: Task, loader, device: torch.device) -> tuple[list, li
     targets: list = []
     with torch.no_grad():
         for batch in loader:
-            targets.extend(task.targets(batch))
+            targets.extend(task.targets(batch))  # from the CPU batch, before it moves
             out = engine(to_device(batch, device), validate=False)
             predictions.append(task.predictions(out))
     if not predictions:

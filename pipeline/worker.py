@@ -63,6 +63,7 @@ class WorkerSetup:
     run_id: Optional[str]
     tracking_uri: Optional[str]
     fault: Optional[dict] = None
+    provenance: Optional[dict] = None  # config hash + git commits, recorded in every checkpoint (pipeline.rerun)
 
 
 def worker_loop(config: dict) -> None:
@@ -128,6 +129,7 @@ class WorkerRun:
             "mlflow_run_id": setup.run_id,
             "task": setup.task_state | {"name": setup.task_name},
             "model_config": setup.model_config,
+            "provenance": setup.provenance,
         }
         self.best_weights: Optional[dict] = None
         self.baseline_targets: list = []
@@ -187,11 +189,13 @@ class WorkerRun:
             meter.data_wait += time.perf_counter() - waited
             if self.setup.fault:
                 _maybe_fail(self.setup.fault, self.rank, epoch, step, meter.seconds)
-            out, loss = self.step(to_device(cpu_batch, device))
-            meter.add(loss, task.batch_size(cpu_batch))
-            if step % sample_every == 0:
-                sampled_predictions.append(task.predictions(out))
+            size, sampled = task.batch_size(cpu_batch), step % sample_every == 0
+            if sampled:
                 sampled_targets.extend(task.targets(cpu_batch))
+            out, loss = self.step(to_device(cpu_batch, device))
+            meter.add(loss, size)
+            if sampled:
+                sampled_predictions.append(task.predictions(out))
             if self.rank == 0 and (step + 1) % train.log_every_steps == 0:
                 log.info("epoch %d step %d/%d loss %.4f", epoch, step + 1, steps, float(loss))
         metrics: dict[str, Any] = {"epoch": epoch, **meter.reduce(device), "lr": current_lr(self.engine)}
@@ -236,6 +240,7 @@ class WorkerRun:
             metrics["best_epoch"] = state["best"]["epoch"]
         metrics = {k: v for k, v in metrics.items() if v is not None}
         state["epoch"] = epoch
+        state["provenance"] = self.setup.provenance  # a resumed run may add a git commit
         state["sampler"] = self.train_sampler.state_dict()
         if self.rank == 0:
             state["history"].append(metrics)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.batching import NodeBudgetSampler, pack, padding_stats, subset_indices
-from pipeline.engine import deepspeed_config, resolve_precision, warmup_cosine
+from pipeline.engine import clips_outside_deepspeed, deepspeed_config, resolve_precision, warmup_cosine
 from pipeline.tasks import Code2Task, PPATask, best_constant_sequence, make_task, task_name_for
 from pipeline.train_config import TrainConfig
 
@@ -111,6 +111,13 @@ def test_schedule_and_deepspeed_config():
     assert cfg["gradient_clipping"] == 0.5 and cfg["zero_optimization"]["stage"] == 1
     assert cfg["torch_autocast"]["dtype"] == "bfloat16"
     assert "torch_autocast" not in deepspeed_config(TrainConfig(), "fp32", 1)
+    # ZeRO 0: the step clips with one foreach norm (pipeline.engine.optimizer_step), not DeepSpeed;
+    # partitioned gradients (ZeRO >= 1) and the fp16 loss scaler leave clipping to DeepSpeed
+    assert clips_outside_deepspeed(TrainConfig(zero_stage=0), "bf16")
+    assert "gradient_clipping" not in deepspeed_config(TrainConfig(grad_clip=0.5, zero_stage=0), "bf16", 1)
+    assert not clips_outside_deepspeed(TrainConfig(zero_stage=0), "fp16")
+    assert deepspeed_config(TrainConfig(grad_clip=0.5, zero_stage=0), "fp16", 1)["gradient_clipping"] == 0.5
+    assert cfg["timers"]["throughput"]["enabled"] is False  # it would synchronise the device every step
     assert resolve_precision("fp32", False) == "fp32"
     with pytest.raises(ValueError, match="fp16"):
         resolve_precision("fp16", use_gpu=False)
