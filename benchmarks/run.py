@@ -1,7 +1,9 @@
 """`make bench`: run the benchmark modules and append their figures to benchmarks/RESULTS.md.
 
 Each ``benchmarks/bench_<area>.py`` exposes ``run() -> str``, a markdown section with
-its own command line and figures. ``BENCH=model,preprocessing make bench`` selects areas.
+its own command line and figures. ``BENCH=model,preprocessing make bench`` selects areas; the
+default is the CPU areas below. ``BENCH=gpu`` is the GPU check (``benchmarks/gpu/run.sh`` runs it on
+a bare GPU machine).
 """
 from __future__ import annotations
 

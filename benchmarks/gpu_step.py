@@ -1,0 +1,337 @@
+"""GPU train-step benchmark through the project's own parts: one configuration per process.
+
+``python -m benchmarks.gpu_step '<json spec>'`` prints one JSON line of figures. The step is the
+worker's (:class:`pipeline.train_step.TrainStep` on a :func:`pipeline.engine.build_engine`
+DeepSpeed engine, single rank), fed by the worker's loader (:class:`pipeline.batching.NodeBudgetSampler`,
+:class:`pipeline.loader.BatchCollator` in DataLoader worker processes, pinned memory,
+non-blocking copies), on the model of ``jobs/code2.yaml`` configured by :class:`pipeline.tasks.Code2Task`
+(or the job named in the spec). Figures:
+
+* ``graphs_per_s``: graphs trained per second of wall clock over a window of whole steps after
+  warm-up (synchronised at the window's ends only), and ``data_wait_frac``, the share of that
+  window the loop waited for the loader;
+* ``breakdown``: over a few further steps, host time of each phase (what the Python side costs
+  per step: forward, loss, backward, optimizer) and its GPU time (CUDA events, the device
+  synchronised after each step so that phases do not overlap), and the host synchronisations
+  per step (``torch.cuda.set_sync_debug_mode``);
+* ``profile``: kernels launched and GPU busy time per step (``torch.profiler``);
+* ``flops_per_graph`` (``torch.utils.flop_counter`` over the matmuls, the packed attention's
+  ``12 * sum_g n_g^2 * d`` per layer added analytically: its kernel is not counted) and
+  ``mfu``, the model FLOP utilisation against the card's dense peak for the precision;
+* ``peak_mem_gb``: ``torch.cuda.max_memory_allocated``.
+
+Spec keys: ``precision`` (bf16 | fp32), ``extractor`` (subtree | subgraph), ``attention``,
+``node_budget``, ``max_graphs`` (graphs per batch cap), ``seconds`` (timed window), ``warmup``
+(steps), ``loader_workers``, ``compile`` (``torch.compile(dynamic=True)`` the model), ``graphs`` (a file written by :func:`save_graphs`) or ``shards``
+(a shard directory: its train split), ``job`` (default ``jobs/code2.yaml``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: dense peak FLOP/s by card name fragment: (bf16 tensor cores, fp32 without TF32)
+PEAK_FLOPS = {"H200": (989e12, 67e12), "H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12)}
+
+
+def save_graphs(graphs: list, path: str | Path) -> None:
+    """Write ``SATData`` graphs as plain tensors (read back with ``weights_only=True``)."""
+    import torch
+
+    torch.save([{k: v for k, v in g.items()} | {"num_nodes": int(g.num_nodes)} for g in graphs], path)
+
+
+def load_graphs(path: str | Path) -> list:
+    import torch
+
+    from sat.data import SATData
+
+    return [SATData(**item) for item in torch.load(path, weights_only=True)]
+
+
+def peak_flops(precision: str) -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, (bf16, fp32) in PEAK_FLOPS.items():
+        if key in name:
+            return bf16 if precision == "bf16" else fp32
+    return None
+
+
+def _setup_single_rank(device) -> None:
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ["DS_ACCELERATOR"] = device.type
+
+
+class _Device:
+    """The CUDA calls of the measurement, with CPU stand-ins for a dry run on a machine without GPU."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+
+    def sync(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def reset_peak(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_gb(self) -> float:
+        import resource
+
+        import torch
+
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    def sync_debug(self, mode) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    def event(self):
+        import torch
+
+        return torch.cuda.Event(enable_timing=True) if self.cuda else _HostEvent()
+
+    def name(self) -> str:
+        import torch
+
+        return torch.cuda.get_device_name() if self.cuda else "cpu (dry run)"
+
+
+class _HostEvent:
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other: "_HostEvent") -> float:
+        return 1000.0 * (other.t - self.t)
+
+
+def _job_parts(spec: dict, sample):
+    """The job's model config (configured by the task) and train config, with the spec's overrides."""
+    from pipeline.config import load_job
+    from pipeline.tasks import Code2Task
+
+    job = load_job(ROOT / spec.get("job", "jobs/code2.yaml"))
+    vocab = [f"tok{i}" for i in range(5000)] + ["__UNK__", "__EOS__"]
+    task = Code2Task(vocab)
+    model = job.model
+    overrides = {"extractor": spec["extractor"], "attention": spec.get("attention", "auto")}
+    import dataclasses
+
+    config = task.configure(dataclasses.replace(model, **overrides), sample)
+    train = job.train.model_copy(update={"node_budget": spec["node_budget"], "max_graphs_per_batch": spec.get("max_graphs")})
+    return task, config, train
+
+
+def _attention_flops(layout, hidden_dim: int, num_layers: int) -> float:
+    """Forward (4) + backward (8) FLOPs of exact attention, ``sum_g n_g^2 * d`` each, per layer."""
+    sq = float((layout.sizes.astype("float64") ** 2).sum())
+    return 12.0 * sq * hidden_dim * num_layers
+
+
+def _flops_per_graph(model, task, batches: list, device) -> float:
+    """Model FLOPs of a training step (forward + backward), per graph, over ``batches``.
+
+    Counted with the packed attention in bf16 (FLOPs do not depend on the precision): its kernel
+    is not counted by the FLOP counter, so exact attention is added analytically. Without that
+    kernel (a CPU dry run) the padded SDPA is counted, padding included.
+    """
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from sat.attention import varlen_available
+
+    packed = device.type == "cuda" and varlen_available()
+    model.set_attention("varlen" if packed else "dense")
+    total, graphs = 0.0, 0
+    try:
+        for batch in batches:
+            batch = batch.to(device)
+            counter = FlopCounterMode(display=False)
+            with counter, torch.autocast(device.type, dtype=torch.bfloat16, enabled=packed):
+                loss = task.loss(model(batch, validate=False), batch)
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+            cfg = model.config
+            total += counter.get_total_flops()
+            if packed:
+                total += _attention_flops(batch.graph_layout, cfg.hidden_dim, cfg.num_layers)
+            graphs += batch.num_graphs
+    finally:
+        model.set_attention(model.config.attention)
+    return total / max(graphs, 1)
+
+
+def measure(spec: dict) -> dict:
+    import numpy as np
+    import torch
+
+    dev = _Device()
+    device = dev.device
+    _setup_single_rank(device)
+    from pipeline.batching import NodeBudgetSampler
+    from pipeline.engine import build_engine, clips_outside_deepspeed, optimizer_step
+    from pipeline.loader import BatchCollator, make_loader, open_split, to_device
+    from pipeline.train_step import TrainStep
+    from sat import SAT
+
+    torch.manual_seed(0)
+    dataset = load_graphs(spec["graphs"]) if spec.get("graphs") else open_split(spec["shards"], "train")
+    sizes = np.asarray([g.num_nodes for g in dataset] if spec.get("graphs") else dataset.num_nodes)
+    task, config, train = _job_parts(spec, dataset[0])
+    if spec.get("shards"):  # the shards carry their own vocabulary
+        from pipeline.tasks import Code2Task
+
+        task = Code2Task(dataset.vocab)
+        config = task.configure(config, dataset[0])
+    model = SAT(config)
+    if spec.get("compile"):
+        model.compile(dynamic=True)  # in place: parameter names unchanged
+    precision = spec["precision"]
+    sampler = NodeBudgetSampler(sizes, train.node_budget, seed=0, max_graphs=train.max_graphs_per_batch,
+                                bucket_size=train.bucket_size)
+    engine = build_engine(model, train, precision, len(sampler), 1)
+    step = TrainStep(engine, task, train.grad_clip, clips_outside_deepspeed(train, precision))
+    loader = make_loader(dataset, sampler, BatchCollator(config), spec.get("loader_workers", 4), pin_memory=dev.cuda)
+    engine.train()
+
+    def batches():
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    stream = batches()
+    for _ in range(spec.get("warmup", 20)):
+        step(to_device(next(stream), device))
+    dev.sync()
+    dev.reset_peak()
+
+    # -- throughput window
+    graphs = nodes = steps = 0
+    wait = 0.0
+    start = time.perf_counter()
+    while time.perf_counter() - start < spec.get("seconds", 8.0) or steps < 5:
+        t = time.perf_counter()
+        cpu_batch = next(stream)
+        wait += time.perf_counter() - t
+        step(to_device(cpu_batch, device))
+        graphs += cpu_batch.num_graphs
+        nodes += cpu_batch.num_nodes
+        steps += 1
+    dev.sync()
+    window = time.perf_counter() - start
+    peak_mem = dev.peak_gb()
+
+    # -- per-phase host and GPU time, host syncs (device synchronised after each step)
+    phases = ("forward", "loss", "backward", "optimizer")
+    host = {p: [] for p in phases}
+    gpu = {p: [] for p in phases}
+    probe_steps = 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(probe_steps):
+            batch = to_device(next(stream), device)
+            events = [dev.event() for _ in range(len(phases) + 1)]
+            dev.sync_debug("warn")  # counts the step's own syncs, not ours below
+            marks = [time.perf_counter()]
+            events[0].record()
+            out = engine(batch, validate=False)
+            marks.append(time.perf_counter())
+            events[1].record()
+            loss = task.loss(out, batch)
+            marks.append(time.perf_counter())
+            events[2].record()
+            engine.backward(loss)
+            marks.append(time.perf_counter())
+            events[3].record()
+            optimizer_step(engine, train.grad_clip, clips_outside_deepspeed(train, precision))
+            marks.append(time.perf_counter())
+            events[4].record()
+            dev.sync_debug(0)
+            dev.sync()
+            for i, p in enumerate(phases):
+                host[p].append(marks[i + 1] - marks[i])
+                gpu[p].append(events[i].elapsed_time(events[i + 1]) / 1000.0)
+    sync_warnings = sum(1 for w in caught if "synchroniz" in str(w.message))
+    sync_sources = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+
+    # -- kernels and GPU busy time per step
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    prof_steps = 3
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(prof_steps):
+            step(to_device(next(stream), device))
+        dev.sync()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_s = sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / prof_steps
+    launches = len(kernels) / prof_steps
+    stream_syncs = sum(1 for e in prof.events() if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize")) / prof_steps
+
+    # -- FLOPs per graph on a few batches
+    flops_graph = None
+    if not spec.get("compile"):  # counting would compile another graph (sparse attention)
+        flops_graph = _flops_per_graph(engine.module, task, [next(stream) for _ in range(3)], device)
+    gps = graphs / window
+    peak = peak_flops(precision)
+    median = {p: statistics.median(v) for p, v in host.items()}
+    return {
+        "graphs_per_s": gps,
+        "step_ms": 1000 * window / steps,
+        "graphs_per_step": graphs / steps,
+        "nodes_per_step": nodes / steps,
+        "steps": steps,
+        "window_s": window,
+        "data_wait_frac": wait / window,
+        "peak_mem_gb": peak_mem,
+        "host_ms": {p: 1000 * v for p, v in median.items()},
+        "gpu_ms": {p: 1000 * statistics.median(v) for p, v in gpu.items()},
+        "host_syncs_per_step": sync_warnings / probe_steps,
+        "sync_sources": sync_sources[:5],
+        "stream_syncs_per_step": stream_syncs,
+        "kernels_per_step": launches,
+        "gpu_busy_ms_per_step": 1000 * busy_s,
+        "flops_per_graph": flops_graph,
+        "mfu": (flops_graph * gps / peak) if peak and flops_graph else None,
+        "device": dev.name(),
+        "torch": torch.__version__,
+        "attention_impl": engine.module.layers[0].attn.resolve_impl(
+            torch.empty(1, device=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)),
+    }
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    print(json.dumps(measure(json.loads(sys.argv[1]))))
