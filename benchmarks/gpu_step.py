@@ -22,7 +22,8 @@ non-blocking copies), on the model of ``jobs/code2.yaml`` configured by :class:`
 
 Spec keys: ``precision`` (bf16 | fp32), ``extractor`` (subtree | subgraph), ``attention``,
 ``node_budget``, ``max_graphs`` (graphs per batch cap), ``seconds`` (timed window), ``warmup``
-(steps), ``loader_workers``, ``compile`` (``torch.compile(dynamic=True)`` the model), ``graphs`` (a file written by :func:`save_graphs`) or ``shards``
+(steps), ``loader_workers``, ``compile`` (``torch.compile(dynamic=True)`` the model), ``detail``
+(default true: phases, profile, FLOPs), ``tiny`` (a small model, for dry runs on a CPU), ``graphs`` (a file written by :func:`save_graphs`) or ``shards``
 (a shard directory: its train split), ``job`` (default ``jobs/code2.yaml``).
 """
 from __future__ import annotations
@@ -144,6 +145,8 @@ def _job_parts(spec: dict, sample):
     task = Code2Task(vocab)
     model = job.model
     overrides = {"extractor": spec["extractor"], "attention": spec.get("attention", "auto")}
+    if spec.get("tiny"):  # dry runs on a CPU: the same code paths, a small model
+        overrides.update(hidden_dim=32, num_layers=1)
     import dataclasses
 
     config = task.configure(dataclasses.replace(model, **overrides), sample)
@@ -198,7 +201,7 @@ def measure(spec: dict) -> dict:
     device = dev.device
     _setup_single_rank(device)
     from pipeline.batching import NodeBudgetSampler
-    from pipeline.engine import build_engine, clips_outside_deepspeed, optimizer_step
+    from pipeline.engine import build_engine, clips_outside_deepspeed
     from pipeline.loader import BatchCollator, make_loader, open_split, to_device
     from pipeline.train_step import TrainStep
     from sat import SAT
@@ -252,15 +255,54 @@ def measure(spec: dict) -> dict:
     window = time.perf_counter() - start
     peak_mem = dev.peak_gb()
 
-    # -- per-phase host and GPU time, host syncs (device synchronised after each step)
+    gps = graphs / window
+    result = {
+        "graphs_per_s": gps,
+        "step_ms": 1000 * window / steps,
+        "graphs_per_step": graphs / steps,
+        "nodes_per_step": nodes / steps,
+        "steps": steps,
+        "window_s": window,
+        "data_wait_frac": wait / window,
+        "peak_mem_gb": peak_mem,
+        "device": dev.name(),
+        "torch": torch.__version__,
+        "attention_impl": engine.module.layers[0].attn.resolve_impl(
+            torch.empty(1, device=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)),
+    }
+    if spec.get("detail", True):
+        clip_here = clips_outside_deepspeed(train, precision)
+        parts = [("phases", lambda: _phases(dev, engine, task, stream, train.grad_clip, clip_here)),
+                 ("profile", lambda: _profile(dev, step, stream))]
+        if not spec.get("compile"):  # counting would compile another graph
+            parts.append(("flops", lambda: _mfu(engine.module, task, stream, device, precision, gps)))
+        for name, part in parts:
+            try:  # a failed detail must not lose the throughput figures
+                result.update(part())
+            except Exception as exc:
+                result[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    return result
+
+
+def _mfu(model, task, stream, device, precision: str, graphs_per_s: float) -> dict:
+    flops = _flops_per_graph(model, task, [next(stream) for _ in range(3)], device)
+    peak = peak_flops(precision)
+    return {"flops_per_graph": flops, "mfu": flops * graphs_per_s / peak if peak else None}
+
+
+def _phases(dev: _Device, engine, task, stream, grad_clip: float, clip_here: bool, steps: int = 4) -> dict:
+    """Per phase: host time (the Python side, no syncs) and GPU time (CUDA events, the device
+    synchronised after each step so that phases do not overlap); host syncs per step."""
+    from pipeline.engine import optimizer_step
+    from pipeline.loader import to_device
+
     phases = ("forward", "loss", "backward", "optimizer")
-    host = {p: [] for p in phases}
-    gpu = {p: [] for p in phases}
-    probe_steps = 4
+    host: dict[str, list[float]] = {p: [] for p in phases}
+    gpu: dict[str, list[float]] = {p: [] for p in phases}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(probe_steps):
-            batch = to_device(next(stream), device)
+        for _ in range(steps):
+            batch = to_device(next(stream), dev.device)
             events = [dev.event() for _ in range(len(phases) + 1)]
             dev.sync_debug("warn")  # counts the step's own syncs, not ours below
             marks = [time.perf_counter()]
@@ -274,7 +316,7 @@ def measure(spec: dict) -> dict:
             engine.backward(loss)
             marks.append(time.perf_counter())
             events[3].record()
-            optimizer_step(engine, train.grad_clip, clips_outside_deepspeed(train, precision))
+            optimizer_step(engine, grad_clip, clip_here)
             marks.append(time.perf_counter())
             events[4].record()
             dev.sync_debug(0)
@@ -282,53 +324,33 @@ def measure(spec: dict) -> dict:
             for i, p in enumerate(phases):
                 host[p].append(marks[i + 1] - marks[i])
                 gpu[p].append(events[i].elapsed_time(events[i + 1]) / 1000.0)
-    sync_warnings = sum(1 for w in caught if "synchroniz" in str(w.message))
-    sync_sources = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    return {
+        "host_ms": {p: 1000 * statistics.median(v) for p, v in host.items()},
+        "gpu_ms": {p: 1000 * statistics.median(v) for p, v in gpu.items()},
+        "host_syncs_per_step": len(syncs) / steps,
+        "sync_sources": sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})[:5],
+    }
 
-    # -- kernels and GPU busy time per step
+
+def _profile(dev: _Device, step, stream, steps: int = 3) -> dict:
+    """Kernels launched, GPU busy time and stream synchronisations per step (torch.profiler)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    prof_steps = 3
+    from pipeline.loader import to_device
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
     with profile(activities=activities) as prof:
-        for _ in range(prof_steps):
-            step(to_device(next(stream), device))
+        for _ in range(steps):
+            step(to_device(next(stream), dev.device))
         dev.sync()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy_s = sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / prof_steps
-    launches = len(kernels) / prof_steps
-    stream_syncs = sum(1 for e in prof.events() if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize")) / prof_steps
-
-    # -- FLOPs per graph on a few batches
-    flops_graph = None
-    if not spec.get("compile"):  # counting would compile another graph (sparse attention)
-        flops_graph = _flops_per_graph(engine.module, task, [next(stream) for _ in range(3)], device)
-    gps = graphs / window
-    peak = peak_flops(precision)
-    median = {p: statistics.median(v) for p, v in host.items()}
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     return {
-        "graphs_per_s": gps,
-        "step_ms": 1000 * window / steps,
-        "graphs_per_step": graphs / steps,
-        "nodes_per_step": nodes / steps,
-        "steps": steps,
-        "window_s": window,
-        "data_wait_frac": wait / window,
-        "peak_mem_gb": peak_mem,
-        "host_ms": {p: 1000 * v for p, v in median.items()},
-        "gpu_ms": {p: 1000 * statistics.median(v) for p, v in gpu.items()},
-        "host_syncs_per_step": sync_warnings / probe_steps,
-        "sync_sources": sync_sources[:5],
-        "stream_syncs_per_step": stream_syncs,
-        "kernels_per_step": launches,
-        "gpu_busy_ms_per_step": 1000 * busy_s,
-        "flops_per_graph": flops_graph,
-        "mfu": (flops_graph * gps / peak) if peak and flops_graph else None,
-        "device": dev.name(),
-        "torch": torch.__version__,
-        "attention_impl": engine.module.layers[0].attn.resolve_impl(
-            torch.empty(1, device=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)),
+        "kernels_per_step": len(kernels) / steps,
+        "gpu_busy_ms_per_step": sum(e.time_range.elapsed_us() for e in kernels) / 1000 / steps,
+        "stream_syncs_per_step": sum(e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize") for e in events) / steps,
     }
 
 

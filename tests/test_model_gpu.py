@@ -56,7 +56,7 @@ def _rel_err(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-@pytest.mark.skipif(not varlen_available(), reason="torch without varlen_attn")
+@pytest.mark.skipif(not varlen_available(), reason="needs CUDA and torch with varlen_attn (>= 2.10)")
 def test_varlen_matches_dense_and_sparse_outputs_and_gradients():
     layout = GraphLayout.from_sizes(SIZES).to(CUDA)
     gen = torch.Generator(device=CUDA).manual_seed(0)
@@ -75,7 +75,7 @@ def test_varlen_matches_dense_and_sparse_outputs_and_gradients():
         assert _rel_err(v, d) < 3e-2
 
 
-@pytest.mark.skipif(not varlen_available(), reason="torch without varlen_attn")
+@pytest.mark.skipif(not varlen_available(), reason="needs CUDA and torch with varlen_attn (>= 2.10)")
 @pytest.mark.parametrize("readout", ["mean", "cls"])
 def test_model_auto_attention_uses_varlen_in_bf16_and_matches_dense(readout):
     graphs = _graphs()
