@@ -249,7 +249,7 @@ class StructureAwareAttention(nn.Module):
                 block[flat] = t[nodes]
                 blocks.append(block.view(G, L, H, D).transpose(1, 2))  # [G, H, L, D]
             valid = torch.zeros(G * L, dtype=torch.bool, device=q.device)
-            valid[flat] = True
+            valid.index_fill_(0, flat, True)  # (valid[flat] = True copies a host scalar: a sync)
             # Additive float mask over padded keys. A finite minimum (not -inf) keeps every row
             # finite, padded query rows included (they are dropped below anyway).
             mask = torch.zeros(G * L, dtype=blocks[0].dtype, device=q.device)
