@@ -2,7 +2,8 @@
 measures the GPU path end to end and returns a markdown section for benchmarks/RESULTS.md.
 
 1. Parity: the CUDA tests (``tests/test_model_gpu.py``: packed ``varlen`` vs padded ``dense`` vs
-   ``sparse`` attention, outputs and gradients; no host synchronisation in a training step).
+   ``sparse`` attention, outputs and gradients; ``tests/test_train_gpu.py``: no host
+   synchronisation in a training step, the model's and the worker's through DeepSpeed).
 2. Train-step benchmark (:mod:`benchmarks.gpu_step`, one process per row) on code2-shaped
    synthetic graphs (:mod:`benchmarks.synthetic`, FACTS.md's shapes) with the model of
    ``jobs/code2.yaml``: bf16 and fp32, k-subtree and k-subgraph (k=2), several node budgets, and
@@ -114,14 +115,15 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[bool, str]:
     return proc.returncode == 0 and not timed_out, output + ("\ntimed out" if timed_out else "")
 
 
-PARITY_CMD = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_model_gpu.py"]
+GPU_TESTS = ["tests/test_model_gpu.py", "tests/test_train_gpu.py"]
+PARITY_CMD = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS]
 
 
 def parity(proc: subprocess.Popen, clock: Clock) -> tuple[str, dict]:
     """The CUDA tests' outcome (started in the background by :func:`run`)."""
     ok, out = _finish(proc, min(150, clock.left()))
     summary = _last_line(out)
-    lines = ["#### Parity (CUDA tests)", "", f"`python -m pytest -q tests/test_model_gpu.py`: {summary}"]
+    lines = ["#### Parity and sync-free steps (CUDA tests)", "", f"`python -m pytest -q {' '.join(GPU_TESTS)}`: {summary}"]
     if not ok:
         failed = [line for line in out.splitlines() if line.startswith(("FAILED", "ERROR", "E "))][:12]
         lines += [""] + [f"- {line[:300]}" for line in failed]
@@ -313,9 +315,9 @@ def run() -> str:
         _synthetic_files(tmp_path)
         parts = (
             ("parity", lambda: parity(parity_proc, clock)),
-            ("step", lambda: step_benchmark(clock, tmp_path, STEP_ROWS[:3])),
+            ("step", lambda: step_benchmark(clock, tmp_path, STEP_ROWS[:4])),
             ("pipeline", lambda: pipeline(clock, tmp_path, pycode_proc, pycode_started)),
-            ("step, more rows", lambda: step_benchmark(clock, tmp_path, STEP_ROWS[3:4] if DRY_RUN else STEP_ROWS[3:])),
+            ("step, more rows", lambda: step_benchmark(clock, tmp_path, STEP_ROWS[4:5] if DRY_RUN else STEP_ROWS[4:])),
         )
         for name, part in parts:
             print(f"== gpu check: {name} ({clock.left():.0f} s left)", flush=True)

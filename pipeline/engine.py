@@ -62,8 +62,10 @@ def deepspeed_config(train: TrainConfig, precision: str, world_size: int) -> dic
         # default; the worker measures throughput itself, once per epoch
         "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
-    if train.grad_clip > 0 and not clips_outside_deepspeed(train, precision):
-        config["gradient_clipping"] = float(train.grad_clip)
+    # always explicit: DeepSpeed clips at 1.0 when the key is absent (its default), which would
+    # clip a second time, or clip a job that turned clipping off (grad_clip: 0)
+    clip_here = clips_outside_deepspeed(train, precision)
+    config["gradient_clipping"] = 0.0 if clip_here else float(train.grad_clip)
     if precision in ("bf16", "fp16"):
         config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16" if precision == "bf16" else "float16"}
     return config

@@ -68,6 +68,7 @@ out["lr"] = engine.optimizer.param_groups[0]["lr"]
 out["steps"] = engine.global_steps
 out["next_loss"] = step(batches[3])
 out["weights"] = float(sum(p.double().sum() for p in engine.module.parameters()))
+out["deepspeed_clipping"] = engine.gradient_clipping()
 print("RESULT " + json.dumps(out))
 '''
 
@@ -100,6 +101,8 @@ def test_checkpoint_round_trip(tmp_path):
     assert restored["lr"] == pytest.approx(saved["lr"])
     assert restored["next_loss"] == pytest.approx(saved["next_loss"], rel=1e-4)
     assert restored["weights"] == pytest.approx(saved["weights"], rel=1e-5)
+    # ZeRO 0: the step clips (one foreach norm); DeepSpeed, whose default clips at 1.0, must not again
+    assert saved["deepspeed_clipping"] == 0.0
 
 
 def test_incomplete_checkpoint_is_rejected(tmp_path):

@@ -114,7 +114,9 @@ def test_schedule_and_deepspeed_config():
     # ZeRO 0: the step clips with one foreach norm (pipeline.engine.optimizer_step), not DeepSpeed;
     # partitioned gradients (ZeRO >= 1) and the fp16 loss scaler leave clipping to DeepSpeed
     assert clips_outside_deepspeed(TrainConfig(zero_stage=0), "bf16")
-    assert "gradient_clipping" not in deepspeed_config(TrainConfig(grad_clip=0.5, zero_stage=0), "bf16", 1)
+    assert deepspeed_config(TrainConfig(grad_clip=0.5, zero_stage=0), "bf16", 1)["gradient_clipping"] == 0.0
+    # DeepSpeed's own default is 1.0: "off" must be said explicitly
+    assert deepspeed_config(TrainConfig(grad_clip=0.0, zero_stage=1), "bf16", 2)["gradient_clipping"] == 0.0
     assert not clips_outside_deepspeed(TrainConfig(zero_stage=0), "fp16")
     assert deepspeed_config(TrainConfig(grad_clip=0.5, zero_stage=0), "fp16", 1)["gradient_clipping"] == 0.5
     assert cfg["timers"]["throughput"]["enabled"] is False  # it would synchronise the device every step
