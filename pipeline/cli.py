@@ -1,4 +1,9 @@
-"""The ``satp`` command. Each area registers its own subcommands; errors print one line."""
+"""The ``satp`` command. Each area registers its own subcommands; errors print one line.
+
+Building the parser imports no heavy library (see :mod:`pipeline.cli_args`): ``satp --help`` and
+a job file's validation error come back in well under a second; torch, Ray and MLflow load only
+in the command that needs them.
+"""
 from __future__ import annotations
 
 import argparse
@@ -18,12 +23,18 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline.registry_commands import register as register_registry  # tune, models, predict
 
     register_registry(sub)
+    from pipeline.compare_commands import register as register_compare  # compare
+
+    register_compare(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's PyPI version check
     args = build_parser().parse_args(argv)
+    from pipeline import console
+
+    console.setup(progress=not getattr(args, "no_progress", False))
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError) as exc:

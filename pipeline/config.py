@@ -1,20 +1,23 @@
 """Job files: one YAML per job, validated into typed sections at the edge.
 
 A job YAML has the sections ``data``, ``transform``, ``shards`` (preprocessing),
-``model`` (:class:`sat.SATConfig`), ``train``, ``resources``, ``mlflow`` and an
-optional ``tune``. Unknown or mistyped keys are rejected with a one-line error
-that names the file and the dotted key. ``--set dotted.key=value`` overrides
+``model`` (:class:`sat.SATConfig`), ``train``, ``resources``, ``mlflow`` and the
+optional ``tune`` (an ASHA sweep) and ``compare`` (variants x seeds, see
+:mod:`pipeline.compare_config`). Unknown or mistyped keys are rejected with a
+one-line error that names the file and the dotted key. ``--set dotted.key=value`` overrides
 any key; the value is parsed as YAML (``--set train.lr=3e-4``).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, TypeAdapter, ValidationError, field_validator
 
 from pipeline.train_config import MlflowConfig, ResourcesConfig, TrainConfig
+from pipeline.compare_config import CompareConfig
 from pipeline.tune_config import TuneConfig
 from preprocessing.config import DataConfig, ShardConfig, StrictModel, TransformConfig
 from sat.config import SATConfig
@@ -33,6 +36,7 @@ class JobConfig(StrictModel):
     resources: ResourcesConfig = ResourcesConfig()
     mlflow: MlflowConfig = MlflowConfig()
     tune: Optional[TuneConfig] = None  # ASHA sweep (satp tune), see pipeline.tune_config
+    compare: Optional[CompareConfig] = None  # variants x seeds (satp compare), see pipeline.compare_config
 
     @field_validator("model", mode="before")
     @classmethod
@@ -71,22 +75,68 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any, where: str = "") -> No
     node[parts[-1]] = value
 
 
+def known_keys(loc: tuple) -> list[str]:
+    """The keys a job YAML accepts at the mapping ``loc`` (``()``: the sections), for suggestions."""
+    import dataclasses
+    import typing
+
+    node: Any = JobConfig
+    for part in loc:
+        if isinstance(node, type) and issubclass(node, BaseModel):
+            field = node.model_fields.get(str(part))
+            node = field.annotation if field is not None else None
+        elif dataclasses.is_dataclass(node):
+            node = None
+        args = [a for a in typing.get_args(node) if a is not type(None)] if node is not None else []
+        if args and not (isinstance(node, type)):
+            node = args[0]  # Optional[X] -> X
+    if isinstance(node, type) and issubclass(node, BaseModel):
+        return list(node.model_fields)
+    if dataclasses.is_dataclass(node):
+        return [f.name for f in dataclasses.fields(node)]
+    return []
+
+
+def _close_key(key: str, loc: tuple) -> Optional[str]:
+    import difflib
+
+    close = difflib.get_close_matches(key, known_keys(loc), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def format_validation_error(source: str, error: ValidationError) -> str:
-    first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "<top>"
+    """One line for a job's validation errors: an unknown key first, with the known key it
+    resembles (a misspelt required section is also reported missing: the same mistake, counted
+    once), else the first error."""
+    errors = error.errors()
+    unknown = [e for e in errors if e["type"] == "extra_forbidden"]
+    first = unknown[0] if unknown else errors[0]
+    loc = tuple(first["loc"])
+    where = ".".join(str(p) for p in loc) or "<top>"
     message = first["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ").removeprefix(f"{where}.")
+    others = len(errors) - 1
     if first["type"] == "extra_forbidden":
-        message = "unknown key"
-    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+        close = _close_key(str(loc[-1]), loc[:-1])
+        message = "unknown key" + (f"; did you mean {close!r}?" if close else "")
+        others -= sum(1 for e in errors if e["type"] == "missing" and tuple(e["loc"]) == loc[:-1] + (close,))
+    else:
+        bad = re.match(r"unknown keys \[(.*)\]$", message)  # the model section's own check
+        names = re.findall(r"'([^']*)'", bad.group(1)) if bad else []
+        close = _close_key(names[0], loc) if names else None
+        if close:
+            message += f"; did you mean {close!r}?"
+    more = f" (and {others} more)" if others > 0 else ""
     return f"{source}: {where}: {message}{more}"
 
 
-def add_job_arguments(parser, example: str) -> None:
-    """The arguments every job command takes: the job YAML, ``--set`` overrides, ``--address``."""
-    parser.add_argument("job", help="job YAML (jobs/*.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help=f"override a job key, e.g. --set {example} (repeatable)")
-    parser.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray)")
+def yaml_error(path: Path, exc: Exception) -> str:
+    """``job.yaml:12:5: not valid YAML: mapping values are not allowed here`` (line and column
+    from PyYAML's mark, 1-based as editors count)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(exc, "problem", None) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    context = getattr(exc, "context", None)
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
 
 
 def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
@@ -97,7 +147,7 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise ValueError(yaml_error(path, exc)) from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of sections at the top level")
     raw = apply_overrides(raw, overrides or [])

@@ -36,6 +36,9 @@ def run_demo(overrides: list[str] | None = None, job_path: str | Path = LOCAL_JO
     print("\n==== satp demo ====", flush=True)
     print(f"job               {Path(job_path).name} ({job.resources.num_workers} CPU workers, DeepSpeed)")
     print(f"epochs            {len(outcome.history)} (best epoch {best['epoch']}, val {m} {best['val']:.4f})")
+    if not outcome.trained:
+        print("                  (this run had finished before with this configuration: nothing trained; "
+              "satp train jobs/code2-local.yaml --restart trains it again)")
     print(f"test {m:<13}{best['test']:.4f}")
     if outcome.constant is not None:
         verdict = "beats" if best["test"] > outcome.constant else "does NOT beat"

@@ -7,6 +7,9 @@
 >>> model.predict_file("some_module.py")                             # the same from a file
 >>> model.predict([data, ...])                                       # SATData graphs (e.g. a ShardDataset's)
 >>> model.predict_file("runs/shards/ogbg-ppa-0123abcd4567")          # a shard directory (--split test)
+>>> model.predict_file("graphs.json")                                # a JSON graph file (ppa, pattern, cluster)
+
+Node tasks (pattern, cluster) predict one class per node: a list per graph, in the graph's node order.
 
 A registered model (:mod:`pipeline.registry`) carries its model config, the task
 (with the code2 vocabulary), and, under ``input``, what building its inputs
@@ -32,6 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 #: Short network timeouts for an http(s) tracking server (MLflow's defaults retry for minutes).
@@ -168,14 +172,19 @@ class Predictor:
     # -- graphs -> predictions
     @torch.no_grad()
     def predict_graphs(self, graphs: Sequence[Any]) -> list:
-        """Per-graph predictions (code2: subtoken lists, ppa: class ids) for ``SATData`` graphs."""
+        """Per-graph predictions for ``SATData`` graphs: code2 subtoken lists, ppa class ids, and
+        for node tasks (pattern, cluster) a list of node classes per graph."""
         from torch_geometric.data import Batch
 
         out: list = []
         graphs = list(graphs)
         for i in range(0, len(graphs), BATCH_GRAPHS):
-            batch = Batch.from_data_list(graphs[i : i + BATCH_GRAPHS])
-            out.extend(self.task.predict(self.model(batch)))
+            chunk = graphs[i : i + BATCH_GRAPHS]
+            predictions = self.task.predict(self.model(Batch.from_data_list(chunk)))
+            if self.task.node_level:  # one flat list over the batch's nodes -> one list per graph
+                ends = np.cumsum([g.num_nodes for g in chunk])
+                predictions = [predictions[a:b] for a, b in zip(np.r_[0, ends[:-1]], ends)]
+            out.extend(predictions)
         return out
 
     @torch.no_grad()
@@ -286,16 +295,14 @@ class Predictor:
         return [ds[i] for i in range(len(ds))], [f"{split}[{i}] graph {int(g)}" for i, g in enumerate(ids)]
 
     def _from_json(self, path: Path) -> tuple[list[Any], list[str]]:
-        """A JSON graph file: one graph or a list, each ``{"edge_index": [[src...], [dst...]],
-        "edge_attr": [[7 floats], ...], "num_nodes": N}`` (ppa)."""
-        import numpy as np
-
+        """A JSON graph file: one graph or a list. ppa: each ``{"edge_index": [[src...], [dst...]],
+        "edge_attr": [[7 floats], ...], "num_nodes": N}``; pattern / cluster: each
+        ``{"edge_index": [[src...], [dst...]], "x": [N node input ids], "num_nodes": N}``
+        (undirected edges, listed once or in both directions)."""
+        if self.task.node_level:
+            return self._nodes_from_json(path)
         self._require("ppa", "a JSON graph file")
-        try:
-            values = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-        values = values if isinstance(values, list) else [values]
+        values = _read_json_graphs(path)
         raws = []
         for i, g in enumerate(values):
             try:
@@ -310,6 +317,30 @@ class Predictor:
             raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([ei, ei[::-1]], 1),
                          "edge_attr": np.concatenate([ea, ea], 0), "y": int(g.get("y", 0))})
         return self._featurise(raws, "ppa"), [f"graph {i}" for i in range(len(raws))]
+
+    def _nodes_from_json(self, path: Path) -> tuple[list[Any], list[str]]:
+        """Node-task graphs of a JSON file (see :meth:`_from_json`): the edges are made undirected
+        and stored once per pair, as the SBM raw layout does, and the loader adds the reverse."""
+        vocab = self.model_config.node_in_dim
+        raws = []
+        for i, g in enumerate(_read_json_graphs(path)):
+            try:
+                n = int(g["num_nodes"])
+                ei = np.asarray(g["edge_index"], dtype=np.int64).reshape(2, -1)
+                x = np.asarray(g["x"], dtype=np.int64).reshape(-1)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}: graph {i}: expected num_nodes, edge_index [2, E], x [N] ({exc})") from None
+            if x.size != n:
+                raise ValueError(f"{path}: graph {i}: x has {x.size} entries for {n} nodes")
+            if x.size and (x.min() < 0 or x.max() >= vocab):
+                raise ValueError(f"{path}: graph {i}: x holds ids outside [0, {vocab}) ({self.task_name} node inputs)")
+            if ei.size and (ei.min() < 0 or ei.max() >= n):
+                raise ValueError(f"{path}: graph {i}: edge index out of range for {n} nodes")
+            pairs = np.unique(np.sort(ei.T, axis=1), axis=0)
+            pairs = pairs[pairs[:, 0] != pairs[:, 1]].T  # [2, E] with u < v, no self-loops
+            raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([pairs, pairs[::-1]], 1),
+                         "x": x, "node_label": np.zeros(n, dtype=np.int64)})
+        return self._featurise(raws, self.task_name), [f"graph {i}" for i in range(len(raws))]
 
     def predict_file(self, path: str | Path, split: str = "test") -> list:
         """A Python file (code2: :class:`FunctionPrediction` per function), or graphs from a shard
@@ -331,16 +362,25 @@ class Predictor:
         return list(zip(labels, self.predict_graphs(graphs)))
 
 
+def _read_json_graphs(path: Path) -> list:
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    return values if isinstance(values, list) else [values]
+
+
 def load(uri: str, tracking_uri: Optional[str] = None) -> Predictor:
     """Load ``models:/NAME@alias``, ``models:/NAME/VERSION`` (or ``runs:/ID/model``) from the registry.
 
     ``tracking_uri``: default ``$MLFLOW_TRACKING_URI`` or the project's SQLite store. Raises
     ``ValueError``/``OSError`` with a one-line message.
     """
-    from pipeline.registry import load_model
+    from pipeline.registry import check_model_uri, load_model
 
     if not isinstance(uri, str) or not uri.startswith(("models:/", "runs:/")):
         raise ValueError(f"{uri!r}: expected a model URI such as models:/sat-code2@champion or models:/sat-code2/3")
+    check_model_uri(uri)
     tracking = resolve_tracking_uri(tracking_uri)
     check_reachable(tracking)
     try:
@@ -371,5 +411,8 @@ def format_predictions(predictions: list) -> str:
             lines.append(f"{p.line:>5}  {p.name:<32} -> {' '.join(p.predicted) or '(nothing)'}")
         else:
             label, pred = p
-            lines.append(f"{label}: class {pred}")
+            if isinstance(pred, list):  # node task: one class per node
+                lines.append(f"{label}: node classes {' '.join(str(c) for c in pred)}")
+            else:
+                lines.append(f"{label}: class {pred}")
     return "\n".join(lines)

@@ -8,11 +8,18 @@ pickled :class:`sat.SAT` module (eval mode, fp32, CPU), one extra file
     {"format": 1, "task": {"name": "code2", "max_seq_len": 5},
      "model_config": {...SATConfig fields...}, "vocab": [...] | null,
      "data_manifest_hash": "...", "git_commit": "...", "metrics": {...},
+     "provenance": {"config_hash": "...", "git_commits": [...]},
      "run_name": "...", "job": {...}}
 
 which is what prediction needs: :func:`load_model` returns the module with the
 task rebuilt (vocabulary included) so that ``task.predict(model(batch))`` gives
 decoded predictions. Only load models from your own registry (pickle).
+
+The recorded configuration, data hash and commit are those of the weights: the
+caller passes the ``provenance`` its checkpoint recorded (:mod:`pipeline.rerun`:
+the hash of the configuration that trained the weights, and the git commits of
+the code that did, one per resumed segment when it changed); ``git_commit`` is
+the last of them, not the commit of the process that happens to register.
 """
 from __future__ import annotations
 
@@ -76,6 +83,7 @@ def log_and_register(
     data_manifest_hash: str = "",
     metrics: Optional[dict[str, float]] = None,
     extra: Optional[dict[str, Any]] = None,
+    provenance: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """Log ``model`` (+ what it needs to predict) to MLflow run ``run_id``; register it under
     ``registered_model`` (skipped when None). Tags the version with the data manifest hash, the
@@ -88,7 +96,9 @@ def log_and_register(
     from mlflow.tracking import MlflowClient
 
     model = model.to("cpu").float().eval()
-    commit = git_commit()
+    provenance = {k: v for k, v in (provenance or {}).items() if k in ("config_hash", "git_commits")}
+    commits = list(provenance.get("git_commits") or [])
+    commit = commits[-1] if commits else git_commit()
     meta = {
         "format": FORMAT,
         "task": task.state(),
@@ -97,6 +107,7 @@ def log_and_register(
         "data_manifest_hash": data_manifest_hash,
         "git_commit": commit,
         "metrics": dict(metrics or {}),
+        "provenance": provenance or None,
         **(extra or {}),
     }
     mlflow.set_tracking_uri(tracking_uri)
@@ -120,6 +131,8 @@ def log_and_register(
             "git_commit": commit,
             "task": task.name,
             "run_id": run_id,
+            **({"satp.config_hash": provenance["config_hash"]} if provenance.get("config_hash") else {}),
+            **({"satp.git_commits": " ".join(commits)} if len(commits) > 1 else {}),
             **{f"metric.{k}": f"{v:.6g}" for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
         }
         for key, value in tags.items():
@@ -132,15 +145,28 @@ def log_and_register(
     return result
 
 
+def check_model_uri(uri: str) -> None:
+    """``models:/NAME`` alone names no model: MLflow reads it as a version-less URI and answers
+    that the model does not exist. Say what to write instead (one line)."""
+    name = uri[len("models:/"):] if uri.startswith("models:/") else None
+    if name and "/" not in name and "@" not in name:
+        raise ValueError(f"{uri}: name a version or an alias: models:/{name}/<version> or models:/{name}@champion "
+                         "(satp models lists them)")
+
+
 def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
     """Load a logged SAT model (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``, ``runs:/...``).
 
     Raises ``ValueError`` with a one-line message when the model does not exist
     or was not logged by :func:`log_and_register`.
     """
+    check_model_uri(uri)
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    from pipeline import pyg_templates
+
+    pyg_templates.install()  # unpickling builds PyG convs: no generated module left in $TMPDIR
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
     try:

@@ -9,16 +9,14 @@
         registered models, versions, aliases, each version's metric, data hash and commit
     satp predict MODEL_URI INPUT [--tracking-uri URI] [--split test] [--json]
         models:/NAME@alias or models:/NAME/VERSION; INPUT: a Python file (code2), a shard
-        directory or a JSON graph file (ppa)
+        directory or a JSON graph file (ppa; pattern and cluster: one class per node)
 """
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import sys
 
-from pipeline.config import add_job_arguments
+from pipeline.cli_args import add_job_arguments, run_section_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("predict", help="predict with a registered model (code2: method names of a Python file)")
     p.add_argument("model_uri", metavar="MODEL_URI", help="models:/NAME@alias or models:/NAME/VERSION")
-    p.add_argument("input", metavar="INPUT", help="a Python file (code2), a shard directory or a JSON graph file (ppa)")
+    p.add_argument("input", metavar="INPUT", help="a Python file (code2), a shard directory or a JSON graph file (ppa, pattern, cluster)")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)")
     p.add_argument("--split", default="test", help="split to predict when INPUT is a shard directory (default test)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -41,26 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from pipeline.config import load_job
-
-    job_path = Path(args.job).resolve()
-    try:  # run from the project directory (relative paths in jobs), as satp train does
-        from pipeline.submit import enter_workdir
-
-        enter_workdir()
-    except ImportError:
-        pass
-    job = load_job(job_path, args.overrides)
-    if job.tune is None:
-        raise ValueError(f"{job_path}: no tune: section (see jobs/code2-sweep-local.yaml)")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    from pipeline.tune import format_outcome, run_sweep
-
-    outcome = run_sweep(job, address=args.address)
-    print(format_outcome(outcome), flush=True)
-    return 130 if outcome.interrupted else 0
+    return run_section_command(args, "tune", "jobs/code2-sweep-local.yaml", "pipeline.tune:run_sweep")
 
 
 # ----------------------------------------------------------------------------- satp models

@@ -44,10 +44,12 @@ def enter_workdir() -> None:
         os.chdir(workdir)
 
 
-def build_entrypoint(job_rel: str, overrides: list[str]) -> str:
+def build_entrypoint(job_rel: str, overrides: list[str], restart: bool = False) -> str:
     parts = ["python", "-m", "pipeline.cli", "train", job_rel]
     for item in overrides:
         parts += ["--set", item]
+    if restart:
+        parts.append("--restart")
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -59,6 +61,7 @@ def submit(
     wait: bool = True,
     working_dir: str | Path = ".",
     out=sys.stdout,
+    restart: bool = False,
 ) -> int:
     """Submit ``job_path`` to the cluster at ``address``; return 0 on success (or when not waiting)."""
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -83,7 +86,7 @@ def submit(
     except Exception as exc:  # ConnectionError, RuntimeError from the SDK
         raise ValueError(f"cannot reach the Ray job server at {address}: {str(exc).splitlines()[0]}") from None
     job_id = client.submit_job(
-        entrypoint=build_entrypoint(job_rel, overrides),
+        entrypoint=build_entrypoint(job_rel, overrides, restart),
         runtime_env={"working_dir": str(working_dir), "excludes": EXCLUDES, "env_vars": env_vars},
         metadata={"satp_job": job.name},
     )

@@ -2,10 +2,13 @@
 
 The driver (:func:`open_run`) finds or creates the run before any worker
 starts, keyed by the tag ``satp.run_key`` (storage path + run name), so a
-resumed or retried training run keeps logging into the same MLflow run. During
-training only rank 0 writes (:class:`EpochLogger`): per-epoch metrics, system
-metrics, the training-curve plot. The driver closes the run
-(:func:`close_run`). SQLite allows one writer, so nothing else logs meanwhile.
+resumed or retried training run keeps logging into the same MLflow run. A run
+name started over (``--restart``, :mod:`pipeline.rerun`) gets a new MLflow run:
+the old one is detached from the key (:func:`retire_run`) and keeps its status,
+history and registered versions. During training, Ray Train's controller logs
+each epoch once its checkpoint is registered (:mod:`pipeline.epoch_logger`:
+metrics and the training-curve plot), and rank 0 the system metrics
+(:class:`EpochLogger`). The driver closes the run (:func:`close_run`).
 """
 from __future__ import annotations
 
@@ -95,8 +98,57 @@ def close_run(tracking_uri: str, run_id: str, status: str) -> None:
     client(tracking_uri).set_terminated(run_id, status=status)
 
 
+def find_training_run(tracking_uri: str, experiment: str, run_key: str):
+    """The MLflow run of a training run (by its ``satp.run_key`` tag), or None."""
+    mlflow_client = client(tracking_uri)
+    exp = mlflow_client.get_experiment_by_name(experiment)
+    return find_run(mlflow_client, exp.experiment_id, {RUN_KEY_TAG: run_key}) if exp is not None else None
+
+
+def retire_run(tracking_uri: str, run_id: str, run_key: str, why: str) -> None:
+    """Detach an MLflow run from its run key, so that the key's next training run gets a new one.
+
+    Its status, metrics and registered versions stay; the tags say why (``satp.retired``) and
+    the key it had (``satp.retired_run_key``)."""
+    import time
+
+    mlflow_client = client(tracking_uri)
+    mlflow_client.set_tag(run_id, RUN_KEY_TAG, f"{run_key}#retired-{int(time.time())}")
+    mlflow_client.set_tag(run_id, "satp.retired_run_key", run_key)
+    mlflow_client.set_tag(run_id, "satp.retired", why[:500])
+
+
+def log_metrics(mlflow_client, run_id: str, metrics: dict[str, Any], step: int) -> None:
+    """The finite numbers of ``metrics`` at ``step``, in one batch."""
+    import math
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    items = [
+        Metric(k, float(v), now, step)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and math.isfinite(float(v))
+    ]
+    if items:
+        mlflow_client.log_batch(run_id, metrics=items)
+
+
+def log_curves(mlflow_client, run_id: str, history: list[dict[str, Any]], metric: str) -> None:
+    """The training-curve plot of ``history`` as ``plots/training_curves.png`` (replaced each epoch)."""
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "training_curves.png"
+            plot_curves(history, metric, path)
+            mlflow_client.log_artifact(run_id, str(path), artifact_path="plots")
+    except Exception as exc:
+        log.warning("could not log the training curves: %s", exc)
+
+
 class EpochLogger:
-    """Rank 0's writer: metrics per epoch, system metrics, the training-curve plot."""
+    """Rank 0's writer: system metrics, and after a resume the epochs MLflow missed. The epochs
+    themselves are logged by Ray Train's controller (:mod:`pipeline.epoch_logger`)."""
 
     def __init__(self, tracking_uri: str, run_id: str, system_metrics: bool = True) -> None:
         self.tracking_uri, self.run_id = tracking_uri, run_id
@@ -112,42 +164,15 @@ class EpochLogger:
                 log.warning("system metrics disabled: %s", exc)
                 self.monitor = None
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        import math
-        import time
-
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        items = [
-            Metric(k, float(v), now, step)
-            for k, v in metrics.items()
-            if isinstance(v, (int, float)) and math.isfinite(float(v))
-        ]
-        if items:
-            self.client.log_batch(self.run_id, metrics=items)
-
     def catch_up(self, history: list[dict[str, Any]]) -> None:
-        """After a resume: log the epochs of ``history`` this run has not seen (killed after
-        the checkpoint was reported but before the metrics were logged)."""
+        """After a resume: log the epochs of ``history`` (the checkpoint's) this run has not seen
+        (an MLflow write that failed, or a driver stopped between registration and logging)."""
         if not history:
             return
         logged = self.client.get_run(self.run_id).data.metrics.get("epoch")
         for entry in history:
             if logged is None or entry["epoch"] > logged:
-                self.log_metrics(entry, step=int(entry["epoch"]))
-
-    def log_curves(self, history: list[dict[str, Any]], metric: str) -> None:
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / "training_curves.png"
-                plot_curves(history, metric, path)
-                self.client.log_artifact(self.run_id, str(path), artifact_path="plots")
-        except Exception as exc:
-            log.warning("could not log the training curves: %s", exc)
-
-    def log_dict(self, values: dict, name: str) -> None:
-        self.client.log_dict(self.run_id, values, name)
+                log_metrics(self.client, self.run_id, entry, step=int(entry["epoch"]))
 
     def close(self) -> None:
         if self.monitor is not None:

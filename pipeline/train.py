@@ -1,23 +1,36 @@
 """Distributed training, the driver side: :func:`train_job` checks a job, builds and fits the trainer.
 
 :func:`train_job` is the reusable entry point (the CLI's ``satp train``, the
-demo and Tune trials call it): it validates everything it can in the driver
-(task, precision, model config, shards: a bad job fails before any worker
-starts), opens the MLflow run, fits a Ray Train V2 ``TorchTrainer`` whose
-workers run :func:`worker_loop`, and, only when the fit succeeded, logs and
-registers the best model.
+demo and Tune trials call it). In order, each step before the costly ones:
+
+1. :func:`pipeline.preflight.preflight`: the job alone, its data root, the Ray
+   address (connected here), the cluster's resources against the request;
+2. :func:`prepare_data` (the preprocessing stage; reuses finished shards) and
+   :func:`plan`: the model against the shards' features, the model built once;
+3. :func:`pipeline.rerun.decide`: what the run name already holds. A run of
+   another configuration is never resumed into; a finished run of the same
+   configuration is not trained or registered again (its model is reported);
+4. the MLflow run (:mod:`pipeline.tracking`), then a Ray Train V2
+   ``TorchTrainer`` whose workers run :func:`pipeline.worker.worker_loop`;
+5. only when the fit succeeded: the best model logged and registered, with the
+   configuration hash and commits its checkpoint recorded.
 
 The workers (:mod:`pipeline.worker`) train, evaluate, checkpoint and report every
-epoch; rank 0 logs to MLflow (:mod:`pipeline.tracking`). A rerun with the same run
-name and storage path resumes from the last checkpoint, and so does a retry after a
-worker died (``FailureConfig``).
+epoch; rank 0 logs to MLflow. A retry after a worker or a node was lost
+(``FailureConfig``) resumes from the last checkpoint, in the same MLflow run.
+A failed attempt marks its own MLflow run FAILED, except a run that had
+FINISHED before (a continuation with more epochs): it stays FINISHED, with the
+failure in its ``satp.last_attempt`` tag, since its registered versions are
+sound.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,6 +66,7 @@ class TrainOutcome:
     tracking_uri: Optional[str]
     registered: Optional[dict[str, Any]]  # see pipeline.registry.log_and_register
     result: Any = None  # the ray.train.Result
+    trained: bool = True  # False: the run had finished with this configuration already (nothing ran)
 
 
 def resolve_job(job: JobConfig) -> JobConfig:
@@ -69,22 +83,21 @@ def resolve_job(job: JobConfig) -> JobConfig:
 def prepare_data(job: JobConfig, address: Optional[str] = None) -> Path:
     """Build (or validate) the job's shards through the preprocessing stage; return their directory."""
     import preprocessing
+    from pipeline.console import show_progress
 
     for section in ("data", "transform", "shards"):
         if not hasattr(job, section):
             raise ValueError(f"job {job.name!r} has no {section!r} section (preprocessing not configured)")
-    return Path(preprocessing.preprocess(job.data, job.transform, job.shards, address=address))
+    log.info("preprocessing: %s into %s", job.data.name, job.shards.root)
+    return Path(preprocessing.preprocess(job.data, job.transform, job.shards, address=address,
+                                         progress=show_progress()))
 
 
 def precheck(job: JobConfig) -> None:
     """Checks that need no data and no Ray (raise ``ValueError`` before anything starts)."""
-    from pipeline.engine import resolve_precision
+    from pipeline.preflight import check_config
 
-    data_name = getattr(getattr(job, "data", None), "name", None)
-    task_name_for(job.train.task, data_name)
-    resolve_precision(job.train.precision, job.resources.use_gpu)
-    if job.train.warmup_epochs > job.train.epochs:
-        raise ValueError(f"train.warmup_epochs ({job.train.warmup_epochs}) exceeds train.epochs ({job.train.epochs})")
+    check_config(job)
 
 
 def plan(job: JobConfig, shard_dir: str | Path) -> WorkerSetup:
@@ -104,6 +117,9 @@ def plan(job: JobConfig, shard_dir: str | Path) -> WorkerSetup:
             raise ValueError(f"{shard_dir}: the {split} split is empty")
     task = make_task(task_name, vocab=train_ds.vocab)
     model_config = task.configure(job.model, train_ds[0])
+    from pipeline.preflight import check_shard_features
+
+    check_shard_features(model_config, train_ds.manifest or {}, shard_dir)
     try:
         model = build_model(model_config)
         del model
@@ -140,6 +156,7 @@ def train_job(
     register: bool = True,
     callbacks: Optional[list] = None,
     fault: Optional[dict] = None,
+    restart: bool = False,
 ) -> TrainOutcome:
     """Train ``job`` on Ray Train (+ DeepSpeed) and register the best model; return the outcome.
 
@@ -148,71 +165,51 @@ def train_job(
         shard_dir: the preprocessed shards; default: run the job's preprocessing
             (:func:`prepare_data`, which reuses finished shards).
         address: Ray cluster address for ``ray.init`` when Ray is not initialised
-            (default: a local cluster).
+            (default: ``$RAY_ADDRESS``, else a new local cluster).
         register: log and register the best model at the end (``mlflow.registered_model``,
             default ``sat-<task>``). Never happens when the fit fails.
         callbacks: Ray Train ``UserCallback``s (e.g. Tune's ``TuneReportCallback``).
         fault: test hook, kill one worker once: ``{"rank", "epoch", "step", "marker"}``.
+        restart: start the run name over when it holds a checkpoint of another configuration
+            (or of this one): its checkpoints are deleted, its MLflow run is detached from it.
 
-    A rerun with the same ``train.run_name`` and ``train.storage_path`` resumes
-    from the last checkpoint and logs into the same MLflow run.
+    A rerun with the same ``train.run_name`` and ``train.storage_path`` resumes from the
+    last checkpoint and logs into the same MLflow run, if the configuration is the same
+    (:mod:`pipeline.rerun`); raises :class:`pipeline.rerun.RerunConflict` otherwise.
     """
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from pipeline import pyg_templates, rerun
+    from pipeline.preflight import preflight
+    from pipeline.registry import git_commit
 
+    pyg_templates.install()
     job = resolve_job(job)
-    precheck(job)
-    if not ray.is_initialized():
-        if address or os.environ.get("RAY_ADDRESS"):  # a cluster (inside a Ray job: RAY_ADDRESS is set)
-            ray.init(address=address)
-        else:
-            from pipeline.cluster import init_local_ray
-
-            init_local_ray()
+    train = job.train
+    run_key = f"{train.storage_path}/{train.run_name}"
+    early = preflight([job], address=address, restart=restart)
+    if early is not None and early.action == "finished" and shard_dir is None:  # no Ray was started
+        setup = plan(job, rerun.job_shard_dir(job))
+        setup.provenance = early.provenance
+        return _already_finished(job, setup, early.previous, run_key, register)
     shard_dir = Path(shard_dir) if shard_dir is not None else prepare_data(job, address)
     setup = plan(job, shard_dir)
     setup.fault = fault
-    train, res = job.train, job.resources
+    manifest = open_split(setup.shard_dir, "train").manifest or {}
+    decision = rerun.decide(job, rerun.weights_config(job, manifest), git_commit(), restart=restart)
+    setup.provenance = decision.provenance
+    if decision.action == "finished":
+        return _already_finished(job, setup, decision.previous, run_key, register)
+    if decision.action == "restart":
+        log.info("restarting run %s: deleting its checkpoints in %s", train.run_name, decision.previous.run_dir)
+        shutil.rmtree(decision.previous.run_dir)
+    elif decision.action == "resume":
+        log.info("resuming run %s after epoch %d (%s)", train.run_name, decision.previous.epoch,
+                 decision.previous.checkpoint)
 
-    run_key = f"{train.storage_path}/{train.run_name}"
+    previous_status = None
     if job.mlflow.enabled:
-        from pipeline.tracking import open_run
-        import yaml
-
-        config_text = yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False)
-        params = job.model_dump(mode="json")
-        params["model"] = setup.model_config
-        params["shard_dir"] = setup.shard_dir
-        setup.run_id = open_run(job.mlflow.tracking_uri, job.mlflow.experiment, run_key, train.run_name, params, config_text)
-
-    resources = {"CPU": res.cpus_per_worker}
-    if res.use_gpu:
-        resources["GPU"] = res.gpus_per_worker
-    env_vars = {
-        "OUTDATED_IGNORE": "1",
-        "DS_ACCELERATOR": "cuda" if res.use_gpu else "cpu",
-        "OMP_NUM_THREADS": str(res.torch_threads or max(1, int(res.cpus_per_worker))),
-    }
-    trainer = TorchTrainer(
-        worker_loop,
-        train_loop_config={"setup": setup},
-        scaling_config=ScalingConfig(num_workers=res.num_workers, use_gpu=res.use_gpu, resources_per_worker=resources),
-        run_config=RunConfig(
-            name=train.run_name,
-            storage_path=train.storage_path,
-            failure_config=FailureConfig(max_failures=train.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=train.checkpoints_to_keep),
-            callbacks=callbacks,
-            worker_runtime_env={"env_vars": env_vars},
-        ),
-    )
+        previous_status = _mlflow_run(job, setup, run_key, decision.action)
     try:
-        result = trainer.fit()
-        if getattr(result, "error", None) is not None:
-            raise result.error
-        if result.checkpoint is None:
-            raise RuntimeError("training finished without a checkpoint")
+        result = _fit(job, setup, callbacks)
         with result.checkpoint.as_directory() as directory:
             state = ckpt.load_state(directory)
             best_weights = ckpt.load_best_weights(directory)
@@ -223,14 +220,9 @@ def train_job(
         task = make_task(setup.task_name, vocab=open_split(setup.shard_dir, "train").vocab, **setup.task_state)
         if job.mlflow.enabled and register and best_weights is not None:
             registered = _log_best_model(job, setup, task, state, best_weights)
-    except BaseException:
+    except BaseException as exc:
         if job.mlflow.enabled and setup.run_id:
-            try:
-                from pipeline.tracking import close_run
-
-                close_run(job.mlflow.tracking_uri, setup.run_id, "FAILED")
-            except Exception:
-                pass
+            _close_failed(job, setup.run_id, previous_status, exc)
         raise
     if job.mlflow.enabled and setup.run_id:
         from pipeline.tracking import close_run
@@ -254,6 +246,177 @@ def train_job(
     )
 
 
+def _mlflow_run(job: JobConfig, setup: WorkerSetup, run_key: str, action: str) -> Optional[str]:
+    """Open the run's MLflow run (``setup.run_id``); return its status before (None: new).
+
+    A fresh start never logs into an MLflow run that holds another training's history: a
+    restarted run name, or one whose checkpoints are gone while its MLflow run has metrics,
+    gets a new MLflow run (the old one is detached from the key, see
+    :func:`pipeline.tracking.retire_run`)."""
+    import yaml
+
+    from pipeline import tracking
+
+    uri = job.mlflow.tracking_uri
+    existing = tracking.find_training_run(uri, job.mlflow.experiment, run_key)
+    if existing is not None and action in ("fresh", "restart") and (
+            action == "restart" or existing.data.metrics or existing.info.status == "FINISHED"):
+        why = ("run started over (--restart)" if action == "restart"
+               else "its checkpoints were gone: the run name started over")
+        tracking.retire_run(uri, existing.info.run_id, run_key, why)
+        existing = None
+    config_text = yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False)
+    params = job.model_dump(mode="json")
+    params["model"] = setup.model_config
+    params["shard_dir"] = setup.shard_dir
+    setup.run_id = tracking.open_run(uri, job.mlflow.experiment, run_key, job.train.run_name, params, config_text)
+    tracking.client(uri).set_tag(setup.run_id, "satp.config_hash", setup.provenance["config_hash"])
+    return existing.info.status if existing is not None else None
+
+
+def _close_failed(job: JobConfig, run_id: str, previous_status: Optional[str], exc: BaseException) -> None:
+    """A failed attempt marks its MLflow run FAILED, unless the run had FINISHED before: a failed
+    continuation leaves it FINISHED (its registered versions are sound), with the failure tagged."""
+    from pipeline import tracking
+
+    try:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if previous_status == "FINISHED":
+            client = tracking.client(job.mlflow.tracking_uri)
+            client.set_tag(run_id, "satp.last_attempt", f"failed {time.strftime('%Y-%m-%d %H:%M:%S')}: {first}"[:500])
+            tracking.close_run(job.mlflow.tracking_uri, run_id, "FINISHED")
+        else:
+            tracking.close_run(job.mlflow.tracking_uri, run_id, "FAILED")
+    except Exception:  # the tracking store must not hide the training error
+        pass
+
+
+def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
+    """Fit the Ray Train ``TorchTrainer``; return its result (with a checkpoint) or raise."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    train, res = job.train, job.resources
+    resources = {"CPU": res.cpus_per_worker}
+    if res.use_gpu:
+        resources["GPU"] = res.gpus_per_worker
+    env_vars = {
+        "OUTDATED_IGNORE": "1",
+        "DS_ACCELERATOR": "cuda" if res.use_gpu else "cpu",
+        "OMP_NUM_THREADS": str(res.torch_threads or max(1, int(res.cpus_per_worker))),
+    }
+    for key in ("RAY_COLOR_PREFIX", "TQDM_DISABLE"):  # what this command's console asks for
+        if os.environ.get(key):
+            env_vars[key] = os.environ[key]
+    callbacks = list(callbacks or [])
+    if job.mlflow.enabled and setup.run_id:
+        from pipeline.epoch_logger import RegisteredEpochLogger
+        from pipeline.tasks import TASK_CLASSES
+
+        callbacks.append(RegisteredEpochLogger(job.mlflow.tracking_uri, setup.run_id, TASK_CLASSES[setup.task_name].metric))
+    trainer = TorchTrainer(
+        worker_main,
+        train_loop_config={"setup": setup},
+        scaling_config=ScalingConfig(num_workers=res.num_workers, use_gpu=res.use_gpu, resources_per_worker=resources,
+                                     placement_strategy=res.placement_strategy),
+        run_config=RunConfig(
+            name=train.run_name,
+            storage_path=train.storage_path,
+            failure_config=FailureConfig(max_failures=train.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=train.checkpoints_to_keep),
+            callbacks=callbacks,
+            worker_runtime_env={"env_vars": env_vars},
+        ),
+    )
+    log.info("starting %d Ray Train worker(s) (%s each)", res.num_workers,
+             ", ".join(f"{v:g} {k}" for k, v in resources.items()))
+    result = trainer.fit()
+    if getattr(result, "error", None) is not None:
+        raise result.error
+    if result.checkpoint is None:
+        raise RuntimeError("training finished without a checkpoint")
+    return result
+
+
+def worker_main(config: dict) -> None:
+    """The Ray Train workers' entry: process set-up, then :func:`pipeline.worker.worker_loop`.
+
+    * PyG's generated modules stay in memory (:mod:`pipeline.pyg_templates`).
+    * DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce op
+      (``deepspeed_shm_comm``, 30-60 s with a C++ compiler, cached in ``~/.cache/torch_extensions``)
+      when it sets up communication. The op serves only ``inference_all_reduce`` (DeepSpeed
+      inference); training all-reduces go through ``torch.distributed`` (gloo), the installed
+      implementation. So it is marked unavailable and nothing is compiled.
+    * Ray Train logs every report with its metrics ("Reporting training result ...") and
+      rank 0 logs the same epoch's metrics: Ray's line is dropped (warnings stay).
+    """
+    from pipeline import pyg_templates
+
+    pyg_templates.install()
+    skip_deepspeed_jit_ops()
+    try:
+        from ray.train.v2._internal.execution import context as train_context
+
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+    except ImportError:
+        pass
+    worker_loop(config)
+
+
+def skip_deepspeed_jit_ops() -> None:
+    """Mark DeepSpeed's CPU shared-memory communication op unavailable (see :func:`worker_main`)."""
+    if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
+        return
+    try:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except (ImportError, AttributeError, TypeError):
+        pass
+
+
+def _already_finished(job: JobConfig, setup: WorkerSetup, previous, run_key: str, register: bool) -> TrainOutcome:
+    """A rerun of a finished run of the same configuration: nothing trains; its registered model
+    is found (registered now from its last checkpoint if an earlier attempt stopped before)."""
+    from pipeline import tracking
+
+    train, state = job.train, previous.state
+    task = make_task(setup.task_name, vocab=open_split(setup.shard_dir, "train").vocab, **setup.task_state)
+    registered = None
+    if job.mlflow.enabled:
+        uri = job.mlflow.tracking_uri
+        found = tracking.find_training_run(uri, job.mlflow.experiment, run_key)
+        client = tracking.client(uri)
+        digest = setup.provenance.get("config_hash")
+        if found is not None:
+            setup.run_id = found.info.run_id
+            versions = [v for v in client.search_model_versions(f"run_id='{setup.run_id}'")
+                        if (v.tags or {}).get("satp.config_hash") == digest]
+            if versions:
+                v = max(versions, key=lambda v: int(v.version))
+                registered = {"registered_model": v.name, "version": int(v.version),
+                              "registered_uri": f"models:/{v.name}/{v.version}", "model_uri": v.source,
+                              "champion": None, "reason": "registered when the run finished"}
+        if registered is None and register:
+            if setup.run_id is None:
+                _mlflow_run(job, setup, run_key, "resume")
+            best_weights = ckpt.load_best_weights(previous.checkpoint)
+            if best_weights is not None:
+                log.info("run %s finished before its model was registered: registering it now", train.run_name)
+                registered = _log_best_model(job, setup, task, state, best_weights)
+        if setup.run_id is not None and (found is None or found.info.status != "FINISHED"):
+            tracking.close_run(uri, setup.run_id, "FINISHED")
+    history = state.get("history") or []
+    log.info("run %s finished already (epoch %d, same configuration): nothing to train", train.run_name,
+             previous.epoch)
+    return TrainOutcome(
+        run_name=train.run_name, storage_path=train.storage_path, checkpoint_path=str(previous.checkpoint),
+        metrics=history[-1] if history else {}, history=history, best=state["best"], constant=state.get("constant"),
+        metric=task.metric, task=task.name, mlflow_run_id=setup.run_id, tracking_uri=job.mlflow.tracking_uri,
+        registered=registered, trained=False,
+    )
+
+
 def _log_best_model(job: JobConfig, setup: WorkerSetup, task: Task, state: dict, best_weights: dict) -> dict:
     from pipeline import tracking
     from pipeline.registry import CHAMPION, log_and_register, promote
@@ -268,6 +431,7 @@ def _log_best_model(job: JobConfig, setup: WorkerSetup, task: Task, state: dict,
     if state.get("constant") is not None:
         metrics[f"constant_{metric}"] = state["constant"]
     name = job.mlflow.registered_model or f"sat-{task.name}"
+    log.info("logging the best model (epoch %s) to MLflow and registering it as %s", best["epoch"], name)
     _log_attention_plot(job, setup, model, task)
     registered = log_and_register(
         model,
@@ -280,6 +444,7 @@ def _log_best_model(job: JobConfig, setup: WorkerSetup, task: Task, state: dict,
         data_manifest_hash=_manifest_hash(setup.shard_dir),
         metrics={k: v for k, v in metrics.items() if v is not None},
         extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json"), **_input_spec(setup.shard_dir)},
+        provenance=state.get("provenance") or setup.provenance,  # the configuration and code that trained them
     )
     # the same rule as sweeps: the alias moves only to a version with a better validation metric
     registered.update(promote(tracking.client(job.mlflow.tracking_uri), name, registered["version"],

@@ -18,19 +18,25 @@ from pydantic import Field, model_validator
 from preprocessing.config import StrictModel
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
-TaskName = Literal["code2", "ppa"]
+TaskName = Literal["code2", "ppa", "pattern", "cluster"]
 
 
 class TrainConfig(StrictModel):
-    """Optimisation, batching, checkpointing (paper, appendix C: AdamW, warm-up then cosine)."""
+    """Optimisation, batching, checkpointing (paper, appendix C: AdamW with a linear warm-up, then
+    cosine decay on OGB, or the Transformer's inverse-square-root decay on ZINC/PATTERN/CLUSTER)."""
 
     task: Optional[TaskName] = None  # None: inferred from data.name (see pipeline.tasks)
     epochs: int = Field(4, ge=1)
     warmup_epochs: float = Field(1.0, ge=0)
+    # warm-up in optimizer steps (the paper's 5,000 on PATTERN/CLUSTER); when set, warmup_epochs is unused
+    warmup_steps: Optional[int] = Field(None, ge=0)
     lr: float = Field(1e-4, gt=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
     weight_decay: float = Field(1e-6, ge=0)
-    scheduler: Literal["cosine", "constant"] = "cosine"
+    # after the warm-up: cosine (to lr * min_lr_ratio at the last step), constant, or inverse_sqrt:
+    # lr * sqrt(warmup / step), the schedule of Vaswani et al. scaled to peak at lr (the SAT authors'
+    # train_SBMs.py / train_zinc.py)
+    scheduler: Literal["cosine", "constant", "inverse_sqrt"] = "cosine"
     # batching: a batch holds graphs of similar size up to `node_budget` padded nodes
     # (graphs x largest graph), so dense attention wastes little; a graph larger than
     # the budget gets a batch of its own (never dropped)
@@ -40,7 +46,7 @@ class TrainConfig(StrictModel):
     bucket_size: int = Field(2048, ge=1)  # graphs per shuffled bucket sorted by size
     loader_workers: int = Field(0, ge=0)
     train_subset: Optional[int] = Field(None, ge=1)  # first N graphs of a seeded permutation
-    eval_subset: Optional[int] = Field(None, ge=1)
+    eval_subset: Optional[int] = Field(None, ge=1)  # the same, seeded by data.seed (not by train.seed)
     seed: int = 0
     # DeepSpeed
     precision: Precision = "auto"  # auto: bf16 where supported, else fp16 on GPU, fp32 on CPU
@@ -54,6 +60,13 @@ class TrainConfig(StrictModel):
     checkpoints_to_keep: int = Field(2, ge=1)
     max_failures: int = Field(2, ge=0)  # worker-group restarts from the last checkpoint
 
+    @model_validator(mode="after")
+    def _warmup(self) -> "TrainConfig":
+        warmup = self.warmup_epochs if self.warmup_steps is None else self.warmup_steps
+        if self.scheduler == "inverse_sqrt" and not warmup > 0:
+            raise ValueError("scheduler 'inverse_sqrt' decays from the end of the warm-up; set warmup_steps > 0")
+        return self
+
 
 class ResourcesConfig(StrictModel):
     """Ray Train workers: one DeepSpeed rank each."""
@@ -63,6 +76,12 @@ class ResourcesConfig(StrictModel):
     cpus_per_worker: float = Field(1, gt=0)
     gpus_per_worker: float = Field(1, ge=0)
     torch_threads: Optional[int] = Field(None, ge=1)  # default: cpus_per_worker
+    # PACK: workers on as few nodes as possible; SPREAD: across nodes where they fit (a lost node
+    # then takes fewer workers with it). Either way a lost node's workers restart where room is.
+    placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
+    # false: fail before anything starts when the cluster's nodes cannot hold the workers;
+    # true: an autoscaling cluster, where Ray adds the nodes the workers ask for
+    wait_for_nodes: bool = False
 
     @model_validator(mode="after")
     def _gpu(self) -> "ResourcesConfig":

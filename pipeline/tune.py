@@ -85,13 +85,21 @@ def _validate(raw: dict, where: str) -> JobConfig:
         raise ValueError(format_validation_error(where, exc)) from None
 
 
-def check_space(job: JobConfig) -> None:
-    """Every value the space can sample must give a valid job (one-line error naming the key)."""
+def space_jobs(job: JobConfig) -> list[JobConfig]:
+    """The job with every value the space can sample (each key varied from the first values of
+    the others); raises a one-line error naming the key when a value gives an invalid job."""
     raw = base_job_dict(job)
     first = {key: dist.candidates()[0] for key, dist in job.tune.space.items()}  # settings that go together
+    jobs = []  # the first values of every key come first
     for key, dist in job.tune.space.items():
         for value in dist.candidates():
-            _validate(apply_config(raw, {**first, key: value}), f"tune.space.{key} = {value!r}")
+            jobs.append(_validate(apply_config(raw, {**first, key: value}), f"tune.space.{key} = {value!r}"))
+    return jobs or [_validate(raw, "job")]
+
+
+def check_space(job: JobConfig) -> None:
+    """Every value the space can sample must give a valid job (one-line error naming the key)."""
+    space_jobs(job)
 
 
 def data_variants(job: JobConfig) -> list[dict[str, Any]]:
@@ -129,10 +137,10 @@ def _resolve_paths(raw: dict, cwd: Path) -> dict:
 # ----------------------------------------------------------------------------- task facts
 def task_metric(job: JobConfig) -> tuple[str, str, str]:
     """``(task name, task metric, task mode)`` of the job (without reading any data)."""
-    from pipeline.tasks import Task, task_name_for
+    from pipeline.tasks import TASK_CLASSES, task_name_for
 
     name = task_name_for(job.train.task, getattr(job.data, "name", None))
-    classes = {cls.name: cls for cls in Task.__subclasses__()}
+    classes = TASK_CLASSES
     if name not in classes:
         raise ValueError(f"unknown task {name!r}")
     return name, classes[name].metric, classes[name].mode
@@ -546,7 +554,7 @@ def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, 
     with torch.no_grad():
         reg = log_and_register(model, task=task, model_config=config, vocab=vocab, run_id=best.run_id,
                                tracking_uri=tracking_uri, registered_model=name, data_manifest_hash=manifest_hash,
-                               metrics=metrics, extra=extra)
+                               metrics=metrics, extra=extra, provenance=state.get("provenance"))
     client = tracking.client(tracking_uri)
     client.set_model_version_tag(name, str(reg["version"]), "satp.sweep", sweep_name)
     reg.update(registry.promote(client, name, reg["version"], metrics.get(f"best_val_{m}"), f"best_val_{m}", mode, alias,
@@ -558,10 +566,7 @@ def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, 
 def concurrency_cap(job: JobConfig, tune_cfg: TuneConfig, cluster: dict[str, float]) -> int:
     """How many trials the cluster's resources run at once."""
     res = job.resources
-    workers = res.num_workers
-    for key, dist in tune_cfg.space.items():  # a swept worker count: plan for the largest
-        if "resources.num_workers" in split_key(key):
-            workers = max(int(v) for v in dist.candidates())
+    workers = max_workers(job, tune_cfg)
     need = {"CPU": workers * res.cpus_per_worker + tune_cfg.trial_cpus}
     if res.use_gpu:
         need["GPU"] = workers * res.gpus_per_worker
@@ -569,18 +574,60 @@ def concurrency_cap(job: JobConfig, tune_cfg: TuneConfig, cluster: dict[str, flo
     return max(1, min(caps)) if caps else 1
 
 
-def _init_ray(address: Optional[str]) -> None:
-    import ray
+def max_workers(job: JobConfig, tune_cfg: TuneConfig) -> int:
+    """The job's worker count, or the largest one the space sweeps."""
+    workers = job.resources.num_workers
+    for key, dist in tune_cfg.space.items():
+        if "resources.num_workers" in split_key(key):
+            workers = max(int(v) for v in dist.candidates())
+    return workers
 
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")  # set inside a Ray job
-    if address:
-        ray.init(address=address, runtime_env={"env_vars": {"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"}})
-    else:  # a new local Ray for this command, never someone else's (see pipeline.cluster)
-        from pipeline.cluster import init_local_ray
 
-        init_local_ray()
+def open_parent_run(client, exp_id: str, sweep_key: str, kind: str, name: str, params: dict,
+                    tags: Optional[dict[str, str]] = None) -> str:
+    """The parent MLflow run of a sweep or comparison (``kind``), made before any trial starts (one
+    writer: the driver). A rerun finds it by its key and sets it RUNNING again."""
+    parent = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, "satp.kind": kind})
+    if parent is None:
+        run_tags = {SWEEP_KEY_TAG: sweep_key, "satp.kind": kind, **(tags or {})}
+        parent_id = client.create_run(exp_id, run_name=name, tags=run_tags).info.run_id
+        tracking.log_params(client, parent_id, params)
+        return parent_id
+    if parent.info.status != "RUNNING":
+        client.update_run(parent.info.run_id, status="RUNNING")
+    return parent.info.run_id
+
+
+def trial_trainable(trial_fn, ctx: SweepContext, trial_cpus: float):
+    """The Tune trainable of ``trial_fn``. The Tune function only drives its Train run; a resource
+    request cannot be empty, so with ``trial_cpus`` 0 it asks for 1 MiB of Ray's logical memory."""
+    from ray import tune
+
+    resources = {"cpu": trial_cpus} if trial_cpus > 0 else {"cpu": 0, "memory": 2**20}
+    return tune.with_resources(tune.with_parameters(trial_fn, ctx=ctx), resources)
+
+
+def fit_trials(sweep_dir: Path, trainable, new_tuner, client, parent_id: str):
+    """Fit the trials: a new ``Tuner`` (``new_tuner()``), or the interrupted one in ``sweep_dir``
+    restored. Returns ``(results, resumed)``; any failure marks the parent run FAILED."""
+    from ray import tune
+
+    resumed = tune.Tuner.can_restore(str(sweep_dir))
+    try:
+        if resumed:
+            log.info("resuming %s", sweep_dir)
+            tuner = tune.Tuner.restore(str(sweep_dir), trainable=trainable, resume_unfinished=True, resume_errored=True)
+        else:
+            tuner = new_tuner()
+        results = tuner.fit()
+        release_after_sweep()
+    except BaseException:
+        try:
+            client.set_terminated(parent_id, status="FAILED")
+        except Exception:
+            pass
+        raise
+    return results, resumed
 
 
 def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1) -> SweepOutcome:
@@ -603,7 +650,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     val_metric = f"val_{m}"
     if job.train.eval_every != 1:
         raise ValueError("tune: ASHA compares trials every epoch; set train.eval_every: 1")
-    check_space(job)
+    space = space_jobs(job)
     max_epochs = tune_cfg.asha.max_epochs or job.train.epochs
     if tune_cfg.asha.grace_period > max_epochs:
         raise ValueError(f"tune.asha.grace_period: {tune_cfg.asha.grace_period} > max_epochs {max_epochs}")
@@ -622,7 +669,12 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     base = _resolve_paths(base_job_dict(job), cwd)
     base["mlflow"]["enabled"] = False
 
-    _init_ray(address)
+    # the pre-flight of satp train, for every variant of the space: config, data roots, the Ray
+    # address (connected here), the cluster against one trial's request (its largest worker count)
+    from pipeline.preflight import preflight
+
+    preflight(space, address=address, num_workers=max_workers(job, tune_cfg), extra_cpus=tune_cfg.trial_cpus,
+              ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
 
     # preprocessing variants, built once here
     import preprocessing
@@ -645,14 +697,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     client = tracking.client(tracking_uri)
     exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)
     sweep_key = str(sweep_dir)
-    parent = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, "satp.kind": "sweep"})
-    if parent is None:
-        parent_id = client.create_run(exp_id, run_name=name, tags={SWEEP_KEY_TAG: sweep_key, "satp.kind": "sweep"}).info.run_id
-        tracking.log_params(client, parent_id, {**base, "tune": job.tune.model_dump(mode="json")})
-    else:
-        parent_id = parent.info.run_id
-        if parent.info.status != "RUNNING":
-            client.update_run(parent_id, status="RUNNING")
+    parent_id = open_parent_run(client, exp_id, sweep_key, "sweep", name, {**base, "tune": job.tune.model_dump(mode="json")})
 
     cluster = ray.cluster_resources()
     cap = concurrency_cap(job, tune_cfg, cluster)
@@ -660,45 +705,29 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     log.info("sweep %s: %d samples, at most %d trials at once (cluster %s)", name, tune_cfg.num_samples,
              concurrent, {k: cluster.get(k) for k in ("CPU", "GPU") if k in cluster})
 
-    # the Tune function only drives its Train run; a resource request cannot be empty, so with
-    # trial_cpus 0 it asks for 1 MiB of Ray's logical memory instead of a CPU
-    trial_resources = {"cpu": tune_cfg.trial_cpus} if tune_cfg.trial_cpus > 0 else {"cpu": 0, "memory": 2**20}
-    trainable = tune.with_resources(tune.with_parameters(_trial, ctx=ctx), trial_resources)
-    resumed = tune.Tuner.can_restore(str(sweep_dir))
-    try:
-        if resumed:
-            log.info("resuming sweep %s from %s", name, sweep_dir)
-            tuner = tune.Tuner.restore(str(sweep_dir), trainable=trainable, resume_unfinished=True,
-                                       resume_errored=True)
-        else:
-            param_space = {key: dist.to_tune() for key, dist in tune_cfg.space.items()}
-            scheduler = ASHAScheduler(time_attr=TIME_ATTR, max_t=max_epochs,
-                                      grace_period=tune_cfg.asha.grace_period,
-                                      reduction_factor=tune_cfg.asha.reduction_factor,
-                                      brackets=tune_cfg.asha.brackets)
-            tuner = tune.Tuner(
-                trainable,
-                param_space=param_space,
-                tune_config=tune.TuneConfig(
-                    metric=metric, mode=mode, scheduler=scheduler, num_samples=tune_cfg.num_samples,
-                    # the searcher caps concurrency (Tune ignores max_concurrent_trials with a generator)
-                    search_alg=BasicVariantGenerator(random_state=tune_cfg.seed, max_concurrent=concurrent),
-                ),
-                run_config=tune.RunConfig(
-                    name=name, storage_path=str(storage),
-                    failure_config=tune.FailureConfig(max_failures=tune_cfg.max_failures),
-                    callbacks=[SweepLogger(tracking_uri, exp_id, parent_id, sweep_key, ctx, max_epochs)],
-                    verbose=verbose,
-                ),
-            )
-        results = tuner.fit()
-        release_after_sweep()
-    except BaseException:
-        try:
-            client.set_terminated(parent_id, status="FAILED")
-        except Exception:
-            pass
-        raise
+    trainable = trial_trainable(_trial, ctx, tune_cfg.trial_cpus)
+
+    def new_tuner():
+        param_space = {key: dist.to_tune() for key, dist in tune_cfg.space.items()}
+        scheduler = ASHAScheduler(time_attr=TIME_ATTR, max_t=max_epochs, grace_period=tune_cfg.asha.grace_period,
+                                  reduction_factor=tune_cfg.asha.reduction_factor, brackets=tune_cfg.asha.brackets)
+        return tune.Tuner(
+            trainable,
+            param_space=param_space,
+            tune_config=tune.TuneConfig(
+                metric=metric, mode=mode, scheduler=scheduler, num_samples=tune_cfg.num_samples,
+                # the searcher caps concurrency (Tune ignores max_concurrent_trials with a generator)
+                search_alg=BasicVariantGenerator(random_state=tune_cfg.seed, max_concurrent=concurrent),
+            ),
+            run_config=tune.RunConfig(
+                name=name, storage_path=str(storage),
+                failure_config=tune.FailureConfig(max_failures=tune_cfg.max_failures),
+                callbacks=[SweepLogger(tracking_uri, exp_id, parent_id, sweep_key, ctx, max_epochs)],
+                verbose=verbose,
+            ),
+        )
+
+    results, resumed = fit_trials(sweep_dir, trainable, new_tuner, client, parent_id)
 
     trials = summarize(results, metric, mode, val_metric, max_epochs, saved_states(sweep_dir))
     for t in trials:

@@ -3,7 +3,7 @@
 Each worker (one DeepSpeed rank) builds its parts once (:class:`WorkerRun`): data loaders over its
 share of the node-budget batches (:mod:`pipeline.loader`, :mod:`pipeline.batching`), the model
 and DeepSpeed engine (:mod:`pipeline.engine`), the loop state restored from Ray Train's last
-checkpoint, and on rank 0 the MLflow logger (:mod:`pipeline.tracking`). Then, per epoch:
+checkpoint, and on rank 0 the MLflow system metrics (:mod:`pipeline.tracking`). Then, per epoch:
 
 * :meth:`WorkerRun.train_epoch`: the steps (:class:`pipeline.train_step.TrainStep`), the loss
   accumulated on the device (:class:`pipeline.metrics.EpochMeter`), a sample of the batches'
@@ -11,7 +11,8 @@ checkpoint, and on rank 0 the MLflow logger (:mod:`pipeline.tracking`). Then, pe
 * :meth:`WorkerRun.evaluate_epoch`: validation and test predictions, gathered to rank 0, OGB's
   metric, the best epoch by validation;
 * :meth:`WorkerRun.report`: a checkpoint (:mod:`pipeline.checkpoint`) and the metrics through
-  ``ray.train.report`` (every rank, once per epoch), then MLflow.
+  ``ray.train.report`` (every rank, once per epoch); Ray Train's controller logs the epoch to
+  MLflow once it has registered the checkpoint (:mod:`pipeline.epoch_logger`).
 """
 from __future__ import annotations
 
@@ -155,7 +156,9 @@ class WorkerRun:
             seed=train.seed,
             bucket_size=train.bucket_size,
             max_graphs=train.max_graphs_per_batch,
-            indices=subset_indices(len(dataset), train.train_subset if shuffle else train.eval_subset, train.seed),
+            # evaluation subsets do not depend on train.seed: runs of several seeds score the same graphs
+            indices=(subset_indices(len(dataset), train.train_subset, train.seed) if shuffle
+                     else subset_indices(len(dataset), train.eval_subset, self.job.data.seed)),
         )
 
     def _restore(self) -> None:
@@ -229,7 +232,8 @@ class WorkerRun:
         return metrics
 
     def report(self, epoch: int, metrics: dict[str, Any]) -> None:
-        """Checkpoint and report the epoch (every rank), then log it to MLflow (rank 0)."""
+        """Checkpoint and report the epoch (every rank). MLflow gets it from Ray Train's controller once
+        the checkpoint is registered (:mod:`pipeline.epoch_logger`)."""
         import ray.train
 
         metric, state = self.task.metric, self.state
@@ -249,9 +253,6 @@ class WorkerRun:
             has_files = any(p.is_file() for p in Path(directory).rglob("*"))
             checkpoint = ray.train.Checkpoint.from_directory(directory) if has_files else None
             ray.train.report(metrics, checkpoint=checkpoint)
-        if self.logger is not None:
-            self.logger.log_metrics(metrics, step=epoch)
-            self.logger.log_curves(state["history"], metric)
         if self.rank == 0:
             log.info("epoch %d: %s", epoch, {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
 

@@ -15,6 +15,8 @@ Public API (used by the training pipeline)::
 - :mod:`preprocessing.sources`: OGB loading (offline from OGB's raw layout) and input checks.
 - :mod:`preprocessing.pycode`: Python source -> ogbg-code2 raw layout (``satp data pycode``).
 - :mod:`preprocessing.synthetic`: synthetic ogbg-ppa raw layout (``satp data synthetic-ppa``).
+- :mod:`preprocessing.sbm`: PATTERN / CLUSTER by the SBM recipe of Dwivedi et al., OGB-like layout
+  (``satp data sbm-pattern``, ``satp data sbm-cluster``).
 - :mod:`preprocessing.transforms`: per-graph transforms (augment_edge, targets, RWPE, LapPE,
   k-hop subgraph indices, degree).
 - :mod:`preprocessing.shards`: the shard format (schema version 1) and manifest.

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from preprocessing.shards import (
     encode_shard,
     sha256_file,
 )
+from preprocessing.sbm import NUM_CLASSES
 from preprocessing.sources import TASK, RawStore, check_raw, ensure_dataset, iter_chunk, load_source
 from preprocessing.transforms import build_vocab, transform_graph
 
@@ -88,8 +90,13 @@ def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | No
 
 def write_shard(path: str, chunk: dict, task: str, transform: dict, vocab: list[str] | None) -> dict:
     """The body of a Ray task: compute one shard and write it atomically where it belongs (on a
-    multi-node cluster ``shards.root`` is shared storage); only its size and checksum travel back."""
+    multi-node cluster ``shards.root`` is shared storage); only its size and checksum travel back.
+
+    ``SATP_TESTING_SHARD_DELAY_S`` in the node's environment (a fault-injection test hook) makes the
+    task last at least that long, so that a test can see it running on a node and kill the node."""
+    started = time.monotonic()
     payload = compute_shard(chunk, task, transform, vocab)
+    time.sleep(max(0.0, float(os.environ.get("SATP_TESTING_SHARD_DELAY_S", 0)) - (time.monotonic() - started)))
     atomic_write_bytes(Path(path), payload)
     return {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
 
@@ -107,6 +114,26 @@ def _shard_done(out: Path, plan: ShardPlan, key: dict) -> dict | None:
     if path.stat().st_size != meta.get("bytes") or sha256_file(path) != meta.get("sha256"):
         return None
     return meta
+
+
+def _rebuild_reason(out: Path, plan: ShardPlan, key: dict) -> str | None:
+    """Why a shard that :func:`_shard_done` rejected is computed again, when it had been written
+    before (None: it never was); said on stderr, so that a corrupt shard is never silently rebuilt."""
+    side, path = out / plan.sidecar, out / plan.file
+    if not side.is_file():
+        return "its build was interrupted before it was recorded" if path.is_file() else None
+    if not path.is_file():
+        return "the file is missing"
+    try:
+        meta = json.loads(side.read_text())
+    except (OSError, json.JSONDecodeError):
+        return f"its sidecar {side.name} is unreadable"
+    if any(meta.get(k) != v for k, v in key.items()) or meta.get("rows") != int(plan.ids.size):
+        return "it was built from other source data or settings"
+    size = path.stat().st_size
+    if size != meta.get("bytes"):
+        return f"{size} bytes, {meta.get('bytes')} recorded (truncated or corrupt)"
+    return "its sha256 differs from the recorded one (corrupt)"
 
 
 def _check_owner(out: Path, chash: str) -> None:
@@ -200,6 +227,10 @@ def build_shards(store: RawStore, data: DataConfig, transform: TransformConfig, 
     key = {"config_hash": chash, "fingerprint": store.fingerprint, "schema_version": SCHEMA_VERSION}
     done = {p.file: _shard_done(out, p, key) for p in plans}
     pending = [p for p in plans if done[p.file] is None]
+    for plan in pending:
+        why = _rebuild_reason(out, plan, key)
+        if why:
+            print(f"satp: rebuilding shard {out / plan.file}: {why}", file=sys.stderr)
     if pending:
         (out / MANIFEST).unlink(missing_ok=True)  # incomplete from here on
         results = _run_ray(pending, store, task, transform, vocab, out, shards, key, address, progress)
@@ -221,7 +252,7 @@ def build_shards(store: RawStore, data: DataConfig, transform: TransformConfig, 
         "columns": specs,
         "vocab_file": VOCAB_FILE if vocab is not None else None,
         "num_vocab": len(vocab) if vocab is not None else None,
-        "num_classes": len(vocab) if vocab is not None else 37,
+        "num_classes": len(vocab) if vocab is not None else NUM_CLASSES.get(data.name, 37),
         "max_seq_len": transform.max_seq_len if task == "code2" else None,
     }
     node_counts = np.diff(store.node_ptr)
@@ -257,7 +288,9 @@ def _run_ray(pending: list[ShardPlan], store: RawStore, task: str, transform: Tr
         started = True
     results: dict[str, dict] = {}
     try:
-        remote = ray.remote(num_cpus=shards.cpus_per_task, max_retries=2)(write_shard)
+        # SPREAD: shard tasks go to every node, not first to the node holding their arguments (the
+        # driver's); a task lost with its node is retried elsewhere (max_retries)
+        remote = ray.remote(num_cpus=shards.cpus_per_task, max_retries=2, scheduling_strategy="SPREAD")(write_shard)
         cpus = ray.cluster_resources().get("CPU", 1.0)
         # twice the slots: a queued task starts as soon as a worker is free
         limit = shards.max_in_flight or 2 * max(1, int(cpus // shards.cpus_per_task))
@@ -266,7 +299,7 @@ def _run_ray(pending: list[ShardPlan], store: RawStore, task: str, transform: Tr
         in_flight: dict = {}
         queue = list(pending)
         bar = tqdm(total=int(sum(p.ids.size for p in pending)), unit="graph", desc=f"preprocess {out.name}",
-                   disable=not progress, file=sys.stderr, mininterval=1.0)
+                   disable=None if progress else True, file=sys.stderr, mininterval=1.0)  # None: off unless a terminal
         with bar:
             def submit() -> None:
                 while queue and len(in_flight) < limit:

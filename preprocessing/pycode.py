@@ -24,6 +24,7 @@ import gzip
 import io
 import os
 import re
+import sys
 import sysconfig
 import tokenize
 import warnings
@@ -33,9 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from preprocessing.ogb_layout import assign_groups, atomic_dataset_dir, write_gz_array, write_gz_text, write_splits
+from preprocessing.ogb_layout import (assign_groups, atomic_dataset_dir, check_out_dir, write_gz_array, write_gz_text,
+                                      write_splits)
 
 MASK = "_mask_"
+SHOWN_FAILURES = 5  # unparsable files named on stderr (all of them: the summary's files_skipped)
 NUM_TYPES = 98
 NUM_ATTRS = 10030
 TEST_DIRS = frozenset({"test", "tests", "idle_test", "testing"})
@@ -121,15 +124,25 @@ def iter_source_files(source: Path, include_tests: bool = False):
                 yield Path(dirpath) / f
 
 
-def collect_functions(sources: list[Path], include_tests: bool = False) -> tuple[list[FunctionGraph], int]:
-    """Parse every file; return the function graphs and the number of files that failed to parse."""
+def _parse_error(path: Path, exc: Exception) -> str:
+    """``path:LINE: reason`` of a file that does not parse (one line)."""
+    line = getattr(exc, "lineno", None)
+    reason = getattr(exc, "msg", None) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return f"{path}{f':{line}' if line else ''}: {type(exc).__name__}: {reason}"
+
+
+def collect_functions(sources: list[Path], include_tests: bool = False) -> tuple[list[FunctionGraph], list[str], int]:
+    """Parse every file; return the function graphs, the files that failed to parse (``path:line:
+    reason`` each) and the number of files read."""
     graphs: list[FunctionGraph] = []
-    failed = 0
+    failed: list[str] = []
+    files = 0
     for index, source in enumerate(sources):
         source = Path(source)
         if not source.exists():
             raise ValueError(f"{source}: source directory not found")
         for path in iter_source_files(source, include_tests):
+            files += 1
             rel = path.relative_to(source) if path != source else Path(path.name)
             top = rel.parts[0].removesuffix(".py")
             group = f"{index}:{top}" if len(sources) > 1 else top
@@ -139,8 +152,8 @@ def collect_functions(sources: list[Path], include_tests: bool = False) -> tuple
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     tree = ast.parse(text, filename=str(path))
-            except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, OSError):
-                failed += 1
+            except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, OSError) as exc:
+                failed.append(_parse_error(path, exc))
                 continue
             stack = [tree]
             while stack:  # pre-order over the file, so functions come in source order
@@ -152,7 +165,7 @@ def collect_functions(sources: list[Path], include_tests: bool = False) -> tuple
                         g.group, g.path = group, str(rel)
                         graphs.append(g)
                 stack.extend(reversed(list(ast.iter_child_nodes(node))))
-    return graphs, failed
+    return graphs, failed, files
 
 
 def _ranked(counts: Counter, limit: int) -> list[str]:
@@ -170,10 +183,20 @@ def _write_mapping(path: Path, header: tuple[str, str], values: list[str]) -> No
 def build_pycode(out: str | Path, sources: list[str | Path] | None = None, include_tests: bool = False,
                  force: bool = False) -> dict:
     """Build ``out/ogbg_code2`` in OGB's raw layout from Python source; return a summary dict."""
+    check_out_dir(Path(out), "ogbg-code2", force)  # before minutes of parsing
     src = [Path(s) for s in sources] if sources else default_source_dirs()
-    graphs, failed = collect_functions(src, include_tests)
+    graphs, failed, files = collect_functions(src, include_tests)
+    where = ", ".join(map(str, src))
+    if failed and len(failed) == files:
+        raise ValueError(f"{where}: none of the {files} Python file(s) parses with Python "
+                         f"{sys.version_info.major}.{sys.version_info.minor} (first: {failed[0]})")
     if not graphs:
-        raise ValueError(f"{', '.join(map(str, src))}: no Python function definitions found")
+        raise ValueError(f"{where}: no Python function definitions found in {files} .py file(s)"
+                         + (" (test directories skipped: --include-tests keeps them)" if not include_tests else ""))
+    if failed:
+        shown = "; ".join(failed[:SHOWN_FAILURES]) + (f"; and {len(failed) - SHOWN_FAILURES} more"
+                                                      if len(failed) > SHOWN_FAILURES else "")
+        print(f"satp: skipped {len(failed)} of {files} file(s) that do not parse: {shown}", file=sys.stderr)
     sizes = Counter(g.group for g in graphs)
     if len(sizes) < 3:
         raise ValueError(
@@ -232,7 +255,8 @@ def build_pycode(out: str | Path, sources: list[str | Path] | None = None, inclu
         "graphs": len(graphs),
         "nodes": int(sum(n_nodes)),
         "projects": len(sizes),
-        "files_failed": failed,
+        "files_failed": len(failed),
+        "files_skipped": failed,
         "splits": {s: int(v.size) for s, v in split_ids.items()},
         "types": len(types),
         "attributes": len(attrs),

@@ -22,13 +22,16 @@ and the dtype it decodes to are in ``manifest.json["columns"]``:
 column                   storage             shape              decoded ``SATData`` attribute
 =======================  ==================  =================  ====================================
 ``x``                    int32 (code2),      [N, 2] / [N, 1]    ``x`` long (float32 for
-                         int8 / float32 (ppa) / [N, 7]          ``ppa_node_input: edge_sum``)
+                         int8 / float32 (ppa) / [N, 7]          ``ppa_node_input: edge_sum``;
+                         int8 (pattern,                         pattern / cluster: node input ids
+                         cluster)                               [N, 1], 0..2 / 0..6)
 ``edge_index``           int32               [2, E]             ``edge_index`` long
 ``edge_attr``            int8 (code2) /      [E, 2] / [E, 7]    ``edge_attr`` long / float32
                          float32 (ppa)
 ``node_depth``           int32               [N]                ``node_depth`` long (code2)
 ``y``                    int64               [1, L] / [1]       ``y`` long: code2 ``[1, max_seq_len]``
-                                                                vocabulary ids, ppa ``[1]`` class
+                         int8 (pattern,      / [N]              vocabulary ids, ppa ``[1]`` class,
+                         cluster)                               pattern / cluster ``[N]`` node classes
 ``y_tokens``             list<string>        [T]                ``y_tokens`` list of str (code2: the
                                                                 true subtokens, for OGB's evaluator)
 ``degree``               float32             [N]                ``degree`` (in-degree, >= 1)
@@ -42,8 +45,10 @@ column                   storage             shape              decoded ``SATDat
 =======================  ==================  =================  ====================================
 
 The subgraph columns exist when ``transform.k_hops > 0`` (layout of :mod:`sat.data`), ``graph_id``
-is also decoded (``[1]`` long). Readers must check ``schema_version``; a change of the layout
-bumps it.
+is also decoded (``[1]`` long); pattern / cluster have no ``edge_attr``. Readers must check
+``schema_version``; a change of the layout bumps it. (PATTERN / CLUSTER added columns of new
+types for new datasets only, described by ``manifest.json["columns"]`` like every column: the
+code2 / ppa layout is unchanged, so the version stayed 1.)
 
 **manifest.json**: ``schema_version``, ``dataset``, ``task``, ``config_hash``, ``config``
 (data/transform/shards sections), ``source`` (dataset folder and fingerprint: sha256 of OGB's raw
@@ -62,6 +67,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from preprocessing.config import SBM_DATASETS
+
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 VOCAB_FILE = "vocab.json"
@@ -73,6 +80,8 @@ def column_specs(task: str, transform) -> dict[str, dict]:
     specs: dict[str, dict] = {}
     if task == "code2":
         specs["x"] = {"type": "int32", "shape": [-1, 2], "decode": "int64"}
+    elif task in SBM_DATASETS:
+        specs["x"] = {"type": "int8", "shape": [-1, 1], "decode": "int64"}
     elif transform.ppa_node_input == "edge_sum":
         specs["x"] = {"type": "float32", "shape": [-1, 7], "decode": "float32"}
     else:
@@ -84,6 +93,8 @@ def column_specs(task: str, transform) -> dict[str, dict]:
         specs["node_depth"] = {"type": "int32", "shape": [-1], "decode": "int64"}
         specs["y"] = {"type": "int64", "shape": [1, -1], "decode": "int64"}
         specs["y_tokens"] = {"type": "string", "shape": [-1], "decode": "str"}
+    elif task in SBM_DATASETS:
+        specs["y"] = {"type": "int8", "shape": [-1], "decode": "int64"}
     else:
         specs["edge_attr"] = {"type": "float32", "shape": [-1, 7], "decode": "float32"}
         specs["y"] = {"type": "int64", "shape": [-1], "decode": "int64"}

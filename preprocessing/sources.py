@@ -1,6 +1,7 @@
 """Data sources behind one interface: OGB's raw layout, loaded through ``ogb``'s own loader.
 
-:func:`load_source` returns a :class:`RawStore` for ``ogbg-code2`` or ``ogbg-ppa``:
+:func:`load_source` returns a :class:`RawStore` for ``ogbg-code2`` or ``ogbg-ppa`` (and, through
+:func:`load_sbm_store` instead of ``ogb``, for PATTERN / CLUSTER: see the end of this docstring):
 
 1. If ``<root>/<ogb dir>`` is absent, the configured builder creates it (``pycode`` for code2 from
    Python source, ``synthetic`` for ppa) or ``ogb`` downloads it (needs internet).
@@ -14,6 +15,12 @@
 4. The collated tensors are checked, vectorised: empty graphs, graphs without edges, edge ids
    out of range, NaN/inf features. Every error is a one-line ``ValueError`` naming the file or the
    graph id.
+
+PATTERN and CLUSTER (``source: sbm``; OGB-like layout of :mod:`preprocessing.sbm`, with node-level
+labels that ``ogb`` cannot read): steps 1, 2 and 4 as above (the builder is
+:func:`preprocessing.sbm.build_sbm`), step 3 reads the gzip CSVs with pandas' C parser; the reverse
+of every undirected edge is added (``u->v, v->u`` interleaved, as OGB's loader does), node input
+ids and labels are checked against the recipe's ranges.
 """
 from __future__ import annotations
 
@@ -29,12 +36,15 @@ from pathlib import Path
 
 import numpy as np
 
-from preprocessing.config import DataConfig
+from preprocessing.config import SBM_DATASETS, DataConfig
 from preprocessing.ogb_layout import OGB_DIR, SPLIT_KIND
+from preprocessing.sbm import NODE_VOCAB, NUM_CLASSES
 
-TASK = {"ogbg-code2": "code2", "ogbg-ppa": "ppa"}
-_NODE_FILES = {"ogbg-code2": ["node-feat", "node_is_attributed", "node_dfs_order", "node_depth"], "ogbg-ppa": []}
-_EDGE_FILES = {"ogbg-code2": ["edge"], "ogbg-ppa": ["edge", "edge-feat"]}
+TASK = {"ogbg-code2": "code2", "ogbg-ppa": "ppa", "pattern": "pattern", "cluster": "cluster"}
+_GRAPH_FILES = {"ogbg-code2": ["graph-label"], "ogbg-ppa": ["graph-label"], "pattern": [], "cluster": []}
+_NODE_FILES = {"ogbg-code2": ["node-feat", "node_is_attributed", "node_dfs_order", "node_depth"], "ogbg-ppa": [],
+               "pattern": ["node-feat", "node-label"], "cluster": ["node-feat", "node-label"]}
+_EDGE_FILES = {"ogbg-code2": ["edge"], "ogbg-ppa": ["edge", "edge-feat"], "pattern": ["edge"], "cluster": ["edge"]}
 FINGERPRINT_FILE = "satp_fingerprint.txt"
 
 
@@ -43,7 +53,7 @@ def dataset_dir(data: DataConfig) -> Path:
 
 
 def required_files(name: str) -> list[str]:
-    raw = ["num-node-list", "num-edge-list", "graph-label"] + _EDGE_FILES[name] + _NODE_FILES[name]
+    raw = ["num-node-list", "num-edge-list"] + _GRAPH_FILES[name] + _EDGE_FILES[name] + _NODE_FILES[name]
     files = [f"raw/{f}.csv.gz" for f in raw]
     files += [f"split/{SPLIT_KIND[name]}/{s}.csv.gz" for s in ("train", "valid", "test")]
     return files
@@ -106,8 +116,10 @@ def check_raw(folder: Path, name: str) -> str:
     graphs = n_nodes.size
     if n_edges.size != graphs:
         raise ValueError(f"{folder / 'raw/num-edge-list.csv.gz'}: {n_edges.size} graphs, num-node-list has {graphs}")
-    if lines["raw/graph-label.csv.gz"] != graphs:
-        raise ValueError(f"{folder / 'raw/graph-label.csv.gz'}: {lines['raw/graph-label.csv.gz']} lines, expected {graphs}")
+    for f in _GRAPH_FILES[name]:
+        rel = f"raw/{f}.csv.gz"
+        if lines[rel] != graphs:
+            raise ValueError(f"{folder / rel}: {lines[rel]} lines, expected {graphs}")
     if (n_nodes < 0).any() or (n_edges < 0).any():
         raise ValueError(f"{folder / 'raw'}: negative node or edge counts")
     for f in _NODE_FILES[name]:
@@ -148,12 +160,13 @@ class RawStore:
     edge_ptr: np.ndarray
     edge_index: np.ndarray  # [2, E] int64, local ids
     splits: dict[str, np.ndarray]
-    x: np.ndarray | None = None  # code2 [N, 2]
+    x: np.ndarray | None = None  # code2 [N, 2]; pattern / cluster [N] node input ids
     node_depth: np.ndarray | None = None  # code2 [N]
     node_is_attributed: np.ndarray | None = None  # code2 [N]
     edge_attr: np.ndarray | None = None  # ppa [E, 7] float32
     y: np.ndarray | None = None  # ppa [G]
     y_tokens: list[list[str]] | None = None  # code2
+    node_label: np.ndarray | None = None  # pattern / cluster [N] int64 node classes
     extra: dict = field(default_factory=dict)
 
     @property
@@ -166,18 +179,20 @@ class RawStore:
 
     def chunk(self, ids: np.ndarray) -> dict:
         """The raw arrays of graphs ``ids`` (any order), compact and picklable (sent to Ray tasks)."""
+        from sat.layout import concat_ranges  # (sat imports torch: not at this module's import)
+
         ids = np.asarray(ids, dtype=np.int64)
         nn = self.node_ptr[ids + 1] - self.node_ptr[ids]
         ne = self.edge_ptr[ids + 1] - self.edge_ptr[ids]
-        node_sel = _ranges(self.node_ptr[ids], nn)
-        edge_sel = _ranges(self.edge_ptr[ids], ne)
+        node_sel = concat_ranges(self.node_ptr[ids], nn)
+        edge_sel = concat_ranges(self.edge_ptr[ids], ne)
         out = {
             "graph_id": ids,
             "node_ptr": np.concatenate([[0], np.cumsum(nn)]),
             "edge_ptr": np.concatenate([[0], np.cumsum(ne)]),
             "edge_index": self.edge_index[:, edge_sel],
         }
-        for key in ("x", "node_depth", "node_is_attributed"):
+        for key in _NODE_ARRAYS:
             value = getattr(self, key)
             if value is not None:
                 out[key] = value[node_sel]
@@ -190,13 +205,7 @@ class RawStore:
         return out
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + l)`` for each pair, vectorised."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
-    return np.arange(total, dtype=np.int64) + offsets
+_NODE_ARRAYS = ("x", "node_depth", "node_is_attributed", "node_label")  # RawStore fields with one row per node
 
 
 def iter_chunk(chunk: dict):
@@ -205,7 +214,7 @@ def iter_chunk(chunk: dict):
     for j, gid in enumerate(chunk["graph_id"].tolist()):
         a, b, c, d = nptr[j], nptr[j + 1], eptr[j], eptr[j + 1]
         g = {"graph_id": gid, "num_nodes": int(b - a), "edge_index": chunk["edge_index"][:, c:d]}
-        for key in ("x", "node_depth", "node_is_attributed"):
+        for key in _NODE_ARRAYS:
             if key in chunk:
                 g[key] = chunk[key][a:b]
         if "edge_attr" in chunk:
@@ -232,6 +241,11 @@ def ensure_dataset(data: DataConfig) -> Path:
 
         print(f"satp: writing a synthetic ogbg-ppa to {folder}", file=sys.stderr)
         build_synthetic_ppa(data.root, data.synthetic_graphs, seed=data.seed)
+    elif data.source == "sbm":
+        from preprocessing.sbm import build_sbm
+
+        print(f"satp: regenerating {data.name.upper()} (SBM recipe, seed {data.seed}) in {folder}", file=sys.stderr)
+        build_sbm(data.root, data.name, seed=data.seed)
     return folder
 
 
@@ -242,18 +256,26 @@ def load_source(data: DataConfig, fingerprint: str | None = None) -> RawStore:
     """
     os.environ.setdefault("OUTDATED_IGNORE", "1")
     folder = ensure_dataset(data)
+    if data.name in SBM_DATASETS:
+        store = load_sbm_store(folder, data.name, fingerprint or check_raw(folder, data.name))
+        validate_store(store)
+        return store
     if folder.exists():
         fingerprint = fingerprint or check_raw(folder, data.name)
         stamp = folder / "processed" / FINGERPRINT_FILE
         if (folder / "processed").exists() and (not stamp.is_file() or stamp.read_text().strip() != fingerprint):
             shutil.rmtree(folder / "processed")  # OGB would reuse a cache of other raw files
     ds = _ogb_dataset(data, folder)
-    if fingerprint is None:  # downloaded just now
-        fingerprint = check_raw(folder, data.name)
+    try:
+        if fingerprint is None:  # downloaded just now
+            fingerprint = check_raw(folder, data.name)
+        store = _to_store(ds, data.name, folder, fingerprint)
+        validate_store(store)
+    except ValueError:
+        shutil.rmtree(folder / "processed", ignore_errors=True)  # no cache is left of data that failed its checks
+        raise
     (folder / "processed").mkdir(exist_ok=True)
     (folder / "processed" / FINGERPRINT_FILE).write_text(fingerprint + "\n")
-    store = _to_store(ds, data.name, folder, fingerprint)
-    validate_store(store)
     return store
 
 
@@ -264,6 +286,8 @@ def _ogb_dataset(data: DataConfig, folder: Path):
     decide = ogb_pyg.decide_download
     ogb_pyg.decide_download = lambda url: True  # no input() prompt for datasets over 1 GB
     existed = folder.exists()
+    root = Path(data.root)
+    root_existed, before = root.exists(), set(os.listdir(root)) if root.is_dir() else set()
     try:
         with contextlib.redirect_stdout(sys.stderr):
             return ogb_pyg.PygGraphPropPredDataset(name=data.name, root=str(data.root))
@@ -275,6 +299,48 @@ def _ogb_dataset(data: DataConfig, folder: Path):
         ogb_pyg.decide_download = decide
         if not existed and folder.exists() and not (folder / "RELEASE_v1.txt").is_file():
             shutil.rmtree(folder, ignore_errors=True)  # a failed download leaves no partial folder
+        if not existed and not folder.exists() and root.is_dir():
+            for name in set(os.listdir(root)) - before:
+                if name.endswith(".zip"):  # a partial download, which ogb would take as complete next time
+                    (root / name).unlink(missing_ok=True)
+            if not root_existed and not any(root.iterdir()):
+                root.rmdir()  # nor an empty data.root
+
+
+def _read_int_table(path: Path, columns: int) -> np.ndarray:
+    """A headerless gzip CSV of integers -> ``[rows, columns]`` int64 (pandas' C parser: fast on
+    PATTERN's ~43M edge lines, where ``str.split`` would need gigabytes)."""
+    import pandas as pd
+
+    try:
+        table = pd.read_csv(path, header=None, dtype=np.int64, compression="gzip", engine="c")
+    except pd.errors.EmptyDataError:
+        return np.zeros((0, columns), dtype=np.int64)
+    except (ValueError, TypeError, OSError, EOFError, pd.errors.ParserError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{path}: expected {columns} integer(s) per line ({first})") from None
+    if table.shape[1] != columns:
+        raise ValueError(f"{path}: expected {columns} integer(s) per line, found {table.shape[1]}")
+    return table.to_numpy()
+
+
+def load_sbm_store(folder: Path, name: str, fingerprint: str) -> RawStore:
+    """PATTERN / CLUSTER raw layout (:mod:`preprocessing.sbm`) -> :class:`RawStore` with both
+    directions of every edge; ``folder`` already passed :func:`check_raw` (``fingerprint``)."""
+    raw = folder / "raw"
+    n_nodes = _read_int_column(raw / "num-node-list.csv.gz")
+    n_edges = _read_int_column(raw / "num-edge-list.csv.gz")
+    edges = _read_int_table(raw / "edge.csv.gz", 2)
+    edge_index = np.empty((2, 2 * edges.shape[0]), dtype=np.int64)
+    edge_index[:, 0::2] = edges.T
+    edge_index[:, 1::2] = edges.T[::-1]
+    splits = {s: _read_int_column(folder / f"split/{SPLIT_KIND[name]}/{s}.csv.gz") for s in ("train", "valid", "test")}
+    return RawStore(
+        name=name, folder=folder, fingerprint=fingerprint,
+        node_ptr=np.concatenate([[0], np.cumsum(n_nodes)]), edge_ptr=np.concatenate([[0], np.cumsum(2 * n_edges)]),
+        edge_index=edge_index, splits=splits,
+        x=_read_int_table(raw / "node-feat.csv.gz", 1)[:, 0], node_label=_read_int_table(raw / "node-label.csv.gz", 1)[:, 0],
+    )
 
 
 def _to_store(ds, name: str, folder: Path, fingerprint: str) -> RawStore:
@@ -337,3 +403,10 @@ def validate_store(store: RawStore) -> None:
             raise ValueError(f"{where / 'node-feat.csv.gz'}: expected 2 non-negative integer ids per node")
     if store.task == "ppa" and store.y is not None and ((store.y < 0) | (store.y >= 37)).any():
         raise ValueError(f"{where / 'graph-label.csv.gz'}: class ids outside [0, 37)")
+    if store.name in SBM_DATASETS:
+        for key, fname, limit, what in (("x", "node-feat.csv.gz", NODE_VOCAB[store.name], "node input ids"),
+                                        ("node_label", "node-label.csv.gz", NUM_CLASSES[store.name], "node classes")):
+            bad = np.flatnonzero((getattr(store, key) < 0) | (getattr(store, key) >= limit))
+            if bad.size:
+                g = int(np.searchsorted(store.node_ptr, bad[0], side="right") - 1)
+                raise ValueError(f"{where / fname}: graph {g} has {what} outside [0, {limit})")

@@ -8,6 +8,9 @@ turns it into the dict of arrays stored in one shard row (see :mod:`preprocessin
   reverse [1, 1], AST edges [0, 0]); targets encoded to ``max_seq_len`` ids as the example's
   ``encode_y_to_arr`` (vocabulary id or ``__UNK__``, padded with ``__EOS__``); ``node_depth``.
 - ppa: ``x`` zeros ``[N, 1]`` or the summed incident edge features ``[N, 7]``.
+- pattern / cluster (:mod:`preprocessing.sbm`, node classification): ``x`` the node input ids
+  ``[N, 1]`` (PATTERN 0..2, CLUSTER 0..6, for ``Embedding(3 or 7, d)``), ``y`` the node classes
+  ``[N]``; no edge features.
 - RWPE (:func:`sat.encodings.random_walk_pe`), optional Laplacian PE
   (:func:`sat.encodings.laplacian_pe`), k-hop subgraph indices
   (:func:`sat.data.k_hop_subgraph_indices`) and in-degrees (:func:`sat.encodings.node_degree`).
@@ -20,6 +23,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from preprocessing.config import SBM_DATASETS
 from sat.data import k_hop_subgraph_indices
 from sat.encodings import incident_edge_sum, laplacian_pe, node_degree, random_walk_pe
 
@@ -74,8 +78,9 @@ def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | N
     Args:
         graph: raw arrays: ``graph_id``, ``num_nodes``, ``edge_index`` [2, E] (local ids);
             code2: ``x`` [N, 2], ``node_depth`` [N], ``node_is_attributed`` [N], ``y_tokens``;
-            ppa: ``edge_attr`` [E, 7] float32, ``y`` int.
-        task: ``code2`` or ``ppa``.
+            ppa: ``edge_attr`` [E, 7] float32, ``y`` int;
+            pattern / cluster: ``x`` [N] node input ids, ``node_label`` [N].
+        task: ``code2``, ``ppa``, ``pattern`` or ``cluster``.
         cfg: :class:`preprocessing.config.TransformConfig`.
         vocab_index: code2 only: subtoken -> id.
 
@@ -102,6 +107,10 @@ def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | N
         else:
             out["x"] = np.zeros((n, 1), dtype=np.int64)
         out["y"] = np.asarray([graph["y"]], dtype=np.int64)
+    elif task in SBM_DATASETS:
+        edge_index = graph["edge_index"].astype(np.int64, copy=False)
+        out["x"] = graph["x"].reshape(-1, 1).astype(np.int64, copy=False)
+        out["y"] = graph["node_label"].reshape(-1).astype(np.int64, copy=False)
     else:
         raise ValueError(f"unknown task {task!r}")
     out["edge_index"] = edge_index

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_type_hints
 
+Architecture = Literal["sat", "gnn"]
 AttentionImpl = Literal["auto", "varlen", "dense", "sparse"]
 ExtractorKind = Literal["subtree", "subgraph"]
 GNNType = Literal["gcn", "gin", "gine", "sage", "pna"]
@@ -22,9 +23,23 @@ EDGE_AWARE_GNNS = ("gcn", "gine", "pna")  # base GNNs that can take edge feature
 class SATConfig:
     """Hyperparameters of :class:`sat.SAT` (Chen et al., ICML 2022; Table 8 for the paper's values).
 
-    ``k_hops = 0`` gives the plain Transformer baseline (no structure extractor).
+    The paper's baselines (Tables 1 and 4) are settings of the same model:
+
+    * ``architecture="gnn"``: the base GNN alone, the "Base GNN" rows. ``num_layers`` layers of
+      :class:`sat.layers.GNNLayer`: one layer of the base GNN (``gnn_type``, the same
+      :func:`sat.extractors.gnn_layer` that SAT's extractors stack, with edge features where it
+      takes them), then ``norm``, ReLU, a residual connection and dropout, as benchmarking-gnns
+      builds its GNNs (Dwivedi et al.). There is no attention and no FFN. The encoders, PE, readout
+      and head are SAT's, so only the layers differ. ``extractor``, ``k_hops``, ``concat_hops``,
+      ``num_heads``, ``attention``, ``attn_dropout``, ``ffn_ratio``, ``pre_norm`` and
+      ``degree_scaling`` are not used. The ``cls`` readout is rejected, because a [CLS] node
+      without edges receives no messages.
+    * ``k_hops = 0`` (``architecture="sat"``): the plain Transformer, with no structure extractor.
+      With ``pe="rwpe"`` it is the "Transformer+RWPE" row.
+    * ``extractor="subtree"`` / ``"subgraph"`` with ``k_hops >= 1``: k-subtree and k-subgraph SAT.
     """
 
+    architecture: Architecture = "sat"  # gnn: the base GNN alone (see above)
     # transformer
     hidden_dim: int = 64
     num_layers: int = 4
@@ -89,7 +104,10 @@ class SATConfig:
             raise ValueError(f"model.edge_in_columns: expected >= 1, got {self.edge_in_columns}")
         if self.ffn_ratio <= 0:
             raise ValueError(f"model.ffn_ratio: expected > 0, got {self.ffn_ratio}")
-        if self.gnn_type == "pna" and self.k_hops > 0 and not self.pna_degree_histogram:
+        if self.architecture == "gnn" and self.readout == "cls":
+            raise ValueError("model.readout: 'cls' needs attention (a [CLS] node has no edges); "
+                             "architecture 'gnn' takes mean or sum")
+        if self.gnn_type == "pna" and self.has_gnn and not self.pna_degree_histogram:
             raise ValueError("model.pna_degree_histogram: gnn_type='pna' needs the in-degree histogram")
 
     @property
@@ -97,16 +115,21 @@ class SATConfig:
         return self.edge_dim or self.hidden_dim
 
     @property
+    def has_gnn(self) -> bool:
+        """Whether the model runs a base GNN (a structure extractor, or the GNN alone)."""
+        return self.architecture == "gnn" or self.k_hops > 0
+
+    @property
     def uses_edge_features(self) -> bool:
         """Whether edge features reach the model (only through an edge-aware base GNN)."""
         return (
-            self.k_hops > 0 and self.edge_encoder != "none" and self.use_edge_attr and self.gnn_type in EDGE_AWARE_GNNS
+            self.has_gnn and self.edge_encoder != "none" and self.use_edge_attr and self.gnn_type in EDGE_AWARE_GNNS
         )
 
     @property
     def needs_subgraphs(self) -> bool:
         """Whether a batch must carry the k-hop subgraph indices (k-subgraph extractor)."""
-        return self.extractor == "subgraph" and self.k_hops > 0
+        return self.architecture == "sat" and self.extractor == "subgraph" and self.k_hops > 0
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SATConfig":

@@ -11,16 +11,21 @@ The degree factor reduces the influence of highly connected components (after
 Mialon et al., GraphiT); it is switched off with the [CLS] readout, as in the
 paper's code. Each layer owns its structure extractor, applied to the layer's
 input (the authors' code puts it inside the attention module).
+
+:class:`GNNLayer` is the layer of the base GNN alone (``SATConfig.architecture = "gnn"``, the
+paper's "Base GNN" rows): the same base-GNN layer, with no attention and no FFN.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import StructureAwareAttention
+from .config import EDGE_AWARE_GNNS
 from .layout import GraphLayout
-from .extractors import SubgraphExtractor, build_extractor
+from .extractors import EdgeGCNConv, SubgraphExtractor, build_extractor, gnn_layer
 
 
 def _norm(kind: str, dim: int) -> nn.Module:
@@ -118,3 +123,66 @@ class SATLayer(nn.Module):
         if not self.pre_norm:
             x = self.norm2(x)
         return x, weights
+
+
+class GNNLayer(nn.Module):
+    """One layer of the base GNN alone (``SATConfig.architecture = "gnn"``), built as
+    benchmarking-gnns builds its GNN layers (Dwivedi et al., ``layers/gcn_layer.py``: conv, batch
+    norm, activation, residual, dropout):
+
+        x' = dropout(x + relu(norm(conv(x))))
+
+    ``conv`` is one layer of the base GNN that SAT's structure extractors stack
+    (:func:`sat.extractors.gnn_layer`: GCN, GIN, GINE, GraphSAGE or PNA). Edge features go in
+    where that GNN takes them, as in the extractors; GINE without edge features gets zero edge
+    embeddings. ``norm`` is ``batch`` or ``layer``. There is no attention and no FFN.
+
+    It takes the arguments of :class:`SATLayer` and ignores the attention-only ones (``layout``,
+    ``subgraph``, ``degree_scale``), so the model drives either kind of layer in one loop.
+
+    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` or None -> ``([N, d], None)``.
+    """
+
+    def __init__(
+        self,
+        hidden_dim: int,
+        gnn_type: str = "gcn",
+        dropout: float = 0.0,
+        norm: str = "batch",
+        edge_dim: Optional[int] = None,
+        pna_degree_histogram: Optional[Sequence[int]] = None,
+    ):
+        super().__init__()
+        self.gnn_type = gnn_type
+        self.edge_dim = edge_dim if gnn_type in EDGE_AWARE_GNNS else None
+        self.conv = gnn_layer(gnn_type, hidden_dim, self.edge_dim, pna_degree_histogram)
+        self.norm = _norm(norm, hidden_dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def reset_parameters(self) -> None:
+        self.conv.reset_parameters()
+        self.norm.reset_parameters()
+
+    def _conv(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor]) -> Tensor:
+        if self.edge_dim is not None or isinstance(self.conv, EdgeGCNConv):
+            if edge_attr is None:
+                raise ValueError(f"the {self.gnn_type} layer was built for edge features but got edge_attr=None")
+            return self.conv(x, edge_index, edge_attr)
+        if self.gnn_type == "gine":  # GINE without edge features: zero edge embeddings
+            return self.conv(x, edge_index, x.new_zeros(edge_index.size(1), x.size(1)))
+        return self.conv(x, edge_index)
+
+    def forward(
+        self,
+        x: Tensor,
+        layout: Optional[GraphLayout],
+        edge_index: Tensor,
+        edge_attr: Optional[Tensor] = None,
+        subgraph: Optional[dict[str, Tensor]] = None,
+        degree_scale: Optional[Tensor] = None,
+        return_attention: bool = False,
+    ) -> tuple[Tensor, None]:
+        if return_attention:
+            raise ValueError("architecture 'gnn' has no attention weights to return")
+        h = F.relu(self.norm(self._conv(x, edge_index, edge_attr)))
+        return self.dropout(x + h), None

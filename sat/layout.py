@@ -32,8 +32,8 @@ from torch import Tensor
 DenseGroup = tuple[Tensor, Tensor, int, int]  # (node ids [n], flat positions [n], G, L)
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + l)`` for every pair (vectorised)."""
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + l)`` for every pair (vectorised), int64."""
     total = int(lengths.sum())
     if total == 0:
         return np.zeros(0, dtype=np.int64)
@@ -130,7 +130,7 @@ class GraphLayout:
             return []  # one block holding every graph: the unbucketed block, in node order
         groups = []
         for run in runs:
-            nodes = _ranges(ptr[:-1][run], self.sizes[run])
+            nodes = concat_ranges(ptr[:-1][run], self.sizes[run])
             L = int(self.sizes[run[0]])
             slot = np.repeat(np.arange(run.size, dtype=np.int64), self.sizes[run])
             groups.append((torch.from_numpy(nodes), torch.from_numpy(slot * L + local[nodes]), int(run.size), L))

@@ -2,7 +2,8 @@
 
 :class:`SAT` stacks input encoders (:mod:`sat.encoders`), ``num_layers`` SAT encoder layers
 (:mod:`sat.layers`: structure extractor + structure-aware attention + FFN), a readout and a head
-(:mod:`sat.heads`). It is built from a :class:`sat.SATConfig` and runs on a PyG batch of
+(:mod:`sat.heads`). With ``architecture="gnn"`` the layers are :class:`sat.layers.GNNLayer` (the
+base GNN alone, the paper's baseline) and everything else stays the same. It is built from a :class:`sat.SATConfig` and runs on a PyG batch of
 :class:`sat.SATData` (``Batch.from_data_list``); a single graph without ``batch`` works too.
 
 Inputs read from the batch (N nodes, E edges, B graphs):
@@ -33,7 +34,7 @@ from .encoders import EdgeEncoder, NodeEncoder, PositionalEncoder
 from .encodings import node_degree
 from .extractors import GNN_TYPES
 from .heads import ClsToken, Head, pool_nodes
-from .layers import SATLayer
+from .layers import GNNLayer, SATLayer
 from .layout import GraphLayout
 from .validation import validate_batch
 
@@ -67,26 +68,34 @@ class SAT(nn.Module):
         self.uses_edge_attr = config.uses_edge_features
         self.edge_encoder = EdgeEncoder(config) if self.uses_edge_attr else None
         edge_dim = config.effective_edge_dim if self.uses_edge_attr else None
-        self.layers = nn.ModuleList(
-            SATLayer(
-                d,
-                config.num_heads,
-                ffn_ratio=config.ffn_ratio,
-                dropout=config.dropout,
-                attn_dropout=config.attn_dropout,
-                attention=config.attention,
-                norm=config.norm,
-                pre_norm=config.pre_norm,
-                extractor=config.extractor,
-                gnn_type=config.gnn_type,
-                k_hops=config.k_hops,
-                edge_dim=edge_dim,
-                concat_hops=config.concat_hops,
-                pna_degree_histogram=config.pna_degree_histogram,
-            )
-            for _ in range(config.num_layers)
-        )
-        self.final_norm = (nn.BatchNorm1d(d) if config.norm == "batch" else nn.LayerNorm(d)) if config.pre_norm else None
+        if config.architecture == "gnn":
+            layers = [
+                GNNLayer(d, config.gnn_type, config.dropout, config.norm, edge_dim, config.pna_degree_histogram)
+                for _ in range(config.num_layers)
+            ]
+        else:
+            layers = [
+                SATLayer(
+                    d,
+                    config.num_heads,
+                    ffn_ratio=config.ffn_ratio,
+                    dropout=config.dropout,
+                    attn_dropout=config.attn_dropout,
+                    attention=config.attention,
+                    norm=config.norm,
+                    pre_norm=config.pre_norm,
+                    extractor=config.extractor,
+                    gnn_type=config.gnn_type,
+                    k_hops=config.k_hops,
+                    edge_dim=edge_dim,
+                    concat_hops=config.concat_hops,
+                    pna_degree_histogram=config.pna_degree_histogram,
+                )
+                for _ in range(config.num_layers)
+            ]
+        self.layers = nn.ModuleList(layers)
+        pre_norm = config.architecture == "sat" and config.pre_norm
+        self.final_norm = (nn.BatchNorm1d(d) if config.norm == "batch" else nn.LayerNorm(d)) if pre_norm else None
         self.cls = ClsToken(d) if config.readout == "cls" else None
         self.head = Head(config.head, d, config.num_classes, config.max_seq_len)
 
@@ -107,7 +116,8 @@ class SAT(nn.Module):
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention: expected one of {list(ATTENTION_IMPLS)}, got {impl!r}")
         for layer in self.layers:
-            layer.attn.impl = impl
+            if hasattr(layer, "attn"):  # GNNLayer has no attention
+                layer.attn.impl = impl
 
     # ------------------------------------------------------------------ validation
     def validate(self, batch: Any) -> None:
@@ -161,7 +171,7 @@ class SAT(nn.Module):
         subgraph = {k: getattr(batch, k).long() for k in SUBGRAPH_KEYS} if self.needs_subgraphs else None
 
         degree_scale = None
-        if cfg.degree_scaling and self.cls is None:
+        if cfg.degree_scaling and self.cls is None and cfg.architecture == "sat":
             deg = getattr(batch, "degree", None)
             deg = node_degree(edge_index, n) if deg is None else deg.float().clamp(min=1.0)
             degree_scale = deg.rsqrt()

@@ -21,3 +21,16 @@ def ray_cluster():
         init_local_ray(num_cpus=2, dashboard=False, log_to_driver=False, env_vars={"DS_ACCELERATOR": "cpu"})
     yield ray
     ray.shutdown()
+
+
+def parent_and_children(tracking_uri: str, experiment: str, kind: str, parent_run_id: str):
+    """The one FINISHED parent run of a sweep or comparison (``satp.kind``) and its child runs."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    parents = [r for r in runs if r.data.tags.get("satp.kind") == kind]
+    assert len(parents) == 1 and parents[0].info.run_id == parent_run_id
+    assert parents[0].info.status == "FINISHED"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_run_id]
+    return client, parents[0], children

@@ -12,25 +12,20 @@ import torch
 from torch_geometric.data import Batch
 
 from pipeline.loader import BatchCollator
-from sat import SAT, GraphLayout, SATConfig, SATData, add_subgraph_indices
+from sat import SAT, GraphLayout, SATConfig
 from sat.attention import StructureAwareAttention
+from test_model_attention import _graph
 
 SIZES = [1, 7, 3, 40, 12, 25, 2, 9]
 
 
-def _graphs(sizes=SIZES, seed=0, k=2):
+def _graphs(sizes=SIZES, seed=0):
     gen = torch.Generator().manual_seed(seed)
     graphs = []
     for n in sizes:
-        ei = torch.randint(0, n, (2, 2 * n), generator=gen)
-        data = SATData(
-            x=torch.randint(0, 6, (n, 1), generator=gen),
-            edge_index=ei,
-            edge_attr=torch.rand(2 * n, 3, generator=gen),
-            rwpe=torch.rand(n, 4, generator=gen),
-            y=torch.randint(0, 3, (1,), generator=gen),
-        )
-        graphs.append(add_subgraph_indices(data, k))
+        data = _graph(n, gen, with_subgraphs=True)
+        data.y = torch.randint(0, 3, (1,), generator=gen)
+        graphs.append(data)
     return graphs
 
 

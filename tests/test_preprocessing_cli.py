@@ -66,7 +66,7 @@ shards:
     "body,expected",
     [
         ("name: t\nmodel: {}\ndata: {name: ogbg-ppa, colour: red}\n", "data.colour: unknown key"),
-        ("name: t\nmodel: {}\ndata: {name: ogbg-molhiv}\n", "data.name: Input should be 'ogbg-code2' or 'ogbg-ppa'"),
+        ("name: t\nmodel: {}\ndata: {name: ogbg-molhiv}\n", "data.name: Input should be 'ogbg-code2', 'ogbg-ppa', 'pattern' or 'cluster'"),
         ("name: t\nmodel: {}\ndata: {name: ogbg-ppa}\ntransform: {k_hops: two}\n", "transform.k_hops"),
         ("name: t\nmodel: {}\ndata: {name: ogbg-ppa}\nshards: {graphs_per_shard: 0}\n", "shards.graphs_per_shard"),
         ("name: t\nmodel: {}\ndata: {name: ogbg-ppa, source: pycode}\n", "builds ogbg-code2"),

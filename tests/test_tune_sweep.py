@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import parent_and_children
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,16 +93,8 @@ def test_stopped_trials_leave_no_reserved_cpus(sweep):
 
 
 def test_mlflow_holds_parent_and_child_runs(sweep):
-    from mlflow.tracking import MlflowClient
-
     out = sweep["outcome"]
-    client = MlflowClient(sweep["uri"])
-    exp = client.get_experiment_by_name("t-sweep")
-    runs = client.search_runs([exp.experiment_id])
-    parents = [r for r in runs if r.data.tags.get("satp.kind") == "sweep"]
-    assert len(parents) == 1 and parents[0].info.run_id == out.parent_run_id
-    assert parents[0].info.status == "FINISHED"
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == out.parent_run_id]
+    client, _, children = parent_and_children(sweep["uri"], "t-sweep", "sweep", out.parent_run_id)
     assert len(children) == 4
     for child in children:
         tid = child.data.tags["satp.trial_id"]

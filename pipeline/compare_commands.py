@@ -1,0 +1,25 @@
+"""``satp compare`` (registered by :mod:`pipeline.cli`).
+
+::
+
+    satp compare JOB.yaml [--set dotted.key=value ...] [--address ADDR]
+        every variant of the job's compare: section x every seed, each a full training run, at
+        equal budget; MLflow parent + child runs; per-variant mean ± std of the test metric at
+        the best validation epoch, a table (printed, and compare.md) and a plot; a rerun resumes
+"""
+from __future__ import annotations
+
+import argparse
+
+from pipeline.cli_args import add_job_arguments, run_section_command
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="variants of a job x seeds at equal budget (its compare: section), "
+                                       "mean ± std per variant, logged to MLflow")
+    add_job_arguments(p, "compare.seeds=[0,1]")
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    return run_section_command(args, "compare", "jobs/pattern-local.yaml", "pipeline.compare:run_compare")

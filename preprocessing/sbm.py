@@ -1,0 +1,367 @@
+"""PATTERN and CLUSTER regenerated offline by the stochastic-block-model recipe of Dwivedi et al.
+
+``satp data sbm-pattern --out ROOT [--seed S] [--graphs N] [--force]`` (and ``sbm-cluster``).
+
+Source: Dwivedi, Joshi, Luu, Laurent, Bengio, Bresson, "Benchmarking Graph Neural Networks"
+(JMLR 2023, arXiv:2003.00982): the generation notebooks ``data/SBMs/generate_SBM_PATTERN.ipynb``
+and ``data/SBMs/generate_SBM_CLUSTER.ipynb`` of graphdeeplearning/benchmarking-gnns, with the
+parameters of the cells that generated the released files (not those of the one-graph demo
+cells). This module re-implements the recipe (vectorised numpy, its own random stream): the graphs
+follow the benchmark's distribution, they are not the released graphs.
+
+**PATTERN** (node classification, 2 classes: does the node belong to the planted pattern):
+
+- 100 pattern instances. An instance has ``n0 ~ U{5..34}`` nodes, an Erdos-Renyi graph among
+  them (p = 0.5) and node attributes ``U{0, 1, 2}``, all fixed for the instance; it makes 100
+  train, 20 valid and 20 test graphs (10,000 / 2,000 / 2,000).
+- One graph: an SBM of 5 communities of sizes ``U{5..34}`` (edge probability p = 0.5 inside a
+  community, q = 0.35 across) with node attributes ``U{0, 1, 2}``, joined with the instance's
+  pattern, each (pattern node, SBM node) pair linked with probability 0.5; the node order is then
+  shuffled. Label 1 on the pattern's nodes, 0 elsewhere.
+- Node input: the attribute, an id in ``[0, 3)``.
+
+**CLUSTER** (semi-supervised clustering, 6 classes: the node's community):
+
+- One graph: an SBM of 6 communities of sizes ``U{5..34}`` (p = 0.55, q = 0.25), node order
+  shuffled; in each community one random node gets its community as input, ``1 + label``, every
+  other node input 0 (unknown). 10,000 / 1,000 / 1,000 graphs.
+- Node input: an id in ``[0, 7)``.
+
+Graphs are simple and undirected. **Edge counts**: the benchmark's graphs (DGL's
+``W.nonzero()``, PyG's ``edge_index``) hold both directions of every edge, and so does the table of
+Chen et al. (ICML 2022, appendix; the statistics of PyG's ``GNNBenchmarkDataset``): PATTERN
+118.9 nodes and 6,098.9 edges per graph, CLUSTER 117.2 and 4,303.9. The ``edges`` statistics here
+count both directions (twice the undirected edges) to compare with it. (The recipe's expectation
+for CLUSTER, 4,289.6, is within 0.4% of the table; for PATTERN it is 117.0 nodes and 5,870.0 edges,
+and the table is what the recipe gives when the 100 drawn pattern sizes average about 21.4 instead
+of 19.5 (inferred from the table, :func:`expected_statistics`): PATTERN's statistics depend on the
+seed's draw of its 100 patterns, see ``docs/results.md``.)
+
+**Raw layout** (OGB-like, gzip CSV without header; ``G`` graphs, ``N`` nodes, ``E`` undirected
+edges; local node ids)::
+
+    <root>/sbm_pattern/  (or <root>/sbm_cluster/)
+      RELEASE_v1.txt                        marker, written last: the folder is complete
+      sbm.json                              recipe parameters, seed, statistics
+      raw/num-node-list.csv.gz              [G]    nodes per graph
+      raw/num-edge-list.csv.gz              [G]    undirected edges per graph
+      raw/edge.csv.gz                       [E, 2] u,v with u < v, sorted, one line per undirected
+                                                   edge (the loader adds the reverse)
+      raw/node-feat.csv.gz                  [N]    node input id (PATTERN 0..2, CLUSTER 0..6)
+      raw/node-label.csv.gz                 [N]    node class (PATTERN 0..1, CLUSTER 0..5)
+      split/benchmark/{train,valid,test}.csv.gz    graph ids (train first, then valid, test)
+      mapping/graphidx2pattern.csv.gz       PATTERN only, with a header: pattern instance of each graph
+
+The folder is built under a temporary name and renamed at the end (:mod:`preprocessing.ogb_layout`);
+the same ``(name, graphs, seed)`` gives byte-identical files. Quick runs (``graphs=N``) keep the
+benchmark's split proportions and, for PATTERN, about 140 graphs per pattern instance.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import io
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from preprocessing.ogb_layout import (OGB_DIR, atomic_dataset_dir, check_out_dir, write_gz_array, write_gz_text,
+                                      write_splits)
+
+SPLITS = ("train", "valid", "test")
+_GZIP_LEVEL = 1  # ~45 MB/s: PATTERN's edges are ~290 MB of text
+
+
+@dataclass(frozen=True)
+class SBMRecipe:
+    """Parameters of one benchmark (see the module docstring); sizes are ``U{size_low..size_high-1}``
+    as the notebooks' ``np.random.randint(size_low, size_high)``."""
+
+    name: str
+    communities: int
+    p: float  # edge probability inside a community
+    q: float  # edge probability across communities
+    split_sizes: tuple[int, int, int]  # train, valid, test graphs
+    num_classes: int
+    node_vocab: int  # node input ids are in [0, node_vocab)
+    size_low: int = 5
+    size_high: int = 35
+    patterns: int = 0  # PATTERN: pattern instances
+    pattern_p: float = 0.0  # PATTERN: edge probability inside the pattern
+    pattern_q: float = 0.0  # PATTERN: edge probability between a pattern node and an SBM node
+
+    @property
+    def graphs(self) -> int:
+        return sum(self.split_sizes)
+
+
+RECIPES = {
+    "pattern": SBMRecipe("pattern", communities=5, p=0.5, q=0.35, split_sizes=(10000, 2000, 2000), num_classes=2,
+                         node_vocab=3, patterns=100, pattern_p=0.5, pattern_q=0.5),
+    "cluster": SBMRecipe("cluster", communities=6, p=0.55, q=0.25, split_sizes=(10000, 1000, 1000), num_classes=6,
+                         node_vocab=7),
+}
+NUM_CLASSES = {name: r.num_classes for name, r in RECIPES.items()}
+NODE_VOCAB = {name: r.node_vocab for name, r in RECIPES.items()}
+#: Chen et al. (ICML 2022), appendix dataset table (PyG's ``GNNBenchmarkDataset`` statistics);
+#: ``edges`` count both directions.
+PAPER_TABLE = {
+    "pattern": {"graphs": 14000, "splits": [10000, 2000, 2000], "nodes": 118.9, "edges": 6098.9},
+    "cluster": {"graphs": 12000, "splits": [10000, 1000, 1000], "nodes": 117.2, "edges": 4303.9},
+}
+
+
+@dataclass
+class SBMGraph:
+    """One generated graph: ``edges`` [E, 2] int32 (u < v, sorted), ``x`` [N] and ``y`` [N] int8."""
+
+    edges: np.ndarray
+    x: np.ndarray
+    y: np.ndarray
+
+
+@dataclass
+class Pattern:
+    """A PATTERN instance: ``edges`` [E0, 2] among its ``attributes.size`` nodes, ``attributes`` [n0]."""
+
+    edges: np.ndarray
+    attributes: np.ndarray
+
+
+# ----------------------------------------------------------------------------- one graph
+@functools.lru_cache(maxsize=512)
+def _upper_pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """All pairs ``i < j`` of ``n`` nodes (the upper triangle the notebooks' loops visit)."""
+    return np.triu_indices(n, 1)
+
+
+def _block_edges(rng: np.random.Generator, block: np.ndarray, prob: np.ndarray) -> np.ndarray:
+    """Each pair ``i < j`` linked with probability ``prob[block[i], block[j]]``: edges [E, 2]."""
+    i, j = _upper_pairs(block.size)
+    keep = rng.random(i.size) < prob[block[i], block[j]]
+    return np.stack([i[keep], j[keep]], axis=1)
+
+
+def _community_sizes(rng: np.random.Generator, recipe: SBMRecipe) -> np.ndarray:
+    return rng.integers(recipe.size_low, recipe.size_high, size=recipe.communities)
+
+
+def _shuffled(rng: np.random.Generator, edges: np.ndarray, *node_arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The notebooks' ``schuffle``: new node ``k`` is old node ``perm[k]``; edges renumbered, then
+    stored as ``u < v`` in sorted order. Returns ``(edges, *node_arrays)`` in the new order."""
+    n = node_arrays[0].size
+    perm = rng.permutation(n)
+    new_id = np.empty(n, dtype=np.int64)
+    new_id[perm] = np.arange(n)
+    a, b = new_id[edges[:, 0]], new_id[edges[:, 1]]
+    lo, hi = np.minimum(a, b), np.maximum(a, b)
+    order = np.argsort(lo * n + hi, kind="stable")
+    out = np.stack([lo[order], hi[order]], axis=1).astype(np.int32)
+    return (out, *(arr[perm] for arr in node_arrays))
+
+
+def draw_pattern(rng: np.random.Generator, recipe: SBMRecipe) -> Pattern:
+    """A PATTERN instance: ``n0 ~ U{5..34}`` nodes, Erdos-Renyi edges (``pattern_p``), attributes."""
+    n0 = int(rng.integers(recipe.size_low, recipe.size_high))
+    edges = _block_edges(rng, np.zeros(n0, dtype=np.int64), np.array([[recipe.pattern_p]]))
+    return Pattern(edges=edges, attributes=rng.integers(0, recipe.node_vocab, size=n0))
+
+
+def pattern_graph(rng: np.random.Generator, recipe: SBMRecipe, pattern: Pattern) -> SBMGraph:
+    """One PATTERN graph: SBM + the planted ``pattern`` (see the module docstring)."""
+    sizes = _community_sizes(rng, recipe)
+    n, k = int(sizes.sum()), recipe.communities
+    n0 = pattern.attributes.size
+    block = np.concatenate([np.repeat(np.arange(k), sizes), np.full(n0, k)])  # the pattern is block k
+    prob = np.full((k + 1, k + 1), recipe.q)
+    np.fill_diagonal(prob, recipe.p)
+    prob[k, :] = prob[:, k] = recipe.pattern_q
+    prob[k, k] = 0.0  # the pattern's own edges are the instance's, fixed
+    edges = np.concatenate([_block_edges(rng, block, prob), pattern.edges + n])
+    x = np.concatenate([rng.integers(0, recipe.node_vocab, size=n), pattern.attributes]).astype(np.int8)
+    y = (block == k).astype(np.int8)
+    edges, x, y = _shuffled(rng, edges, x, y)
+    return SBMGraph(edges, x, y)
+
+
+def cluster_graph(rng: np.random.Generator, recipe: SBMRecipe) -> SBMGraph:
+    """One CLUSTER graph: SBM, shuffled, one input-labelled seed per community."""
+    sizes = _community_sizes(rng, recipe)
+    k = recipe.communities
+    block = np.repeat(np.arange(k), sizes)
+    prob = np.full((k, k), recipe.q)
+    np.fill_diagonal(prob, recipe.p)
+    edges, y = _shuffled(rng, _block_edges(rng, block, prob), block.astype(np.int8))
+    members = np.argsort(y, kind="stable")  # nodes grouped by community, in node order
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    seeds = members[starts + np.floor(rng.random(k) * sizes).astype(np.int64)]
+    x = np.zeros(y.size, dtype=np.int8)
+    x[seeds] = np.arange(1, k + 1)
+    return SBMGraph(edges, x, y)
+
+
+# ----------------------------------------------------------------------------- a dataset
+def split_sizes(recipe: SBMRecipe, graphs: int | None = None) -> tuple[int, int, int]:
+    """The benchmark's split sizes, or ``graphs`` split in the same proportions (each >= 1)."""
+    if graphs is None:
+        return recipe.split_sizes
+    if graphs < 3:
+        raise ValueError(f"--graphs: expected at least 3 graphs (one per split), got {graphs}")
+    total = recipe.graphs
+    valid = max(1, round(graphs * recipe.split_sizes[1] / total))
+    test = max(1, round(graphs * recipe.split_sizes[2] / total))
+    return graphs - valid - test, valid, test
+
+
+def pattern_instances(recipe: SBMRecipe, graphs: int) -> int:
+    """Pattern instances for ``graphs`` graphs: 100 at full size, about 140 graphs each."""
+    return max(1, round(recipe.patterns * graphs / recipe.graphs))
+
+
+def generate(name: str, graphs: int | None = None, seed: int = 0) -> tuple[list[SBMGraph], dict[str, np.ndarray], np.ndarray | None]:
+    """All graphs of a benchmark (train, then valid, then test).
+
+    Returns ``(graphs, split ids, pattern instance per graph or None)``. PATTERN: graph ``i`` of a
+    split of ``S`` graphs uses instance ``floor(i * instances / S)``, so every instance has graphs
+    in every split, in the benchmark's 100/20/20 proportions.
+    """
+    recipe = RECIPES[name]
+    sizes = split_sizes(recipe, graphs)
+    rng = np.random.default_rng(seed)
+    patterns = [draw_pattern(rng, recipe) for _ in range(pattern_instances(recipe, sum(sizes)))] if recipe.patterns else []
+    out: list[SBMGraph] = []
+    instance_of: list[np.ndarray] = []
+    for size in sizes:
+        if patterns:
+            owner = np.arange(size) * len(patterns) // size
+            instance_of.append(owner)
+            out.extend(pattern_graph(rng, recipe, patterns[i]) for i in owner.tolist())
+        else:
+            out.extend(cluster_graph(rng, recipe) for _ in range(size))
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    split_ids = {s: np.arange(bounds[k], bounds[k + 1]) for k, s in enumerate(SPLITS)}
+    return out, split_ids, (np.concatenate(instance_of) if patterns else None)
+
+
+def expected_statistics(recipe: SBMRecipe, pattern_sizes: np.ndarray | None = None) -> dict[str, float]:
+    """The recipe's expected nodes and edges (both directions) per graph, in closed form.
+
+    ``pattern_sizes``: PATTERN only, the pattern size of every graph; the expectation is then
+    taken given these sizes instead of ``n0 ~ U{5..34}``.
+    """
+    low, high = recipe.size_low, recipe.size_high - 1
+    mean = (low + high) / 2
+    square = ((high - low + 1) ** 2 - 1) / 12 + mean**2  # E[s^2] of the discrete uniform
+    k = recipe.communities
+    inside = k * (square - mean) / 2  # E[sum_r s_r (s_r - 1) / 2]
+    pairs = (k * square + k * (k - 1) * mean**2 - k * mean) / 2  # E[n (n - 1) / 2], n = sum_r s_r
+    nodes = k * mean
+    undirected = recipe.p * inside + recipe.q * (pairs - inside)
+    if recipe.patterns:
+        if pattern_sizes is not None:
+            sizes = np.asarray(pattern_sizes, dtype=np.float64)
+            p_mean, p_square = float(sizes.mean()), float((sizes**2).mean())
+        else:
+            p_mean, p_square = mean, square
+        nodes += p_mean
+        undirected += recipe.pattern_q * p_mean * k * mean + recipe.pattern_p * (p_square - p_mean) / 2
+    return {"nodes": nodes, "edges": 2 * undirected}
+
+
+def statistics(name: str, graphs: list[SBMGraph], split_ids: dict[str, np.ndarray],
+               instance_of: np.ndarray | None) -> dict:
+    """Per-graph averages (``edges``: both directions, as the paper's table), class shares, the
+    recipe's expectation and the paper's table."""
+    recipe = RECIPES[name]
+    nodes = np.array([g.y.size for g in graphs])
+    undirected = np.array([g.edges.shape[0] for g in graphs])
+    labels = np.concatenate([g.y for g in graphs])
+    shares = np.bincount(labels, minlength=recipe.num_classes) / labels.size
+    pattern_sizes = np.array([int(g.y.sum()) for g in graphs]) if instance_of is not None else None
+    stats = {
+        "graphs": len(graphs),
+        "splits": {s: int(v.size) for s, v in split_ids.items()},
+        "nodes": float(nodes.mean()),
+        "nodes_min": int(nodes.min()),
+        "nodes_max": int(nodes.max()),
+        "edges": float(2 * undirected.mean()),
+        "edges_undirected": float(undirected.mean()),
+        "class_shares": [round(float(s), 6) for s in shares],
+        "expected": expected_statistics(recipe),
+        "paper": PAPER_TABLE[name],
+    }
+    if pattern_sizes is not None:
+        stats["pattern_instances"] = int(instance_of.max()) + 1
+        stats["pattern_size_mean"] = float(pattern_sizes.mean())
+        stats["pattern_size_expected"] = (recipe.size_low + recipe.size_high - 1) / 2
+        stats["expected_given_patterns"] = expected_statistics(recipe, pattern_sizes)
+    return stats
+
+
+def build_sbm(out: str | Path, name: str, graphs: int | None = None, seed: int = 0, force: bool = False) -> dict:
+    """Generate a benchmark and write ``out/sbm_<name>`` (layout in the module docstring).
+
+    ``graphs``: total graphs for quick runs (None: the benchmark's full size). Returns the
+    statistics (see :func:`statistics`) with ``name``, ``seed`` and ``folder``.
+    """
+    if name not in RECIPES:
+        raise ValueError(f"unknown SBM benchmark {name!r}; expected one of {sorted(RECIPES)}")
+    split_sizes(RECIPES[name], graphs)  # bad --graphs, and a bad --out below, fail before generating
+    check_out_dir(Path(out), name, force)
+    made, split_ids, instance_of = generate(name, graphs, seed)
+    stats = statistics(name, made, split_ids, instance_of)
+    with atomic_dataset_dir(Path(out), name, force=force) as folder:
+        raw = folder / "raw"
+        write_gz_array(raw / "num-node-list.csv.gz", np.array([g.y.size for g in made]), compresslevel=_GZIP_LEVEL)
+        write_gz_array(raw / "num-edge-list.csv.gz", np.array([g.edges.shape[0] for g in made]), compresslevel=_GZIP_LEVEL)
+        write_gz_array(raw / "edge.csv.gz", np.concatenate([g.edges for g in made]), compresslevel=_GZIP_LEVEL)
+        write_gz_array(raw / "node-feat.csv.gz", np.concatenate([g.x for g in made]), compresslevel=_GZIP_LEVEL)
+        write_gz_array(raw / "node-label.csv.gz", np.concatenate([g.y for g in made]), compresslevel=_GZIP_LEVEL)
+        write_splits(folder, name, split_ids)
+        if instance_of is not None:
+            buf = io.StringIO()
+            writer = csv.writer(buf, lineterminator="\n")
+            writer.writerow(("graph idx", "pattern idx"))
+            writer.writerows(enumerate(instance_of.tolist()))
+            write_gz_text(folder / "mapping" / "graphidx2pattern.csv.gz", buf.getvalue(), compresslevel=_GZIP_LEVEL)
+        record = {"name": name, "seed": seed, "recipe": asdict(RECIPES[name]), "statistics": stats,
+                  "source": "Dwivedi et al., Benchmarking GNNs: data/SBMs/generate_SBM_*.ipynb (recipe re-implemented)"}
+        (folder / "sbm.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return {"name": name, "seed": seed, "folder": str(Path(out) / OGB_DIR[name]), **stats}
+
+
+def format_statistics(summary: dict) -> str:
+    """The statistics of :func:`build_sbm` as a table against the paper's (printed by ``satp data``)."""
+    paper, expected = summary["paper"], summary["expected"]
+
+    def diff(value: float, ref: float) -> str:
+        return f"{100 * (value / ref - 1):+.2f}%"
+
+    splits = "/".join(f"{summary['splits'][s]:,}" for s in SPLITS)
+    def row(*cells: str) -> str:
+        return "{:30s}{:>20s}{:>20s}{:>9s}{:>12s}".format(*cells).rstrip()
+
+    lines = [
+        f"{summary['name'].upper()} (seed {summary['seed']}) -> {summary['folder']}",
+        row("", "generated", "paper", "diff", "recipe E"),
+        row("graphs", f"{summary['graphs']:,}", f"{paper['graphs']:,}", "", ""),
+        row("train/valid/test", splits, "/".join(f"{v:,}" for v in paper["splits"]), "", ""),
+        row("avg nodes", f"{summary['nodes']:,.1f}", f"{paper['nodes']:,.1f}", diff(summary["nodes"], paper["nodes"]),
+            f"{expected['nodes']:,.1f}"),
+        row("avg edges (both directions)", f"{summary['edges']:,.1f}", f"{paper['edges']:,.1f}",
+            diff(summary["edges"], paper["edges"]), f"{expected['edges']:,.1f}"),
+        row("avg undirected edges", f"{summary['edges_undirected']:,.1f}", "", "", ""),
+        row("nodes min..max", f"{summary['nodes_min']}..{summary['nodes_max']}", "", "", ""),
+        "class shares: " + ", ".join(f"{c}: {s:.3f}" for c, s in enumerate(summary["class_shares"])),
+    ]
+    if "pattern_size_mean" in summary:
+        given = summary["expected_given_patterns"]
+        lines.append(
+            f"{summary['pattern_instances']} pattern instances, mean pattern size {summary['pattern_size_mean']:.2f} "
+            f"(recipe {summary['pattern_size_expected']:.1f}); expected given these patterns: {given['nodes']:.1f} nodes, {given['edges']:,.1f} edges"
+        )
+    if "seconds" in summary:
+        lines.append(f"generated and written in {summary['seconds']:.1f} s")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""``satp compare`` end to end on the session's local Ray (2 CPUs), MLflow on SQLite: 2 variants x 2 seeds
+of a tiny PATTERN job (1 epoch each), one Tune grid, one MLflow parent run with a child run per trial,
+per-variant mean and standard deviation, a table and a plot logged."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conftest import parent_and_children
+from test_train_pattern import pattern_job_dict
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def comparison(ray_cluster, tmp_path_factory):
+    from pipeline.compare import run_compare
+    from pipeline.config import JobConfig
+    from preprocessing.sbm import build_sbm
+
+    tmp = tmp_path_factory.mktemp("compare")
+    build_sbm(tmp / "data", "pattern", graphs=140, seed=0)  # 100 / 20 / 20 graphs
+    raw = pattern_job_dict(tmp / "data", tmp, epochs=1)
+    raw["model"].update(hidden_dim=16, num_layers=1)
+    raw["resources"] = {"num_workers": 1, "cpus_per_worker": 0.5}
+    raw["mlflow"]["experiment"] = "compare-tiny"
+    raw["compare"] = {"name": "cmp", "storage_path": str(tmp / "tune"), "seeds": [0, 1], "max_concurrent_trials": 4,
+                      "variants": {"gcn": {"model.architecture": "gnn", "model.pe": "none", "model.pe_dim": 0},
+                                   "sat": {}}}
+    job = JobConfig.model_validate(raw)
+    return {"outcome": run_compare(job, verbose=0), "uri": job.mlflow.tracking_uri}
+
+
+def test_every_variant_trains_with_every_seed(comparison):
+    out = comparison["outcome"]
+    assert not out.interrupted and out.metric == "acc" and out.epochs == 1
+    assert sorted((t.variant, t.seed, t.status) for t in out.trials) == [
+        ("gcn", 0, "finished"), ("gcn", 1, "finished"), ("sat", 0, "finished"), ("sat", 1, "finished")]
+    for v in out.variants:
+        assert v.seeds == [0, 1] and len(v.test) == 2 and all(0.0 <= x <= 1.0 for x in v.test)
+        mean, std = v.test_mean_std
+        assert mean == pytest.approx(sum(v.test) / 2)
+        assert std == pytest.approx(abs(v.test[0] - v.test[1]) / math.sqrt(2))
+        assert v.parameters and v.parameters > 0
+    gcn, sat = out.variants
+    assert gcn.parameters < sat.parameters  # no attention, no FFN
+    table = out.table()
+    assert "| gcn |" in table and "| sat | (the job) |" in table and "4 trials, 1 epochs each" in table
+
+
+def test_mlflow_holds_one_parent_and_a_child_per_trial(comparison):
+    out = comparison["outcome"]
+    client, parent, children = parent_and_children(comparison["uri"], "compare-tiny", "compare", out.parent_run_id)
+    for v in out.variants:
+        assert parent.data.metrics[f"{v.name}.test_acc_mean"] == pytest.approx(v.test_mean_std[0])
+        assert parent.data.metrics[f"{v.name}.test_acc_std"] == pytest.approx(v.test_mean_std[1])
+    assert sorted(r.data.tags["mlflow.runName"] for r in children) == ["gcn-seed0", "gcn-seed1", "sat-seed0", "sat-seed1"]
+    for child in children:
+        variant = child.data.tags["satp.variant"]
+        assert child.data.params["model.architecture"] == ("gnn" if variant == "gcn" else "sat")
+        assert child.data.params["train.seed"] in ("0", "1") and child.data.params["train.epochs"] == "1"
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "val_acc")] == [0]
+        assert child.info.status == "FINISHED"
+    artifacts = {a.path for a in client.list_artifacts(out.parent_run_id)}
+    assert {"compare.md", "trials.json", "plots"} <= artifacts
+    assert [a.path for a in client.list_artifacts(out.parent_run_id, "plots")] == ["plots/compare.png"]
