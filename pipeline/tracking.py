@@ -8,7 +8,7 @@ the old one is detached from the key (:func:`retire_run`) and keeps its status,
 history and registered versions. During training, Ray Train's controller logs
 each epoch once its checkpoint is registered (:mod:`pipeline.epoch_logger`:
 metrics and the training-curve plot), and rank 0 the system metrics
-(:class:`EpochLogger`). The driver closes the run (:func:`close_run`).
+(:class:`RankZeroLogger`). The driver closes the run (:func:`close_run`).
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def log_curves(mlflow_client, run_id: str, history: list[dict[str, Any]], metric
         log.warning("could not log the training curves: %s", exc)
 
 
-class EpochLogger:
+class RankZeroLogger:
     """Rank 0's writer: system metrics, and after a resume the epochs MLflow missed. The epochs
     themselves are logged by Ray Train's controller (:mod:`pipeline.epoch_logger`)."""
 

@@ -138,9 +138,9 @@ class WorkerRun:
 
         self.logger = None
         if self.rank == 0 and setup.run_id and setup.tracking_uri:
-            from pipeline.tracking import EpochLogger
+            from pipeline.tracking import RankZeroLogger
 
-            self.logger = EpochLogger(setup.tracking_uri, setup.run_id, job.mlflow.log_system_metrics)
+            self.logger = RankZeroLogger(setup.tracking_uri, setup.run_id, job.mlflow.log_system_metrics)
             self.logger.catch_up(self.state["history"])
             self.logger.client.set_tag(setup.run_id, "satp.precision", self.precision)
             self.logger.client.set_tag(setup.run_id, "satp.world_size", str(self.world))

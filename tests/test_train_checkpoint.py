@@ -111,3 +111,36 @@ def test_incomplete_checkpoint_is_rejected(tmp_path):
     (tmp_path / "ds").mkdir()
     with pytest.raises(ValueError, match="incomplete checkpoint"):
         ckpt.load_state(tmp_path)
+
+
+def test_registered_epoch_logger_logs_each_reported_epoch_once(tmp_path):
+    """Ray Train's controller calls this after registering a report: rank 0's metrics go to MLflow at
+    step = epoch, the curves from the checkpoint's history; a report without an epoch (Tune's
+    bookkeeping) logs nothing; a store that fails does not stop training."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    from ray.train import Checkpoint
+
+    from pipeline.epoch_logger import RegisteredEpochLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("epochs", artifact_location=str(tmp_path / "art"))).info.run_id
+    callback = RegisteredEpochLogger(uri, run_id, "acc")
+    history = []
+    for epoch, loss in enumerate([0.9, 0.7]):
+        entry = {"epoch": epoch, "train_loss": loss, "val_acc": 0.5 + epoch / 10}
+        history.append(entry)
+        directory = tmp_path / f"ckpt{epoch}"
+        directory.mkdir()
+        (directory / "state.json").write_text(json.dumps({"epoch": epoch, "history": history}))
+        rank1 = {"epoch": epoch}  # other ranks report fewer keys; rank 0's are logged
+        callback.after_report(None, [entry, rank1], Checkpoint.from_directory(str(directory)))
+    callback.after_report(None, [{"train_loss": 5.0}], None)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train_loss")] == [(0, 0.9), (1, 0.7)]
+    assert [m.step for m in client.get_metric_history(run_id, "val_acc")] == [0, 1]
+    assert [a.path for a in client.list_artifacts(run_id, "plots")] == ["plots/training_curves.png"]
+
+    broken = RegisteredEpochLogger("sqlite:///" + str(tmp_path / "missing-dir" / "x.db"), run_id, "acc")
+    broken.after_report(None, [{"epoch": 2, "train_loss": 0.5}], None)  # a warning, no exception
