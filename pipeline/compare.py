@@ -32,6 +32,7 @@ import functools
 import json
 import logging
 import math
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -67,12 +68,12 @@ def get_dotted(raw: dict, key: str) -> Any:
     return node
 
 
-def variant_jobs(job: JobConfig) -> dict[str, JobConfig]:
-    """Every variant's job (with the first seed); a one-line error names a variant that gives an
-    invalid job."""
+def variant_jobs(job: JobConfig, raw: Optional[dict] = None) -> dict[str, JobConfig]:
+    """Every variant's job (with the first seed), built on ``raw`` (default: the job as a dict,
+    :func:`base_dict`); a one-line error names a variant that gives an invalid job."""
     if job.compare is None:
         raise ValueError(f"job {job.name!r} has no compare: section")
-    raw = base_dict(job)
+    raw = base_dict(job) if raw is None else raw
     seed = job.compare.seeds[0]
     return {name: _validate(apply_config(raw, {**overrides, SEED: seed}), f"compare.variants.{name}")
             for name, overrides in job.compare.variants.items()}
@@ -136,12 +137,9 @@ class VariantSummary:
 
     @staticmethod
     def _mean_std(values: list[float]) -> tuple[float, float]:
-        if not values:
-            return float("nan"), float("nan")
-        mean = sum(values) / len(values)
-        if len(values) < 2:
-            return mean, float("nan")
-        return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+        """Mean and sample standard deviation (ddof 1); NaN where undefined."""
+        mean = statistics.fmean(values) if values else float("nan")
+        return mean, statistics.stdev(values) if len(values) > 1 else float("nan")
 
     @property
     def test_mean_std(self) -> tuple[float, float]:
@@ -349,8 +347,7 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     # every distinct preprocessing once, here; then each variant's model size
     built: dict[str, str] = {}
     shard_dirs: dict[str, str] = {}
-    for vname, vjob in jobs.items():
-        v = _validate(apply_config(base, {**cmp.variants[vname], SEED: cmp.seeds[0]}), f"compare.variants.{vname}")
+    for vname, v in variant_jobs(job, base).items():  # paths resolved
         key = config_hash(v.data, v.transform, v.shards) + str(Path(v.shards.root))
         if key not in built:
             built[key] = str(Path(preprocessing.preprocess(v.data, v.transform, v.shards, address=address)).resolve())

@@ -16,7 +16,8 @@ demo and Tune trials call it). In order, each step before the costly ones:
    configuration hash and commits its checkpoint recorded.
 
 The workers (:mod:`pipeline.worker`) train, evaluate, checkpoint and report every
-epoch; rank 0 logs to MLflow. A retry after a worker or a node was lost
+epoch; Ray Train's controller logs each epoch to MLflow once it has registered
+the epoch's checkpoint (:mod:`pipeline.epoch_logger`). A retry after a worker or a node was lost
 (``FailureConfig``) resumes from the last checkpoint, in the same MLflow run.
 A failed attempt marks its own MLflow run FAILED, except a run that had
 FINISHED before (a continuation with more epochs): it stays FINISHED, with the
@@ -348,7 +349,7 @@ def worker_main(config: dict) -> None:
       inference); training all-reduces go through ``torch.distributed`` (gloo), the installed
       implementation. So it is marked unavailable and nothing is compiled.
     * Ray Train logs every report with its metrics ("Reporting training result ...") and
-      rank 0 logs the same epoch's metrics: Ray's line is dropped (warnings stay).
+      rank 0 prints the same epoch's metrics: Ray's line is dropped (warnings stay).
     """
     from pipeline import pyg_templates
 

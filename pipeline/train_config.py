@@ -91,7 +91,8 @@ class ResourcesConfig(StrictModel):
 
 
 class MlflowConfig(StrictModel):
-    """Tracking: one MLflow run per training run, logged from rank 0."""
+    """Tracking: one MLflow run per training run (epochs logged by Ray Train's controller, system
+    metrics by rank 0)."""
 
     enabled: bool = True
     tracking_uri: Optional[str] = None  # default: sqlite:////abs/<runs>/mlflow.db
