@@ -21,10 +21,15 @@ non-blocking copies), on the model of ``jobs/code2.yaml`` configured by :class:`
 * ``peak_mem_gb``: ``torch.cuda.max_memory_allocated``.
 
 Spec keys: ``precision`` (bf16 | fp32), ``extractor`` (subtree | subgraph), ``attention``,
-``node_budget``, ``max_graphs`` (graphs per batch cap), ``seconds`` (timed window), ``warmup``
-(steps), ``loader_workers``, ``compile`` (``torch.compile(dynamic=True)`` the model), ``detail``
-(default true: phases, profile, FLOPs), ``tiny`` (a small model, for dry runs on a CPU), ``graphs`` (a file written by :func:`save_graphs`) or ``shards``
-(a shard directory: its train split), ``job`` (default ``jobs/code2.yaml``).
+``node_budget``, ``max_graphs`` (graphs per batch cap), ``bucket_size`` (the sampler's sorted
+buckets; ``bucket_size = max_graphs`` gives random batches, as the SAT authors' loader),
+``seconds`` (timed window), ``warmup`` (steps), ``loader_workers``, ``compile``
+(``torch.compile(dynamic=True)`` the model), ``detail`` (default true: phases, profile, FLOPs),
+``top_ops`` (with ``detail``: the profile's top operators by device and by host time), ``tiny``
+(a small model, for dry runs on a CPU), ``graphs`` (a file written by :func:`save_graphs`) or
+``shards`` (a shard directory: its train split), ``job`` (default ``jobs/code2.yaml``), ``in_ray``
+(measure inside a one-worker Ray Train ``TorchTrainer``, where ``satp train`` runs its steps).
+``host_cpu_per_step_ms`` is the CPU time of the measuring process (all its threads) per step.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -150,7 +156,10 @@ def _job_parts(spec: dict, sample):
     import dataclasses
 
     config = task.configure(dataclasses.replace(model, **overrides), sample)
-    train = job.train.model_copy(update={"node_budget": spec["node_budget"], "max_graphs_per_batch": spec.get("max_graphs")})
+    update = {"node_budget": spec["node_budget"], "max_graphs_per_batch": spec.get("max_graphs")}
+    if spec.get("bucket_size"):  # e.g. the reference's random batches: buckets of one batch, unsorted
+        update["bucket_size"] = spec["bucket_size"]
+    train = job.train.model_copy(update=update)
     return task, config, train
 
 
@@ -242,6 +251,7 @@ def measure(spec: dict) -> dict:
     # -- throughput window
     graphs = nodes = steps = 0
     wait = 0.0
+    cpu_start = time.process_time()  # this process, all threads (not the loader's worker processes)
     start = time.perf_counter()
     while time.perf_counter() - start < spec.get("seconds", 8.0) or steps < 5:
         t = time.perf_counter()
@@ -253,6 +263,7 @@ def measure(spec: dict) -> dict:
         steps += 1
     dev.sync()
     window = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
     peak_mem = dev.peak_gb()
 
     gps = graphs / window
@@ -264,6 +275,7 @@ def measure(spec: dict) -> dict:
         "steps": steps,
         "window_s": window,
         "data_wait_frac": wait / window,
+        "host_cpu_per_step_ms": 1000 * cpu_seconds / steps,
         "peak_mem_gb": peak_mem,
         "device": dev.name(),
         "torch": torch.__version__,
@@ -273,7 +285,7 @@ def measure(spec: dict) -> dict:
     if spec.get("detail", True):
         clip_here = clips_outside_deepspeed(train, precision)
         parts = [("phases", lambda: _phases(dev, engine, task, stream, train.grad_clip, clip_here)),
-                 ("profile", lambda: _profile(dev, step, stream))]
+                 ("profile", lambda: _profile(dev, step, stream, top=spec.get("top_ops", 0)))]
         if not spec.get("compile"):  # counting would compile another graph
             parts.append(("flops", lambda: _mfu(engine.module, task, stream, device, precision, gps)))
         for name, part in parts:
@@ -334,8 +346,9 @@ def _phases(dev: _Device, engine, task, stream, grad_clip: float, clip_here: boo
     }
 
 
-def _profile(dev: _Device, step, stream, steps: int = 3) -> dict:
-    """Kernels launched, GPU busy time and stream synchronisations per step (torch.profiler)."""
+def _profile(dev: _Device, step, stream, steps: int = 3, top: int = 0) -> dict:
+    """Kernels launched, GPU busy time and stream synchronisations per step (torch.profiler); with
+    ``top``, the operators that take the most device time and the most host time, per step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -348,13 +361,52 @@ def _profile(dev: _Device, step, stream, steps: int = 3) -> dict:
         dev.sync()
     events = prof.events()
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-    return {
+    out = {
         "kernels_per_step": len(kernels) / steps,
         "gpu_busy_ms_per_step": sum(e.time_range.elapsed_us() for e in kernels) / 1000 / steps,
         "stream_syncs_per_step": sum(e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize") for e in events) / steps,
     }
+    if top:
+        table = prof.key_averages()
+
+        def rows(key):
+            ranked = sorted(table, key=key, reverse=True)[:top]
+            return [(e.key[:80], round(e.count / steps, 1), round(e.self_device_time_total / 1000 / steps, 2),
+                     round(e.self_cpu_time_total / 1000 / steps, 2)) for e in ranked]
+
+        # (name, calls, self device ms, self host ms) per step
+        out["top_device_ops"] = rows(lambda e: e.self_device_time_total)
+        out["top_host_ops"] = rows(lambda e: e.self_cpu_time_total)
+    return out
+
+
+def measure_in_ray_worker(spec: dict) -> dict:
+    """:func:`measure` inside a one-worker Ray Train ``TorchTrainer`` (the process and thread a
+    ``satp train`` step runs in), on a local Ray cluster: separates what the worker's environment
+    costs from what the worker's loop costs."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    def train_fn(config: dict) -> None:
+        Path(config["out"]).write_text(json.dumps(measure(config["spec"])))
+
+    use_gpu = _Device().cuda
+    cpus = min(spec.get("loader_workers", 4) + 2, os.cpu_count() or 1)  # the job's cpus_per_worker
+    work = Path(tempfile.mkdtemp(prefix="satp-step-ray-"))
+    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    try:
+        TorchTrainer(
+            train_fn, train_loop_config={"spec": spec, "out": str(work / "result.json")},
+            scaling_config=ScalingConfig(num_workers=1, use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),
+            run_config=RunConfig(storage_path=str(work)),
+        ).fit()
+    finally:
+        ray.shutdown()
+    return json.loads((work / "result.json").read_text()) | {"in_ray_worker": True}
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    print(json.dumps(measure(json.loads(sys.argv[1]))))
+    spec = json.loads(sys.argv[1])
+    print(json.dumps(measure_in_ray_worker(spec) if spec.pop("in_ray", False) else measure(spec)))

@@ -43,7 +43,16 @@ class EdgeGCNConv(MessagePassing):
 
     with ``norm_uv = (deg_u deg_v)^{-1/2}``, ``deg = 1 + out-degree`` as in OGB's code.
 
-    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``.
+    In the k-subgraph extractor (Chen et al., ICML 2022, Sec. 4.1) the layer runs on the disjoint
+    union of the k-hop subgraphs, whose entries and edges copy nodes and edges of the graph
+    (``node_index``, ``edge_id``). The linear maps then run on the graph's ``N`` nodes and ``E``
+    edges before gathering; given also the graph's ``graph_edge_index``, the first layer (input
+    rows still ungathered) computes ``relu(W x_u + E e_uv)`` once per *graph* edge and gathers that
+    per subgraph edge, since a subgraph edge's source entry copies its graph edge's source node.
+
+    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``; with the
+    gathers: x ``[N, d]``, edge_index ``[2, Es]`` (over the ``S`` entries), edge_attr
+    ``[E, edge_dim]``, node_index ``[S]``, edge_id ``[Es]``, graph_edge_index ``[2, E]`` -> ``[S, d]``.
     """
 
     def __init__(self, hidden_dim: int, edge_dim: int):
@@ -65,22 +74,38 @@ class EdgeGCNConv(MessagePassing):
         edge_attr: Tensor,
         node_index: Optional[Tensor] = None,
         edge_id: Optional[Tensor] = None,
+        graph_edge_index: Optional[Tensor] = None,
     ) -> Tensor:
         """``node_index`` / ``edge_id`` (optional) gather the rows of ``x`` / ``edge_attr`` *after*
         the linear maps: the result equals ``forward(x[node_index], edge_index, edge_attr[edge_id])``
-        but the maps run once per node / edge instead of once per k-subgraph entry."""
+        but the maps run once per node / edge instead of once per k-subgraph entry.
+
+        ``graph_edge_index`` (with both gathers) takes the per-graph-edge path; it requires
+        ``node_index[edge_index[0]] == graph_edge_index[0][edge_id]``, which the indices of
+        :class:`sat.data.SATData` satisfy by construction (also after batching and [CLS] insertion).
+        """
         x = self.linear(x)
-        if node_index is not None:
-            x = x[node_index]
         edge_embedding = self.edge_encoder(edge_attr)
-        if edge_id is not None:
-            edge_embedding = edge_embedding[edge_id]
         row, col = edge_index
-        deg = pyg_degree(row, x.size(0), dtype=torch.float32) + 1  # counted in fp32 (exact under autocast)
+        num_entries = x.size(0) if node_index is None else node_index.numel()
+        deg = pyg_degree(row, num_entries, dtype=torch.float32) + 1  # counted in fp32 (exact under autocast)
         deg_inv_sqrt = deg.pow(-0.5)
         norm = (deg_inv_sqrt[row] * deg_inv_sqrt[col]).to(x.dtype)
+        deg_col = deg.view(-1, 1).to(x.dtype)
+        if node_index is not None and edge_id is not None and graph_edge_index is not None:
+            # relu(W x_u + E e_uv) per graph edge [E, d], gathered once: replaces the [Es, d] gathers
+            # of x_j and e_uv, their sum and ReLU, and the activations autograd keeps of them
+            edge_message = F.relu(x.index_select(0, graph_edge_index[0]) + edge_embedding)
+            message = edge_message.index_select(0, edge_id) * norm.view(-1, 1)
+            out = scatter(message, col, dim=0, dim_size=num_entries, reduce="sum")
+            root = F.relu(x + self.root_emb.weight).index_select(0, node_index)  # relu per node, then gather
+            return out + root / deg_col
+        if node_index is not None:
+            x = x.index_select(0, node_index)
+        if edge_id is not None:
+            edge_embedding = edge_embedding.index_select(0, edge_id)
         out = self.propagate(edge_index, x=x, edge_attr=edge_embedding, norm=norm)
-        return out + F.relu(x + self.root_emb.weight) / deg.view(-1, 1).to(x.dtype)
+        return out + F.relu(x + self.root_emb.weight) / deg_col
 
     def message(self, x_j: Tensor, edge_attr: Tensor, norm: Tensor) -> Tensor:
         return norm.view(-1, 1) * F.relu(x_j + edge_attr)
@@ -148,11 +173,15 @@ class _GNNStack(nn.Module):
         edge_attr: Optional[Tensor],
         node_index: Optional[Tensor] = None,
         edge_id: Optional[Tensor] = None,
+        graph_edge_index: Optional[Tensor] = None,
     ) -> Tensor:
         """Run the stack on ``(x[node_index], edge_index, edge_attr[edge_id])`` (gathers optional).
 
         The gathers are deferred where a layer allows it (:class:`EdgeGCNConv` maps nodes and
         edges before gathering), which saves most of the k-subgraph extractor's linear work.
+        ``graph_edge_index`` (``[2, E]``, the edges ``edge_id`` refers to, in the node ids of
+        ``x``) lets a first :class:`EdgeGCNConv` layer form its messages once per graph edge
+        instead of once per subgraph edge; later layers run on the ``S`` gathered entries.
         """
         uses_edges = self.gnn_type == "gine" or self.edge_dim is not None
         if uses_edges and edge_attr is None and self.gnn_type != "gine":
@@ -164,17 +193,18 @@ class _GNNStack(nn.Module):
                 if edge_attr is None:  # GINE without edge features: zero edge embeddings
                     gathered.append(like.new_zeros(edge_index.size(1), width))
                 else:
-                    gathered.append(edge_attr if edge_id is None else edge_attr[edge_id])
+                    gathered.append(edge_attr if edge_id is None else edge_attr.index_select(0, edge_id))
             return gathered[0]
 
-        hops = [x if node_index is None else x[node_index]] if self.concat_hops else []
+        hops = [x if node_index is None else x.index_select(0, node_index)] if self.concat_hops else []
         pending = node_index  # rows of x still to be gathered
         for conv in self.convs:
             if isinstance(conv, EdgeGCNConv):
-                x = conv(x, edge_index, edge_attr, node_index=pending, edge_id=edge_id)
+                # pending is set for the first layer only, so only it takes the per-graph-edge path
+                x = conv(x, edge_index, edge_attr, pending, edge_id, graph_edge_index)
             else:
                 if pending is not None:
-                    x = x[pending]
+                    x = x.index_select(0, pending)
                 if uses_edges:
                     x = conv(x, edge_index, entry_edge_attr(x.size(-1), x))
                 else:
@@ -241,6 +271,11 @@ class SubgraphExtractor(_Extractor):
     entries' outputs are sum-pooled per centre via ``subgraph_indicator``. BatchNorm and a linear
     projection follow the concatenation (authors' ``KHopStructureExtractor``).
 
+    With GCN and edge features the first layer's messages ``relu(W x_u + E e_uv)`` are formed
+    once per edge of the graph (``edge_index``) and gathered per subgraph edge with
+    ``subgraph_edge_id`` (see :class:`EdgeGCNConv`); only the normalised sum and the later layers
+    run per subgraph edge.
+
     Shapes: x ``[N, d]``, subgraph_node_index / subgraph_indicator ``[S]``,
     subgraph_edge_index ``[2, Es]``, subgraph_edge_id ``[Es]``, edge_attr ``[E, edge_dim]``
     -> ``[N, d]``. Memory grows with ``S * d`` per GNN layer.
@@ -259,7 +294,14 @@ class SubgraphExtractor(_Extractor):
         subgraph_edge_index: Tensor,
         subgraph_edge_id: Tensor,
     ) -> Tensor:
-        h = self.gnn(x, subgraph_edge_index, edge_attr, node_index=subgraph_node_index, edge_id=subgraph_edge_id)
+        h = self.gnn(
+            x,
+            subgraph_edge_index,
+            edge_attr,
+            node_index=subgraph_node_index,
+            edge_id=subgraph_edge_id,
+            graph_edge_index=edge_index,
+        )
         pooled = scatter(h, subgraph_indicator, dim=0, dim_size=x.size(0), reduce="sum")
         return self.out_proj(self.norm(torch.cat([x, pooled], dim=-1)))
 
