@@ -2,7 +2,7 @@
 
 ::
 
-    satp data pycode --out ROOT [--source DIR ...] [--include-tests] [--force]
+    satp data pycode --out ROOT [--source DIR ...] [--include-tests] [--workers N] [--force]
         Python source (default: this interpreter's standard library) -> ROOT/ogbg_code2 (OGB raw layout)
     satp data synthetic-ppa --out ROOT [--graphs N] [--seed S] [--force]
         a synthetic ogbg-ppa -> ROOT/ogbg_ppa (OGB raw layout)
@@ -27,10 +27,18 @@ import os
 from pipeline.cli_args import add_job_arguments
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
 def _pycode(args: argparse.Namespace) -> int:
     from preprocessing.pycode import build_pycode
 
-    summary = build_pycode(args.out, args.source or None, include_tests=args.include_tests, force=args.force)
+    summary = build_pycode(args.out, args.source or None, include_tests=args.include_tests, force=args.force,
+                           workers=args.workers)
     print(json.dumps(summary))
     return 0
 
@@ -78,6 +86,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     py.add_argument("--source", action="append", metavar="DIR", help="source directory (repeatable)")
     py.add_argument("--include-tests", action="store_true", help="keep test directories")
     py.add_argument("--force", action="store_true", help="replace an existing OUT/ogbg_code2")
+    py.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+                    help="parsing processes (default: the usable CPUs, at most 16); the output does not depend on it")
     py.set_defaults(func=_pycode)
 
     ppa = data_sub.add_parser("synthetic-ppa", help="a synthetic ogbg-ppa")

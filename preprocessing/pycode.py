@@ -131,41 +131,64 @@ def _parse_error(path: Path, exc: Exception) -> str:
     return f"{path}{f':{line}' if line else ''}: {type(exc).__name__}: {reason}"
 
 
-def collect_functions(sources: list[Path], include_tests: bool = False) -> tuple[list[FunctionGraph], list[str], int]:
+def _parse_file(item: tuple[Path, Path, str]) -> tuple[list[FunctionGraph], str | None]:
+    """The function graphs of one file (``(path, rel, group)``), in source order, or the reason it
+    does not parse."""
+    path, rel, group = item
+    try:
+        with tokenize.open(path) as fh:
+            text = fh.read()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = ast.parse(text, filename=str(path))
+    except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, OSError) as exc:
+        return [], _parse_error(path, exc)
+    graphs = []
+    stack = [tree]
+    while stack:  # pre-order over the file, so functions come in source order
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            g = function_graph(node)
+            label = " ".join(g.label)
+            if g.label and label not in _PANDAS_NA:
+                g.group, g.path = group, str(rel)
+                graphs.append(g)
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+    return graphs, None
+
+
+def default_workers() -> int:
+    """Parsing processes: the CPUs this process may use, at most 16."""
+    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def collect_functions(
+    sources: list[Path], include_tests: bool = False, workers: int = 1
+) -> tuple[list[FunctionGraph], list[str], int]:
     """Parse every file; return the function graphs, the files that failed to parse (``path:line:
-    reason`` each) and the number of files read."""
-    graphs: list[FunctionGraph] = []
-    failed: list[str] = []
-    files = 0
+    reason`` each) and the number of files read. With ``workers > 1`` files are parsed in that many
+    processes; the result is the same, in the same order."""
+    items: list[tuple[Path, Path, str]] = []
     for index, source in enumerate(sources):
         source = Path(source)
         if not source.exists():
             raise ValueError(f"{source}: source directory not found")
         for path in iter_source_files(source, include_tests):
-            files += 1
             rel = path.relative_to(source) if path != source else Path(path.name)
             top = rel.parts[0].removesuffix(".py")
-            group = f"{index}:{top}" if len(sources) > 1 else top
-            try:
-                with tokenize.open(path) as fh:
-                    text = fh.read()
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    tree = ast.parse(text, filename=str(path))
-            except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, OSError) as exc:
-                failed.append(_parse_error(path, exc))
-                continue
-            stack = [tree]
-            while stack:  # pre-order over the file, so functions come in source order
-                node = stack.pop()
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    g = function_graph(node)
-                    label = " ".join(g.label)
-                    if g.label and label not in _PANDAS_NA:
-                        g.group, g.path = group, str(rel)
-                        graphs.append(g)
-                stack.extend(reversed(list(ast.iter_child_nodes(node))))
-    return graphs, failed, files
+            items.append((path, rel, f"{index}:{top}" if len(sources) > 1 else top))
+    if workers > 1 and len(items) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn: the caller may be a process with threads (a Ray driver), where fork is unsafe
+        with ProcessPoolExecutor(min(workers, len(items)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            parsed = list(pool.map(_parse_file, items, chunksize=max(1, len(items) // (8 * workers))))
+    else:
+        parsed = [_parse_file(item) for item in items]
+    graphs = [g for file_graphs, _ in parsed for g in file_graphs]
+    failed = [reason for _, reason in parsed if reason is not None]
+    return graphs, failed, len(items)
 
 
 def _ranked(counts: Counter, limit: int) -> list[str]:
@@ -181,11 +204,12 @@ def _write_mapping(path: Path, header: tuple[str, str], values: list[str]) -> No
 
 
 def build_pycode(out: str | Path, sources: list[str | Path] | None = None, include_tests: bool = False,
-                 force: bool = False) -> dict:
-    """Build ``out/ogbg_code2`` in OGB's raw layout from Python source; return a summary dict."""
+                 force: bool = False, workers: int | None = None) -> dict:
+    """Build ``out/ogbg_code2`` in OGB's raw layout from Python source; return a summary dict.
+    ``workers`` parsing processes (default :func:`default_workers`); the output does not depend on it."""
     check_out_dir(Path(out), "ogbg-code2", force)  # before minutes of parsing
     src = [Path(s) for s in sources] if sources else default_source_dirs()
-    graphs, failed, files = collect_functions(src, include_tests)
+    graphs, failed, files = collect_functions(src, include_tests, workers or default_workers())
     where = ", ".join(map(str, src))
     if failed and len(failed) == files:
         raise ValueError(f"{where}: none of the {files} Python file(s) parses with Python "

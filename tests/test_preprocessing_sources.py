@@ -80,6 +80,19 @@ def test_pycode_layout_is_ogbs_and_deterministic(tmp_path, pysrc, code2_root):
         build_pycode(tmp_path, [pysrc])
 
 
+def test_pycode_output_does_not_depend_on_the_parsing_processes(tmp_path, pysrc):
+    (pysrc / "broken_mod.py").write_text("def f(:\n")  # a failure must be reported the same way too
+    try:
+        summaries = {}
+        for workers in (1, 3):
+            summaries[workers] = build_pycode(tmp_path / str(workers), [pysrc], workers=workers)
+    finally:
+        (pysrc / "broken_mod.py").unlink()
+    assert summaries[1] == summaries[3]
+    assert summaries[1]["files_failed"] == 1 and "broken_mod.py" in summaries[1]["files_skipped"][0]
+    assert _tree_digest(tmp_path / "1" / "ogbg_code2") == _tree_digest(tmp_path / "3" / "ogbg_code2")
+
+
 def test_pycode_loads_through_ogb_with_project_split(code2_root):
     store = load_source(DataConfig(name="ogbg-code2", root=str(code2_root)))
     assert store.num_graphs > 200
