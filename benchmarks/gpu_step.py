@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -401,9 +402,10 @@ def measure_in_ray_worker(spec: dict) -> dict:
             scaling_config=ScalingConfig(num_workers=1, use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),
             run_config=RunConfig(storage_path=str(work)),
         ).fit()
+        return json.loads((work / "result.json").read_text()) | {"in_ray_worker": True}
     finally:
         ray.shutdown()
-    return json.loads((work / "result.json").read_text()) | {"in_ray_worker": True}
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
