@@ -39,23 +39,31 @@ PYCODE_WORKERS = 4  # parsing processes of the background `satp data pycode`: th
 STEP_TIMEOUT_S = 900 if DRY_RUN else 150
 REFERENCE = "SAT authors' code, same model, 32 graphs per batch, fp32, one H200 (FACTS.md): 299 graphs/s, 6.2 GB; k-subgraph (k=2): 9.0 GB"
 
-# (label, spec) in order of importance. Before the pipeline: bf16 throughput at the node budget the
-# GPU jobs use and above it (a launch-bound step gains from larger batches), fp32 for bf16 >= fp32.
-# After it: the smaller budget, the k-subgraph extractor (its throughput; its memory at the SAT
-# authors' batches: 32 random graphs), fp32 at those batches. ``top_ops``: the profile's top operators.
+# (label, spec) in order of importance. Before the pipeline: the k-subgraph extractor with its fused
+# message sums (gnn_messages auto = Triton on CUDA): its throughput and its memory at the SAT
+# authors' batches (32 random graphs), then bf16 k-subtree above the GPU jobs' budget (a
+# launch-bound step gains from larger batches). After it: fp32 for bf16 >= fp32, the jobs' budget,
+# the k-subgraph rows on the torch message path (the comparison), the rest. ``top_ops``: the
+# profile's top operators.
 STEP_ROWS = [
-    ("bf16, k-subtree, budget 65536", dict(precision="bf16", extractor="subtree", node_budget=65536, top_ops=12)),
-    ("bf16, k-subtree, budget 131072", dict(precision="bf16", extractor="subtree", node_budget=131072, detail=False)),
-    ("fp32, k-subtree, budget 65536", dict(precision="fp32", extractor="subtree", node_budget=65536, detail=False)),
-    # throughput and memory only (detail=False: no phase breakdown, profile or FLOP count)
-    ("bf16, k-subtree, budget 32768", dict(precision="bf16", extractor="subtree", node_budget=32768, detail=False)),
+    ("bf16, k-subgraph k=2, budget 32768", dict(precision="bf16", extractor="subgraph", node_budget=32768, top_ops=12)),
     ("bf16, k-subgraph k=2, 32 random graphs/batch (the reference's batches)",
      dict(precision="bf16", extractor="subgraph", node_budget=10**6, max_graphs=32, bucket_size=32, detail=False)),
-    ("bf16, k-subgraph k=2, budget 32768", dict(precision="bf16", extractor="subgraph", node_budget=32768, top_ops=12)),
+    ("bf16, k-subtree, budget 131072", dict(precision="bf16", extractor="subtree", node_budget=131072, detail=False)),
+    # throughput and memory only (detail=False: no phase breakdown, profile or FLOP count)
+    ("fp32, k-subtree, budget 65536", dict(precision="fp32", extractor="subtree", node_budget=65536, detail=False)),
+    ("bf16, k-subtree, budget 65536", dict(precision="bf16", extractor="subtree", node_budget=65536, detail=False)),
+    ("bf16, k-subgraph k=2, budget 32768, torch messages",
+     dict(precision="bf16", extractor="subgraph", node_budget=32768, gnn_messages="torch", detail=False)),
     ("fp32, k-subgraph k=2, 32 random graphs/batch (the reference's batches)",
      dict(precision="fp32", extractor="subgraph", node_budget=10**6, max_graphs=32, bucket_size=32, detail=False)),
+    ("bf16, k-subgraph k=2, 32 random graphs/batch, torch messages",
+     dict(precision="bf16", extractor="subgraph", node_budget=10**6, max_graphs=32, bucket_size=32,
+          gnn_messages="torch", detail=False)),
     ("fp32, k-subtree, 32 random graphs/batch (the reference's batches)",
      dict(precision="fp32", extractor="subtree", node_budget=10**6, max_graphs=32, bucket_size=32, detail=False)),
+    ("bf16, k-subtree, budget 65536, fused message sums",
+     dict(precision="bf16", extractor="subtree", node_budget=65536, gnn_messages="fused", detail=False)),
 ]
 ROWS_BEFORE_PIPELINE = 3
 # the pipeline runs at a budget that gives the small pycode train split (~11k graphs) enough steps
@@ -117,7 +125,7 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[bool, str]:
     return proc.returncode == 0 and not timed_out, output + ("\ntimed out" if timed_out else "")
 
 
-GPU_TESTS = ["tests/test_model_gpu.py", "tests/test_train_gpu.py"]
+GPU_TESTS = ["tests/test_model_gpu.py", "tests/test_train_gpu.py", "tests/test_edge_messages.py"]
 PARITY_CMD = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS]
 
 
@@ -195,7 +203,10 @@ def step_benchmark(clock: Clock, tmp: Path, rows: list) -> tuple[str, dict]:
             print(f"   gpu step: {label} ...", flush=True)
             results[label] = _step(spec, min(STEP_TIMEOUT_S, clock.left() - 30))
             print(f"   {json.dumps(results[label])[:400]}", flush=True)
-        lines.append(_row(label, results[label]))
+        shown = label
+        if spec["extractor"] == "subgraph" and "gnn_messages" in results[label]:
+            shown += f" [{results[label]['gnn_messages']} message sums]"
+        lines.append(_row(shown, results[label]))
     lines += ["", f"Reference: {REFERENCE}."]
     lines += _top_ops_tables(results)
     return "\n".join(lines), results

@@ -21,6 +21,7 @@ non-blocking copies), on the model of ``jobs/code2.yaml`` configured by :class:`
 * ``peak_mem_gb``: ``torch.cuda.max_memory_allocated``.
 
 Spec keys: ``precision`` (bf16 | fp32), ``extractor`` (subtree | subgraph), ``attention``,
+``gnn_messages`` (auto | fused | torch: the GCN message sums, :mod:`sat.edge_messages`),
 ``node_budget``, ``max_graphs`` (graphs per batch cap), ``bucket_size`` (the sampler's sorted
 buckets; ``bucket_size = max_graphs`` gives random batches, as the SAT authors' loader),
 ``seconds`` (timed window), ``warmup`` (steps), ``loader_workers``, ``compile``
@@ -151,7 +152,8 @@ def _job_parts(spec: dict, sample):
     vocab = [f"tok{i}" for i in range(5000)] + ["__UNK__", "__EOS__"]
     task = Code2Task(vocab)
     model = job.model
-    overrides = {"extractor": spec["extractor"], "attention": spec.get("attention", "auto")}
+    overrides = {"extractor": spec["extractor"], "attention": spec.get("attention", "auto"),
+                 "gnn_messages": spec.get("gnn_messages", "auto")}
     if spec.get("tiny"):  # dry runs on a CPU: the same code paths, a small model
         overrides.update(hidden_dim=32, num_layers=1)
     import dataclasses
@@ -215,6 +217,7 @@ def measure(spec: dict) -> dict:
     from pipeline.loader import BatchCollator, make_loader, open_split, to_device
     from pipeline.train_step import TrainStep
     from sat import SAT
+    from sat.edge_messages import resolve_impl as resolve_messages
 
     torch.manual_seed(0)
     dataset = load_graphs(spec["graphs"]) if spec.get("graphs") else open_split(spec["shards"], "train")
@@ -282,6 +285,7 @@ def measure(spec: dict) -> dict:
         "torch": torch.__version__,
         "attention_impl": engine.module.layers[0].attn.resolve_impl(
             torch.empty(1, device=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)),
+        "gnn_messages": resolve_messages(engine.module.config.gnn_messages, device),
     }
     if spec.get("detail", True):
         clip_here = clips_outside_deepspeed(train, precision)

@@ -9,6 +9,7 @@ Architecture = Literal["sat", "gnn"]
 AttentionImpl = Literal["auto", "varlen", "dense", "sparse"]
 ExtractorKind = Literal["subtree", "subgraph"]
 GNNType = Literal["gcn", "gin", "gine", "sage", "pna"]
+MessageImpl = Literal["auto", "fused", "torch"]
 NodeEncoderKind = Literal["embedding", "linear", "code2_ast", "constant", "edge_sum"]
 EdgeEncoderKind = Literal["none", "embedding", "linear"]
 PEKind = Literal["none", "rwpe", "lap"]
@@ -58,6 +59,7 @@ class SATConfig:
     use_edge_attr: bool = True
     concat_hops: bool = False
     pna_degree_histogram: list[int] | None = None  # PNA's in-degree histogram (from the train split)
+    gnn_messages: MessageImpl = "auto"  # GCN+edge messages; auto: fused Triton kernel for k-subgraphs on CUDA
     # inputs
     node_encoder: NodeEncoderKind = "embedding"
     node_in_dim: int = 1  # vocabulary size (embedding) or feature width (linear, edge_sum)

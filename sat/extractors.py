@@ -29,7 +29,8 @@ from torch_geometric.nn import GCNConv, GINConv, GINEConv, MessagePassing, PNACo
 from torch_geometric.utils import degree as pyg_degree
 from torch_geometric.utils import scatter
 
-from .config import EDGE_AWARE_GNNS
+from .config import EDGE_AWARE_GNNS, MessageImpl
+from .edge_messages import aggregate_edge_messages, resolve_impl
 
 GNN_TYPES = ("gcn", "gin", "gine", "sage", "pna")
 PNA_AGGREGATORS = ["mean", "min", "max", "std"]
@@ -50,13 +51,19 @@ class EdgeGCNConv(MessagePassing):
     rows still ungathered) computes ``relu(W x_u + E e_uv)`` once per *graph* edge and gathers that
     per subgraph edge, since a subgraph edge's source entry copies its graph edge's source node.
 
+    ``message_impl`` (:mod:`sat.edge_messages`): ``fused`` sums the messages in one Triton kernel
+    per pass, without materialising them per edge; ``auto`` does so on CUDA for the gathered
+    (k-subgraph) inputs only, where the messages are many (the k-subtree case is launch-bound, and
+    one sort per call would not pay); ``torch`` never.
+
     Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``; with the
     gathers: x ``[N, d]``, edge_index ``[2, Es]`` (over the ``S`` entries), edge_attr
     ``[E, edge_dim]``, node_index ``[S]``, edge_id ``[Es]``, graph_edge_index ``[2, E]`` -> ``[S, d]``.
     """
 
-    def __init__(self, hidden_dim: int, edge_dim: int):
+    def __init__(self, hidden_dim: int, edge_dim: int, message_impl: MessageImpl = "auto"):
         super().__init__(aggr="add")
+        self.message_impl = message_impl
         self.linear = nn.Linear(hidden_dim, hidden_dim)
         self.root_emb = nn.Embedding(1, hidden_dim)
         self.edge_encoder = nn.Linear(edge_dim, hidden_dim)
@@ -90,8 +97,17 @@ class EdgeGCNConv(MessagePassing):
         num_entries = x.size(0) if node_index is None else node_index.numel()
         deg = pyg_degree(row, num_entries, dtype=torch.float32) + 1  # counted in fp32 (exact under autocast)
         deg_inv_sqrt = deg.pow(-0.5)
-        norm = (deg_inv_sqrt[row] * deg_inv_sqrt[col]).to(x.dtype)
+        norm_fp32 = deg_inv_sqrt[row] * deg_inv_sqrt[col]
+        norm = norm_fp32.to(x.dtype)
         deg_col = deg.view(-1, 1).to(x.dtype)
+        gathered = node_index is not None or edge_id is not None
+        if resolve_impl(self.message_impl, x.device) == "fused" and (gathered or self.message_impl == "fused"):
+            source = row if node_index is None else node_index.index_select(0, row)
+            edge_rows = edge_id if edge_id is not None else torch.arange(row.numel(), device=row.device)
+            out = aggregate_edge_messages(x, edge_embedding, source, edge_rows, col, norm_fp32, num_entries, "fused")
+            root = F.relu(x + self.root_emb.weight)
+            root = root if node_index is None else root.index_select(0, node_index)
+            return out + root / deg_col
         if node_index is not None and edge_id is not None and graph_edge_index is not None:
             # relu(W x_u + E e_uv) per graph edge [E, d], gathered once: replaces the [Es, d] gathers
             # of x_j and e_uv, their sum and ReLU, and the activations autograd keeps of them
@@ -116,7 +132,11 @@ def _mlp(hidden_dim: int) -> nn.Sequential:
 
 
 def gnn_layer(
-    gnn_type: str, hidden_dim: int, edge_dim: Optional[int] = None, pna_degree_histogram: Optional[Sequence[int]] = None
+    gnn_type: str,
+    hidden_dim: int,
+    edge_dim: Optional[int] = None,
+    pna_degree_histogram: Optional[Sequence[int]] = None,
+    message_impl: MessageImpl = "auto",
 ) -> nn.Module:
     """One base-GNN layer ``[N, d] -> [N, d]``.
 
@@ -126,9 +146,10 @@ def gnn_layer(
             ``gin`` and ``sage``; ``gine`` without edge features gets zeros (GIN with ReLU'd messages).
         pna_degree_histogram: PNA's in-degree histogram (``hist[d]`` = number of nodes of
             in-degree ``d`` in the training data).
+        message_impl: how :class:`EdgeGCNConv` (GCN with edge features) sums its messages.
     """
     if gnn_type == "gcn":
-        return GCNConv(hidden_dim, hidden_dim) if edge_dim is None else EdgeGCNConv(hidden_dim, edge_dim)
+        return GCNConv(hidden_dim, hidden_dim) if edge_dim is None else EdgeGCNConv(hidden_dim, edge_dim, message_impl)
     if gnn_type == "gin":
         return GINConv(_mlp(hidden_dim), train_eps=True)
     if gnn_type == "gine":
@@ -150,7 +171,7 @@ class _GNNStack(nn.Module):
     """``k`` layers of a base GNN, each followed by ReLU; returns the last output, or the
     concatenation ``[x, h_1, ..., h_k]`` when ``concat_hops`` (authors' ``StructureExtractor``)."""
 
-    def __init__(self, hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram):
+    def __init__(self, hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram, message_impl):
         super().__init__()
         if gnn_type not in GNN_TYPES:
             raise ValueError(f"unknown gnn_type {gnn_type!r}; expected one of {list(GNN_TYPES)}")
@@ -159,7 +180,9 @@ class _GNNStack(nn.Module):
         self.gnn_type = gnn_type
         self.edge_dim = edge_dim if gnn_type in EDGE_AWARE_GNNS else None
         self.concat_hops = concat_hops
-        self.convs = nn.ModuleList(gnn_layer(gnn_type, hidden_dim, self.edge_dim, pna_degree_histogram) for _ in range(k))
+        self.convs = nn.ModuleList(
+            gnn_layer(gnn_type, hidden_dim, self.edge_dim, pna_degree_histogram, message_impl) for _ in range(k)
+        )
         self.out_dim = (k + 1) * hidden_dim if concat_hops else hidden_dim
 
     def reset_parameters(self) -> None:
@@ -230,9 +253,10 @@ class _Extractor(nn.Module):
         edge_dim: Optional[int] = None,
         concat_hops: bool = False,
         pna_degree_histogram: Optional[Sequence[int]] = None,
+        message_impl: MessageImpl = "auto",
     ):
         super().__init__()
-        self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram)
+        self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram, message_impl)
         width = self.gnn.out_dim + (hidden_dim if self.keeps_input else 0)
         self.norm = nn.BatchNorm1d(width)
         self.out_proj = nn.Linear(width, hidden_dim)
@@ -254,6 +278,7 @@ class SubtreeExtractor(_Extractor):
         edge_dim: width of edge features for edge-aware GNNs, ``None`` for none.
         concat_hops: concatenate the input and all hops' outputs before the projection.
         pna_degree_histogram: PNA only.
+        message_impl: how a GCN with edge features sums its messages (:mod:`sat.edge_messages`).
 
     Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``.
     """
@@ -314,6 +339,7 @@ def build_extractor(
     edge_dim: Optional[int] = None,
     concat_hops: bool = False,
     pna_degree_histogram: Optional[Sequence[int]] = None,
+    message_impl: MessageImpl = "auto",
 ) -> Optional[nn.Module]:
     """The extractor of ``kind`` (``subtree`` / ``subgraph``), or ``None`` for ``k = 0``."""
     if k == 0:
@@ -324,4 +350,4 @@ def build_extractor(
         cls = SubgraphExtractor
     else:
         raise ValueError(f"unknown extractor {kind!r}; expected 'subtree' or 'subgraph'")
-    return cls(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram)
+    return cls(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram, message_impl)

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import StructureAwareAttention
-from .config import EDGE_AWARE_GNNS
-from .layout import GraphLayout
+from .config import EDGE_AWARE_GNNS, MessageImpl
 from .extractors import EdgeGCNConv, SubgraphExtractor, build_extractor, gnn_layer
+from .layout import GraphLayout
 
 
 def _norm(kind: str, dim: int) -> nn.Module:
@@ -47,8 +47,8 @@ class SATLayer(nn.Module):
         attention: ``auto``, ``varlen``, ``dense`` or ``sparse`` (see :mod:`sat.attention`).
         norm: ``batch`` or ``layer``.
         pre_norm: normalise before each sub-block instead of after.
-        extractor, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram: the
-            structure extractor (see :mod:`sat.extractors`); ``k_hops = 0`` for none.
+        extractor, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram, gnn_messages:
+            the structure extractor (see :mod:`sat.extractors`); ``k_hops = 0`` for none.
 
     Shapes:
         x ``[N, d]``; edge_index ``[2, E]``; edge_attr ``[E, edge_dim]`` or None; subgraph: the
@@ -72,11 +72,12 @@ class SATLayer(nn.Module):
         edge_dim: Optional[int] = None,
         concat_hops: bool = False,
         pna_degree_histogram: Optional[Sequence[int]] = None,
+        gnn_messages: MessageImpl = "auto",
     ):
         super().__init__()
         self.pre_norm = pre_norm
         self.extractor = build_extractor(
-            extractor, hidden_dim, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram
+            extractor, hidden_dim, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram, gnn_messages
         )
         self.attn = StructureAwareAttention(hidden_dim, num_heads, attn_dropout, attention)
         ffn_dim = max(1, int(round(ffn_ratio * hidden_dim)))
@@ -151,11 +152,12 @@ class GNNLayer(nn.Module):
         norm: str = "batch",
         edge_dim: Optional[int] = None,
         pna_degree_histogram: Optional[Sequence[int]] = None,
+        gnn_messages: MessageImpl = "auto",
     ):
         super().__init__()
         self.gnn_type = gnn_type
         self.edge_dim = edge_dim if gnn_type in EDGE_AWARE_GNNS else None
-        self.conv = gnn_layer(gnn_type, hidden_dim, self.edge_dim, pna_degree_histogram)
+        self.conv = gnn_layer(gnn_type, hidden_dim, self.edge_dim, pna_degree_histogram, gnn_messages)
         self.norm = _norm(norm, hidden_dim)
         self.dropout = nn.Dropout(dropout)
 

@@ -70,7 +70,10 @@ class SAT(nn.Module):
         edge_dim = config.effective_edge_dim if self.uses_edge_attr else None
         if config.architecture == "gnn":
             layers = [
-                GNNLayer(d, config.gnn_type, config.dropout, config.norm, edge_dim, config.pna_degree_histogram)
+                GNNLayer(
+                    d, config.gnn_type, config.dropout, config.norm, edge_dim, config.pna_degree_histogram,
+                    config.gnn_messages,
+                )
                 for _ in range(config.num_layers)
             ]
         else:
@@ -90,6 +93,7 @@ class SAT(nn.Module):
                     edge_dim=edge_dim,
                     concat_hops=config.concat_hops,
                     pna_degree_histogram=config.pna_degree_histogram,
+                    gnn_messages=config.gnn_messages,
                 )
                 for _ in range(config.num_layers)
             ]

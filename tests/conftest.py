@@ -8,6 +8,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton's kernels (sat.edge_messages) run on CPU tensors only in its interpreter, which Triton
+    # reads when it is first imported; with a GPU they compile and run on CUDA instead.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

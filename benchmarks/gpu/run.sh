@@ -27,7 +27,12 @@ if ! "$PY" -c "import ray, deepspeed, mlflow, ogb, pydantic" >/dev/null 2>&1; th
 fi
 "$PY" - <<'EOF'
 import torch, ray, deepspeed, mlflow, torch_geometric
-print(f"== torch {torch.__version__} (CUDA {torch.version.cuda}), PyG {torch_geometric.__version__}, ray {ray.__version__}, "
+try:
+    import triton
+    triton_version = triton.__version__
+except ImportError:
+    triton_version = "none (k-subgraph messages on the torch path)"
+print(f"== torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton_version}, PyG {torch_geometric.__version__}, ray {ray.__version__}, "
       f"deepspeed {deepspeed.__version__}, mlflow {mlflow.__version__}; GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
 EOF
 

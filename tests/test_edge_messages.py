@@ -1,0 +1,127 @@
+"""The fused sum of GCN edge messages (:mod:`sat.edge_messages`) against torch.
+
+On a machine without CUDA the Triton kernels run in Triton's CPU interpreter (``conftest.py``
+sets ``TRITON_INTERPRET=1`` before anything imports triton); on a GPU machine the same tests run
+the compiled kernels on CUDA tensors.
+"""
+import functools
+import os
+
+import pytest
+import torch
+from torch_geometric.data import Batch, Data
+from torch_geometric.utils import erdos_renyi_graph
+
+from sat import SATConfig, add_subgraph_indices
+from sat.edge_messages import aggregate_edge_messages, resolve_impl
+from sat.extractors import SubgraphExtractor, SubtreeExtractor
+
+pytest.importorskip("triton")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(
+    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels on CPU need its interpreter (TRITON_INTERPRET=1 from conftest.py)",
+)
+HIDDEN, EDGE_DIM = 16, 6
+
+
+def _problem(width: int, dtype: torch.dtype, seed: int = 0):
+    """Random inputs whose destinations include rows without edges and rows with many (more than
+    one loop step of the kernel) and whose sources repeat, so every code path of the kernels runs."""
+    gen = torch.Generator().manual_seed(seed)
+    num_a, num_b, num_out = 13, 17, 11
+    dst = torch.cat([torch.randint(0, num_out - 3, (50,), generator=gen), torch.full((9,), num_out - 2)])
+    num_edges = dst.numel()
+    tensors = dict(
+        a=torch.randn(num_a, width, generator=gen, dtype=torch.float64),
+        b=torch.randn(num_b, width, generator=gen, dtype=torch.float64),
+        ia=torch.randint(0, num_a - 1, (num_edges,), generator=gen),  # row num_a - 1 is read by no edge
+        ib=torch.randint(0, num_b, (num_edges,), generator=gen),
+        dst=dst,
+        norm=torch.rand(num_edges, generator=gen) + 0.1,
+        probe=torch.randn(num_out, width, generator=gen, dtype=torch.float64),
+    )
+    tensors = {k: v.to(DEVICE) for k, v in tensors.items()}
+    for k in ("a", "b", "probe"):
+        tensors[k] = tensors[k].to(dtype)
+    return tensors, num_out
+
+
+def _sum_and_grads(impl: str, t: dict, num_out: int):
+    a, b = t["a"].detach().requires_grad_(), t["b"].detach().requires_grad_()
+    out = aggregate_edge_messages(a, b, t["ia"], t["ib"], t["dst"], t["norm"], num_out, impl)
+    grad_a, grad_b = torch.autograd.grad(out, (a, b), t["probe"])
+    return out, grad_a, grad_b
+
+
+@pytest.mark.parametrize("width", [20, 300])  # one partial column block; two blocks, the second partial
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fused_sum_and_gradients_match_torch(dtype, width):
+    t, num_out = _problem(width, dtype)
+    fused = _sum_and_grads("fused", t, num_out)
+    exact = _sum_and_grads("torch", {k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}, num_out)
+    assert fused[0].dtype == dtype
+    assert exact[0][num_out - 1].abs().max() == 0 and exact[2].abs().max() > 0  # an empty row; live gradients
+    assert fused[1][-1].abs().max() == 0  # the row of a that no edge reads gets no gradient
+    # fp64 accumulation is exact to rounding; fp32 accumulation of bf16/fp32 inputs (the torch
+    # path rounds every message and partial sum to the input dtype instead: fused is the closer one)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    for name, f, e in zip(["out", "grad_a", "grad_b"], fused, exact):
+        torch.testing.assert_close(f.double(), e, rtol=tol, atol=tol * e.abs().max().item(), msg=lambda m: f"{name}: {m}")
+
+
+def test_bf16_fused_results_are_the_exact_sums_rounded_once():
+    """Messages and partial sums stay in fp32 inside the kernel, so each bf16 result is within one
+    bf16 ulp (2**-7 relative; half of it when rounding to nearest, as CUDA does) of the exact sum.
+    """
+    t, num_out = _problem(64, torch.bfloat16, seed=1)
+    exact = _sum_and_grads("torch", {k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}, num_out)
+    for name, fused, ref in zip(["out", "grad_a", "grad_b"], _sum_and_grads("fused", t, num_out), exact):
+        bound = 2.0**-7 * ref.abs() + 1e-5 * ref.abs().max()
+        assert ((fused.double() - ref).abs() <= bound).all(), name
+
+
+@functools.lru_cache(maxsize=None)
+def _batch(k: int):
+    """Three small random graphs (the interpreter runs one Python call per output row)."""
+    torch.manual_seed(0)
+    graphs = [Data(edge_index=erdos_renyi_graph(n, 0.35), num_nodes=n) for n in (5, 7, 9)]
+    return Batch.from_data_list([add_subgraph_indices(g, k) for g in graphs]).to(DEVICE)
+
+
+def _extractor_run(ext, batch, x, edge_attr, probe):
+    params = dict(ext.named_parameters())
+    sub = {k: batch[k] for k in ("subgraph_node_index", "subgraph_indicator", "subgraph_edge_index", "subgraph_edge_id")}
+    out = ext(x, batch.edge_index, edge_attr, **sub) if isinstance(ext, SubgraphExtractor) else ext(
+        x, batch.edge_index, edge_attr)
+    return out, torch.autograd.grad((out * probe).sum(), [x, edge_attr, *params.values()])
+
+
+@pytest.mark.parametrize("kind", ["subgraph", "subtree"])
+def test_extractor_with_fused_messages_matches_torch_in_float64(kind):
+    """The whole k-subgraph extractor (both GCN layers: the first reads graph nodes, the second
+    subgraph entries) and the k-subtree one, outputs and every gradient."""
+    batch = _batch(2)
+    cls = SubgraphExtractor if kind == "subgraph" else SubtreeExtractor
+    torch.manual_seed(0)
+    fused = cls(HIDDEN, "gcn", 2, EDGE_DIM, True, message_impl="fused").double().to(DEVICE)
+    plain = cls(HIDDEN, "gcn", 2, EDGE_DIM, True, message_impl="torch").double().to(DEVICE)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(batch.num_nodes, HIDDEN, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    edge_attr = torch.randn(batch.edge_index.size(1), EDGE_DIM, dtype=torch.float64, device=DEVICE,
+                            requires_grad=True)
+    probe = torch.randn(batch.num_nodes, HIDDEN, dtype=torch.float64, device=DEVICE)
+    out, grads = _extractor_run(fused, batch, x, edge_attr, probe)
+    ref, ref_grads = _extractor_run(plain, batch, x, edge_attr, probe)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    names = ["x", "edge_attr", *dict(fused.named_parameters())]
+    for name, g, r in zip(names, grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_auto_takes_the_kernel_only_on_cuda_and_the_config_names_bad_values():
+    assert resolve_impl("auto", torch.device("cpu")) == "torch"
+    assert resolve_impl("auto", torch.device("cuda")) == "fused"
+    assert resolve_impl("torch", torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="model.gnn_messages"):
+        SATConfig(gnn_messages="triton")
