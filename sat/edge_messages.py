@@ -28,8 +28,6 @@ from torch_geometric.utils import scatter
 
 from .config import MessageImpl
 
-_BLOCK_E = 4  # edges per loop step: subgraph entries have ~3 incoming edges on code2
-
 
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
@@ -82,7 +80,16 @@ def _kernels():
     return triton.jit(source.aggregate_kernel), triton.jit(source.input_grad_kernel)
 
 
-def _launch(kernel_index: int, reference: Tensor, rows: int, width: int, *args) -> None:
+# Launch configurations (BLOCK_E edges per loop step, BLOCK_D columns per program, warps per
+# program) for rows with few edges (the forward pass: ~3 per subgraph entry on code2) and rows
+# with many (the backward pass into graph nodes and edges: ~20-45 each). Chosen on an H100 by
+# benchmarks/gpu_messages.py.
+KERNEL_CONFIGS = {"short": (4, 256, 4), "long": (4, 256, 4)}
+LONG_ROWS = 8  # mean edges per row from which the "long" configuration applies
+
+
+def _launch(kernel_index: int, reference: Tensor, rows: int, width: int, edges: int, *args,
+            config: Optional[tuple[int, int, int]] = None) -> None:
     import triton
     import triton.language as tl
 
@@ -91,11 +98,14 @@ def _launch(kernel_index: int, reference: Tensor, rows: int, width: int, *args) 
             "gnn_messages='fused' needs CUDA tensors; on CPU its kernels run only in Triton's interpreter "
             "(TRITON_INTERPRET=1 before triton is imported)"
         )
-    kernel = _kernels()[kernel_index]
-    block_d = min(triton.next_power_of_2(max(width, 1)), 256)
+    if rows == 0 or width == 0:
+        return
+    block_e, block_d, warps = config or KERNEL_CONFIGS["long" if edges >= LONG_ROWS * rows else "short"]
+    block_d = min(block_d, triton.next_power_of_2(width))
     acc = tl.float64 if reference.dtype == torch.float64 else tl.float32
-    if rows > 0 and width > 0:
-        kernel[(rows, triton.cdiv(width, block_d))](*args, width, BLOCK_E=_BLOCK_E, BLOCK_D=block_d, ACC=acc)
+    _kernels()[kernel_index][(rows, triton.cdiv(width, block_d))](
+        *args, width, BLOCK_E=block_e, BLOCK_D=block_d, ACC=acc, num_warps=warps
+    )
 
 
 def _index(t: Tensor) -> Tensor:
@@ -109,7 +119,7 @@ class _FusedAggregate(torch.autograd.Function):
         ia, ib, dst = _index(ia), _index(ib), _index(dst)
         out = a.new_empty(num_out, a.size(1))
         perm, seg = _csr(dst, num_out)
-        _launch(0, a, num_out, a.size(1), a, b, ia, ib, norm, perm, seg, out)
+        _launch(0, a, num_out, a.size(1), dst.numel(), a, b, ia, ib, norm, perm, seg, out)
         ctx.save_for_backward(a, b, ia, ib, dst, norm)
         return out
 
@@ -126,5 +136,5 @@ def _input_grad(own: Tensor, other: Tensor, i_own: Tensor, i_other: Tensor, dst:
                 grad_out: Tensor) -> Optional[Tensor]:
     grad = torch.empty_like(own)
     perm, seg = _csr(i_own, own.size(0))
-    _launch(1, own, own.size(0), own.size(1), own, other, i_other, dst, norm, grad_out, perm, seg, grad)
+    _launch(1, own, own.size(0), own.size(1), dst.numel(), own, other, i_other, dst, norm, grad_out, perm, seg, grad)
     return grad

@@ -13,6 +13,7 @@ from torch_geometric.data import Batch, Data
 from torch_geometric.utils import erdos_renyi_graph
 
 from sat import SATConfig, add_subgraph_indices
+from sat import edge_messages
 from sat.edge_messages import aggregate_edge_messages, resolve_impl
 from sat.extractors import SubgraphExtractor, SubtreeExtractor
 
@@ -54,9 +55,18 @@ def _sum_and_grads(impl: str, t: dict, num_out: int):
     return out, grad_a, grad_b
 
 
-@pytest.mark.parametrize("width", [20, 300])  # one partial column block; two blocks, the second partial
+# (edges per loop step, columns per program, warps): the default, one column block per 64
+# (300 = 4 full blocks + a partial one) with loops of many steps, and wide edge tiles
+LAUNCH_CONFIGS = [None, (2, 64, 1), (16, 128, 2)]
+
+
+@pytest.mark.parametrize("config", LAUNCH_CONFIGS)
+@pytest.mark.parametrize("width", [20, 300])  # one partial column block; several, the last one partial
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_fused_sum_and_gradients_match_torch(dtype, width):
+def test_fused_sum_and_gradients_match_torch(dtype, width, config, monkeypatch):
+    if config is not None:
+        for rows in ("short", "long"):
+            monkeypatch.setitem(edge_messages.KERNEL_CONFIGS, rows, config)
     t, num_out = _problem(width, dtype)
     fused = _sum_and_grads("fused", t, num_out)
     exact = _sum_and_grads("torch", {k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}, num_out)
