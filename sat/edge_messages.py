@@ -84,7 +84,7 @@ def _kernels():
 # program) for rows with few edges (the forward pass: ~3 per subgraph entry on code2) and rows
 # with many (the backward pass into graph nodes and edges: ~20-45 each). Chosen on an H100 by
 # benchmarks/gpu_messages.py.
-KERNEL_CONFIGS = {"short": (4, 256, 4), "long": (4, 256, 4)}
+KERNEL_CONFIGS = {"short": (1, 256, 2), "long": (32, 64, 2)}
 LONG_ROWS = 8  # mean edges per row from which the "long" configuration applies
 
 
