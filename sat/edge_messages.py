@@ -81,11 +81,12 @@ def _kernels():
 
 
 # Launch configurations (BLOCK_E edges per loop step, BLOCK_D columns per program, warps per
-# program) for rows with few edges (the forward pass: ~3 per subgraph entry on code2) and rows
-# with many (the backward pass into graph nodes and edges: ~20-45 each). Chosen on an H100 by
-# benchmarks/gpu_messages.py.
+# program) for rows with few edges (on code2: ~2.5 per subgraph entry, ~13 per graph edge) and
+# rows with many (the first layer's gradient into graph nodes: ~40 each). Chosen on an H100 by
+# benchmarks/gpu_messages.py (benchmarks/RESULTS.md): one program per row and few warps keep
+# many short rows in flight; long rows want wide edge tiles.
 KERNEL_CONFIGS = {"short": (1, 256, 2), "long": (32, 64, 2)}
-LONG_ROWS = 8  # mean edges per row from which the "long" configuration applies
+LONG_ROWS = 16  # mean edges per row from which the "long" configuration applies
 
 
 def _launch(kernel_index: int, reference: Tensor, rows: int, width: int, edges: int, *args,
