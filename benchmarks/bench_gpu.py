@@ -41,18 +41,23 @@ REFERENCE = "SAT authors' code, same model, 32 graphs per batch, fp32, one H200 
 
 # (label, spec) in order of importance. Before the pipeline: the k-subgraph extractor with its fused
 # message sums (gnn_messages auto = Triton on CUDA): its throughput and its memory at the SAT
-# authors' batches (32 random graphs), then bf16 k-subtree above the GPU jobs' budget (a
-# launch-bound step gains from larger batches). After it: fp32 for bf16 >= fp32, the jobs' budget,
-# the k-subgraph rows on the torch message path (the comparison), the rest. ``top_ops``: the
-# profile's top operators.
+# authors' batches (32 random graphs), also with the GNN recomputed in the backward pass
+# (recompute_gnn), then bf16 k-subtree at the code2 job's budget. After it: fp32 for bf16 >= fp32,
+# the smaller budget, what recomputation costs, the k-subgraph rows on the torch message path (the
+# comparison), the rest. ``top_ops``: the profile's top operators.
 STEP_ROWS = [
     ("bf16, k-subgraph k=2, budget 32768", dict(precision="bf16", extractor="subgraph", node_budget=32768, top_ops=12)),
     ("bf16, k-subgraph k=2, 32 random graphs/batch (the reference's batches)",
      dict(precision="bf16", extractor="subgraph", node_budget=10**6, max_graphs=32, bucket_size=32, detail=False)),
+    ("bf16, k-subgraph k=2, 32 random graphs/batch, GNN recomputed",
+     dict(precision="bf16", extractor="subgraph", node_budget=10**6, max_graphs=32, bucket_size=32, recompute_gnn=True,
+          detail=False)),
     ("bf16, k-subtree, budget 131072", dict(precision="bf16", extractor="subtree", node_budget=131072, detail=False)),
     # throughput and memory only (detail=False: no phase breakdown, profile or FLOP count)
     ("fp32, k-subtree, budget 65536", dict(precision="fp32", extractor="subtree", node_budget=65536, detail=False)),
     ("bf16, k-subtree, budget 65536", dict(precision="bf16", extractor="subtree", node_budget=65536, detail=False)),
+    ("bf16, k-subgraph k=2, budget 32768, GNN recomputed",
+     dict(precision="bf16", extractor="subgraph", node_budget=32768, recompute_gnn=True, detail=False)),
     ("bf16, k-subgraph k=2, budget 32768, torch messages",
      dict(precision="bf16", extractor="subgraph", node_budget=32768, gnn_messages="torch", detail=False)),
     ("fp32, k-subgraph k=2, 32 random graphs/batch (the reference's batches)",
@@ -65,7 +70,7 @@ STEP_ROWS = [
     ("bf16, k-subtree, budget 65536, fused message sums",
      dict(precision="bf16", extractor="subtree", node_budget=65536, gnn_messages="fused", detail=False)),
 ]
-ROWS_BEFORE_PIPELINE = 3
+ROWS_BEFORE_PIPELINE = 4
 # the pipeline runs at a budget that gives the small pycode train split (~11k graphs) enough steps
 # per epoch (~40) for a per-epoch rate; the step benchmark runs at the same budget, in and out of Ray
 PIPELINE_NODE_BUDGET = 16384

@@ -22,6 +22,7 @@ non-blocking copies), on the model of ``jobs/code2.yaml`` configured by :class:`
 
 Spec keys: ``precision`` (bf16 | fp32), ``extractor`` (subtree | subgraph), ``attention``,
 ``gnn_messages`` (auto | fused | torch: the GCN message sums, :mod:`sat.edge_messages`),
+``recompute_gnn`` (rerun the extractors' GNN in the backward pass),
 ``node_budget``, ``max_graphs`` (graphs per batch cap), ``bucket_size`` (the sampler's sorted
 buckets; ``bucket_size = max_graphs`` gives random batches, as the SAT authors' loader),
 ``seconds`` (timed window), ``warmup`` (steps), ``loader_workers``, ``compile``
@@ -153,7 +154,7 @@ def _job_parts(spec: dict, sample):
     task = Code2Task(vocab)
     model = job.model
     overrides = {"extractor": spec["extractor"], "attention": spec.get("attention", "auto"),
-                 "gnn_messages": spec.get("gnn_messages", "auto")}
+                 "gnn_messages": spec.get("gnn_messages", "auto"), "recompute_gnn": spec.get("recompute_gnn", False)}
     if spec.get("tiny"):  # dry runs on a CPU: the same code paths, a small model
         overrides.update(hidden_dim=32, num_layers=1)
     import dataclasses

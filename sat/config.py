@@ -60,6 +60,7 @@ class SATConfig:
     concat_hops: bool = False
     pna_degree_histogram: list[int] | None = None  # PNA's in-degree histogram (from the train split)
     gnn_messages: MessageImpl = "auto"  # GCN+edge messages; auto: fused Triton kernel for k-subgraphs on CUDA
+    recompute_gnn: bool = False  # extractors: rerun the base GNN in the backward pass, keep no [S, d] activations
     # inputs
     node_encoder: NodeEncoderKind = "embedding"
     node_in_dim: int = 1  # vocabulary size (embedding) or feature width (linear, edge_sum)

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from torch_geometric.nn import GCNConv, GINConv, GINEConv, MessagePassing, PNAConv, SAGEConv
 from torch_geometric.utils import degree as pyg_degree
 from torch_geometric.utils import scatter
@@ -98,7 +99,6 @@ class EdgeGCNConv(MessagePassing):
         deg = pyg_degree(row, num_entries, dtype=torch.float32) + 1  # counted in fp32 (exact under autocast)
         deg_inv_sqrt = deg.pow(-0.5)
         norm_fp32 = deg_inv_sqrt[row] * deg_inv_sqrt[col]
-        norm = norm_fp32.to(x.dtype)
         deg_col = deg.view(-1, 1).to(x.dtype)
         gathered = node_index is not None or edge_id is not None
         if resolve_impl(self.message_impl, x.device) == "fused" and (gathered or self.message_impl == "fused"):
@@ -108,6 +108,7 @@ class EdgeGCNConv(MessagePassing):
             root = F.relu(x + self.root_emb.weight)
             root = root if node_index is None else root.index_select(0, node_index)
             return out + root / deg_col
+        norm = norm_fp32.to(x.dtype)
         if node_index is not None and edge_id is not None and graph_edge_index is not None:
             # relu(W x_u + E e_uv) per graph edge [E, d], gathered once: replaces the [Es, d] gathers
             # of x_j and e_uv, their sum and ReLU, and the activations autograd keeps of them
@@ -171,7 +172,7 @@ class _GNNStack(nn.Module):
     """``k`` layers of a base GNN, each followed by ReLU; returns the last output, or the
     concatenation ``[x, h_1, ..., h_k]`` when ``concat_hops`` (authors' ``StructureExtractor``)."""
 
-    def __init__(self, hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram, message_impl):
+    def __init__(self, hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram, message_impl="auto"):
         super().__init__()
         if gnn_type not in GNN_TYPES:
             raise ValueError(f"unknown gnn_type {gnn_type!r}; expected one of {list(GNN_TYPES)}")
@@ -241,7 +242,14 @@ class _GNNStack(nn.Module):
 
 class _Extractor(nn.Module):
     """A k-layer base GNN followed by BatchNorm and a projection back to ``hidden_dim``; the
-    k-subgraph extractor also concatenates the node's own features before them."""
+    k-subgraph extractor also concatenates the node's own features before them.
+
+    ``recompute_gnn``: keep none of the base GNN's activations for the backward pass and run it
+    again there (``torch.utils.checkpoint``). In the k-subgraph extractor they grow with the ``S``
+    subgraph entries (about 16 per node on code2); recomputed, the extractor keeps only per-node
+    tensors, for one more forward pass of the GNN. BatchNorm and the projection stay outside the
+    recomputed part, so running statistics are updated once per step.
+    """
 
     keeps_input = False
 
@@ -254,12 +262,20 @@ class _Extractor(nn.Module):
         concat_hops: bool = False,
         pna_degree_histogram: Optional[Sequence[int]] = None,
         message_impl: MessageImpl = "auto",
+        recompute_gnn: bool = False,
     ):
         super().__init__()
         self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram, message_impl)
         width = self.gnn.out_dim + (hidden_dim if self.keeps_input else 0)
         self.norm = nn.BatchNorm1d(width)
         self.out_proj = nn.Linear(width, hidden_dim)
+        self.recompute_gnn = recompute_gnn
+
+    def _run(self, fn, *args: Optional[Tensor]) -> Tensor:
+        """``fn(*args)``, recomputed in the backward pass when ``recompute_gnn`` (and grad is on)."""
+        if self.recompute_gnn and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
     def reset_parameters(self) -> None:
         self.gnn.reset_parameters()
@@ -279,12 +295,15 @@ class SubtreeExtractor(_Extractor):
         concat_hops: concatenate the input and all hops' outputs before the projection.
         pna_degree_histogram: PNA only.
         message_impl: how a GCN with edge features sums its messages (:mod:`sat.edge_messages`).
+        recompute_gnn: recompute the base GNN in the backward pass instead of keeping its
+            activations (see :class:`_Extractor`).
 
     Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``.
     """
 
     def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor] = None) -> Tensor:
-        return self.out_proj(self.norm(self.gnn(x, edge_index, edge_attr)))
+        h = self._run(lambda x_, e_: self.gnn(x_, edge_index, e_), x, edge_attr)
+        return self.out_proj(self.norm(h))
 
 
 class SubgraphExtractor(_Extractor):
@@ -303,7 +322,7 @@ class SubgraphExtractor(_Extractor):
 
     Shapes: x ``[N, d]``, subgraph_node_index / subgraph_indicator ``[S]``,
     subgraph_edge_index ``[2, Es]``, subgraph_edge_id ``[Es]``, edge_attr ``[E, edge_dim]``
-    -> ``[N, d]``. Memory grows with ``S * d`` per GNN layer.
+    -> ``[N, d]``. Memory grows with ``S * d`` per GNN layer, unless ``recompute_gnn``.
     """
 
     keeps_input = True
@@ -319,15 +338,18 @@ class SubgraphExtractor(_Extractor):
         subgraph_edge_index: Tensor,
         subgraph_edge_id: Tensor,
     ) -> Tensor:
-        h = self.gnn(
-            x,
-            subgraph_edge_index,
-            edge_attr,
-            node_index=subgraph_node_index,
-            edge_id=subgraph_edge_id,
-            graph_edge_index=edge_index,
-        )
-        pooled = scatter(h, subgraph_indicator, dim=0, dim_size=x.size(0), reduce="sum")
+        def gnn_and_pool(x_: Tensor, edge_attr_: Optional[Tensor]) -> Tensor:
+            h = self.gnn(
+                x_,
+                subgraph_edge_index,
+                edge_attr_,
+                node_index=subgraph_node_index,
+                edge_id=subgraph_edge_id,
+                graph_edge_index=edge_index,
+            )
+            return scatter(h, subgraph_indicator, dim=0, dim_size=x_.size(0), reduce="sum")
+
+        pooled = self._run(gnn_and_pool, x, edge_attr)
         return self.out_proj(self.norm(torch.cat([x, pooled], dim=-1)))
 
 
@@ -340,6 +362,7 @@ def build_extractor(
     concat_hops: bool = False,
     pna_degree_histogram: Optional[Sequence[int]] = None,
     message_impl: MessageImpl = "auto",
+    recompute_gnn: bool = False,
 ) -> Optional[nn.Module]:
     """The extractor of ``kind`` (``subtree`` / ``subgraph``), or ``None`` for ``k = 0``."""
     if k == 0:
@@ -350,4 +373,4 @@ def build_extractor(
         cls = SubgraphExtractor
     else:
         raise ValueError(f"unknown extractor {kind!r}; expected 'subtree' or 'subgraph'")
-    return cls(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram, message_impl)
+    return cls(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram, message_impl, recompute_gnn)

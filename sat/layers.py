@@ -47,8 +47,8 @@ class SATLayer(nn.Module):
         attention: ``auto``, ``varlen``, ``dense`` or ``sparse`` (see :mod:`sat.attention`).
         norm: ``batch`` or ``layer``.
         pre_norm: normalise before each sub-block instead of after.
-        extractor, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram, gnn_messages:
-            the structure extractor (see :mod:`sat.extractors`); ``k_hops = 0`` for none.
+        extractor, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram, gnn_messages,
+            recompute_gnn: the structure extractor (see :mod:`sat.extractors`); ``k_hops = 0`` for none.
 
     Shapes:
         x ``[N, d]``; edge_index ``[2, E]``; edge_attr ``[E, edge_dim]`` or None; subgraph: the
@@ -73,11 +73,13 @@ class SATLayer(nn.Module):
         concat_hops: bool = False,
         pna_degree_histogram: Optional[Sequence[int]] = None,
         gnn_messages: MessageImpl = "auto",
+        recompute_gnn: bool = False,
     ):
         super().__init__()
         self.pre_norm = pre_norm
         self.extractor = build_extractor(
-            extractor, hidden_dim, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram, gnn_messages
+            extractor, hidden_dim, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram, gnn_messages,
+            recompute_gnn,
         )
         self.attn = StructureAwareAttention(hidden_dim, num_heads, attn_dropout, attention)
         ffn_dim = max(1, int(round(ffn_ratio * hidden_dim)))

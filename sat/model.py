@@ -94,6 +94,7 @@ class SAT(nn.Module):
                     concat_hops=config.concat_hops,
                     pna_degree_histogram=config.pna_degree_histogram,
                     gnn_messages=config.gnn_messages,
+                    recompute_gnn=config.recompute_gnn,
                 )
                 for _ in range(config.num_layers)
             ]
