@@ -134,7 +134,7 @@ class _FusedAggregate(torch.autograd.Function):
 
 
 def _input_grad(own: Tensor, other: Tensor, i_own: Tensor, i_other: Tensor, dst: Tensor, norm: Tensor,
-                grad_out: Tensor) -> Optional[Tensor]:
+                grad_out: Tensor) -> Tensor:
     grad = torch.empty_like(own)
     perm, seg = _csr(i_own, own.size(0))
     _launch(1, own, own.size(0), own.size(1), dst.numel(), own, other, i_other, dst, norm, grad_out, perm, seg, grad)
