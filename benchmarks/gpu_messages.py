@@ -55,6 +55,7 @@ def main(num_graphs: int = 200, d: int = 256) -> None:
     from benchmarks.synthetic import code2_like_graphs
     from sat import add_subgraph_indices
     from sat import edge_messages as em
+    from sat.data import SUBGRAPH_KEYS
     from sat.extractors import SubgraphExtractor
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -131,11 +132,11 @@ def main(num_graphs: int = 200, d: int = 256) -> None:
     # the whole extractor, forward + backward, bf16 autocast
     x = torch.randn(nodes, d, device=dev, generator=gen)
     edge_attr = torch.randn(edges, d, device=dev, generator=gen)
-    sub = {k: batch[k] for k in ("subgraph_node_index", "subgraph_indicator", "subgraph_edge_index", "subgraph_edge_id")}
+    sub = {k: batch[k] for k in SUBGRAPH_KEYS}
     runs = [("torch", "torch", None), ("fused, default configs", "fused", None)]
     if best:
-        runs.append(("fused, picked configs", "fused", {k: tuple(json.loads(v.replace("(", "[").replace(")", "]")))
-                                                       for k, v in best.items()}))
+        by_name = {str(cfg): cfg for cfg in CONFIGS}
+        runs.append(("fused, picked configs", "fused", {k: by_name[v] for k, v in best.items()}))
     defaults = dict(em.KERNEL_CONFIGS)
     for label, impl, configs in runs:
         em.KERNEL_CONFIGS.update(configs or defaults)

@@ -14,6 +14,7 @@ from torch_geometric.utils import erdos_renyi_graph
 
 from sat import SATConfig, add_subgraph_indices
 from sat import edge_messages
+from sat.data import SUBGRAPH_KEYS
 from sat.edge_messages import aggregate_edge_messages, resolve_impl
 from sat.extractors import SubgraphExtractor, SubtreeExtractor
 
@@ -101,7 +102,7 @@ def _batch(k: int):
 
 def _extractor_run(ext, batch, x, edge_attr, probe):
     params = dict(ext.named_parameters())
-    sub = {k: batch[k] for k in ("subgraph_node_index", "subgraph_indicator", "subgraph_edge_index", "subgraph_edge_id")}
+    sub = {k: batch[k] for k in SUBGRAPH_KEYS}
     out = ext(x, batch.edge_index, edge_attr, **sub) if isinstance(ext, SubgraphExtractor) else ext(
         x, batch.edge_index, edge_attr)
     return out, torch.autograd.grad((out * probe).sum(), [x, edge_attr, *params.values()])

@@ -10,10 +10,10 @@ from torch_geometric.data import Batch
 
 from benchmarks.synthetic import code2_like_graphs
 from sat import SAT, SATConfig, add_subgraph_indices
+from sat.data import SUBGRAPH_KEYS
 from sat.extractors import SubgraphExtractor, SubtreeExtractor
 
 HIDDEN, EDGE_DIM = 16, 6
-SUBGRAPH_KEYS = ("subgraph_node_index", "subgraph_indicator", "subgraph_edge_index", "subgraph_edge_id")
 
 
 @functools.lru_cache(maxsize=None)

@@ -144,11 +144,12 @@ def test_fused_subgraph_messages_match_torch_in_bf16_with_less_memory():
     path in bf16 is (both round the linear maps to bf16), and with a lower peak memory, since the
     fused path keeps no [Es, d] activations."""
     from benchmarks.synthetic import code2_like_graphs
+    from sat.data import SUBGRAPH_KEYS
     from sat.extractors import SubgraphExtractor
 
     graphs = [add_subgraph_indices(g, 2) for g in code2_like_graphs(24, seed=1)]
     batch = Batch.from_data_list(graphs).to(CUDA)
-    sub = {k: batch[k] for k in ("subgraph_node_index", "subgraph_indicator", "subgraph_edge_index", "subgraph_edge_id")}
+    sub = {k: batch[k] for k in SUBGRAPH_KEYS}
     torch.manual_seed(0)
     x = torch.randn(batch.num_nodes, 256, device=CUDA)
     edge_attr = torch.randn(batch.edge_index.size(1), 256, device=CUDA)
