@@ -31,7 +31,7 @@ from torch_geometric.utils import degree as pyg_degree
 from torch_geometric.utils import scatter
 
 from .config import EDGE_AWARE_GNNS, MessageImpl
-from .edge_messages import aggregate_edge_messages, resolve_impl
+from .edge_messages import RootTerm, aggregate_edge_messages, resolve_impl
 
 GNN_TYPES = ("gcn", "gin", "gine", "sage", "pna")
 PNA_AGGREGATORS = ["mean", "min", "max", "std"]
@@ -55,7 +55,9 @@ class EdgeGCNConv(MessagePassing):
     ``message_impl`` (:mod:`sat.edge_messages`): ``fused`` sums the messages in one Triton kernel
     per pass, without materialising them per edge; ``auto`` does so on CUDA for the gathered
     (k-subgraph) inputs only, where the messages are many (the k-subtree case is launch-bound, and
-    one sort per call would not pay); ``torch`` never.
+    one sort per call would not pay); ``torch`` never. The fused sum includes the root term and
+    returns the dtype of ``W x`` (bf16 under autocast); the torch path adds an fp32 root term under
+    autocast, which promotes its output to fp32.
 
     Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``; with the
     gathers: x ``[N, d]``, edge_index ``[2, Es]`` (over the ``S`` entries), edge_attr
@@ -99,16 +101,15 @@ class EdgeGCNConv(MessagePassing):
         deg = pyg_degree(row, num_entries, dtype=torch.float32) + 1  # counted in fp32 (exact under autocast)
         deg_inv_sqrt = deg.pow(-0.5)
         norm_fp32 = deg_inv_sqrt[row] * deg_inv_sqrt[col]
-        deg_col = deg.view(-1, 1).to(x.dtype)
         gathered = node_index is not None or edge_id is not None
         if resolve_impl(self.message_impl, x.device) == "fused" and (gathered or self.message_impl == "fused"):
             source = row if node_index is None else node_index.index_select(0, row)
             edge_rows = edge_id if edge_id is not None else torch.arange(row.numel(), device=row.device)
-            out = aggregate_edge_messages(x, edge_embedding, source, edge_rows, col, norm_fp32, num_entries, "fused")
-            root = F.relu(x + self.root_emb.weight)
-            root = root if node_index is None else root.index_select(0, node_index)
-            return out + root / deg_col
-        norm = norm_fp32.to(x.dtype)
+            # the root term is summed in the kernel too: 1 / deg in fp64 for fp64 inputs, else fp32
+            inv_deg = deg.to(torch.promote_types(x.dtype, deg.dtype)).reciprocal()
+            root = RootTerm(node_index, self.root_emb.weight[0], inv_deg)
+            return aggregate_edge_messages(x, edge_embedding, source, edge_rows, col, norm_fp32, num_entries, "fused", root)
+        norm, deg_col = norm_fp32.to(x.dtype), deg.view(-1, 1).to(x.dtype)
         if node_index is not None and edge_id is not None and graph_edge_index is not None:
             # relu(W x_u + E e_uv) per graph edge [E, d], gathered once: replaces the [Es, d] gathers
             # of x_j and e_uv, their sum and ReLU, and the activations autograd keeps of them
@@ -347,7 +348,8 @@ class SubgraphExtractor(_Extractor):
                 edge_id=subgraph_edge_id,
                 graph_edge_index=edge_index,
             )
-            return scatter(h, subgraph_indicator, dim=0, dim_size=x_.size(0), reduce="sum")
+            # summed in the input's precision (fp32 under autocast) whatever the GNN's output dtype
+            return scatter(h.to(x_.dtype), subgraph_indicator, dim=0, dim_size=x_.size(0), reduce="sum")
 
         pooled = self._run(gnn_and_pool, x, edge_attr)
         return self.out_proj(self.norm(torch.cat([x, pooled], dim=-1)))

@@ -15,7 +15,7 @@ from torch_geometric.utils import erdos_renyi_graph
 from sat import SATConfig, add_subgraph_indices
 from sat import edge_messages
 from sat.data import SUBGRAPH_KEYS
-from sat.edge_messages import aggregate_edge_messages, resolve_impl
+from sat.edge_messages import RootTerm, aggregate_edge_messages, resolve_impl
 from sat.extractors import SubgraphExtractor, SubtreeExtractor
 
 pytest.importorskip("triton")
@@ -27,11 +27,16 @@ pytestmark = pytest.mark.skipif(
 HIDDEN, EDGE_DIM = 16, 6
 
 
-def _problem(width: int, dtype: torch.dtype, seed: int = 0):
+def _problem(width: int, dtype: torch.dtype, seed: int = 0, root: str = "none"):
     """Random inputs whose destinations include rows without edges and rows with many (more than
-    one loop step of the kernel) and whose sources repeat, so every code path of the kernels runs."""
+    one loop step of the kernel) and whose sources repeat, so every code path of the kernels runs.
+
+    ``root``: ``none``, ``gathered`` (a root term reading rows ``root_index`` of ``a``) or
+    ``identity`` (reading row ``v`` of ``a`` for output ``v``: then ``a`` has ``num_out`` rows).
+    """
     gen = torch.Generator().manual_seed(seed)
-    num_a, num_b, num_out = 13, 17, 11
+    num_b, num_out = 17, 11
+    num_a = num_out if root == "identity" else 13
     dst = torch.cat([torch.randint(0, num_out - 3, (50,), generator=gen), torch.full((9,), num_out - 2)])
     num_edges = dst.numel()
     tensors = dict(
@@ -43,6 +48,12 @@ def _problem(width: int, dtype: torch.dtype, seed: int = 0):
         norm=torch.rand(num_edges, generator=gen) + 0.1,
         probe=torch.randn(num_out, width, generator=gen, dtype=torch.float64),
     )
+    if root != "none":
+        tensors["root_bias"] = 0.5 * torch.randn(width, generator=gen, dtype=torch.float64)
+        tensors["root_weight"] = torch.rand(num_out, generator=gen, dtype=torch.float64) + 0.1
+        if root == "gathered":  # the last output reads row 0 (as no edge does), no output reads num_a - 1
+            tensors["root_index"] = torch.cat([torch.randint(0, num_a - 1, (num_out - 1,), generator=gen),
+                                               torch.zeros(1, dtype=torch.long)])
     tensors = {k: v.to(DEVICE) for k, v in tensors.items()}
     for k in ("a", "b", "probe"):
         tensors[k] = tensors[k].to(dtype)
@@ -50,10 +61,20 @@ def _problem(width: int, dtype: torch.dtype, seed: int = 0):
 
 
 def _sum_and_grads(impl: str, t: dict, num_out: int):
-    a, b = t["a"].detach().requires_grad_(), t["b"].detach().requires_grad_()
-    out = aggregate_edge_messages(a, b, t["ia"], t["ib"], t["dst"], t["norm"], num_out, impl)
-    grad_a, grad_b = torch.autograd.grad(out, (a, b), t["probe"])
-    return out, grad_a, grad_b
+    """The sum and its gradients in ``a``, ``b`` and, with a root term, its bias (kept fp32 or fp64,
+    as a parameter under autocast)."""
+    leaves = [t["a"].detach().requires_grad_(), t["b"].detach().requires_grad_()]
+    root = None
+    if "root_bias" in t:
+        bias = t["root_bias"].to(torch.promote_types(t["a"].dtype, torch.float32)).requires_grad_()
+        root = RootTerm(t.get("root_index"), bias, t["root_weight"])
+        leaves.append(bias)
+    out = aggregate_edge_messages(*leaves[:2], t["ia"], t["ib"], t["dst"], t["norm"], num_out, impl, root)
+    return (out, *torch.autograd.grad(out, leaves, t["probe"]))
+
+
+def _exact(t: dict, num_out: int):
+    return _sum_and_grads("torch", {k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}, num_out)
 
 
 # (edges per loop step, columns per program, warps): the default, one column block per 64
@@ -69,24 +90,47 @@ def test_fused_sum_and_gradients_match_torch(dtype, width, config, monkeypatch):
         for rows in ("short", "long"):
             monkeypatch.setitem(edge_messages.KERNEL_CONFIGS, rows, config)
     t, num_out = _problem(width, dtype)
-    fused = _sum_and_grads("fused", t, num_out)
-    exact = _sum_and_grads("torch", {k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}, num_out)
+    fused, exact = _sum_and_grads("fused", t, num_out), _exact(t, num_out)
     assert fused[0].dtype == dtype
     assert exact[0][num_out - 1].abs().max() == 0 and exact[2].abs().max() > 0  # an empty row; live gradients
     assert fused[1][-1].abs().max() == 0  # the row of a that no edge reads gets no gradient
+    _assert_close_to_exact(fused, exact, dtype)
+
+
+def _assert_close_to_exact(fused, exact, dtype):
     # fp64 accumulation is exact to rounding; fp32 accumulation of bf16/fp32 inputs (the torch
     # path rounds every message and partial sum to the input dtype instead: fused is the closer one)
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
-    for name, f, e in zip(["out", "grad_a", "grad_b"], fused, exact):
+    for name, f, e in zip(["out", "grad_a", "grad_b", "grad_root_bias"], fused, exact):
         torch.testing.assert_close(f.double(), e, rtol=tol, atol=tol * e.abs().max().item(), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("config", [None, (16, 128, 2)])
+@pytest.mark.parametrize("root", ["gathered", "identity"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_root_term_joins_the_fused_sum(dtype, root, config, monkeypatch):
+    """``out[v] += w[v] * relu(a[index[v]] + bias)``: the outputs without edges get only it, rows
+    of ``a`` read by roots alone get gradient from it, and the bias gets the sum over all outputs
+    (in one chunk of outputs, or in several, the last one partial)."""
+    if config is not None:
+        for rows in ("short", "long"):
+            monkeypatch.setitem(edge_messages.KERNEL_CONFIGS, rows, config)
+        monkeypatch.setattr(edge_messages, "ROOT_GRAD_ROWS", 4)
+    t, num_out = _problem(300, dtype, seed=2, root=root)
+    fused, exact = _sum_and_grads("fused", t, num_out), _exact(t, num_out)
+    assert fused[0].dtype == dtype and fused[3].dtype == torch.promote_types(dtype, torch.float32)
+    assert exact[0][num_out - 1].abs().max() > 0  # no edges into it: the root term alone
+    if root == "gathered":
+        assert exact[1][0].abs().max() > 0 and exact[1][-1].abs().max() == 0
+    _assert_close_to_exact(fused, exact, dtype)
 
 
 def test_bf16_fused_results_are_the_exact_sums_rounded_once():
     """Messages and partial sums stay in fp32 inside the kernel, so each bf16 result is within one
     bf16 ulp (2**-7 relative; half of it when rounding to nearest, as CUDA does) of the exact sum.
     """
-    t, num_out = _problem(64, torch.bfloat16, seed=1)
-    exact = _sum_and_grads("torch", {k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}, num_out)
+    t, num_out = _problem(64, torch.bfloat16, seed=1, root="gathered")
+    exact = _exact(t, num_out)
     for name, fused, ref in zip(["out", "grad_a", "grad_b"], _sum_and_grads("fused", t, num_out), exact):
         bound = 2.0**-7 * ref.abs() + 1e-5 * ref.abs().max()
         assert ((fused.double() - ref).abs() <= bound).all(), name
@@ -136,3 +180,32 @@ def test_auto_takes_the_kernel_only_on_cuda_and_the_config_names_bad_values():
     assert resolve_impl("torch", torch.device("cuda")) == "torch"
     with pytest.raises(ValueError, match="model.gnn_messages"):
         SATConfig(gnn_messages="triton")
+
+
+def test_fused_subgraph_extractor_keeps_three_bf16_rows_per_entry_under_autocast():
+    """What decides the k-subgraph extractor's memory: the ``[S, d]`` tensors autograd keeps. With
+    the root term in the kernel, the two GCN layers keep the first layer's output (the second's
+    linear input), the second's ``W x`` (its messages' ReLU masks are recomputed from it) and its
+    output (for the ReLU), all in bf16; the torch path keeps fp32 ones too (its fp32 root term)."""
+    batch = _batch(2)
+    entries, width = batch.subgraph_node_index.numel(), 64
+    kept = {}
+    for impl in ("fused", "torch"):
+        torch.manual_seed(0)
+        ext = SubgraphExtractor(width, "gcn", 2, EDGE_DIM, message_impl=impl).to(DEVICE)
+        x = torch.randn(batch.num_nodes, width, device=DEVICE, requires_grad=True)
+        edge_attr = torch.randn(batch.edge_index.size(1), EDGE_DIM, device=DEVICE, requires_grad=True)
+        seen = {}
+
+        def pack(t):
+            if t.is_floating_point() and t.dim() == 2 and t.size(0) == entries:
+                seen[(t.untyped_storage().data_ptr(), t.dtype)] = (t.dtype, t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(DEVICE.type, torch.bfloat16):
+            ext(x, batch.edge_index, edge_attr, **{k: batch[k] for k in SUBGRAPH_KEYS}).float().sum().backward()
+        kept[impl] = list(seen.values())
+    row_bytes = entries * width * torch.bfloat16.itemsize
+    assert [dtype for dtype, _ in kept["fused"]] == [torch.bfloat16] * 3
+    assert sum(n for _, n in kept["fused"]) <= 3 * row_bytes
+    assert sum(n for _, n in kept["torch"]) >= 6 * row_bytes  # what the fused path saves
