@@ -143,9 +143,10 @@ def _index(t: Tensor) -> Tensor:
 class _FusedAggregate(torch.autograd.Function):
     """The root term runs as ``num_out`` more edges ``index[v] -> v`` whose ``b`` row is the bias,
     appended as row ``Nb`` (``b`` widened to the bias's dtype where that is wider, fp32 under
-    autocast, so that the ReLU sees ``a + bias`` as torch would compute it): the same kernels then add it to each output row before its one rounding,
-    and nothing of size ``[num_out, d]`` is kept for it. The bias's gradient (a sum over all outputs,
-    one very long kernel row) is a torch reduction instead."""
+    autocast, so that the ReLU sees ``a + bias`` as torch computes it). The same kernels then add
+    it to each output row before its one rounding, and nothing of size ``[num_out, d]`` is kept
+    for it. The bias's gradient, a sum over all outputs (one very long kernel row), is a chunked
+    torch reduction instead."""
 
     @staticmethod
     def forward(ctx, a, b, bias, ia, ib, dst, norm, root_index, root_weight, num_out):
