@@ -84,9 +84,8 @@ def aggregate_edge_messages(
             own = a if root.index is None else a.index_select(0, root.index)
             out = out + (F.relu(own + root.bias) * root.weight.view(-1, 1)).to(a.dtype)
         return out
-    if root is None:
-        return _FusedAggregate.apply(a, b, None, ia, ib, dst, norm, None, None, num_out)
-    return _FusedAggregate.apply(a, b, root.bias, ia, ib, dst, norm, root.index, root.weight, num_out)
+    root_index, bias, root_weight = root if root is not None else (None, None, None)
+    return _FusedAggregate.apply(a, b, bias, ia, ib, dst, norm, root_index, root_weight, num_out)
 
 
 def _csr(index: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:

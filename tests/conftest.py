@@ -29,6 +29,19 @@ def ray_cluster():
     ray.shutdown()
 
 
+def kept_for_backward(fn) -> list[torch.Tensor]:
+    """The distinct tensors (one per storage and dtype) autograd keeps for the backward pass while ``fn`` runs."""
+    seen = {}
+
+    def pack(t):
+        seen.setdefault((t.untyped_storage().data_ptr(), t.dtype), t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return list(seen.values())
+
+
 def parent_and_children(tracking_uri: str, experiment: str, kind: str, parent_run_id: str):
     """The one FINISHED parent run of a sweep or comparison (``satp.kind``) and its child runs."""
     from mlflow.tracking import MlflowClient

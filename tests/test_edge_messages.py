@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from conftest import kept_for_backward
 from torch_geometric.data import Batch, Data
 from torch_geometric.utils import erdos_renyi_graph
 
@@ -195,16 +196,10 @@ def test_fused_subgraph_extractor_keeps_three_bf16_rows_per_entry_under_autocast
         ext = SubgraphExtractor(width, "gcn", 2, EDGE_DIM, message_impl=impl).to(DEVICE)
         x = torch.randn(batch.num_nodes, width, device=DEVICE, requires_grad=True)
         edge_attr = torch.randn(batch.edge_index.size(1), EDGE_DIM, device=DEVICE, requires_grad=True)
-        seen = {}
-
-        def pack(t):
-            if t.is_floating_point() and t.dim() == 2 and t.size(0) == entries:
-                seen[(t.untyped_storage().data_ptr(), t.dtype)] = (t.dtype, t.untyped_storage().nbytes())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(DEVICE.type, torch.bfloat16):
-            ext(x, batch.edge_index, edge_attr, **{k: batch[k] for k in SUBGRAPH_KEYS}).float().sum().backward()
-        kept[impl] = list(seen.values())
+        with torch.autocast(DEVICE.type, torch.bfloat16):
+            saved = kept_for_backward(lambda: ext(x, batch.edge_index, edge_attr, **{k: batch[k] for k in SUBGRAPH_KEYS}))
+        kept[impl] = [(t.dtype, t.untyped_storage().nbytes()) for t in saved
+                      if t.is_floating_point() and t.dim() == 2 and t.size(0) == entries]
     row_bytes = entries * width * torch.bfloat16.itemsize
     assert [dtype for dtype, _ in kept["fused"]] == [torch.bfloat16] * 3
     assert sum(n for _, n in kept["fused"]) <= 3 * row_bytes

@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+from conftest import kept_for_backward
 from torch_geometric.data import Batch
 
 from benchmarks.synthetic import code2_like_graphs
@@ -57,16 +58,7 @@ def test_recomputed_gnn_gives_the_same_outputs_gradients_and_running_statistics(
 
 
 def _saved_bytes(fn) -> int:
-    """Bytes of the distinct tensors autograd keeps for the backward pass while ``fn`` runs."""
-    seen = {}
-
-    def pack(t):
-        seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
+    return sum(t.untyped_storage().nbytes() for t in kept_for_backward(fn))
 
 
 def test_recomputed_subgraph_extractor_keeps_per_node_tensors_only():
