@@ -9,7 +9,8 @@ One batch of ``graphs`` code2-shaped graphs (default 200, ~25k nodes: a node bud
 with 2-hop subgraph indices, the extractor of ``jobs/code2.yaml`` (GCN with edge embeddings,
 d = 256, k = 2) in bf16. For the five kernel calls of one extractor pass (the forward sums of
 both layers, the gradients into the first layer's graph nodes, the second layer's entries and
-the edge embeddings) it times each launch configuration (CUDA events, median of 10), picks the
+the edge embeddings), over the edges as the model sums them (the subgraph edges and a root edge
+per entry; the gradient into edge embeddings over the subgraph edges alone), it times each launch configuration (CUDA events, median of 10), picks the
 fastest for rows with few and with many edges, then times the whole extractor, forward and
 backward, on the torch path and the fused path with the default and with the picked
 configurations, and its peak memory.
@@ -56,12 +57,12 @@ def main(num_graphs: int = 200, d: int = 256) -> None:
     from sat import add_subgraph_indices
     from sat import edge_messages as em
     from sat.data import SUBGRAPH_KEYS
-    from sat.extractors import SubgraphExtractor
+    from sat.extractors import SubgraphExtractor, gcn_message_edges
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     began = time.perf_counter()
     batch = Batch.from_data_list([add_subgraph_indices(g, 2) for g in code2_like_graphs(num_graphs, seed=0)]).to(dev)
-    row, col = batch.subgraph_edge_index
+    row = batch.subgraph_edge_index[0]
     node_index, edge_id = batch.subgraph_node_index, batch.subgraph_edge_id
     nodes, edges, entries, sub_edges = batch.num_nodes, batch.edge_index.size(1), node_index.numel(), row.numel()
     print(json.dumps(dict(graphs=num_graphs, nodes=nodes, edges=edges, entries=entries, subgraph_edges=sub_edges,
@@ -69,46 +70,50 @@ def main(num_graphs: int = 200, d: int = 256) -> None:
 
     gen = torch.Generator(device=dev).manual_seed(0)
 
+    # the edges as the model sums them: subgraph edges, then one root edge per entry
+    first = gcn_message_edges(batch.subgraph_edge_index, nodes, edges, entries, torch.float32, node_index, edge_id)
+    later = first.with_sources(row, entries)
+    all_edges = first.dst.index.numel()
     a1 = torch.randn(nodes, d, device=dev, generator=gen).bfloat16()
     a2 = torch.randn(entries, d, device=dev, generator=gen).bfloat16()
     b = torch.randn(edges, d, device=dev, generator=gen).bfloat16()
+    bias = torch.randn(d, device=dev, generator=gen)
+    b_and_bias = torch.cat([b.float(), bias.view(1, -1)])  # as the kernels read them under autocast
     grad_out = torch.randn(entries, d, device=dev, generator=gen).bfloat16()
-    norm = torch.rand(sub_edges, device=dev, generator=gen) + 0.1
-    ia1 = node_index.index_select(0, row)
-    csr = {name: em._csr(index, size) for name, index, size in
-           (("dst", col, entries), ("ia1", ia1, nodes), ("row", row, entries), ("ib", edge_id, edges))}
-    sort_ms = _time(lambda: em._csr(col, entries))
+    norm = first.norm
+    sort_ms = _time(lambda: em.Grouping(first.dst.index, entries).csr())
 
-    def forward(a, ia):
+    def forward(a, sums):
         out = torch.empty(entries, d, device=dev, dtype=torch.bfloat16)
-        return lambda cfg: em._launch(0, a, entries, d, sub_edges, a, b, ia, edge_id, norm, *csr["dst"], out, config=cfg)
+        return lambda cfg: em._launch(0, a, entries, d, all_edges, a, b_and_bias, sums.ia.index, sums.ib.index, norm,
+                                      *sums.dst.csr(), out, config=cfg)
 
-    def grad(own, other, i_own_name, i_other, rows):
+    def grad(own, other, own_rows, i_other, rows, num_edges):
         out = torch.empty_like(own)
-        return lambda cfg: em._launch(1, own, rows, d, sub_edges, own, other, i_other, col, norm, grad_out,
-                                      *csr[i_own_name], out, config=cfg)
+        return lambda cfg: em._launch(1, own, rows, d, num_edges, own, other, i_other, first.dst.index, norm, grad_out,
+                                      *own_rows.csr(), out, config=cfg)
 
-    cases = {  # name: (launcher, rows)
-        "forward, layer 1": (forward(a1, ia1), entries),
-        "forward, layer 2": (forward(a2, row), entries),
-        "grad into graph nodes, layer 1": (grad(a1, b, "ia1", edge_id, nodes), nodes),
-        "grad into entries, layer 2": (grad(a2, b, "row", edge_id, entries), entries),
-        "grad into edge embeddings": (grad(b, a2, "ib", row, edges), edges),
+    cases = {  # name: (launcher, rows, edges)
+        "forward, layer 1": (forward(a1, first), entries, all_edges),
+        "forward, layer 2": (forward(a2, later), entries, all_edges),
+        "grad into graph nodes, layer 1": (grad(a1, b_and_bias, first.ia, first.ib.index, nodes, all_edges), nodes, all_edges),
+        "grad into entries, layer 2": (grad(a2, b_and_bias, later.ia, first.ib.index, entries, all_edges), entries, all_edges),
+        "grad into edge embeddings": (grad(b_and_bias[:edges], a2, first.ib, later.ia.index, edges, sub_edges), edges, sub_edges),
     }
     sweep = {}
-    for name, (launch, rows) in cases.items():
+    for name, (launch, rows, num_edges) in cases.items():
         timings = {}
         for cfg in CONFIGS:
             try:
                 timings[str(cfg)] = round(_time(lambda: launch(cfg)), 3)
             except Exception as exc:  # a configuration the compiler rejects (registers, shared memory)
                 timings[str(cfg)] = f"{type(exc).__name__}: {str(exc)[:120]}"
-        sweep[name] = dict(rows=rows, edges_per_row=round(sub_edges / rows, 1), ms=timings)
+        sweep[name] = dict(rows=rows, edges_per_row=round(num_edges / rows, 1), ms=timings)
         print(json.dumps({"case": name, **sweep[name]}), flush=True)
 
     best = {}
     for kind in ("short", "long"):
-        names = [n for n, (_, rows) in cases.items() if (sub_edges >= em.LONG_ROWS * rows) == (kind == "long")]
+        names = [n for n, (_, rows, num_edges) in cases.items() if (num_edges >= em.LONG_ROWS * rows) == (kind == "long")]
         totals = {str(cfg): sum(sweep[n]["ms"][str(cfg)] for n in names) for cfg in CONFIGS
                   if all(isinstance(sweep[n]["ms"][str(cfg)], float) for n in names)}
         if names and totals:
@@ -117,16 +122,15 @@ def main(num_graphs: int = 200, d: int = 256) -> None:
                               "default_ms": totals.get(str(em.KERNEL_CONFIGS[kind]))}), flush=True)
 
     # torch's message sum on the same inputs, forward and forward + backward, for comparison
-    def torch_sum(a, ia, backward):
-        a_ = a.detach().requires_grad_(backward)
-        b_ = b.detach().requires_grad_(backward)
-        out = em.aggregate_edge_messages(a_, b_, ia, edge_id, col, norm, entries, "torch")
+    def torch_sum(a, sums, backward):
+        a_, b_, bias_ = (t.detach().requires_grad_(backward) for t in (a, b, bias))
+        out = em.aggregate_edge_messages(a_, b_, sums, bias_, "torch")
         if backward:
-            torch.autograd.grad(out, (a_, b_), grad_out)
+            torch.autograd.grad(out, (a_, b_, bias_), grad_out)
 
-    for name, a, ia in (("layer 1", a1, ia1), ("layer 2", a2, row)):
-        print(json.dumps({"torch sum": name, "forward_ms": round(_time(lambda: torch_sum(a, ia, False)), 3),
-                          "forward_backward_ms": round(_time(lambda: torch_sum(a, ia, True)), 3),
+    for name, a, sums in (("layer 1", a1, first), ("layer 2", a2, later)):
+        print(json.dumps({"torch sum": name, "forward_ms": round(_time(lambda: torch_sum(a, sums, False)), 3),
+                          "forward_backward_ms": round(_time(lambda: torch_sum(a, sums, True)), 3),
                           "sort_ms": round(sort_ms, 3)}), flush=True)
 
     # the whole extractor, forward + backward, bf16 autocast

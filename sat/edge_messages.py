@@ -11,7 +11,9 @@ and is written once. The backward pass recomputes the ReLU mask and runs the sam
 kernel per input, over the edges sorted by that input's row. Nothing of size ``[Es, d]`` is kept
 or materialised, and no atomics are used. GCN's root term (:class:`RootTerm`) joins the same sum
 as one more edge per output row, so under autocast the layer's output is one bf16 tensor rounded
-once, instead of bf16 messages plus an fp32 root term and their fp32 sum.
+once, instead of bf16 messages plus an fp32 root term and their fp32 sum. The edges
+(:class:`MessageEdges`) keep their sorts, and the layers summing over one batch's edges share
+them: the 8 GCN layers of SAT's code2 model sort 4 indices per batch instead of 24.
 
 On CUDA the kernels are compiled; CPU tensors run them only in Triton's interpreter (slow; the
 CPU tests do so). ``impl="auto"`` takes the kernel on CUDA when Triton is installed, torch otherwise.
@@ -47,52 +49,126 @@ def resolve_impl(impl: MessageImpl, device: torch.device) -> str:
     return impl
 
 
+class Grouping:
+    """An index ``[E]`` into ``num_rows`` rows and its CSR grouping (:meth:`csr`), sorted on first
+    use and kept: sums over the same edges share one, so it is sorted once per batch."""
+
+    def __init__(self, index: Tensor, num_rows: int):
+        self.index = index.contiguous().long()
+        self.num_rows = num_rows
+        self._csr: Optional[tuple[Tensor, Tensor]] = None
+
+    def csr(self) -> tuple[Tensor, Tensor]:
+        """``(perm [E], seg [num_rows + 1])``: the edges in row order and each row's segment of
+        ``perm`` (no host sync)."""
+        if self._csr is None:
+            keys, perm = torch.sort(self.index)
+            rows = torch.arange(self.num_rows + 1, device=keys.device, dtype=keys.dtype)
+            self._csr = perm, torch.searchsorted(keys, rows)
+        return self._csr
+
+
 class RootTerm(NamedTuple):
-    """A message from every output row to itself: ``out[v] += weight[v] * relu(a[index[v]] + bias)``
-    (OGB-GCN's root term ``relu(W x_v + r) / deg_v``).
+    """A message from every output row to itself, ``out[v] += weight[v] * relu(a[index[v]] + bias)``
+    (OGB-GCN's root term ``relu(W x_v + r) / deg_v``; the bias ``r`` is a parameter, given to
+    :func:`aggregate_edge_messages`).
 
     Shapes: index ``[num_out]`` rows of ``a``, or ``None`` when row ``v`` of ``a`` is output row
-    ``v``; bias ``[d]``; weight ``[num_out]``.
+    ``v``; weight ``[num_out]``.
     """
 
     index: Optional[Tensor]
-    bias: Tensor
     weight: Tensor
 
 
-def aggregate_edge_messages(
-    a: Tensor, b: Tensor, ia: Tensor, ib: Tensor, dst: Tensor, norm: Tensor, num_out: int, impl: MessageImpl = "auto",
-    root: Optional[RootTerm] = None,
-) -> Tensor:
-    """``out[v] = sum_{j: dst[j] = v} norm[j] * relu(a[ia[j]] + b[ib[j]])``, plus ``root``'s term.
+class MessageEdges(NamedTuple):
+    """The edges of :func:`aggregate_edge_messages`: edge ``j`` adds ``norm[j] * relu(a[ia[j]] +
+    b[ib[j]])`` to output row ``dst[j]``. With a root term its ``num_out`` edges ``index[v] -> v``
+    follow the ``num_edges`` others and read row ``num_b`` of ``b``, where the bias goes.
 
-    Shapes: a ``[Na, d]``, b ``[Nb, d]``, ia / ib / dst / norm ``[Es]`` -> ``[num_out, d]`` in the
-    dtype of ``a`` (``b`` is cast to it; the root bias is added in the wider of its dtype and
-    ``a``'s, as ``a + bias`` would be; ``fused`` sums in fp32, fp64 for fp64 inputs, and rounds each
-    output once). Differentiable in ``a``, ``b`` and the root bias.
+    Build with :func:`message_edges`; :meth:`with_sources` gives the same edges from other rows.
+    Sums over one set of edges share its groupings, so each is sorted once (SAT's k-subgraph
+    extractors: every GCN layer of every SAT layer sums over one batch's subgraph edges).
+    """
+
+    ia: Grouping  # rows of a
+    ib: Grouping  # rows of b, and row num_b for the root edges
+    dst: Grouping  # output rows
+    norm: Tensor  # [num_edges (+ num_out)]: the edge weights, then the root weights
+    num_edges: int
+    has_root: bool
+    root_identity: bool  # the root edge of output v reads row v of a
+
+    @property
+    def num_b(self) -> int:
+        return self.ib.num_rows - int(self.has_root)
+
+    def with_sources(self, ia: Tensor, num_a: int, root_index: Optional[Tensor] = None) -> "MessageEdges":
+        """The same edges, weights and destinations (sharing their groupings) from rows ``ia``
+        ``[num_edges]`` of another ``a [num_a, d]``; the root edges, if any, read ``root_index``
+        (``None``: row ``v`` for output ``v``)."""
+        if self.has_root:
+            ia = _append_roots(ia, root_index, num_a, self.dst.num_rows)
+        return self._replace(ia=Grouping(ia, num_a), root_identity=self.has_root and root_index is None)
+
+
+def _append_roots(ia: Tensor, root_index: Optional[Tensor], num_a: int, num_out: int) -> Tensor:
+    if root_index is None and num_a != num_out:
+        raise ValueError(f"message_edges: a root term without index needs a row of a per output, got {num_a} rows "
+                         f"for {num_out} outputs")
+    roots = torch.arange(num_out, device=ia.device) if root_index is None else root_index.long()
+    return torch.cat([ia.long(), roots])
+
+
+def message_edges(
+    ia: Tensor, ib: Tensor, dst: Tensor, norm: Tensor, num_a: int, num_b: int, num_out: int,
+    root: Optional[RootTerm] = None,
+) -> MessageEdges:
+    """The edges ``ia[j], ib[j] -> dst[j]`` (rows of ``a [num_a, d]`` and ``b [num_b, d]``, into
+    ``num_out`` outputs) with weights ``norm [Es]``, and ``root``'s edges after them; the weights
+    are kept in the wider of their dtypes (fp32, or fp64 for fp64 sums)."""
+    num_edges = dst.numel()
+    if root is not None:
+        outputs = torch.arange(num_out, device=dst.device)
+        ib = torch.cat([ib.long(), outputs.new_full((num_out,), num_b)])
+        dst = torch.cat([dst.long(), outputs])
+        wide = torch.promote_types(norm.dtype, root.weight.dtype)
+        norm = torch.cat([norm.to(wide), root.weight.to(wide)])
+    has_root = root is not None
+    edges = MessageEdges(Grouping(ia, num_a), Grouping(ib, num_b + has_root), Grouping(dst, num_out), norm, num_edges,
+                         has_root, False)
+    return edges.with_sources(ia, num_a, root.index) if has_root else edges
+
+
+def aggregate_edge_messages(a: Tensor, b: Tensor, edges: MessageEdges, bias: Optional[Tensor] = None,
+                            impl: MessageImpl = "auto") -> Tensor:
+    """``out[v] = sum_{j: dst[j] = v} norm[j] * relu(a[ia[j]] + b[ib[j]])`` over ``edges``, plus
+    their root term with ``bias`` (see :class:`MessageEdges`).
+
+    Shapes: a ``[Na, d]``, b ``[Nb, d]``, bias ``[d]`` -> ``[num_out, d]`` in the dtype of ``a``
+    (``b`` is cast to it; the bias is added in the wider of its dtype and ``a``'s, as ``a + bias``
+    would be; ``fused`` sums in fp32, fp64 for fp64 inputs, and rounds each output once).
+    Differentiable in ``a``, ``b`` and ``bias``.
     """
     if a.dim() != 2 or b.dim() != 2 or a.size(1) != b.size(1):
         raise ValueError(f"aggregate_edge_messages: a {tuple(a.shape)} and b {tuple(b.shape)} must be [rows, d] alike")
-    if root is not None and root.index is None and a.size(0) != num_out:
-        raise ValueError(f"aggregate_edge_messages: a root term without index needs a row per output, got {a.size(0)} "
-                         f"rows for {num_out} outputs")
+    if (a.size(0), b.size(0)) != (edges.ia.num_rows, edges.num_b):
+        raise ValueError(f"aggregate_edge_messages: the edges index {edges.ia.num_rows} rows of a and {edges.num_b} of b, "
+                         f"got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if (bias is not None) != edges.has_root:
+        raise ValueError("aggregate_edge_messages: a root bias goes with edges built with a root term, and only with them")
     b = b.to(a.dtype)
-    if resolve_impl(impl, a.device) == "torch":
-        message = F.relu(a.index_select(0, ia) + b.index_select(0, ib)) * norm.to(a.dtype).view(-1, 1)
-        out = scatter(message, dst, dim=0, dim_size=num_out, reduce="sum")
-        if root is not None:
-            own = a if root.index is None else a.index_select(0, root.index)
-            out = out + (F.relu(own + root.bias) * root.weight.view(-1, 1)).to(a.dtype)
-        return out
-    root_index, bias, root_weight = root if root is not None else (None, None, None)
-    return _FusedAggregate.apply(a, b, bias, ia, ib, dst, norm, root_index, root_weight, num_out)
-
-
-def _csr(index: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
-    """Edge order grouped by ``index`` and the ``[num_rows + 1]`` segment offsets (no host sync)."""
-    keys, perm = torch.sort(index)
-    rows = torch.arange(num_rows + 1, device=index.device, dtype=keys.dtype)
-    return perm, torch.searchsorted(keys, rows)
+    if resolve_impl(impl, a.device) == "fused":
+        return _FusedAggregate.apply(a, b, bias, edges)
+    graph_edges = slice(0, edges.num_edges)
+    ia, ib, dst = (g.index[graph_edges] for g in edges[:3])
+    message = F.relu(a.index_select(0, ia) + b.index_select(0, ib)) * edges.norm[graph_edges].to(a.dtype).view(-1, 1)
+    out = scatter(message, dst, dim=0, dim_size=edges.dst.num_rows, reduce="sum")
+    if edges.has_root:
+        roots = slice(edges.num_edges, None)
+        own = a if edges.root_identity else a.index_select(0, edges.ia.index[roots])
+        out = out + (F.relu(own + bias) * edges.norm[roots].view(-1, 1)).to(a.dtype)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,55 +211,53 @@ def _launch(kernel_index: int, reference: Tensor, rows: int, width: int, edges: 
     )
 
 
-def _index(t: Tensor) -> Tensor:
-    return t.contiguous().long()
-
-
 class _FusedAggregate(torch.autograd.Function):
-    """The root term runs as ``num_out`` more edges ``index[v] -> v`` whose ``b`` row is the bias,
-    appended as row ``Nb`` (``b`` widened to the bias's dtype where that is wider, fp32 under
-    autocast, so that the ReLU sees ``a + bias`` as torch computes it). The same kernels then add
-    it to each output row before its one rounding, and nothing of size ``[num_out, d]`` is kept
-    for it. The bias's gradient, a sum over all outputs (one very long kernel row), is a chunked
-    torch reduction instead."""
+    """The root edges read the bias as row ``Nb`` of ``b``, appended here (``b`` widened to the
+    bias's dtype where that is wider, fp32 under autocast, so that the ReLU sees ``a + bias`` as
+    torch computes it); the same kernels then add it to each output row before its one rounding,
+    and nothing of size ``[num_out, d]`` is kept for it. The bias's gradient, a sum over all
+    outputs (one very long kernel row), is a chunked torch reduction instead.
+
+    The edges stay on ``ctx`` rather than among the saved tensors: they belong to the batch, are
+    shared by every sum over its edges, and their groupings are sorted when first needed."""
 
     @staticmethod
-    def forward(ctx, a, b, bias, ia, ib, dst, norm, root_index, root_weight, num_out):
-        acc_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
-        a, b = a.contiguous(), b.contiguous()
-        ia, ib, dst, norm = _index(ia), _index(ib), _index(dst), norm.to(acc_dtype)
-        ctx.num_edges, ctx.num_b, ctx.root_identity = dst.numel(), b.size(0), root_index is None
-        ctx.bias_dtype = None if bias is None else bias.dtype
+    def forward(ctx, a, b, bias, edges: MessageEdges):
+        a = a.contiguous()
         if bias is not None:
-            outputs = torch.arange(num_out, device=a.device)
             wide = torch.promote_types(a.dtype, bias.dtype)  # as torch's a + bias: an fp32 bias stays fp32
             b = torch.cat([b.to(wide), bias.to(wide).view(1, -1)])
-            ia = torch.cat([ia, outputs if root_index is None else _index(root_index)])
-            ib = torch.cat([ib, outputs.new_full((num_out,), ctx.num_b)])
-            dst = torch.cat([dst, outputs])
-            norm = torch.cat([norm, root_weight.to(acc_dtype)])
-        norm = norm.contiguous()
-        out = a.new_empty(num_out, a.size(1))
-        perm, seg = _csr(dst, num_out)
-        _launch(0, a, num_out, a.size(1), dst.numel(), a, b, ia, ib, norm, perm, seg, out)
-        ctx.save_for_backward(a, b, ia, ib, dst, norm)
+        b = b.contiguous()
+        num_out, width = edges.dst.num_rows, a.size(1)
+        out = a.new_empty(num_out, width)
+        _launch(0, a, num_out, width, edges.dst.index.numel(), a, b, edges.ia.index, edges.ib.index,
+                _weights(edges, a), *edges.dst.csr(), out)
+        ctx.edges, ctx.bias_dtype = edges, None if bias is None else bias.dtype
+        ctx.save_for_backward(a, b)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        a, b, ia, ib, dst, norm = ctx.saved_tensors
+        a, b = ctx.saved_tensors
+        edges: MessageEdges = ctx.edges
+        norm, dst = _weights(edges, a), edges.dst.index
         grad_out = grad_out.contiguous().to(a.dtype)
         grad_a = grad_b = grad_bias = None
-        if ctx.needs_input_grad[0]:  # over the edges and the root term's
-            grad_a = _input_grad(a, b, ia, ib, dst, norm, grad_out)
-        edges = slice(0, ctx.num_edges)
-        if ctx.needs_input_grad[1]:
-            grad_b = _input_grad(b[: ctx.num_b], a, ib[edges], ia[edges], dst[edges], norm[edges], grad_out)
+        if ctx.needs_input_grad[0]:  # over the edges and the root edges
+            grad_a = _input_grad(a, b, edges.ia, edges.ib.index, dst, norm, grad_out, dst.numel())
+        if ctx.needs_input_grad[1]:  # over the edges: the root edges read the bias row, left out here
+            grad_b = _input_grad(b[: edges.num_b], a, edges.ib, edges.ia.index, dst, norm, grad_out, edges.num_edges)
             grad_b = grad_b.to(a.dtype)  # b came in a's dtype
         if ctx.needs_input_grad[2]:
-            grad_bias = _root_bias_grad(a, b[ctx.num_b], ia[ctx.num_edges:], norm[ctx.num_edges:], grad_out,
-                                        ctx.root_identity).to(ctx.bias_dtype)
-        return grad_a, grad_b, grad_bias, None, None, None, None, None, None, None
+            roots = slice(edges.num_edges, None)
+            grad_bias = _root_bias_grad(a, b[edges.num_b], edges.ia.index[roots], norm[roots], grad_out,
+                                        edges.root_identity).to(ctx.bias_dtype)
+        return grad_a, grad_b, grad_bias, None
+
+
+def _weights(edges: MessageEdges, a: Tensor) -> Tensor:
+    """The edge weights in the kernels' accumulation precision: fp64 for fp64 inputs, else fp32."""
+    return edges.norm.to(torch.float64 if a.dtype == torch.float64 else torch.float32).contiguous()
 
 
 ROOT_GRAD_ROWS = 1 << 16  # outputs per chunk of the root bias's gradient: bounds its temporaries
@@ -201,9 +275,10 @@ def _root_bias_grad(a: Tensor, bias: Tensor, index: Tensor, weight: Tensor, grad
     return total
 
 
-def _input_grad(own: Tensor, other: Tensor, i_own: Tensor, i_other: Tensor, dst: Tensor, norm: Tensor,
-                grad_out: Tensor) -> Tensor:
+def _input_grad(own: Tensor, other: Tensor, own_rows: Grouping, i_other: Tensor, dst: Tensor, norm: Tensor,
+                grad_out: Tensor, num_edges: int) -> Tensor:
+    """The gradient into the rows of ``own``, each over its edges in ``own_rows`` (whose root bias
+    row, past the end of ``own``, gets no program)."""
     grad = torch.empty_like(own)
-    perm, seg = _csr(i_own, own.size(0))
-    _launch(1, own, own.size(0), own.size(1), dst.numel(), own, other, i_other, dst, norm, grad_out, perm, seg, grad)
+    _launch(1, own, own.size(0), own.size(1), num_edges, own, other, i_other, dst, norm, grad_out, *own_rows.csr(), grad)
     return grad

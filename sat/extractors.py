@@ -31,7 +31,7 @@ from torch_geometric.utils import degree as pyg_degree
 from torch_geometric.utils import scatter
 
 from .config import EDGE_AWARE_GNNS, MessageImpl
-from .edge_messages import RootTerm, aggregate_edge_messages, resolve_impl
+from .edge_messages import MessageEdges, RootTerm, aggregate_edge_messages, message_edges, resolve_impl
 
 GNN_TYPES = ("gcn", "gin", "gine", "sage", "pna")
 PNA_AGGREGATORS = ["mean", "min", "max", "std"]
@@ -77,6 +77,11 @@ class EdgeGCNConv(MessagePassing):
         self.root_emb.reset_parameters()
         self.edge_encoder.reset_parameters()
 
+    def sums_fused(self, device: torch.device, gathered: bool) -> bool:
+        """Whether the layer sums its messages in the fused kernel on ``device``; ``gathered``:
+        with the k-subgraph extractor's gathers."""
+        return resolve_impl(self.message_impl, device) == "fused" and (gathered or self.message_impl == "fused")
+
     def forward(
         self,
         x: Tensor,
@@ -85,6 +90,7 @@ class EdgeGCNConv(MessagePassing):
         node_index: Optional[Tensor] = None,
         edge_id: Optional[Tensor] = None,
         graph_edge_index: Optional[Tensor] = None,
+        fused_edges: Optional[MessageEdges] = None,
     ) -> Tensor:
         """``node_index`` / ``edge_id`` (optional) gather the rows of ``x`` / ``edge_attr`` *after*
         the linear maps: the result equals ``forward(x[node_index], edge_index, edge_attr[edge_id])``
@@ -93,23 +99,22 @@ class EdgeGCNConv(MessagePassing):
         ``graph_edge_index`` (with both gathers) takes the per-graph-edge path; it requires
         ``node_index[edge_index[0]] == graph_edge_index[0][edge_id]``, which the indices of
         :class:`sat.data.SATData` satisfy by construction (also after batching and [CLS] insertion).
+
+        ``fused_edges``: :func:`gcn_message_edges` of these indices, built once and shared by
+        the layers over the same edges (otherwise built here), where the sum is fused.
         """
         x = self.linear(x)
         edge_embedding = self.edge_encoder(edge_attr)
-        row, col = edge_index
         num_entries = x.size(0) if node_index is None else node_index.numel()
-        deg = pyg_degree(row, num_entries, dtype=torch.float32) + 1  # counted in fp32 (exact under autocast)
-        deg_inv_sqrt = deg.pow(-0.5)
-        norm_fp32 = deg_inv_sqrt[row] * deg_inv_sqrt[col]
         gathered = node_index is not None or edge_id is not None
-        if resolve_impl(self.message_impl, x.device) == "fused" and (gathered or self.message_impl == "fused"):
-            source = row if node_index is None else node_index.index_select(0, row)
-            edge_rows = edge_id if edge_id is not None else torch.arange(row.numel(), device=row.device)
-            # the root term is summed in the kernel too: 1 / deg in fp64 for fp64 inputs, else fp32
-            inv_deg = deg.to(torch.promote_types(x.dtype, deg.dtype)).reciprocal()
-            root = RootTerm(node_index, self.root_emb.weight[0], inv_deg)
-            return aggregate_edge_messages(x, edge_embedding, source, edge_rows, col, norm_fp32, num_entries, "fused", root)
-        norm, deg_col = norm_fp32.to(x.dtype), deg.view(-1, 1).to(x.dtype)
+        if self.sums_fused(x.device, gathered):
+            if fused_edges is None:
+                fused_edges = gcn_message_edges(edge_index, x.size(0), edge_attr.size(0), num_entries, x.dtype, node_index,
+                                                edge_id)
+            return aggregate_edge_messages(x, edge_embedding, fused_edges, self.root_emb.weight[0], "fused")
+        col = edge_index[1]
+        deg, norm = _gcn_norm(edge_index, num_entries)
+        norm, deg_col = norm.to(x.dtype), deg.view(-1, 1).to(x.dtype)
         if node_index is not None and edge_id is not None and graph_edge_index is not None:
             # relu(W x_u + E e_uv) per graph edge [E, d], gathered once: replaces the [Es, d] gathers
             # of x_j and e_uv, their sum and ReLU, and the activations autograd keeps of them
@@ -127,6 +132,32 @@ class EdgeGCNConv(MessagePassing):
 
     def message(self, x_j: Tensor, edge_attr: Tensor, norm: Tensor) -> Tensor:
         return norm.view(-1, 1) * F.relu(x_j + edge_attr)
+
+
+def _gcn_norm(edge_index: Tensor, num_nodes: int) -> tuple[Tensor, Tensor]:
+    """OGB-GCN's ``deg = 1 + out-degree`` ``[N]`` and edge weights ``(deg_u deg_v)^{-1/2}`` ``[E]``,
+    counted in fp32 (exact under autocast)."""
+    row, col = edge_index
+    deg = pyg_degree(row, num_nodes, dtype=torch.float32) + 1
+    deg_inv_sqrt = deg.pow(-0.5)
+    return deg, deg_inv_sqrt[row] * deg_inv_sqrt[col]
+
+
+def gcn_message_edges(
+    edge_index: Tensor, num_sources: int, num_edge_rows: int, num_entries: int, dtype: torch.dtype,
+    node_index: Optional[Tensor] = None, edge_id: Optional[Tensor] = None,
+) -> MessageEdges:
+    """The edges of :class:`EdgeGCNConv`'s fused sum: the normalised messages of ``edge_index``
+    ``[2, Es]`` over ``num_entries`` entries, read from rows ``node_index[u]`` of the ``num_sources``
+    mapped nodes and ``edge_id[j]`` of the ``num_edge_rows`` mapped edges (each gather optional),
+    and the root term ``relu(W x_v + r) / deg_v``, whose weights are in fp64 for fp64 ``dtype``
+    (that of the layer's input), else fp32."""
+    row, col = edge_index
+    deg, norm = _gcn_norm(edge_index, num_entries)
+    source = row if node_index is None else node_index.index_select(0, row)
+    edge_rows = edge_id if edge_id is not None else torch.arange(row.numel(), device=row.device)
+    inv_deg = deg.to(torch.promote_types(dtype, deg.dtype)).reciprocal()
+    return message_edges(source, edge_rows, col, norm, num_sources, num_edge_rows, num_entries, RootTerm(node_index, inv_deg))
 
 
 def _mlp(hidden_dim: int) -> nn.Sequential:
@@ -199,6 +230,7 @@ class _GNNStack(nn.Module):
         node_index: Optional[Tensor] = None,
         edge_id: Optional[Tensor] = None,
         graph_edge_index: Optional[Tensor] = None,
+        fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None,
     ) -> Tensor:
         """Run the stack on ``(x[node_index], edge_index, edge_attr[edge_id])`` (gathers optional).
 
@@ -207,6 +239,8 @@ class _GNNStack(nn.Module):
         ``graph_edge_index`` (``[2, E]``, the edges ``edge_id`` refers to, in the node ids of
         ``x``) lets a first :class:`EdgeGCNConv` layer form its messages once per graph edge
         instead of once per subgraph edge; later layers run on the ``S`` gathered entries.
+        ``fused_edges``: the message edges of the first and of later :class:`EdgeGCNConv` layers
+        where they sum fused (:meth:`SubgraphExtractor.fused_edges`).
         """
         uses_edges = self.gnn_type == "gine" or self.edge_dim is not None
         if uses_edges and edge_attr is None and self.gnn_type != "gine":
@@ -223,10 +257,11 @@ class _GNNStack(nn.Module):
 
         hops = [x if node_index is None else x.index_select(0, node_index)] if self.concat_hops else []
         pending = node_index  # rows of x still to be gathered
-        for conv in self.convs:
+        for depth, conv in enumerate(self.convs):
             if isinstance(conv, EdgeGCNConv):
                 # pending is set for the first layer only, so only it takes the per-graph-edge path
-                x = conv(x, edge_index, edge_attr, pending, edge_id, graph_edge_index)
+                edges = None if fused_edges is None else fused_edges[min(depth, 1)]
+                x = conv(x, edge_index, edge_attr, pending, edge_id, graph_edge_index, edges)
             else:
                 if pending is not None:
                     x = x.index_select(0, pending)
@@ -338,7 +373,13 @@ class SubgraphExtractor(_Extractor):
         subgraph_indicator: Tensor,
         subgraph_edge_index: Tensor,
         subgraph_edge_id: Tensor,
+        fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None,
     ) -> Tensor:
+        """``fused_edges``: :meth:`fused_edges` of the same inputs, built once per batch for all
+        extractors over it (otherwise built here, where the GCN sums fused)."""
+        if fused_edges is None:
+            fused_edges = self.fused_edges(x, edge_attr, subgraph_node_index, subgraph_edge_index, subgraph_edge_id)
+
         def gnn_and_pool(x_: Tensor, edge_attr_: Optional[Tensor]) -> Tensor:
             h = self.gnn(
                 x_,
@@ -347,12 +388,29 @@ class SubgraphExtractor(_Extractor):
                 node_index=subgraph_node_index,
                 edge_id=subgraph_edge_id,
                 graph_edge_index=edge_index,
+                fused_edges=fused_edges,
             )
             # summed in the input's precision (fp32 under autocast) whatever the GNN's output dtype
             return scatter(h.to(x_.dtype), subgraph_indicator, dim=0, dim_size=x_.size(0), reduce="sum")
 
         pooled = self._run(gnn_and_pool, x, edge_attr)
         return self.out_proj(self.norm(torch.cat([x, pooled], dim=-1)))
+
+    def fused_edges(
+        self, x: Tensor, edge_attr: Optional[Tensor], subgraph_node_index: Tensor, subgraph_edge_index: Tensor,
+        subgraph_edge_id: Tensor,
+    ) -> Optional[tuple[MessageEdges, MessageEdges]]:
+        """The message edges of the GCN layers (first: from graph nodes and edges; later: from
+        subgraph entries), sharing their sorts, where they sum fused (GCN with edge features on a
+        fused device), else ``None``. They depend on the batch only: every extractor over it can
+        take the same ones. Arguments as :meth:`forward`'s."""
+        conv = self.gnn.convs[0]
+        if edge_attr is None or not isinstance(conv, EdgeGCNConv) or not conv.sums_fused(x.device, gathered=True):
+            return None
+        entries = subgraph_node_index.numel()
+        first = gcn_message_edges(subgraph_edge_index, x.size(0), edge_attr.size(0), entries, x.dtype,
+                                  subgraph_node_index, subgraph_edge_id)
+        return first, first.with_sources(subgraph_edge_index[0], entries)
 
 
 def build_extractor(

@@ -17,7 +17,7 @@ paper's "Base GNN" rows): the same base-GNN layer, with no attention and no FFN.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -52,7 +52,8 @@ class SATLayer(nn.Module):
 
     Shapes:
         x ``[N, d]``; edge_index ``[2, E]``; edge_attr ``[E, edge_dim]`` or None; subgraph: the
-        four k-subgraph index tensors (dict) or None; degree_scale ``[N]`` (``d_v^{-1/2}``) or
+        four k-subgraph index tensors (dict; with ``fused_edges``, see
+        :meth:`sat.extractors.SubgraphExtractor.fused_edges`) or None; degree_scale ``[N]`` (``d_v^{-1/2}``) or
         None -> ``([N, d], attention weights or None)``.
     """
 
@@ -104,7 +105,7 @@ class SATLayer(nn.Module):
         layout: GraphLayout,
         edge_index: Tensor,
         edge_attr: Optional[Tensor] = None,
-        subgraph: Optional[dict[str, Tensor]] = None,
+        subgraph: Optional[dict[str, Any]] = None,
         degree_scale: Optional[Tensor] = None,
         return_attention: bool = False,
     ) -> tuple[Tensor, Optional[Tensor]]:
@@ -182,7 +183,7 @@ class GNNLayer(nn.Module):
         layout: Optional[GraphLayout],
         edge_index: Tensor,
         edge_attr: Optional[Tensor] = None,
-        subgraph: Optional[dict[str, Tensor]] = None,
+        subgraph: Optional[dict[str, Any]] = None,
         degree_scale: Optional[Tensor] = None,
         return_attention: bool = False,
     ) -> tuple[Tensor, None]:

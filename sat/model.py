@@ -183,6 +183,9 @@ class SAT(nn.Module):
 
         if self.cls is not None:
             x, edge_index, subgraph = self.cls.attach(x, edge_index, subgraph, layout)
+        if subgraph is not None:  # the same in every layer: built (and sorted) once per batch
+            subgraph["fused_edges"] = self.layers[0].extractor.fused_edges(
+                x, edge_attr, *(subgraph[k] for k in ("subgraph_node_index", "subgraph_edge_index", "subgraph_edge_id")))
 
         attention = []
         for layer in self.layers:

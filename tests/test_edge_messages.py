@@ -13,10 +13,10 @@ from conftest import kept_for_backward
 from torch_geometric.data import Batch, Data
 from torch_geometric.utils import erdos_renyi_graph
 
-from sat import SATConfig, add_subgraph_indices
+from sat import SAT, SATConfig, add_subgraph_indices
 from sat import edge_messages
 from sat.data import SUBGRAPH_KEYS
-from sat.edge_messages import RootTerm, aggregate_edge_messages, resolve_impl
+from sat.edge_messages import Grouping, RootTerm, aggregate_edge_messages, message_edges, resolve_impl
 from sat.extractors import SubgraphExtractor, SubtreeExtractor
 
 pytest.importorskip("triton")
@@ -65,12 +65,13 @@ def _sum_and_grads(impl: str, t: dict, num_out: int):
     """The sum and its gradients in ``a``, ``b`` and, with a root term, its bias (kept fp32 or fp64,
     as a parameter under autocast)."""
     leaves = [t["a"].detach().requires_grad_(), t["b"].detach().requires_grad_()]
-    root = None
+    root = bias = None
     if "root_bias" in t:
         bias = t["root_bias"].to(torch.promote_types(t["a"].dtype, torch.float32)).requires_grad_()
-        root = RootTerm(t.get("root_index"), bias, t["root_weight"])
+        root = RootTerm(t.get("root_index"), t["root_weight"])
         leaves.append(bias)
-    out = aggregate_edge_messages(*leaves[:2], t["ia"], t["ib"], t["dst"], t["norm"], num_out, impl, root)
+    edges = message_edges(t["ia"], t["ib"], t["dst"], t["norm"], t["a"].size(0), t["b"].size(0), num_out, root)
+    out = aggregate_edge_messages(*leaves[:2], edges, bias, impl)
     return (out, *torch.autograd.grad(out, leaves, t["probe"]))
 
 
@@ -173,6 +174,52 @@ def test_extractor_with_fused_messages_matches_torch_in_float64(kind):
     names = ["x", "edge_attr", *dict(fused.named_parameters())]
     for name, g, r in zip(names, grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_model_layers_share_the_message_edges_and_sort_each_index_once(monkeypatch):
+    """The fused GCN layers of all SAT layers sum over one batch's subgraph edges: 2 SAT layers x
+    2 GCN layers make 12 sums, forward and backward, over 4 indices (destinations, edge rows, the
+    first GCN layer's graph-node sources, the second's entry sources), each sorted once per batch;
+    the model matches the torch path in fp64, outputs and every parameter's gradient."""
+    batch = _batch(2).clone()
+    gen = torch.Generator().manual_seed(0)
+    batch.x = torch.randn(batch.num_nodes, 4, generator=gen, dtype=torch.float64).to(DEVICE)
+    batch.edge_attr = torch.randn(batch.edge_index.size(1), 3, generator=gen, dtype=torch.float64).to(DEVICE)
+    config = dict(hidden_dim=HIDDEN, num_heads=2, num_layers=2, dropout=0.0, node_encoder="linear", node_in_dim=4,
+                  edge_encoder="linear", edge_in_dim=3, extractor="subgraph", k_hops=2, num_classes=3)
+    sorted_groupings, csr = [], Grouping.csr
+
+    def counted_csr(grouping):
+        if grouping._csr is None:
+            sorted_groupings.append(grouping)
+        return csr(grouping)
+
+    monkeypatch.setattr(Grouping, "csr", counted_csr)
+    results = {}
+    for impl in ("fused", "torch"):
+        torch.manual_seed(0)
+        model = SAT(SATConfig(**config, gnn_messages=impl)).double().to(DEVICE)
+        out = model(batch)
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
+        results[impl] = out, torch.autograd.grad((out * probe).sum(), list(model.parameters()))
+        if impl == "fused":
+            assert len(sorted_groupings) == len({id(g) for g in sorted_groupings}) == 4
+    assert len(sorted_groupings) == 4  # the torch path sorts nothing
+    (out, grads), (ref, ref_grads) = results["fused"], results["torch"]
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    for (name, _), g, r in zip(model.named_parameters(), grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_message_edges_name_what_does_not_fit():
+    t, num_out = _problem(8, torch.float64, root="identity")
+    with pytest.raises(ValueError, match="root term without index needs a row of a per output, got 12 rows for 11"):
+        message_edges(t["ia"], t["ib"], t["dst"], t["norm"], num_out + 1, 17, num_out, RootTerm(None, t["root_weight"]))
+    edges = message_edges(t["ia"], t["ib"], t["dst"], t["norm"], num_out, 17, num_out, RootTerm(None, t["root_weight"]))
+    with pytest.raises(ValueError, match="index 11 rows of a and 17 of b, got a .13, 8. and b .17, 8."):
+        aggregate_edge_messages(t["a"].new_zeros(13, 8), t["b"], edges, t["root_bias"], "torch")
+    with pytest.raises(ValueError, match="root bias goes with edges built with a root term"):
+        aggregate_edge_messages(t["a"], t["b"], edges, None, "torch")
 
 
 def test_auto_takes_the_kernel_only_on_cuda_and_the_config_names_bad_values():
