@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch_geometric.utils import scatter
 
 from .config import MessageImpl
@@ -141,25 +141,35 @@ def message_edges(
 
 
 def aggregate_edge_messages(a: Tensor, b: Tensor, edges: MessageEdges, bias: Optional[Tensor] = None,
-                            impl: MessageImpl = "auto") -> Tensor:
+                            impl: MessageImpl = "auto", linear: Optional[nn.Linear] = None) -> Tensor:
     """``out[v] = sum_{j: dst[j] = v} norm[j] * relu(a[ia[j]] + b[ib[j]])`` over ``edges``, plus
     their root term with ``bias`` (see :class:`MessageEdges`).
 
-    Shapes: a ``[Na, d]``, b ``[Nb, d]``, bias ``[d]`` -> ``[num_out, d]`` in the dtype of ``a``
-    (``b`` is cast to it; the bias is added in the wider of its dtype and ``a``'s, as ``a + bias``
-    would be; ``fused`` sums in fp32, fp64 for fp64 inputs, and rounds each output once).
-    Differentiable in ``a``, ``b`` and ``bias``.
+    ``linear``: the sum reads ``linear(a)`` instead of ``a``. The fused path then recomputes it in
+    the backward pass rather than keeping it: one ``[Na, d] x [d, d]`` product instead of an
+    ``[Na, d]`` activation (``a`` itself is usually kept anyway, by the ReLU before it).
+
+    Shapes: a ``[Na, d]`` (``[Na, d_in]`` with ``linear``), b ``[Nb, d]``, bias ``[d]`` ->
+    ``[num_out, d]`` in the dtype of ``a`` (of ``linear(a)``; ``b`` is cast to it; the bias is added
+    in the wider of its dtype and ``a``'s, as ``a + bias`` would be; ``fused`` sums in fp32, fp64
+    for fp64 inputs, and rounds each output once). Differentiable in ``a``, ``b``, ``bias`` and
+    ``linear``'s parameters.
     """
-    if a.dim() != 2 or b.dim() != 2 or a.size(1) != b.size(1):
-        raise ValueError(f"aggregate_edge_messages: a {tuple(a.shape)} and b {tuple(b.shape)} must be [rows, d] alike")
+    width = a.size(-1) if linear is None else linear.out_features
+    if a.dim() != 2 or b.dim() != 2 or width != b.size(1):
+        raise ValueError(f"aggregate_edge_messages: a {tuple(a.shape)} (width {width} after linear) and b "
+                         f"{tuple(b.shape)} must be [rows, d] alike")
     if (a.size(0), b.size(0)) != (edges.ia.num_rows, edges.num_b):
         raise ValueError(f"aggregate_edge_messages: the edges index {edges.ia.num_rows} rows of a and {edges.num_b} of b, "
                          f"got a {tuple(a.shape)} and b {tuple(b.shape)}")
     if (bias is not None) != edges.has_root:
         raise ValueError("aggregate_edge_messages: a root bias goes with edges built with a root term, and only with them")
-    b = b.to(a.dtype)
     if resolve_impl(impl, a.device) == "fused":
-        return _FusedAggregate.apply(a, b, bias, edges)
+        weight, lin_bias = (None, None) if linear is None else (linear.weight, linear.bias)
+        return _FusedAggregate.apply(a, weight, lin_bias, b, bias, edges)
+    if linear is not None:
+        a = linear(a)
+    b = b.to(a.dtype)
     graph_edges = slice(0, edges.num_edges)
     ia, ib, dst = (g.index[graph_edges] for g in edges[:3])
     message = F.relu(a.index_select(0, ia) + b.index_select(0, ib)) * edges.norm[graph_edges].to(a.dtype).view(-1, 1)
@@ -218,11 +228,17 @@ class _FusedAggregate(torch.autograd.Function):
     and nothing of size ``[num_out, d]`` is kept for it. The bias's gradient, a sum over all
     outputs (one very long kernel row), is a chunked torch reduction instead.
 
+    With a linear map (``weight``, ``lin_bias``), ``a = F.linear(x, weight, lin_bias)`` is formed
+    here under the caller's autocast, and formed again in the backward pass in the same dtype.
+
     The edges stay on ``ctx`` rather than among the saved tensors: they belong to the batch, are
     shared by every sum over its edges, and their groupings are sorted when first needed."""
 
     @staticmethod
-    def forward(ctx, a, b, bias, edges: MessageEdges):
+    def forward(ctx, x, weight, lin_bias, b, bias, edges: MessageEdges):
+        a = x if weight is None else F.linear(x, weight, lin_bias)
+        ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
+        b = b.to(a.dtype)
         a = a.contiguous()
         if bias is not None:
             wide = torch.promote_types(a.dtype, bias.dtype)  # as torch's a + bias: an fp32 bias stays fp32
@@ -233,26 +249,41 @@ class _FusedAggregate(torch.autograd.Function):
         _launch(0, a, num_out, width, edges.dst.index.numel(), a, b, edges.ia.index, edges.ib.index,
                 _weights(edges, a), *edges.dst.csr(), out)
         ctx.edges, ctx.bias_dtype = edges, None if bias is None else bias.dtype
-        ctx.save_for_backward(a, b)
+        ctx.save_for_backward(x, weight, lin_bias, b)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        a, b = ctx.saved_tensors
+        x, weight, lin_bias, b = ctx.saved_tensors
         edges: MessageEdges = ctx.edges
+        dtype = ctx.a_dtype
+        a = (x if weight is None else F.linear(x.to(dtype), weight.to(dtype), _cast(lin_bias, dtype))).contiguous()
         norm, dst = _weights(edges, a), edges.dst.index
-        grad_out = grad_out.contiguous().to(a.dtype)
-        grad_a = grad_b = grad_bias = None
-        if ctx.needs_input_grad[0]:  # over the edges and the root edges
+        grad_out = grad_out.contiguous().to(dtype)
+        grad_x = grad_weight = grad_lin_bias = grad_a = grad_b = grad_bias = None
+        if any(ctx.needs_input_grad[:3]):  # over the edges and the root edges
             grad_a = _input_grad(a, b, edges.ia, edges.ib.index, dst, norm, grad_out, dst.numel())
-        if ctx.needs_input_grad[1]:  # over the edges: the root edges read the bias row, left out here
+        if ctx.needs_input_grad[3]:  # over the edges: the root edges read the bias row, left out here
             grad_b = _input_grad(b[: edges.num_b], a, edges.ib, edges.ia.index, dst, norm, grad_out, edges.num_edges)
-            grad_b = grad_b.to(a.dtype)  # b came in a's dtype
-        if ctx.needs_input_grad[2]:
+            grad_b = grad_b.to(ctx.b_dtype)
+        if ctx.needs_input_grad[4]:
             roots = slice(edges.num_edges, None)
             grad_bias = _root_bias_grad(a, b[edges.num_b], edges.ia.index[roots], norm[roots], grad_out,
                                         edges.root_identity).to(ctx.bias_dtype)
-        return grad_a, grad_b, grad_bias, None
+        if weight is None:
+            grad_x = grad_a
+        elif grad_a is not None:  # the linear map's backward, in its forward dtype as autocast runs it
+            if ctx.needs_input_grad[0]:
+                grad_x = (grad_a @ weight.to(dtype)).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad_a.T @ x.to(dtype)).to(weight.dtype)
+            if ctx.needs_input_grad[2]:
+                grad_lin_bias = grad_a.sum(0).to(lin_bias.dtype)
+        return grad_x, grad_weight, grad_lin_bias, grad_b, grad_bias, None
+
+
+def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    return None if t is None else t.to(dtype)
 
 
 def _weights(edges: MessageEdges, a: Tensor) -> Tensor:

@@ -55,9 +55,10 @@ class EdgeGCNConv(MessagePassing):
     ``message_impl`` (:mod:`sat.edge_messages`): ``fused`` sums the messages in one Triton kernel
     per pass, without materialising them per edge; ``auto`` does so on CUDA for the gathered
     (k-subgraph) inputs only, where the messages are many (the k-subtree case is launch-bound, and
-    one sort per call would not pay); ``torch`` never. The fused sum includes the root term and
-    returns the dtype of ``W x`` (bf16 under autocast); the torch path adds an fp32 root term under
-    autocast, which promotes its output to fp32.
+    one sort per call would not pay); ``torch`` never. The fused sum includes the root term, forms
+    ``W x`` itself (again in the backward pass, instead of keeping it) and returns its dtype (bf16
+    under autocast); the torch path adds an fp32 root term under autocast, which promotes its
+    output to fp32.
 
     Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``; with the
     gathers: x ``[N, d]``, edge_index ``[2, Es]`` (over the ``S`` entries), edge_attr
@@ -103,7 +104,6 @@ class EdgeGCNConv(MessagePassing):
         ``fused_edges``: :func:`gcn_message_edges` of these indices, built once and shared by
         the layers over the same edges (otherwise built here), where the sum is fused.
         """
-        x = self.linear(x)
         edge_embedding = self.edge_encoder(edge_attr)
         num_entries = x.size(0) if node_index is None else node_index.numel()
         gathered = node_index is not None or edge_id is not None
@@ -111,7 +111,9 @@ class EdgeGCNConv(MessagePassing):
             if fused_edges is None:
                 fused_edges = gcn_message_edges(edge_index, x.size(0), edge_attr.size(0), num_entries, x.dtype, node_index,
                                                 edge_id)
-            return aggregate_edge_messages(x, edge_embedding, fused_edges, self.root_emb.weight[0], "fused")
+            # W x is formed inside, and again in the backward pass rather than kept
+            return aggregate_edge_messages(x, edge_embedding, fused_edges, self.root_emb.weight[0], "fused", self.linear)
+        x = self.linear(x)
         col = edge_index[1]
         deg, norm = _gcn_norm(edge_index, num_entries)
         norm, deg_col = norm.to(x.dtype), deg.view(-1, 1).to(x.dtype)

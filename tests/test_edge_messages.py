@@ -127,6 +127,37 @@ def test_root_term_joins_the_fused_sum(dtype, root, config, monkeypatch):
     _assert_close_to_exact(fused, exact, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_linear_map_formed_inside_and_again_in_the_backward_pass(dtype):
+    """With ``linear`` the sum reads ``linear(a)``: the fused path forms it (under autocast in bf16,
+    as the module would) and forms it again for the backward pass instead of keeping it; outputs
+    and the gradients into ``a``, ``b``, the root bias and the map's weight and bias match torch."""
+    t, num_out = _problem(24, torch.float64, seed=3, root="gathered")
+    edges = message_edges(t["ia"], t["ib"], t["dst"], t["norm"], t["a"].size(0), t["b"].size(0), num_out,
+                          RootTerm(t["root_index"], t["root_weight"]))
+    results = {}
+    for impl in ("fused", "torch"):
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(24, 24, dtype=torch.float64 if dtype == torch.float64 else torch.float32).to(DEVICE)
+        x = t["a"].to(linear.weight.dtype).detach().requires_grad_()
+        b = t["b"].to(dtype).detach().requires_grad_()
+        bias = t["root_bias"].to(linear.weight.dtype).detach().requires_grad_()
+        with torch.autocast(DEVICE.type, torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = aggregate_edge_messages(x, b, edges, bias, impl, linear)
+            kept = kept_for_backward(lambda: aggregate_edge_messages(x, b, edges, bias, impl, linear))
+        leaves = [x, b, bias, linear.weight, linear.bias]
+        results[impl] = out, torch.autograd.grad(out, leaves, t["probe"].to(out.dtype)), kept, x
+    (out, grads, kept, x), (ref, ref_grads, _, _) = results["fused"], results["torch"]
+    assert out.dtype == dtype
+    rows_of_a = [k for k in kept if k.dim() == 2 and k.size(0) == t["a"].size(0)]
+    assert [k.data_ptr() for k in rows_of_a] == [x.data_ptr()]  # its input, not linear(a)
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    for name, f, r in zip(["out", "x", "b", "root_bias", "weight", "lin_bias"], (out, *grads), (ref, *ref_grads)):
+        assert f.dtype == r.dtype, name
+        torch.testing.assert_close(f.double(), r.double(), rtol=tol, atol=tol * r.abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
+
+
 def test_bf16_fused_results_are_the_exact_sums_rounded_once():
     """Messages and partial sums stay in fp32 inside the kernel, so each bf16 result is within one
     bf16 ulp (2**-7 relative; half of it when rounding to nearest, as CUDA does) of the exact sum.
@@ -230,11 +261,12 @@ def test_auto_takes_the_kernel_only_on_cuda_and_the_config_names_bad_values():
         SATConfig(gnn_messages="triton")
 
 
-def test_fused_subgraph_extractor_keeps_three_bf16_rows_per_entry_under_autocast():
-    """What decides the k-subgraph extractor's memory: the ``[S, d]`` tensors autograd keeps. With
-    the root term in the kernel, the two GCN layers keep the first layer's output (the second's
-    linear input), the second's ``W x`` (its messages' ReLU masks are recomputed from it) and its
-    output (for the ReLU), all in bf16; the torch path keeps fp32 ones too (its fp32 root term)."""
+def test_fused_subgraph_extractor_keeps_two_bf16_rows_per_entry_under_autocast():
+    """What decides the k-subgraph extractor's memory: the ``[S, d]`` tensors autograd keeps. The
+    fused GCN layers keep the first layer's output (for its ReLU, and the second layer's linear
+    input) and the second's output (for its ReLU), in bf16: the root term is in the kernel, and
+    the second layer's ``W x``, from which the kernels recompute their ReLU masks, is formed again
+    in the backward pass. The torch path keeps fp32 ones too (its fp32 root term)."""
     batch = _batch(2)
     entries, width = batch.subgraph_node_index.numel(), 64
     kept = {}
@@ -248,6 +280,6 @@ def test_fused_subgraph_extractor_keeps_three_bf16_rows_per_entry_under_autocast
         kept[impl] = [(t.dtype, t.untyped_storage().nbytes()) for t in saved
                       if t.is_floating_point() and t.dim() == 2 and t.size(0) == entries]
     row_bytes = entries * width * torch.bfloat16.itemsize
-    assert [dtype for dtype, _ in kept["fused"]] == [torch.bfloat16] * 3
-    assert sum(n for _, n in kept["fused"]) <= 3 * row_bytes
+    assert [dtype for dtype, _ in kept["fused"]] == [torch.bfloat16] * 2
+    assert sum(n for _, n in kept["fused"]) <= 2 * row_bytes
     assert sum(n for _, n in kept["torch"]) >= 6 * row_bytes  # what the fused path saves
