@@ -257,7 +257,11 @@ class _FusedAggregate(torch.autograd.Function):
         x, weight, lin_bias, b = ctx.saved_tensors
         edges: MessageEdges = ctx.edges
         dtype = ctx.a_dtype
-        a = (x if weight is None else F.linear(x.to(dtype), weight.to(dtype), _cast(lin_bias, dtype))).contiguous()
+        if weight is None:
+            a = x.contiguous()
+        else:  # W x again, in the forward's dtype (autocast is off in the backward pass)
+            x_, weight_ = x.to(dtype), weight.to(dtype)
+            a = F.linear(x_, weight_, None if lin_bias is None else lin_bias.to(dtype)).contiguous()
         norm, dst = _weights(edges, a), edges.dst.index
         grad_out = grad_out.contiguous().to(dtype)
         grad_x = grad_weight = grad_lin_bias = grad_a = grad_b = grad_bias = None
@@ -274,16 +278,12 @@ class _FusedAggregate(torch.autograd.Function):
             grad_x = grad_a
         elif grad_a is not None:  # the linear map's backward, in its forward dtype as autocast runs it
             if ctx.needs_input_grad[0]:
-                grad_x = (grad_a @ weight.to(dtype)).to(x.dtype)
+                grad_x = (grad_a @ weight_).to(x.dtype)
             if ctx.needs_input_grad[1]:
-                grad_weight = (grad_a.T @ x.to(dtype)).to(weight.dtype)
+                grad_weight = (grad_a.T @ x_).to(weight.dtype)
             if ctx.needs_input_grad[2]:
                 grad_lin_bias = grad_a.sum(0).to(lin_bias.dtype)
         return grad_x, grad_weight, grad_lin_bias, grad_b, grad_bias, None
-
-
-def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    return None if t is None else t.to(dtype)
 
 
 def _weights(edges: MessageEdges, a: Tensor) -> Tensor:
