@@ -142,9 +142,10 @@ def test_linear_map_formed_inside_and_again_in_the_backward_pass(dtype):
         x = t["a"].to(linear.weight.dtype).detach().requires_grad_()
         b = t["b"].to(dtype).detach().requires_grad_()
         bias = t["root_bias"].to(linear.weight.dtype).detach().requires_grad_()
+        outs = []
         with torch.autocast(DEVICE.type, torch.bfloat16, enabled=dtype == torch.bfloat16):
-            out = aggregate_edge_messages(x, b, edges, bias, impl, linear)
-            kept = kept_for_backward(lambda: aggregate_edge_messages(x, b, edges, bias, impl, linear))
+            kept = kept_for_backward(lambda: outs.append(aggregate_edge_messages(x, b, edges, bias, impl, linear)))
+        out = outs[0]
         leaves = [x, b, bias, linear.weight, linear.bias]
         results[impl] = out, torch.autograd.grad(out, leaves, t["probe"].to(out.dtype)), kept, x
     (out, grads, kept, x), (ref, ref_grads, _, _) = results["fused"], results["torch"]
