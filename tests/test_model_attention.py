@@ -6,8 +6,10 @@ from torch_geometric.data import Batch
 from sat import SAT, SATConfig, SATData, add_subgraph_indices
 from sat.attention import GraphLayout, StructureAwareAttention
 
-# fp32 on CPU: both paths compute the same softmax in a different order of operations
-ATOL, RTOL = 1e-5, 1e-4
+# fp32 on CPU: both paths compute the same softmax in a different order of operations. They
+# usually agree to ~1e-7, but one full suite run on a 2-core AMX machine saw 3.6e-5 on outputs of
+# magnitude ~1 (SDPA's CPU kernel; not reproduced alone). A masking or cross-graph error is O(0.1).
+ATOL, RTOL = 1e-4, 1e-3
 
 
 def _graph(n, gen, with_subgraphs=False):
