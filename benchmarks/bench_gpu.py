@@ -9,7 +9,9 @@ measures the GPU path end to end and returns a markdown section for benchmarks/R
    ``jobs/code2.yaml``: bf16 and fp32, k-subtree and k-subgraph (k=2), several node budgets, and
    batches of 32 graphs for comparison with the SAT authors' code (FACTS.md: 299 graphs/s fp32 and
    6.2 GB; k-subgraph 9.0 GB, on an H200).
-3. The real pipeline on one GPU: ``satp data pycode`` -> ``satp preprocess`` -> ``satp train``
+3. The train-step benchmark on ogbg-ppa-shaped synthetic graphs with the model and task of
+   ``jobs/ppa.yaml``, at its node budget and a larger one (ppa's budget has no other GPU figure).
+4. The real pipeline on one GPU: ``satp data pycode`` -> ``satp preprocess`` -> ``satp train``
    (Ray Train, DeepSpeed, NCCL, MLflow on SQLite, registration) with ``jobs/code2.yaml`` on one GPU
    worker; per-epoch figures read back from MLflow; and the step benchmark on the same shards and
    settings, for the pipeline's overhead.
@@ -33,6 +35,7 @@ BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S", "420"))
 DRY_RUN = os.environ.get("SATP_GPU_DRY_RUN") == "1"
 SYNTHETIC_GRAPHS = 256 if DRY_RUN else 16384  # code2-shaped graphs for the k-subtree rows (cycled over epochs)
 SUBGRAPH_GRAPHS = 128 if DRY_RUN else 4096  # with 2-hop subgraph indices precomputed on the CPU
+PPA_GRAPHS = 64 if DRY_RUN else 2048  # ppa-shaped graphs (~243 nodes, ~4.4k directed edges each)
 PIPELINE_EPOCHS = 1 if DRY_RUN else 2
 STEP_TIMING = dict(seconds=1.0, warmup=2, loader_workers=1, tiny=True) if DRY_RUN else dict(seconds=4.0, warmup=10, loader_workers=4)
 PYCODE_WORKERS = 4  # parsing processes of the background `satp data pycode`: the step rows keep the other cores
@@ -71,6 +74,14 @@ STEP_ROWS = [
      dict(precision="bf16", extractor="subtree", node_budget=65536, gnn_messages="fused", detail=False)),
 ]
 ROWS_BEFORE_PIPELINE = 4
+# jobs/ppa.yaml's budget (16384) was chosen by analogy with code2; these rows measure it and 4x more.
+# ``graphs`` names the synthetic set (default: the row's extractor, code2-shaped).
+PPA_ROWS = [
+    ("bf16, k-subtree, budget 16384 (jobs/ppa.yaml)", dict(job="jobs/ppa.yaml", graphs="ppa", precision="bf16",
+                                                          node_budget=16384, detail=False)),
+    ("bf16, k-subtree, budget 65536", dict(job="jobs/ppa.yaml", graphs="ppa", precision="bf16", node_budget=65536,
+                                           detail=False)),
+]
 # the pipeline runs at a budget that gives the small pycode train split (~11k graphs) enough steps
 # per epoch (~40) for a per-epoch rate; the step benchmark runs at the same budget, in and out of Ray
 PIPELINE_NODE_BUDGET = 16384
@@ -146,16 +157,18 @@ def parity(proc: subprocess.Popen, clock: Clock) -> tuple[str, dict]:
 
 
 def _synthetic_files(tmp: Path) -> dict[str, str]:
+    """The step rows' graph sets: code2-shaped (``subtree``; ``subgraph`` with 2-hop indices) and ``ppa``."""
     from benchmarks.gpu_step import save_graphs
-    from benchmarks.synthetic import code2_like_graphs
+    from benchmarks.synthetic import code2_like_graphs, ppa_like_graphs
     from sat import add_subgraph_indices
 
-    files = {"subtree": str(tmp / "code2_like.pt"), "subgraph": str(tmp / "code2_like_k2.pt")}
+    files = {"subtree": str(tmp / "code2_like.pt"), "subgraph": str(tmp / "code2_like_k2.pt"), "ppa": str(tmp / "ppa_like.pt")}
     if all(Path(f).is_file() for f in files.values()):
         return files
     graphs = code2_like_graphs(SYNTHETIC_GRAPHS, seed=0)
     save_graphs(graphs, files["subtree"])
     save_graphs([add_subgraph_indices(g, 2) for g in graphs[:SUBGRAPH_GRAPHS]], files["subgraph"])
+    save_graphs(ppa_like_graphs(PPA_GRAPHS, seed=0), files["ppa"])
     return files
 
 
@@ -183,11 +196,9 @@ STEP_HEADER = [
 ]
 
 
-def step_benchmark(clock: Clock, tmp: Path, rows: list) -> tuple[str, dict]:
-    files = _synthetic_files(tmp)
-    results = {}
-    lines = ["#### Train step (`benchmarks/gpu_step.py`), code2-shaped synthetic graphs, model of `jobs/code2.yaml`", ""]
-    lines.append(
+def _code2_heading() -> list[str]:
+    return [
+        "#### Train step (`benchmarks/gpu_step.py`), code2-shaped synthetic graphs, model of `jobs/code2.yaml`", "",
         f"{SYNTHETIC_GRAPHS} graphs (k-subgraph rows: {SUBGRAPH_GRAPHS}, 2-hop indices precomputed), lognormal sizes "
         "(mean 125, sigma 0.75, 10-1000 nodes), OGB augment_edge; 4 layers, hidden 256, 4 heads, FFN 2x, dropout 0.2, "
         "k=2 GCN extractor with edge embeddings, mean readout, 5 x 5002 heads, AdamW + warm-up/cosine, grad clip 1.0, "
@@ -195,24 +206,43 @@ def step_benchmark(clock: Clock, tmp: Path, rows: list) -> tuple[str, dict]:
         f"DataLoader (4 workers, pinned memory). Warm-up {STEP_TIMING['warmup']} steps, then >= "
         f"{STEP_TIMING['seconds']:g} s of whole steps. Host ms: time the Python side spends per phase (no syncs); "
         "GPU ms: CUDA events with the device synchronised after each step; "
-        "GPU busy: kernel time per step (torch.profiler); MFU against the card's dense bf16 / fp32 (no TF32) peak."
-    )
-    lines += [""] + STEP_HEADER
+        "GPU busy: kernel time per step (torch.profiler); MFU against the card's dense bf16 / fp32 (no TF32) peak.",
+        "", f"Reference: {REFERENCE}.",
+    ]
+
+
+def _ppa_heading() -> list[str]:
+    from pipeline.config import load_job
+
+    m = load_job(ROOT / "jobs/ppa.yaml").model
+    return [
+        "#### Train step (`benchmarks/gpu_step.py`), ppa-shaped synthetic graphs, model of `jobs/ppa.yaml`", "",
+        f"{PPA_GRAPHS} graphs as `satp data synthetic-ppa` makes them (`benchmarks.synthetic.ppa_like_graphs`: ~243 "
+        "nodes, 60-600, average degree ~18, 7 float edge features, node input the sum of incident edge features); "
+        f"the model, task (`PPATask`, 37 classes) and optimizer of `jobs/ppa.yaml` ({m.num_layers} layers, hidden "
+        f"{m.hidden_dim}, {m.num_heads} heads, k={m.k_hops} {m.gnn_type.upper()} {m.extractor} extractor); "
+        "measured as the code2 rows.",
+    ]
+
+
+def step_benchmark(clock: Clock, tmp: Path, rows: list, heading=_code2_heading) -> tuple[str, dict]:
+    files = _synthetic_files(tmp)
+    results = {}
+    lines = heading() + [""] + STEP_HEADER
     for label, spec in rows:
         if clock.left() < 60:
             results[label] = {"error": "skipped: GPU check time budget spent"}
         else:
-            spec = dict(spec, graphs=files[spec["extractor"]], **STEP_TIMING)
+            spec = dict(spec, graphs=files[spec.get("graphs", spec.get("extractor"))], **STEP_TIMING)
             if DRY_RUN:
                 spec["node_budget"] = min(spec["node_budget"], 2048)
             print(f"   gpu step: {label} ...", flush=True)
             results[label] = _step(spec, min(STEP_TIMEOUT_S, clock.left() - 30))
             print(f"   {json.dumps(results[label])[:400]}", flush=True)
         shown = label
-        if spec["extractor"] == "subgraph" and "gnn_messages" in results[label]:
+        if spec.get("extractor") == "subgraph" and "gnn_messages" in results[label]:
             shown += f" [{results[label]['gnn_messages']} message sums]"
         lines.append(_row(shown, results[label]))
-    lines += ["", f"Reference: {REFERENCE}."]
     lines += _top_ops_tables(results)
     return "\n".join(lines), results
 
@@ -360,6 +390,7 @@ def run() -> str:
         parts = (
             ("parity", lambda: parity(parity_proc, clock)),
             ("step", lambda: step_benchmark(clock, tmp_path, STEP_ROWS[:ROWS_BEFORE_PIPELINE])),
+            ("ppa step", lambda: step_benchmark(clock, tmp_path, PPA_ROWS, heading=_ppa_heading)),
             ("pipeline", lambda: pipeline(clock, tmp_path, pycode_proc, pycode_started)),
             ("step, more rows", lambda: step_benchmark(clock, tmp_path, STEP_ROWS[ROWS_BEFORE_PIPELINE:ROWS_BEFORE_PIPELINE + 2] if DRY_RUN else STEP_ROWS[ROWS_BEFORE_PIPELINE:])),
         )

@@ -5,7 +5,7 @@ worker's (:class:`pipeline.train_step.TrainStep` on a :func:`pipeline.engine.bui
 DeepSpeed engine, single rank), fed by the worker's loader (:class:`pipeline.batching.NodeBudgetSampler`,
 :class:`pipeline.loader.BatchCollator` in DataLoader worker processes, pinned memory,
 non-blocking copies), on the model of ``jobs/code2.yaml`` configured by :class:`pipeline.tasks.Code2Task`
-(or the job named in the spec). Figures:
+(or the job named in the spec, with its task). Figures:
 
 * ``graphs_per_s``: graphs trained per second of wall clock over a window of whole steps after
   warm-up (synchronised at the window's ends only), and ``data_wait_frac``, the share of that
@@ -52,10 +52,22 @@ PEAK_FLOPS = {"H200": (989e12, 67e12), "H100 PCIe": (756e12, 51e12), "H100": (98
 
 
 def save_graphs(graphs: list, path: str | Path) -> None:
-    """Write ``SATData`` graphs as plain tensors (read back with ``weights_only=True``)."""
+    """Write ``SATData`` graphs as a few plain tensors (read back with ``weights_only=True``).
+
+    Each field is concatenated over the graphs along the dimension batching concatenates, with the
+    graphs' lengths: one storage per field, so that every benchmark process loads the file in well
+    under a second (a storage per graph and field took ~14 s for 16k graphs).
+    """
     import torch
 
-    torch.save([{k: v for k, v in g.items()} | {"num_nodes": int(g.num_nodes)} for g in graphs], path)
+    keys = [k for k, v in graphs[0].items() if torch.is_tensor(v)]
+    fields = {}
+    for key in keys:
+        dim = graphs[0].__cat_dim__(key, graphs[0][key]) % graphs[0][key].dim()
+        parts = [g[key] for g in graphs]
+        fields[key] = {"dim": dim, "values": torch.cat(parts, dim),
+                       "lengths": torch.tensor([t.size(dim) for t in parts], dtype=torch.int64)}
+    torch.save({"num_nodes": torch.tensor([int(g.num_nodes) for g in graphs]), "fields": fields}, path)
 
 
 def load_graphs(path: str | Path) -> list:
@@ -63,7 +75,10 @@ def load_graphs(path: str | Path) -> list:
 
     from sat.data import SATData
 
-    return [SATData(**item) for item in torch.load(path, weights_only=True)]
+    stored = torch.load(path, weights_only=True)
+    columns = {key: torch.split(f["values"], f["lengths"].tolist(), dim=f["dim"]) for key, f in stored["fields"].items()}
+    return [SATData(num_nodes=n, **{key: parts[i] for key, parts in columns.items()})
+            for i, n in enumerate(stored["num_nodes"].tolist())]
 
 
 def peak_flops(precision: str) -> float | None:
@@ -144,22 +159,26 @@ class _HostEvent:
         return 1000.0 * (other.t - self.t)
 
 
-def _job_parts(spec: dict, sample):
-    """The job's model config (configured by the task) and train config, with the spec's overrides."""
+def _job_parts(spec: dict, dataset):
+    """The job's task, its model config (configured by the task) and train config, with the spec's overrides.
+
+    The task is the job's (``train.task``, else the dataset's default), as the worker builds it; a
+    code2 task on synthetic graphs gets a made-up vocabulary of the job's size (shards carry their own).
+    """
+    import dataclasses
+
     from pipeline.config import load_job
-    from pipeline.tasks import Code2Task
+    from pipeline.tasks import make_task, task_name_for
 
     job = load_job(ROOT / spec.get("job", "jobs/code2.yaml"))
-    vocab = [f"tok{i}" for i in range(5000)] + ["__UNK__", "__EOS__"]
-    task = Code2Task(vocab)
+    vocab = getattr(dataset, "vocab", None) or [f"tok{i}" for i in range(job.transform.vocab_size)] + ["__UNK__", "__EOS__"]
+    task = make_task(task_name_for(job.train.task, job.data.name), vocab=vocab)
     model = job.model
-    overrides = {"extractor": spec["extractor"], "attention": spec.get("attention", "auto"),
+    overrides = {"extractor": spec.get("extractor", model.extractor), "attention": spec.get("attention", "auto"),
                  "gnn_messages": spec.get("gnn_messages", "auto"), "recompute_gnn": spec.get("recompute_gnn", False)}
     if spec.get("tiny"):  # dry runs on a CPU: the same code paths, a small model
         overrides.update(hidden_dim=32, num_layers=1)
-    import dataclasses
-
-    config = task.configure(dataclasses.replace(model, **overrides), sample)
+    config = task.configure(dataclasses.replace(model, **overrides), dataset[0])
     update = {"node_budget": spec["node_budget"], "max_graphs_per_batch": spec.get("max_graphs")}
     if spec.get("bucket_size"):  # e.g. the reference's random batches: buckets of one batch, unsorted
         update["bucket_size"] = spec["bucket_size"]
@@ -223,12 +242,7 @@ def measure(spec: dict) -> dict:
     torch.manual_seed(0)
     dataset = load_graphs(spec["graphs"]) if spec.get("graphs") else open_split(spec["shards"], "train")
     sizes = np.asarray([g.num_nodes for g in dataset] if spec.get("graphs") else dataset.num_nodes)
-    task, config, train = _job_parts(spec, dataset[0])
-    if spec.get("shards"):  # the shards carry their own vocabulary
-        from pipeline.tasks import Code2Task
-
-        task = Code2Task(dataset.vocab)
-        config = task.configure(config, dataset[0])
+    task, config, train = _job_parts(spec, dataset)
     model = SAT(config)
     if spec.get("compile"):
         model.compile(dynamic=True)  # in place: parameter names unchanged

@@ -1,4 +1,4 @@
-"""Synthetic ogbg-code2-shaped graphs for benchmarks (FACTS.md, "Benchmark shapes").
+"""Synthetic ogbg-code2- and ogbg-ppa-shaped graphs for benchmarks (FACTS.md, "Benchmark shapes").
 
 Node counts are lognormal with mean 125 and sigma 0.75 (``mu = ln 125 - sigma^2 / 2``), clipped to
 [10, 1000]. Each graph is a random tree whose node ids are its DFS pre-order (as in OGB's
@@ -18,6 +18,13 @@ Fields of every graph: ``x`` long ``[N, 2]`` (type, attribute), ``node_depth`` l
 ``node_is_attributed`` long ``[N]``, ``edge_index`` long ``[2, E]``, ``edge_attr`` long ``[E, 2]``,
 ``y`` long ``[1, 5]``, ``num_nodes``. Matching model settings: ``node_encoder='code2_ast'``,
 ``edge_encoder='linear'`` with ``edge_in_dim=2``, ``head='code2_sequence'`` with ``num_classes=5002``.
+
+:func:`ppa_like_graphs` gives ogbg-ppa-shaped graphs (~243 nodes, average degree ~18, 7 float edge
+features, 37 classes: :func:`preprocessing.synthetic.synthetic_ppa_graph`, what
+``satp data synthetic-ppa`` writes), each edge followed by its reverse as OGB's loader adds them, with the
+fields of a ``jobs/ppa.yaml`` shard row (:func:`preprocessing.transforms.transform_graph`):
+``x`` float ``[N, 7]`` (the sum of incident edge features), ``edge_attr`` float ``[E, 7]``,
+``degree`` ``[N]``, ``y`` ``[1]``.
 """
 from __future__ import annotations
 
@@ -26,7 +33,10 @@ import math
 import numpy as np
 import torch
 
-from preprocessing.transforms import augment_edge
+from preprocessing.config import TransformConfig
+from preprocessing.synthetic import NUM_CLASSES as PPA_CLASSES
+from preprocessing.synthetic import class_prototypes, synthetic_ppa_graph
+from preprocessing.transforms import augment_edge, transform_graph
 from sat.data import SATData
 
 NUM_NODE_TYPES = 98
@@ -91,4 +101,22 @@ def code2_like_graphs(n: int, seed: int = 0) -> list[SATData]:
                 num_nodes=num_nodes,
             )
         )
+    return graphs
+
+
+def ppa_like_graphs(n: int, seed: int = 0) -> list[SATData]:
+    """``n`` synthetic ppa-shaped graphs as ``jobs/ppa.yaml`` stores them; deterministic in ``(n, seed)``."""
+    rng = np.random.default_rng(seed)
+    prototypes = class_prototypes(seed)
+    transform = TransformConfig(rwpe_steps=0, k_hops=0, ppa_node_input="edge_sum")
+    graphs = []
+    for graph_id, label in enumerate(rng.integers(0, PPA_CLASSES, size=n).tolist()):
+        pairs, feats, num_nodes = synthetic_ppa_graph(rng, label, prototypes)
+        raw = {"graph_id": graph_id, "num_nodes": num_nodes, "y": label,
+               # each edge followed by its reverse, as OGB's loader adds them
+               "edge_index": np.stack([pairs, pairs[:, ::-1]], axis=1).reshape(-1, 2).T,
+               "edge_attr": np.repeat(feats, 2, axis=0)}
+        row = transform_graph(raw, "ppa", transform)
+        graphs.append(SATData(num_nodes=num_nodes, **{k: torch.from_numpy(np.asarray(row[k]))
+                                                       for k in ("x", "edge_index", "edge_attr", "degree", "y")}))
     return graphs

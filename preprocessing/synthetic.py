@@ -51,7 +51,8 @@ def synthetic_ppa_graph(rng: np.random.Generator, label: int, prototypes: np.nda
     v = np.where(rng.random(m) < within, v_in, v_any)
     lo, hi = np.minimum(u, v), np.maximum(u, v)
     keep = lo != hi
-    pairs = np.unique(np.stack([lo[keep], hi[keep]], axis=1), axis=0)
+    codes = np.unique(lo[keep] * n + hi[keep])  # sorted as the (lo, hi) pairs, faster than unique(axis=0)
+    pairs = np.stack([codes // n, codes % n], axis=1)
     if len(pairs) == 0:
         pairs = np.array([[0, 1]])
     pairs = pairs[rng.permutation(len(pairs))]

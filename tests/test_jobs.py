@@ -40,6 +40,21 @@ def test_shipped_jobs_validate_and_document_their_command(name):
         assert not job.resources.use_gpu and job.resources.num_workers == 2 and job.data.source == "pycode"
 
 
+def test_ppa_job_batches_hold_the_graphs_its_learning_rate_assumes():
+    """ppa.yaml's lr assumes ~67 graphs per batch at its node budget: the sampler gives that on ppa-sized graphs."""
+    import numpy as np
+
+    from benchmarks.synthetic import ppa_like_graphs
+    from pipeline.batching import NodeBudgetSampler
+
+    job = load_job(JOBS / "ppa.yaml")
+    sizes = np.asarray([g.num_nodes for g in ppa_like_graphs(400, seed=0)])
+    sampler = NodeBudgetSampler(sizes, job.train.node_budget, bucket_size=job.train.bucket_size,
+                                max_graphs=job.train.max_graphs_per_batch)
+    full = [len(b) for b in sampler][:-1]  # the last batch takes what is left
+    assert np.mean(full) == pytest.approx(67, rel=0.1)
+
+
 def _bad(tmp_path: Path, edit) -> Path:
     raw = yaml.safe_load((JOBS / "code2-local.yaml").read_text())
     edit(raw)

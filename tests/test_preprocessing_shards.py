@@ -215,6 +215,29 @@ def test_ppa_shards(ppa):
     assert batch.y.shape == (3,)
 
 
+def test_benchmark_ppa_graphs_are_laid_out_as_ppa_shard_rows(ppa):
+    """The GPU check's ppa rows train on ``ppa_like_graphs``: the fields, dtypes and edge order that
+    ``satp preprocess`` writes for ppa (``edge_sum`` node input), at ogbg-ppa's sizes."""
+    from benchmarks.synthetic import ppa_like_graphs
+
+    row = ShardDataset(ppa[2], "train")[0]
+    graphs = ppa_like_graphs(24, seed=0)
+    def width(data, key):  # the shape apart from the dimension batching concatenates
+        shape = list(data[key].shape)
+        del shape[data.__cat_dim__(key, data[key]) % len(shape)]
+        return shape
+
+    for g in graphs:
+        for key in [k for k, v in g.items() if torch.is_tensor(v)]:
+            assert key in row and g[key].dtype == row[key].dtype and width(g, key) == width(row, key), key
+        e = g.edge_index
+        assert torch.equal(e[:, 0::2].flip(0), e[:, 1::2]) and torch.equal(g.edge_attr[0::2], g.edge_attr[1::2])
+        incident = torch.zeros(g.num_nodes, 7).index_add_(0, e[1], g.edge_attr)  # symmetric: either end
+        torch.testing.assert_close(g.x, incident)
+    nodes = sum(g.num_nodes for g in graphs)
+    assert 190 < nodes / len(graphs) < 300 and 14 < sum(g.edge_index.size(1) for g in graphs) / nodes < 22
+
+
 def test_finished_directory_is_validated_without_loading(code2, monkeypatch, tmp_path):
     import preprocessing.build as build
 

@@ -37,9 +37,9 @@ print(f"== torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton
 EOF
 
 before=$(wc -l < benchmarks/RESULTS.md)
+if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; fi  # the check writes its raw figures there as it goes
 BENCH=gpu "$PY" -m benchmarks.run
 if [ -n "${OUT:-}" ]; then
-  mkdir -p "$OUT"
   tail -n +"$((before + 1))" benchmarks/RESULTS.md > "$OUT/gpu_section.md"
 fi
 echo "== GPU check done in $(( $(date +%s) - start )) s"
