@@ -63,14 +63,25 @@ def code2_raw_chunk(num_graphs: int, seed: int = 0, first_id: int = 0) -> dict:
     }
 
 
-def _store(chunk: dict, splits: dict):
-    from preprocessing.sources import RawStore
+def _store(chunk: dict, splits: dict, root: Path):
+    """``chunk`` written in OGB's code2 raw layout under ``root`` and converted into its columnar store."""
+    from preprocessing.columnar import build_store, raw_fingerprint
+    from preprocessing.ogb_layout import atomic_dataset_dir, write_gz_array, write_gz_text, write_splits
 
-    return RawStore(
-        name="ogbg-code2", folder=Path("synthetic"), fingerprint="synthetic", node_ptr=chunk["node_ptr"],
-        edge_ptr=chunk["edge_ptr"], edge_index=chunk["edge_index"], splits=splits, x=chunk["x"],
-        node_depth=chunk["node_depth"], node_is_attributed=chunk["node_is_attributed"], y_tokens=chunk["y_tokens"],
-    )
+    nodes, edges = np.diff(chunk["node_ptr"]), np.diff(chunk["edge_ptr"])
+    with atomic_dataset_dir(root, "ogbg-code2") as folder:
+        raw = folder / "raw"
+        write_gz_array(raw / "edge.csv.gz", chunk["edge_index"].T, compresslevel=1)
+        write_gz_array(raw / "node-feat.csv.gz", chunk["x"], compresslevel=1)
+        write_gz_array(raw / "node_is_attributed.csv.gz", chunk["node_is_attributed"], compresslevel=1)
+        write_gz_array(raw / "node_dfs_order.csv.gz", np.concatenate([np.arange(n) for n in nodes]), compresslevel=1)
+        write_gz_array(raw / "node_depth.csv.gz", chunk["node_depth"], compresslevel=1)
+        write_gz_array(raw / "num-node-list.csv.gz", nodes)
+        write_gz_array(raw / "num-edge-list.csv.gz", edges)
+        write_gz_text(raw / "graph-label.csv.gz", "".join(" ".join(t) + "\n" for t in chunk["y_tokens"]))
+        write_splits(folder, "ogbg-code2", splits)
+    folder = root / "ogbg_code2"
+    return build_store(folder, "ogbg-code2", raw_fingerprint(folder, "ogbg-code2"))
 
 
 def _vocab(chunk: dict) -> list[str]:
@@ -197,13 +208,13 @@ def _ray_part(lines: list[str], ray) -> None:
     total = 4000
     chunk = code2_raw_chunk(total, seed=1)
     ids = np.arange(total)
-    store = _store(chunk, {"train": ids[:3200], "valid": ids[3200:3600], "test": ids[3600:]})
     data = DataConfig(name="ogbg-code2", root="synthetic")
     transform = TransformConfig(**FULL)
     timings = {}
     with tempfile.TemporaryDirectory() as tmp:
+        store = _store(chunk, {"train": ids[:3200], "valid": ids[3200:3600], "test": ids[3600:]}, Path(tmp, "data"))
         warm_store = _store(code2_raw_chunk(40, seed=2), {"train": np.arange(20), "valid": np.arange(20, 30),
-                                                          "test": np.arange(30, 40)})
+                                                          "test": np.arange(30, 40)}, Path(tmp, "warm-data"))
         build_shards(warm_store, data, transform, ShardConfig(root=f"{tmp}/warm", graphs_per_shard=10,
                                                               max_in_flight=2), progress=False)
         for workers in (1, 2):

@@ -1,15 +1,19 @@
 """Build, resume and validate a shard directory, one Ray task per shard.
 
-:func:`preprocess` loads the source (:mod:`preprocessing.sources`), plans the shards (each split
-in OGB's order, optionally a seeded subset of ``data.max_graphs_per_split`` graphs, cut into
-``shards.graphs_per_shard`` graphs), skips the shards already finished (sidecar present, same
-config hash and source fingerprint, sha256 matching), computes the others as Ray tasks (at most
-``shards.max_in_flight`` at once; each task gets its graphs' raw arrays, writes its shard atomically
-and returns its size and sha256; the driver then writes the shard's sidecar), and writes
-``manifest.json`` last. On a multi-node cluster ``shards.root`` must be shared storage. A directory whose
-manifest matches the raw files' fingerprint and whose shards all match their sha256 is returned
-without loading the dataset. Ray is started locally (and stopped afterwards) unless it is already
-initialised, ``address`` names a cluster, or ``RAY_ADDRESS`` is set (inside a Ray job).
+:func:`preprocess` fingerprints the raw files, has them converted into the dataset's columnar
+store unless it is current (:mod:`preprocessing.columnar`: one Ray task per raw file, streaming,
+bounded memory), plans the shards (each split in OGB's order, optionally a seeded subset of
+``data.max_graphs_per_split`` graphs, cut into ``shards.graphs_per_shard`` graphs), skips the
+shards already finished (sidecar present, same config hash and source fingerprint, sha256
+matching), computes the others as Ray tasks (at most ``shards.max_in_flight`` at once; each task
+gets the store's folder and its graph ids, reads those graphs' rows from the memory-mapped store,
+writes its shard atomically and returns its size and sha256; the driver then writes the shard's
+sidecar), and writes ``manifest.json`` last. The driver holds per-graph arrays only (offsets,
+splits, the train labels for code2's vocabulary), never the dataset. On a multi-node cluster
+``data.root`` and ``shards.root`` must be shared storage. A directory whose manifest matches the
+raw files' fingerprint and whose shards all match their sha256 is returned without reading the
+dataset. Ray is started locally (and stopped afterwards) unless it is already initialised,
+``address`` names a cluster, or ``RAY_ADDRESS`` is set (inside a Ray job).
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ from preprocessing.shards import (
     sha256_file,
 )
 from preprocessing.sbm import NUM_CLASSES
-from preprocessing.sources import TASK, RawStore, check_raw, ensure_dataset, iter_chunk, load_source
+from preprocessing.columnar import ColumnarStore, build_store, convert_file, raw_fingerprint
+from preprocessing.sources import TASK, ensure_dataset, iter_chunk
 from preprocessing.transforms import build_vocab, transform_graph
 
 
@@ -68,7 +73,7 @@ def select_split(ids: np.ndarray, limit: int | None, seed: int) -> np.ndarray:
     return ids[keep]
 
 
-def plan_shards(store: RawStore, data: DataConfig, shards: ShardConfig) -> list[ShardPlan]:
+def plan_shards(store: ColumnarStore, data: DataConfig, shards: ShardConfig) -> list[ShardPlan]:
     plans = []
     for split in SPLITS:
         ids = select_split(store.splits[split], data.max_graphs_per_split, data.seed)
@@ -78,7 +83,7 @@ def plan_shards(store: RawStore, data: DataConfig, shards: ShardConfig) -> list[
 
 
 def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | None) -> bytes:
-    """Transform one shard's raw graphs and encode them."""
+    """Transform one shard's raw graphs (a :meth:`ColumnarStore.chunk`) and encode them."""
     import torch
 
     torch.set_num_threads(1)
@@ -88,14 +93,15 @@ def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | No
     return encode_shard(rows, column_specs(task, cfg))
 
 
-def write_shard(path: str, chunk: dict, task: str, transform: dict, vocab: list[str] | None) -> dict:
-    """The body of a Ray task: compute one shard and write it atomically where it belongs (on a
-    multi-node cluster ``shards.root`` is shared storage); only its size and checksum travel back.
+def write_shard(path: str, store: str, ids: np.ndarray, task: str, transform: dict, vocab: list[str] | None) -> dict:
+    """The body of a Ray task: read graphs ``ids`` from the columnar store in folder ``store``,
+    compute their shard and write it atomically where it belongs (on a multi-node cluster
+    ``data.root`` and ``shards.root`` are shared storage); only its size and checksum travel back.
 
     ``SATP_TESTING_SHARD_DELAY_S`` in the node's environment (a fault-injection test hook) makes the
     task last at least that long, so that a test can see it running on a node and kill the node."""
     started = time.monotonic()
-    payload = compute_shard(chunk, task, transform, vocab)
+    payload = compute_shard(ColumnarStore(store).chunk(ids), task, transform, vocab)
     time.sleep(max(0.0, float(os.environ.get("SATP_TESTING_SHARD_DELAY_S", 0)) - (time.monotonic() - started)))
     atomic_write_bytes(Path(path), payload)
     return {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
@@ -169,15 +175,13 @@ def preprocess(data: DataConfig, transform: TransformConfig, shards: ShardConfig
     out = shard_dir(data, transform, shards)
     if out.exists():
         _check_owner(out, chash)
-    fingerprint = None
-    if (out / MANIFEST).is_file():
-        folder = ensure_dataset(data)
-        if folder.exists():
-            fingerprint = check_raw(folder, data.name)
-            if _complete(out, fingerprint):
-                return out  # finished and intact: nothing to load
-    store = load_source(data, fingerprint=fingerprint)
-    return build_shards(store, data, transform, shards, address=address, progress=progress)
+    folder = ensure_dataset(data)
+    fingerprint = raw_fingerprint(folder, data.name)
+    if (out / MANIFEST).is_file() and _complete(out, fingerprint):
+        return out  # finished and intact: nothing to read
+    with _RaySession(address) as session:
+        store = build_store(folder, data.name, fingerprint, run=_conversion_runner(folder, session, progress))
+        return build_shards(store, data, transform, shards, address=address, progress=progress)
 
 
 def _complete(out: Path, fingerprint: str) -> bool:
@@ -195,9 +199,9 @@ def _complete(out: Path, fingerprint: str) -> bool:
     return True
 
 
-def build_shards(store: RawStore, data: DataConfig, transform: TransformConfig, shards: ShardConfig,
+def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformConfig, shards: ShardConfig,
                  address: str | None = None, progress: bool = True) -> Path:
-    """:func:`preprocess` on an already loaded :class:`~preprocessing.sources.RawStore`."""
+    """:func:`preprocess` on a finished :class:`~preprocessing.columnar.ColumnarStore`."""
     chash = config_hash(data, transform, shards)
     out = shard_dir(data, transform, shards)
     if out.exists():
@@ -218,7 +222,7 @@ def build_shards(store: RawStore, data: DataConfig, transform: TransformConfig, 
         train_ids = np.concatenate([p.ids for p in plans if p.split == "train"] or [np.zeros(0, np.int64)])
         if train_ids.size == 0:
             raise ValueError(f"{store.folder}: the train split is empty, no vocabulary can be built")
-        vocab = build_vocab((store.y_tokens[i] for i in train_ids.tolist()), transform.vocab_size)
+        vocab = build_vocab(store.labels(train_ids), transform.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     if vocab is not None:
         payload = (json.dumps(vocab) + "\n").encode()
@@ -233,7 +237,8 @@ def build_shards(store: RawStore, data: DataConfig, transform: TransformConfig, 
             print(f"satp: rebuilding shard {out / plan.file}: {why}", file=sys.stderr)
     if pending:
         (out / MANIFEST).unlink(missing_ok=True)  # incomplete from here on
-        results = _run_ray(pending, store, task, transform, vocab, out, shards, key, address, progress)
+        with _RaySession(address) as session:
+            results = _run_shard_tasks(session(), pending, store, task, transform, vocab, out, shards, key, progress)
         done.update(results)
     specs = column_specs(task, transform)
     manifest = {
@@ -273,55 +278,104 @@ def build_shards(store: RawStore, data: DataConfig, transform: TransformConfig, 
     return out
 
 
-def _run_ray(pending: list[ShardPlan], store: RawStore, task: str, transform: TransformConfig,
-             vocab: list[str] | None, out: Path, shards: ShardConfig, key: dict, address: str | None,
-             progress: bool) -> dict[str, dict]:
-    import ray
+class _RaySession:
+    """Ray for the tasks below, started on first use: the one already initialised, else the
+    cluster at ``address`` or ``RAY_ADDRESS`` (inside a Ray job), else a local one of this
+    process; stopped at the end only if started here (nothing to do starts no Ray)."""
+
+    def __init__(self, address: str | None):
+        self.address, self.started = address, False
+
+    def __call__(self):
+        import ray
+
+        if not ray.is_initialized():
+            if self.address or os.environ.get("RAY_ADDRESS"):
+                ray.init(address=self.address, log_to_driver=False)
+            else:
+                ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never someone else's
+            self.started = True
+        return ray
+
+    def __enter__(self) -> "_RaySession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.started:
+            import ray
+
+            ray.shutdown()
+
+
+def _progress(total: int, unit: str, desc: str, progress: bool):
     from tqdm import tqdm
 
-    started = False
-    if not ray.is_initialized():
-        if address or os.environ.get("RAY_ADDRESS"):  # a cluster (inside a Ray job RAY_ADDRESS is set)
-            ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never someone else's
-        started = True
-    results: dict[str, dict] = {}
-    try:
-        # SPREAD: shard tasks go to every node, not first to the node holding their arguments (the
-        # driver's); a task lost with its node is retried elsewhere (max_retries)
-        remote = ray.remote(num_cpus=shards.cpus_per_task, max_retries=2, scheduling_strategy="SPREAD")(write_shard)
-        cpus = ray.cluster_resources().get("CPU", 1.0)
-        # twice the slots: a queued task starts as soon as a worker is free
-        limit = shards.max_in_flight or 2 * max(1, int(cpus // shards.cpus_per_task))
-        vocab_ref = ray.put(vocab)
-        tdict = transform.model_dump(mode="json")
-        in_flight: dict = {}
-        queue = list(pending)
-        bar = tqdm(total=int(sum(p.ids.size for p in pending)), unit="graph", desc=f"preprocess {out.name}",
-                   disable=None if progress else True, file=sys.stderr, mininterval=1.0)  # None: off unless a terminal
-        with bar:
-            def submit() -> None:
-                while queue and len(in_flight) < limit:
-                    plan = queue.pop(0)
-                    in_flight[remote.remote(str(out / plan.file), store.chunk(plan.ids), task, tdict, vocab_ref)] = plan
+    return tqdm(total=total, unit=unit, unit_scale=True, desc=desc, disable=None if progress else True,
+                file=sys.stderr, mininterval=1.0)  # None: off unless a terminal
 
-            while queue or in_flight:
-                submit()
-                ready, _ = ray.wait(list(in_flight), num_returns=1)
-                finished = [(ref, in_flight.pop(ref)) for ref in ready]
-                submit()
-                for ref, plan in finished:
-                    try:
-                        written = ray.get(ref)
-                    except ray.exceptions.RayTaskError as exc:
-                        cause = getattr(exc, "cause", None) or exc
-                        raise ValueError(f"{out / plan.file}: {str(cause).splitlines()[0]}") from None
-                    meta = dict(key, file=plan.file, split=plan.split, rows=int(plan.ids.size), **written)
-                    atomic_write_json(out / plan.sidecar, meta)
-                    results[plan.file] = meta
-                    bar.update(int(plan.ids.size))
-    finally:
-        if started:
-            ray.shutdown()
+
+def _conversion_runner(folder: Path, session: _RaySession, progress: bool):
+    """Runs the raw-file conversions of :func:`preprocessing.columnar.build_store` as Ray tasks
+    (one per file, in parallel), with a progress bar over the raw files' compressed bytes."""
+
+    def run(calls: list[tuple]):
+        if not calls:
+            return []
+        ray = session()
+        remote = ray.remote(num_cpus=1, max_retries=2, scheduling_strategy="SPREAD")(convert_file)
+        counts_ref = ray.put(calls[0][4])
+        refs = {remote.remote(f, name, spec, fp, counts_ref): spec for f, name, spec, fp, _ in calls}
+        results = []
+        with _progress(sum((folder / s.rel).stat().st_size for s in refs.values()), "B",
+                       f"convert {folder.name}", progress) as bar:
+            while refs:
+                ready, _ = ray.wait(list(refs), num_returns=1)
+                spec = refs.pop(ready[0])
+                try:
+                    results.append(ray.get(ready[0]))
+                except ray.exceptions.RayTaskError as exc:
+                    cause = getattr(exc, "cause", None) or exc
+                    raise ValueError(str(cause).splitlines()[0]) from None
+                bar.update((folder / spec.rel).stat().st_size)
+        return results
+
+    return run
+
+
+def _run_shard_tasks(ray, pending: list[ShardPlan], store: ColumnarStore, task: str, transform: TransformConfig,
+                     vocab: list[str] | None, out: Path, shards: ShardConfig, key: dict,
+                     progress: bool) -> dict[str, dict]:
+    results: dict[str, dict] = {}
+    # SPREAD: shard tasks go to every node, not first to the node holding their arguments (the
+    # driver's); a task lost with its node is retried elsewhere (max_retries)
+    remote = ray.remote(num_cpus=shards.cpus_per_task, max_retries=2, scheduling_strategy="SPREAD")(write_shard)
+    cpus = ray.cluster_resources().get("CPU", 1.0)
+    # twice the slots: a queued task starts as soon as a worker is free
+    limit = shards.max_in_flight or 2 * max(1, int(cpus // shards.cpus_per_task))
+    vocab_ref = ray.put(vocab)
+    tdict = transform.model_dump(mode="json")
+    in_flight: dict = {}
+    queue = list(pending)
+    folder = str(store.folder)
+    with _progress(int(sum(p.ids.size for p in pending)), "graph", f"preprocess {out.name}", progress) as bar:
+        def submit() -> None:
+            while queue and len(in_flight) < limit:
+                plan = queue.pop(0)
+                in_flight[remote.remote(str(out / plan.file), folder, plan.ids, task, tdict, vocab_ref)] = plan
+
+        while queue or in_flight:
+            submit()
+            ready, _ = ray.wait(list(in_flight), num_returns=1)
+            finished = [(ref, in_flight.pop(ref)) for ref in ready]
+            submit()
+            for ref, plan in finished:
+                try:
+                    written = ray.get(ref)
+                except ray.exceptions.RayTaskError as exc:
+                    cause = getattr(exc, "cause", None) or exc
+                    raise ValueError(f"{out / plan.file}: {str(cause).splitlines()[0]}") from None
+                meta = dict(key, file=plan.file, split=plan.split, rows=int(plan.ids.size), **written)
+                atomic_write_json(out / plan.sidecar, meta)
+                results[plan.file] = meta
+                bar.update(int(plan.ids.size))
     return results

@@ -115,16 +115,16 @@ def test_failed_download_leaves_no_empty_data_root(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ogb_pyg, "download_url", no_network)
     root = tmp_path / "new-root"
-    with pytest.raises(ValueError, match="could not load ogbg-ppa"):
+    with pytest.raises(ValueError, match="could not download ogbg-ppa"):
         load_source(DataConfig(name="ogbg-ppa", root=str(root)))
     assert not root.exists()
     root.mkdir()
-    with pytest.raises(ValueError, match="could not load ogbg-ppa"):
+    with pytest.raises(ValueError, match="could not download ogbg-ppa"):
         load_source(DataConfig(name="ogbg-ppa", root=str(root)))
     assert root.is_dir() and not any(root.iterdir())  # a root that existed stays, without the partial zip
 
 
-def test_dataset_failing_its_checks_leaves_no_processed_cache(tmp_path):
+def test_dataset_failing_its_checks_leaves_no_finished_store(tmp_path):
     import gzip
 
     from preprocessing.config import DataConfig
@@ -139,7 +139,8 @@ def test_dataset_failing_its_checks_leaves_no_processed_cache(tmp_path):
         fh.write("\n".join(["0,100000"] + lines[1:]) + "\n")  # an edge id out of range: ogb loads it, satp rejects it
     with pytest.raises(ValueError, match="outside"):
         load_source(DataConfig(name="ogbg-ppa", root=str(tmp_path)))
-    assert not (tmp_path / "ogbg_ppa" / "processed").exists()
+    store = tmp_path / "ogbg_ppa" / "columnar"
+    assert not (store / "store.json").exists() and not (store / "edge_index.arrow").exists()
 
 
 # ----------------------------------------------------------------------------- temporary files

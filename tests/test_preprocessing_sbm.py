@@ -185,11 +185,12 @@ def test_loads_into_a_raw_store(roots):
     store = load_source(DataConfig(name="cluster", source="sbm", root=str(roots)))
     assert store.task == "cluster" and store.num_graphs == 36
     assert {k: v.size for k, v in store.splits.items()} == {"train": 30, "valid": 3, "test": 3}
-    assert store.x.shape == store.node_label.shape == (store.node_ptr[-1],)
+    everything = store.chunk(np.arange(store.num_graphs))
+    assert everything["x"].shape == everything["node_label"].shape == (store.node_ptr[-1],)
     with gzip.open(roots / "sbm_cluster/raw/num-edge-list.csv.gz", "rt") as fh:
         undirected = np.array(fh.read().split(), dtype=np.int64)
     assert np.array_equal(np.diff(store.edge_ptr), 2 * undirected)  # both directions
-    ei = store.edge_index[:, : store.edge_ptr[1]]
+    ei = everything["edge_index"][:, : store.edge_ptr[1]]
     assert np.array_equal(ei[:, 0::2], ei[::-1, 1::2])
     raw = next(iter_chunk(store.chunk(np.array([5]))))
     assert raw["num_nodes"] == raw["node_label"].size == raw["x"].size

@@ -243,8 +243,8 @@ def test_finished_directory_is_validated_without_loading(code2, monkeypatch, tmp
 
     data, shards, out = code2
     calls = []
-    real = build.load_source
-    monkeypatch.setattr(build, "load_source", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = build.build_store
+    monkeypatch.setattr(build, "build_store", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert preprocess(data, TRANSFORM, shards, progress=False) == out and not calls
     # a corrupt shard under a complete manifest is found and recomputed
     copy = tmp_path / out.name

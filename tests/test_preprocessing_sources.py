@@ -40,7 +40,7 @@ def _tree_digest(folder: Path) -> dict[str, str]:
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and "processed" not in p.parts
+        if p.is_file() and "processed" not in p.parts and "columnar" not in p.parts
     }
 
 
@@ -107,17 +107,19 @@ def test_pycode_loads_through_ogb_with_project_split(code2_root):
     assert not owners["train"] & owners["valid"] and not owners["train"] & owners["test"]
     assert not owners["valid"] & owners["test"]
     # trees, parent -> child, node ids in DFS order: every non-root node has exactly one parent
+    everything = store.chunk(np.arange(store.num_graphs))
     g = 0
-    ei = store.edge_index[:, store.edge_ptr[g] : store.edge_ptr[g + 1]]
+    ei = everything["edge_index"][:, store.edge_ptr[g] : store.edge_ptr[g + 1]]
     n = store.node_ptr[g + 1] - store.node_ptr[g]
     assert ei.shape[1] == n - 1 and (ei[0] < ei[1]).all() and np.array_equal(np.sort(ei[1]), np.arange(1, n))
-    assert all(tokens and all(t == t.lower() for t in tokens) for tokens in store.y_tokens)
+    assert all(tokens and all(t == t.lower() for t in tokens) for tokens in everything["y_tokens"])
 
 
 def test_synthetic_ppa_layout_and_shape(ppa_root, tmp_path):
     store = load_source(DataConfig(name="ogbg-ppa", root=str(ppa_root)))
-    assert store.num_graphs == 40 and store.edge_attr.shape[1] == 7
-    assert 0.0 <= store.edge_attr.min() and store.edge_attr.max() <= 1.0
+    edge_attr = store.chunk(np.arange(store.num_graphs))["edge_attr"]
+    assert store.num_graphs == 40 and edge_attr.shape[1] == 7
+    assert 0.0 <= edge_attr.min() and edge_attr.max() <= 1.0
     nodes = np.diff(store.node_ptr)
     assert 150 < nodes.mean() < 350
     degree = np.diff(store.edge_ptr).sum() / nodes.sum()  # OGB added the reverse edges
@@ -131,7 +133,7 @@ def test_synthetic_ppa_layout_and_shape(ppa_root, tmp_path):
 # ----------------------------------------------------------------------------- bad input
 def _copy(root: Path, tmp: Path, name: str) -> Path:
     dst = tmp / "root"
-    shutil.copytree(root / name, dst / name, ignore=shutil.ignore_patterns("processed"))
+    shutil.copytree(root / name, dst / name, ignore=shutil.ignore_patterns("processed", "columnar"))
     return dst
 
 
@@ -238,5 +240,5 @@ def test_missing_dataset_offline_is_one_line_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ogb_pyg, "download_url", no_network)
     message = _load_error(tmp_path, "ogbg-ppa")
-    assert "could not load ogbg-ppa" in message
+    assert "could not download ogbg-ppa" in message
     assert not (tmp_path / "ogbg_ppa").exists()  # no partial folder left behind
