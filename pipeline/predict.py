@@ -251,7 +251,7 @@ class Predictor:
         """Raw graphs -> ``SATData`` through the training transform, the shard encoding and the
         shard reader's decoding (the exact path training data took)."""
         from preprocessing.reader import _Shard
-        from preprocessing.shards import column_specs, encode_shard
+        from preprocessing.shards import column_specs, write_shard_file
         from preprocessing.transforms import transform_graph
 
         if not raws:
@@ -262,7 +262,7 @@ class Predictor:
         specs = column_specs(task, cfg)
         with tempfile.TemporaryDirectory(prefix="satp-predict-") as tmp:
             path = Path(tmp) / "input.arrow"
-            path.write_bytes(encode_shard(rows, specs))
+            write_shard_file(path, rows, specs)
             shard = _Shard(path, specs)
             return [shard.item(i) for i in range(len(rows))]
 

@@ -17,7 +17,6 @@ dataset. Ray is started locally (and stopped afterwards) unless it is already in
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -37,6 +36,7 @@ from preprocessing.shards import (
     column_specs,
     encode_shard,
     sha256_file,
+    write_shard_file,
 )
 from preprocessing.sbm import NUM_CLASSES
 from preprocessing.columnar import ColumnarStore, build_store, convert_file, raw_fingerprint
@@ -82,15 +82,19 @@ def plan_shards(store: ColumnarStore, data: DataConfig, shards: ShardConfig) -> 
     return plans
 
 
-def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | None) -> bytes:
-    """Transform one shard's raw graphs (a :meth:`ColumnarStore.chunk`) and encode them."""
+def _transformed_rows(chunk: dict, task: str, transform: dict, vocab: list[str] | None) -> list[dict]:
     import torch
 
     torch.set_num_threads(1)
     cfg = TransformConfig.model_validate(transform)
     vocab_index = {w: i for i, w in enumerate(vocab)} if vocab is not None else None
-    rows = [transform_graph(g, task, cfg, vocab_index) for g in iter_chunk(chunk)]
-    return encode_shard(rows, column_specs(task, cfg))
+    return [transform_graph(g, task, cfg, vocab_index) for g in iter_chunk(chunk)]
+
+
+def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | None):
+    """Transform one shard's raw graphs (a :meth:`ColumnarStore.chunk`) and encode them (in memory)."""
+    rows = _transformed_rows(chunk, task, transform, vocab)
+    return encode_shard(rows, column_specs(task, TransformConfig.model_validate(transform)))
 
 
 def write_shard(path: str, store: str, ids: np.ndarray, task: str, transform: dict, vocab: list[str] | None) -> dict:
@@ -101,10 +105,9 @@ def write_shard(path: str, store: str, ids: np.ndarray, task: str, transform: di
     ``SATP_TESTING_SHARD_DELAY_S`` in the node's environment (a fault-injection test hook) makes the
     task last at least that long, so that a test can see it running on a node and kill the node."""
     started = time.monotonic()
-    payload = compute_shard(ColumnarStore(store).chunk(ids), task, transform, vocab)
+    rows = _transformed_rows(ColumnarStore(store).chunk(ids), task, transform, vocab)
     time.sleep(max(0.0, float(os.environ.get("SATP_TESTING_SHARD_DELAY_S", 0)) - (time.monotonic() - started)))
-    atomic_write_bytes(Path(path), payload)
-    return {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    return write_shard_file(Path(path), rows, column_specs(task, TransformConfig.model_validate(transform)))
 
 
 def _shard_done(out: Path, plan: ShardPlan, key: dict) -> dict | None:

@@ -119,8 +119,8 @@ def arrow_schema(specs: dict[str, dict]) -> pa.Schema:
     return pa.schema(fields, metadata={"satp.schema_version": str(SCHEMA_VERSION)})
 
 
-def encode_shard(rows: list[dict], specs: dict[str, dict]) -> bytes:
-    """Rows (as :func:`preprocessing.transforms.transform_graph` returns them) -> Arrow IPC file bytes."""
+def shard_batch(rows: list[dict], specs: dict[str, dict]) -> pa.RecordBatch:
+    """Rows (as :func:`preprocessing.transforms.transform_graph` returns them) -> the shard's one record batch."""
     schema = arrow_schema(specs)
     arrays = [
         pa.array([int(r["graph_id"]) for r in rows], type=pa.int64()),
@@ -142,11 +142,37 @@ def encode_shard(rows: list[dict], specs: dict[str, dict]) -> bytes:
                 raise ValueError(f"column {name}: values do not fit the shard's {dtype} storage")
         values = values.astype(dtype, copy=False)
         arrays.append(pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), pa.array(values)))
-    batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def encode_shard(rows: list[dict], specs: dict[str, dict]) -> pa.Buffer:
+    """Rows -> Arrow IPC file bytes, in memory (a buffer: ``bytes(...)``-able, hashable with hashlib)."""
+    batch = shard_batch(rows, specs)
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, schema) as writer:
+    with pa.ipc.new_file(sink, batch.schema) as writer:
         writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    return sink.getvalue()
+
+
+def write_shard_file(path: Path, rows: list[dict], specs: dict[str, dict]) -> dict:
+    """Rows -> an Arrow IPC file at ``path``, written straight to a temporary file in the same
+    directory (no second copy of the shard in memory), synced and renamed; returns its ``bytes``
+    and ``sha256``."""
+    path = Path(path)
+    batch = shard_batch(rows, specs)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        del batch
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        digest = sha256_file(tmp)
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {"bytes": size, "sha256": digest}
 
 
 def sha256_file(path: Path) -> str:
