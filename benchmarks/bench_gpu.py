@@ -1,5 +1,15 @@
-"""GPU check (`BENCH=gpu make bench`, or `benchmarks/gpu/run.sh` on a bare GPU machine): one run that
-measures the GPU path end to end and returns a markdown section for benchmarks/RESULTS.md.
+"""GPU check (`BENCH=gpu make bench`, or `benchmarks/gpu/run.sh [PART]` on a bare GPU machine): one
+part per run, each sized to one device session, each returning its own markdown section for
+benchmarks/RESULTS.md. ``SATP_GPU_PART`` picks it (run.sh's argument):
+
+- ``perf`` (the default; this module, items 1-4 below): parity, step benchmarks, the pipeline;
+- ``scale`` (:mod:`benchmarks.gpu_scale`): a synthetic ogbg-ppa of ``SATP_SCALE_GRAPHS`` graphs built
+  on the machine, preprocessed, and one epoch of ``jobs/ppa.yaml`` on one GPU worker, with wall
+  times, peak memory and disk of every step;
+- ``multirank`` (:mod:`benchmarks.gpu_multirank`): two Ray Train workers sharing the one GPU
+  (gloo), equal batches per rank, gathered evaluation against a 1-rank one, checkpoint and resume.
+
+The ``perf`` part:
 
 1. Parity: the CUDA tests (``tests/test_model_gpu.py``: packed ``varlen`` vs padded ``dense`` vs
    ``sparse`` attention, outputs and gradients; ``tests/test_train_gpu.py``: no host
@@ -16,9 +26,10 @@ measures the GPU path end to end and returns a markdown section for benchmarks/R
    worker; per-epoch figures read back from MLflow; and the step benchmark on the same shards and
    settings, for the pipeline's overhead.
 
-Rows run in order of importance until ``SATP_GPU_BUDGET_S`` (default 420 s) is spent. Raw figures go
-to ``$OUT/gpu_results.json`` when ``OUT`` is set. ``SATP_GPU_DRY_RUN=1`` runs every part on the CPU
-with tiny sizes (to check the script on a machine without GPU before a GPU run).
+Rows run in order of importance until ``SATP_GPU_BUDGET_S`` (default 420 s; each part has its own
+default) is spent. Raw figures go to ``$OUT/gpu_results.json`` (``gpu_scale.json``,
+``gpu_multirank.json``) when ``OUT`` is set. ``SATP_GPU_DRY_RUN=1`` runs any part on the CPU with tiny
+sizes (to check the script on a machine without GPU before a GPU run).
 """
 from __future__ import annotations
 
@@ -31,6 +42,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("perf", "scale", "multirank")
+PART = os.environ.get("SATP_GPU_PART") or "perf"
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S", "420"))
 DRY_RUN = os.environ.get("SATP_GPU_DRY_RUN") == "1"
 SYNTHETIC_GRAPHS = 256 if DRY_RUN else 16384  # code2-shaped graphs for the k-subtree rows (cycled over epochs)
@@ -139,6 +152,116 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[bool, str]:
         timed_out = True
     output = Path(proc.log).read_text()  # type: ignore[attr-defined]
     return proc.returncode == 0 and not timed_out, output + ("\ntimed out" if timed_out else "")
+
+
+def measure(cmd: list[str], timeout: float, log: Path, sample_s: float = 1.0) -> dict:
+    """Run ``cmd`` (stdout to ``log``, stderr to ``log`` + ``.err``), killed with its process tree after
+    ``timeout`` s; return its wall time, exit status and memory (used by the ``scale`` and ``multirank``
+    parts):
+
+    - ``max_rss_gb``: ``ru_maxrss`` of ``wait4`` on the command, i.e. the largest single process of its
+      tree that was waited for (what ``/usr/bin/time -v`` prints as "Maximum resident set size");
+    - ``tree_rss_gb``: the peak, sampled every ``sample_s``, of the summed RSS of the command's whole
+      process tree (Ray's GCS, raylet, workers and their loader processes; pages shared between
+      processes are counted once per process, so this overstates shared memory);
+    - ``machine_used_gb``: the peak of the machine's used memory (``psutil``'s ``used``: without page
+      cache and /dev/shm) above its level at the start;
+    - ``gpu_mem_gb``: the peak of the device memory in use on GPU 0, all processes (NVML), when NVML loads.
+    """
+    import threading
+
+    import psutil
+
+    err = open(str(log) + ".err", "w")
+    out = open(log, "w")
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=err, text=True)
+    out.close()
+    err.close()
+    base_used = psutil.virtual_memory().used
+    peaks = {"tree": 0, "used": 0, "gpu": 0}
+    nvml = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
+    except Exception:
+        pass
+    stop = threading.Event()
+    root = psutil.Process(proc.pid)
+
+    def tree() -> list:
+        try:
+            return [root] + root.children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def sample() -> None:
+        while not stop.is_set():
+            rss = 0
+            for p in tree():
+                try:
+                    rss += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            peaks["tree"] = max(peaks["tree"], rss)
+            peaks["used"] = max(peaks["used"], psutil.virtual_memory().used - base_used)
+            if nvml is not None:
+                try:
+                    peaks["gpu"] = max(peaks["gpu"], nvml[0].nvmlDeviceGetMemoryInfo(nvml[1]).used)
+                except Exception:
+                    pass
+            stop.wait(sample_s)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    timed_out = False
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() - start > timeout:
+            timed_out = True
+            for p in reversed(tree()):  # the processes this command started, by id, children first
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            pid, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.2)
+    seconds = time.monotonic() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    stop.set()
+    thread.join()
+    stdout = Path(log).read_text()
+    stderr = Path(str(log) + ".err").read_text()
+    return {
+        "ok": proc.returncode == 0 and not timed_out, "returncode": proc.returncode, "timed_out": timed_out,
+        "seconds": seconds, "max_rss_gb": usage.ru_maxrss * 1024 / 1e9, "tree_rss_gb": peaks["tree"] / 1e9,
+        "machine_used_gb": peaks["used"] / 1e9, "gpu_mem_gb": peaks["gpu"] / 1e9 if nvml is not None else None,
+        "tail": _last_line(stdout if proc.returncode == 0 else (stderr or stdout)),
+        "stdout_tail": stdout[-4000:], "stderr_tail": stderr[-4000:],
+    }
+
+
+def disk_gb(path: str | Path) -> float:
+    """Bytes on disk (allocated blocks) of the file or under the directory ``path``, in GB; 0 when absent."""
+    if os.path.isfile(path):
+        return os.lstat(path).st_blocks * 512 / 1e9
+    total = 0
+    for base, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(base, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total / 1e9
+
+
+def _gb(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 GPU_TESTS = ["tests/test_model_gpu.py", "tests/test_train_gpu.py", "tests/test_edge_messages.py"]
@@ -260,7 +383,12 @@ def _top_ops_tables(results: dict) -> list[str]:
     return lines
 
 
-def _pipeline_metrics(tracking_uri: str, run_name: str) -> list[dict]:
+EPOCH_KEYS = ("graphs_per_s", "epoch_seconds", "data_wait_frac", "eval_seconds", "train_loss")
+
+
+def _pipeline_metrics(tracking_uri: str, run_name: str, metric: str = "f1") -> list[dict]:
+    """Per-epoch figures of ``satp train``'s MLflow run named ``run_name``, as Ray Train's controller
+    logged them (:mod:`pipeline.epoch_logger`): throughput, data-wait share, times, loss, val/test metric."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
@@ -270,7 +398,7 @@ def _pipeline_metrics(tracking_uri: str, run_name: str) -> list[dict]:
         return []
     run_id = runs[0].info.run_id
     by_epoch: dict[int, dict] = {}
-    for key in ("graphs_per_s", "epoch_seconds", "data_wait_frac", "eval_seconds", "train_loss", "val_f1", "test_f1"):
+    for key in (*EPOCH_KEYS, f"val_{metric}", f"test_{metric}"):
         for m in client.get_metric_history(run_id, key):
             by_epoch.setdefault(m.step, {})[key] = m.value
     return [dict(epoch=k, **v) for k, v in sorted(by_epoch.items())]
@@ -372,12 +500,27 @@ def pipeline(clock: Clock, tmp: Path, pycode: subprocess.Popen, pycode_started: 
 
 
 def run() -> str:
+    """The part ``SATP_GPU_PART`` names (default ``perf``)."""
+    if PART not in PARTS:
+        raise SystemExit(f"SATP_GPU_PART={PART!r}: expected one of {', '.join(PARTS)}")
+    if PART == "scale":
+        from benchmarks import gpu_scale
+
+        return gpu_scale.run()
+    if PART == "multirank":
+        from benchmarks import gpu_multirank
+
+        return gpu_multirank.run()
+    return run_perf()
+
+
+def run_perf() -> str:
     import torch
 
     if not torch.cuda.is_available() and not DRY_RUN:
         return "### GPU check\n\nNo CUDA device: nothing measured."
     clock = Clock(BUDGET_S)
-    sections = ["### GPU check (`benchmarks/gpu/run.sh`, or `BENCH=gpu make bench`)", "",
+    sections = ["### GPU check, part perf (`benchmarks/gpu/run.sh [perf]`, or `BENCH=gpu make bench`)", "",
                 f"Device: {torch.cuda.get_device_name() if not DRY_RUN else 'CPU (dry run, tiny sizes)'}, "
                 f"torch {torch.__version__}; budget {BUDGET_S:.0f} s."]
     raw: dict = {}

@@ -31,7 +31,7 @@ FULL = dict(rwpe_steps=20, lap_pe_dim=0, k_hops=2, vocab_size=5000)
 
 
 def code2_raw_chunk(num_graphs: int, seed: int = 0, first_id: int = 0) -> dict:
-    """Raw (pre-augment_edge) code2-shaped graphs in :meth:`RawStore.chunk` form."""
+    """Raw (pre-augment_edge) code2-shaped graphs in :meth:`~preprocessing.columnar.ColumnarStore.chunk` form."""
     from benchmarks.synthetic import NUM_NODE_ATTRIBUTES, NUM_NODE_TYPES, _random_dfs_tree, code2_node_counts
 
     counts = code2_node_counts(num_graphs, seed)
@@ -65,7 +65,8 @@ def code2_raw_chunk(num_graphs: int, seed: int = 0, first_id: int = 0) -> dict:
 
 def _store(chunk: dict, splits: dict, root: Path):
     """``chunk`` written in OGB's code2 raw layout under ``root`` and converted into its columnar store."""
-    from preprocessing.columnar import build_store, raw_fingerprint
+    from preprocessing.columnar import raw_fingerprint
+    from preprocessing.conversion import build_store
     from preprocessing.ogb_layout import atomic_dataset_dir, write_gz_array, write_gz_text, write_splits
 
     nodes, edges = np.diff(chunk["node_ptr"]), np.diff(chunk["edge_ptr"])

@@ -3,7 +3,8 @@
 Each ``benchmarks/bench_<area>.py`` exposes ``run() -> str``, a markdown section with
 its own command line and figures. ``BENCH=model,preprocessing make bench`` selects areas; the
 default is the CPU areas below. ``BENCH=gpu`` is the GPU check (``benchmarks/gpu/run.sh`` runs it on
-a bare GPU machine).
+a bare GPU machine). ``BENCH=scale`` (not in the default) is the scale run of ``satp data synthetic-ppa`` +
+``satp preprocess jobs/ppa.yaml`` at the sizes in ``SATP_SCALE_GRAPHS`` (``benchmarks/bench_scale.py``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-AREAS = ("model", "preprocessing", "training")
+AREAS = ("model", "preprocessing", "training", "loader")
 
 
 def machine() -> str:

@@ -25,24 +25,27 @@ import numpy as np
 
 
 def pack(order: np.ndarray, sizes: np.ndarray, node_budget: int, max_graphs: Optional[int] = None) -> list[np.ndarray]:
-    """Cut ``order`` (graph indices, sorted by size within runs) into batches of at most
-    ``node_budget`` padded node slots (graphs x largest graph) and ``max_graphs`` graphs."""
+    """Cut ``order`` (graph indices, sorted by size, ascending) greedily into batches of at most
+    ``node_budget`` padded node slots (graphs x largest graph) and ``max_graphs`` graphs; a graph
+    larger than the budget gets a batch of its own.
+
+    Sorted, a batch's last graph is its largest, and its slots grow with every graph added, so a
+    batch is the longest run from its first graph whose slots fit: one vectorised test per batch
+    (the epoch's batches are cut in the main process, at the start of every epoch)."""
+    ordered = np.asarray(sizes, dtype=np.int64)[order]
+    if ordered.size > 1 and bool((ordered[1:] < ordered[:-1]).any()):
+        raise ValueError("pack needs the graphs sorted by size")
+    n = len(order)
+    cap = n if max_graphs is None else max(1, int(max_graphs))
     batches: list[np.ndarray] = []
     start = 0
-    largest = 0
-    n = len(order)
-    for i in range(n):
-        size = int(sizes[order[i]])
-        count = i - start + 1
-        new_largest = max(largest, size)
-        too_many = max_graphs is not None and count > max_graphs
-        if count > 1 and (new_largest * count > node_budget or too_many):
-            batches.append(order[start:i])
-            start, largest = i, size
-        else:
-            largest = new_largest
-    if start < n:
-        batches.append(order[start:n])
+    while start < n:
+        # no graph after start is smaller than it: more than budget // size[start] graphs never fit
+        stop = min(n, start + cap, start + max(1, node_budget // max(int(ordered[start]), 1)))
+        slots = ordered[start:stop] * np.arange(1, stop - start + 1)
+        count = max(1, int(np.count_nonzero(slots <= node_budget)))
+        batches.append(order[start : start + count])
+        start += count
     return batches
 
 
@@ -64,7 +67,9 @@ def padding_stats(batches: Sequence[np.ndarray], sizes: np.ndarray) -> dict[str,
 
 
 class NodeBudgetSampler:
-    """Per-rank batch sampler (a ``batch_sampler`` for ``torch.utils.data.DataLoader``).
+    """Per-rank batch sampler: yields the graph ids of a batch at a time (an array), the sampler of
+    a ``torch.utils.data.DataLoader`` with ``batch_size=None`` over a dataset indexed by whole
+    batches (:class:`pipeline.loader.GraphBatches`).
 
     Its whole state is ``(seed, epoch)``: the batches of an epoch are a pure
     function of them, which is what a checkpoint stores (``state_dict``).
@@ -136,14 +141,32 @@ class NodeBudgetSampler:
         batches = batches[:need]
         return batches[self.rank :: self.world_size]
 
-    def __iter__(self) -> Iterator[list[int]]:
-        for b in self.epoch_batches():
-            yield b.tolist()
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """This rank's batches of the current epoch: an array of graph ids each."""
+        return iter(self.epoch_batches())
 
     def __len__(self) -> int:
         if self.shuffle:
             return int(self._per_rank)
         return len(self._global_batches(0)[self.rank :: self.world_size])
+
+
+class EpochStream:
+    """The batches of ``sampler``'s epochs one after the other, without end, from the epoch the
+    sampler is at when iteration starts: the sampler of a DataLoader that is iterated once for the
+    whole run, taking ``len(sampler)`` batches per epoch (every epoch has that many: a training
+    sampler). Its workers then prepare the next epoch's first batches while an epoch ends and is
+    evaluated; a new iterator per epoch would start them only when the epoch starts, and the step
+    would wait for a batch to be built from scratch."""
+
+    def __init__(self, sampler: NodeBudgetSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        epoch = self.sampler.epoch
+        while True:
+            yield from self.sampler.epoch_batches(epoch)
+            epoch += 1
 
 
 def subset_indices(n: int, limit: Optional[int], seed: int) -> Optional[np.ndarray]:

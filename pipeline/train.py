@@ -293,9 +293,13 @@ def _close_failed(job: JobConfig, run_id: str, previous_status: Optional[str], e
 
 
 def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
-    """Fit the Ray Train ``TorchTrainer``; return its result (with a checkpoint) or raise."""
+    """Fit the Ray Train ``TorchTrainer``; return its result (with a checkpoint) or raise.
+
+    The workers' process group uses ``resources.collective_backend`` (``auto``: NCCL for workers
+    with whole GPUs, gloo on CPUs and for workers sharing a GPU, which NCCL refuses); DeepSpeed
+    runs on that group (it creates none when torch.distributed is initialised)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     train, res = job.train, job.resources
     resources = {"CPU": res.cpus_per_worker}
@@ -318,6 +322,7 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
     trainer = TorchTrainer(
         worker_main,
         train_loop_config={"setup": setup},
+        torch_config=TorchConfig(backend=res.torch_backend),
         scaling_config=ScalingConfig(num_workers=res.num_workers, use_gpu=res.use_gpu, resources_per_worker=resources,
                                      placement_strategy=res.placement_strategy),
         run_config=RunConfig(
@@ -329,8 +334,8 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
             worker_runtime_env={"env_vars": env_vars},
         ),
     )
-    log.info("starting %d Ray Train worker(s) (%s each)", res.num_workers,
-             ", ".join(f"{v:g} {k}" for k, v in resources.items()))
+    log.info("starting %d Ray Train worker(s) (%s each; collectives: %s)", res.num_workers,
+             ", ".join(f"{v:g} {k}" for k, v in resources.items()), res.torch_backend)
     result = trainer.fit()
     if getattr(result, "error", None) is not None:
         raise result.error

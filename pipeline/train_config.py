@@ -82,12 +82,35 @@ class ResourcesConfig(StrictModel):
     # false: fail before anything starts when the cluster's nodes cannot hold the workers;
     # true: an autoscaling cluster, where Ray adds the nodes the workers ask for
     wait_for_nodes: bool = False
+    # torch.distributed backend between the workers (DeepSpeed's gradient all-reduce, the metric
+    # and evaluation gathers): auto = nccl for GPU workers that each hold whole GPUs, gloo for CPU
+    # workers and for GPU workers that may share a device (gpus_per_worker below 1 with several
+    # workers: NCCL refuses two ranks on one GPU). gloo moves CUDA tensors through host memory.
+    collective_backend: Literal["auto", "nccl", "gloo"] = "auto"
 
     @model_validator(mode="after")
     def _gpu(self) -> "ResourcesConfig":
         if self.use_gpu and self.gpus_per_worker <= 0:
             raise ValueError("use_gpu needs gpus_per_worker > 0")
+        if self.collective_backend == "nccl" and not self.use_gpu:
+            raise ValueError("collective_backend 'nccl' needs GPU workers (use_gpu: true); CPU workers use gloo")
+        if self.collective_backend == "nccl" and self.shares_gpus:
+            raise ValueError(
+                f"collective_backend 'nccl' with gpus_per_worker {self.gpus_per_worker:g} and {self.num_workers} "
+                "workers: workers may share a GPU and NCCL refuses two ranks on one device; use gloo (or auto)")
         return self
+
+    @property
+    def shares_gpus(self) -> bool:
+        """Whether two of the job's GPU workers may land on one device (a fractional GPU each)."""
+        return self.use_gpu and self.num_workers > 1 and not float(self.gpus_per_worker).is_integer()
+
+    @property
+    def torch_backend(self) -> str:
+        """``collective_backend`` with ``auto`` resolved: ``nccl`` or ``gloo``."""
+        if self.collective_backend != "auto":
+            return self.collective_backend
+        return "nccl" if self.use_gpu and not self.shares_gpus else "gloo"
 
 
 class MlflowConfig(StrictModel):

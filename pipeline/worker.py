@@ -24,13 +24,13 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 
 from pipeline import checkpoint as ckpt
-from pipeline.batching import NodeBudgetSampler, subset_indices
+from pipeline.batching import EpochStream, NodeBudgetSampler, subset_indices
 from pipeline.config import JobConfig
 from pipeline.engine import build_engine, clips_outside_deepspeed, current_lr, resolve_precision
 from pipeline.loader import BatchCollator, make_loader, open_split, to_device
@@ -81,6 +81,31 @@ def worker_loop(config: dict) -> None:
         run.close()
 
 
+def split_sampler(job: JobConfig, dataset, shuffle: bool, rank: int = 0, world: int = 1) -> NodeBudgetSampler:
+    """The node-budget batches of one rank over a split: shuffled per epoch for training, sorted by size
+    for evaluation (``train.eval_node_budget``, default twice the training budget)."""
+    train = job.train
+    return NodeBudgetSampler(
+        np.asarray(dataset.num_nodes),
+        train.node_budget if shuffle else (train.eval_node_budget or 2 * train.node_budget),
+        rank=rank,
+        world_size=world,
+        shuffle=shuffle,
+        seed=train.seed,
+        bucket_size=train.bucket_size,
+        max_graphs=train.max_graphs_per_batch,
+        # evaluation subsets do not depend on train.seed: runs of several seeds score the same graphs
+        indices=(subset_indices(len(dataset), train.train_subset, train.seed) if shuffle
+                 else subset_indices(len(dataset), train.eval_subset, job.data.seed)),
+    )
+
+
+def train_loader(job: JobConfig, dataset, sampler: NodeBudgetSampler, collator: BatchCollator, pin: bool):
+    """The training DataLoader over ``sampler``'s epochs one after the other (:class:`EpochStream`): one
+    iterator serves the whole run, starting at the sampler's epoch, ``len(sampler)`` batches per epoch."""
+    return make_loader(dataset, EpochStream(sampler), collator, job.train.loader_workers, pin)
+
+
 class WorkerRun:
     """The parts of one worker's training run; see the module docstring."""
 
@@ -108,10 +133,12 @@ class WorkerRun:
         model_config = SATConfig.from_dict(setup.model_config)
         collator = BatchCollator(model_config)
         pin = self.device.type == "cuda"
-        self.train_sampler = self._sampler(train_ds, shuffle=True)
-        self.train_loader = make_loader(train_ds, self.train_sampler, collator, train.loader_workers, pin)
+        self.train_sampler = split_sampler(job, train_ds, shuffle=True, rank=self.rank, world=self.world)
+        self.train_loader = train_loader(job, train_ds, self.train_sampler, collator, pin)
+        self._train_batches: Optional[Iterator] = None  # made by the first epoch trained, kept for the run
         self.eval_loaders = {
-            split: make_loader(ds, self._sampler(ds, shuffle=False), collator, train.loader_workers, pin)
+            split: make_loader(ds, split_sampler(job, ds, shuffle=False, rank=self.rank, world=self.world),
+                               collator, train.loader_workers, pin)
             for split, ds in ((s, open_split(setup.shard_dir, s)) for s in ("valid", "test"))
         }
 
@@ -145,22 +172,6 @@ class WorkerRun:
             self.logger.client.set_tag(setup.run_id, "satp.precision", self.precision)
             self.logger.client.set_tag(setup.run_id, "satp.world_size", str(self.world))
 
-    def _sampler(self, dataset, shuffle: bool) -> NodeBudgetSampler:
-        train = self.job.train
-        return NodeBudgetSampler(
-            np.asarray(dataset.num_nodes),
-            train.node_budget if shuffle else (train.eval_node_budget or 2 * train.node_budget),
-            rank=self.rank,
-            world_size=self.world,
-            shuffle=shuffle,
-            seed=train.seed,
-            bucket_size=train.bucket_size,
-            max_graphs=train.max_graphs_per_batch,
-            # evaluation subsets do not depend on train.seed: runs of several seeds score the same graphs
-            indices=(subset_indices(len(dataset), train.train_subset, train.seed) if shuffle
-                     else subset_indices(len(dataset), train.eval_subset, self.job.data.seed)),
-        )
-
     def _restore(self) -> None:
         import ray.train
 
@@ -185,7 +196,9 @@ class WorkerRun:
         meter = EpochMeter(device)
         sampled_predictions: list[torch.Tensor] = []
         sampled_targets: list = []
-        batches = iter(self.train_loader)
+        if self._train_batches is None:
+            self._train_batches = iter(self.train_loader)  # starts at this epoch (set above)
+        batches = self._train_batches
         for step in range(steps):
             waited = time.perf_counter()
             cpu_batch = next(batches)

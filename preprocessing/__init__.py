@@ -12,7 +12,10 @@ Public API (used by the training pipeline)::
     graphs = preprocessing.reader.featurise(raws, task, transform, vocab)  # new inputs, as in training
 
 - :mod:`preprocessing.config`: the ``data`` / ``transform`` / ``shards`` job sections.
-- :mod:`preprocessing.sources`: OGB loading (offline from OGB's raw layout) and input checks.
+- :mod:`preprocessing.sources`: where a dataset comes from (offline builders, OGB's download) and
+  :func:`~preprocessing.sources.load_source`.
+- :mod:`preprocessing.columnar`: the columnar raw store (memory-mapped Arrow, per-graph offsets) and
+  :mod:`preprocessing.conversion`: OGB's raw CSVs into it, streaming, with the input checks.
 - :mod:`preprocessing.pycode`: Python source -> ogbg-code2 raw layout (``satp data pycode``).
 - :mod:`preprocessing.synthetic`: synthetic ogbg-ppa raw layout (``satp data synthetic-ppa``).
 - :mod:`preprocessing.sbm`: PATTERN / CLUSTER by the SBM recipe of Dwivedi et al., OGB-like layout

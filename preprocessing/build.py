@@ -1,7 +1,7 @@
 """Build, resume and validate a shard directory, one Ray task per shard.
 
 :func:`preprocess` fingerprints the raw files, has them converted into the dataset's columnar
-store unless it is current (:mod:`preprocessing.columnar`: one Ray task per raw file, streaming,
+store unless it is current (:mod:`preprocessing.conversion`: one Ray task per raw file, streaming,
 bounded memory), plans the shards (each split in OGB's order, optionally a seeded subset of
 ``data.max_graphs_per_split`` graphs, cut into ``shards.graphs_per_shard`` graphs), skips the
 shards already finished (sidecar present, same config hash and source fingerprint, sha256
@@ -39,7 +39,8 @@ from preprocessing.shards import (
     write_shard_file,
 )
 from preprocessing.sbm import NUM_CLASSES
-from preprocessing.columnar import ColumnarStore, build_store, convert_file, raw_fingerprint
+from preprocessing.columnar import ColumnarStore, raw_fingerprint
+from preprocessing.conversion import build_store, convert_file
 from preprocessing.sources import TASK, ensure_dataset, iter_chunk
 from preprocessing.transforms import build_vocab, transform_graph
 
@@ -318,7 +319,7 @@ def _progress(total: int, unit: str, desc: str, progress: bool):
 
 
 def _conversion_runner(folder: Path, session: _RaySession, progress: bool):
-    """Runs the raw-file conversions of :func:`preprocessing.columnar.build_store` as Ray tasks
+    """Runs the raw-file conversions of :func:`preprocessing.conversion.build_store` as Ray tasks
     (one per file, in parallel), with a progress bar over the raw files' compressed bytes."""
 
     def run(calls: list[tuple]):

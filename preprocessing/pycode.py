@@ -14,18 +14,32 @@ Node types and attributes are indexed by their frequency in the train split (at 
 the real dataset), written to ``mapping/`` with headers. The split is by project: the top-level
 module (first path component below a source directory), ~80/10/10 by graphs. The default source
 is the running interpreter's standard library, without test directories. Output is
-deterministic for the same source files.
+deterministic for the same source files, whatever the number of parsing processes.
+
+``--environment`` (:func:`environment_files`) is the code2-scale corpus: the standard library
+and every package installed in the running environment (its purelib and platlib
+site-packages), test directories included, nothing downloaded; each top-level module or package
+is a project. jedi, docutils, hypothesis and IPython (case-insensitive, with every file of their
+distributions) are always left out of it: they are reserved for an independent check of models
+trained on it. ``--source DIR`` is not filtered.
+
+Memory is bounded: parsing processes write compact per-chunk arrays to temporary files and the
+parent streams them twice (train-split counts, then encoding and writing), so peak memory does
+not grow with the corpus (beyond the train split's attribute counts). See ``docs/data.md``.
 """
 from __future__ import annotations
 
 import ast
 import csv
 import gzip
+import heapq
 import io
 import os
+import pickle
 import re
 import sys
 import sysconfig
+import tempfile
 import tokenize
 import warnings
 from collections import Counter
@@ -34,13 +48,17 @@ from pathlib import Path
 
 import numpy as np
 
-from preprocessing.ogb_layout import (assign_groups, atomic_dataset_dir, check_out_dir, write_gz_array, write_gz_text,
+from preprocessing.ogb_layout import (assign_groups, atomic_dataset_dir, check_out_dir, format_int_csv, write_gz_text,
                                       write_splits)
 
 MASK = "_mask_"
 SHOWN_FAILURES = 5  # unparsable files named on stderr (all of them: the summary's files_skipped)
 NUM_TYPES = 98
 NUM_ATTRS = 10030
+NUM_VOCAB, MAX_SEQ_LEN = 5000, 5  # the target side of OGB's code2 example (statistics only)
+#: Left out of ``--environment`` always (case-insensitive top-level names, with every file of their
+#: distributions): reserved for an independent check of models trained on that corpus.
+RESERVED_PROJECTS = frozenset({"jedi", "docutils", "hypothesis", "ipython"})
 TEST_DIRS = frozenset({"test", "tests", "idle_test", "testing"})
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _PANDAS_NA = frozenset({"nan", "null", "n/a", "na", "-nan", "none", "<na>", "-na"})
@@ -110,14 +128,101 @@ def default_source_dirs() -> list[Path]:
     return [Path(sysconfig.get_paths()["stdlib"])]
 
 
-def iter_source_files(source: Path, include_tests: bool = False):
-    """Sorted ``.py`` files below ``source`` (or ``source`` itself if it is a file)."""
+def environment_roots() -> list[Path]:
+    """The directories of ``--environment``: the running interpreter's standard library, then its
+    purelib and platlib site-packages (``sysconfig.get_paths()``; in a virtual environment, the
+    environment's own), each once."""
+    paths = sysconfig.get_paths()
+    roots: list[Path] = []
+    for key in ("stdlib", "purelib", "platlib"):
+        path = Path(paths[key])
+        if path.is_dir() and all(not os.path.samefile(path, r) for r in roots):
+            roots.append(path)
+    return roots
+
+
+def _canonical(name: str) -> str:
+    """A distribution's name as PEP 503 compares them (``Foo_Bar.baz`` -> ``foo-bar-baz``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _reserved_in(root: Path, reserved: frozenset[str]) -> tuple[set[str], set[str]]:
+    """``(top-level names, file paths)`` that the distributions named in ``reserved`` installed
+    under ``root`` (their ``top_level.txt`` and ``RECORD``): e.g. hypothesis' ``_hypothesis_*.py``."""
+    import importlib.metadata
+
+    names: set[str] = set()
+    files: set[str] = set()
+    for dist in importlib.metadata.distributions(path=[str(root)]):
+        try:
+            name = dist.metadata["Name"] or ""
+        except Exception:  # a broken metadata file is no reserved distribution
+            continue
+        if _canonical(name) not in reserved:
+            continue
+        top_level = dist.read_text("top_level.txt") or ""
+        names.update(line.strip().lower() for line in top_level.splitlines() if line.strip())
+        for f in dist.files or []:
+            files.add(os.path.normpath(root / f))
+    return names, files
+
+
+def environment_files(roots: list[str | Path] | None = None,
+                      reserved: frozenset[str] = RESERVED_PROJECTS) -> list[tuple[Path, Path, str]]:
+    """The ``.py`` files of ``--environment`` as ``(path, path below its root, project)``, sorted.
+
+    ``roots`` (default :func:`environment_roots`): directories whose top-level entries are projects,
+    the project being the entry's name (``torch/...`` -> ``torch``, ``six.py`` -> ``six``), so that a
+    name present in two roots is one project. Test directories are kept. Left out: the projects
+    named in ``reserved`` (case-insensitive) and every file their distributions installed
+    (``RECORD``); a root met twice or nested in another (a site-packages below the standard
+    library); ``__pycache__``, hidden entries and what cannot be imported as a top-level name
+    (``*.dist-info``, ``numpy.libs``, ``config-3.11-x86_64-linux-gnu``); setuptools' generated
+    ``__editable__*`` finders.
+    """
+    reserved = frozenset(r.lower() for r in reserved)
+    dirs: list[Path] = []
+    for root in roots if roots is not None else environment_roots():
+        root = Path(root)
+        if not root.is_dir():
+            raise ValueError(f"{root}: source directory not found")
+        if all(os.path.realpath(root) != os.path.realpath(d) for d in dirs):
+            dirs.append(root)
+    real_roots = {os.path.realpath(d) for d in dirs}
+    items: list[tuple[Path, Path, str]] = []
+    for root in dirs:
+        names, files = _reserved_in(root, reserved)
+        skip = reserved | names
+        prune = real_roots - {os.path.realpath(root)}
+        for entry in sorted(os.listdir(root)):
+            path = root / entry
+            top = entry.removesuffix(".py") if entry.endswith(".py") else entry
+            if (entry in SKIP_DIRS or entry.startswith((".", "__editable__")) or not top.isidentifier()
+                    or top.lower() in skip or os.path.realpath(path) in prune):
+                continue
+            if path.is_dir():
+                found = iter_source_files(path, include_tests=True, prune=prune)
+            elif entry.endswith(".py") and path.is_file():
+                found = [path]
+            else:
+                continue
+            for f in found:
+                if os.path.normpath(f) not in files:
+                    items.append((f, f.relative_to(root), top))
+    return items
+
+
+def iter_source_files(source: Path, include_tests: bool = False, prune: set[str] | frozenset[str] = frozenset()):
+    """Sorted ``.py`` files below ``source`` (or ``source`` itself if it is a file); directories
+    whose real path is in ``prune`` are not entered."""
     if source.is_file():
         yield source
         return
     for dirpath, dirnames, filenames in os.walk(source):
         dirnames[:] = sorted(
-            d for d in dirnames if d not in SKIP_DIRS and (include_tests or d not in TEST_DIRS) and not d.startswith(".")
+            d for d in dirnames
+            if d not in SKIP_DIRS and (include_tests or d not in TEST_DIRS) and not d.startswith(".")
+            and not (prune and os.path.realpath(os.path.join(dirpath, d)) in prune)
         )
         for f in sorted(filenames):
             if f.endswith(".py"):
@@ -162,12 +267,9 @@ def default_workers() -> int:
     return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-def collect_functions(
-    sources: list[Path], include_tests: bool = False, workers: int = 1
-) -> tuple[list[FunctionGraph], list[str], int]:
-    """Parse every file; return the function graphs, the files that failed to parse (``path:line:
-    reason`` each) and the number of files read. With ``workers > 1`` files are parsed in that many
-    processes; the result is the same, in the same order."""
+def _source_items(sources: list[Path], include_tests: bool) -> list[tuple[Path, Path, str]]:
+    """``(path, path below its source, project)`` of every file of ``sources``: the project is the
+    first path component below a source (``N:name`` for the N-th of several sources)."""
     items: list[tuple[Path, Path, str]] = []
     for index, source in enumerate(sources):
         source = Path(source)
@@ -177,12 +279,19 @@ def collect_functions(
             rel = path.relative_to(source) if path != source else Path(path.name)
             top = rel.parts[0].removesuffix(".py")
             items.append((path, rel, f"{index}:{top}" if len(sources) > 1 else top))
-    if workers > 1 and len(items) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+    return items
 
-        # spawn: the caller may be a process with threads (a Ray driver), where fork is unsafe
-        with ProcessPoolExecutor(min(workers, len(items)), mp_context=multiprocessing.get_context("spawn")) as pool:
+
+def collect_functions(
+    sources: list[Path], include_tests: bool = False, workers: int = 1
+) -> tuple[list[FunctionGraph], list[str], int]:
+    """Parse every file; return the function graphs, the files that failed to parse (``path:line:
+    reason`` each) and the number of files read. With ``workers > 1`` files are parsed in that many
+    processes; the result is the same, in the same order. Holds every graph in memory (as Python
+    lists): :func:`build_pycode` streams compact arrays through temporary files instead."""
+    items = _source_items([Path(s) for s in sources], include_tests)
+    if workers > 1 and len(items) > 1:
+        with _pool(min(workers, len(items))) as pool:
             parsed = list(pool.map(_parse_file, items, chunksize=max(1, len(items) // (8 * workers))))
     else:
         parsed = [_parse_file(item) for item in items]
@@ -191,8 +300,110 @@ def collect_functions(
     return graphs, failed, len(items)
 
 
+def _pool(workers: int):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: the caller may be a process with threads (a Ray driver), where fork is unsafe
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+# ----------------------------------------------------------------------------- bounded-memory build
+# Parsing processes write the graphs of a chunk of files to a part file (compact arrays: int32
+# parents, depths, type and attribute ids into the part's own string tables) and return only
+# the number of graphs per file; the parent then streams the parts twice, in order: the counts
+# of the train split (vocabularies, statistics), then encoding and writing. Peak memory is that
+# of one part plus the train split's attribute counts, whatever the size of the corpus.
+_CHUNK_BYTES = 1 << 20  # source bytes per part (at least one file)
+_CHUNK_FILES = 512
+
+
+def _chunks(items: list[tuple[Path, Path, str]], workers: int = 1) -> list[list[tuple[Path, Path, str]]]:
+    """Consecutive runs of files of about ``_CHUNK_BYTES`` of source each, smaller for a small
+    source so that every process gets several (the output does not depend on the chunks)."""
+    sizes = []
+    for item in items:
+        try:
+            sizes.append(os.stat(item[0]).st_size)
+        except OSError:
+            sizes.append(0)  # reported by the parser
+    target = max(1, min(_CHUNK_BYTES, sum(sizes) // (4 * workers)))
+    chunks: list[list[tuple[Path, Path, str]]] = []
+    current: list[tuple[Path, Path, str]] = []
+    size = 0
+    for item, item_size in zip(items, sizes):
+        size += item_size
+        current.append(item)
+        if size >= target or len(current) >= _CHUNK_FILES:
+            chunks.append(current)
+            current, size = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _parse_chunk(task: tuple[str, list[tuple[Path, Path, str]]]) -> list[tuple[int, str | None]]:
+    """Parse the files of one chunk, write their graphs to the part file ``task[0]``; return
+    ``(graphs, failure)`` per file."""
+    part, items = task
+    type_ids: dict[str, int] = {}
+    attr_ids: dict[str, int] = {}
+    t_col: list[int] = []
+    a_col: list[int] = []
+    depth: list[int] = []
+    parent: list[int] = []
+    nodes: list[int] = []
+    labels: list[str] = []
+    per_file: list[tuple[int, str | None]] = []
+    for item in items:
+        graphs, failure = _parse_file(item)
+        per_file.append((len(graphs), failure))
+        for g in graphs:
+            t_col.extend([type_ids.setdefault(t, len(type_ids)) for t in g.types])
+            a_col.extend([-1 if a is None else attr_ids.setdefault(a, len(attr_ids)) for a in g.attrs])
+            depth.extend(g.depth)
+            parent.extend(g.parent)
+            nodes.append(len(g.types))
+            labels.append(" ".join(g.label))
+    payload = {
+        "types": list(type_ids),
+        "attrs": list(attr_ids),
+        "type": np.asarray(t_col, dtype=np.int32),
+        "attr": np.asarray(a_col, dtype=np.int32),  # -1: no attribute
+        "depth": np.asarray(depth, dtype=np.int32),
+        "parent": np.asarray(parent, dtype=np.int32),
+        "nodes": np.asarray(nodes, dtype=np.int32),
+        "labels": labels,
+    }
+    with open(part, "wb") as fh:
+        pickle.dump(payload, fh, protocol=pickle.HIGHEST_PROTOCOL)
+    return per_file
+
+
+def _load_part(part: str) -> dict:
+    with open(part, "rb") as fh:
+        return pickle.load(fh)
+
+
+def _parse_to_parts(items: list[tuple[Path, Path, str]], workers: int,
+                    spill: Path) -> tuple[list[tuple[str, int]], list[int], list[str]]:
+    """Parse every file into part files under ``spill``; return ``(part file, files)`` in order,
+    the graphs per file and the files that failed to parse."""
+    chunks = _chunks(items, workers)
+    tasks = [(str(spill / f"part-{i:06d}.pkl"), chunk) for i, chunk in enumerate(chunks)]
+    if workers > 1 and len(tasks) > 1:
+        with _pool(min(workers, len(tasks))) as pool:
+            results = list(pool.map(_parse_chunk, tasks))
+    else:
+        results = [_parse_chunk(task) for task in tasks]
+    per_file = [r for result in results for r in result]
+    failed = [f for _, f in per_file if f is not None]
+    return [(part, len(chunk)) for part, chunk in tasks], [n for n, _ in per_file], failed
+
+
 def _ranked(counts: Counter, limit: int) -> list[str]:
-    return [k for k, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]]
+    """The ``limit`` most frequent keys, ties by key (as ``sorted(...)[:limit]``, in less time)."""
+    return [k for k, _ in heapq.nsmallest(limit, counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
 def _write_mapping(path: Path, header: tuple[str, str], values: list[str]) -> None:
@@ -203,87 +414,231 @@ def _write_mapping(path: Path, header: tuple[str, str], values: list[str]) -> No
     write_gz_text(path, buf.getvalue())
 
 
+class _GzStreams:
+    """Gzip files written in pieces, with the bytes :func:`write_gz_array` / ``write_gz_text``
+    give for the whole (fixed mtime, level 9; deflate does not depend on how its input is split).
+    Each file is compressed by its own thread (zlib releases the GIL) from a short queue, so the
+    files compress side by side and memory stays bounded."""
+
+    def __init__(self, paths: dict[str, Path], depth: int = 4):
+        import queue
+        import threading
+
+        self._files, self._queues, self._threads, self._errors = [], {}, [], []
+        for key, path in paths.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            raw = open(path, "wb")
+            gz = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9)
+            self._files += [gz, raw]
+            self._queues[key] = queue.Queue(depth)
+            thread = threading.Thread(target=self._run, args=(gz, self._queues[key]), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _run(self, gz, pieces) -> None:
+        failed = False
+        while (piece := pieces.get()) is not None:
+            if failed:
+                continue  # keep draining: the writer must never block on a dead thread
+            try:
+                gz.write(piece)
+            except BaseException as exc:  # reported by close()
+                self._errors.append(exc)
+                failed = True
+
+    def write(self, pieces: dict[str, bytes]) -> None:
+        for key, piece in pieces.items():
+            if piece:
+                self._queues[key].put(piece)
+
+    def close(self) -> None:
+        for q in self._queues.values():
+            q.put(None)
+        for thread in self._threads:
+            thread.join()
+        for f in self._files:  # gzip first (its trailer), then the raw file
+            f.close()
+        if self._errors:
+            raise self._errors[0]
+
+
+def _encode_part(p: dict, g0: int, sources: list[tuple[Path, str, int]], type_idx: dict[str, int],
+                 attr_idx: dict[str, int]) -> dict[str, bytes]:
+    """The CSV lines of one part (graphs ``g0, g0 + 1, ...``) for each output file."""
+    n = p["nodes"]
+    starts = np.repeat(np.cumsum(n) - n, n)
+    local = np.arange(starts.size, dtype=np.int64) - starts  # node id within its graph (DFS order)
+    unk_t, unk_a, none_a = type_idx["__UNK__"], attr_idx["__UNK__"], attr_idx["__NONE__"]
+    t_lut = np.array([type_idx.get(t, unk_t) for t in p["types"]] + [unk_t], dtype=np.int64)
+    a_lut = np.array([attr_idx.get(a, unk_a) for a in p["attrs"]] + [none_a], dtype=np.int64)
+    feat = np.stack([t_lut[p["type"]], a_lut[p["attr"]]], axis=1)  # attribute id -1 (none) -> __NONE__
+    child = local > 0
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    for rel, group, count in sources:
+        writer.writerows((i, group, str(rel)) for i in range(g0, g0 + count))
+        g0 += count
+    return {
+        "edge": format_int_csv(np.stack([p["parent"][child], local[child]], axis=1)),
+        "node-feat": format_int_csv(feat),
+        "node_is_attributed": format_int_csv((p["attr"] >= 0).astype(np.int64)),
+        "node_dfs_order": format_int_csv(local),
+        "node_depth": format_int_csv(p["depth"]),
+        "num-node-list": format_int_csv(n),
+        "num-edge-list": format_int_csv(n - 1),
+        "graph-label": ("\n".join(p["labels"]) + "\n").encode("utf-8"),
+        "source": buf.getvalue().encode("utf-8"),
+    }
+
+
+def _label_statistics(label_counts: Counter, train_subtokens: Counter, graphs: int) -> dict:
+    """The target side beside ogbg-code2's: subtoken vocabulary, method names, name lengths and
+    how much of the train split's subtokens the OGB example's 5000-word vocabulary covers."""
+    subtokens: set[str] = set()
+    lengths: Counter = Counter()
+    for label, count in label_counts.items():
+        words = label.split(" ")
+        subtokens.update(words)
+        lengths[len(words)] += count
+    top = sum(c for _, c in train_subtokens.most_common(NUM_VOCAB))
+    return {
+        "subtokens": len(subtokens),
+        "method_names": len(label_counts),
+        "name_subtokens_mean": round(sum(n * c for n, c in lengths.items()) / graphs, 3),
+        "names_up_to_5_subtokens": round(sum(c for n, c in lengths.items() if n <= MAX_SEQ_LEN) / graphs, 4),
+        "train_subtokens": len(train_subtokens),
+        "top5000_train_coverage": round(top / max(1, sum(train_subtokens.values())), 4),
+    }
+
+
 def build_pycode(out: str | Path, sources: list[str | Path] | None = None, include_tests: bool = False,
-                 force: bool = False, workers: int | None = None) -> dict:
+                 force: bool = False, workers: int | None = None, environment: bool = False,
+                 environment_dirs: list[str | Path] | None = None) -> dict:
     """Build ``out/ogbg_code2`` in OGB's raw layout from Python source; return a summary dict.
-    ``workers`` parsing processes (default :func:`default_workers`); the output does not depend on it."""
+
+    ``workers`` parsing processes (default :func:`default_workers`); the output does not depend on
+    it. ``environment``: the corpus of ``--environment`` (:func:`environment_files` of
+    ``environment_dirs``, default the standard library and site-packages; tests kept; jedi,
+    docutils, hypothesis and IPython always left out) instead of ``sources``.
+    """
     check_out_dir(Path(out), "ogbg-code2", force)  # before minutes of parsing
-    src = [Path(s) for s in sources] if sources else default_source_dirs()
-    graphs, failed, files = collect_functions(src, include_tests, workers or default_workers())
+    if environment:
+        if sources:
+            raise ValueError("--environment and --source exclude each other")
+        roots = [Path(d) for d in environment_dirs] if environment_dirs else environment_roots()
+        items = environment_files(roots)
+        src = roots
+    else:
+        src = [Path(s) for s in sources] if sources else default_source_dirs()
+        items = _source_items(src, include_tests)
+    workers = workers or default_workers()
     where = ", ".join(map(str, src))
+    with tempfile.TemporaryDirectory(prefix="satp-pycode-") as spill_dir:
+        parts, per_file, failed = _parse_to_parts(items, workers, Path(spill_dir))
+        return _write_corpus(out, force, items, parts, per_file, failed, where, include_tests or environment)
+
+
+def _write_corpus(out: str | Path, force: bool, items: list[tuple[Path, Path, str]], parts: list[tuple[str, int]],
+                  per_file: list[int], failed: list[str], where: str, include_tests: bool) -> dict:
+    """Check what was parsed, split by project, stream the parts twice (counts, then writing)."""
+    files = len(items)
+    total = sum(per_file)
     if failed and len(failed) == files:
         raise ValueError(f"{where}: none of the {files} Python file(s) parses with Python "
                          f"{sys.version_info.major}.{sys.version_info.minor} (first: {failed[0]})")
-    if not graphs:
+    if not total:
         raise ValueError(f"{where}: no Python function definitions found in {files} .py file(s)"
                          + (" (test directories skipped: --include-tests keeps them)" if not include_tests else ""))
     if failed:
         shown = "; ".join(failed[:SHOWN_FAILURES]) + (f"; and {len(failed) - SHOWN_FAILURES} more"
                                                       if len(failed) > SHOWN_FAILURES else "")
         print(f"satp: skipped {len(failed)} of {files} file(s) that do not parse: {shown}", file=sys.stderr)
-    sizes = Counter(g.group for g in graphs)
+    sizes: Counter = Counter()
+    for (_, _, group), n in zip(items, per_file):
+        if n:
+            sizes[group] += n
     if len(sizes) < 3:
-        raise ValueError(
-            f"{', '.join(map(str, src))}: found {len(sizes)} top-level module(s); the project split needs at least 3"
-        )
+        raise ValueError(f"{where}: found {len(sizes)} top-level module(s); the project split needs at least 3")
     group_split = assign_groups(dict(sizes), (0.8, 0.1, 0.1))
-    split_of = np.array([group_split[g.group] for g in graphs])
-    split_ids = {s: np.flatnonzero(split_of == s) for s in ("train", "valid", "test")}
+    codes = {"train": 0, "valid": 1, "test": 2}
+    split_of = np.repeat(np.array([codes[group_split[g]] if n else 0 for (_, _, g), n in zip(items, per_file)],
+                                  dtype=np.int8), per_file)
+    split_ids = {s: np.flatnonzero(split_of == c) for s, c in codes.items()}
 
+    # pass 1 over the parts: the train split's counts and the statistics
     type_counts: Counter = Counter()
     attr_counts: Counter = Counter()
-    for gid in split_ids["train"]:
-        g = graphs[gid]
-        type_counts.update(g.types)
-        attr_counts.update(a for a in g.attrs if a is not None)
+    label_counts: Counter = Counter()
+    train_subtokens: Counter = Counter()
+    nodes_total, max_nodes, g0 = 0, 0, 0
+    for part, _ in parts:
+        p = _load_part(part)
+        n_graphs = p["nodes"].size
+        if not n_graphs:
+            continue
+        train_graph = split_of[g0 : g0 + n_graphs] == 0
+        train = np.repeat(train_graph, p["nodes"])
+        for t, c in zip(p["types"], np.bincount(p["type"][train], minlength=len(p["types"])).tolist()):
+            if c:
+                type_counts[t] += c
+        a = p["attr"][train]
+        counts = np.bincount(a[a >= 0], minlength=len(p["attrs"]))
+        attrs = p["attrs"]
+        for i in np.flatnonzero(counts).tolist():
+            attr_counts[attrs[i]] += int(counts[i])
+        label_counts.update(p["labels"])
+        for label, is_train in zip(p["labels"], train_graph.tolist()):
+            if is_train:
+                train_subtokens.update(label.split(" "))
+        nodes_total += int(p["nodes"].sum())
+        max_nodes = max(max_nodes, int(p["nodes"].max()))
+        g0 += n_graphs
     types = _ranked(type_counts, NUM_TYPES - 1) + ["__UNK__"]
     attrs = _ranked(attr_counts, NUM_ATTRS - 2) + ["__UNK__", "__NONE__"]
+    del attr_counts
     type_idx = {t: i for i, t in enumerate(types)}
     attr_idx = {a: i for i, a in enumerate(attrs)}
-    unk_t, unk_a, none_a = type_idx["__UNK__"], attr_idx["__UNK__"], attr_idx["__NONE__"]
 
-    feat, edges, depth, attributed, n_nodes, n_edges, labels = [], [], [], [], [], [], []
-    for g in graphs:
-        n = len(g.types)
-        feat.extend(
-            (type_idx.get(t, unk_t), none_a if a is None else attr_idx.get(a, unk_a)) for t, a in zip(g.types, g.attrs)
-        )
-        edges.extend((g.parent[i], i) for i in range(1, n))
-        depth.extend(g.depth)
-        attributed.extend(int(a is not None) for a in g.attrs)
-        n_nodes.append(n)
-        n_edges.append(n - 1)
-        labels.append(" ".join(g.label))
-
+    # pass 2: encode and write, part by part
     name = "ogbg-code2"
     with atomic_dataset_dir(Path(out), name, force=force) as folder:
         raw = folder / "raw"
-        write_gz_array(raw / "edge.csv.gz", np.asarray(edges, dtype=np.int64).reshape(-1, 2))
-        write_gz_array(raw / "node-feat.csv.gz", np.asarray(feat, dtype=np.int64).reshape(-1, 2))
-        write_gz_array(raw / "node_is_attributed.csv.gz", np.asarray(attributed, dtype=np.int64))
-        write_gz_array(raw / "node_dfs_order.csv.gz", np.concatenate([np.arange(n) for n in n_nodes]))
-        write_gz_array(raw / "node_depth.csv.gz", np.asarray(depth, dtype=np.int64))
-        write_gz_array(raw / "num-node-list.csv.gz", np.asarray(n_nodes, dtype=np.int64))
-        write_gz_array(raw / "num-edge-list.csv.gz", np.asarray(n_edges, dtype=np.int64))
-        write_gz_text(raw / "graph-label.csv.gz", "\n".join(labels) + "\n")
+        keys = ("edge", "node-feat", "node_is_attributed", "node_dfs_order", "node_depth", "num-node-list",
+                "num-edge-list")
+        paths = {k: raw / f"{k}.csv.gz" for k in keys}
+        paths["graph-label"] = raw / "graph-label.csv.gz"
+        paths["source"] = folder / "mapping" / "graphidx2source.csv.gz"
+        streams = _GzStreams(paths)
+        try:
+            # provenance (not part of OGB's layout): the source file of each graph
+            streams.write({"source": b"graph idx,project,path\n"})
+            g0, f0 = 0, 0
+            for part, chunk_files in parts:
+                p = _load_part(part)
+                sources = [(rel, group, count) for (_, rel, group), count
+                           in zip(items[f0 : f0 + chunk_files], per_file[f0 : f0 + chunk_files])]
+                f0 += chunk_files
+                if p["nodes"].size:
+                    streams.write(_encode_part(p, g0, sources, type_idx, attr_idx))
+                    g0 += p["nodes"].size
+        finally:
+            streams.close()
         write_splits(folder, name, split_ids)
         _write_mapping(folder / "mapping" / "typeidx2type.csv.gz", ("type idx", "type"), types)
         _write_mapping(folder / "mapping" / "attridx2attr.csv.gz", ("attr idx", "attr"), attrs)
-        # provenance (not part of OGB's layout): the source file of each graph
-        buf = io.StringIO()
-        writer = csv.writer(buf, lineterminator="\n")
-        writer.writerow(("graph idx", "project", "path"))
-        writer.writerows((i, g.group, g.path) for i, g in enumerate(graphs))
-        write_gz_text(folder / "mapping" / "graphidx2source.csv.gz", buf.getvalue())
     return {
-        "graphs": len(graphs),
-        "nodes": int(sum(n_nodes)),
+        "graphs": total,
+        "nodes": nodes_total,
         "projects": len(sizes),
+        "files": files,
         "files_failed": len(failed),
         "files_skipped": failed,
         "splits": {s: int(v.size) for s, v in split_ids.items()},
         "types": len(types),
         "attributes": len(attrs),
+        "avg_nodes": round(nodes_total / total, 1),
+        "max_nodes": max_nodes,
+        **_label_statistics(label_counts, train_subtokens, total),
     }
 
 

@@ -2,10 +2,17 @@
 
 >>> ds = ShardDataset(shard_dir, "train")     # also "valid", "test"
 >>> len(ds), ds[0], ds.num_nodes[:4], ds.vocab[:3], ds.manifest["dataset"]
+>>> ds.batch([5, 2, 9])                      # == Batch.from_data_list([ds[5], ds[2], ds[9]])
 
 - Random access by index (``0 <= i < len(ds)``, negative indices count from the end). Items are
   decoded from memory-mapped shard files: nothing is read into memory until it is used, and a
   decoded item owns its tensors (copies, never views of the mapping).
+- :meth:`ShardDataset.batch`: a whole mini-batch decoded at once, straight from the mapped columns
+  into one PyG ``Batch``, equal to ``Batch.from_data_list`` of the items (the training loader's
+  path, :mod:`pipeline.loader`). Per-item decoding and PyG's collation cost ~15 tensors and a
+  ``Data`` object per graph and one ``torch.cat`` of many small tensors per attribute; here each
+  column is one ``np.concatenate`` of the rows' value ranges, and the offsets PyG would add are
+  added to the whole column at once.
 - ``num_nodes``: ``np.ndarray`` of node counts per item, read from the ``num_nodes`` column
   without decoding graphs (for node-budget batching).
 - ``manifest``: ``manifest.json`` as a dict; ``vocab``: the code2 vocabulary (``list[str]``
@@ -23,16 +30,26 @@ made (transform, shard encoding, decoding), for prediction.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
+from torch_geometric.data import Batch
 
 from preprocessing.shards import read_manifest, sha256_file
 from sat.data import SATData
 
 _TORCH = {"int64": torch.long, "float32": torch.float32}
+# SATData.__inc__'s increments: the per-graph count each attribute's values are offset by when
+# batched; any other attribute whose name holds "index" by the node count (PyG's Data.__inc__).
+_INCREMENTED_BY = {
+    "subgraph_node_index": "num_nodes",
+    "subgraph_indicator": "num_nodes",
+    "subgraph_edge_index": "subgraph_node_index",
+    "subgraph_edge_id": "edge_index",
+}
 
 
 class _Shard:
@@ -77,6 +94,109 @@ class _Shard:
         if n == 0 or "x" not in self.columns:
             values_of["num_nodes"] = n
         return SATData(**values_of)
+
+
+def _cat_axis(name: str, ndim: int) -> int:
+    """The axis along which PyG concatenates attribute ``name`` of ``ndim`` dims (``SATData.__cat_dim__``)."""
+    return SATData().__cat_dim__(name, torch.empty((0,) * ndim)) % ndim
+
+
+def _incremented_by(name: str) -> str | None:
+    """The per-graph count PyG's collation adds up into attribute ``name``'s offsets
+    (``SATData.__inc__``): ``"num_nodes"``, another attribute (its size along its cat axis) or None."""
+    if name in _INCREMENTED_BY:
+        return _INCREMENTED_BY[name]
+    return "num_nodes" if "index" in name else None
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    """``[0, c0, c0 + c1, ...]`` (int64, one longer than ``counts``)."""
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+
+def _collated(columns: dict, counts: dict, nodes: np.ndarray) -> Batch:
+    """The PyG ``Batch`` of decoded, concatenated ``columns`` (tensors along their cat axis, or a list
+    per graph) given every graph's size along each tensor's cat axis (``counts``) and node count:
+    what ``Batch.from_data_list`` makes of the items. Index columns get the offsets PyG's
+    ``SATData.__inc__`` gives them, in place; ``batch``, ``ptr`` and the slice and increment dicts
+    (:meth:`Batch.get_example` reads them) are added."""
+    size = len(nodes)
+    counts = {"num_nodes": nodes, **counts}
+    out = Batch(_base_cls=SATData)
+    slices, incs = {}, {}
+    for name, value in columns.items():
+        if isinstance(value, list):  # PyG keeps a non-tensor attribute as the list of the graphs' values
+            out[name], slices[name], incs[name] = value, torch.arange(size + 1), None
+            continue
+        by = _incremented_by(name)
+        inc = _offsets(counts[by])[:-1] if by else np.zeros(size, dtype=np.int64)
+        if inc[-1]:
+            axis = _cat_axis(name, value.dim())
+            other_axes = tuple(i for i in range(value.dim()) if i != axis)
+            value.numpy()[...] += np.expand_dims(np.repeat(inc, counts[name]), other_axes)
+        out[name] = value
+        slices[name], incs[name] = torch.from_numpy(_offsets(counts[name])), torch.from_numpy(inc)
+    out.batch = torch.from_numpy(np.repeat(np.arange(size, dtype=np.int64), nodes))
+    out.ptr = torch.from_numpy(_offsets(nodes))
+    out._num_graphs, out._slice_dict, out._inc_dict = size, slices, incs
+    return out
+
+
+class _Rows:
+    """The rows of one mini-batch, in batch order, over the shards that hold them."""
+
+    def __init__(self, shards: list[_Shard], shard_of: np.ndarray, rows: np.ndarray):
+        self.shards = shards
+        self.shard_of = shard_of.tolist()  # index into ``shards`` of every graph
+        self.groups = [(np.flatnonzero(shard_of == j), rows[shard_of == j]) for j in range(len(shards))]
+        self.size = len(rows)
+
+    def scalar(self, name: str) -> np.ndarray:
+        """A scalar column (``graph_id``, ``num_nodes``) of every graph, int64."""
+        out = np.empty(self.size, dtype=np.int64)
+        for shard, (where, rows) in zip(self.shards, self.groups):
+            out[where] = getattr(shard, name)[rows]
+        return out
+
+    def spans(self, name: str) -> tuple[list, np.ndarray, np.ndarray]:
+        """Column ``name`` of every graph as ``(values, starts, lengths)``: graph ``g``'s values are
+        ``values[g][starts[g]:starts[g] + lengths[g]]`` (flattened, row-major)."""
+        starts = np.empty(self.size, dtype=np.int64)
+        ends = np.empty(self.size, dtype=np.int64)
+        for shard, (where, rows) in zip(self.shards, self.groups):
+            offsets = shard.columns[name][0]
+            starts[where], ends[where] = offsets[rows], offsets[rows + 1]
+        values = [shard.columns[name][1] for shard in self.shards]
+        return [values[j] for j in self.shard_of], starts, ends - starts
+
+    def strings(self, name: str) -> list[list[str]]:
+        """A string column: a list of str per graph (PyG keeps non-tensor attributes as a list)."""
+        values, starts, lengths = self.spans(name)
+        return [v.slice(a, n).to_pylist() for v, a, n in zip(values, starts.tolist(), lengths.tolist())]
+
+    def concat(self, name: str, spec: dict) -> tuple[torch.Tensor, np.ndarray]:
+        """A tensor column of every graph concatenated along its cat axis, decoded, as PyG's collation
+        concatenates the items' tensors (before increments); and each graph's size along that axis."""
+        shape = spec["shape"]
+        axis = _cat_axis(name, len(shape))
+        values, starts, lengths = self.spans(name)
+        if shape[axis] == -1:
+            counts = lengths // math.prod(d for i, d in enumerate(shape) if i != axis and d != -1)
+        else:  # e.g. y [1, L] stacked to [B, L]: every graph must have the same L
+            counts = np.full(self.size, shape[axis], dtype=np.int64)
+            if lengths.size and lengths.min() != lengths.max():
+                raise ValueError(f"column {name}: graphs of lengths {lengths.min()}..{lengths.max()} cannot be stacked")
+        if axis == 0:  # rows lead: the flat values of the graphs, one after the other
+            parts = [v[a:a + n] for v, a, n in zip(values, starts.tolist(), lengths.tolist())]
+        else:  # [K, -1] along its last axis: the graphs' first rows, then their second rows, ...
+            k_rows = shape[0]
+            parts = [v[a + k * c:a + (k + 1) * c] for k in range(k_rows)
+                     for v, a, c in zip(values, starts.tolist(), counts.tolist())]
+        out = torch.empty(int(lengths.sum()), dtype=_TORCH[spec["decode"]])
+        np.concatenate(parts, out=out.numpy())
+        out_shape = list(shape)
+        out_shape[axis] = int(counts.sum())
+        return out.view(out.numpy().reshape(out_shape).shape), counts
 
 
 class ShardDataset(torch.utils.data.Dataset):
@@ -142,14 +262,43 @@ class ShardDataset(torch.utils.data.Dataset):
             if not self._verified[k]:
                 self._check(k)
 
+    def _locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """Shard number and row in that shard of every index (negative ones count from the end)."""
+        ids = np.asarray(indices, dtype=np.int64).reshape(-1)
+        ids = np.where(ids < 0, ids + len(self), ids)
+        bad = (ids < 0) | (ids >= len(self))
+        if bad.any():
+            raise IndexError(f"index {np.asarray(indices).reshape(-1)[bad][0]} out of range for {len(self)} items")
+        shard = np.searchsorted(self._starts, ids, side="right") - 1
+        return shard, ids - self._starts[shard]
+
     def __getitem__(self, index: int) -> SATData:
-        i = int(index)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"index {index} out of range for {len(self)} items")
-        k = int(np.searchsorted(self._starts, i, side="right") - 1)
-        return self._shard(k).item(i - int(self._starts[k]))
+        shard, row = self._locate(int(index))
+        return self._shard(int(shard[0])).item(int(row[0]))
+
+    def batch(self, indices) -> Batch:
+        """The items ``indices`` as one PyG ``Batch``, equal to ``Batch.from_data_list([self[i] for i in
+        indices])`` (attributes, dtypes, values, ``batch``, ``ptr``, slice and increment dicts), decoded
+        column by column (see the module docstring)."""
+        shard, row = self._locate(indices)
+        if row.size == 0:
+            raise ValueError("a batch needs at least one item")
+        used, shard_of = np.unique(shard, return_inverse=True)
+        rows = _Rows([self._shard(int(k)) for k in used], shard_of.reshape(-1), row)
+        nodes = rows.scalar("num_nodes")
+        columns: dict = {"graph_id": torch.from_numpy(rows.scalar("graph_id"))}
+        counts = {"graph_id": np.ones(rows.size, dtype=np.int64)}
+        for name, spec in self._specs.items():
+            if spec["decode"] == "str":
+                columns[name] = rows.strings(name)
+            elif name == "subgraph_size":  # subgraph_indicator: each graph's centres c, size[c] times each
+                sizes, _ = rows.concat(name, spec)
+                local = np.arange(int(nodes.sum())) - np.repeat(_offsets(nodes)[:-1], nodes)
+                columns["subgraph_indicator"] = torch.from_numpy(np.repeat(local, sizes.numpy()))
+                counts["subgraph_indicator"] = np.diff(_offsets(sizes.numpy())[_offsets(nodes)])
+            else:
+                columns[name], counts[name] = rows.concat(name, spec)
+        return _collated(columns, counts, nodes)
 
     @property
     def num_nodes(self) -> np.ndarray:

@@ -11,7 +11,7 @@
 2. The raw files are fingerprinted (:func:`~preprocessing.columnar.raw_fingerprint`: sha256 of
    their bytes; ``RELEASE_v1.txt`` present, every raw and split file present).
 3. Unless ``<dataset dir>/columnar`` already holds them for that fingerprint, the files are
-   converted, streaming and checked (:mod:`preprocessing.columnar`); every error is a one-line
+   converted, streaming and checked (:mod:`preprocessing.conversion`); every error is a one-line
    ``ValueError`` naming the file or the graph id.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ import sys
 import uuid
 from pathlib import Path
 
-from preprocessing.columnar import (TASK, ColumnarStore, build_store, raw_fingerprint,  # noqa: F401 (re-exported)
-                                    required_files)
+from preprocessing.columnar import TASK, ColumnarStore, raw_fingerprint, required_files  # noqa: F401 (re-exported)
+from preprocessing.conversion import build_store
 from preprocessing.config import DataConfig
 from preprocessing.ogb_layout import OGB_DIR
 
@@ -117,7 +117,7 @@ def load_source(data: DataConfig, fingerprint: str | None = None, run=None) -> C
     first where needed (see the module docstring).
 
     ``fingerprint``: :func:`raw_fingerprint` of the folder, when the caller just computed it;
-    ``run``: how the conversion tasks run (:func:`preprocessing.columnar.build_store`).
+    ``run``: how the conversion tasks run (:func:`preprocessing.conversion.build_store`).
     """
     folder = ensure_dataset(data)
     return build_store(folder, data.name, fingerprint or raw_fingerprint(folder, data.name), run=run)

@@ -39,3 +39,26 @@ def test_gpu_step_benchmark_trains_each_job_with_its_own_task(job, task):
     loss = built.loss(model(batch), batch)
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.slow
+def test_scale_benchmark_row_for_a_tiny_size(tmp_path, monkeypatch):
+    """`BENCH=scale` at 60 graphs: generate, preprocess (its own local Ray) and the finished rerun as
+    subprocesses; one table row, every figure positive, the size's directory removed (~65 s on 2 busy cores)."""
+    from benchmarks import bench_scale
+
+    monkeypatch.setenv("SATP_SCALE_DIR", str(tmp_path))
+    text = bench_scale.run([60], kill_after=0)
+    header = next(line for line in text.splitlines() if line.startswith("| graphs |"))
+    rows = [line for line in text.splitlines() if line.startswith("| 60 |")]
+    assert len(rows) == 1, text
+    names, values = ([c.strip() for c in line.strip("|").split("|")] for line in (header, rows[0]))
+    cells = dict(zip(names, values))
+    for key in ("generate s", "generate peak RSS MiB", "preprocess s", "driver peak RSS MiB",
+                "largest Ray worker peak RSS MiB", "finished rerun s", "raw MiB", "columnar MiB", "shards MiB"):
+        assert float(cells[key].replace(",", "")) > 0, (key, cells)
+    assert float(cells["object store peak MiB"].rstrip("*").replace(",", "")) >= 0
+    assert cells["killed at"] == cells["resume s"] == "-"
+    assert "60 graphs in the manifest" in text and "nproc" in text and "Load average" in text
+    assert "satp preprocess jobs/ppa.yaml --set data.root=D/data" in text
+    assert list(tmp_path.iterdir()) == []

@@ -125,3 +125,61 @@ def test_schedule_and_deepspeed_config():
         resolve_precision("fp16", use_gpu=False)
     assert resolve_precision("auto", False) in ("bf16", "fp32")
     assert math.isfinite(f(1000))
+
+
+def test_collective_backend_resolves_to_gloo_where_workers_share_a_gpu():
+    from pydantic import ValidationError
+
+    from pipeline.config import load_job
+    from pipeline.train_config import ResourcesConfig
+
+    res = ResourcesConfig
+    assert res().torch_backend == "gloo"  # CPU workers
+    assert res(use_gpu=True, num_workers=4).torch_backend == "nccl"  # a whole GPU each
+    assert res(use_gpu=True, num_workers=2, gpus_per_worker=0.5).shares_gpus
+    assert res(use_gpu=True, num_workers=2, gpus_per_worker=0.5).torch_backend == "gloo"
+    assert res(use_gpu=True, num_workers=1, gpus_per_worker=0.5).torch_backend == "nccl"  # no peer on its device
+    assert res(use_gpu=True, num_workers=2, gpus_per_worker=2).torch_backend == "nccl"
+    assert res(use_gpu=True, num_workers=4, collective_backend="gloo").torch_backend == "gloo"  # forced
+    with pytest.raises(ValidationError, match="NCCL refuses two ranks on one device"):
+        res(use_gpu=True, num_workers=2, gpus_per_worker=0.5, collective_backend="nccl")
+    with pytest.raises(ValidationError, match="needs GPU workers"):
+        res(collective_backend="nccl")
+    with pytest.raises(ValidationError):
+        res(collective_backend="mpi")
+    # as `satp train jobs/code2.yaml --set ...` reads it: two workers sharing the one GPU
+    shared = ["resources.num_workers=2", "resources.gpus_per_worker=0.5"]
+    assert load_job("jobs/code2.yaml", shared).resources.torch_backend == "gloo"
+    assert load_job("jobs/code2.yaml").resources.torch_backend == "nccl"
+    with pytest.raises(ValueError, match="collective_backend"):
+        load_job("jobs/code2.yaml", shared + ["resources.collective_backend=nccl"])
+
+
+def test_fit_gives_ray_train_the_resolved_backend(monkeypatch, tmp_path):
+    """``pipeline.train._fit`` hands ``resources.torch_backend`` to the TorchTrainer (Ray Train's own
+    default would be NCCL for any GPU request). Ray is imported, no cluster is started."""
+    rtt = pytest.importorskip("ray.train.torch")
+    from pipeline import train as train_mod
+    from pipeline.config import load_job
+    from pipeline.worker import WorkerSetup
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def trainer(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(rtt, "TorchTrainer", trainer)
+    for sets, backend in ((["resources.num_workers=2", "resources.gpus_per_worker=0.5"], "gloo"), ([], "nccl"),
+                          (["resources.use_gpu=false"], "gloo")):
+        job = load_job("jobs/code2.yaml", sets + [f"train.storage_path={tmp_path}", "train.run_name=x",
+                                                  "mlflow.enabled=false"])
+        setup = WorkerSetup(job=job, shard_dir=str(tmp_path), model_config={}, task_name="code2", task_state={},
+                            precision="auto", run_id=None, tracking_uri=None)
+        with pytest.raises(Stop):
+            train_mod._fit(job, setup, None)
+        assert seen["torch_config"].backend == backend
+        assert seen["scaling_config"].num_workers == job.resources.num_workers

@@ -1,20 +1,38 @@
 #!/usr/bin/env bash
-# The GPU check of issue 11, one command on one GPU machine:
+# The GPU check of issue 11, in parts that each fit one device session (15 minutes of device time,
+# the machine's start included; at most 10 minutes per command), one part per command:
 #
-#   benchmarks/gpu/run.sh            # from the repository root (or anywhere)
+#   benchmarks/gpu/run.sh [PART]     # from the repository root (or anywhere); PART:
+#
+#   perf       (the default, and what the check did before it had parts) parity tests, the train-step
+#              benchmarks (code2 and ppa shapes), the real pipeline on pycode; SATP_GPU_BUDGET_S=420
+#   scale      a synthetic ogbg-ppa of SATP_SCALE_GRAPHS graphs (default 158100, full size) built on the
+#              machine, `satp preprocess jobs/ppa.yaml`, one epoch of `satp train jobs/ppa.yaml` on one GPU
+#              worker; wall time, peak RSS, GPU memory and disk of each step (benchmarks/gpu_scale.py);
+#              SATP_GPU_BUDGET_S=510; data kept in runs/gpu-scale for a rerun on the same warm machine
+#   multirank  two Ray Train workers sharing the GPU (gloo), equal batches per rank, gathered
+#              evaluation against a 1-rank one, checkpoint, resume (benchmarks/gpu_multirank.py);
+#              SATP_GPU_BUDGET_S=330
 #
 # 1. If ray/deepspeed/mlflow/ogb/pydantic are not importable (a bare image with only torch, PyG
 #    and pyarrow), installs the wheel kit `.whl/` (built on a CPU machine by
 #    benchmarks/gpu/make_wheels.sh; no network needed; SATP_KIT names another folder) with
 #    benchmarks/gpu/install_kit.sh.
-# 2. Runs `BENCH=gpu python -m benchmarks.run` (benchmarks/bench_gpu.py: parity tests, the
-#    train-step benchmark, the real pipeline on one GPU), which prints a table and appends it to
-#    benchmarks/RESULTS.md.
-# 3. With $OUT set (the device tool's output folder), copies the section and raw figures there.
+# 2. Runs `SATP_GPU_PART=PART BENCH=gpu python -m benchmarks.run` (benchmarks/bench_gpu.py), which
+#    prints the part's table and appends it to benchmarks/RESULTS.md as its own section.
+# 3. With $OUT set (the device tool's output folder), copies the section (perf: gpu_section.md,
+#    others: gpu_PART_section.md) and the raw figures and logs there (written as the part goes).
 #
-# Budget: SATP_GPU_BUDGET_S (default 420 s) for the measurements; the whole run stays under 8 minutes.
+# Budget: SATP_GPU_BUDGET_S (per part, above) for the measurements; with the kit's ~30 s of
+# installation, perf and multirank stay under 8 minutes, scale under 10 (`timeout -s INT 590`).
+# SATP_GPU_DRY_RUN=1 runs a part on the CPU with tiny sizes (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+PART=${1:-perf}
+case "$PART" in
+  perf | scale | multirank) ;;
+  *) echo "usage: benchmarks/gpu/run.sh [perf|scale|multirank] (got: $PART)" >&2; exit 2 ;;
+esac
 start=$(date +%s)
 PY=${PYTHON:-python3}
 export OUTDATED_IGNORE=1 RAY_USAGE_STATS_ENABLED=0 DS_ACCELERATOR=cuda
@@ -38,8 +56,10 @@ EOF
 
 before=$(wc -l < benchmarks/RESULTS.md)
 if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; fi  # the check writes its raw figures there as it goes
-BENCH=gpu "$PY" -m benchmarks.run
+echo "== GPU check, part $PART"
+SATP_GPU_PART=$PART BENCH=gpu "$PY" -m benchmarks.run
 if [ -n "${OUT:-}" ]; then
-  tail -n +"$((before + 1))" benchmarks/RESULTS.md > "$OUT/gpu_section.md"
+  if [ "$PART" = perf ]; then section=gpu_section.md; else section=gpu_${PART}_section.md; fi
+  tail -n +"$((before + 1))" benchmarks/RESULTS.md > "$OUT/$section"
 fi
-echo "== GPU check done in $(( $(date +%s) - start )) s"
+echo "== GPU check, part $PART, done in $(( $(date +%s) - start )) s"

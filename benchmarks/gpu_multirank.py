@@ -1,0 +1,420 @@
+"""GPU check, part ``multirank`` (``benchmarks/gpu/run.sh multirank``): the multi-rank path on CUDA, once.
+
+Two Ray Train workers share the one GPU (``resources.num_workers=2``, ``resources.gpus_per_worker=0.5``;
+``resources.collective_backend: auto`` resolves to gloo there, since NCCL refuses two ranks on one
+device), on small real data: ``satp data pycode`` over the machine's own standard library,
+``data.max_graphs_per_split`` graphs per split, ``jobs/code2.yaml``'s model at node budget 16384.
+
+1. ``satp train`` with ``train.epochs=1``: DeepSpeed's gradient all-reduce between the ranks every step,
+   the epoch's metrics summed over the ranks, validation and test predictions gathered to rank 0,
+   a checkpoint;
+2. the same job with ``train.epochs=2`` (README, "Reruns"): it resumes from that checkpoint in the same
+   MLflow run;
+3. checks, from the run's files and the pipeline's own classes:
+
+   - equal batches per rank: the per-rank batch counts of the worker's sampler
+     (:class:`pipeline.batching.NodeBudgetSampler`, built as ``pipeline.worker`` builds it); DeepSpeed's
+     step counter in the checkpoint (rank 0's) equal to count x epochs; the graphs the epoch reports
+     (summed over ranks by the worker: ``graphs_per_s x epoch_seconds``) equal to the graphs of both
+     ranks' batches: rank 1 ran all of its own;
+   - gathered evaluation: the checkpoint's best weights evaluated here in ONE process over whole
+     splits (same batches, same precision) give the validation and test metrics the two ranks reported;
+   - the resume: the second run's log says it resumed after epoch 0, its history keeps epoch 0 as the
+     first run wrote it, the MLflow run is the same, the step counter went on.
+
+``python -m benchmarks.gpu_multirank --balance`` prints the per-rank work imbalance of node-budget
+batches for several world sizes, ``--epoch-costs`` the per-epoch gather and checkpoint costs measured
+on the machine it runs on (both for docs/scale.md; no GPU needed).
+
+``SATP_GPU_DRY_RUN=1``: CPU workers, a tiny model and 150 graphs per split (the same commands and checks).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.bench_gpu import DRY_RUN, ROOT, Clock, measure
+
+BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 330)
+GRAPHS_PER_SPLIT = int(os.environ.get("SATP_MULTIRANK_GRAPHS") or (150 if DRY_RUN else 3000))
+WORK_DIR = Path(os.environ.get("SATP_MULTIRANK_DIR") or ROOT / "runs" / ("gpu-multirank-dry" if DRY_RUN else "gpu-multirank"))
+JOB = "jobs/code2.yaml"
+WORLD = 2
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", *args]
+
+
+def _sets(run_name: str) -> list[str]:
+    sets = [f"data.root={WORK_DIR / 'data'}", "data.source=pycode", f"data.max_graphs_per_split={GRAPHS_PER_SPLIT}",
+            f"shards.root={WORK_DIR / 'shards'}", f"resources.num_workers={WORLD}", "resources.gpus_per_worker=0.5",
+            "train.warmup_epochs=1", "train.node_budget=16384",
+            f"train.storage_path={WORK_DIR / 'ray'}", f"mlflow.tracking_uri=sqlite:///{WORK_DIR / 'mlflow.db'}",
+            f"train.run_name={run_name}"]
+    if DRY_RUN:
+        sets += ["resources.use_gpu=false", "resources.cpus_per_worker=1", "train.loader_workers=0",
+                 "model.hidden_dim=32", "model.num_layers=1", "train.node_budget=2048", "train.eval_node_budget=4096"]
+    else:
+        sets += ["resources.cpus_per_worker=6"]  # 2 x 6 of 16 cores: the step and its 4 loader workers each
+    return sets
+
+
+def _overrides(sets: list[str]) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
+def split_sampler(job, dataset, shuffle: bool, rank: int, world: int):
+    """The sampler a worker of rank ``rank`` builds over ``dataset`` (``pipeline.worker.split_sampler``
+    where it exists; else the same construction, as ``pipeline.worker`` had it inline)."""
+    try:
+        from pipeline.worker import split_sampler as worker_sampler
+    except ImportError:
+        worker_sampler = None
+    if worker_sampler is not None:
+        return worker_sampler(job, dataset, shuffle, rank=rank, world=world)
+    from pipeline.batching import NodeBudgetSampler, subset_indices
+
+    t = job.train
+    return NodeBudgetSampler(
+        np.asarray(dataset.num_nodes), t.node_budget if shuffle else (t.eval_node_budget or 2 * t.node_budget),
+        rank=rank, world_size=world, shuffle=shuffle, seed=t.seed, bucket_size=t.bucket_size,
+        max_graphs=t.max_graphs_per_batch,
+        indices=(subset_indices(len(dataset), t.train_subset, t.seed) if shuffle
+                 else subset_indices(len(dataset), t.eval_subset, job.data.seed)))
+
+
+def single_rank_eval(job, shard_dir: str, checkpoint: Path, device) -> dict:
+    """The checkpoint's best weights evaluated in this process over whole valid/test splits, with the
+    batches a 1-rank run cuts and the precision the workers resolved on this machine."""
+    import torch
+
+    from pipeline import checkpoint as ckpt
+    from pipeline.engine import resolve_precision
+    from pipeline.loader import BatchCollator, make_loader, open_split
+    from pipeline.tasks import make_task
+    from pipeline.train_step import evaluate
+    from pipeline.worker import build_model
+    from sat.config import SATConfig
+
+    state = ckpt.load_state(checkpoint)
+    weights = ckpt.load_best_weights(checkpoint)
+    task_state = dict(state["task"])
+    task = make_task(task_state.pop("name"), vocab=open_split(shard_dir, "train").vocab, **task_state)
+    config = SATConfig.from_dict(state["model_config"])
+    model = build_model(config)
+    model.load_state_dict(weights)
+    model.to(device).eval()
+    precision = resolve_precision(job.train.precision, job.resources.use_gpu)
+    out = {"precision": precision, "best_epoch": state["best"]["epoch"]}
+    for split in ("valid", "test"):
+        ds = open_split(shard_dir, split)
+        loader = make_loader(ds, split_sampler(job, ds, False, 0, 1), BatchCollator(config),
+                             0 if DRY_RUN else 4, device.type == "cuda")
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            predictions, targets = evaluate(model, task, loader, device)
+        out[split] = {"score": task.score(predictions, targets), "graphs": len(targets)}
+    out["metric"] = task.metric
+    return out
+
+
+def _ds_counters(checkpoint: Path) -> dict:
+    """DeepSpeed's counters in a checkpoint (rank 0's model-states file)."""
+    import torch
+
+    files = sorted((checkpoint / "ds").rglob("mp_rank_00_model_states.pt"))
+    if not files:
+        return {}
+    state = torch.load(files[0], map_location="cpu", weights_only=False)
+    return {k: state.get(k) for k in ("global_steps", "global_samples", "dp_world_size")}
+
+
+def _latest(run_dir: Path) -> Path | None:
+    from pipeline.rerun import latest_checkpoint
+
+    return latest_checkpoint(run_dir) if run_dir.is_dir() else None
+
+
+def run() -> str:
+    import torch
+
+    if not torch.cuda.is_available() and not DRY_RUN:
+        return "### GPU check, part multirank\n\nNo CUDA device: nothing measured."
+    from pipeline.config import load_job
+    from pipeline.loader import open_split
+
+    clock = Clock(BUDGET_S)
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    logs = WORK_DIR / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    run_name = f"gpu-multirank-{time.strftime('%Y%m%d-%H%M%S')}"
+    sets = _sets(run_name)
+    job = load_job(ROOT / JOB, sets)
+    raw: dict = {"run_name": run_name, "sets": sets, "backend": job.resources.torch_backend, "steps": {}}
+    steps = raw["steps"]
+
+    def save() -> None:
+        if out_dir is not None:
+            (out_dir / "gpu_multirank.json").write_text(json.dumps(raw, indent=1, default=str))
+
+    device_name = torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run: CPU workers, tiny model)"
+    lines = ["### GPU check, part multirank (`benchmarks/gpu/run.sh multirank`)", "",
+             f"Device: {device_name}, torch {torch.__version__}; budget {BUDGET_S:.0f} s. `{JOB}` with `--set` "
+             + " ".join(f"`{s}`" for s in sets if not s.startswith(("data.root", "shards.root", "train.storage",
+                                                                   "mlflow.tracking")))
+             + f" (paths under `{WORK_DIR}`): {WORLD} Ray Train workers, collectives: "
+               f"**{job.resources.torch_backend}** (`resources.collective_backend: {job.resources.collective_backend}`).", ""]
+    print(f"== gpu multirank: {run_name}, backend {job.resources.torch_backend} ({clock.left():.0f} s left)", flush=True)
+
+    # data (reused on a warm machine) and shards
+    data = WORK_DIR / "data" / "ogbg_code2"
+    if data.is_dir():
+        steps["pycode"] = {"ok": True, "reused": True, "seconds": 0.0, "tail": "reused", "max_rss_gb": 0.0}
+    else:
+        steps["pycode"] = measure(_cli("data", "pycode", "--out", str(WORK_DIR / "data"), "--workers",
+                                       str(min(16, os.cpu_count() or 1))), clock.left() * 0.3, logs / "pycode.log")
+    shard_dir = None
+    if steps["pycode"]["ok"]:
+        steps["preprocess"] = measure(_cli("preprocess", JOB, "--no-progress", *_overrides(sets)), clock.left() - 120,
+                                      logs / "preprocess.log")
+        shard_dir = steps["preprocess"]["tail"].strip() if steps["preprocess"]["ok"] else None
+    save()
+    run_dir = WORK_DIR / "ray" / run_name
+    first = second = None
+    for epochs, key in ((1, "train, epochs=1"), (2, "train, epochs=2 (resume)")):
+        if not shard_dir or (epochs == 2 and not steps.get("train, epochs=1", {}).get("ok")):
+            break
+        if clock.left() < 60:
+            steps[key] = {"ok": False, "skipped": "time budget spent"}
+            break
+        print(f"   satp train {key} ({clock.left():.0f} s left)", flush=True)
+        steps[key] = measure(_cli("train", JOB, *_overrides(sets + [f"train.epochs={epochs}"])), clock.left() - 25,
+                             logs / f"train-{epochs}.log")
+        found = _latest(run_dir)
+        if steps[key]["ok"] and found is not None:
+            snapshot = {"checkpoint": str(found), "state": json.loads((found / "state.json").read_text()),
+                        "deepspeed": _ds_counters(found)}
+            if epochs == 1:
+                first = snapshot
+            else:
+                second = snapshot
+        save()
+
+    lines += ["| step | status | wall s | peak RSS, largest process (GB) | peak GPU memory (GB) |", "|---|---|---|---|---|"]
+    for key, r in steps.items():
+        status = ("reused (an earlier call's data)" if r.get("reused") else "ok" if r.get("ok")
+                  else (r.get("skipped") or ("timed out" if r.get("timed_out") else "FAILED")))
+        gpu = r.get("gpu_mem_gb")
+        lines.append(f"| {key} | {status} | {r.get('seconds', 0):.0f} | {r.get('max_rss_gb', 0):.2f} "
+                     f"| {'-' if gpu is None else f'{gpu:.2f}'} |")
+        if not r.get("ok") and r.get("tail"):
+            lines += ["", f"{key}: {r['tail'][:400]}", ""]
+
+    checks: list[tuple[str, bool, str]] = []
+    if shard_dir and first is not None:
+        train_ds = open_split(shard_dir, "train")
+        sizes = np.asarray(train_ds.num_nodes)
+        per_rank = [len(split_sampler(job, train_ds, True, r, WORLD)) for r in range(WORLD)]
+        history = (second or first)["state"]["history"]
+        lines += ["", "Per rank and epoch (the worker's sampler; graphs and node slots of each rank's batches):", "",
+                  "| epoch | batches per rank | graphs per rank | nodes per rank | graphs reported (sum over ranks) |",
+                  "|---|---|---|---|---|"]
+        for h in history:
+            epoch = int(h["epoch"])
+            samplers = [split_sampler(job, train_ds, True, r, WORLD) for r in range(WORLD)]
+            batches = [s.epoch_batches(epoch) for s in samplers]
+            graphs = [sum(len(b) for b in bs) for bs in batches]
+            nodes = [int(sum(sizes[b].sum() for b in bs)) for bs in batches]
+            reported = round(h["graphs_per_s"] * h["epoch_seconds"])
+            lines.append(f"| {epoch} | {' / '.join(map(str, (len(b) for b in batches)))} | "
+                         f"{' / '.join(map(str, graphs))} | {' / '.join(f'{n:,}' for n in nodes)} | {reported:,} |")
+            checks.append((f"epoch {epoch}: graphs reported = both ranks' batches", reported == sum(graphs),
+                           f"{reported} vs {sum(graphs)}"))
+        checks.append(("equal batches per rank (sampler)", len(set(per_rank)) == 1, f"{per_rank}"))
+        steps_first = first["deepspeed"].get("global_steps")
+        checks.append(("DeepSpeed steps after epoch 0 = batches per rank", steps_first == per_rank[0],
+                       f"{steps_first} vs {per_rank[0]}; dp_world_size {first['deepspeed'].get('dp_world_size')}"))
+        for split in ("valid", "test"):
+            ds = open_split(shard_dir, split)
+            counts = [len(split_sampler(job, ds, False, r, WORLD)) for r in range(WORLD)]
+            lines.append(f"\nEvaluation batches per rank, {split}: {' / '.join(map(str, counts))} "
+                         f"({len(ds):,} graphs, gathered to rank 0)")
+        if second is not None:
+            log_text = Path(logs / "train-2.log").read_text() + Path(str(logs / "train-2.log") + ".err").read_text()
+            h1, h2 = first["state"]["history"], second["state"]["history"]
+            checks.append(("resume: the log says it resumed after epoch 0",
+                           "resum" in log_text.lower() and "after epoch 0" in log_text, "`resuming run ... after epoch 0`"))
+            checks.append(("resume: epoch 0 kept as the first run wrote it, epoch 1 added",
+                           len(h2) == 2 and h2[0] == h1[0] and int(h2[1]["epoch"]) == 1, f"{len(h1)} -> {len(h2)} epochs"))
+            checks.append(("resume: the same MLflow run", first["state"].get("mlflow_run_id") == second["state"].get("mlflow_run_id"),
+                           str(second["state"].get("mlflow_run_id"))))
+            steps_second = second["deepspeed"].get("global_steps")
+            checks.append(("resume: DeepSpeed steps went on (2 x batches per rank)", steps_second == 2 * per_rank[0],
+                           f"{steps_first} -> {steps_second}"))
+        final = second or first
+        if clock.left() > 15:
+            device = torch.device("cuda" if not DRY_RUN else "cpu")
+            try:
+                one = single_rank_eval(job, shard_dir, Path(final["checkpoint"]), device)
+                raw["single_rank_eval"] = one
+                best = final["state"]["best"]
+                metric = one["metric"]
+                for split, reported in (("valid", best["val"]), ("test", best["test"])):
+                    mine = one[split]["score"]
+                    # same batches and weights; GPU atomics may reorder float sums: allow one graph's flip
+                    tol = 1.0 / max(one[split]["graphs"], 1) + 1e-9
+                    checks.append((f"gathered {split} {metric} (2 ranks) = 1-rank evaluation of the checkpoint",
+                                   abs(mine - reported) <= tol,
+                                   f"{reported:.6f} vs {mine:.6f} ({one[split]['graphs']:,} graphs, {one['precision']}, "
+                                   f"best epoch {one['best_epoch']})"))
+            except Exception as exc:  # the figures above must survive
+                checks.append(("1-rank evaluation of the checkpoint", False, f"{type(exc).__name__}: {str(exc)[:300]}"))
+        lines += ["", "| epoch | graphs/s (both ranks) | epoch s | data wait | eval s | train loss | val | test |",
+                  "|---|---|---|---|---|---|---|---|"]
+        metric = "f1"
+        for h in history:
+            lines.append(f"| {h['epoch']} | {h['graphs_per_s']:,.0f} | {h['epoch_seconds']:.1f} | "
+                         f"{100 * h['data_wait_frac']:.1f}% | {h.get('eval_seconds', float('nan')):.1f} | "
+                         f"{h['train_loss']:.3f} | {h.get(f'val_{metric}', float('nan')):.4f} | "
+                         f"{h.get(f'test_{metric}', float('nan')):.4f} |")
+    raw["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
+    lines += ["", "| check | result | detail |", "|---|---|---|"]
+    lines += [f"| {c} | {'**pass**' if ok else '**FAIL**'} | {d} |" for c, ok, d in checks]
+    passed = sum(ok for _, ok, _ in checks)
+    lines += ["", f"{passed} of {len(checks)} checks passed; part wall time {BUDGET_S - clock.left():.0f} s."]
+    if out_dir is not None:
+        for log in logs.glob("*.log*"):
+            (out_dir / f"multirank-{log.name}").write_text(log.read_text()[-20000:])
+    save()
+    return "\n".join(lines)
+
+
+def rank_balance(sizes: np.ndarray, node_budget: int, world: int, epochs: int = 2, seed: int = 0,
+                 bucket_size: int = 2048) -> dict:
+    """Per-step imbalance of node-budget batches dealt to ``world`` ranks: for each step, the busiest
+    rank's work over the mean rank's, for three measures of work (graphs, nodes, attention cells
+    ``sum(n^2)``), averaged over the steps of ``epochs`` epochs. A synchronous step waits for its
+    busiest rank, so ``mean(max/mean)`` is the time a step takes against perfectly balanced work
+    where the step time is proportional to that measure."""
+    import functools
+
+    from pipeline.batching import NodeBudgetSampler
+
+    sampler = NodeBudgetSampler(sizes, node_budget, rank=0, world_size=world, seed=seed, bucket_size=bucket_size)
+    # every rank cuts the same global batches: cut them once per epoch, deal them as each rank would
+    sampler._global_batches = functools.lru_cache(maxsize=None)(sampler._global_batches)
+    ratios: dict[str, list[float]] = {"graphs": [], "nodes": [], "attention": []}
+    started = time.perf_counter()
+    sampler._global_batches(epochs)  # an epoch's cut, timed (every rank makes it when its epoch starts)
+    cut_s = time.perf_counter() - started
+    for epoch in range(epochs):
+        per_rank = []
+        for r in range(world):
+            sampler.rank = r
+            per_rank.append(sampler.epoch_batches(epoch))
+        for step in range(len(per_rank[0])):
+            batches = [per_rank[r][step] for r in range(world)]
+            for key, work in (("graphs", [len(b) for b in batches]),
+                              ("nodes", [int(sizes[b].sum()) for b in batches]),
+                              ("attention", [int((sizes[b].astype(np.int64) ** 2).sum()) for b in batches])):
+                ratios[key].append(max(work) / (sum(work) / world))
+    steps = len(ratios["graphs"]) // epochs
+    return {"steps_per_epoch": steps, "cut_s": cut_s, **{k: float(np.mean(v)) for k, v in ratios.items()}}
+
+
+def _balance_table() -> str:
+    """Code2-shaped sizes (FACTS.md's lognormal: mean 125, sigma 0.75, 10-1000), ogbg-code2's train
+    split (407,976 graphs)."""
+    rng = np.random.default_rng(0)
+    sizes = np.clip(rng.lognormal(np.log(125) - 0.75 ** 2 / 2, 0.75, 407_976), 10, 1000).astype(np.int64)
+    lines = ["| node budget | ranks | steps per epoch | graphs max/mean | nodes max/mean | attention cells max/mean "
+             "| one epoch's batch cut (s, this CPU) |", "|---|---|---|---|---|---|---|"]
+    for budget in (16384, 131072):
+        for world in (1, 8, 32):
+            r = rank_balance(sizes, budget, world)
+            lines.append(f"| {budget} | {world} | {r['steps_per_epoch']:,} | {r['graphs']:.3f} | {r['nodes']:.3f} "
+                         f"| {r['attention']:.3f} | {r['cut_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
+    """Per-epoch costs of a run that grow with the ranks, measured on this CPU with the code2 task:
+
+    - the gathers (``pipeline.metrics.gather_objects``: ``all_gather_object`` of each rank's
+      ``(predictions, targets)``): pickling a rank's lists, unpickling every rank's (each rank
+      receives all), and OGB's F1 over them on rank 0; per graph, from ``graphs`` made-up entries
+      shaped like pycode's (1-3 target subtokens, mean ~1.7; 1-5 predicted; 3-8 letters each);
+    - a checkpoint: ``torch.save`` of the code2 model's fp32 weights and AdamW state (what DeepSpeed's
+      ZeRO-0 ``mp_rank_00_model_states.pt`` holds) and of the best weights (``best_model.pt``), to a
+      temporary directory on this machine's disk, fsync'd: bytes and seconds.
+    """
+    import os
+    import pickle
+    import tempfile
+
+    import torch
+
+    from benchmarks.gpu_step import _job_parts
+    from benchmarks.synthetic import code2_like_graphs
+    from pipeline.tasks import Code2Task
+    from pipeline.worker import build_model
+
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+
+    def word() -> str:
+        return "".join(rng.choice(letters, size=int(rng.integers(3, 9))))
+
+    words = [word() for _ in range(5000)]
+    # targets are read from the shards (a string object each); predictions are decoded from the
+    # vocabulary (the vocabulary's own objects, which pickle stores once)
+    targets = [[(words[i] + " ")[:-1] for i in rng.integers(0, 5000, size=int(rng.choice([1, 2, 3], p=[0.5, 0.35, 0.15])))]
+               for _ in range(graphs)]
+    preds = [[words[i] for i in rng.integers(0, 5000, size=int(rng.integers(1, 6)))] for _ in range(graphs)]
+    out: dict = {"graphs": graphs}
+    started = time.perf_counter()
+    blob = pickle.dumps((preds, targets))
+    out["pickle_us_per_graph"] = 1e6 * (time.perf_counter() - started) / graphs
+    out["bytes_per_graph"] = len(blob) / graphs
+    started = time.perf_counter()
+    pickle.loads(blob)
+    out["unpickle_us_per_graph"] = 1e6 * (time.perf_counter() - started) / graphs
+    task = Code2Task(words + ["__UNK__", "__EOS__"])
+    started = time.perf_counter()
+    task.score(preds, targets)
+    out["f1_us_per_graph"] = 1e6 * (time.perf_counter() - started) / graphs
+
+    _, config, _ = _job_parts({"job": "jobs/code2.yaml", "node_budget": 1000}, code2_like_graphs(2, seed=0))
+    model = build_model(config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    out["parameters"] = sum(p.numel() for p in params)
+    with tempfile.TemporaryDirectory(prefix="satp-ckpt-probe-") as tmp:
+        for name, obj in (("model_states", {"module": model.state_dict(), "optimizer": optimizer.state_dict()}),
+                          ("best_model", {k: v.float() for k, v in model.state_dict().items()})):
+            path = os.path.join(tmp, name + ".pt")
+            started = time.perf_counter()
+            with open(path, "wb") as fh:
+                torch.save(obj, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            out[f"{name}_seconds"] = time.perf_counter() - started
+            out[f"{name}_mb"] = os.path.getsize(path) / 1e6
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--balance"]:
+        print(_balance_table())
+    elif sys.argv[1:] == ["--epoch-costs"]:
+        print(json.dumps(epoch_costs(), indent=1))
+    else:
+        print(run())

@@ -1,0 +1,267 @@
+"""GPU check, part ``scale`` (``benchmarks/gpu/run.sh scale``): the pipeline at ogbg-ppa's size on one GPU.
+
+On the device machine (16 cores, 128 GiB, 64 GiB disk), in ``SATP_GPU_SCALE_DIR`` (default
+``runs/gpu-scale``, git-ignored, kept between calls on a warm machine):
+
+1. ``satp data synthetic-ppa --out DIR/data --graphs N [--workers W]``: a synthetic ogbg-ppa of
+   ``N = SATP_SCALE_GRAPHS`` graphs (default 158,100, the real dataset's size), built there (too big
+   to carry). Reused when ``DIR/data`` already holds the same N (a rerun on a warm machine).
+2. ``satp preprocess jobs/ppa.yaml`` on it (``data.root``, ``data.source=synthetic``,
+   ``data.synthetic_graphs``, ``shards.root`` set with ``--set``); finished shards are reused by
+   preprocessing itself.
+3. ONE epoch of ``satp train jobs/ppa.yaml`` on one GPU worker (``resources.num_workers=1``,
+   ``train.epochs=1``, ``train.warmup_epochs=1``), evaluation and registration included. When the
+   part's time left cannot hold a whole epoch by the estimate below, ``train.train_subset`` and
+   ``train.eval_subset`` cut it to fit, and the section says so.
+
+Each step: wall time, exit status, peak RSS of the largest process (``wait4``'s ``ru_maxrss``, as
+``/usr/bin/time -v`` reports it), peak summed RSS of the process tree and of the machine's used
+memory, peak GPU memory (NVML), disk of each directory after it. The epoch's graphs/s, data-wait
+share, epoch and evaluation seconds and accuracy are read back from MLflow as the ``perf`` part's
+pipeline rows read them (:func:`benchmarks.bench_gpu._pipeline_metrics`).
+
+Sizes and why: the full size is the default because the rewritten generator and preprocessing stream
+(bounded memory) and run in parallel; at FACTS.md's 1/10-size figures (raw files 39 KB, shards 152 KB
+per graph) plus the columnar raw store (~85 KB per graph: int32 edge pairs and float32 features) the
+full size needs ~43 GB of the 64 GiB disk; the part checks the free disk first and lowers N to what
+fits (saying so). Time, estimated before any GPU run of this part: generation ~1.5-2 min on 16 cores,
+preprocessing a few minutes, the epoch ~1 min (ppa step: 1,629 graphs/s at budget 16384, FACTS.md)
+plus ~1 min of Ray and worker start and registration: the whole part is meant to fit one
+10-minute command; a rerun on the same warm machine reuses the data and the finished shards.
+``SATP_SCALE_GRAPHS=79050`` (half) leaves room for a second try in one device session.
+
+``SATP_GPU_DRY_RUN=1``: 300 graphs, a tiny model, CPU workers (the same commands and code path).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.bench_gpu import DRY_RUN, ROOT, Clock, _env, _gb, _pipeline_metrics, disk_gb, measure
+
+FULL_GRAPHS = 158_100
+# a comma list (benchmarks/bench_scale.py's form of the same variable) gives its largest size
+GRAPHS = max(int(v) for v in (os.environ.get("SATP_SCALE_GRAPHS") or str(300 if DRY_RUN else FULL_GRAPHS)).split(",")
+             if v.strip())
+BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 510)
+WORKERS = min(16, os.cpu_count() or 1)
+SCALE_DIR = Path(os.environ.get("SATP_GPU_SCALE_DIR") or ROOT / "runs" / ("gpu-scale-dry" if DRY_RUN else "gpu-scale"))
+JOB = "jobs/ppa.yaml"
+# disk per graph (bytes): raw gzip CSVs and shards from FACTS.md's 1/10-size run (613 MB, 2.4 GB for
+# 15,810 graphs); the columnar raw store from its layout (2 x int32 ids + 7 x float32 per edge, 2,266
+# edges per graph)
+DISK_PER_GRAPH = 39e3 + 152e3 + 2266 * (8 + 28)
+# the epoch estimate that sizes train/eval subsets when time is short: the ppa step benchmark's 1,629
+# graphs/s at budget 16384 (FACTS.md, H200) less a margin, evaluation (budget 65536, no backward)
+# assumed 3x faster, and ~80 s of Ray start, worker start, checkpoint and registration around the epoch
+TRAIN_GRAPHS_PER_S, EVAL_GRAPHS_PER_S, TRAIN_FIXED_S = 1300.0, 4000.0, 80.0
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", *args]
+
+
+def _generator_has_workers() -> bool:
+    """Whether ``satp data synthetic-ppa`` takes ``--workers`` (the parallel generator)."""
+    proc = subprocess.run(_cli("data", "synthetic-ppa", "--help"), cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    return "--workers" in proc.stdout
+
+
+def _sets(graphs: int) -> list[str]:
+    data = SCALE_DIR / "data"
+    sets = [f"data.root={data}", "data.source=synthetic", f"data.synthetic_graphs={graphs}",
+            f"shards.root={SCALE_DIR / 'shards'}"]
+    if DRY_RUN:
+        sets += ["resources.use_gpu=false", "resources.cpus_per_worker=2", "train.loader_workers=1",
+                 "model.hidden_dim=32", "model.num_layers=1", "train.node_budget=4096", "train.eval_node_budget=8192"]
+    return sets
+
+
+def _overrides(sets: list[str]) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
+def _row(label: str, r: dict, disk: str) -> str:
+    status = "ok" if r.get("ok") else ("timed out" if r.get("timed_out") else f"FAILED ({r.get('returncode')})")
+    if r.get("skipped"):
+        return f"| {label} | skipped: {r['skipped']} | | | | | | |"
+    return (f"| {label} | {status} | {r['seconds']:.0f} | {_gb(r['max_rss_gb'])} | {_gb(r['tree_rss_gb'])} "
+            f"| {_gb(r['machine_used_gb'])} | {_gb(r.get('gpu_mem_gb'))} | {disk} |")
+
+
+def _split_sizes(shard_dir: str) -> dict[str, int]:
+    from pipeline.loader import open_split
+
+    return {s: len(open_split(shard_dir, s)) for s in ("train", "valid", "test")}
+
+
+def _fit_epoch(sizes: dict[str, int], left: float) -> tuple[int | None, int | None, float]:
+    """``(train_subset, eval_subset, estimated seconds)``: the whole splits when the estimate fits
+    ``left`` seconds, else subsets cut in the same proportion."""
+    train, evals = sizes["train"], sizes["valid"] + sizes["test"]
+    need = train / TRAIN_GRAPHS_PER_S + evals / EVAL_GRAPHS_PER_S
+    room = left - TRAIN_FIXED_S
+    if need <= room:
+        return None, None, TRAIN_FIXED_S + need
+    share = max(room, 10.0) / need
+    return (max(1, int(train * share)), max(1, int(max(sizes["valid"], sizes["test"]) * share)),
+            TRAIN_FIXED_S + need * share)
+
+
+def run() -> str:
+    import torch
+
+    if not torch.cuda.is_available() and not DRY_RUN:
+        return "### GPU check, part scale\n\nNo CUDA device: nothing measured."
+    clock = Clock(BUDGET_S)
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    SCALE_DIR.mkdir(parents=True, exist_ok=True)
+    logs = SCALE_DIR / "logs"
+    logs.mkdir(exist_ok=True)
+    raw: dict = {"graphs_asked": GRAPHS, "budget_s": BUDGET_S, "workers": WORKERS, "dir": str(SCALE_DIR), "steps": {}}
+
+    def save() -> None:
+        if out_dir is not None:
+            (out_dir / "gpu_scale.json").write_text(json.dumps(raw, indent=1, default=str))
+
+    graphs = GRAPHS
+    free = shutil.disk_usage(SCALE_DIR).free
+    data = SCALE_DIR / "data"
+    marker = SCALE_DIR / "graphs.txt"
+    reuse = (data / "ogbg_ppa").is_dir() and marker.is_file() and marker.read_text().strip() == str(graphs)
+    notes = []
+    if not reuse:
+        fits = int(free * 0.9 / DISK_PER_GRAPH)
+        if fits < graphs:
+            notes.append(f"{graphs:,} graphs would need ~{graphs * DISK_PER_GRAPH / 1e9:.0f} GB of disk "
+                         f"({DISK_PER_GRAPH / 1e3:.0f} KB per graph), {free / 1e9:.0f} GB free: lowered to {fits:,}")
+            graphs = fits
+    raw.update(graphs=graphs, free_disk_gb_before=free / 1e9, reused_data=reuse)
+    sets = _sets(graphs)
+    device = torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run, tiny sizes and model)"
+    lines = ["### GPU check, part scale (`benchmarks/gpu/run.sh scale`)", "",
+             f"Device: {device}, {os.cpu_count()} cores, torch {torch.__version__}; budget {BUDGET_S:.0f} s; "
+             f"**{graphs:,} synthetic ogbg-ppa graphs** (`SATP_SCALE_GRAPHS`; ogbg-ppa has {FULL_GRAPHS:,}); "
+             f"work directory `{SCALE_DIR}` ({free / 1e9:.0f} GB free at the start).", ""]
+    lines += [f"- {n}" for n in notes] + ([""] if notes else [])
+    steps: dict[str, dict] = raw["steps"]
+    print(f"== gpu scale: {graphs} graphs in {SCALE_DIR} ({clock.left():.0f} s left)", flush=True)
+
+    # 1. the data
+    gen = _cli("data", "synthetic-ppa", "--out", str(data), "--graphs", str(graphs))
+    parallel = _generator_has_workers()
+    if parallel:
+        gen += ["--workers", str(WORKERS)]
+    if reuse:
+        steps["generate"] = {"skipped": "reused the data of an earlier call (same N)"}
+    else:
+        if data.exists():
+            shutil.rmtree(data)
+        marker.unlink(missing_ok=True)
+        print(f"   {' '.join(gen)}", flush=True)
+        steps["generate"] = measure(gen, clock.left() * 0.45, logs / "generate.log")
+        if steps["generate"]["ok"]:
+            marker.write_text(str(graphs))
+    steps["generate"]["disk_gb"] = disk_gb(data)
+    save()
+
+    # 2. the shards
+    pre = _cli("preprocess", JOB, "--no-progress", *_overrides(sets))
+    shard_dir = None
+    if (data / "ogbg_ppa").is_dir() and (reuse or steps["generate"].get("ok")):
+        print(f"   satp preprocess ({clock.left():.0f} s left)", flush=True)
+        steps["preprocess"] = measure(pre, clock.left() - 60, logs / "preprocess.log")
+        if steps["preprocess"]["ok"]:
+            shard_dir = steps["preprocess"]["tail"].strip()
+    else:
+        steps["preprocess"] = {"skipped": "no data"}
+    steps["preprocess"]["disk_gb"] = disk_gb(SCALE_DIR / "shards")
+    steps["preprocess"]["columnar_disk_gb"] = disk_gb(data / "ogbg_ppa" / "columnar")
+    save()
+
+    # 3. one epoch on one GPU worker
+    run_name = f"gpu-scale-{time.strftime('%Y%m%d-%H%M%S')}"
+    tracking = f"sqlite:///{SCALE_DIR / 'mlflow.db'}"
+    train_sets = sets + ["resources.num_workers=1", "train.epochs=1", "train.warmup_epochs=1",
+                         f"train.storage_path={SCALE_DIR / 'ray'}", f"mlflow.tracking_uri={tracking}",
+                         f"train.run_name={run_name}"]
+    sizes, epochs = {}, []
+    if shard_dir and clock.left() > TRAIN_FIXED_S + 20:
+        sizes = _split_sizes(shard_dir)
+        train_subset, eval_subset, estimate = _fit_epoch(sizes, clock.left() - 15)
+        if train_subset is not None:
+            train_sets += [f"train.train_subset={train_subset}", f"train.eval_subset={eval_subset}"]
+            lines += [f"- the epoch cut to fit the time left ({clock.left():.0f} s): train.train_subset="
+                      f"{train_subset:,} of {sizes['train']:,}, train.eval_subset={eval_subset:,} per split", ""]
+        raw.update(split_sizes=sizes, train_subset=train_subset, eval_subset=eval_subset, epoch_estimate_s=estimate)
+        print(f"   satp train, 1 epoch ({clock.left():.0f} s left; estimate {estimate:.0f} s)", flush=True)
+        steps["train"] = measure(_cli("train", JOB, *_overrides(train_sets)), clock.left() - 10, logs / "train.log")
+        if steps["train"]["ok"]:
+            epochs = _pipeline_metrics(tracking, run_name, "acc")
+    else:
+        steps["train"] = {"skipped": "no shards" if not shard_dir else "time budget spent"}
+    steps["train"]["disk_gb"] = sum(disk_gb(SCALE_DIR / d) for d in ("ray", "mlflow.db", "mlartifacts"))
+    raw["epochs"] = epochs
+    raw["free_disk_gb_after"] = shutil.disk_usage(SCALE_DIR).free / 1e9
+    save()
+
+    # the section
+    lines += [f"Commands (in `{SCALE_DIR}`; `--set` {' '.join('`' + s + '`' for s in sets)}):", "",
+              f"1. `satp data synthetic-ppa --out DIR/data --graphs {graphs}"
+              f"{f' --workers {WORKERS}' if parallel else ''}`"
+              f"{'' if parallel else ' (this generator has no --workers: serial)'}",
+              f"2. `satp preprocess {JOB} --no-progress --set ...`",
+              f"3. `satp train {JOB} --set ... --set resources.num_workers=1 --set train.epochs=1 "
+              f"--set train.warmup_epochs=1` (one GPU worker, evaluation, checkpoint, registration)", "",
+              "| step | status | wall s | peak RSS, largest process (GB) | peak RSS, process tree (GB) "
+              "| machine memory used, peak above start (GB) | peak GPU memory (GB) | disk after (GB) |",
+              "|---|---|---|---|---|---|---|---|"]
+    gen_disk = f"{steps['generate']['disk_gb']:.2f} (raw + columnar: {steps['preprocess']['columnar_disk_gb']:.2f} after step 2)"
+    lines.append(_row("1. synthetic-ppa", steps["generate"], gen_disk))
+    lines.append(_row("2. preprocess", steps["preprocess"], f"{steps['preprocess']['disk_gb']:.2f} (shards)"))
+    lines.append(_row("3. train, 1 epoch", steps["train"], f"{steps['train']['disk_gb']:.2f} (checkpoints, MLflow)"))
+    for key in ("generate", "preprocess", "train"):
+        r = steps[key]
+        if not r.get("ok") and not r.get("skipped"):
+            lines += ["", f"{key}: {r.get('tail', '')[:300]}"]
+    if steps["generate"].get("ok"):
+        lines += ["", f"Generator output: `{steps['generate']['tail'][:400]}`"]
+    if epochs:
+        e = epochs[-1]
+        trained = raw.get("train_subset") or sizes.get("train", 0)
+        lines += ["", "The epoch, as the pipeline logged it (MLflow, Ray Train's controller):", "",
+                  "| train graphs | graphs/s | epoch s | data wait | eval s | train loss | val acc | test acc |",
+                  "|---|---|---|---|---|---|---|---|",
+                  f"| {trained:,} | **{e.get('graphs_per_s', float('nan')):,.0f}** | {e.get('epoch_seconds', float('nan')):.1f} "
+                  f"| {100 * e.get('data_wait_frac', float('nan')):.1f}% | {e.get('eval_seconds', float('nan')):.1f} "
+                  f"| {e.get('train_loss', float('nan')):.3f} | {e.get('val_acc', float('nan')):.4f} "
+                  f"| {e.get('test_acc', float('nan')):.4f} |"]
+        other = steps["train"]["seconds"] - e.get("epoch_seconds", 0.0) - e.get("eval_seconds", 0.0)
+        lines += ["", f"`satp train` besides the epoch and its evaluation (Ray and worker start, data opening, "
+                      f"checkpoint, registration): {other:.0f} s."]
+    rates = []
+    for key, label in (("generate", "generation"), ("preprocess", "preprocessing")):
+        r = steps[key]
+        if r.get("ok") and graphs:
+            rates.append(f"{label} {1e3 * r['seconds'] / graphs:.2f} ms per graph "
+                         f"(x {FULL_GRAPHS:,} = {r['seconds'] * FULL_GRAPHS / graphs:.0f} s at full size)")
+    if rates and graphs != FULL_GRAPHS:
+        lines += ["", "Per graph, linear extrapolation (wall time x 158,100 / N; fixed costs make it an upper "
+                      "bound): " + "; ".join(rates) + "."]
+    lines += ["", f"Free disk: {free / 1e9:.1f} GB before, {raw['free_disk_gb_after']:.1f} GB after; "
+                  f"part wall time {BUDGET_S - clock.left():.0f} s."]
+    if out_dir is not None:
+        for log in logs.glob("*.log*"):
+            (out_dir / f"scale-{log.name}").write_text(log.read_text()[-20000:])
+    save()
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(run())
