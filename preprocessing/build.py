@@ -228,6 +228,8 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
             raise ValueError(f"{store.folder}: the train split is empty, no vocabulary can be built")
         vocab = build_vocab(store.labels(train_ids), transform.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
+    for orphan in out.glob(".*.tmp-*"):  # a killed run's half-written files (a shard is ~0.3 GB for ppa)
+        orphan.unlink(missing_ok=True)
     if vocab is not None:
         payload = (json.dumps(vocab) + "\n").encode()
         if not (out / VOCAB_FILE).is_file() or (out / VOCAB_FILE).read_bytes() != payload:

@@ -125,8 +125,10 @@ def test_resume_skips_finished_and_redoes_bad_shards(code2, tmp_path):
     payload[len(payload) // 2] ^= 0xFF
     bad.write_bytes(bytes(payload))
     stamps_bad = bad.stat().st_mtime_ns
+    orphan = copy / ".train-00002.arrow.tmp-0a1b2c3d"  # what a task killed while writing leaves
+    orphan.write_bytes(b"half a shard")
     preprocess(data, TRANSFORM, shards.model_copy(update={"root": str(tmp_path)}), progress=False)
-    assert _digests(copy) == reference
+    assert _digests(copy) == reference and not orphan.exists()
     for name, stamp in stamps.items():
         if name not in ("train-00001.arrow", "train-00002.arrow"):
             assert (copy / name).stat().st_mtime_ns == stamp, name  # skipped, not rewritten
