@@ -288,8 +288,7 @@ def _run_here(calls: list[tuple]) -> Iterator[dict]:
         yield convert_file(*args)
 
 
-def build_store(folder: Path, name: str, fingerprint: str, run: Runner | None = None,
-                on_file: Callable[[FileSpec], None] | None = None) -> "ColumnarStore":
+def build_store(folder: Path, name: str, fingerprint: str, run: Runner | None = None) -> "ColumnarStore":
     """Convert ``folder`` (OGB raw layout of ``name``, fingerprint ``fingerprint``) into its columnar
     store unless it holds a finished one for that fingerprint; return the opened store.
 
@@ -316,9 +315,6 @@ def build_store(folder: Path, name: str, fingerprint: str, run: Runner | None = 
     counts = _Counts(*(read_column(store / spec.arrow) for spec in count_specs))
     _check_counts(folder, counts)
     todo = [s for s in file_specs(name)[2:] if not _finished(store, s, fingerprint)]
-    for spec in todo:
-        if on_file is not None:
-            on_file(spec)
     list((run or _run_here)([(str(folder), name, spec, fingerprint, counts) for spec in todo]))
     rows = {s.key: json.loads((store / (s.arrow + ".json")).read_text())["rows"] for s in file_specs(name)}
     meta = {"version": STORE_VERSION, "dataset": name, "fingerprint": fingerprint, "graphs": int(counts.nodes.size),
