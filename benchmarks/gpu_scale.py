@@ -37,12 +37,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.bench_gpu import DRY_RUN, ROOT, Clock, _env, _gb, _pipeline_metrics, disk_gb, measure
+from benchmarks.bench_gpu import DRY_RUN, ROOT, Clock, _gb, _pipeline_metrics, disk_gb, measure
 
 FULL_GRAPHS = 158_100
 # a comma list (benchmarks/bench_scale.py's form of the same variable) gives its largest size
@@ -64,13 +63,6 @@ TRAIN_GRAPHS_PER_S, EVAL_GRAPHS_PER_S, TRAIN_FIXED_S = 1300.0, 4000.0, 80.0
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipeline.cli", *args]
-
-
-def _generator_has_workers() -> bool:
-    """Whether ``satp data synthetic-ppa`` takes ``--workers`` (the parallel generator)."""
-    proc = subprocess.run(_cli("data", "synthetic-ppa", "--help"), cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=120)
-    return "--workers" in proc.stdout
 
 
 def _sets(graphs: int) -> list[str]:
@@ -154,10 +146,7 @@ def run() -> str:
     print(f"== gpu scale: {graphs} graphs in {SCALE_DIR} ({clock.left():.0f} s left)", flush=True)
 
     # 1. the data
-    gen = _cli("data", "synthetic-ppa", "--out", str(data), "--graphs", str(graphs))
-    parallel = _generator_has_workers()
-    if parallel:
-        gen += ["--workers", str(WORKERS)]
+    gen = _cli("data", "synthetic-ppa", "--out", str(data), "--graphs", str(graphs), "--workers", str(WORKERS))
     if reuse:
         steps["generate"] = {"skipped": "reused the data of an earlier call (same N)"}
     else:
@@ -213,9 +202,7 @@ def run() -> str:
 
     # the section
     lines += [f"Commands (in `{SCALE_DIR}`; `--set` {' '.join('`' + s + '`' for s in sets)}):", "",
-              f"1. `satp data synthetic-ppa --out DIR/data --graphs {graphs}"
-              f"{f' --workers {WORKERS}' if parallel else ''}`"
-              f"{'' if parallel else ' (this generator has no --workers: serial)'}",
+              f"1. `satp data synthetic-ppa --out DIR/data --graphs {graphs} --workers {WORKERS}`",
               f"2. `satp preprocess {JOB} --no-progress --set ...`",
               f"3. `satp train {JOB} --set ... --set resources.num_workers=1 --set train.epochs=1 "
               f"--set train.warmup_epochs=1` (one GPU worker, evaluation, checkpoint, registration)", "",

@@ -39,9 +39,9 @@ from preprocessing.shards import (
     write_shard_file,
 )
 from preprocessing.sbm import NUM_CLASSES
-from preprocessing.columnar import ColumnarStore, raw_fingerprint
+from preprocessing.columnar import TASK, ColumnarStore, raw_fingerprint
 from preprocessing.conversion import build_store, convert_file
-from preprocessing.sources import TASK, ensure_dataset, iter_chunk
+from preprocessing.sources import ensure_dataset, iter_chunk
 from preprocessing.transforms import build_vocab, transform_graph
 
 
@@ -83,19 +83,19 @@ def plan_shards(store: ColumnarStore, data: DataConfig, shards: ShardConfig) -> 
     return plans
 
 
-def _transformed_rows(chunk: dict, task: str, transform: dict, vocab: list[str] | None) -> list[dict]:
+def _transformed_rows(chunk: dict, task: str, transform: dict, vocab: list[str] | None) -> tuple[list[dict], dict]:
+    """One shard's transformed rows and its column specs."""
     import torch
 
     torch.set_num_threads(1)
     cfg = TransformConfig.model_validate(transform)
     vocab_index = {w: i for i, w in enumerate(vocab)} if vocab is not None else None
-    return [transform_graph(g, task, cfg, vocab_index) for g in iter_chunk(chunk)]
+    return [transform_graph(g, task, cfg, vocab_index) for g in iter_chunk(chunk)], column_specs(task, cfg)
 
 
 def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | None):
     """Transform one shard's raw graphs (a :meth:`ColumnarStore.chunk`) and encode them (in memory)."""
-    rows = _transformed_rows(chunk, task, transform, vocab)
-    return encode_shard(rows, column_specs(task, TransformConfig.model_validate(transform)))
+    return encode_shard(*_transformed_rows(chunk, task, transform, vocab))
 
 
 def write_shard(path: str, store: str, ids: np.ndarray, task: str, transform: dict, vocab: list[str] | None) -> dict:
@@ -106,9 +106,9 @@ def write_shard(path: str, store: str, ids: np.ndarray, task: str, transform: di
     ``SATP_TESTING_SHARD_DELAY_S`` in the node's environment (a fault-injection test hook) makes the
     task last at least that long, so that a test can see it running on a node and kill the node."""
     started = time.monotonic()
-    rows = _transformed_rows(ColumnarStore(store).chunk(ids), task, transform, vocab)
+    rows, specs = _transformed_rows(ColumnarStore(store).chunk(ids), task, transform, vocab)
     time.sleep(max(0.0, float(os.environ.get("SATP_TESTING_SHARD_DELAY_S", 0)) - (time.monotonic() - started)))
-    return write_shard_file(Path(path), rows, column_specs(task, TransformConfig.model_validate(transform)))
+    return write_shard_file(Path(path), rows, specs)
 
 
 def _shard_done(out: Path, plan: ShardPlan, key: dict) -> dict | None:

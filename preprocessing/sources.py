@@ -23,7 +23,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from preprocessing.columnar import TASK, ColumnarStore, raw_fingerprint, required_files  # noqa: F401 (re-exported)
+from preprocessing.columnar import ColumnarStore, raw_fingerprint
 from preprocessing.conversion import build_store
 from preprocessing.config import DataConfig
 from preprocessing.ogb_layout import OGB_DIR

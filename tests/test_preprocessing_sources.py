@@ -12,7 +12,8 @@ import pytest
 
 from preprocessing.config import DataConfig
 from preprocessing.pycode import MASK, build_pycode, function_graph, split_name
-from preprocessing.sources import load_source, required_files
+from preprocessing.columnar import required_files
+from preprocessing.sources import load_source
 from preprocessing.synthetic import build_synthetic_ppa
 from preprocessing.testing import small_python_source
 
