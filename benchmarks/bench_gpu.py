@@ -8,6 +8,13 @@ benchmarks/RESULTS.md. ``SATP_GPU_PART`` picks it (run.sh's argument):
   times, peak memory and disk of every step;
 - ``multirank`` (:mod:`benchmarks.gpu_multirank`): two Ray Train workers sharing the one GPU
   (gloo), equal batches per rank, gathered evaluation against a 1-rank one, checkpoint and resume.
+- ``pattern``, ``cluster`` (:mod:`benchmarks.gpu_accuracy`): time to accuracy of ``jobs/pattern.yaml`` /
+  ``jobs/cluster.yaml`` on one GPU (the full benchmark regenerated on the machine, ``train.target`` on
+  the validation accuracy, the test accuracy at the best validation epoch, the curve); a call the
+  budget cuts is resumed by the next call on the same machine;
+- ``code2batch`` (:mod:`benchmarks.gpu_accuracy`): the paper's code2 recipe (32 graphs per step, lr
+  1e-4) for 3 epochs vs ``jobs/code2.yaml``'s default batch and lr on one GPU, to the recipe's
+  validation F1, on a pycode corpus built from the image's own packages.
 
 The ``perf`` part:
 
@@ -28,21 +35,23 @@ The ``perf`` part:
 
 Rows run in order of importance until ``SATP_GPU_BUDGET_S`` (default 420 s; each part has its own
 default) is spent. Raw figures go to ``$OUT/gpu_results.json`` (``gpu_scale.json``,
-``gpu_multirank.json``) when ``OUT`` is set. ``SATP_GPU_DRY_RUN=1`` runs any part on the CPU with tiny
+``gpu_multirank.json``, ``gpu_PART.json``) when ``OUT`` is set. ``SATP_GPU_DRY_RUN=1`` runs any part on the CPU with tiny
 sizes (to check the script on a machine without GPU before a GPU run).
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("perf", "scale", "multirank")
+PARTS = ("perf", "scale", "multirank", "pattern", "cluster", "code2batch")
 PART = os.environ.get("SATP_GPU_PART") or "perf"
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S", "420"))
 DRY_RUN = os.environ.get("SATP_GPU_DRY_RUN") == "1"
@@ -154,10 +163,15 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[bool, str]:
     return proc.returncode == 0 and not timed_out, output + ("\ntimed out" if timed_out else "")
 
 
-def measure(cmd: list[str], timeout: float, log: Path, sample_s: float = 1.0) -> dict:
+def measure(cmd: list[str], timeout: float, log: Path, sample_s: float = 1.0,
+            should_stop: Optional[Callable[[], Optional[str]]] = None, check_s: float = 2.0,
+            grace_s: float = 0.0) -> dict:
     """Run ``cmd`` (stdout to ``log``, stderr to ``log`` + ``.err``), killed with its process tree after
-    ``timeout`` s; return its wall time, exit status and memory (used by the ``scale`` and ``multirank``
-    parts):
+    ``timeout`` s, or as soon as ``should_stop()`` (called every ``check_s`` seconds) returns a reason;
+    with ``grace_s`` the command first gets SIGINT (a ``satp train`` driver then shuts Ray down
+    itself) and that long to exit. Returns its wall time, exit status, why it was stopped
+    (``stopped``: None, ``"timeout"`` or the reason) and memory (used by the ``scale``,
+    ``multirank``, ``pattern``, ``cluster`` and ``code2batch`` parts):
 
     - ``max_rss_gb``: ``ru_maxrss`` of ``wait4`` on the command, i.e. the largest single process of its
       tree that was waited for (what ``/usr/bin/time -v`` prints as "Maximum resident set size");
@@ -216,21 +230,38 @@ def measure(cmd: list[str], timeout: float, log: Path, sample_s: float = 1.0) ->
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    timed_out = False
+    stopped = None
+    checked = start
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             break
-        if time.monotonic() - start > timeout:
-            timed_out = True
-            for p in reversed(tree()):  # the processes this command started, by id, children first
+        now = time.monotonic()
+        if now - start > timeout:
+            stopped = "timeout"
+        elif should_stop is not None and now - checked >= check_s:
+            checked = now
+            stopped = should_stop()
+        if stopped:
+            procs = {p.pid: p for p in tree()}  # the processes this command started, by id
+            if grace_s > 0:
+                proc.send_signal(signal.SIGINT)
+                while time.monotonic() - now < grace_s:
+                    procs.update((p.pid, p) for p in tree())
+                    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                    if pid:
+                        break
+                    time.sleep(0.5)
+            for p in reversed(list(procs.values()) + tree()):  # children first; what is left of them
                 try:
                     p.kill()
                 except psutil.Error:
                     pass
-            pid, status, usage = os.wait4(proc.pid, 0)
+            if not pid:
+                pid, status, usage = os.wait4(proc.pid, 0)
             break
         time.sleep(0.2)
+    timed_out = stopped == "timeout"
     seconds = time.monotonic() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
     stop.set()
@@ -238,7 +269,8 @@ def measure(cmd: list[str], timeout: float, log: Path, sample_s: float = 1.0) ->
     stdout = Path(log).read_text()
     stderr = Path(str(log) + ".err").read_text()
     return {
-        "ok": proc.returncode == 0 and not timed_out, "returncode": proc.returncode, "timed_out": timed_out,
+        "ok": proc.returncode == 0 and not stopped, "returncode": proc.returncode, "timed_out": timed_out,
+        "stopped": stopped,
         "seconds": seconds, "max_rss_gb": usage.ru_maxrss * 1024 / 1e9, "tree_rss_gb": peaks["tree"] / 1e9,
         "machine_used_gb": peaks["used"] / 1e9, "gpu_mem_gb": peaks["gpu"] / 1e9 if nvml is not None else None,
         "tail": _last_line(stdout if proc.returncode == 0 else (stderr or stdout)),
@@ -511,6 +543,10 @@ def run() -> str:
         from benchmarks import gpu_multirank
 
         return gpu_multirank.run()
+    if PART in ("pattern", "cluster", "code2batch"):
+        from benchmarks import gpu_accuracy
+
+        return gpu_accuracy.run(PART)
     return run_perf()
 
 

@@ -226,7 +226,7 @@ def _ray_part(lines: list[str], ray) -> None:
                 t0 = time.perf_counter()
                 out = build_shards(store, data, transform, shards, progress=False)
                 timings[workers] = min(timings.get(workers, float("inf")), time.perf_counter() - t0)
-        out1 = shard_dir(data, transform, ShardConfig(root=f"{tmp}/w1-0", graphs_per_shard=250))
+        out1 = shard_dir(data, transform, ShardConfig(root=f"{tmp}/w1-0", graphs_per_shard=250), store.fingerprint)
         identical = all((out1 / p.name).read_bytes() == p.read_bytes() for p in out.glob("*.arrow"))
         arrow_bytes = sum(p.stat().st_size for p in out.glob("*.arrow"))
         lines += [

@@ -5,6 +5,9 @@ its own command line and figures. ``BENCH=model,preprocessing make bench`` selec
 default is the CPU areas below. ``BENCH=gpu`` is the GPU check (``benchmarks/gpu/run.sh`` runs it on
 a bare GPU machine). ``BENCH=scale`` (not in the default) is the scale run of ``satp data synthetic-ppa`` +
 ``satp preprocess jobs/ppa.yaml`` at the sizes in ``SATP_SCALE_GRAPHS`` (``benchmarks/bench_scale.py``).
+``BENCH=batch`` (not in the default; ~35-40 min on 2 cores) is the batch-size study of issue 20: per global
+batch, an ASHA lr sweep (``satp tune``) and 2 more seeds (``satp compare``), F1 against wall-clock and steps,
+and the critical batch size (``benchmarks/bench_batch.py``, sizes from ``SATP_BATCH_*``).
 """
 from __future__ import annotations
 

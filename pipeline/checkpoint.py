@@ -7,11 +7,15 @@ so a checkpoint is complete or absent)::
 
     ds/latest, ds/<tag>/...   DeepSpeed engine: module, optimizer (per ZeRO rank), lr scheduler
     best_model.pt             rank 0: fp32 state dict of the best epoch by validation
-    state.json                rank 0, written last: epoch, sampler state, best-so-far,
-                              metric history, MLflow run id, model config, task
+    state.json                rank 0: epoch, steps, wall-clock, sampler state, best-so-far,
+                              metric history, MLflow run id, model config, task, world size
+    rank_<r>.json             every rank, written last: its files and their sizes
 
-``state.json`` doubles as the completeness marker: :func:`load_state` rejects a
-directory without it.
+Ray Train registers a checkpoint once every rank has reported it, but a run interrupted between
+the upload and the registration leaves a checkpoint on storage that Ray's record does not list
+(:mod:`pipeline.rerun` resumes from it all the same). Such a directory is trusted only when
+:func:`is_complete`: every rank's file list is there and each listed file has its size.
+``state.json`` alone marks what :func:`load_state` accepts.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ DS_DIR = "ds"
 TAG = "last"
 STATE_FILE = "state.json"
 BEST_FILE = "best_model.pt"
+RANK_FILE = "rank_{rank}.json"
 
 
 def save(directory: str | Path, engine, state: dict[str, Any], best_state_dict: Optional[dict], rank: int) -> Path:
@@ -41,7 +46,28 @@ def save(directory: str | Path, engine, state: dict[str, Any], best_state_dict: 
         tmp = directory / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=1, default=_jsonable))
         os.replace(tmp, directory / STATE_FILE)
+    # this rank's directory holds its files only (Ray Train merges the ranks' directories)
+    files = {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*") if p.is_file()}
+    (directory / RANK_FILE.format(rank=rank)).write_text(json.dumps(files))
     return directory
+
+
+def is_complete(directory: str | Path) -> bool:
+    """Whether every rank's part of the checkpoint in ``directory`` is all there (see the module
+    docstring); a checkpoint written before satp listed the ranks' files counts by its state."""
+    directory = Path(directory)
+    try:
+        state = load_state(directory)
+        world = state.get("world_size")
+        if world is None:
+            return True
+        for rank in range(int(world)):
+            files = json.loads((directory / RANK_FILE.format(rank=rank)).read_text())
+            if any((directory / name).stat().st_size != size for name, size in files.items()):
+                return False
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def load_state(directory: str | Path) -> dict[str, Any]:

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline import console
 
     console.setup(progress=not getattr(args, "no_progress", False))
+    from preprocessing.interrupts import install
+
+    install()  # SIGTERM too unwinds (Ray's own handling is put back after it starts: see there)
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError) as exc:
@@ -42,8 +45,28 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"satp: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        return _interrupted(exc)
+
+
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    """One line on what was kept, Ray shut down (a local cluster with it), status 130 / 143."""
+    from preprocessing.interrupts import as_interrupted, install
+
+    interrupted = as_interrupted(exc)
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            try:
+                ray.shutdown()
+            except (Exception, KeyboardInterrupt):  # a second Ctrl-C meanwhile: the line still comes
+                pass
+    install()  # now without what the training's handler kept alive (see preprocessing.interrupts)
+    kept = interrupted.kept or ("finished work is kept (shards and checkpoints are written whole or not "
+                                "at all): the same command continues from it")
+    print(f"satp: interrupted ({interrupted.signal_name}): {kept}", file=sys.stderr, flush=True)
+    return interrupted.exit_code
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@
 * With an address (``--address``, or ``$RAY_ADDRESS``, which Ray sets inside a Ray job), the
   address is first probed over TCP (:func:`probe`, a few seconds): ``ray.init`` on an address
   where nothing listens retries its GCS connection for a minute or more, printing warnings,
-  and then fails with a traceback. A dead address is a one-line error instead.
+  and then fails with a traceback. A dead address is a one-line error instead, and so is one
+  where something else answers (a web server, a dashboard's port): it is told apart by its
+  answer to HTTP/2's preface (gRPC speaks HTTP/2) before Ray's GCS client is asked, which would
+  print a C++ warning of its own.
 * Without one, :func:`init_local_ray` starts a new local cluster (``address="local"``): plain
   ``ray.init()`` attaches to a cluster it finds on the machine (``/tmp/ray/ray_current_cluster``
   or a running GCS), possibly someone else's.
@@ -57,9 +60,10 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
 
     ``address``: ``host:port`` (a GCS), ``ray://host:port`` or ``http(s)://host:port``; ``auto``
     and ``local`` are left to Ray (they name no host). First a TCP connection (refused, unroutable:
-    fails here); then, for a GCS address, Ray's GCS client is asked for the cluster's id (a port
-    where something else listens, such as a proxy, or a silent listener, fails here instead of in
-    ``ray.init``'s minute of retries)."""
+    fails here); then, for a GCS address, the port must answer HTTP/2 (:func:`_grpc_problem`) and
+    Ray's GCS client is asked for the cluster's id (a port where something else listens, such as a
+    web server or a proxy, or a silent listener, fails here instead of in ``ray.init``'s minute of
+    retries)."""
     if address in ("auto", "local"):
         return
     parsed = urlparse(address if "://" in address else f"tcp://{address}")
@@ -74,9 +78,42 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
         reason = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc) or type(exc).__name__)
         raise ValueError(f"cannot reach the Ray cluster at {address} ({reason}); {advice}") from None
     if parsed.scheme == "tcp":
-        problem = _gcs_problem(f"{host}:{port}", timeout)
+        problem = _grpc_problem(host, port, timeout) or _gcs_problem(f"{host}:{port}", timeout)
         if problem:
             raise ValueError(f"cannot reach the Ray cluster at {address} ({problem}); {advice}")
+
+
+#: What an HTTP/2 client sends first (RFC 9113 3.4), with an empty SETTINGS frame.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _grpc_problem(host: str, port: int, timeout: float) -> Optional[str]:
+    """None when ``host:port`` answers HTTP/2's connection preface with a SETTINGS frame, as Ray's
+    GCS (gRPC) does, or speaks TLS (``RAY_USE_TLS``: left to Ray); else what answered instead.
+
+    Asked before Ray's GCS client, which on anything else (a web server, a dashboard's port)
+    prints a C++ warning to the terminal from a thread of its own, around or after the one-line
+    error, and keeps the process from exiting for seconds."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return None
+    first = b""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as conn:
+            conn.sendall(_H2_PREFACE)
+            while len(first) < 9 and (chunk := conn.recv(9 - len(first))):  # a frame header
+                first += chunk
+    except socket.timeout:
+        if not first:
+            return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+    if len(first) >= 4 and first[3] == 4:  # frame type 4: SETTINGS
+        return None
+    if not first:
+        return "it answers, but not as a Ray cluster: it closed the connection"
+    if first[:5] == b"HTTP/" or first.lstrip()[:1] == b"<":
+        return "it answers, but not as a Ray cluster: it is an HTTP server; a dashboard address is for satp submit"
+    return f"it answers, but not as a Ray cluster: it replied {first!r}"
 
 
 def _gcs_problem(address: str, timeout: float) -> Optional[str]:
@@ -115,8 +152,19 @@ def connect(address: Optional[str] = None, env_vars: Optional[dict] = None, log_
     local cluster's; ``local``: further keyword arguments of :func:`init_local_ray`."""
     import ray
 
+    from preprocessing import interrupts
+
     if ray.is_initialized():
         return False
+    try:
+        return _connect(address, env_vars, log_to_driver, **local)
+    finally:
+        interrupts.install()  # ray.init's own SIGTERM handling prints a stack dump: see there
+
+
+def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bool, **local) -> bool:
+    import ray
+
     target = resolve_address(address)
     if target:
         probe(target)

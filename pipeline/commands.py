@@ -47,11 +47,38 @@ def summary(outcome) -> str:
     lines.append(f"run {outcome.run_name}: best epoch {best['epoch']} val {m} {best['val']:.4f}, test {m} {best['test']:.4f}")
     if outcome.constant is not None:
         lines.append(f"test {m} {best['test']:.4f} vs best constant predictor {outcome.constant:.4f}")
+    lines += stopping_lines(outcome)
     reg = outcome.registered
     if reg and reg.get("registered_uri"):
         what = "registered model" if outcome.trained else "its model"
         lines.append(f"{what}: {reg['registered_uri']} (tracking {outcome.tracking_uri})")
     return "\n".join(lines)
+
+
+def stopping_lines(outcome) -> list[str]:
+    """The summary's lines on the job's target and an early stop (pipeline.stopping)."""
+    lines = []
+    target, reached = outcome.target, outcome.time_to_target
+    if target is not None and reached is not None:
+        steps = f", {reached['steps_to_target']:,} steps" if reached.get("steps_to_target") is not None else ""
+        seconds = reached.get("time_to_target_s")
+        took = f"after {_duration(seconds)} of training and evaluation" if seconds is not None else "(time not recorded)"
+        lines.append(f"target {target['metric']} {target['value']:g} reached {took} (epoch {reached['epoch']}{steps})")
+    elif target is not None:
+        from pipeline.tasks import TASK_CLASSES
+
+        values = [h[target["metric"]] for h in outcome.history if h.get(target["metric"]) is not None]
+        pick = max if TASK_CLASSES[outcome.task].mode == "max" else min
+        best = f"{pick(values):.4f}" if values else "none"
+        lines.append(f"target {target['metric']} {target['value']:g} not reached (best {target['metric']} {best})")
+    if outcome.stopped:
+        lines.append(f"stopped early: {outcome.stopped}")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s" if minutes else f"{seconds:.1f} s"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -71,9 +98,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     _logging()
     from pipeline.train import train_job
 
-    outcome = train_job(job, address=args.address, register=not args.no_register, restart=args.restart)
+    try:
+        outcome = train_job(job, address=args.address, register=not args.no_register, restart=args.restart)
+    except KeyboardInterrupt as exc:
+        from preprocessing.interrupts import Interrupted, as_interrupted
+
+        raise Interrupted(as_interrupted(exc).signum, kept=kept_after_interrupt(job)) from None
     print(summary(outcome), flush=True)
     return 0
+
+
+def kept_after_interrupt(job) -> str:
+    """What an interrupted ``satp train`` kept, and how to go on (one line)."""
+    from pipeline import rerun
+    from pipeline.train import resolve_job
+
+    train = resolve_job(job).train
+    previous = rerun.previous_run(train.storage_path, train.run_name)
+    if previous is None:
+        return (f"run {train.run_name} had written no checkpoint yet (finished shards are kept): the same command "
+                "starts it again")
+    return (f"run {train.run_name} kept its checkpoint of epoch {previous.epoch} ({previous.checkpoint}): the same "
+            f"command resumes after epoch {previous.epoch}")
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

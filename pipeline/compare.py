@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 from pipeline import tracking
 from pipeline.config import JobConfig
+from pipeline.console import plural
 from pipeline.tune import (SWEEP_KEY_TAG, TRIAL_TAG, SweepContext, SweepLogger, _report_callback, _resolve_paths, _validate,
                            apply_config, fit_trials, open_parent_run, saved_states, summarize, task_metric, trial_job,
                            trial_trainable)
@@ -227,7 +228,7 @@ def format_table(outcome: CompareOutcome) -> str:
         lines.append(f"| {v.name} | {settings} | {params} | {_pm(*v.test_mean_std)} | {_pm(*v.val_mean_std)} "
                      f"| {per_seed} | {seconds} |")
     failed = [t for t in outcome.trials if t.status != "finished"]
-    note = f"{len(outcome.trials)} trials, {outcome.epochs} epochs each"
+    note = f"{plural(len(outcome.trials), 'trial')}, {plural(outcome.epochs, 'epoch')} each"
     if failed:
         note += "; not finished: " + ", ".join(f"{t.variant}-seed{t.seed} ({t.status})" for t in failed)
     return "\n".join(lines + ["", note + ". Test metric at each trial's best validation epoch; std over seeds (ddof 1)."])
@@ -275,7 +276,8 @@ def plot_compare(outcome: CompareOutcome, path: str | Path) -> None:
 
 
 def count_parameters(job: JobConfig, shard_dir: str) -> Optional[int]:
-    """Parameters of the variant's model, as :func:`pipeline.train.plan` configures it."""
+    """Parameters of the variant's model, as :func:`pipeline.train.plan` configures it (built in the
+    driver by :func:`pipeline.worker.build_model`, which keeps PyG's generated modules in memory)."""
     from pipeline.train import plan
     from pipeline.worker import build_model
     from sat.config import SATConfig
@@ -296,16 +298,18 @@ def comparison_digest(base: dict, cmp) -> str:
     return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def check_digest(sweep_dir: Path, digest: str, named: bool) -> None:
+def check_digest(sweep_dir: Path, digest: str, named: bool, record: bool = True) -> None:
     """A rerun resumes only a comparison of the same configuration. Without ``compare.name`` the
     default name carries the digest, so a changed job starts a new comparison. A name given
-    explicitly that already holds another configuration is a one-line error."""
+    explicitly that already holds another configuration is a one-line error. ``record``: write the
+    digest (and the directory), once the comparison is sure to start."""
     path = sweep_dir / DIGEST_FILE
     if path.is_file() and path.read_text().strip() != digest:
         hint = "choose another compare.name or delete it" if named else "delete it"
         raise ValueError(f"comparison {sweep_dir.name}: {sweep_dir} holds a comparison of another configuration; {hint}")
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(digest + "\n")
+    if record:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(digest + "\n")
 
 
 def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1) -> CompareOutcome:
@@ -336,13 +340,15 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     name = cmp.name or f"{job.name}-compare-{digest[:8]}"
     storage = Path(cmp.storage_path or runs_dir() / "tune").expanduser().resolve()
     sweep_dir = storage / name
-    check_digest(sweep_dir, digest, named=cmp.name is not None)
+    check_digest(sweep_dir, digest, named=cmp.name is not None, record=False)  # before Ray; written after the checks
     tracking_uri = job.mlflow.tracking_uri
     check_reachable(tracking_uri)
 
     workers = max(j.resources.num_workers * j.resources.cpus_per_worker for j in jobs.values())
-    preflight(list(jobs.values()), address=address, num_workers=max(j.resources.num_workers for j in jobs.values()),
-              extra_cpus=cmp.trial_cpus, ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+    preflight({f"compare.variants.{vname}": vjob for vname, vjob in jobs.items()}, address=address,
+              num_workers=max(j.resources.num_workers for j in jobs.values()), extra_cpus=cmp.trial_cpus,
+              ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+    check_digest(sweep_dir, digest, named=cmp.name is not None)
 
     # every distinct preprocessing once, here; then each variant's model size
     built: dict[str, str] = {}
@@ -370,8 +376,8 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     cap = max(1, int(cluster.get("CPU", 0) // need)) if need > 0 else 1
     concurrent = min(cap, cmp.max_concurrent_trials or cap)
     trials_total = len(cmp.variants) * len(cmp.seeds)
-    log.info("comparison %s: %d variants x %d seeds = %d trials of %d epochs, at most %d at once", name,
-             len(cmp.variants), len(cmp.seeds), trials_total, job.train.epochs, concurrent)
+    log.info("comparison %s: %s x %s = %s of %s, at most %d at once", name, plural(len(cmp.variants), "variant"),
+             plural(len(cmp.seeds), "seed"), plural(trials_total, "trial"), plural(job.train.epochs, "epoch"), concurrent)
 
     trainable = trial_trainable(_trial, ctx, cmp.trial_cpus)
     metric = f"val_{m}"
@@ -435,8 +441,9 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
 
 
 def format_outcome(outcome: CompareOutcome) -> str:
-    lines = [f"comparison {outcome.name}{' (resumed)' if outcome.resumed else ''}: {len(outcome.variants)} variants, "
-             f"{len(outcome.trials)} trials, {outcome.seconds:.0f} s", "", format_table(outcome), ""]
+    lines = [f"comparison {outcome.name}{' (resumed)' if outcome.resumed else ''}: "
+             f"{plural(len(outcome.variants), 'variant')}, {plural(len(outcome.trials), 'trial')}, "
+             f"{outcome.seconds:.0f} s", "", format_table(outcome), ""]
     if outcome.interrupted:
         lines.append(f"interrupted: rerun the same command to resume the comparison ({outcome.path})")
     lines.append(f"MLflow parent run {outcome.parent_run_id} ({outcome.tracking_uri}): compare.md, plots/compare.png")

@@ -130,12 +130,17 @@ def format_validation_error(source: str, error: ValidationError) -> str:
 
 
 def yaml_error(path: Path, exc: Exception) -> str:
-    """``job.yaml:12:5: not valid YAML: mapping values are not allowed here`` (line and column
-    from PyYAML's mark, 1-based as editors count)."""
+    """``job.yaml:14:3: not valid YAML: expected ',' or '}', but got ':' (while parsing a flow
+    mapping opened at line 12, column 8)``: line and column (1-based, as editors count) where
+    PyYAML noticed the problem, and where the construct it was reading began, which is where an
+    unclosed bracket or quote is (PyYAML notices it only lines later)."""
     mark = getattr(exc, "problem_mark", None)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
     problem = getattr(exc, "problem", None) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     context = getattr(exc, "context", None)
+    opened = getattr(exc, "context_mark", None)
+    if context and opened is not None:
+        context += f" opened at line {opened.line + 1}, column {opened.column + 1}"
     return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
 
 

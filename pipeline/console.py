@@ -82,3 +82,8 @@ def setup(progress: bool = True) -> None:
 def show_progress() -> bool:
     """Whether progress bars are wanted (a terminal, and no ``--no-progress``)."""
     return os.environ.get("TQDM_DISABLE", "") in ("", "0", "false", "False") and is_terminal(sys.stderr)
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 epoch``, ``2 epochs``: counts in messages."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"

@@ -22,10 +22,11 @@ log = logging.getLogger(__name__)
 
 
 class RegisteredEpochLogger(UserCallback):
-    """Log rank 0's metrics of each registered epoch (step = epoch) and the training-curve plot."""
+    """Log rank 0's metrics of each registered epoch (step = epoch) and the plots of the curves
+    (:func:`pipeline.tracking.log_curves`; ``target``: the job's ``train.target``, if any)."""
 
-    def __init__(self, tracking_uri: str, run_id: str, metric: str) -> None:
-        self.tracking_uri, self.run_id, self.metric = tracking_uri, run_id, metric
+    def __init__(self, tracking_uri: str, run_id: str, metric: str, target: Optional[dict[str, Any]] = None) -> None:
+        self.tracking_uri, self.run_id, self.metric, self.target = tracking_uri, run_id, metric, target
         self._client = None
 
     def __getstate__(self) -> dict:  # shipped to the controller actor; the client is made there
@@ -47,6 +48,6 @@ class RegisteredEpochLogger(UserCallback):
             if checkpoint is not None:
                 with checkpoint.as_directory() as directory:
                     history = ckpt.load_state(directory).get("history") or []
-                tracking.log_curves(self.client, self.run_id, history, self.metric)
+                tracking.log_curves(self.client, self.run_id, history, self.metric, self.target)
         except Exception as exc:  # the tracking store must not stop training
             log.warning("MLflow: epoch %d not logged (%s); the next resume catches it up", epoch, exc)

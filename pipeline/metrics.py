@@ -20,6 +20,17 @@ def gather_objects(obj: Any) -> list:
     return [obj]
 
 
+def broadcast_from_rank_zero(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank; ``obj`` itself without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
 def concat_gathered(parts: list[tuple[list, list]]) -> tuple[list, list]:
     """``(predictions, targets)`` of every rank, concatenated."""
     preds, targets = [], []

@@ -10,6 +10,9 @@
 >>> model.predict_file("graphs.json")                                # a JSON graph file (ppa, pattern, cluster)
 
 Node tasks (pattern, cluster) predict one class per node: a list per graph, in the graph's node order.
+The same models serve MLflow's pyfunc interface (:class:`pipeline.model_format.SATPyfunc`):
+``mlflow.pyfunc.load_model(uri).predict([{"source": text}])`` (code2) or ``.predict([graph, ...])``
+(JSON graphs, :meth:`Predictor.graphs_from_json`).
 
 A registered model (:mod:`pipeline.registry`) carries its model config, the task
 (with the code2 vocabulary), and, under ``input``, what building its inputs
@@ -41,6 +44,7 @@ import torch
 #: Short network timeouts for an http(s) tracking server (MLflow's defaults retry for minutes).
 HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 BATCH_GRAPHS = 32
+JSON_TASKS = ("ppa", "pattern", "cluster")  # the tasks whose inputs are JSON graphs (see Predictor.graphs_from_json)
 
 
 # ----------------------------------------------------------------------------- what a model carries
@@ -205,16 +209,30 @@ class Predictor:
             inputs = [inputs]
         return self.predict_graphs(inputs)
 
+    def predict_json(self, values: list[dict], where: str) -> list:
+        """Predictions for JSON inputs (the MLflow pyfunc's, :mod:`pipeline.model_format`): a code2
+        model takes ``{"source": text}`` (a list of function rows each, as ``satp predict --json``),
+        the others JSON graphs (:meth:`graphs_from_json`)."""
+        if self.task_name != "code2":
+            return self.predict_graphs(self.graphs_from_json(values, where)[0])
+        rows = []
+        for i, value in enumerate(values):
+            if not isinstance(value.get("source"), str):
+                raise ValueError(f"{where} {i}: a code2 model takes {{'source': Python source text}}")
+            rows.append([dataclasses.asdict(p) for p in self.predict_source(value["source"], f"<{where} {i}>")])
+        return rows
+
     # -- Python source (code2)
-    def _require(self, task: str, what: str) -> None:
-        if self.task_name != task:
-            raise ValueError(f"{self.uri or 'the model'} is a {self.task_name} model; {what} needs a {task} model")
+    def _require(self, tasks: Sequence[str], what: str) -> None:
+        if self.task_name not in tasks:
+            names = ", ".join(tasks[:-1]) + (" or " if len(tasks) > 1 else "") + tasks[-1]
+            raise ValueError(f"{self.uri or 'the model'} is a {self.task_name} model; {what} needs a {names} model")
 
     def source_graphs(self, text: str, filename: str = "<source>") -> list[tuple[str, int, list[str], Any]]:
         """``(name, line, actual subtokens, SATData)`` for every function of ``text`` (source order)."""
         from preprocessing.pycode import code_to_raw_graph
 
-        self._require("code2", "Python source")
+        self._require(("code2",), "Python source")
         if "node_types" not in self._spec:
             raise ValueError(f"{self.uri}: the model does not carry its node-type tables; cannot featurise source")
         try:
@@ -276,7 +294,7 @@ class Predictor:
             split = path.name.split("-")[0]
             return self._from_shards(path.parent, split)
         if path.suffix == ".json":
-            return self._from_json(path)
+            return self.graphs_from_json(_read_json_graphs(path), str(path))
         raise ValueError(f"{path}: expected a Python file (code2), a shard directory or a JSON graph file")
 
     def _from_shards(self, directory: Path, split: str) -> tuple[list[Any], list[str]]:
@@ -294,15 +312,14 @@ class Predictor:
         ids = ds.graph_ids
         return [ds[i] for i in range(len(ds))], [f"{split}[{i}] graph {int(g)}" for i, g in enumerate(ids)]
 
-    def _from_json(self, path: Path) -> tuple[list[Any], list[str]]:
-        """A JSON graph file: one graph or a list. ppa: each ``{"edge_index": [[src...], [dst...]],
-        "edge_attr": [[7 floats], ...], "num_nodes": N}``; pattern / cluster: each
-        ``{"edge_index": [[src...], [dst...]], "x": [N node input ids], "num_nodes": N}``
-        (undirected edges, listed once or in both directions)."""
+    def graphs_from_json(self, values: list, where: str) -> tuple[list[Any], list[str]]:
+        """``(graphs, labels)`` of JSON graphs (``where``: the file or input named in errors). ppa:
+        each ``{"edge_index": [[src...], [dst...]], "edge_attr": [[7 floats], ...], "num_nodes": N}``;
+        pattern / cluster: each ``{"edge_index": [[src...], [dst...]], "x": [N node input ids],
+        "num_nodes": N}`` (undirected edges, listed once or in both directions)."""
+        self._require(JSON_TASKS, f"{where} (JSON graphs)")
         if self.task.node_level:
-            return self._nodes_from_json(path)
-        self._require("ppa", "a JSON graph file")
-        values = _read_json_graphs(path)
+            return self._nodes_from_json(values, where)
         raws = []
         for i, g in enumerate(values):
             try:
@@ -310,32 +327,32 @@ class Predictor:
                 ei = np.asarray(g["edge_index"], dtype=np.int64).reshape(2, -1)
                 ea = np.asarray(g["edge_attr"], dtype=np.float32).reshape(ei.shape[1], -1)
             except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}: graph {i}: expected num_nodes, edge_index [2, E], edge_attr [E, 7] ({exc})") from None
+                raise ValueError(f"{where}: graph {i}: expected num_nodes, edge_index [2, E], edge_attr [E, 7] ({exc})") from None
             if ei.size and (ei.min() < 0 or ei.max() >= n):
-                raise ValueError(f"{path}: graph {i}: edge index out of range for {n} nodes")
+                raise ValueError(f"{where}: graph {i}: edge index out of range for {n} nodes")
             # the loader stores one direction per undirected edge and adds the reverse (OGB's layout)
             raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([ei, ei[::-1]], 1),
                          "edge_attr": np.concatenate([ea, ea], 0), "y": int(g.get("y", 0))})
         return self._featurise(raws, "ppa"), [f"graph {i}" for i in range(len(raws))]
 
-    def _nodes_from_json(self, path: Path) -> tuple[list[Any], list[str]]:
-        """Node-task graphs of a JSON file (see :meth:`_from_json`): the edges are made undirected
-        and stored once per pair, as the SBM raw layout does, and the loader adds the reverse."""
+    def _nodes_from_json(self, values: list, where: str) -> tuple[list[Any], list[str]]:
+        """Node-task graphs (see :meth:`graphs_from_json`): the edges are made undirected and stored
+        once per pair, as the SBM raw layout does, and the loader adds the reverse."""
         vocab = self.model_config.node_in_dim
         raws = []
-        for i, g in enumerate(_read_json_graphs(path)):
+        for i, g in enumerate(values):
             try:
                 n = int(g["num_nodes"])
                 ei = np.asarray(g["edge_index"], dtype=np.int64).reshape(2, -1)
                 x = np.asarray(g["x"], dtype=np.int64).reshape(-1)
             except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}: graph {i}: expected num_nodes, edge_index [2, E], x [N] ({exc})") from None
+                raise ValueError(f"{where}: graph {i}: expected num_nodes, edge_index [2, E], x [N] ({exc})") from None
             if x.size != n:
-                raise ValueError(f"{path}: graph {i}: x has {x.size} entries for {n} nodes")
+                raise ValueError(f"{where}: graph {i}: x has {x.size} entries for {n} nodes")
             if x.size and (x.min() < 0 or x.max() >= vocab):
-                raise ValueError(f"{path}: graph {i}: x holds ids outside [0, {vocab}) ({self.task_name} node inputs)")
+                raise ValueError(f"{where}: graph {i}: x holds ids outside [0, {vocab}) ({self.task_name} node inputs)")
             if ei.size and (ei.min() < 0 or ei.max() >= n):
-                raise ValueError(f"{path}: graph {i}: edge index out of range for {n} nodes")
+                raise ValueError(f"{where}: graph {i}: edge index out of range for {n} nodes")
             pairs = np.unique(np.sort(ei.T, axis=1), axis=0)
             pairs = pairs[pairs[:, 0] != pairs[:, 1]].T  # [2, E] with u < v, no self-loops
             raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([pairs, pairs[::-1]], 1),
@@ -349,7 +366,7 @@ class Predictor:
         if not path.exists():
             raise ValueError(f"{path}: no such file")
         if path.suffix == ".py" or (path.is_file() and self.task_name == "code2" and path.suffix != ".json"):
-            self._require("code2", f"{path} (Python source)")
+            self._require(("code2",), f"{path} (Python source)")
             import tokenize
 
             try:

@@ -11,16 +11,18 @@ group is retried ``max_failures`` times. In the order of cost:
    will hold (``extractor: subgraph`` needs ``transform.k_hops > 0``, ``pe: rwpe`` needs
    ``transform.rwpe_steps == model.pe_dim``, ``pe: lap`` needs ``transform.lap_pe_dim ==
    model.pe_dim``), the task.
-2. :func:`check_data_root`: ``data.root`` is a directory or can be created; a dataset folder
+2. :func:`check_data_root`: ``data.root`` is a directory or can be created (tried:
+   :func:`check_writable_dir`; ``/proc/nope`` fails here, not after Ray started); a dataset folder
    that exists looks complete; one that is absent can be built (``pycode``: its source
    directories exist; ``ogb``: the download address answers within seconds).
+   :func:`check_output_dirs`: ``shards.root`` can be created, ``train.storage_path`` written.
 3. the Ray address answers as a Ray cluster within ~10 s (:func:`pipeline.cluster.probe`), else
    a one-line error; without an address, this machine holds the job's workers (a local cluster
    would); steps 1-3 are :func:`early_checks`, which ``satp train`` also runs right after reading
    the job, before it imports torch and Ray;
-4. a training run: what its run name holds (:func:`pipeline.rerun.early_decision`, when the
-   job's shards exist): a checkpoint of another configuration stops it here, a finished run of
-   this one needs no Ray;
+4. a training run: what its run name holds (:func:`pipeline.rerun.early_decision`): a checkpoint
+   of another configuration, or of raw files that changed since, stops it here, a finished run
+   of this one whose shards exist needs no Ray;
 5. :func:`pipeline.cluster.connect` (without an address, a new local Ray starts), then
    :func:`check_resources`: the cluster's alive nodes can hold the job's workers, counted per
    node (a worker never spans nodes); the error gives the numbers (``4 worker(s) x (1 CPU, 1
@@ -36,8 +38,9 @@ import logging
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +98,38 @@ def check_shard_features(model, manifest: dict, shard_dir) -> None:
 
 
 # ----------------------------------------------------------------------------- data root
-def _nearest_existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
+def check_writable_dir(key: str, path: str | Path, default: str = "") -> None:
+    """Raise ``ValueError`` (one line naming ``key``, the path and why) unless ``path`` is a
+    directory where this process can create one, or can be created. Tried for real: the missing
+    directories and a probe directory inside are created and removed again (permission bits say
+    nothing for root, nor for ``/proc`` or a full or read-only file system). ``default``: how the
+    path was chosen, when ``key`` is unset."""
+    path = Path(path).expanduser()
+    missing, node = [], path.absolute()
+    while not node.exists() and node != node.parent:
+        missing.append(node)
+        node = node.parent
+    where = f"{key}{default}: {path}"
+    if not node.is_dir():
+        raise ValueError(f"{where}{'' if node == path.absolute() else f': {node}'} is a file; expected a directory")
+    made = []
+    try:
+        for directory in reversed(missing):
+            try:
+                directory.mkdir()
+            except FileExistsError:  # made meanwhile by someone else: theirs to keep
+                continue
+            made.append(directory)
+        os.rmdir(tempfile.mkdtemp(prefix=".satp-probe-", dir=path))
+    except OSError as exc:
+        what = "does not exist and cannot be created" if missing else "is not writable"
+        raise ValueError(f"{where} {what} (mkdir {exc.filename or path}: {exc.strerror or exc})") from None
+    finally:
+        for directory in reversed(made):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
 
 
 def _ogb_url(name: str) -> Optional[str]:
@@ -154,9 +184,7 @@ def check_data_root(data) -> None:
             raise ValueError(f"data.root: {folder}: RELEASE_v1.txt missing, not a complete OGB dataset folder "
                              "(delete it to rebuild)")
         return
-    parent = _nearest_existing(root)
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"data.root: {root} does not exist and cannot be created ({parent} is not a writable directory)")
+    check_writable_dir("data.root", root)  # the dataset is built into it
     if data.source == "pycode":
         for source in data.source_dirs:
             if not Path(source).expanduser().exists():
@@ -249,20 +277,45 @@ def _ray_connected() -> bool:
     return bool(ray is not None and ray.is_initialized())
 
 
-def early_checks(jobs: list, *, address: Optional[str] = None, num_workers: Optional[int] = None,
-                 extra_cpus: float = 0.0, task: bool = True) -> None:
+def check_output_dirs(job) -> None:
+    """Step 2 for what a run writes: ``train.storage_path`` (unset: the runs directory's ``ray/``)
+    can be written, ``shards.root`` can be created (:func:`check_writable_dir`; one that exists may
+    be read-only: shared shards, built already)."""
+    from pipeline.train_config import runs_dir
+
+    if not Path(job.shards.root).expanduser().is_dir():
+        check_writable_dir("shards.root", job.shards.root)
+    if job.train.storage_path:
+        check_writable_dir("train.storage_path", job.train.storage_path)
+    else:
+        check_writable_dir("train.storage_path", runs_dir() / "ray", default=" (unset: <runs dir>/ray)")
+
+
+def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None,
+                 num_workers: Optional[int] = None, extra_cpus: float = 0.0, task: bool = True) -> None:
     """Steps 1-3 of :func:`preflight`, and, when a new local cluster would start, this machine's
     resources: nothing here starts or imports Ray, and only ``task=True`` (and GPU jobs) import
-    torch, so ``satp train`` runs it right after reading the job, before its heavy imports."""
+    torch, so ``satp train`` runs it right after reading the job, before its heavy imports.
+
+    ``jobs``: a list, or a mapping from a name to the job (``compare.variants.sub2``): a problem of
+    one job's own settings (steps 1 and 2's output directories) then starts with its name."""
     from pipeline.cluster import probe, resolve_address
 
+    named = jobs.items() if isinstance(jobs, Mapping) else [(None, job) for job in jobs]
     seen = set()
-    for job in jobs:
-        check_config(job, task=task)
+    for name, job in named:
+        try:
+            check_config(job, task=task)
+            check_output_dirs(job)
+        except ValueError as exc:
+            if name is None:
+                raise
+            raise ValueError(f"{name}: {exc}") from None
         key = job.data.model_dump_json()
         if key not in seen:
             seen.add(key)
             check_data_root(job.data)
+    jobs = [job for _, job in named]
     if _ray_connected():
         return
     target = resolve_address(address)
@@ -273,9 +326,10 @@ def early_checks(jobs: list, *, address: Optional[str] = None, num_workers: Opti
         check_resources(jobs[0], num_workers=num_workers, extra_cpus=extra_cpus, nodes=[node])
 
 
-def preflight(jobs: Iterable, *, address: Optional[str] = None, num_workers: Optional[int] = None,
+def preflight(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None, num_workers: Optional[int] = None,
               extra_cpus: float = 0.0, ray_env: Optional[dict] = None, restart: Optional[bool] = None):
-    """Check ``jobs`` (a job, or every variant of a sweep) and connect to Ray; see the module docstring.
+    """Check ``jobs`` (a job, or every variant of a sweep, optionally by name: see
+    :func:`early_checks`) and connect to Ray; see the module docstring.
 
     ``num_workers`` / ``extra_cpus``: what one unit of work needs when it is not the job's own
     request (a sweep: its largest swept worker count, plus the Tune trial's CPUs). ``ray_env``:
@@ -289,8 +343,9 @@ def preflight(jobs: Iterable, *, address: Optional[str] = None, num_workers: Opt
     """
     from pipeline.cluster import connect, resolve_address
 
-    jobs = list(jobs)
+    jobs = jobs if isinstance(jobs, Mapping) else list(jobs)
     early_checks(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus)
+    jobs = list(jobs.values()) if isinstance(jobs, Mapping) else jobs
     target = resolve_address(address)
     decision = None
     if restart is not None:

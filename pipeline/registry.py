@@ -1,19 +1,17 @@
-"""Logging a trained model to MLflow, registering it, and loading it back.
+"""Logging a trained model to MLflow, registering it once, and loading it back.
 
-A logged model (``mlflow.pytorch`` flavour, ``serialization_format="pickle"``:
-the default ``pt2`` format cannot save a PyG model) carries, beside the
-pickled :class:`sat.SAT` module (eval mode, fp32, CPU), one extra file
-``extra_files/satp_model.json``::
+A logged model (format 2, :mod:`pipeline.model_format`) is an MLflow pyfunc model whose files
+are the weights (a state dict of tensors, read back weights-only) and ``satp_model.json``: the
+task (vocabulary included), the model config, the metrics, the data manifest hash and the
+provenance. :func:`load_model` rebuilds :class:`sat.SAT` from them, so that
+``task.predict(model(batch))`` gives decoded predictions, and unpickles no Python object but
+tensors: a version from a shared registry runs no code of its author. Format 1
+(``mlflow.pytorch``, a pickled module) is refused with how to re-register it weights-only
+(``satp models migrate NAME``, :mod:`pipeline.registry_commands`).
 
-    {"format": 1, "task": {"name": "code2", "max_seq_len": 5},
-     "model_config": {...SATConfig fields...}, "vocab": [...] | null,
-     "data_manifest_hash": "...", "git_commit": "...", "metrics": {...},
-     "provenance": {"config_hash": "...", "git_commits": [...]},
-     "run_name": "...", "job": {...}}
-
-which is what prediction needs: :func:`load_model` returns the module with the
-task rebuilt (vocabulary included) so that ``task.predict(model(batch))`` gives
-decoded predictions. Only load models from your own registry (pickle).
+A version is registered only for weights that no version of the same run already holds: each
+version is tagged with the weights' sha256 (``satp.weights_sha256``) and the run (``run_id``),
+and :func:`log_and_register` returns the version that holds them instead of adding a copy.
 
 The recorded configuration, data hash and commit are those of the weights: the
 caller passes the ``provenance`` its checkpoint recorded (:mod:`pipeline.rerun`:
@@ -24,22 +22,21 @@ the last of them, not the commit of the process that happens to register.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
-from pipeline.tasks import Task, make_task
+from pipeline.tasks import Task
 from sat.config import SATConfig
 
-META_FILE = "satp_model.json"
 CHAMPION = "champion"  # the alias that serves a model name: the best version by validation metric
-FORMAT = 1
+WEIGHTS_TAG = "satp.weights_sha256"
+PIP_REQUIREMENTS = ["torch", "torch-geometric", "pydantic", "satp"]
 
 
 @dataclasses.dataclass
@@ -87,20 +84,21 @@ def log_and_register(
 ) -> dict[str, Any]:
     """Log ``model`` (+ what it needs to predict) to MLflow run ``run_id``; register it under
     ``registered_model`` (skipped when None). Tags the version with the data manifest hash, the
-    git commit, the task and the metrics.
+    git commit, the task, the metrics and the weights' sha256.
 
-    Returns ``{"model_uri", "registered_model", "version", "registered_uri"}``
-    (the last two None when not registered).
+    Returns ``{"model_uri", "registered_model", "version", "registered_uri"}`` (the last two None
+    when not registered). When a version of ``registered_model`` from the same run holds the same
+    weights, nothing is logged: that version is returned, with ``"reason"`` saying so.
     """
-    import mlflow
-    from mlflow.tracking import MlflowClient
+    from pipeline.model_format import FORMAT, cpu_state, weights_sha256
 
-    model = model.to("cpu").float().eval()
+    state = cpu_state(model)
     provenance = {k: v for k, v in (provenance or {}).items() if k in ("config_hash", "git_commits")}
     commits = list(provenance.get("git_commits") or [])
     commit = commits[-1] if commits else git_commit()
     meta = {
         "format": FORMAT,
+        "weights_sha256": weights_sha256(state),
         "task": task.state(),
         "model_config": dataclasses.asdict(model_config),
         "vocab": list(vocab) if vocab is not None else None,
@@ -110,39 +108,70 @@ def log_and_register(
         "provenance": provenance or None,
         **(extra or {}),
     }
-    mlflow.set_tracking_uri(tracking_uri)
+    tags = {
+        "data_manifest_hash": data_manifest_hash or "unknown",
+        "git_commit": commit,
+        "task": task.name,
+        "run_id": run_id,
+        **({"satp.config_hash": provenance["config_hash"]} if provenance.get("config_hash") else {}),
+        **({"satp.git_commits": " ".join(commits)} if len(commits) > 1 else {}),
+        **{f"metric.{k}": f"{v:.6g}" for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
+    }
+    return register_weights(state, meta, tags, run_id=run_id, tracking_uri=tracking_uri,
+                            registered_model=registered_model)
+
+
+def register_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], tags: dict[str, str], *,
+                     run_id: str, tracking_uri: str, registered_model: Optional[str]) -> dict[str, Any]:
+    """Log ``state`` + ``meta`` (format 2) to run ``run_id`` and register it as a version of
+    ``registered_model`` tagged ``tags`` and the weights' sha256, unless a version of the same run
+    holds these weights already (see :func:`log_and_register`)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
     client = MlflowClient(tracking_uri=tracking_uri)
-    with tempfile.TemporaryDirectory() as tmp:
-        meta_path = Path(tmp) / META_FILE
-        meta_path.write_text(json.dumps(meta, default=str))
-        with mlflow.start_run(run_id=run_id):
-            info = mlflow.pytorch.log_model(
-                model,
-                name="model",
-                serialization_format="pickle",
-                extra_files=[str(meta_path)],
-                pip_requirements=["torch", "torch-geometric", "satp"],
-            )
-    result: dict[str, Any] = {"model_uri": info.model_uri, "registered_model": None, "version": None, "registered_uri": None}
     if registered_model:
-        version = mlflow.register_model(info.model_uri, registered_model, tags={"task": task.name})
-        tags = {
-            "data_manifest_hash": data_manifest_hash or "unknown",
-            "git_commit": commit,
-            "task": task.name,
-            "run_id": run_id,
-            **({"satp.config_hash": provenance["config_hash"]} if provenance.get("config_hash") else {}),
-            **({"satp.git_commits": " ".join(commits)} if len(commits) > 1 else {}),
-            **{f"metric.{k}": f"{v:.6g}" for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
-        }
-        for key, value in tags.items():
-            client.set_model_version_tag(registered_model, version.version, key, str(value))
-        result.update(
-            registered_model=registered_model,
-            version=int(version.version),
-            registered_uri=f"models:/{registered_model}/{version.version}",
-        )
+        held = version_holding(client, registered_model, run_id, meta["weights_sha256"])
+        if held is not None:
+            return {"model_uri": held.source, "registered_model": registered_model, "version": int(held.version),
+                    "registered_uri": f"models:/{registered_model}/{held.version}",
+                    "reason": f"weights already registered as version {held.version} (same run, same sha256)"}
+    model_uri = log_weights(state, meta, run_id, tracking_uri)
+    result: dict[str, Any] = {"model_uri": model_uri, "registered_model": None, "version": None, "registered_uri": None}
+    if registered_model:
+        tags = {**tags, WEIGHTS_TAG: meta["weights_sha256"]}
+        version = mlflow.register_model(model_uri, registered_model, tags={k: str(v) for k, v in tags.items()})
+        result.update(registered_model=registered_model, version=int(version.version),
+                      registered_uri=f"models:/{registered_model}/{version.version}")
     return result
+
+
+def version_holding(client, name: str, run_id: str, weights_sha256: str):
+    """The version of ``name`` registered from run ``run_id`` with these weights, or None."""
+    for version in client.search_model_versions(f"name='{name}'"):
+        tags = version.tags or {}
+        if tags.get("run_id") == run_id and tags.get(WEIGHTS_TAG) == weights_sha256:
+            return version
+    return None
+
+
+def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id: str, tracking_uri: str) -> str:
+    """Log the two files as a pyfunc model built from code (:mod:`pipeline.model_format`) into
+    run ``run_id``; returns its model URI."""
+    import mlflow
+    import mlflow.pyfunc
+
+    from pipeline.model_format import PYFUNC_CODE, write_files
+
+    mlflow.set_tracking_uri(tracking_uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        code = Path(tmp) / "satp_pyfunc.py"
+        code.write_text(PYFUNC_CODE)
+        artifacts = write_files(state, meta, Path(tmp))
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pyfunc.log_model(name="model", python_model=str(code), artifacts=artifacts,
+                                           pip_requirements=PIP_REQUIREMENTS)
+    return info.model_uri
 
 
 def check_model_uri(uri: str) -> None:
@@ -154,35 +183,45 @@ def check_model_uri(uri: str) -> None:
                          "(satp models lists them)")
 
 
-def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
-    """Load a logged SAT model (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``, ``runs:/...``).
+def registered_name(uri: str) -> Optional[str]:
+    """NAME of ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS`` (None for other URIs)."""
+    if not uri.startswith("models:/"):
+        return None
+    return uri[len("models:/"):].split("@")[0].split("/")[0] or None
 
-    Raises ``ValueError`` with a one-line message when the model does not exist
-    or was not logged by :func:`log_and_register`.
-    """
-    check_model_uri(uri)
+
+def download(uri: str, tracking_uri: Optional[str] = None) -> Path:
+    """The model's files (a local store's own folder, else a downloaded copy); a one-line
+    ``ValueError`` when there is no such model."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from pipeline import pyg_templates
-
-    pyg_templates.install()  # unpickling builds PyG convs: no generated module left in $TMPDIR
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
     try:
-        local = mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri)
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri))
     except MlflowException as exc:
         raise ValueError(f"{uri}: {str(exc).splitlines()[0]}") from None
-    meta_path = Path(local) / "extra_files" / META_FILE
-    if not meta_path.is_file():
-        raise ValueError(f"{uri}: not a satp model (no {META_FILE})")
-    meta = json.loads(meta_path.read_text())
-    model = mlflow.pytorch.load_model(local, map_location="cpu").eval()
-    vocab = meta.get("vocab")
-    task_state = dict(meta["task"])
-    task = make_task(task_state.pop("name"), vocab=vocab, **task_state)
-    config = SATConfig.from_dict(meta["model_config"])
-    return LoadedModel(model=model, task=task, model_config=config, vocab=vocab, info=meta)
+
+
+def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
+    """Load a logged SAT model (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``, ``runs:/...``)
+    from its weights and JSON (:func:`pipeline.model_format.read_model`: tensors only, no pickle).
+
+    Raises ``ValueError`` with a one-line message when the model does not exist, was not logged
+    by :func:`log_and_register`, or is a format-1 (pickled) model.
+    """
+    check_model_uri(uri)
+    from pipeline.model_format import LEGACY_META, META_FILE, WEIGHTS_FILE, read_model
+
+    local = download(uri, tracking_uri)
+    if (local / LEGACY_META).is_file():
+        raise ValueError(f"{uri}: a format-1 satp model (a pickled module, which satp no longer loads); "
+                         f"re-register it weights-only with: satp models migrate {registered_name(uri) or 'NAME'}")
+    files = local / "artifacts"  # where MLflow's pyfunc flavour puts a model's artifacts
+    if not (files / META_FILE).is_file() or not (files / WEIGHTS_FILE).is_file():
+        raise ValueError(f"{uri}: not a satp model (no artifacts/{META_FILE} and artifacts/{WEIGHTS_FILE})")
+    return read_model(files / WEIGHTS_FILE, files / META_FILE, uri)
 
 
 def finite_float(v: Any) -> Optional[float]:

@@ -7,6 +7,9 @@
         alias champion moved only if it beats the current champion; a rerun resumes
     satp models [--tracking-uri URI] [--json]
         registered models, versions, aliases, each version's metric, data hash and commit
+    satp models migrate NAME [--tracking-uri URI]
+        re-register NAME's format-1 versions (pickled modules, which satp no longer loads)
+        weights-only, as new versions; their aliases move to the copies
     satp predict MODEL_URI INPUT [--tracking-uri URI] [--split test] [--json]
         models:/NAME@alias or models:/NAME/VERSION; INPUT: a Python file (code2), a shard
         directory or a JSON graph file (ppa; pattern and cluster: one class per node)
@@ -28,6 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_models)
+    actions = p.add_subparsers(dest="models_command", metavar="{migrate}")
+    m = actions.add_parser("migrate", help="re-register a model's format-1 (pickled) versions weights-only")
+    m.add_argument("name", metavar="NAME", help="the registered model")
+    # SUPPRESS: `satp models --tracking-uri URI migrate NAME` keeps the URI given before the action
+    m.add_argument("--tracking-uri", default=argparse.SUPPRESS, help="MLflow tracking URI (as for satp models)")
+    m.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("predict", help="predict with a registered model (code2: method names of a Python file)")
     p.add_argument("model_uri", metavar="MODEL_URI", help="models:/NAME@alias or models:/NAME/VERSION")
@@ -108,6 +117,86 @@ def format_models(models: list[dict]) -> str:
 def cmd_models(args: argparse.Namespace) -> int:
     models = list_models(args.tracking_uri)
     print(json.dumps(models, indent=1) if args.json else format_models(models))
+    return 0
+
+
+# ----------------------------------------------------------------------------- satp models migrate
+#: the tags a migrated copy keeps from its version (metric.* too): what trained it and how it scored
+MIGRATED_TAGS = ("task", "run_id", "data_manifest_hash", "git_commit", "satp.config_hash", "satp.git_commits",
+                 "satp.sweep")
+
+
+def migrate(name: str, tracking_uri: str | None = None, echo=print) -> list[dict]:
+    """Re-register each format-1 version of ``name`` once, weights-only (a new version tagged
+    ``satp.migrated_from``; the old one gets ``satp.migrated_to``), and move the aliases it held
+    to the copy. Returns ``[{"from", "to", "aliases"}, ...]``."""
+    from pipeline.predict import check_reachable, resolve_tracking_uri
+    from pipeline.registry import WEIGHTS_TAG
+
+    uri = resolve_tracking_uri(tracking_uri)
+    check_reachable(uri)
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        aliases = dict(client.get_registered_model(name).aliases or {})
+    except MlflowException as exc:
+        raise ValueError(f"{name}: no such registered model ({str(exc).splitlines()[0]})") from None
+    out = []
+    for version in sorted(client.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version)):
+        tags = dict(version.tags or {})
+        if WEIGHTS_TAG in tags:
+            continue  # weights-only already
+        if "satp.migrated_to" in tags:
+            echo(f"models:/{name}/{version.version}: migrated already (version {tags['satp.migrated_to']})")
+            continue
+        held = sorted(a for a, v in aliases.items() if str(v) == str(version.version))
+        row = migrate_version(client, uri, name, version, held, echo)
+        if row is not None:
+            out.append(row)
+    if not out:
+        echo(f"{name}: no format-1 version to migrate")
+    return out
+
+
+def migrate_version(client, tracking_uri: str, name: str, version, aliases: list[str], echo) -> dict | None:
+    """One version of :func:`migrate` (None when it is not a format-1 satp model)."""
+    import json
+
+    import mlflow.pytorch
+
+    from pipeline import pyg_templates
+    from pipeline.model_format import FORMAT, LEGACY_META, cpu_state, weights_sha256
+    from pipeline.registry import download, register_weights
+
+    uri = f"models:/{name}/{version.version}"
+    tags = dict(version.tags or {})
+    run_id = tags.get("run_id") or version.run_id
+    local = download(uri, tracking_uri)
+    if not (local / LEGACY_META).is_file():
+        echo(f"{uri}: not a format-1 satp model (no {LEGACY_META}): left as it is")
+        return None
+    if not run_id:
+        raise ValueError(f"{uri}: no run to log its weights-only copy into (no run_id)")
+    echo(f"{uri}: unpickling its format-1 model to migrate it (this runs the pickle's code: "
+         "migrate models of your own registry only)")
+    pyg_templates.install()  # unpickling builds PyG convs: no generated module left in $TMPDIR
+    state = cpu_state(mlflow.pytorch.load_model(str(local), map_location="cpu"))
+    meta = {**json.loads((local / LEGACY_META).read_text()), "format": FORMAT, "weights_sha256": weights_sha256(state)}
+    kept = {k: v for k, v in tags.items() if k in MIGRATED_TAGS or k.startswith("metric.")}
+    reg = register_weights(state, meta, {**kept, "run_id": run_id, "satp.migrated_from": str(version.version)},
+                           run_id=run_id, tracking_uri=tracking_uri, registered_model=name)
+    client.set_model_version_tag(name, str(version.version), "satp.migrated_to", str(reg["version"]))
+    for alias in aliases:
+        client.set_registered_model_alias(name, alias, str(reg["version"]))
+    moved = f" (moved {', '.join('@' + a for a in aliases)})" if aliases else ""
+    echo(f"{uri} -> {reg['registered_uri']}{moved}")
+    return {"from": int(version.version), "to": reg["version"], "aliases": aliases}
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    migrate(args.name, args.tracking_uri)
     return 0
 
 

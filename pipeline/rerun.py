@@ -24,7 +24,9 @@ What is in the hash: the job's model section, the task, the ``train`` section ex
 global batch and how the data are dealt to ranks), and the data: the shards' config hash and
 their source's fingerprint. Left out, because a resumed run may change them without changing
 what its weights are: ``train.epochs`` (raising it continues a run; the learning-rate schedule
-is laid out again over the new length, from the step reached), evaluation cadence and batch size
+is laid out again over the new length, from the step reached), the stopping rules
+(``train.target``, ``train.patience``: a run that stopped under the job's rules is finished, one
+they no longer stop, e.g. at a higher target, continues; :mod:`pipeline.stopping`), evaluation cadence and batch size
 (``eval_every``, ``eval_node_budget``), logging, checkpoint retention, ``max_failures``,
 ``loader_workers``, the run's name and storage path, the other ``resources`` (the same workers
 may run on other nodes) and the ``mlflow`` section. ``train.eval_subset`` stays in: it picks the
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 #: ``train`` keys a resumed run may change (see the module docstring).
 RESUMABLE_TRAIN_KEYS = frozenset({
     "epochs", "eval_every", "eval_node_budget", "log_every_steps", "run_name", "storage_path",
-    "checkpoints_to_keep", "max_failures", "loader_workers",
+    "checkpoints_to_keep", "max_failures", "loader_workers", "target", "patience",
 })
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's record of a run's checkpoints
 STATE_FILE = "state.json"
@@ -132,22 +134,63 @@ def config_differences(job, recorded: dict, config: dict, recorded_data: Optiona
     return diffs
 
 
-def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
-    """The run's latest complete checkpoint directory, read from storage (no trainer needed).
-
-    Ray Train V2 keeps ``checkpoint_manager_snapshot.json`` in the run directory; its
-    ``latest_checkpoint_result`` is what a restarted trainer resumes from. Without a readable
-    snapshot, the newest ``checkpoint_*`` directory holding ``state.json`` (satp writes it last)."""
-    run_dir = Path(run_dir)
-    snapshot = run_dir / SNAPSHOT
+def registered_checkpoints(run_dir: str | Path) -> list[str]:
+    """The checkpoint directory names Ray Train's record (``checkpoint_manager_snapshot.json``)
+    lists for a run: the ones it resumes from and deletes beyond ``checkpoints_to_keep``."""
     try:
-        latest = (json.loads(snapshot.read_text()).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+        snapshot = json.loads((Path(run_dir) / SNAPSHOT).read_text())
     except (OSError, ValueError):
-        latest = None
-    if latest and (run_dir / latest / STATE_FILE).is_file():
-        return run_dir / latest
-    found = sorted(p for p in run_dir.glob("checkpoint_*") if (p / STATE_FILE).is_file())
-    return found[-1] if found else None
+        return []
+    return [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results") or [] if r.get("checkpoint_dir_name")]
+
+
+def _epoch(checkpoint: Path) -> int:
+    try:
+        return int(json.loads((checkpoint / STATE_FILE).read_text()).get("epoch", -1))
+    except (OSError, ValueError):
+        return -1
+
+
+def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
+    """The run's newest complete checkpoint on storage, by epoch (no trainer needed).
+
+    Ray Train resumes from the last checkpoint it registered; a run interrupted after its
+    workers uploaded newer ones (Ray registers a report when it next polls them) has those on
+    storage too, unregistered. They count when complete (:func:`pipeline.checkpoint.is_complete`:
+    every rank's files there), so a rerun loses no epoch; a registered one wins a tie."""
+    from pipeline import checkpoint as ckpt
+
+    run_dir = Path(run_dir)
+    registered = set(registered_checkpoints(run_dir))
+    found = [p for p in sorted(run_dir.glob("checkpoint_*"))
+             if (p / STATE_FILE).is_file() and (p.name in registered or ckpt.is_complete(p))]
+    if not found:
+        return None
+    return max(found, key=lambda p: (_epoch(p), p.name in registered, p.name))
+
+
+def prune_unregistered(run_dir: str | Path, keep: Optional[Path] = None) -> list[str]:
+    """Delete the run's checkpoint directories that Ray's record does not list (an interrupted
+    run's uploads, complete or not), except ``keep`` (the one a rerun resumes from, until Ray
+    registers a newer one); return their names. Ray prunes only what it registered, so without
+    this they would stay for good, beyond ``train.checkpoints_to_keep``."""
+    import shutil
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    registered = set(registered_checkpoints(run_dir))
+    if not registered and not (run_dir / SNAPSHOT).is_file():
+        return []  # no record to go by (a run of another Ray, or none yet): delete nothing
+    removed = []
+    for path in sorted(run_dir.glob("checkpoint_*")):
+        if path.is_dir() and path.name not in registered and (keep is None or path.resolve() != Path(keep).resolve()):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    if removed:
+        log.info("removed %d checkpoint(s) of an interrupted run that Ray never registered: %s", len(removed),
+                 ", ".join(removed))
+    return removed
 
 
 @dataclasses.dataclass
@@ -211,45 +254,67 @@ def decide(job, config: dict, commit: str, restart: bool = False) -> Decision:
     if commits[-1] != commit:
         commits.append(commit)
     provenance = dict(fresh, git_commits=commits)
-    if previous.epoch >= train.epochs - 1:
+    if previous.epoch >= train.epochs - 1 or stopped_by_rules(job, config["task"], previous.state):
         return Decision("finished", previous, dict(recorded, git_commits=previous.commits or [commit]))
     return Decision("resume", previous, provenance)
 
 
-def job_shard_dir(job) -> Path:
-    """Where the job's shards are (or will be): ``<shards.root>/<dataset>-<config hash>``."""
+def stopped_by_rules(job, task_name: str, state: dict) -> Optional[str]:
+    """Why the job's stopping rules end the run within the checkpoint's history (None: they do not)."""
+    from pipeline import stopping
+    from pipeline.tasks import TASK_CLASSES
+
+    task = TASK_CLASSES[task_name]
+    return stopping.stopped_within(state.get("history") or [], job.train, task.metric, task.mode)
+
+
+def job_shard_dir(job, fingerprint: Optional[str] = None) -> Optional[Path]:
+    """Where the job's shards are (or will be), for its raw files as they are now:
+    ``<shards.root>/<dataset>-<config hash>-<raw fingerprint>`` (:func:`preprocessing.shard_dir`;
+    ``fingerprint``: the raw files', when the caller has it). None while the dataset folder is
+    absent: it is built with the shards."""
     import preprocessing
+    from preprocessing.sources import dataset_dir
 
-    return Path(preprocessing.shard_dir(job.data, job.transform, job.shards))
+    if fingerprint is None and not dataset_dir(job.data).exists():
+        return None
+    return Path(preprocessing.shard_dir(job.data, job.transform, job.shards, fingerprint))
 
 
-def job_manifest(job) -> Optional[dict]:
-    """The manifest of the job's shard directory when it exists (nothing is built or checked)."""
-    path = job_shard_dir(job) / "manifest.json"
+def job_manifest(job, fingerprint: Optional[str] = None) -> Optional[dict]:
+    """The manifest of the job's shard directory (:func:`job_shard_dir`) when it exists (nothing
+    is built or checked)."""
+    out = job_shard_dir(job, fingerprint)
     try:
-        return json.loads(path.read_text())
+        return json.loads((out / "manifest.json").read_text()) if out is not None else None
     except (OSError, ValueError):
         return None
 
 
 def early_decision(job, restart: bool) -> Optional[Decision]:
-    """:func:`decide` before any data is built or Ray is started, when the job's shards exist:
-    a conflict raises at once, a finished run needs no Ray at all. None: decide after the data."""
-    if restart or previous_run(job.train.storage_path, job.train.run_name) is None:
-        return None
-    from pipeline.registry import git_commit
-
-    manifest = job_manifest(job)
-    if manifest is not None:
-        return decide(job, weights_config(job, manifest), git_commit(), restart=False)
-    # no shards yet: everything but the raw data's fingerprint can be compared now
-    import preprocessing
-
+    """:func:`decide` before any data is built or Ray is started: a conflict raises at once, raw
+    files that changed under the run included (their fingerprint is taken here, from its cache
+    unless they changed); a finished run whose shards exist needs no Ray at all. None: decide
+    after the data."""
     previous = previous_run(job.train.storage_path, job.train.run_name)
-    recorded = ((previous.provenance.get("config") or {}).get("data") or {}).get("fingerprint")
-    guess = {"config_hash": preprocessing.config_hash(job.data, job.transform, job.shards),
-             "source": {"fingerprint": recorded}}
-    decide(job, weights_config(job, guess), git_commit(), restart=False)  # raises on a conflict
+    if restart or previous is None:
+        return None
+    import preprocessing
+    from pipeline.registry import git_commit
+    from preprocessing.columnar import raw_fingerprint
+    from preprocessing.sources import dataset_dir
+
+    folder = dataset_dir(job.data)
+    if folder.exists():
+        fingerprint = raw_fingerprint(folder, job.data.name)
+        manifest = job_manifest(job, fingerprint)
+        if manifest is not None:
+            return decide(job, weights_config(job, manifest), git_commit(), restart=False)
+    else:  # built with the shards: everything but the raw data's fingerprint can be compared now
+        fingerprint = ((previous.provenance.get("config") or {}).get("data") or {}).get("fingerprint")
+    expected = {"config_hash": preprocessing.config_hash(job.data, job.transform, job.shards),
+                "source": {"fingerprint": fingerprint}}
+    decide(job, weights_config(job, expected), git_commit(), restart=False)  # raises on a conflict
     return None
 
 

@@ -84,6 +84,7 @@ def open_run(tracking_uri: str, experiment: str, run_key: str, run_name: str, pa
         run_id = found.info.run_id
         if found.info.status != "RUNNING":
             mlflow_client.update_run(run_id, status="RUNNING")
+        _note_changed_params(mlflow_client, found, params, config_text)
         return run_id
     run_id = mlflow_client.create_run(exp_id, run_name=run_name, tags={RUN_KEY_TAG: run_key}).info.run_id
     log_params(mlflow_client, run_id, params)
@@ -92,6 +93,22 @@ def open_run(tracking_uri: str, experiment: str, run_key: str, run_name: str, pa
         path.write_text(config_text)
         mlflow_client.log_artifact(run_id, str(path))
     return run_id
+
+
+def _note_changed_params(mlflow_client, run, params: dict, config_text: str) -> None:
+    """A resumed run may change what does not shape its weights (``train.epochs``, ...), but MLflow
+    params are written once: each changed one gets a tag ``satp.param.<key>`` = ``new (was old)``,
+    and ``job.yaml`` is replaced by the job that now runs."""
+    logged = run.data.params
+    changed = {k: v for k, v in flatten(params).items() if k in logged and logged[k] != v}
+    if not changed:
+        return
+    for key, value in changed.items():
+        mlflow_client.set_tag(run.info.run_id, f"satp.param.{key}", f"{value} (was {logged[key]})"[:500])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "job.yaml"
+        path.write_text(config_text)
+        mlflow_client.log_artifact(run.info.run_id, str(path))
 
 
 def close_run(tracking_uri: str, run_id: str, status: str) -> None:
@@ -135,13 +152,19 @@ def log_metrics(mlflow_client, run_id: str, metrics: dict[str, Any], step: int) 
         mlflow_client.log_batch(run_id, metrics=items)
 
 
-def log_curves(mlflow_client, run_id: str, history: list[dict[str, Any]], metric: str) -> None:
-    """The training-curve plot of ``history`` as ``plots/training_curves.png`` (replaced each epoch)."""
+def log_curves(mlflow_client, run_id: str, history: list[dict[str, Any]], metric: str,
+               target: Optional[dict[str, Any]] = None) -> None:
+    """The plots of ``history`` (replaced each epoch): ``plots/training_curves.png`` (loss and
+    metrics per epoch) and ``plots/metric_vs_time.png`` (metrics against wall-clock, with the
+    target ``{"metric", "value"}`` when the job names one)."""
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "training_curves.png"
-            plot_curves(history, metric, path)
-            mlflow_client.log_artifact(run_id, str(path), artifact_path="plots")
+            curves, timed = Path(tmp) / "training_curves.png", Path(tmp) / "metric_vs_time.png"
+            plot_curves(history, metric, curves)
+            mlflow_client.log_artifact(run_id, str(curves), artifact_path="plots")
+            if any(h.get("elapsed_s") is not None for h in history):
+                plot_metric_vs_time(history, metric, timed, target)
+                mlflow_client.log_artifact(run_id, str(timed), artifact_path="plots")
     except Exception as exc:
         log.warning("could not log the training curves: %s", exc)
 
@@ -207,6 +230,35 @@ def plot_curves(history: list[dict[str, Any]], metric: str, path: str | os.PathL
     ax_metric.set_xlabel("epoch")
     ax_metric.set_ylabel(metric)
     ax_metric.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_metric_vs_time(history: list[dict[str, Any]], metric: str, path: str | os.PathLike,
+                        target: Optional[dict[str, Any]] = None) -> None:
+    """Validation and test ``metric`` against the run's wall-clock (``elapsed_s``: training and
+    evaluation since the first step), the target as a line and the time it was reached, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for split in ("val", "test"):
+        key = f"{split}_{metric}"
+        points = [(h["elapsed_s"] / 60, h[key]) for h in history if h.get(key) is not None and h.get("elapsed_s") is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=key)
+    if target is not None:
+        ax.axhline(target["value"], color="red", linestyle=":", label=f"target {target['metric']} {target['value']:g}")
+        reached = [h for h in history if h.get("time_to_target_s") is not None]
+        if reached:
+            ax.axvline(reached[0]["time_to_target_s"] / 60, color="red", alpha=0.4,
+                       label=f"reached after {reached[0]['time_to_target_s'] / 60:.1f} min")
+    ax.set_xlabel("wall-clock of training and evaluation (min)")
+    ax.set_ylabel(metric)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -27,6 +27,7 @@ sound.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -68,6 +69,9 @@ class TrainOutcome:
     registered: Optional[dict[str, Any]]  # see pipeline.registry.log_and_register
     result: Any = None  # the ray.train.Result
     trained: bool = True  # False: the run had finished with this configuration already (nothing ran)
+    stopped: Optional[str] = None  # why it stopped before train.epochs (pipeline.stopping), if it did
+    time_to_target: Optional[dict[str, Any]] = None  # pipeline.stopping.time_to_target, if reached
+    target: Optional[dict[str, Any]] = None  # the job's train.target, if any
 
 
 def resolve_job(job: JobConfig) -> JobConfig:
@@ -170,7 +174,9 @@ def train_job(
         register: log and register the best model at the end (``mlflow.registered_model``,
             default ``sat-<task>``). Never happens when the fit fails.
         callbacks: Ray Train ``UserCallback``s (e.g. Tune's ``TuneReportCallback``).
-        fault: test hook, kill one worker once: ``{"rank", "epoch", "step", "marker"}``.
+        fault: test hook, kill one worker once: ``{"rank", "epoch", "step", "marker"}``, or signal the
+            driver after a checkpoint: ``{"signal", "pid", "epoch", "marker"}`` (default: the JSON in
+            ``$SATP_TEST_FAULT``, for tests that run the ``satp`` command).
         restart: start the run name over when it holds a checkpoint of another configuration
             (or of this one): its checkpoints are deleted, its MLflow run is detached from it.
 
@@ -185,6 +191,7 @@ def train_job(
     pyg_templates.install()
     job = resolve_job(job)
     train = job.train
+    check_stopping(job)
     run_key = f"{train.storage_path}/{train.run_name}"
     early = preflight([job], address=address, restart=restart)
     if early is not None and early.action == "finished" and shard_dir is None:  # no Ray was started
@@ -193,7 +200,7 @@ def train_job(
         return _already_finished(job, setup, early.previous, run_key, register)
     shard_dir = Path(shard_dir) if shard_dir is not None else prepare_data(job, address)
     setup = plan(job, shard_dir)
-    setup.fault = fault
+    setup.fault = fault if fault is not None else _fault_from_environment()
     manifest = open_split(setup.shard_dir, "train").manifest or {}
     decision = rerun.decide(job, rerun.weights_config(job, manifest), git_commit(), restart=restart)
     setup.provenance = decision.provenance
@@ -205,6 +212,9 @@ def train_job(
     elif decision.action == "resume":
         log.info("resuming run %s after epoch %d (%s)", train.run_name, decision.previous.epoch,
                  decision.previous.checkpoint)
+        # the newest complete checkpoint, which Ray may not have registered (an interrupted run)
+        setup.resume_from = str(decision.previous.checkpoint)
+        rerun.prune_unregistered(decision.previous.run_dir, keep=decision.previous.checkpoint)
 
     previous_status = None
     if job.mlflow.enabled:
@@ -215,7 +225,8 @@ def train_job(
             state = ckpt.load_state(directory)
             best_weights = ckpt.load_best_weights(directory)
             checkpoint_path = str(result.checkpoint.path)
-        if state["epoch"] != train.epochs - 1:
+        rerun.prune_unregistered(Path(train.storage_path) / train.run_name, keep=Path(checkpoint_path))
+        if state["epoch"] != train.epochs - 1 and not state.get("stopped"):
             raise RuntimeError(f"training stopped after epoch {state['epoch']} of {train.epochs}")
         registered = None
         task = make_task(setup.task_name, vocab=open_split(setup.shard_dir, "train").vocab, **setup.task_state)
@@ -228,6 +239,7 @@ def train_job(
     if job.mlflow.enabled and setup.run_id:
         from pipeline.tracking import close_run
 
+        _tag_stopping(job, setup.run_id, state)
         close_run(job.mlflow.tracking_uri, setup.run_id, "FINISHED")
     history = state["history"]
     return TrainOutcome(
@@ -244,7 +256,47 @@ def train_job(
         tracking_uri=job.mlflow.tracking_uri,
         registered=registered,
         result=result,
+        **_stopping_outcome(job, task, state),
     )
+
+
+def _fault_from_environment() -> Optional[dict]:
+    """The test hook ``fault`` of :func:`train_job` from ``$SATP_TEST_FAULT`` (JSON); a signal with
+    no ``pid`` goes to this process."""
+    fault = json.loads(os.environ.get("SATP_TEST_FAULT") or "null")
+    if fault and "signal" in fault:
+        fault.setdefault("pid", os.getpid())
+    return fault
+
+
+def check_stopping(job: JobConfig) -> None:
+    """``train.target`` names a metric the job's task reports (a one-line ``ValueError``)."""
+    from pipeline import stopping
+    from pipeline.tasks import TASK_CLASSES
+
+    task_name = task_name_for(job.train.task, getattr(getattr(job, "data", None), "name", None))
+    stopping.check_target(job.train.target, TASK_CLASSES[task_name].metric)
+
+
+def _stopping_outcome(job: JobConfig, task: Task, state: dict) -> dict[str, Any]:
+    """The :class:`TrainOutcome` fields of the stopping rules, from a checkpoint's state."""
+    from pipeline import stopping
+
+    target = job.train.target
+    return {"stopped": state.get("stopped"), "target": target.model_dump() if target is not None else None,
+            "time_to_target": stopping.time_to_target(state.get("history") or [], target, task.mode)}
+
+
+def _tag_stopping(job: JobConfig, run_id: str, state: dict) -> None:
+    """The MLflow run's tags: its target and why it stopped early (``satp.stopped``), if it did."""
+    from pipeline import tracking
+
+    client = tracking.client(job.mlflow.tracking_uri)
+    target = job.train.target
+    if target is not None:
+        client.set_tag(run_id, "satp.target", f"{target.metric} {target.value:g}")
+    if state.get("stopped"):
+        client.set_tag(run_id, "satp.stopped", str(state["stopped"])[:500])
 
 
 def _mlflow_run(job: JobConfig, setup: WorkerSetup, run_key: str, action: str) -> Optional[str]:
@@ -282,12 +334,14 @@ def _close_failed(job: JobConfig, run_id: str, previous_status: Optional[str], e
 
     try:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, KeyboardInterrupt):
+            first = f"interrupted ({first or 'SIGINT'})"
         if previous_status == "FINISHED":
             client = tracking.client(job.mlflow.tracking_uri)
             client.set_tag(run_id, "satp.last_attempt", f"failed {time.strftime('%Y-%m-%d %H:%M:%S')}: {first}"[:500])
             tracking.close_run(job.mlflow.tracking_uri, run_id, "FINISHED")
         else:
-            tracking.close_run(job.mlflow.tracking_uri, run_id, "FAILED")
+            tracking.close_run(job.mlflow.tracking_uri, run_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
     except Exception:  # the tracking store must not hide the training error
         pass
 
@@ -299,7 +353,7 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
     with whole GPUs, gloo on CPUs and for workers sharing a GPU, which NCCL refuses); DeepSpeed
     runs on that group (it creates none when torch.distributed is initialised)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     train, res = job.train, job.resources
     resources = {"CPU": res.cpus_per_worker}
@@ -318,8 +372,10 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
         from pipeline.epoch_logger import RegisteredEpochLogger
         from pipeline.tasks import TASK_CLASSES
 
-        callbacks.append(RegisteredEpochLogger(job.mlflow.tracking_uri, setup.run_id, TASK_CLASSES[setup.task_name].metric))
-    trainer = TorchTrainer(
+        target = train.target.model_dump() if train.target is not None else None
+        callbacks.append(RegisteredEpochLogger(job.mlflow.tracking_uri, setup.run_id, TASK_CLASSES[setup.task_name].metric,
+                                               target))
+    trainer = _interruptible_trainer()(
         worker_main,
         train_loop_config={"setup": setup},
         torch_config=TorchConfig(backend=res.torch_backend),
@@ -342,6 +398,24 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
     if result.checkpoint is None:
         raise RuntimeError("training finished without a checkpoint")
     return result
+
+
+def _interruptible_trainer():
+    """``TorchTrainer`` whose ``fit`` answers SIGINT as it does SIGTERM: with
+    :class:`preprocessing.interrupts.Interrupted`, which unwinds the driver so that it says what was
+    kept (Ray Train's own SIGINT handler aborts the run, logs the controller's tracebacks, and
+    exits with status 0). The controller and its workers are actors of this driver: they end
+    with it, when the CLI shuts Ray down; a checkpoint cut short then is never resumed from
+    (:func:`pipeline.checkpoint.is_complete`)."""
+    from ray.train.torch import TorchTrainer
+
+    from preprocessing import interrupts
+
+    class InterruptibleTrainer(TorchTrainer):
+        def _register_sigint_handler(self, controller) -> None:
+            interrupts.install(keep=controller)  # the controller lives until the CLI shuts Ray down
+
+    return InterruptibleTrainer
 
 
 def worker_main(config: dict) -> None:
@@ -386,7 +460,10 @@ def _already_finished(job: JobConfig, setup: WorkerSetup, previous, run_key: str
     is found (registered now from its last checkpoint if an earlier attempt stopped before)."""
     from pipeline import tracking
 
+    from pipeline import rerun
+
     train, state = job.train, previous.state
+    rerun.prune_unregistered(previous.run_dir, keep=previous.checkpoint)
     task = make_task(setup.task_name, vocab=open_split(setup.shard_dir, "train").vocab, **setup.task_state)
     registered = None
     if job.mlflow.enabled:
@@ -419,7 +496,7 @@ def _already_finished(job: JobConfig, setup: WorkerSetup, previous, run_key: str
         run_name=train.run_name, storage_path=train.storage_path, checkpoint_path=str(previous.checkpoint),
         metrics=history[-1] if history else {}, history=history, best=state["best"], constant=state.get("constant"),
         metric=task.metric, task=task.name, mlflow_run_id=setup.run_id, tracking_uri=job.mlflow.tracking_uri,
-        registered=registered, trained=False,
+        registered=registered, trained=False, **_stopping_outcome(job, task, state),
     )
 
 
@@ -453,6 +530,8 @@ def _log_best_model(job: JobConfig, setup: WorkerSetup, task: Task, state: dict,
         provenance=state.get("provenance") or setup.provenance,  # the configuration and code that trained them
     )
     # the same rule as sweeps: the alias moves only to a version with a better validation metric
+    if registered.get("reason"):  # these weights of this run were registered before
+        log.info("%s: %s", name, registered["reason"])
     registered.update(promote(tracking.client(job.mlflow.tracking_uri), name, registered["version"],
                               best["val"], f"best_val_{metric}", task.mode, CHAMPION, f"run {job.train.run_name}"))
     return registered

@@ -21,6 +21,14 @@ Precision = Literal["auto", "bf16", "fp16", "fp32"]
 TaskName = Literal["code2", "ppa", "pattern", "cluster"]
 
 
+class TargetConfig(StrictModel):
+    """A quality target: the run stops at the first evaluation where ``metric`` reaches ``value``
+    (``>=``, or ``<=`` for a task whose metric is minimised); see :mod:`pipeline.stopping`."""
+
+    metric: str  # val_<task metric>, test_<...> or train_<...>, e.g. val_acc, val_f1
+    value: float
+
+
 class TrainConfig(StrictModel):
     """Optimisation, batching, checkpointing (paper, appendix C: AdamW with a linear warm-up, then
     cosine decay on OGB, or the Transformer's inverse-square-root decay on ZINC/PATTERN/CLUSTER)."""
@@ -59,6 +67,11 @@ class TrainConfig(StrictModel):
     storage_path: Optional[str] = None  # default: <runs>/ray
     checkpoints_to_keep: int = Field(2, ge=1)
     max_failures: int = Field(2, ge=0)  # worker-group restarts from the last checkpoint
+    # stopping before `epochs` (pipeline.stopping): at a quality target (its wall-clock, steps and
+    # epochs are reported as time to target), or after `patience` evaluations without a better
+    # validation metric
+    target: Optional[TargetConfig] = None
+    patience: Optional[int] = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _warmup(self) -> "TrainConfig":

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipeline import registry, tracking
+from pipeline.console import plural
 from pipeline.config import JobConfig, format_validation_error, set_dotted
 from pipeline.tune_config import DATA_SECTIONS, TuneConfig, split_key
 
@@ -753,7 +754,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
 
     with tempfile.TemporaryDirectory() as tmp:
         png = Path(tmp) / "sweep_val_curves.png"
-        plot_sweep(trials, val_metric, png, title=f"{name}: {val_metric} per trial ({len(trials)} trials)")
+        plot_sweep(trials, val_metric, png, title=f"{name}: {val_metric} per trial ({plural(len(trials), 'trial')})")
         client.log_artifact(parent_id, str(png), artifact_path="plots")
         table = [{k: v for k, v in dataclasses.asdict(t).items() if k not in ("curve",)} | {
             "config": {k: v for k, v in t.config.items() if not k.startswith("__")}} for t in trials]
@@ -802,7 +803,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
 
 
 def format_outcome(outcome: SweepOutcome) -> str:
-    lines = [f"sweep {outcome.name}{' (resumed)' if outcome.resumed else ''}: {len(outcome.trials)} trials, "
+    lines = [f"sweep {outcome.name}{' (resumed)' if outcome.resumed else ''}: {plural(len(outcome.trials), 'trial')}, "
              f"{len(outcome.early_stopped)} stopped early by ASHA, {outcome.seconds:.0f} s"]
     for t in sorted(outcome.trials, key=lambda t: t.trial_id):
         shown = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in t.config.items() if not k.startswith("__")}

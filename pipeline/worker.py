@@ -10,9 +10,11 @@ checkpoint, and on rank 0 the MLflow system metrics (:mod:`pipeline.tracking`). 
   predictions kept for the train metric (decoded at the end of the epoch, never per step);
 * :meth:`WorkerRun.evaluate_epoch`: validation and test predictions, gathered to rank 0, OGB's
   metric, the best epoch by validation;
-* :meth:`WorkerRun.report`: a checkpoint (:mod:`pipeline.checkpoint`) and the metrics through
-  ``ray.train.report`` (every rank, once per epoch); Ray Train's controller logs the epoch to
-  MLflow once it has registered the checkpoint (:mod:`pipeline.epoch_logger`).
+* :meth:`WorkerRun.report`: the run's wall-clock and steps so far, whether it stops here (a
+  quality target reached or a plateau, :mod:`pipeline.stopping`, decided on rank 0 for all),
+  a checkpoint (:mod:`pipeline.checkpoint`) and the metrics through ``ray.train.report`` (every
+  rank, once per epoch); Ray Train's controller logs the epoch to MLflow once it has registered
+  the checkpoint (:mod:`pipeline.epoch_logger`).
 """
 from __future__ import annotations
 
@@ -30,11 +32,12 @@ import numpy as np
 import torch
 
 from pipeline import checkpoint as ckpt
+from pipeline import stopping
 from pipeline.batching import EpochStream, NodeBudgetSampler, subset_indices
 from pipeline.config import JobConfig
 from pipeline.engine import build_engine, clips_outside_deepspeed, current_lr, resolve_precision
 from pipeline.loader import BatchCollator, make_loader, open_split, to_device
-from pipeline.metrics import EpochMeter, concat_gathered, gather_objects
+from pipeline.metrics import EpochMeter, broadcast_from_rank_zero, concat_gathered, gather_objects
 from pipeline.tasks import make_task
 from pipeline.train_step import TrainStep, evaluate
 from sat.config import SATConfig
@@ -47,6 +50,10 @@ TRAIN_METRIC_BATCHES = 32  # about this many batches per epoch feed the train me
 
 def build_model(config: SATConfig) -> torch.nn.Module:
     import sat
+
+    from pipeline import pyg_templates
+
+    pyg_templates.install()  # generated PyG modules stay in memory in every process that builds a model
 
     return sat.SAT(config)
 
@@ -65,18 +72,24 @@ class WorkerSetup:
     tracking_uri: Optional[str]
     fault: Optional[dict] = None
     provenance: Optional[dict] = None  # config hash + git commits, recorded in every checkpoint (pipeline.rerun)
+    resume_from: Optional[str] = None  # a complete checkpoint newer than Ray's record (pipeline.rerun)
 
 
 def worker_loop(config: dict) -> None:
     """``train_loop_per_worker`` of the TorchTrainer (``config = {"setup": WorkerSetup}``)."""
     run = WorkerRun(config["setup"])
+    train = run.job.train
     try:
-        for epoch in range(run.state["epoch"] + 1, run.job.train.epochs):
+        for epoch in range(run.state["epoch"] + 1, train.epochs):
+            started = time.perf_counter()
             metrics = run.train_epoch(epoch)
-            train = run.job.train
             if (epoch + 1) % train.eval_every == 0 or epoch == train.epochs - 1:
                 metrics.update(run.evaluate_epoch(epoch))
-            run.report(epoch, metrics)
+            stop = run.report(epoch, metrics, time.perf_counter() - started)
+            if run.setup.fault and "signal" in run.setup.fault:
+                _maybe_signal(run.setup.fault, run.rank, epoch)
+            if stop:
+                break
     finally:
         run.close()
 
@@ -150,6 +163,9 @@ class WorkerRun:
 
         self.state: dict[str, Any] = {
             "epoch": -1,
+            "steps": 0,  # optimizer steps so far
+            "elapsed_s": 0.0,  # wall seconds of training and evaluation so far (pipeline.stopping)
+            "stopped": None,  # why the run stopped before train.epochs (pipeline.stopping)
             "sampler": self.train_sampler.state_dict(),
             "best": {"epoch": -1, "val": None, "test": None},
             "history": [],
@@ -173,17 +189,28 @@ class WorkerRun:
             self.logger.client.set_tag(setup.run_id, "satp.world_size", str(self.world))
 
     def _restore(self) -> None:
+        """Restore the newest of Ray Train's checkpoint (the last one it registered, in this fit or
+        the run before) and the driver's ``resume_from`` (a complete checkpoint on storage that an
+        interrupted run wrote but Ray never registered: :mod:`pipeline.rerun`)."""
+        import contextlib
+
         import ray.train
 
-        restored = ray.train.get_checkpoint()
-        if restored is None:
-            return
-        with restored.as_directory() as directory:
+        with contextlib.ExitStack() as stack:
+            candidates = []
+            restored = ray.train.get_checkpoint()
+            if restored is not None:
+                candidates.append(Path(stack.enter_context(restored.as_directory())))
+            if self.setup.resume_from:
+                candidates.append(Path(self.setup.resume_from))
+            if not candidates:
+                return
+            directory = max(candidates, key=lambda d: ckpt.load_state(d)["epoch"])  # a tie: Ray's
             self.state = ckpt.restore(directory, self.engine)
             if self.rank == 0:
                 self.best_weights = ckpt.load_best_weights(directory)
         self.train_sampler.load_state_dict(self.state["sampler"])
-        log.info("rank %d resumed after epoch %d", self.rank, self.state["epoch"])
+        log.info("rank %d resumed after epoch %d (%s)", self.rank, self.state["epoch"], directory)
 
     # ------------------------------------------------------------------ epochs
     def train_epoch(self, epoch: int) -> dict[str, Any]:
@@ -203,7 +230,7 @@ class WorkerRun:
             waited = time.perf_counter()
             cpu_batch = next(batches)
             meter.data_wait += time.perf_counter() - waited
-            if self.setup.fault:
+            if self.setup.fault and "signal" not in self.setup.fault:
                 _maybe_fail(self.setup.fault, self.rank, epoch, step, meter.seconds)
             size, sampled = task.batch_size(cpu_batch), step % sample_every == 0
             if sampled:
@@ -214,7 +241,9 @@ class WorkerRun:
                 sampled_predictions.append(task.predictions(out))
             if self.rank == 0 and (step + 1) % train.log_every_steps == 0:
                 log.info("epoch %d step %d/%d loss %.4f", epoch, step + 1, steps, float(loss))
-        metrics: dict[str, Any] = {"epoch": epoch, **meter.reduce(device), "lr": current_lr(self.engine)}
+        self.state["steps"] = self.state.get("steps", 0) + steps
+        metrics: dict[str, Any] = {"epoch": epoch, **meter.reduce(device), "lr": current_lr(self.engine),
+                                   "steps": self.state["steps"]}
         predictions = task.decode(torch.cat(sampled_predictions).cpu())
         if not self.baseline_targets and self.state["constant"] is None:
             self.baseline_targets = sampled_targets[:TRAIN_SAMPLE_FOR_BASELINE]
@@ -244,23 +273,34 @@ class WorkerRun:
             self.best_weights = {k: v.detach().float().cpu().clone() for k, v in self.engine.module.state_dict().items()}
         return metrics
 
-    def report(self, epoch: int, metrics: dict[str, Any]) -> None:
-        """Checkpoint and report the epoch (every rank). MLflow gets it from Ray Train's controller once
-        the checkpoint is registered (:mod:`pipeline.epoch_logger`)."""
+    def report(self, epoch: int, metrics: dict[str, Any], seconds: float) -> bool:
+        """Checkpoint and report the epoch (every rank); return whether the run stops here.
+        MLflow gets the epoch from Ray Train's controller once the checkpoint is registered
+        (:mod:`pipeline.epoch_logger`)."""
         import ray.train
 
-        metric, state = self.task.metric, self.state
+        metric, state, task = self.task.metric, self.state, self.task
+        state["elapsed_s"] = state.get("elapsed_s", 0.0) + seconds
+        metrics["elapsed_s"] = state["elapsed_s"]
+        stopped = None
         if self.rank == 0:
             metrics[f"constant_{metric}"] = state["constant"]
             metrics[f"best_val_{metric}"] = state["best"]["val"]
             metrics[f"best_test_{metric}"] = state["best"]["test"]
             metrics["best_epoch"] = state["best"]["epoch"]
         metrics = {k: v for k, v in metrics.items() if v is not None}
-        state["epoch"] = epoch
-        state["provenance"] = self.setup.provenance  # a resumed run may add a git commit
-        state["sampler"] = self.train_sampler.state_dict()
         if self.rank == 0:
             state["history"].append(metrics)
+            reached = stopping.time_to_target(state["history"], self.job.train.target, task.mode)
+            if reached is not None and reached["epoch"] == epoch:
+                metrics.update({k: v for k, v in reached.items() if k != "epoch" and v is not None})
+            stopped = stopping.stop_reason(state["history"], self.job.train, metric, task.mode)
+        # every rank leaves the loop together: rank 0 alone holds the validation metrics
+        state["stopped"] = broadcast_from_rank_zero(stopped)
+        state["epoch"] = epoch
+        state["world_size"] = self.world
+        state["provenance"] = self.setup.provenance  # a resumed run may add a git commit
+        state["sampler"] = self.train_sampler.state_dict()
         with tempfile.TemporaryDirectory(prefix="satp-ckpt-") as directory:
             ckpt.save(directory, self.engine, state, self.best_weights, self.rank)
             has_files = any(p.is_file() for p in Path(directory).rglob("*"))
@@ -268,6 +308,9 @@ class WorkerRun:
             ray.train.report(metrics, checkpoint=checkpoint)
         if self.rank == 0:
             log.info("epoch %d: %s", epoch, {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
+            if state["stopped"]:
+                log.info("stopping after epoch %d of %d: %s", epoch, self.job.train.epochs, state["stopped"])
+        return state["stopped"] is not None
 
     def close(self) -> None:
         if self.logger is not None:
@@ -290,3 +333,18 @@ def _maybe_fail(fault: dict, rank: int, epoch: int, step: int, seconds: float) -
     time.sleep(max(0.0, fault.get("seconds", 0.0) - seconds))
     marker.write_text(str(os.getpid()))
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _maybe_signal(fault: dict, rank: int, epoch: int) -> None:
+    """Test hook: once the checkpoint of epoch ``epoch`` is on storage (``ray.train.report`` has
+    returned), send ``signal`` to the driver process ``pid``, once (``marker``), then wait for the
+    abort: the interrupt lands after the upload, and before or while Ray registers it
+    (``fault = {signal, pid, epoch, marker}``)."""
+    if rank != 0 or epoch != fault.get("epoch", 0):
+        return
+    marker = Path(fault["marker"])
+    if marker.exists():
+        return
+    marker.write_text(str(os.getpid()))
+    os.kill(int(fault["pid"]), getattr(signal, fault["signal"]))
+    time.sleep(120)

@@ -6,7 +6,9 @@ Public API (used by the training pipeline)::
     from preprocessing.reader import ShardDataset
 
     path = preprocess(data, transform, shards, address=None)  # build / resume / validate -> shard dir
-    path = shard_dir(data, transform, shards)                 # the same directory, computing nothing
+    path = preprocess(data, transform, shards, force=True)    # built again, swapped in when complete
+    path = shard_dir(data, transform, shards)                 # the same directory, building nothing (the
+                                                              # raw files' fingerprint: cached by stat)
     ds = ShardDataset(path, "train")                          # len(ds), ds[i] -> SATData,
                                                               # ds.num_nodes, ds.manifest, ds.vocab
     graphs = preprocessing.reader.featurise(raws, task, transform, vocab)  # new inputs, as in training

@@ -1,6 +1,9 @@
 """Build, resume and validate a shard directory, one Ray task per shard.
 
-:func:`preprocess` fingerprints the raw files, has them converted into the dataset's columnar
+:func:`preprocess` fingerprints the raw files (cached by their stat signature), names the shard
+directory by the configuration and that fingerprint (:func:`shard_dir`: two datasets under one
+``shards.root`` never share a directory, so a rebuilt or switched dataset gets new shards instead
+of an error), has them converted into the dataset's columnar
 store unless it is current (:mod:`preprocessing.conversion`: one Ray task per raw file, streaming,
 bounded memory), plans the shards (each split in OGB's order, optionally a seeded subset of
 ``data.max_graphs_per_split`` graphs, cut into ``shards.graphs_per_shard`` graphs), skips the
@@ -12,15 +15,18 @@ sidecar), and writes ``manifest.json`` last. The driver holds per-graph arrays o
 splits, the train labels for code2's vocabulary), never the dataset. On a multi-node cluster
 ``data.root`` and ``shards.root`` must be shared storage. A directory whose manifest matches the
 raw files' fingerprint and whose shards all match their sha256 is returned without reading the
-dataset. Ray is started locally (and stopped afterwards) unless it is already initialised,
+dataset; ``force`` builds it again beside it and swaps it in only when complete. Ray is started
+locally (:func:`pipeline.cluster.connect`, stopped afterwards) unless it is already initialised,
 ``address`` names a cluster, or ``RAY_ADDRESS`` is set (inside a Ray job).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,13 +47,19 @@ from preprocessing.shards import (
 from preprocessing.sbm import NUM_CLASSES
 from preprocessing.columnar import TASK, ColumnarStore, raw_fingerprint
 from preprocessing.conversion import build_store, convert_file
-from preprocessing.sources import ensure_dataset, iter_chunk
+from preprocessing.sources import dataset_dir, ensure_dataset, iter_chunk
 from preprocessing.transforms import build_vocab, transform_graph
 
 
-def shard_dir(data: DataConfig, transform: TransformConfig, shards: ShardConfig) -> Path:
-    """The directory a configuration writes to: ``<shards.root>/<dataset>-<config hash[:12]>``."""
-    return Path(shards.root) / f"{data.name}-{config_hash(data, transform, shards)[:12]}"
+def shard_dir(data: DataConfig, transform: TransformConfig, shards: ShardConfig, fingerprint: str | None = None) -> Path:
+    """The directory of a configuration's shards of the raw files that ``data`` names now:
+    ``<shards.root>/<dataset>-<config hash[:12]>-<raw fingerprint[:12]>``, so that two datasets
+    (another ``data.root``, raw files rebuilt) never share one. ``fingerprint``: the raw files'
+    :func:`~preprocessing.columnar.raw_fingerprint` when the caller has it; else it is taken (cached
+    by the files' stat signature, see there): the dataset folder must exist."""
+    if fingerprint is None:
+        fingerprint = raw_fingerprint(dataset_dir(data), data.name)
+    return Path(shards.root) / f"{data.name}-{config_hash(data, transform, shards)[:12]}-{fingerprint[:12]}"
 
 
 @dataclass
@@ -148,6 +160,7 @@ def _rebuild_reason(out: Path, plan: ShardPlan, key: dict) -> str | None:
 
 def _check_owner(out: Path, chash: str) -> None:
     """A directory written by another configuration is never reused or mixed."""
+    fix = "`satp preprocess JOB.yaml --force` rebuilds it"
     manifest = out / MANIFEST
     if manifest.is_file():
         try:
@@ -155,7 +168,8 @@ def _check_owner(out: Path, chash: str) -> None:
         except (OSError, json.JSONDecodeError):
             found = None
         if found != chash:
-            raise ValueError(f"{out}: shard directory of another configuration (config hash {found!r}, expected {chash[:12]}...)")
+            raise ValueError(f"{out}: shard directory of another configuration (config hash {found!r}, "
+                             f"expected {chash[:12]}...); {fix}")
     for side in sorted(out.glob("*.json")):
         if side.name in (MANIFEST, VOCAB_FILE):
             continue
@@ -164,28 +178,60 @@ def _check_owner(out: Path, chash: str) -> None:
         except (OSError, json.JSONDecodeError):
             continue  # an unreadable sidecar only means its shard is recomputed
         if found != chash:
-            raise ValueError(f"{side}: shard of another configuration (config hash {found!r}, expected {chash[:12]}...)")
+            raise ValueError(f"{side}: shard of another configuration (config hash {found!r}, expected {chash[:12]}...); "
+                             f"{fix}")
 
 
 def preprocess(data: DataConfig, transform: TransformConfig, shards: ShardConfig, address: str | None = None,
-               progress: bool = True) -> Path:
+               progress: bool = True, force: bool = False) -> Path:
     """Build (or resume, or just validate) the shards of a configuration; return their directory.
+
+    ``force``: build them again from scratch into a temporary sibling directory, which replaces the
+    directory only once it is complete (a failed or killed rebuild leaves the old one as it was).
 
     Raises:
         ValueError: bad input (one line naming the file, graph or key), or a directory holding
-            another configuration's shards, or source data that changed under finished shards.
+            another configuration's shards.
     """
     chash = config_hash(data, transform, shards)
-    out = shard_dir(data, transform, shards)
-    if out.exists():
-        _check_owner(out, chash)
     folder = ensure_dataset(data)
     fingerprint = raw_fingerprint(folder, data.name)
-    if (out / MANIFEST).is_file() and _complete(out, fingerprint):
-        return out  # finished and intact: nothing to read
+    out = shard_dir(data, transform, shards, fingerprint)
+    if not force:
+        if out.exists():
+            _check_owner(out, chash)
+        if (out / MANIFEST).is_file() and _complete(out, fingerprint):
+            return out  # finished and intact: nothing to read
     with _RaySession(address) as session:
         store = build_store(folder, data.name, fingerprint, run=_conversion_runner(folder, session, progress))
-        return build_shards(store, data, transform, shards, address=address, progress=progress)
+        if not force:
+            return build_shards(store, data, transform, shards, address=address, progress=progress)
+        return _rebuild(out, store, data, transform, shards, address, progress)
+
+
+def _rebuild(out: Path, store: ColumnarStore, data: DataConfig, transform: TransformConfig, shards: ShardConfig,
+             address: str | None, progress: bool) -> Path:
+    """``preprocess(force=True)``: build into ``.<name>.rebuild-<id>`` beside ``out``, then swap the
+    two by renames (``out`` is missing only between them: a crash there costs a rebuild, never a mix)
+    and delete the old one. Leftovers of a killed rebuild of the same directory go first."""
+    for stale in out.parent.glob(f".{out.name}.*-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tag = uuid.uuid4().hex[:8]
+    staging, old = out.with_name(f".{out.name}.rebuild-{tag}"), out.with_name(f".{out.name}.old-{tag}")
+    try:
+        build_shards(store, data, transform, shards, address=address, progress=progress, out=staging)
+        if out.exists():
+            os.replace(out, old)
+        try:
+            os.replace(staging, out)
+        except OSError:
+            if old.exists():
+                os.replace(old, out)
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when it took out's place
+    shutil.rmtree(old, ignore_errors=True)
+    return out
 
 
 def _complete(out: Path, fingerprint: str) -> bool:
@@ -204,20 +250,20 @@ def _complete(out: Path, fingerprint: str) -> bool:
 
 
 def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformConfig, shards: ShardConfig,
-                 address: str | None = None, progress: bool = True) -> Path:
-    """:func:`preprocess` on a finished :class:`~preprocessing.columnar.ColumnarStore`."""
+                 address: str | None = None, progress: bool = True, out: Path | None = None) -> Path:
+    """:func:`preprocess` on a finished :class:`~preprocessing.columnar.ColumnarStore`, into ``out``
+    (default: :func:`shard_dir` of the store's raw files)."""
     chash = config_hash(data, transform, shards)
-    out = shard_dir(data, transform, shards)
+    out = shard_dir(data, transform, shards, store.fingerprint) if out is None else Path(out)
     if out.exists():
         _check_owner(out, chash)
     task = TASK[data.name]
     if out.exists() and (out / MANIFEST).is_file():
-        old = json.loads((out / MANIFEST).read_text())
-        if old.get("source", {}).get("fingerprint") != store.fingerprint:
-            raise ValueError(
-                f"{out}: built from other source data than {store.folder} now holds (fingerprint changed); "
-                "delete the directory to rebuild"
-            )
+        old = json.loads((out / MANIFEST).read_text()).get("source", {}).get("fingerprint")
+        if old != store.fingerprint:  # the name holds 12 hex digits of it: a collision, or a copied directory
+            raise ValueError(f"{out}: built from other source data than {store.folder} now holds (raw fingerprint "
+                             f"{str(old)[:16]}..., now {store.fingerprint[:16]}...); "
+                             "`satp preprocess JOB.yaml --force` rebuilds it")
     plans = plan_shards(store, data, shards)
     if not plans:
         raise ValueError(f"{store.folder}: no graphs in any split")
@@ -287,7 +333,10 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
 class _RaySession:
     """Ray for the tasks below, started on first use: the one already initialised, else the
     cluster at ``address`` or ``RAY_ADDRESS`` (inside a Ray job), else a local one of this
-    process; stopped at the end only if started here (nothing to do starts no Ray)."""
+    process, as every satp command connects (:func:`pipeline.cluster.connect`: a dead address
+    fails in seconds, a new local cluster is never someone else's and starts without Ray's
+    token-authentication warning); stopped at the end only if started here (nothing to do starts
+    no Ray)."""
 
     def __init__(self, address: str | None):
         self.address, self.started = address, False
@@ -296,10 +345,9 @@ class _RaySession:
         import ray
 
         if not ray.is_initialized():
-            if self.address or os.environ.get("RAY_ADDRESS"):
-                ray.init(address=self.address, log_to_driver=False)
-            else:
-                ray.init(address="local", include_dashboard=False, log_to_driver=False)  # never someone else's
+            from pipeline.cluster import connect
+
+            connect(self.address, log_to_driver=False, dashboard=False)
             self.started = True
         return ray
 

@@ -13,6 +13,7 @@ streaming, bounded memory, checked) into::
                               labels); values in the narrowest type that holds them exactly (node
                               ids int32, features float32 as OGB's loader casts them)
         edge_index.arrow.json sidecar of a finished file (fingerprint, rows)
+        fingerprint.json      the raw files' fingerprint and stat signature (:func:`raw_fingerprint`)
 
 :class:`ColumnarStore` opens a finished store holding only per-graph arrays in memory (offsets,
 splits, ppa labels); :meth:`ColumnarStore.chunk` reads the rows of some graphs from the
@@ -26,6 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,25 +106,68 @@ def required_files(name: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- fingerprint
+#: In the store's folder: the last fingerprint, with the stat signature of the files it was taken from.
+FINGERPRINT_FILE = "fingerprint.json"
+#: A file changed less than this before it was hashed may change again within the same timestamp
+#: (coarse file-system clocks): its fingerprint is not cached (git's "racy clean" rule).
+RACY_NS = 2_000_000_000
+
+
+def _signature(folder: Path, name: str) -> list[list]:
+    """Per raw file: path, size, mtime, ctime and inode. Any write changes the ctime, which no
+    tool sets back (``touch -d`` and copies that keep the mtime do not); a replaced file has
+    another inode."""
+    out = []
+    for rel in required_files(name):
+        path = folder / rel
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise ValueError(f"{path}: missing raw file of {name}") from None
+        out.append([rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+    return out
+
+
 def raw_fingerprint(folder: Path, name: str) -> str:
     """sha256 of the dataset's raw and split files (their bytes as stored, in a fixed order).
 
     Checks only what it needs to read: ``RELEASE_v1.txt`` (without it OGB calls ``input()``) and
-    every file present. Reads the compressed bytes once (~8 s for a full-size synthetic ogbg-ppa's 8.2 GB).
+    every file present. Reading the compressed bytes takes ~8 s for a full-size synthetic
+    ogbg-ppa's 8.2 GB, so the result is kept in ``columnar/fingerprint.json`` with the files' stat
+    signature (:func:`_signature`) and reused while the signature is the same: a command that
+    names the shards of a dataset (``<dataset>-<config hash>-<fingerprint>``) stats the files
+    instead of reading them. The cache is written only when no file changed while it was hashed
+    nor within :data:`RACY_NS` before, and only where the folder is writable.
     """
     folder = Path(folder)
     if not (folder / "RELEASE_v1.txt").is_file():
         raise ValueError(f"{folder}: RELEASE_v1.txt missing, not a complete OGB dataset folder (delete it to rebuild)")
+    signature = _signature(folder, name)
+    cache = folder / STORE_DIR / FINGERPRINT_FILE
+    try:
+        cached = json.loads(cache.read_text())
+        if cached["dataset"] == name and cached["files"] == signature:
+            return cached["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    started = time.time_ns()
     digest = hashlib.sha256(name.encode())
     for rel in required_files(name):
-        path = folder / rel
-        if not path.is_file():
-            raise ValueError(f"{path}: missing raw file of {name}")
         digest.update(rel.encode() + b"\0")
-        with open(path, "rb") as fh:
+        with open(folder / rel, "rb") as fh:
             while chunk := fh.read(1 << 22):
                 digest.update(chunk)
-    return digest.hexdigest()
+    fingerprint = digest.hexdigest()
+    settled = all(max(mtime, ctime) < started - RACY_NS for _, _, mtime, ctime, _ in signature)
+    if settled and _signature(folder, name) == signature:
+        tmp = cache.with_name(f".{cache.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            cache.parent.mkdir(exist_ok=True)
+            tmp.write_text(json.dumps({"dataset": name, "fingerprint": fingerprint, "files": signature}) + "\n")
+            os.replace(tmp, cache)
+        except OSError:  # a read-only dataset folder: hashed again next time
+            tmp.unlink(missing_ok=True)
+    return fingerprint
 
 
 def store_is_current(folder: Path, fingerprint: str) -> bool:

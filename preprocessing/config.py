@@ -16,7 +16,7 @@ Example (``jobs/code2-local.yaml``)::
       k_hops: 2                 # k-hop subgraph indices; 0 = not stored
       vocab_size: 5000          # code2: top subtokens of the train split (+ __UNK__, __EOS__)
     shards:
-      root: runs/shards         # shard directories are root/<dataset>-<config hash>
+      root: runs/shards         # shard directories are root/<dataset>-<config hash>-<raw fingerprint>
       graphs_per_shard: 2048
 
 Every model is strict (``extra='forbid'``): unknown keys and mistyped values are
@@ -101,7 +101,7 @@ class TransformConfig(StrictModel):
 class ShardConfig(StrictModel):
     """Where and how the Arrow shards are written."""
 
-    #: Base directory; each configuration writes to ``root/<dataset>-<hash>``.
+    #: Base directory; each configuration writes to ``root/<dataset>-<config hash>-<raw fingerprint>``.
     root: str = "runs/shards"
     #: Target shard size in graphs (a shard never mixes splits).
     graphs_per_shard: int = Field(default=2048, ge=1)

@@ -25,8 +25,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from preprocessing.columnar import (BATCH_ROWS_KEY, NUM_CLASSES, STORE_DIR, STORE_FILE, STORE_VERSION, ColumnarStore,
-                                    FileSpec, file_specs, read_column, store_is_current)
+from preprocessing.columnar import (BATCH_ROWS_KEY, FINGERPRINT_FILE, NUM_CLASSES, STORE_DIR, STORE_FILE, STORE_VERSION,
+                                    ColumnarStore, FileSpec, file_specs, read_column, store_is_current)
 from preprocessing.config import SBM_DATASETS
 
 #: Rows per record batch (recorded in each file's schema: readers locate a row without reading other batches).
@@ -305,6 +305,8 @@ def build_store(folder: Path, name: str, fingerprint: str, run: Runner | None = 
     (store / STORE_FILE).unlink(missing_ok=True)  # incomplete from here on
     for stale in store.iterdir():  # another fingerprint's files, or temporary files of a killed run
         spec_of = stale.name.removesuffix(".json")
+        if stale.name == FINGERPRINT_FILE:  # the raw files' own record (preprocessing.columnar.raw_fingerprint)
+            continue
         if stale.name.startswith(".") or not any(s.arrow == spec_of and _finished(store, s, fingerprint)
                                                  for s in file_specs(name)):
             stale.unlink()

@@ -9,7 +9,8 @@
    internet). OGB's in-memory loader (``PygGraphPropPredDataset``) is not used to read: at
    ogbg-ppa's size it needs ~80 GB; the tests cross-check the columnar store against it.
 2. The raw files are fingerprinted (:func:`~preprocessing.columnar.raw_fingerprint`: sha256 of
-   their bytes; ``RELEASE_v1.txt`` present, every raw and split file present).
+   their bytes, kept with their stat signature until a file changes; ``RELEASE_v1.txt`` present,
+   every raw and split file present).
 3. Unless ``<dataset dir>/columnar`` already holds them for that fingerprint, the files are
    converted, streaming and checked (:mod:`preprocessing.conversion`); every error is a one-line
    ``ValueError`` naming the file or the graph id.

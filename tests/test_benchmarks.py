@@ -62,3 +62,64 @@ def test_scale_benchmark_row_for_a_tiny_size(tmp_path, monkeypatch):
     assert "60 graphs in the manifest" in text and "nproc" in text and "Load average" in text
     assert "satp preprocess jobs/ppa.yaml --set data.root=D/data" in text
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_accuracy_fast_variant_scales_batch_lr_and_warmup(monkeypatch):
+    """`SATP_ACC_FAST=1` (benchmarks/gpu_accuracy.py): 4x the job's batch, lr by the square-root rule,
+    a quarter of the warm-up in epochs; without it the part runs the job file's settings."""
+    from benchmarks.gpu_accuracy import sbm_variant
+    from pipeline.config import load_job
+
+    job = load_job("jobs/pattern.yaml")
+    for key in ("SATP_ACC_FAST", "SATP_ACC_BATCH", "SATP_ACC_LR", "SATP_ACC_WARMUP_STEPS", "SATP_ACC_SET"):
+        monkeypatch.delenv(key, raising=False)
+    assert sbm_variant(job)[:2] == ("job", [])
+    monkeypatch.setenv("SATP_ACC_FAST", "1")
+    label, sets, _ = sbm_variant(job)
+    assert label == "fast"
+    assert sets == ["train.max_graphs_per_batch=128", "train.bucket_size=128", "train.node_budget=25600",
+                    "train.lr=0.0006", "train.warmup_steps=312"]
+    fast = load_job("jobs/pattern.yaml", sets)
+    assert fast.train.max_graphs_per_batch == 128 and fast.train.lr == 6e-4
+
+
+def test_gpu_accuracy_code2_subset_fits_the_time_left():
+    """code2batch's N: 3 recipe epochs at 85% of the probe's rate fit what is left after the default's
+    reserve and both start-ups; never more than the split or the cap."""
+    from benchmarks import gpu_accuracy as acc
+
+    n, sizing = acc.choose_subset(400.0, 700.0, 100_000, 30_000, 100_000)
+    epochs_s = acc.RECIPE_EPOCHS * n / (0.85 * 700.0)
+    assert 0 < n < 100_000 and epochs_s <= sizing["recipe_train_room_s"] + 1
+    assert acc.choose_subset(10_000.0, 700.0, 80_000, 30_000, 100_000)[0] == 80_000
+    assert acc.choose_subset(10.0, 700.0, 80_000, 30_000, 100_000)[0] == 1
+
+
+def test_gpu_accuracy_never_builds_from_reserved_packages():
+    from benchmarks.gpu_accuracy import package_dirs
+
+    dirs, skipped = package_dirs(["json", "IPython", "no_such_package_xyz"])
+    assert len(dirs) == 1 and dirs[0].endswith("json")
+    assert any(s.startswith("IPython (reserved") for s in skipped) and any("not installed" in s for s in skipped)
+
+
+def test_measure_stops_a_command_when_asked_with_sigint_first(tmp_path):
+    """bench_gpu.measure's stop predicate: SIGINT, the grace period, then the process tree is killed."""
+    import sys
+    import time
+
+    from benchmarks.bench_gpu import measure
+
+    script = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGINT, lambda *a: (print('got SIGINT', flush=True), sys.exit(3)))\n"
+              "print('up', flush=True)\ntime.sleep(60)\n")
+    started = time.monotonic()
+    calls = []
+
+    def stop():
+        calls.append(1)
+        return "asked" if len(calls) >= 2 else None
+
+    r = measure([sys.executable, "-c", script], 60, tmp_path / "cmd.log", should_stop=stop, check_s=0.2, grace_s=5)
+    assert r["stopped"] == "asked" and not r["ok"] and not r["timed_out"] and r["returncode"] == 3
+    assert "got SIGINT" in (tmp_path / "cmd.log").read_text() and time.monotonic() - started < 20

@@ -1,16 +1,23 @@
 """``satp compare`` end to end on the session's local Ray (2 CPUs), MLflow on SQLite: 2 variants x 2 seeds
 of a tiny PATTERN job (1 epoch each), one Tune grid, one MLflow parent run with a child run per trial,
-per-variant mean and standard deviation, a table and a plot logged."""
+per-variant mean and standard deviation, a table and a plot logged. Also what the driver does before
+the trials: a variant's pre-flight error names the variant, and the models it builds to count their
+parameters leave no generated PyG module in the temporary directory."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import parent_and_children
 from test_train_pattern import pattern_job_dict
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +39,8 @@ def comparison(ray_cluster, tmp_path_factory):
     return {"outcome": run_compare(job, verbose=0), "uri": job.mlflow.tracking_uri}
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_every_variant_trains_with_every_seed(comparison):
     out = comparison["outcome"]
     assert not out.interrupted and out.metric == "acc" and out.epochs == 1
@@ -46,9 +55,11 @@ def test_every_variant_trains_with_every_seed(comparison):
     gcn, sat = out.variants
     assert gcn.parameters < sat.parameters  # no attention, no FFN
     table = out.table()
-    assert "| gcn |" in table and "| sat | (the job) |" in table and "4 trials, 1 epochs each" in table
+    assert "| gcn |" in table and "| sat | (the job) |" in table and "4 trials, 1 epoch each" in table
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_mlflow_holds_one_parent_and_a_child_per_trial(comparison):
     out = comparison["outcome"]
     client, parent, children = parent_and_children(comparison["uri"], "compare-tiny", "compare", out.parent_run_id)
@@ -65,3 +76,49 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial(comparison):
     artifacts = {a.path for a in client.list_artifacts(out.parent_run_id)}
     assert {"compare.md", "trials.json", "plots"} <= artifacts
     assert [a.path for a in client.list_artifacts(out.parent_run_id, "plots")] == ["plots/compare.png"]
+
+
+def test_a_variants_preflight_error_names_the_variant(tmp_path, capsys):
+    """The report's command: a variant the job's shards cannot feed fails before Ray, naming it."""
+    from pipeline.cli import main
+
+    raw = yaml.safe_load((ROOT / "jobs" / "code2-compare-local.yaml").read_text())
+    raw["data"]["root"] = str(tmp_path / "data")
+    raw["shards"]["root"] = str(tmp_path / "shards")
+    raw["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw["compare"]["storage_path"] = str(tmp_path / "tune")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(raw))
+    assert main(["compare", str(job), "--set", "compare.variants.sub2={model.extractor: subgraph}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("satp: error: compare.variants.sub2: model.extractor: 'subgraph'"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]  # no data, shards, comparison or MLflow store
+
+
+@pytest.mark.ray
+def test_the_driver_leaves_no_generated_pyg_module(ray_cluster, tmp_path):
+    """``satp compare`` builds each variant's model in its driver to count the parameters; PyG renders
+    the convolutions' ``propagate`` from a template into ``$TMPDIR`` the first time a process builds
+    them. The driver's part in a fresh process whose ``TMPDIR`` is empty: nothing is left there."""
+    from preprocessing import preprocess
+    from preprocessing.testing import small_python_source
+
+    from pipeline.config import JobConfig
+
+    raw = yaml.safe_load((ROOT / "jobs" / "code2-compare-local.yaml").read_text())
+    raw["data"].update(root=str(tmp_path / "data"), source_dirs=[str(small_python_source(tmp_path / "src", ("json",)) / "json")])
+    raw["shards"]["root"] = str(tmp_path / "shards")
+    job = JobConfig.model_validate(raw)
+    shards = preprocess(job.data, job.transform, job.shards, progress=False)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    code = ("from pipeline.compare import count_parameters, variant_jobs; from pipeline.config import load_job; "
+            f"jobs = variant_jobs(load_job({str(tmp_path / 'job.yaml')!r})); "
+            f"print([count_parameters(jobs[v], {str(shards)!r}) for v in ('gcn', 'subtree_gcn')])")
+    env = dict(os.environ, TMPDIR=str(tmp))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = yaml.safe_load(out.stdout.strip().splitlines()[-1])
+    assert all(c and c > 0 for c in counts)  # the models (GCN convolutions with edge features) were built
+    assert list(tmp.iterdir()) == [], [p.name for p in tmp.iterdir()]

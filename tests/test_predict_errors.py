@@ -130,7 +130,7 @@ def test_model_of_another_task(store, tmp_path):
         load("models:/tiny-ppa/1", tracking_uri=store["uri"]).predict_file(source)
     graph_file = tmp_path / "g.json"
     graph_file.write_text("[]")
-    with pytest.raises(ValueError, match="is a code2 model; .* needs a ppa model"):
+    with pytest.raises(ValueError, match=r"is a code2 model; .*g\.json \(JSON graphs\) needs a ppa, pattern or cluster model"):
         load("models:/tiny-code2/1", tracking_uri=store["uri"]).predict_file(graph_file)
 
 

@@ -199,3 +199,42 @@ def test_train_and_tune_share_the_preflight(ray_cluster, tmp_path):
     with pytest.raises(ValueError, match=r"x \(1000 CPU\).* has 2 CPU"):
         run_sweep(sweep)
     assert not (tmp_path / "data").exists() and not (tmp_path / "tune").exists()
+
+
+# ----------------------------------------------------------------------------- where a run writes
+PROCFS = Path("/proc/self").is_dir()  # a directory where even root cannot create entries
+
+
+@pytest.mark.parametrize("key", ["data.root", "shards.root", "train.storage_path"])
+def test_a_directory_that_cannot_be_created_fails_in_the_preflight(key, tmp_path, capsys):
+    """The report: ``data.root=/proc/nope`` passed the pre-flight, Ray started and after 37 s came
+    ``[Errno 2] No such file or directory: '/proc/nope'``, naming no key. Now one line naming the
+    key, the path and why, before Ray (a path under a file fails the same way on any system)."""
+    (tmp_path / "a-file").write_text("")
+    paths = [str(tmp_path / "a-file" / "nope")] + (["/proc/nope"] if PROCFS else [])
+    for path in paths:
+        assert main(["train", str(_job(tmp_path)), "--set", f"{key}={path}"]) == 2
+        line = _one_line(capsys)
+        assert line.startswith(f"satp: error: {key}: {path}") and ("cannot be created" in line or "is a file" in line), line
+    assert not (tmp_path / "ray").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_directory_that_can_be_created_is_left_as_it_was(tmp_path):
+    from pipeline.preflight import check_writable_dir
+
+    check_writable_dir("shards.root", tmp_path / "x" / "y" / "z")  # created and removed again
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "here").mkdir()
+    check_writable_dir("shards.root", tmp_path / "here")
+    assert list((tmp_path / "here").iterdir()) == []
+
+
+@pytest.mark.skipif(not PROCFS, reason="needs Linux's /proc")
+def test_the_reported_data_root_fails_in_seconds_without_ray(tmp_path):
+    proc, seconds = _satp(["train", str(_job(tmp_path)), "--set", "data.root=/proc/nope"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("satp: error:")]
+    assert errors == ["satp: error: data.root: /proc/nope does not exist and cannot be created "
+                      "(mkdir /proc/nope: No such file or directory)"], proc.stderr[-2000:]
+    assert "Ray instance" not in proc.stderr and "Traceback" not in proc.stderr
+    assert seconds < 60  # the error comes before torch is imported; generous for a busy machine

@@ -116,6 +116,15 @@ def test_rerun_is_explicit_and_honest(tiny, tmp_path, capsys):
     assert tags["git_commit"] == state["provenance"]["git_commits"][-1]
     assert tags["data_manifest_hash"] == state["provenance"]["config"]["data"]["config_hash"]
 
+    # raising train.epochs continues the run: a version only for weights none of the run's
+    # versions holds (the best epoch may stay 0: then v2 is the answer), params noted as changed
+    more = train_job(_job(_values(base, tmp_path, lr=0.01, epochs=2)), shard_dir=shards)
+    assert more.trained and more.mlflow_run_id == again.mlflow_run_id
+    expected = 3 if more.best["epoch"] == 1 else 2
+    assert more.registered["version"] == expected
+    assert len(client.search_model_versions(f"name='{NAME}'")) == expected
+    assert client.get_run(more.mlflow_run_id).data.tags["satp.param.train.epochs"] == "2 (was 1)"
+
 
 def test_what_a_resumed_run_may_change():
     """The hash covers what shapes the weights; bookkeeping keys stay out of it; a setting added

@@ -172,7 +172,8 @@ def test_fit_gives_ray_train_the_resolved_backend(monkeypatch, tmp_path):
         seen.update(kwargs)
         raise Stop
 
-    monkeypatch.setattr(rtt, "TorchTrainer", trainer)
+    assert issubclass(train_mod._interruptible_trainer(), rtt.TorchTrainer)
+    monkeypatch.setattr(train_mod, "_interruptible_trainer", lambda: trainer)
     for sets, backend in ((["resources.num_workers=2", "resources.gpus_per_worker=0.5"], "gloo"), ([], "nccl"),
                           (["resources.use_gpu=false"], "gloo")):
         job = load_job("jobs/code2.yaml", sets + [f"train.storage_path={tmp_path}", "train.run_name=x",

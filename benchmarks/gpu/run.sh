@@ -13,6 +13,16 @@
 #   multirank  two Ray Train workers sharing the GPU (gloo), equal batches per rank, gathered
 #              evaluation against a 1-rank one, checkpoint, resume (benchmarks/gpu_multirank.py);
 #              SATP_GPU_BUDGET_S=330
+#   pattern    time to accuracy of jobs/pattern.yaml on one GPU: the full PATTERN generated on the machine
+#              (`satp data sbm-pattern`), `satp preprocess`, `satp train` with train.target val_acc >= 0.865
+#              (SATP_ACC_TARGET); time to target, test acc at the best val epoch, the per-epoch curve
+#              (benchmarks/gpu_accuracy.py); SATP_ACC_FAST=1 (or SATP_ACC_BATCH/_LR/_WARMUP_STEPS/_SET) for
+#              a GPU-fast variant; SATP_GPU_BUDGET_S=510; data and runs kept in runs/gpu-pattern: a second
+#              call on the same warm machine resumes a run the budget cut
+#   cluster    the same for jobs/cluster.yaml (target val_acc >= 0.774); its 10 minutes need two calls
+#   code2batch the paper's code2 recipe (32 graphs/step, lr 1e-4) for 3 epochs vs jobs/code2.yaml's
+#              default batch and lr, one GPU, to the recipe's validation F1, on `satp data pycode` over the
+#              image's own packages (SATP_CODE2BATCH_*); SATP_GPU_BUDGET_S=510
 #
 # 1. If ray/deepspeed/mlflow/ogb/pydantic are not importable (a bare image with only torch, PyG
 #    and pyarrow), installs the wheel kit `.whl/` (built on a CPU machine by
@@ -24,14 +34,15 @@
 #    others: gpu_PART_section.md) and the raw figures and logs there (written as the part goes).
 #
 # Budget: SATP_GPU_BUDGET_S (per part, above) for the measurements; with the kit's ~30 s of
-# installation, perf and multirank stay under 8 minutes, scale under 10 (`timeout -s INT 590`).
+# installation, perf and multirank stay under 8 minutes, scale, pattern, cluster and code2batch under 10
+# (`timeout -s INT 590`).
 # SATP_GPU_DRY_RUN=1 runs a part on the CPU with tiny sizes (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PART=${1:-perf}
 case "$PART" in
-  perf | scale | multirank) ;;
-  *) echo "usage: benchmarks/gpu/run.sh [perf|scale|multirank] (got: $PART)" >&2; exit 2 ;;
+  perf | scale | multirank | pattern | cluster | code2batch) ;;
+  *) echo "usage: benchmarks/gpu/run.sh [perf|scale|multirank|pattern|cluster|code2batch] (got: $PART)" >&2; exit 2 ;;
 esac
 start=$(date +%s)
 PY=${PYTHON:-python3}

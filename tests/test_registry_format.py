@@ -1,0 +1,323 @@
+"""The registry's weights-only model format (format 2), on a real SQLite MLflow store, no Ray.
+
+Tiny untrained models are logged straight to the store (as in test_predict_errors):
+
+* round trip: log -> register -> load gives the in-memory model's outputs (code2, pattern), through
+  satp's loader and through ``mlflow.pyfunc.load_model(...).predict``; registering warns nothing;
+* loading unpickles nothing: with ``pickle``/``cloudpickle`` loading patched to fail, and malicious
+  pickles planted where MLflow's pickle flavours would look, loading works and no pickle runs;
+  a weights file that is a pickle, or holds other weights than recorded, is refused;
+* format-1 versions (a pickled ``mlflow.pytorch`` module) are refused in one line naming
+  ``satp models migrate NAME``, which re-registers them weights-only (tags, champion alias);
+* the same weights of a run are registered once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pickle
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+SOURCE = '''
+def get_name(self):
+    return self.name
+
+
+class Box:
+    def set_value(self, x):
+        self.value = x + 1
+'''
+NODE_TYPES = ["Module", "FunctionDef", "arguments", "arg", "Return", "Name", "Load", "Attribute", "Constant",
+              "BinOp", "Add", "Assign", "Store", "Call", "Expr", "__UNK__"]
+ATTRS = ["_mask_", "self", "x", "__UNK__", "__NONE__"]
+PATTERN_GRAPHS = [{"num_nodes": 4, "edge_index": [[0, 1, 2], [1, 2, 3]], "x": [0, 1, 2, 0]},
+                  {"num_nodes": 3, "edge_index": [[0, 1], [1, 2]], "x": [2, 2, 1]}]
+
+
+class Planted:
+    """A pickle that creates ``marker`` when unpickled (what a malicious registry entry would do)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+@dataclasses.dataclass
+class Tiny:
+    model: torch.nn.Module
+    task: object
+    config: object
+    vocab: list | None
+    extra: dict
+    sample: object
+
+
+def _tiny(task_name: str, seed: int = 0) -> Tiny:
+    from pipeline.tasks import make_task
+    from preprocessing.config import TransformConfig
+    from sat import SAT
+    from sat.config import SATConfig
+    from sat.data import SATData
+
+    torch.manual_seed(seed)
+    transform = TransformConfig(rwpe_steps=0, k_hops=0).model_dump(mode="json")
+    if task_name == "code2":
+        vocab = ["get", "name", "set", "value", "__UNK__", "__EOS__"]
+        task = make_task("code2", vocab=vocab, max_seq_len=5)
+        sample = SATData(x=torch.tensor([[0, 1], [3, 2], [5, 1]]), edge_index=torch.tensor([[0, 1], [1, 2]]),
+                         edge_attr=torch.tensor([[0, 0], [1, 1]]), node_depth=torch.tensor([0, 1, 2]))
+        extra = {"input": {"task": "code2", "transform": transform, "node_types": NODE_TYPES, "node_attributes": ATTRS}}
+    else:
+        vocab = None
+        task = make_task("pattern")
+        sample = SATData(x=torch.tensor([[0], [1], [2]]), edge_index=torch.tensor([[0, 1, 1, 2], [1, 0, 2, 1]]))
+        extra = {"input": {"task": "pattern", "transform": transform}}
+    config = task.configure(SATConfig(hidden_dim=8, num_layers=1, num_heads=2, k_hops=1, dropout=0.0), sample)
+    return Tiny(SAT(config).eval(), task, config, vocab, extra, sample)
+
+
+def _store(tmp_path: Path) -> tuple[str, str]:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("t")
+    exp_id = exp.experiment_id if exp else client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    return uri, exp_id
+
+
+def _run(uri: str, exp_id: str) -> str:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri).create_run(exp_id).info.run_id
+
+
+def _register(tiny: Tiny, uri: str, run_id: str, name: str) -> dict:
+    from pipeline.registry import log_and_register
+
+    return log_and_register(tiny.model, task=tiny.task, model_config=tiny.config, vocab=tiny.vocab, run_id=run_id,
+                            tracking_uri=uri, registered_model=name, data_manifest_hash="abc",
+                            metrics={"best_val_acc": 0.5}, extra=tiny.extra,
+                            provenance={"config_hash": "cfg1", "git_commits": ["c0ffee"]})
+
+
+def _stored_files(uri: str, name: str, version: int) -> Path:
+    """The folder the store keeps the version's model files in (not a downloaded copy)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    model_id = client.get_model_version(name, str(version)).source.removeprefix("models:/")
+    return Path(client.get_logged_model(model_id).artifact_location.removeprefix("file://"))
+
+
+def _outputs(model, graphs) -> torch.Tensor:
+    from torch_geometric.data import Batch
+
+    with torch.no_grad():
+        return model(Batch.from_data_list(graphs))
+
+
+@pytest.mark.parametrize("task_name", ["code2", "pattern"])
+def test_round_trip_predicts_as_the_logged_model(tmp_path, caplog, task_name):
+    import warnings
+
+    import mlflow.pyfunc
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.predict import load
+    from pipeline.registry import load_model
+
+    uri, exp_id = _store(tmp_path)
+    tiny = _tiny(task_name)
+    run_id = _run(uri, exp_id)
+    caplog.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reg = _register(tiny, uri, run_id, "tiny")
+    # no warning (format 1 drew MLflow's pickle warning on every registration), nor logged one
+    assert [str(w.message) for w in caught if not issubclass(w.category, DeprecationWarning)] == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert reg["registered_uri"] == "models:/tiny/1" and "reason" not in reg
+
+    loaded = load_model(reg["registered_uri"], tracking_uri=uri)
+    assert loaded.info["format"] == 2 and loaded.info["metrics"] == {"best_val_acc": 0.5}
+    assert loaded.info["provenance"] == {"config_hash": "cfg1", "git_commits": ["c0ffee"]}
+    assert loaded.model_config == tiny.config and loaded.vocab == tiny.vocab and loaded.task.name == task_name
+    tags = MlflowClient(uri).get_model_version("tiny", "1").tags
+    assert tags["satp.weights_sha256"] == loaded.info["weights_sha256"] and tags["satp.config_hash"] == "cfg1"
+    assert torch.equal(_outputs(loaded.model, [tiny.sample]), _outputs(tiny.model, [tiny.sample]))
+
+    # MLflow's pyfunc interface: JSON inputs, the same predictions as satp's Python API
+    predictor = load(reg["registered_uri"], tracking_uri=uri)
+    pyfunc = mlflow.pyfunc.load_model(reg["registered_uri"])
+    if task_name == "code2":
+        rows = pyfunc.predict([{"source": SOURCE}])
+        assert [[r["name"] for r in rows[0]]] == [["get_name", "set_value"]]
+        assert [r["predicted"] for r in rows[0]] == [p.predicted for p in predictor.predict(SOURCE)]
+    else:
+        path = tmp_path / "graphs.json"
+        path.write_text(json.dumps(PATTERN_GRAPHS))
+        assert pyfunc.predict(PATTERN_GRAPHS) == [p for _, p in predictor.predict_file(path)]
+        assert [len(p) for p in pyfunc.predict(PATTERN_GRAPHS)] == [4, 3]
+
+
+def test_loading_unpickles_nothing(tmp_path, monkeypatch):
+    import cloudpickle
+    import mlflow.pyfunc
+
+    from pipeline.registry import load_model
+
+    uri, exp_id = _store(tmp_path)
+    tiny = _tiny("pattern")
+    reg = _register(tiny, uri, _run(uri, exp_id), "tiny")
+    marker = tmp_path / "unpickled"
+    stored = _stored_files(uri, "tiny", reg["version"])
+    # where MLflow's pickle flavours look: a pickled PythonModel, mlflow.pytorch's pickled module
+    (stored / "python_model.pkl").write_bytes(cloudpickle.dumps(Planted(marker)))
+    (stored / "data").mkdir()
+    (stored / "data" / "model.pth").write_bytes(pickle.dumps(Planted(marker)))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("unpickled while loading")
+
+    torch_load, loads = torch.load, []
+
+    def weights_only_load(*args, **kwargs):
+        assert kwargs.get("weights_only") is True
+        loads.append(args[0])
+        return torch_load(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        for module in (pickle, cloudpickle):
+            patch.setattr(module, "load", refuse)
+            patch.setattr(module, "loads", refuse)
+        patch.setattr(pickle, "Unpickler", refuse)
+        patch.setattr(torch, "load", weights_only_load)
+        loaded = load_model("models:/tiny/1", tracking_uri=uri)
+    assert [Path(f).name for f in loads] == ["weights.pt"]
+    assert torch.equal(_outputs(loaded.model, [tiny.sample]), _outputs(tiny.model, [tiny.sample]))
+    mlflow.pyfunc.load_model("models:/tiny/1").predict(PATTERN_GRAPHS)  # MLflow's loader: models from code
+    assert not marker.exists()
+
+
+def test_weights_that_are_not_the_recorded_tensors_are_refused(tmp_path):
+    from pipeline.registry import load_model
+
+    uri, exp_id = _store(tmp_path)
+    run_id = _run(uri, exp_id)
+    marker = tmp_path / "unpickled"
+    cases = [
+        (lambda path: path.write_bytes(pickle.dumps({"w": Planted(marker)}, protocol=2)), "is not a weights-only tensor file"),
+        (lambda path: torch.save({"w": Planted(marker)}, path), "is not a weights-only tensor file"),
+        (lambda path: torch.save([torch.ones(2)], path), "holds list, expected a dict of named tensors"),
+        (lambda path: torch.save({k: v + 1 for k, v in torch.load(path, weights_only=True).items()}, path),
+         "weights.pt does not match the weights_sha256 of satp_model.json"),
+    ]
+    for seed, (tamper, message) in enumerate(cases):
+        reg = _register(_tiny("pattern", seed=seed), uri, run_id, "tiny")
+        tamper(_stored_files(uri, "tiny", reg["version"]) / "artifacts" / "weights.pt")
+        with pytest.raises(ValueError, match=message) as info:
+            load_model(reg["registered_uri"], tracking_uri=uri)
+        assert str(info.value).startswith(reg["registered_uri"]) and "\n" not in str(info.value)
+    assert not marker.exists()
+
+
+def test_same_weights_of_a_run_are_registered_once(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri, exp_id = _store(tmp_path)
+    run_id = _run(uri, exp_id)
+    first = _register(_tiny("pattern"), uri, run_id, "tiny")
+    again = _register(_tiny("pattern"), uri, run_id, "tiny")  # the same weights, built again
+    assert first["version"] == again["version"] == 1
+    assert again["registered_uri"] == "models:/tiny/1" and again["reason"].startswith("weights already registered as version 1")
+    other = _register(_tiny("pattern", seed=1), uri, run_id, "tiny")
+    elsewhere = _register(_tiny("pattern"), uri, _run(uri, exp_id), "tiny")  # another run's weights: its own version
+    assert (other["version"], elsewhere["version"]) == (2, 3) and "reason" not in other
+    client = MlflowClient(uri)
+    assert sorted(int(v.version) for v in client.search_model_versions("name='tiny'")) == [1, 2, 3]
+    assert len(client.search_logged_models([exp_id])) == 3  # nothing logged for the duplicate
+
+
+# ----------------------------------------------------------------------------- format 1 and migrate
+def _register_format1(tiny: Tiny, uri: str, run_id: str, name: str) -> int:
+    """A version as satp logged them before format 2: the pickled module (mlflow.pytorch) and
+    ``extra_files/satp_model.json``."""
+    import mlflow
+    import mlflow.pytorch
+
+    meta = {"format": 1, "task": tiny.task.state(), "model_config": dataclasses.asdict(tiny.config),
+            "vocab": tiny.vocab, "data_manifest_hash": "abc", "git_commit": "c0ffee",
+            "metrics": {"best_val_acc": 0.5}, "provenance": {"config_hash": "cfg1", "git_commits": ["c0ffee"]},
+            **tiny.extra}
+    mlflow.set_tracking_uri(uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "satp_model.json"
+        path.write_text(json.dumps(meta))
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pytorch.log_model(tiny.model, name="model", serialization_format="pickle",
+                                            extra_files=[str(path)], pip_requirements=["torch"])
+    tags = {"data_manifest_hash": "abc", "git_commit": "c0ffee", "task": tiny.task.name, "run_id": run_id,
+            "satp.config_hash": "cfg1", "metric.best_val_acc": "0.5",
+            "satp.champion_decision": "promoted to champion: no champion yet"}
+    return int(mlflow.register_model(info.model_uri, name, tags=tags).version)
+
+
+def test_format1_is_refused_and_migrated(tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.cli import main
+    from pipeline.registry import load_model
+
+    uri, exp_id = _store(tmp_path)
+    client = MlflowClient(uri)
+    run_id = _run(uri, exp_id)
+    tiny, other = _tiny("pattern"), _tiny("pattern", seed=1)
+    assert _register_format1(tiny, uri, run_id, "old") == 1
+    assert _register_format1(other, uri, run_id, "old") == 2
+    client.set_registered_model_alias("old", "champion", "1")
+
+    with pytest.raises(ValueError) as info:
+        load_model("models:/old@champion", tracking_uri=uri)
+    assert str(info.value) == ("models:/old@champion: a format-1 satp model (a pickled module, which satp no longer "
+                               "loads); re-register it weights-only with: satp models migrate old")
+    graphs = tmp_path / "graphs.json"
+    graphs.write_text(json.dumps(PATTERN_GRAPHS))
+    capsys.readouterr()  # MLflow's messages so far
+    assert main(["predict", "models:/old/2", str(graphs), "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("satp models migrate old") and "\n" not in err
+
+    assert main(["models", "--tracking-uri", uri, "migrate", "old"]) == 0
+    out = capsys.readouterr().out
+    assert "models:/old/1: unpickling its format-1 model" in out and "models:/old/1 -> models:/old/3 (moved @champion)" in out
+    assert "models:/old/2 -> models:/old/4" in out
+    assert str(client.get_model_version_by_alias("old", "champion").version) == "3"
+    for old, new, model in (("1", "3", tiny), ("2", "4", other)):
+        assert client.get_model_version("old", old).tags["satp.migrated_to"] == new
+        tags = client.get_model_version("old", new).tags
+        assert tags["satp.migrated_from"] == old and "satp.champion_decision" not in tags
+        assert {k: tags[k] for k in ("task", "run_id", "data_manifest_hash", "git_commit", "satp.config_hash",
+                                     "metric.best_val_acc")} == {
+            "task": "pattern", "run_id": run_id, "data_manifest_hash": "abc", "git_commit": "c0ffee",
+            "satp.config_hash": "cfg1", "metric.best_val_acc": "0.5"}
+        loaded = load_model(f"models:/old/{new}", tracking_uri=uri)
+        assert loaded.info["format"] == 2 and loaded.info["provenance"]["config_hash"] == "cfg1"
+        assert torch.equal(_outputs(loaded.model, [model.sample]), _outputs(model.model, [model.sample]))
+    assert main(["predict", "models:/old@champion", str(graphs), "--tracking-uri", uri]) == 0
+    capsys.readouterr()
+
+    # once: a second migration unpickles nothing and registers nothing
+    assert main(["models", "migrate", "old", "--tracking-uri", uri]) == 0
+    out = capsys.readouterr().out
+    assert "unpickling" not in out and "models:/old/1: migrated already (version 3)" in out
+    assert len(client.search_model_versions("name='old'")) == 4
+    assert main(["models", "migrate", "nope", "--tracking-uri", uri]) == 2
+    assert "nope: no such registered model" in capsys.readouterr().err
