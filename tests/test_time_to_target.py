@@ -79,7 +79,10 @@ def stopped_run(ray_cluster, tmp_path_factory):
     from pipeline.train import train_job
 
     job = _job(base, epochs=8, run_name="to-target", target={"metric": "val_f1", "value": TARGET})
-    return job, train_job(job)
+    started = time.monotonic()
+    outcome = train_job(job)
+    outcome.wall_s = time.monotonic() - started  # the whole call: start-up, preprocessing, registration
+    return job, outcome
 
 
 @pytest.mark.ray
@@ -95,9 +98,9 @@ def test_a_run_stops_at_its_target_and_reports_the_time_to_it(stopped_run):
     assert outcome.stopped.startswith(f"target val_f1 >= {TARGET:g} reached at epoch {last['epoch']}")
     reached = outcome.time_to_target
     assert reached["epoch"] == last["epoch"] and reached["epochs_to_target"] == last["epoch"] + 1
-    # wall-clock and steps add up over the epochs, evaluation included
-    assert reached["time_to_target_s"] == pytest.approx(
-        sum(h["epoch_seconds"] + h.get("eval_seconds", 0.0) for h in history), rel=0.2)
+    # wall-clock: at least the epochs' training and evaluation, at most the whole call
+    trained = sum(h["epoch_seconds"] + h.get("eval_seconds", 0.0) for h in history)
+    assert trained <= reached["time_to_target_s"] < outcome.wall_s
     assert reached["steps_to_target"] == last["steps"] > 0
     assert outcome.registered["version"] >= 1, "a run stopped at its target registers its model"
     text = summary(outcome)
