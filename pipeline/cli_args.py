@@ -8,12 +8,14 @@ from __future__ import annotations
 
 
 def add_job_arguments(parser, example: str) -> None:
-    """The arguments every job command takes: the job YAML, ``--set`` overrides, ``--address``."""
+    """The arguments every job command takes: the job YAML, ``--set`` overrides, ``--address``,
+    ``--no-progress`` (read by :func:`pipeline.console.setup`)."""
     parser.add_argument("job", help="job YAML (jobs/*.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help=f"override a job key, e.g. --set {example} (repeatable)")
     parser.add_argument("--address", default=None,
                         help="Ray cluster address, e.g. 10.0.0.5:6379 (default $RAY_ADDRESS, else a new local Ray)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in logs)")
 
 
 def run_section_command(args, section: str, example: str, run: str) -> int:

@@ -15,7 +15,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart", action="store_true",
                    help="start the run name over (deletes its checkpoints) when it holds a checkpoint, e.g. of "
                         "another configuration; without it such a run stops before training")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("submit", help="submit a job YAML to a Ray cluster (Ray job submission), stream its logs")

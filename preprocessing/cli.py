@@ -129,7 +129,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     pre = sub.add_parser("preprocess", help="a job's dataset into Arrow shards, in parallel on Ray")
     add_job_arguments(pre, "transform.k_hops=3")
-    pre.add_argument("--no-progress", action="store_true", help="no progress bar")
     pre.add_argument("--force", action="store_true",
                      help="build the shards again from scratch; the old directory stays until the new one is complete")
     pre.set_defaults(func=_preprocess)
