@@ -200,6 +200,19 @@ def train(job: str, sets: list[str], name: str, storage: Path, log: Path, timeou
     return result
 
 
+def _begin(part: str):
+    """A call of ``part``: its budget clock, work and log folders, ``$OUT``, the ledger with this call
+    entered, its call number, and the Ray storage and MLflow store under the work folder."""
+    clock = Clock(BUDGET_S)
+    work = _work_dir(part)
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(work / "runs.json")
+    call = len(ledger.get("calls")) + 1
+    ledger.data["calls"][str(call)] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget_s": BUDGET_S}
+    return clock, work, logs, _out_dir(), ledger, call, work / "ray", f"sqlite:///{work / 'mlflow.db'}"
+
+
 def history_of(state: Optional[dict]) -> list[dict]:
     return list((state or {}).get("history") or [])
 
@@ -323,15 +336,7 @@ def run_sbm(part: str) -> str:
     title = f"### GPU check, part {part} (`benchmarks/gpu/run.sh {part}`): time to accuracy, `{spec['job']}` on one GPU"
     if not torch.cuda.is_available() and not DRY_RUN:
         return f"{title}\n\nNo CUDA device: nothing measured."
-    clock = Clock(BUDGET_S)
-    work = _work_dir(part)
-    logs = work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    out_dir = _out_dir()
-    ledger = Ledger(work / "runs.json")
-    call = len(ledger.get("calls")) + 1
-    ledger.data["calls"][str(call)] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget_s": BUDGET_S}
-    storage, tracking = work / "ray", f"sqlite:///{work / 'mlflow.db'}"
+    clock, work, logs, out_dir, ledger, call, storage, tracking = _begin(part)
     common = [f"data.root={work / 'data'}", f"shards.root={work / 'shards'}", f"train.storage_path={storage}",
               f"mlflow.tracking_uri={tracking}"] + (DRY_SETS if DRY_RUN else [])
     job = load_job(ROOT / spec["job"], common)
@@ -572,15 +577,7 @@ def run_code2batch() -> str:
     title = "### GPU check, part code2batch (`benchmarks/gpu/run.sh code2batch`): the paper's batch vs the job's, on one GPU"
     if not torch.cuda.is_available() and not DRY_RUN:
         return f"{title}\n\nNo CUDA device: nothing measured."
-    clock = Clock(BUDGET_S)
-    work = _work_dir("code2batch")
-    logs = work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    out_dir = _out_dir()
-    ledger = Ledger(work / "runs.json")
-    call = len(ledger.get("calls")) + 1
-    ledger.data["calls"][str(call)] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget_s": BUDGET_S}
-    storage, tracking = work / "ray", f"sqlite:///{work / 'mlflow.db'}"
+    clock, work, logs, out_dir, ledger, call, storage, tracking = _begin("code2batch")
     max_train = int(os.environ.get("SATP_CODE2BATCH_TRAIN") or (300 if DRY_RUN else 100_000))
     common = [f"data.root={work / 'data'}", "data.source=pycode", f"data.max_graphs_per_split={max_train}",
               f"shards.root={work / 'shards'}", "resources.num_workers=1", f"train.storage_path={storage}",
