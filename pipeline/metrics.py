@@ -51,20 +51,24 @@ def sum_across(values: list[float], device: torch.device) -> list[float]:
 
 
 class EpochMeter:
-    """One epoch of one rank: loss summed on the device (weighted by graphs), host counters, timing.
+    """One epoch of one rank: loss summed on the device (weighted by the task's batch size: graphs,
+    or nodes for node-level tasks), host counters, timing.
 
     ``data_wait`` is the time the loop spent blocked on the data loader.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.weight = 0
         self.graphs = 0
         self.steps = 0
         self.data_wait = 0.0
         self.started = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, graphs: int) -> None:
-        self.loss_sum += loss.detach().float() * graphs
+    def add(self, loss: torch.Tensor, weight: int, graphs: int) -> None:
+        """A step's mean ``loss`` over ``weight`` items (the task's batch size), in a batch of ``graphs``."""
+        self.loss_sum += loss.detach().float() * weight
+        self.weight += weight
         self.graphs += graphs
         self.steps += 1
 
@@ -75,9 +79,10 @@ class EpochMeter:
     def reduce(self, device: torch.device) -> dict[str, float]:
         """The epoch's figures over all ranks (a collective: every rank calls it)."""
         seconds = self.seconds
-        loss, graphs, wait, rank_seconds = sum_across([float(self.loss_sum), self.graphs, self.data_wait, seconds], device)
+        loss, weight, graphs, wait, rank_seconds = sum_across(
+            [float(self.loss_sum), self.weight, self.graphs, self.data_wait, seconds], device)
         return {
-            "train_loss": loss / max(graphs, 1),
+            "train_loss": loss / max(weight, 1),
             "graphs_per_s": graphs / max(seconds, 1e-9),
             "data_wait_frac": wait / max(rank_seconds, 1e-9),
             "epoch_seconds": seconds,

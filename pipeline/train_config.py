@@ -60,6 +60,9 @@ class TrainConfig(StrictModel):
     precision: Precision = "auto"  # auto: bf16 where supported, else fp16 on GPU, fp32 on CPU
     zero_stage: Literal[0, 1, 2] = 0
     grad_clip: float = Field(1.0, ge=0)  # 0 disables
+    # evaluation: BatchNorm's running statistics recomputed before each evaluation over this many
+    # random training batches, dropout off (pipeline.precise_bn); 0: the moving average of training
+    precise_bn_batches: int = Field(0, ge=0)
     # bookkeeping
     eval_every: int = Field(1, ge=1)
     log_every_steps: int = Field(50, ge=1)

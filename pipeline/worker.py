@@ -38,6 +38,7 @@ from pipeline.config import JobConfig
 from pipeline.engine import build_engine, clips_outside_deepspeed, current_lr, resolve_precision
 from pipeline.loader import BatchCollator, make_loader, open_split, to_device
 from pipeline.metrics import EpochMeter, broadcast_from_rank_zero, concat_gathered, gather_objects
+from pipeline.precise_bn import StatisticsBatches, batchnorm_layers, recompute_batchnorm_stats
 from pipeline.tasks import make_task
 from pipeline.train_step import TrainStep, evaluate
 from sat.config import SATConfig
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 TRAIN_SAMPLE_FOR_BASELINE = 20000  # train targets kept for the best constant predictor
 TRAIN_METRIC_BATCHES = 32  # about this many batches per epoch feed the train metric
+PRECISE_BN_SEED_OFFSET = 104729  # the statistics batches' seed: train.seed + this
 
 
 def build_model(config: SATConfig) -> torch.nn.Module:
@@ -113,6 +115,14 @@ def split_sampler(job: JobConfig, dataset, shuffle: bool, rank: int = 0, world: 
     )
 
 
+def statistics_batches(job: JobConfig, dataset, rank: int = 0, world: int = 1) -> StatisticsBatches:
+    """The training batches over which BatchNorm's statistics are recomputed before an evaluation
+    (``train.precise_bn_batches`` of them, shuffled with a seed apart from the training order's)."""
+    sampler = split_sampler(job, dataset, shuffle=True, rank=rank, world=world)
+    sampler.seed = job.train.seed + PRECISE_BN_SEED_OFFSET
+    return StatisticsBatches(sampler, job.train.precise_bn_batches)
+
+
 def train_loader(job: JobConfig, dataset, sampler: NodeBudgetSampler, collator: BatchCollator, pin: bool):
     """The training DataLoader over ``sampler``'s epochs one after the other (:class:`EpochStream`): one
     iterator serves the whole run, starting at the sampler's epoch, ``len(sampler)`` batches per epoch."""
@@ -157,6 +167,10 @@ class WorkerRun:
 
         torch.manual_seed(train.seed)
         model = build_model(model_config)
+        self.statistics_batches: Optional[StatisticsBatches] = None  # train.precise_bn_batches
+        if train.precise_bn_batches and batchnorm_layers(model):
+            self.statistics_batches = statistics_batches(job, train_ds, self.rank, self.world)
+            self.statistics_loader = make_loader(train_ds, self.statistics_batches, collator, train.loader_workers, pin)
         self.precision = resolve_precision(setup.precision, use_gpu)  # "auto" is resolved where the GPU is
         self.engine = build_engine(model, train, self.precision, len(self.train_sampler), self.world)
         self.step = TrainStep(self.engine, self.task, train.grad_clip, clips_outside_deepspeed(train, self.precision))
@@ -236,7 +250,7 @@ class WorkerRun:
             if sampled:
                 sampled_targets.extend(task.targets(cpu_batch))
             out, loss = self.step(to_device(cpu_batch, device))
-            meter.add(loss, size)
+            meter.add(loss, size, int(cpu_batch.num_graphs))
             if sampled:
                 sampled_predictions.append(task.predictions(out))
             if self.rank == 0 and (step + 1) % train.log_every_steps == 0:
@@ -253,14 +267,28 @@ class WorkerRun:
         return metrics
 
     def evaluate_epoch(self, epoch: int) -> dict[str, Any]:
-        """Validation and test metrics (rank 0), and the best epoch by validation."""
+        """Validation and test metrics (rank 0), and the best epoch by validation.
+
+        With ``train.precise_bn_batches``, the validation metric under BatchNorm's moving averages
+        is kept as ``val_<metric>_running_bn`` before the statistics are recomputed
+        (:mod:`pipeline.precise_bn`); the metrics, the best epoch and the weights kept use the
+        recomputed ones."""
         task, metric = self.task, self.task.metric
         started = time.perf_counter()
+        running_bn = None
+        if self.statistics_batches is not None:
+            running_bn = gather_objects(evaluate(self.engine, task, self.eval_loaders["valid"], self.device))
+            self.statistics_batches.set_epoch(epoch)
+            engine, device = self.engine, self.device
+            recompute_batchnorm_stats(engine.module, self.statistics_loader,
+                                      lambda batch: engine(to_device(batch, device), validate=False))
         results = {split: gather_objects(evaluate(self.engine, task, loader, self.device))
                    for split, loader in self.eval_loaders.items()}
         metrics: dict[str, Any] = {"eval_seconds": time.perf_counter() - started}
         if self.rank != 0:
             return metrics
+        if running_bn is not None:
+            metrics[f"val_{metric}_running_bn"] = task.score(*concat_gathered(running_bn))
         val_score = task.score(*concat_gathered(results["valid"]))
         test_preds, test_targets = concat_gathered(results["test"])
         metrics[f"val_{metric}"] = val_score

@@ -83,6 +83,22 @@ def test_gpu_accuracy_fast_variant_scales_batch_lr_and_warmup(monkeypatch):
     assert fast.train.max_graphs_per_batch == 128 and fast.train.lr == 6e-4
 
 
+def test_gpu_accuracy_curve_shows_the_running_bn_metric_when_the_run_has_it():
+    """With train.precise_bn_batches the curve has a column for the validation metric under
+    BatchNorm's moving averages, between validation and test; without, the table is as before."""
+    from benchmarks.gpu_accuracy import curve_table
+
+    plain = [{"epoch": 0, "val_acc": 0.8, "test_acc": 0.79}]
+    both = [{"epoch": 0, "val_acc": 0.85, "val_acc_running_bn": 0.78, "test_acc": 0.84}]
+    rows = curve_table(plain, "acc", {})
+    assert "running BN" not in rows[0] and all(r.count("|") == rows[0].count("|") for r in rows)
+    rows = curve_table(both, "acc", {})
+    assert all(r.count("|") == rows[0].count("|") == 15 for r in rows)
+    header = [c.strip() for c in rows[0].split("|")]
+    cells = dict(zip(header, (c.strip() for c in rows[2].split("|"))))
+    assert (cells["val acc"], cells["val acc, running BN"], cells["test acc"]) == ("0.8500", "0.7800", "0.8400")
+
+
 def test_gpu_accuracy_code2_subset_fits_the_time_left():
     """code2batch's N: 3 recipe epochs at 85% of the probe's rate fit what is left after the default's
     reserve and both start-ups; never more than the split or the cap."""

@@ -48,18 +48,23 @@ def test_tiny_pattern_run_beats_the_majority_class_and_predicts(ray_cluster, sbm
     from pipeline.predict import load
     from pipeline.train import train_job
 
-    job = JobConfig.model_validate(pattern_job_dict(sbm_root, tmp_path))
+    job = JobConfig.model_validate(pattern_job_dict(sbm_root, tmp_path, precise_bn_batches=3))
     outcome = train_job(job)
     assert (outcome.task, outcome.metric) == ("pattern", "acc")
     assert outcome.constant == pytest.approx(0.5)  # the majority class: class-averaged accuracy 1/2
     assert [h["epoch"] for h in outcome.history] == [0, 1, 2]
     assert all(0.0 <= h[f"{split}_acc"] <= 1.0 for h in outcome.history for split in ("train", "val", "test"))
+    # train.precise_bn_batches: the validation accuracy under the moving averages is kept beside
+    assert all(0.0 <= h["val_acc_running_bn"] <= 1.0 for h in outcome.history)
+    # throughput counts graphs (the loss is a mean over nodes): an epoch is the 300 training graphs
+    assert all(abs(h["graphs_per_s"] * h["epoch_seconds"] - 300) < 0.5 for h in outcome.history), outcome.history
     assert outcome.best["test"] > outcome.constant + 0.05, outcome.history
 
     uri = outcome.registered["registered_uri"]
     tracking = job.mlflow.tracking_uri
     predictor = load(uri, tracking_uri=tracking)
     assert predictor.task_name == "pattern" and predictor.task.node_level
+    _assert_statistics_recomputed(job, predictor.model, outcome.best["epoch"], tmp_path)
 
     # a JSON graph file of two test graphs (each undirected edge once) -> one class per node, and the
     # same logits as the shards' copies of those graphs (the same featurisation: RWPE, degrees)
@@ -86,6 +91,28 @@ def test_tiny_pattern_run_beats_the_majority_class_and_predicts(ray_cluster, sbm
     bad.write_text(json.dumps([{**rows[0], "x": [5] * rows[0]["num_nodes"]}]))
     assert main(["predict", uri, str(bad), "--tracking-uri", tracking]) == 2
     assert "x holds ids outside [0, 3)" in capsys.readouterr().err
+
+
+def _assert_statistics_recomputed(job, model, epoch: int, base: Path) -> None:
+    """The registered weights (the best epoch's) carry BatchNorm statistics recomputed over that
+    epoch's statistics batches (train.precise_bn_batches), not training's moving averages."""
+    import copy
+
+    from pipeline.loader import BatchCollator, make_loader, open_split
+    from pipeline.precise_bn import batchnorm_layers, recompute_batchnorm_stats
+    from pipeline.worker import statistics_batches
+
+    train_ds = open_split(_shard_dir(base), "train")
+    batches = statistics_batches(job, train_ds)
+    batches.set_epoch(epoch)
+    loader = make_loader(train_ds, batches, BatchCollator(model.config), 0, False)
+    again = copy.deepcopy(model)
+    assert recompute_batchnorm_stats(again, loader, lambda b: again(b, validate=False)) == 3
+    layers = list(zip(batchnorm_layers(model), batchnorm_layers(again)))
+    assert layers
+    for registered, recomputed in layers:
+        assert torch.allclose(registered.running_mean, recomputed.running_mean, rtol=1e-4, atol=1e-5)
+        assert torch.allclose(registered.running_var, recomputed.running_var, rtol=1e-4, atol=1e-5)
 
 
 def _shard_dir(base: Path) -> Path:
