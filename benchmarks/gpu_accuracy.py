@@ -8,7 +8,7 @@ product's reruns: same run name, same configuration) and only reports a run that
 
 ``pattern`` / ``cluster``: the job file (``jobs/pattern.yaml``, ``jobs/cluster.yaml``: the paper's
 layers, width, heads, RWPE, lr, batch 32, 5,000 warm-up steps and inverse-square-root schedule, weight
-decay; k-subtree SAT-GCN, k = 3) on one GPU worker, on the full benchmark regenerated on the machine
+decay; k-subtree SAT-GCN on PATTERN, the authors' SAT-PNA ``pna2`` on CLUSTER, k = 3) on one GPU worker, on the full benchmark regenerated on the machine
 (``satp data sbm-pattern`` / ``sbm-cluster``, seed 0: 10,000 / 2,000 / 2,000 and 10,000 / 1,000 / 1,000
 graphs), with ``train.target`` set on the command line (``--set train.target.metric=val_acc --set
 train.target.value=...``): the run stops at the first evaluation whose **validation** accuracy reaches the

@@ -122,6 +122,8 @@ def plan(job: JobConfig, shard_dir: str | Path) -> WorkerSetup:
             raise ValueError(f"{shard_dir}: the {split} split is empty")
     task = make_task(task_name, vocab=train_ds.vocab)
     model_config = task.configure(job.model, train_ds[0])
+    if model_config.gnn_type == "pna" and model_config.has_gnn and not model_config.pna_degree_histogram:
+        model_config = dataclasses.replace(model_config, pna_degree_histogram=train_ds.in_degree_histogram())
     from pipeline.preflight import check_shard_features
 
     check_shard_features(model_config, train_ds.manifest or {}, shard_dir)

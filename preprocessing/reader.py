@@ -308,6 +308,23 @@ class ShardDataset(torch.utils.data.Dataset):
             self._num_nodes = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
         return self._num_nodes
 
+    def in_degree_histogram(self) -> list[int]:
+        """``hist[d]``: the number of nodes of the split with in-degree ``d`` (edges counted at their
+        target, as PyG's ``degree(edge_index[1])``), from the ``edge_index`` column without decoding
+        the graphs: PNA's ``deg`` (:class:`sat.config.PNASettings`)."""
+        hist = np.zeros(1, dtype=np.int64)
+        for k in range(len(self._entries)):
+            shard = self._shard(k)
+            offsets, values, _spec = shard.columns["edge_index"]
+            for i in range(shard.rows):
+                a, b = int(offsets[i]), int(offsets[i + 1])
+                targets = values[a + (b - a) // 2 : b]  # [2, E] row-major: sources, then targets
+                counts = np.bincount(np.bincount(targets, minlength=int(shard.num_nodes[i])))
+                if counts.size > hist.size:
+                    hist = np.pad(hist, (0, counts.size - hist.size))
+                hist[: counts.size] += counts
+        return hist.tolist()
+
     @property
     def graph_ids(self) -> np.ndarray:
         """Index in the source OGB dataset of every item."""

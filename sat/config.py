@@ -18,6 +18,31 @@ NormKind = Literal["batch", "layer"]
 HeadKind = Literal["graph_classification", "graph_regression", "node_classification", "code2_sequence"]
 
 EDGE_AWARE_GNNS = ("gcn", "gine", "pna")  # base GNNs that can take edge features
+PNA_AGGREGATORS = ("sum", "mean", "min", "max", "var", "std")  # what PyG's PNAConv offers
+PNA_SCALERS = ("identity", "amplification", "attenuation", "linear", "inverse_linear")
+
+
+@dataclass(frozen=True)
+class PNASettings:
+    """One PNA layer's settings (Corso et al., "Principal Neighbourhood Aggregation for Graph Nets",
+    NeurIPS 2020; PyG's ``PNAConv``).
+
+    ``degree_histogram[d]`` is the number of training nodes of in-degree ``d``: the scalers'
+    average degree comes from it. ``towers = 0`` takes the largest of 4, 2 and 1 that divides the
+    width. The SAT authors' PATTERN / CLUSTER commands use ``pna3`` (aggregators mean, sum, max;
+    scaler identity; 1 tower; the input not divided) and ``pna2`` (the same with 4 towers and the
+    input divided among them); their ``pna`` is PyG's example (mean, min, max, std; identity,
+    amplification, attenuation; 4 towers).
+    """
+
+    degree_histogram: tuple[int, ...]
+    aggregators: tuple[str, ...] = ("mean", "min", "max", "std")
+    scalers: tuple[str, ...] = ("identity", "amplification", "attenuation")
+    towers: int = 0
+    divide_input: bool = True
+
+    def towers_for(self, width: int) -> int:
+        return self.towers or next(t for t in (4, 2, 1) if width % t == 0)
 
 
 @dataclass
@@ -58,7 +83,13 @@ class SATConfig:
     gnn_type: GNNType = "gcn"
     use_edge_attr: bool = True
     concat_hops: bool = False
-    pna_degree_histogram: list[int] | None = None  # PNA's in-degree histogram (from the train split)
+    # PNA (gnn_type: pna; see PNASettings): the in-degree histogram of the training graphs (the
+    # pipeline computes it from the shards when absent), aggregators, scalers, towers (0: 4, 2 or 1)
+    pna_degree_histogram: list[int] | None = None
+    pna_aggregators: list[str] = dataclasses.field(default_factory=lambda: list(PNASettings.aggregators))
+    pna_scalers: list[str] = dataclasses.field(default_factory=lambda: list(PNASettings.scalers))
+    pna_towers: int = 0
+    pna_divide_input: bool = True
     gnn_messages: MessageImpl = "auto"  # GCN+edge messages; auto: fused Triton kernel for k-subgraphs on CUDA
     recompute_gnn: bool = False  # extractors: rerun the base GNN in the backward pass, keep no [S, d] activations
     # inputs
@@ -110,8 +141,26 @@ class SATConfig:
         if self.architecture == "gnn" and self.readout == "cls":
             raise ValueError("model.readout: 'cls' needs attention (a [CLS] node has no edges); "
                              "architecture 'gnn' takes mean or sum")
-        if self.gnn_type == "pna" and self.has_gnn and not self.pna_degree_histogram:
-            raise ValueError("model.pna_degree_histogram: gnn_type='pna' needs the in-degree histogram")
+        self._check_pna()
+
+    def _check_pna(self) -> None:
+        for name, allowed in (("pna_aggregators", PNA_AGGREGATORS), ("pna_scalers", PNA_SCALERS)):
+            values = list(getattr(self, name))
+            if not values or any(v not in allowed for v in values):
+                raise ValueError(f"model.{name}: expected a non-empty list of {list(allowed)}, got {values!r}")
+        if self.pna_towers < 0 or (self.pna_towers and self.hidden_dim % self.pna_towers):
+            raise ValueError(f"model.pna_towers: expected 0 or a divisor of hidden_dim={self.hidden_dim}, "
+                             f"got {self.pna_towers}")
+        if self.pna_degree_histogram is not None and (
+                not self.pna_degree_histogram or any(int(c) < 0 for c in self.pna_degree_histogram)):
+            raise ValueError("model.pna_degree_histogram: expected counts >= 0 of nodes per in-degree 0, 1, ...")
+
+    def pna_settings(self) -> PNASettings | None:
+        """The PNA layers' settings, or None before the degree histogram is known."""
+        if not self.pna_degree_histogram:
+            return None
+        return PNASettings(tuple(int(c) for c in self.pna_degree_histogram), tuple(self.pna_aggregators),
+                           tuple(self.pna_scalers), self.pna_towers, self.pna_divide_input)
 
     @property
     def effective_edge_dim(self) -> int:

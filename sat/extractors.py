@@ -20,7 +20,7 @@ GINE; GCN and PNA also take edge features, GCN in the form of OGB's examples
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +30,10 @@ from torch_geometric.nn import GCNConv, GINConv, GINEConv, MessagePassing, PNACo
 from torch_geometric.utils import degree as pyg_degree
 from torch_geometric.utils import scatter
 
-from .config import EDGE_AWARE_GNNS, MessageImpl
+from .config import EDGE_AWARE_GNNS, MessageImpl, PNASettings
 from .edge_messages import MessageEdges, RootTerm, aggregate_edge_messages, message_edges, resolve_impl
 
 GNN_TYPES = ("gcn", "gin", "gine", "sage", "pna")
-PNA_AGGREGATORS = ["mean", "min", "max", "std"]
-PNA_SCALERS = ["identity", "amplification", "attenuation"]
 
 
 class EdgeGCNConv(MessagePassing):
@@ -170,7 +168,7 @@ def gnn_layer(
     gnn_type: str,
     hidden_dim: int,
     edge_dim: Optional[int] = None,
-    pna_degree_histogram: Optional[Sequence[int]] = None,
+    pna: Optional[PNASettings] = None,
     message_impl: MessageImpl = "auto",
 ) -> nn.Module:
     """One base-GNN layer ``[N, d] -> [N, d]``.
@@ -179,8 +177,8 @@ def gnn_layer(
         gnn_type: one of ``gcn, gin, gine, sage, pna``.
         edge_dim: width of the edge features the layer takes, or ``None`` for none. Ignored by
             ``gin`` and ``sage``; ``gine`` without edge features gets zeros (GIN with ReLU'd messages).
-        pna_degree_histogram: PNA's in-degree histogram (``hist[d]`` = number of nodes of
-            in-degree ``d`` in the training data).
+        pna: PNA's settings (:class:`sat.config.PNASettings`: the training data's in-degree
+            histogram, aggregators, scalers, towers).
         message_impl: how :class:`EdgeGCNConv` (GCN with edge features) sums its messages.
     """
     if gnn_type == "gcn":
@@ -192,13 +190,11 @@ def gnn_layer(
     if gnn_type == "sage":
         return SAGEConv(hidden_dim, hidden_dim)
     if gnn_type == "pna":
-        if not pna_degree_histogram:
+        if pna is None:
             raise ValueError("gnn_type='pna' needs pna_degree_histogram (in-degree histogram of the training graphs)")
-        towers = next(t for t in (4, 2, 1) if hidden_dim % t == 0)
-        deg = torch.as_tensor(list(pna_degree_histogram), dtype=torch.long)
-        return PNAConv(
-            hidden_dim, hidden_dim, PNA_AGGREGATORS, PNA_SCALERS, deg, edge_dim=edge_dim, towers=towers, divide_input=True
-        )
+        deg = torch.as_tensor(pna.degree_histogram, dtype=torch.long)
+        return PNAConv(hidden_dim, hidden_dim, list(pna.aggregators), list(pna.scalers), deg, edge_dim=edge_dim,
+                       towers=pna.towers_for(hidden_dim), divide_input=pna.divide_input)
     raise ValueError(f"unknown gnn_type {gnn_type!r}; expected one of {list(GNN_TYPES)}")
 
 
@@ -206,7 +202,7 @@ class _GNNStack(nn.Module):
     """``k`` layers of a base GNN, each followed by ReLU; returns the last output, or the
     concatenation ``[x, h_1, ..., h_k]`` when ``concat_hops`` (authors' ``StructureExtractor``)."""
 
-    def __init__(self, hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram, message_impl="auto"):
+    def __init__(self, hidden_dim, gnn_type, k, edge_dim, concat_hops, pna, message_impl="auto"):
         super().__init__()
         if gnn_type not in GNN_TYPES:
             raise ValueError(f"unknown gnn_type {gnn_type!r}; expected one of {list(GNN_TYPES)}")
@@ -216,7 +212,7 @@ class _GNNStack(nn.Module):
         self.edge_dim = edge_dim if gnn_type in EDGE_AWARE_GNNS else None
         self.concat_hops = concat_hops
         self.convs = nn.ModuleList(
-            gnn_layer(gnn_type, hidden_dim, self.edge_dim, pna_degree_histogram, message_impl) for _ in range(k)
+            gnn_layer(gnn_type, hidden_dim, self.edge_dim, pna, message_impl) for _ in range(k)
         )
         self.out_dim = (k + 1) * hidden_dim if concat_hops else hidden_dim
 
@@ -298,12 +294,12 @@ class _Extractor(nn.Module):
         k: int,
         edge_dim: Optional[int] = None,
         concat_hops: bool = False,
-        pna_degree_histogram: Optional[Sequence[int]] = None,
+        pna: Optional[PNASettings] = None,
         message_impl: MessageImpl = "auto",
         recompute_gnn: bool = False,
     ):
         super().__init__()
-        self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram, message_impl)
+        self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna, message_impl)
         width = self.gnn.out_dim + (hidden_dim if self.keeps_input else 0)
         self.norm = nn.BatchNorm1d(width)
         self.out_proj = nn.Linear(width, hidden_dim)
@@ -331,7 +327,7 @@ class SubtreeExtractor(_Extractor):
         k: number of GNN layers (hops), ``>= 1``.
         edge_dim: width of edge features for edge-aware GNNs, ``None`` for none.
         concat_hops: concatenate the input and all hops' outputs before the projection.
-        pna_degree_histogram: PNA only.
+        pna: PNA only (:class:`sat.config.PNASettings`).
         message_impl: how a GCN with edge features sums its messages (:mod:`sat.edge_messages`).
         recompute_gnn: recompute the base GNN in the backward pass instead of keeping its
             activations (see :class:`_Extractor`).
@@ -422,7 +418,7 @@ def build_extractor(
     k: int,
     edge_dim: Optional[int] = None,
     concat_hops: bool = False,
-    pna_degree_histogram: Optional[Sequence[int]] = None,
+    pna: Optional[PNASettings] = None,
     message_impl: MessageImpl = "auto",
     recompute_gnn: bool = False,
 ) -> Optional[nn.Module]:
@@ -435,4 +431,4 @@ def build_extractor(
         cls = SubgraphExtractor
     else:
         raise ValueError(f"unknown extractor {kind!r}; expected 'subtree' or 'subgraph'")
-    return cls(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna_degree_histogram, message_impl, recompute_gnn)
+    return cls(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna, message_impl, recompute_gnn)

@@ -17,13 +17,13 @@ paper's "Base GNN" rows): the same base-GNN layer, with no attention and no FFN.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import StructureAwareAttention
-from .config import EDGE_AWARE_GNNS, MessageImpl
+from .config import EDGE_AWARE_GNNS, MessageImpl, PNASettings
 from .extractors import EdgeGCNConv, SubgraphExtractor, build_extractor, gnn_layer
 from .layout import GraphLayout
 
@@ -47,7 +47,7 @@ class SATLayer(nn.Module):
         attention: ``auto``, ``varlen``, ``dense`` or ``sparse`` (see :mod:`sat.attention`).
         norm: ``batch`` or ``layer``.
         pre_norm: normalise before each sub-block instead of after.
-        extractor, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram, gnn_messages,
+        extractor, gnn_type, k_hops, edge_dim, concat_hops, pna, gnn_messages,
             recompute_gnn: the structure extractor (see :mod:`sat.extractors`); ``k_hops = 0`` for none.
 
     Shapes:
@@ -72,14 +72,14 @@ class SATLayer(nn.Module):
         k_hops: int = 2,
         edge_dim: Optional[int] = None,
         concat_hops: bool = False,
-        pna_degree_histogram: Optional[Sequence[int]] = None,
+        pna: Optional[PNASettings] = None,
         gnn_messages: MessageImpl = "auto",
         recompute_gnn: bool = False,
     ):
         super().__init__()
         self.pre_norm = pre_norm
         self.extractor = build_extractor(
-            extractor, hidden_dim, gnn_type, k_hops, edge_dim, concat_hops, pna_degree_histogram, gnn_messages,
+            extractor, hidden_dim, gnn_type, k_hops, edge_dim, concat_hops, pna, gnn_messages,
             recompute_gnn,
         )
         self.attn = StructureAwareAttention(hidden_dim, num_heads, attn_dropout, attention)
@@ -154,13 +154,13 @@ class GNNLayer(nn.Module):
         dropout: float = 0.0,
         norm: str = "batch",
         edge_dim: Optional[int] = None,
-        pna_degree_histogram: Optional[Sequence[int]] = None,
+        pna: Optional[PNASettings] = None,
         gnn_messages: MessageImpl = "auto",
     ):
         super().__init__()
         self.gnn_type = gnn_type
         self.edge_dim = edge_dim if gnn_type in EDGE_AWARE_GNNS else None
-        self.conv = gnn_layer(gnn_type, hidden_dim, self.edge_dim, pna_degree_histogram, gnn_messages)
+        self.conv = gnn_layer(gnn_type, hidden_dim, self.edge_dim, pna, gnn_messages)
         self.norm = _norm(norm, hidden_dim)
         self.dropout = nn.Dropout(dropout)
 

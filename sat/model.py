@@ -71,7 +71,7 @@ class SAT(nn.Module):
         if config.architecture == "gnn":
             layers = [
                 GNNLayer(
-                    d, config.gnn_type, config.dropout, config.norm, edge_dim, config.pna_degree_histogram,
+                    d, config.gnn_type, config.dropout, config.norm, edge_dim, config.pna_settings(),
                     config.gnn_messages,
                 )
                 for _ in range(config.num_layers)
@@ -92,7 +92,7 @@ class SAT(nn.Module):
                     k_hops=config.k_hops,
                     edge_dim=edge_dim,
                     concat_hops=config.concat_hops,
-                    pna_degree_histogram=config.pna_degree_histogram,
+                    pna=config.pna_settings(),
                     gnn_messages=config.gnn_messages,
                     recompute_gnn=config.recompute_gnn,
                 )

@@ -111,8 +111,20 @@ def test_unknown_gnn_type():
 
 
 def test_pna_without_histogram_and_config_checks():
+    # a job may leave the histogram to the pipeline (computed from the train shards); the model needs it
+    config = SATConfig(gnn_type="pna")
+    assert config.pna_settings() is None
     with pytest.raises(ValueError, match="pna_degree_histogram"):
-        SATConfig(gnn_type="pna")
+        SAT(config)
+    for bad, field in ((dict(pna_aggregators=["mean", "median"]), "model.pna_aggregators"),
+                       (dict(pna_aggregators=[]), "model.pna_aggregators"),
+                       (dict(pna_scalers=["log"]), "model.pna_scalers"),
+                       (dict(hidden_dim=12, num_heads=4, pna_towers=5), "model.pna_towers"),
+                       (dict(pna_degree_histogram=[3, -1]), "model.pna_degree_histogram")):
+        with pytest.raises(ValueError, match=field):
+            SATConfig(gnn_type="pna", **bad)
+    settings = SATConfig(gnn_type="pna", hidden_dim=12, num_heads=4, pna_degree_histogram=[0, 2, 5]).pna_settings()
+    assert settings.degree_histogram == (0, 2, 5) and settings.towers_for(12) == 4  # PyG's example: 4 towers
     with pytest.raises(ValueError, match="edge_in_dim"):
         SATConfig(edge_encoder="linear")
     with pytest.raises(TypeError, match="SATConfig"):

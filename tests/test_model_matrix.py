@@ -406,11 +406,12 @@ def test_laplacian_pe_sign_flip_only_in_training():
 def test_subgraph_stack_deferred_gathers_match_gathered_inputs(gnn):
     """The k-subgraph extractor maps nodes/edges before gathering them per subgraph entry where
     the GNN allows it; the result equals running the GNN on the gathered inputs."""
+    from sat.config import PNASettings
     from sat.extractors import _GNNStack
 
     batch = _shared_batch(True)
     torch.manual_seed(0)
-    stack = _GNNStack(8, gnn, 2, 4 if gnn != "sage" else None, True, PNA_HIST)
+    stack = _GNNStack(8, gnn, 2, 4 if gnn != "sage" else None, True, PNASettings(tuple(PNA_HIST)))
     x = torch.randn(batch.num_nodes, 8)
     ea = torch.rand(batch.edge_index.size(1), 4)
     sni, seid = batch.subgraph_node_index, batch.subgraph_edge_id

@@ -242,11 +242,20 @@ def test_sbm_jobs_validate_and_document_their_commands(name):
     assert variants["subgraph_gcn"].model.needs_subgraphs and variants["subgraph_gcn"].transform.k_hops == 1
     assert variants["subgraph_gcn"].model.k_hops == 1 and variants["subtree_gcn"].model.extractor == "subtree"
     train, model = job.train, job.model
-    assert (train.scheduler, job.transform.k_hops, model.gnn_type, model.pe) == ("inverse_sqrt", 0, "gcn", "rwpe")
+    # the base GNN: GCN, except CLUSTER, which runs the authors' published pna2 (the target is above SAT-GCN's figure)
+    expected_gnn = "pna" if name == "cluster.yaml" else "gcn"
+    assert (train.scheduler, job.transform.k_hops, model.gnn_type, model.pe) == ("inverse_sqrt", 0, expected_gnn, "rwpe")
+    assert all(variants[v].model.gnn_type == "gcn" for v in ("gcn", "subtree_gcn", "subgraph_gcn"))
     assert train.bucket_size == train.max_graphs_per_batch  # random batches, not sorted by size (BatchNorm)
     if name == "pattern.yaml":  # the paper's hyperparameter table
         assert (model.num_layers, model.hidden_dim, model.num_heads, model.ffn_ratio, model.pe_dim) == (6, 64, 8, 2.0, 7)
         assert (train.lr, train.epochs, train.warmup_steps, train.weight_decay) == (3e-4, 200, 5000, 1e-4)
+    if name in ("pattern.yaml", "cluster.yaml"):  # the authors' pna3 (PATTERN) and pna2 (CLUSTER)
+        pna = variants["subtree_pna"].model
+        towers, divided = (1, False) if name == "pattern.yaml" else (4, True)
+        assert (pna.gnn_type, pna.extractor, pna.k_hops) == ("pna", "subtree", 3)
+        assert (pna.pna_aggregators, pna.pna_scalers) == (["mean", "sum", "max"], ["identity"])
+        assert (pna.pna_towers, pna.pna_divide_input) == (towers, divided)
     if name == "cluster.yaml":
         assert (model.num_layers, model.hidden_dim, model.num_heads, model.ffn_ratio, model.pe_dim) == (16, 48, 8, 2.0, 3)
         assert (train.lr, train.epochs, train.warmup_steps, train.weight_decay) == (5e-4, 200, 5000, 1e-4)

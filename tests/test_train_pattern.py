@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,3 +119,40 @@ def _assert_statistics_recomputed(job, model, epoch: int, base: Path) -> None:
 def _shard_dir(base: Path) -> Path:
     (found,) = [p for p in (base / "shards").iterdir() if p.name.startswith("pattern-")]
     return found
+
+
+def test_a_pna_job_gets_the_training_graphs_in_degree_histogram(ray_cluster, sbm_root, tmp_path):
+    """gnn_type: pna without a histogram: the driver's plan computes it from the train shards (the SAT
+    authors' PATTERN layer `pna3`: mean/sum/max, identity, 1 tower, undivided input), the worker's
+    model is built from it, and it runs on a batch of the shards."""
+    from preprocessing import preprocess
+    from preprocessing.reader import ShardDataset
+    from torch_geometric.nn import PNAConv
+
+    from pipeline.config import JobConfig
+    from pipeline.loader import BatchCollator
+    from pipeline.train import plan
+    from pipeline.worker import build_model
+    from sat.config import SATConfig
+
+    values = pattern_job_dict(sbm_root, tmp_path)
+    values["model"] |= {"gnn_type": "pna", "pna_aggregators": ["mean", "sum", "max"], "pna_scalers": ["identity"],
+                        "pna_towers": 1, "pna_divide_input": False}
+    job = JobConfig.model_validate(values)
+    assert job.model.pna_degree_histogram is None  # a job may leave it out
+    shard_dir = preprocess(job.data, job.transform, job.shards, progress=False)
+    train = ShardDataset(shard_dir, "train")
+    in_degrees = np.concatenate([np.bincount(train[i].edge_index[1].numpy(), minlength=train[i].num_nodes)
+                                 for i in range(len(train))])
+    expected = np.bincount(in_degrees).tolist()
+
+    setup = plan(job, shard_dir)
+    assert setup.model_config["pna_degree_histogram"] == train.in_degree_histogram() == expected
+    config = SATConfig.from_dict(setup.model_config)
+    model = build_model(config)
+    convs = [m for m in model.modules() if isinstance(m, PNAConv)]
+    assert len(convs) == job.model.num_layers * job.model.k_hops
+    assert all(c.towers == 1 and not c.divide_input and c.aggr_module.scaler == ["identity"] for c in convs)
+    batch = BatchCollator(config)([train[i] for i in range(4)])
+    out = model(batch)
+    assert out.shape == (batch.num_nodes, 2) and torch.isfinite(out).all()
