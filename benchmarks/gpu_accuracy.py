@@ -484,7 +484,9 @@ def run_sbm(part: str) -> str:
                       f"{_startup(result, history, record['segments'], call)}."]
     if not reached and history:
         lines += ["", "Not reached in this call: the curve above is what to examine (the data draw: the same seed 0; "
-                      "the schedule: the paper's 5,000 warm-up steps are ~16 epochs at 32 graphs per step; the batch). "
+                      "the schedule: the paper's 5,000 warm-up steps are ~16 epochs at 32 graphs per step; the batch; "
+                      "training against evaluation mode: train acc rising while val and test fall together points at "
+                      "BatchNorm's statistics, which `train.precise_bn_batches` recomputes). "
                       f"`benchmarks/gpu/run.sh {part}` again on the same machine resumes the run."]
     if out_dir is not None and history:
         _save_plot(history, "acc", {"metric": metric_key, "value": target_value}, out_dir / f"gpu_{part}_metric_vs_time.png")

@@ -106,6 +106,20 @@ def test_reader_is_picklable_and_lazy(code2):
         ShardDataset(code2[2], "dev")
 
 
+def test_in_degree_histogram_counts_the_decoded_graphs_nodes(code2):
+    """PNA's degree histogram read from the edge_index column, shard by shard, equals the one of
+    the decoded graphs."""
+    from torch_geometric.utils import degree
+
+    for split in ("train", "valid"):
+        ds = ShardDataset(code2[2], split)
+        in_degrees = torch.cat([degree(ds[i].edge_index[1], num_nodes=ds[i].num_nodes).long() for i in range(len(ds))])
+        expected = torch.bincount(in_degrees).tolist()
+        assert ds.in_degree_histogram() == expected, split
+        assert sum(expected) == int(ds.num_nodes.sum()) and len(expected) > 3
+    assert len([s for s in ds.manifest["shards"] if s["split"] == "train"]) >= 2  # summed over shards
+
+
 def test_deterministic_bytes(code2, tmp_path):
     data, shards, out = code2
     again = preprocess(data, TRANSFORM, shards.model_copy(update={"root": str(tmp_path)}), progress=False)
