@@ -314,7 +314,10 @@ class ShardDataset(torch.utils.data.Dataset):
         the graphs: PNA's ``deg`` (:class:`sat.config.PNASettings`)."""
         hist = np.zeros(1, dtype=np.int64)
         for k in range(len(self._entries)):
+            was_open = self._shards[k] is not None
             shard = self._shard(k)
+            if not was_open:
+                self._shards[k] = None  # one shard mapped at a time: memory stays flat over the split
             offsets, values, _spec = shard.columns["edge_index"]
             for i in range(shard.rows):
                 a, b = int(offsets[i]), int(offsets[i + 1])
