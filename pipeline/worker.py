@@ -96,9 +96,11 @@ def worker_loop(config: dict) -> None:
         run.close()
 
 
-def split_sampler(job: JobConfig, dataset, shuffle: bool, rank: int = 0, world: int = 1) -> NodeBudgetSampler:
-    """The node-budget batches of one rank over a split: shuffled per epoch for training, sorted by size
-    for evaluation (``train.eval_node_budget``, default twice the training budget)."""
+def split_sampler(job: JobConfig, dataset, shuffle: bool, rank: int = 0, world: int = 1,
+                  seed: Optional[int] = None) -> NodeBudgetSampler:
+    """The node-budget batches of one rank over a split: shuffled per epoch for training (by
+    ``train.seed``, or ``seed``), sorted by size for evaluation (``train.eval_node_budget``, default
+    twice the training budget)."""
     train = job.train
     return NodeBudgetSampler(
         np.asarray(dataset.num_nodes),
@@ -106,7 +108,7 @@ def split_sampler(job: JobConfig, dataset, shuffle: bool, rank: int = 0, world: 
         rank=rank,
         world_size=world,
         shuffle=shuffle,
-        seed=train.seed,
+        seed=train.seed if seed is None else seed,
         bucket_size=train.bucket_size,
         max_graphs=train.max_graphs_per_batch,
         # evaluation subsets do not depend on train.seed: runs of several seeds score the same graphs
@@ -118,8 +120,8 @@ def split_sampler(job: JobConfig, dataset, shuffle: bool, rank: int = 0, world: 
 def statistics_batches(job: JobConfig, dataset, rank: int = 0, world: int = 1) -> StatisticsBatches:
     """The training batches over which BatchNorm's statistics are recomputed before an evaluation
     (``train.precise_bn_batches`` of them, shuffled with a seed apart from the training order's)."""
-    sampler = split_sampler(job, dataset, shuffle=True, rank=rank, world=world)
-    sampler.seed = job.train.seed + PRECISE_BN_SEED_OFFSET
+    sampler = split_sampler(job, dataset, shuffle=True, rank=rank, world=world,
+                            seed=job.train.seed + PRECISE_BN_SEED_OFFSET)
     return StatisticsBatches(sampler, job.train.precise_bn_batches)
 
 
