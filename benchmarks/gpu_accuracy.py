@@ -200,6 +200,15 @@ def train(job: str, sets: list[str], name: str, storage: Path, log: Path, timeou
     return result
 
 
+def _preprocess(part: str, job: str, sets: list[str], clock, logs: Path, reserve_s: float) -> tuple[dict, Optional[str]]:
+    """``satp preprocess`` of a part's job (finished shards are reused), leaving ``reserve_s`` of the
+    budget for what follows; returns the step's measurement and the shard directory (None: failed)."""
+    print(f"== gpu {part}: satp preprocess ({clock.left():.0f} s left)", flush=True)
+    result = measure(_cli("preprocess", job, "--no-progress", *_overrides(sets)),
+                     max(30.0, clock.left() - reserve_s), logs / "preprocess.log")
+    return result, (result["tail"].strip() if result["ok"] else None)
+
+
 def _begin(part: str):
     """A call of ``part``: its budget clock, work and log folders, ``$OUT``, the ledger with this call
     entered, its call number, and the Ray storage and MLflow store under the work folder."""
@@ -381,11 +390,7 @@ def run_sbm(part: str) -> str:
     # 2. the shards (preprocessing reuses finished ones)
     shard_dir = None
     if data_dir.is_dir() and (steps["generate"].get("ok") or steps["generate"].get("skipped")):
-        print(f"== gpu {part}: satp preprocess ({clock.left():.0f} s left)", flush=True)
-        steps["preprocess"] = measure(_cli("preprocess", spec["job"], "--no-progress", *_overrides(common)),
-                                      max(30.0, clock.left() - 120), logs / "preprocess.log")
-        if steps["preprocess"]["ok"]:
-            shard_dir = steps["preprocess"]["tail"].strip()
+        steps["preprocess"], shard_dir = _preprocess(part, spec["job"], common, clock, logs, reserve_s=120)
     else:
         steps["preprocess"] = {"skipped": "no data"}
     save()
@@ -626,11 +631,7 @@ def run_code2batch() -> str:
     # 2. the shards
     shard_dir = None
     if data_dir.is_dir() and (steps["pycode"].get("ok") or steps["pycode"].get("skipped")):
-        print(f"== gpu code2batch: satp preprocess ({clock.left():.0f} s left)", flush=True)
-        steps["preprocess"] = measure(_cli("preprocess", CODE2_JOB, "--no-progress", *_overrides(common)),
-                                      max(30.0, clock.left() - 150), logs / "preprocess.log")
-        if steps["preprocess"]["ok"]:
-            shard_dir = steps["preprocess"]["tail"].strip()
+        steps["preprocess"], shard_dir = _preprocess("code2batch", CODE2_JOB, common, clock, logs, reserve_s=150)
     else:
         steps["preprocess"] = {"skipped": "no corpus"}
     save()
