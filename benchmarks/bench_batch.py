@@ -122,7 +122,7 @@ def max_graph_nodes(cfg: dict) -> int:
     try:
         import numpy as np
 
-        from pipeline.loader import open_split
+        from pipeline.train.loader import open_split
 
         shards = shard_dirs(cfg)
         if shards:
@@ -369,8 +369,8 @@ def sampler_stats(cfg: dict, graphs: int) -> dict[str, float]:
     import numpy as np
 
     from pipeline.config import JobConfig
-    from pipeline.loader import open_split
-    from pipeline.worker import split_sampler
+    from pipeline.train.loader import open_split
+    from pipeline.train.worker import split_sampler
 
     job = JobConfig.model_validate(base_dict(cfg, graphs, 0))
     ds = open_split(shard_dirs(cfg)[-1], "train")

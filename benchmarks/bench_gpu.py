@@ -420,7 +420,7 @@ EPOCH_KEYS = ("graphs_per_s", "epoch_seconds", "data_wait_frac", "eval_seconds",
 
 def _pipeline_metrics(tracking_uri: str, run_name: str, metric: str = "f1") -> list[dict]:
     """Per-epoch figures of ``satp train``'s MLflow run named ``run_name``, as Ray Train's controller
-    logged them (:mod:`pipeline.epoch_logger`): throughput, data-wait share, times, loss, val/test metric."""
+    logged them (:mod:`pipeline.train.epoch_logger`): throughput, data-wait share, times, loss, val/test metric."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)

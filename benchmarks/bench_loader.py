@@ -3,8 +3,8 @@
     python -m benchmarks.bench_loader --shards DIR --budget N --workers W [--job JOB] [--seconds S]
 
 iterates the training loader exactly as a Ray Train worker builds it (the job's sampler and loader,
-:func:`pipeline.worker.split_sampler` and :func:`pipeline.worker.train_loader`, the model
-configuration resolved by :func:`pipeline.train.plan`; the job defaults to ``jobs/<task>.yaml`` of
+:func:`pipeline.train.worker.split_sampler` and :func:`pipeline.train.worker.train_loader`, the model
+configuration resolved by :func:`pipeline.train.driver.plan`; the job defaults to ``jobs/<task>.yaml`` of
 the shards' task, with ``train.node_budget`` and ``train.loader_workers`` set to N and W) and prints
 graphs/s. ``--per-item`` builds the same batches as the loader did before the batch path (``ds[i]``
 per graph, ``Batch.from_data_list``), for comparison. One loader process is ``--workers 1``: the main
@@ -56,9 +56,9 @@ def _parts(shards: str | Path, budget: int, workers: int, job: str | Path | None
     """The job (``train.node_budget``, ``train.loader_workers`` set), train split, sampler and
     collator, as the driver and a Ray Train worker make them."""
     from pipeline.config import load_job
-    from pipeline.loader import BatchCollator, open_split
-    from pipeline.train import plan
-    from pipeline.worker import split_sampler
+    from pipeline.train.loader import BatchCollator, open_split
+    from pipeline.train.driver import plan
+    from pipeline.train.worker import split_sampler
     from sat.config import SATConfig
 
     dataset = open_split(shards, "train")
@@ -73,7 +73,7 @@ def measure(shards: str | Path, budget: int, workers: int, job: str | Path | Non
     """Graphs/s of the training loader over ``shards`` (see the module docstring)."""
     import torch
 
-    from pipeline.worker import train_loader
+    from pipeline.train.worker import train_loader
 
     config, dataset, sampler, collator = _parts(shards, budget, workers, job)
     loader = train_loader(config, _PerItem(dataset) if per_item else dataset, sampler, collator, pin=False)
@@ -105,11 +105,11 @@ def epoch_starts(shards: str | Path, budget: int, workers: int, step_s: float, j
                  epochs: int = 4, pause_s: float = 0.3) -> dict:
     """Data wait of a consumer taking ``step_s`` per batch (the GPU step) over ``epochs`` epochs after
     a first one, with ``pause_s`` between epochs (evaluation, checkpoint): the worker's loader, one
-    iterator over all epochs (:class:`pipeline.batching.EpochStream`), against a new iterator per
+    iterator over all epochs (:class:`pipeline.train.batching.EpochStream`), against a new iterator per
     epoch over the same persistent workers. Seconds per epoch: the wait for an epoch's first batch
     and for all its batches."""
-    from pipeline.loader import make_loader
-    from pipeline.worker import train_loader
+    from pipeline.train.loader import make_loader
+    from pipeline.train.worker import train_loader
 
     out = {}
     for mode in ("per-epoch iterator", "one iterator (EpochStream)"):
@@ -146,7 +146,7 @@ def _build_shards(base: Path) -> dict[str, Path]:
     import sysconfig
 
     from pipeline.config import load_job
-    from pipeline.train import prepare_data
+    from pipeline.train.driver import prepare_data
 
     std = Path(sysconfig.get_paths()["stdlib"])
     out = {}

@@ -38,7 +38,7 @@ def _job(base: Path, workers: int):
 
 
 def _synthetic_padding(node_budget: int) -> dict:
-    from pipeline.batching import NodeBudgetSampler, padding_stats
+    from pipeline.train.batching import NodeBudgetSampler, padding_stats
 
     rng = np.random.default_rng(0)
     sizes = np.clip(rng.lognormal(np.log(125) - 0.75**2 / 2, 0.75, 20000), 10, 1000).astype(int)
@@ -50,15 +50,15 @@ def run() -> str:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import ray
 
-    from pipeline.batching import NodeBudgetSampler, padding_stats
-    from pipeline.train import open_split, prepare_data, train_job
+    from pipeline.train.batching import NodeBudgetSampler, padding_stats
+    from pipeline.train.driver import open_split, prepare_data, train_job
 
     lines = []
     with tempfile.TemporaryDirectory(prefix="satp-bench-") as tmp:
         base = Path(tmp)
         started = not ray.is_initialized()
         if started:
-            from pipeline.cluster import init_local_ray
+            from runtime.ray_cluster import init_local_ray
 
             init_local_ray(num_cpus=2, dashboard=False, log_to_driver=False, env_vars={"DS_ACCELERATOR": "cpu"})
         try:

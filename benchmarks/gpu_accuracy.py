@@ -139,7 +139,7 @@ class Ledger:
 
 
 def _previous(storage: Path, name: str):
-    from pipeline.rerun import previous_run
+    from pipeline.train.rerun import previous_run
 
     try:
         return previous_run(str(storage), name)
@@ -227,9 +227,9 @@ def history_of(state: Optional[dict]) -> list[dict]:
 
 
 def time_to(history: list[dict], metric: str, value: float) -> Optional[dict]:
-    """The product's time to target (:func:`pipeline.stopping.time_to_target`) of ``history``."""
-    from pipeline import stopping
-    from pipeline.train_config import TargetConfig
+    """The product's time to target (:func:`pipeline.train.stopping.time_to_target`) of ``history``."""
+    from pipeline.train import stopping
+    from pipeline.config.train import TargetConfig
 
     return stopping.time_to_target(history, TargetConfig(metric=metric, value=value), "max")
 
@@ -237,7 +237,7 @@ def time_to(history: list[dict], metric: str, value: float) -> Optional[dict]:
 def curve_table(history: list[dict], metric: str, observed: dict, target_epoch: Optional[int] = None) -> list[str]:
     """One row per evaluated epoch: what the next session needs to see why a target was (not) reached.
     With ``train.precise_bn_batches``, a column has the validation metric under BatchNorm's moving
-    averages, before the statistics were recomputed (:mod:`pipeline.precise_bn`)."""
+    averages, before the statistics were recomputed (:mod:`pipeline.train.precise_bn`)."""
     running_bn = f"val_{metric}_running_bn"
     both = any(h.get(running_bn) is not None for h in history)
     lines = [f"| epoch | elapsed s (train + eval) | wall s since `satp train` start | steps | lr | train loss "
@@ -279,7 +279,7 @@ STEP_HEADER = ["| step | status | wall s | peak RSS, largest process (GB) | peak
 
 def _save_plot(history: list[dict], metric: str, target: Optional[dict], path: Path) -> None:
     try:
-        from pipeline.tracking import plot_metric_vs_time
+        from pipeline.registry.tracking import plot_metric_vs_time
 
         if any(h.get("elapsed_s") is not None for h in history):
             plot_metric_vs_time(history, metric, path, target)
@@ -585,7 +585,7 @@ def run_code2batch() -> str:
     import torch
 
     from pipeline.config import load_job
-    from pipeline.loader import open_split
+    from pipeline.train.loader import open_split
 
     title = "### GPU check, part code2batch (`benchmarks/gpu/run.sh code2batch`): the paper's batch vs the job's, on one GPU"
     if not torch.cuda.is_available() and not DRY_RUN:

@@ -13,7 +13,7 @@ device), on small real data: ``satp data pycode`` over the machine's own standar
 3. checks, from the run's files and the pipeline's own classes:
 
    - equal batches per rank: the per-rank batch counts of the worker's sampler
-     (:class:`pipeline.batching.NodeBudgetSampler`, built as ``pipeline.worker`` builds it); DeepSpeed's
+     (:class:`pipeline.train.batching.NodeBudgetSampler`, built as ``pipeline.train.worker`` builds it); DeepSpeed's
      step counter in the checkpoint (rank 0's) equal to count x epochs; the graphs the epoch reports
      (summed over ranks by the worker: ``graphs_per_s x epoch_seconds``) equal to the graphs of both
      ranks' batches: rank 1 ran all of its own;
@@ -70,15 +70,15 @@ def _overrides(sets: list[str]) -> list[str]:
 
 
 def split_sampler(job, dataset, shuffle: bool, rank: int, world: int):
-    """The sampler a worker of rank ``rank`` builds over ``dataset`` (``pipeline.worker.split_sampler``
-    where it exists; else the same construction, as ``pipeline.worker`` had it inline)."""
+    """The sampler a worker of rank ``rank`` builds over ``dataset`` (``pipeline.train.worker.split_sampler``
+    where it exists; else the same construction, as ``pipeline.train.worker`` had it inline)."""
     try:
-        from pipeline.worker import split_sampler as worker_sampler
+        from pipeline.train.worker import split_sampler as worker_sampler
     except ImportError:
         worker_sampler = None
     if worker_sampler is not None:
         return worker_sampler(job, dataset, shuffle, rank=rank, world=world)
-    from pipeline.batching import NodeBudgetSampler, subset_indices
+    from pipeline.train.batching import NodeBudgetSampler, subset_indices
 
     t = job.train
     return NodeBudgetSampler(
@@ -94,12 +94,12 @@ def single_rank_eval(job, shard_dir: str, checkpoint: Path, device) -> dict:
     batches a 1-rank run cuts and the precision the workers resolved on this machine."""
     import torch
 
-    from pipeline import checkpoint as ckpt
-    from pipeline.engine import resolve_precision
-    from pipeline.loader import BatchCollator, make_loader, open_split
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.engine import resolve_precision
+    from pipeline.train.loader import BatchCollator, make_loader, open_split
     from pipeline.tasks import make_task
-    from pipeline.train_step import evaluate
-    from pipeline.worker import build_model
+    from pipeline.train.step import evaluate
+    from pipeline.train.worker import build_model
     from sat.config import SATConfig
 
     state = ckpt.load_state(checkpoint)
@@ -135,7 +135,7 @@ def _ds_counters(checkpoint: Path) -> dict:
 
 
 def _latest(run_dir: Path) -> Path | None:
-    from pipeline.rerun import latest_checkpoint
+    from pipeline.train.rerun import latest_checkpoint
 
     return latest_checkpoint(run_dir) if run_dir.is_dir() else None
 
@@ -146,7 +146,7 @@ def run() -> str:
     if not torch.cuda.is_available() and not DRY_RUN:
         return "### GPU check, part multirank\n\nNo CUDA device: nothing measured."
     from pipeline.config import load_job
-    from pipeline.loader import open_split
+    from pipeline.train.loader import open_split
 
     clock = Clock(BUDGET_S)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
@@ -303,7 +303,7 @@ def rank_balance(sizes: np.ndarray, node_budget: int, world: int, epochs: int = 
     where the step time is proportional to that measure."""
     import functools
 
-    from pipeline.batching import NodeBudgetSampler
+    from pipeline.train.batching import NodeBudgetSampler
 
     sampler = NodeBudgetSampler(sizes, node_budget, rank=0, world_size=world, seed=seed, bucket_size=bucket_size)
     # every rank cuts the same global batches: cut them once per epoch, deal them as each rank would
@@ -345,7 +345,7 @@ def _balance_table() -> str:
 def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
     """Per-epoch costs of a run that grow with the ranks, measured on this CPU with the code2 task:
 
-    - the gathers (``pipeline.metrics.gather_objects``: ``all_gather_object`` of each rank's
+    - the gathers (``pipeline.train.metrics.gather_objects``: ``all_gather_object`` of each rank's
       ``(predictions, targets)``): pickling a rank's lists, unpickling every rank's (each rank
       receives all), and OGB's F1 over them on rank 0; per graph, from ``graphs`` made-up entries
       shaped like pycode's (1-3 target subtokens, mean ~1.7; 1-5 predicted; 3-8 letters each);
@@ -362,7 +362,7 @@ def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
     from benchmarks.gpu_step import _job_parts
     from benchmarks.synthetic import code2_like_graphs
     from pipeline.tasks import Code2Task
-    from pipeline.worker import build_model
+    from pipeline.train.worker import build_model
 
     rng = np.random.default_rng(seed)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))

@@ -88,7 +88,7 @@ def _row(label: str, r: dict, disk: str) -> str:
 
 
 def _split_sizes(shard_dir: str) -> dict[str, int]:
-    from pipeline.loader import open_split
+    from pipeline.train.loader import open_split
 
     return {s: len(open_split(shard_dir, s)) for s in ("train", "valid", "test")}
 

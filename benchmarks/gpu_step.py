@@ -1,9 +1,9 @@
 """GPU train-step benchmark through the project's own parts: one configuration per process.
 
 ``python -m benchmarks.gpu_step '<json spec>'`` prints one JSON line of figures. The step is the
-worker's (:class:`pipeline.train_step.TrainStep` on a :func:`pipeline.engine.build_engine`
-DeepSpeed engine, single rank), fed by the worker's loader (:class:`pipeline.batching.NodeBudgetSampler`,
-:class:`pipeline.loader.BatchCollator` in DataLoader worker processes, pinned memory,
+worker's (:class:`pipeline.train.step.TrainStep` on a :func:`pipeline.train.engine.build_engine`
+DeepSpeed engine, single rank), fed by the worker's loader (:class:`pipeline.train.batching.NodeBudgetSampler`,
+:class:`pipeline.train.loader.BatchCollator` in DataLoader worker processes, pinned memory,
 non-blocking copies), on the model of ``jobs/code2.yaml`` configured by :class:`pipeline.tasks.Code2Task`
 (or the job named in the spec, with its task). Figures:
 
@@ -232,10 +232,10 @@ def measure(spec: dict) -> dict:
     dev = _Device()
     device = dev.device
     _setup_single_rank(device)
-    from pipeline.batching import NodeBudgetSampler
-    from pipeline.engine import build_engine, clips_outside_deepspeed
-    from pipeline.loader import BatchCollator, make_loader, open_split, to_device
-    from pipeline.train_step import TrainStep
+    from pipeline.train.batching import NodeBudgetSampler
+    from pipeline.train.engine import build_engine, clips_outside_deepspeed
+    from pipeline.train.loader import BatchCollator, make_loader, open_split, to_device
+    from pipeline.train.step import TrainStep
     from sat import SAT
     from sat.edge_messages import resolve_impl as resolve_messages
 
@@ -325,8 +325,8 @@ def _mfu(model, task, stream, device, precision: str, graphs_per_s: float) -> di
 def _phases(dev: _Device, engine, task, stream, grad_clip: float, clip_here: bool, steps: int = 4) -> dict:
     """Per phase: host time (the Python side, no syncs) and GPU time (CUDA events, the device
     synchronised after each step so that phases do not overlap); host syncs per step."""
-    from pipeline.engine import optimizer_step
-    from pipeline.loader import to_device
+    from pipeline.train.engine import optimizer_step
+    from pipeline.train.loader import to_device
 
     phases = ("forward", "loss", "backward", "optimizer")
     host: dict[str, list[float]] = {p: [] for p in phases}
@@ -372,7 +372,7 @@ def _profile(dev: _Device, step, stream, steps: int = 3, top: int = 0) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from pipeline.loader import to_device
+    from pipeline.train.loader import to_device
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
     with profile(activities=activities) as prof:

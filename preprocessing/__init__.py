@@ -18,7 +18,9 @@ Public API (used by the training pipeline)::
   :func:`~preprocessing.sources.load_source`.
 - :mod:`preprocessing.columnar`: the columnar raw store (memory-mapped Arrow, per-graph offsets) and
   :mod:`preprocessing.conversion`: OGB's raw CSVs into it, streaming, with the input checks.
-- :mod:`preprocessing.pycode`: Python source -> ogbg-code2 raw layout (``satp data pycode``).
+- :mod:`preprocessing.pycode`: Python source -> ogbg-code2 raw layout (``satp data pycode``), from
+  :mod:`preprocessing.source_files` (which files, the project of each) and
+  :mod:`preprocessing.python_graphs` (one function -> its graph, OGB's ``py2graph`` rules).
 - :mod:`preprocessing.synthetic`: synthetic ogbg-ppa raw layout (``satp data synthetic-ppa``).
 - :mod:`preprocessing.sbm`: PATTERN / CLUSTER by the SBM recipe of Dwivedi et al., OGB-like layout
   (``satp data sbm-pattern``, ``satp data sbm-cluster``).

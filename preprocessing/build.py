@@ -16,7 +16,7 @@ splits, the train labels for code2's vocabulary), never the dataset. On a multi-
 ``data.root`` and ``shards.root`` must be shared storage. A directory whose manifest matches the
 raw files' fingerprint and whose shards all match their sha256 is returned without reading the
 dataset; ``force`` builds it again beside it and swaps it in only when complete. Ray is started
-locally (:func:`pipeline.cluster.connect`, stopped afterwards) unless it is already initialised,
+locally (:func:`runtime.ray_cluster.connect`, stopped afterwards) unless it is already initialised,
 ``address`` names a cluster, or ``RAY_ADDRESS`` is set (inside a Ray job).
 """
 from __future__ import annotations
@@ -333,7 +333,7 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
 class _RaySession:
     """Ray for the tasks below, started on first use: the one already initialised, else the
     cluster at ``address`` or ``RAY_ADDRESS`` (inside a Ray job), else a local one of this
-    process, as every satp command connects (:func:`pipeline.cluster.connect`: a dead address
+    process, as every satp command connects (:func:`runtime.ray_cluster.connect`: a dead address
     fails in seconds, a new local cluster is never someone else's and starts without Ray's
     token-authentication warning); stopped at the end only if started here (nothing to do starts
     no Ray)."""
@@ -345,7 +345,7 @@ class _RaySession:
         import ray
 
         if not ray.is_initialized():
-            from pipeline.cluster import connect
+            from runtime.ray_cluster import connect
 
             connect(self.address, log_to_driver=False, dashboard=False)
             self.started = True

@@ -1,27 +1,15 @@
 """Python source -> ogbg-code2 raw layout (``satp data pycode --out ROOT [--source DIR ...]``).
 
-Follows OGB's ``examples/graphproppred/code2/py2graph.py``: each function definition
-(``FunctionDef`` / ``AsyncFunctionDef``, nested ones included) is parsed on its own, as a
-``Module`` holding it; every AST object (stdlib :mod:`ast`) is a node in DFS pre-order (fields
-in ``ast.iter_fields`` order, as ``ast.NodeVisitor.generic_visit``); edges go parent -> child;
-the attribute of a node is the first non-None of ``name, arg, s, n, id, attr`` (``s``/``n`` are
-a ``Constant``'s value), stringified; depth = number of ancestors; the function's own name (and
-that of any nested def with the same name) is replaced by ``_mask_``; the label is the function
-name split into lower-case subtokens (snake_case and camelCase).
+The files (:mod:`preprocessing.source_files`: ``--source DIR ...``, ``--environment`` or the
+standard library) are parsed, every function definition becoming one graph
+(:mod:`preprocessing.python_graphs`, OGB's ``py2graph`` rules); functions whose label is empty or
+would read back as a missing value are left out.
 
 Node types and attributes are indexed by their frequency in the train split (at most 97 types
 + ``__UNK__`` = 98, at most 10028 attributes + ``__UNK__`` + ``__NONE__`` = 10030, the sizes of
-the real dataset), written to ``mapping/`` with headers. The split is by project: the top-level
-module (first path component below a source directory), ~80/10/10 by graphs. The default source
-is the running interpreter's standard library, without test directories. Output is
-deterministic for the same source files, whatever the number of parsing processes.
-
-``--environment`` (:func:`environment_files`) is the code2-scale corpus: the standard library
-and every package installed in the running environment (its purelib and platlib
-site-packages), test directories included, nothing downloaded; each top-level module or package
-is a project. jedi, docutils, hypothesis and IPython (case-insensitive, with every file of their
-distributions) are always left out of it: they are reserved for an independent check of models
-trained on it. ``--source DIR`` is not filtered.
+the real dataset), written to ``mapping/`` with headers. The split is by project (see
+:mod:`preprocessing.source_files`), ~80/10/10 by graphs. Output is deterministic for the same
+source files, whatever the number of parsing processes.
 
 Memory is bounded: parsing processes write compact per-chunk arrays to temporary files and the
 parent streams them twice (train-split counts, then encoding and writing), so peak memory does
@@ -36,197 +24,25 @@ import heapq
 import io
 import os
 import pickle
-import re
 import sys
-import sysconfig
 import tempfile
 import tokenize
 import warnings
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from preprocessing.ogb_layout import (assign_groups, atomic_dataset_dir, check_out_dir, format_int_csv, write_gz_text,
                                       write_splits)
+from preprocessing.python_graphs import FunctionGraph, function_graph
+from preprocessing.source_files import default_source_dirs, environment_files, environment_roots, source_items
 
-MASK = "_mask_"
 SHOWN_FAILURES = 5  # unparsable files named on stderr (all of them: the summary's files_skipped)
 NUM_TYPES = 98
 NUM_ATTRS = 10030
 NUM_VOCAB, MAX_SEQ_LEN = 5000, 5  # the target side of OGB's code2 example (statistics only)
-#: Left out of ``--environment`` always (case-insensitive top-level names, with every file of their
-#: distributions): reserved for an independent check of models trained on that corpus.
-RESERVED_PROJECTS = frozenset({"jedi", "docutils", "hypothesis", "ipython"})
-TEST_DIRS = frozenset({"test", "tests", "idle_test", "testing"})
-SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _PANDAS_NA = frozenset({"nan", "null", "n/a", "na", "-nan", "none", "<na>", "-na"})
-_SUBTOKEN = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
-
-
-def split_name(name: str) -> list[str]:
-    """``getHTTPResponse_code2`` -> ``['get', 'http', 'response', 'code', '2']``."""
-    return [t.lower() for part in name.split("_") for t in _SUBTOKEN.findall(part)]
-
-
-def _attribute(node: ast.AST) -> str | None:
-    for key in ("name", "arg", "s", "n", "id", "attr"):
-        if key in ("s", "n"):
-            if not isinstance(node, ast.Constant):
-                continue
-            value = node.value
-        else:
-            value = getattr(node, key, None)
-        if value is not None:
-            text = str(value)
-            return text.encode("utf-8", errors="surrogatepass").decode("utf-8", errors="replace")
-    return None
-
-
-@dataclass
-class FunctionGraph:
-    types: list[str]
-    attrs: list[str | None]
-    depth: list[int]
-    parent: list[int]  # parent of node i (i >= 1), -1 for the root
-    label: list[str]
-    group: str = ""
-    path: str = ""
-
-
-def function_graph(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> FunctionGraph:
-    """The code2 graph of one function definition (see the module docstring)."""
-    root = ast.Module(body=[fn], type_ignores=[])
-    types: list[str] = []
-    attrs: list[str | None] = []
-    depth: list[int] = []
-    parent: list[int] = []
-    stack: list[tuple[ast.AST, int, int]] = [(root, -1, 0)]
-    while stack:
-        node, par, d = stack.pop()
-        me = len(types)
-        types.append(type(node).__name__)
-        attrs.append(_attribute(node))
-        depth.append(d)
-        parent.append(par)
-        children: list[ast.AST] = []
-        for _, value in ast.iter_fields(node):
-            if isinstance(value, list):
-                children.extend(item for item in value if isinstance(item, ast.AST))
-            elif isinstance(value, ast.AST):
-                children.append(value)
-        stack.extend((child, me, d + 1) for child in reversed(children))
-    name = fn.name
-    for i, t in enumerate(types):
-        if "FunctionDef" in t and attrs[i] == name:
-            attrs[i] = MASK
-    return FunctionGraph(types, attrs, depth, parent, split_name(name))
-
-
-def default_source_dirs() -> list[Path]:
-    return [Path(sysconfig.get_paths()["stdlib"])]
-
-
-def environment_roots() -> list[Path]:
-    """The directories of ``--environment``: the running interpreter's standard library, then its
-    purelib and platlib site-packages (``sysconfig.get_paths()``; in a virtual environment, the
-    environment's own), each once."""
-    paths = sysconfig.get_paths()
-    roots: list[Path] = []
-    for key in ("stdlib", "purelib", "platlib"):
-        path = Path(paths[key])
-        if path.is_dir() and all(not os.path.samefile(path, r) for r in roots):
-            roots.append(path)
-    return roots
-
-
-def _canonical(name: str) -> str:
-    """A distribution's name as PEP 503 compares them (``Foo_Bar.baz`` -> ``foo-bar-baz``)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _reserved_in(root: Path, reserved: frozenset[str]) -> tuple[set[str], set[str]]:
-    """``(top-level names, file paths)`` that the distributions named in ``reserved`` installed
-    under ``root`` (their ``top_level.txt`` and ``RECORD``): e.g. hypothesis' ``_hypothesis_*.py``."""
-    import importlib.metadata
-
-    names: set[str] = set()
-    files: set[str] = set()
-    for dist in importlib.metadata.distributions(path=[str(root)]):
-        try:
-            name = dist.metadata["Name"] or ""
-        except Exception:  # a broken metadata file is no reserved distribution
-            continue
-        if _canonical(name) not in reserved:
-            continue
-        top_level = dist.read_text("top_level.txt") or ""
-        names.update(line.strip().lower() for line in top_level.splitlines() if line.strip())
-        for f in dist.files or []:
-            files.add(os.path.normpath(root / f))
-    return names, files
-
-
-def environment_files(roots: list[str | Path] | None = None,
-                      reserved: frozenset[str] = RESERVED_PROJECTS) -> list[tuple[Path, Path, str]]:
-    """The ``.py`` files of ``--environment`` as ``(path, path below its root, project)``, sorted.
-
-    ``roots`` (default :func:`environment_roots`): directories whose top-level entries are projects,
-    the project being the entry's name (``torch/...`` -> ``torch``, ``six.py`` -> ``six``), so that a
-    name present in two roots is one project. Test directories are kept. Left out: the projects
-    named in ``reserved`` (case-insensitive) and every file their distributions installed
-    (``RECORD``); a root met twice or nested in another (a site-packages below the standard
-    library); ``__pycache__``, hidden entries and what cannot be imported as a top-level name
-    (``*.dist-info``, ``numpy.libs``, ``config-3.11-x86_64-linux-gnu``); setuptools' generated
-    ``__editable__*`` finders.
-    """
-    reserved = frozenset(r.lower() for r in reserved)
-    dirs: list[Path] = []
-    for root in roots if roots is not None else environment_roots():
-        root = Path(root)
-        if not root.is_dir():
-            raise ValueError(f"{root}: source directory not found")
-        if all(os.path.realpath(root) != os.path.realpath(d) for d in dirs):
-            dirs.append(root)
-    real_roots = {os.path.realpath(d) for d in dirs}
-    items: list[tuple[Path, Path, str]] = []
-    for root in dirs:
-        names, files = _reserved_in(root, reserved)
-        skip = reserved | names
-        prune = real_roots - {os.path.realpath(root)}
-        for entry in sorted(os.listdir(root)):
-            path = root / entry
-            top = entry.removesuffix(".py") if entry.endswith(".py") else entry
-            if (entry in SKIP_DIRS or entry.startswith((".", "__editable__")) or not top.isidentifier()
-                    or top.lower() in skip or os.path.realpath(path) in prune):
-                continue
-            if path.is_dir():
-                found = iter_source_files(path, include_tests=True, prune=prune)
-            elif entry.endswith(".py") and path.is_file():
-                found = [path]
-            else:
-                continue
-            for f in found:
-                if os.path.normpath(f) not in files:
-                    items.append((f, f.relative_to(root), top))
-    return items
-
-
-def iter_source_files(source: Path, include_tests: bool = False, prune: set[str] | frozenset[str] = frozenset()):
-    """Sorted ``.py`` files below ``source`` (or ``source`` itself if it is a file); directories
-    whose real path is in ``prune`` are not entered."""
-    if source.is_file():
-        yield source
-        return
-    for dirpath, dirnames, filenames in os.walk(source):
-        dirnames[:] = sorted(
-            d for d in dirnames
-            if d not in SKIP_DIRS and (include_tests or d not in TEST_DIRS) and not d.startswith(".")
-            and not (prune and os.path.realpath(os.path.join(dirpath, d)) in prune)
-        )
-        for f in sorted(filenames):
-            if f.endswith(".py"):
-                yield Path(dirpath) / f
 
 
 def _parse_error(path: Path, exc: Exception) -> str:
@@ -267,21 +83,6 @@ def default_workers() -> int:
     return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-def _source_items(sources: list[Path], include_tests: bool) -> list[tuple[Path, Path, str]]:
-    """``(path, path below its source, project)`` of every file of ``sources``: the project is the
-    first path component below a source (``N:name`` for the N-th of several sources)."""
-    items: list[tuple[Path, Path, str]] = []
-    for index, source in enumerate(sources):
-        source = Path(source)
-        if not source.exists():
-            raise ValueError(f"{source}: source directory not found")
-        for path in iter_source_files(source, include_tests):
-            rel = path.relative_to(source) if path != source else Path(path.name)
-            top = rel.parts[0].removesuffix(".py")
-            items.append((path, rel, f"{index}:{top}" if len(sources) > 1 else top))
-    return items
-
-
 def collect_functions(
     sources: list[Path], include_tests: bool = False, workers: int = 1
 ) -> tuple[list[FunctionGraph], list[str], int]:
@@ -289,7 +90,7 @@ def collect_functions(
     reason`` each) and the number of files read. With ``workers > 1`` files are parsed in that many
     processes; the result is the same, in the same order. Holds every graph in memory (as Python
     lists): :func:`build_pycode` streams compact arrays through temporary files instead."""
-    items = _source_items([Path(s) for s in sources], include_tests)
+    items = source_items([Path(s) for s in sources], include_tests)
     if workers > 1 and len(items) > 1:
         with _pool(min(workers, len(items))) as pool:
             parsed = list(pool.map(_parse_file, items, chunksize=max(1, len(items) // (8 * workers))))
@@ -517,9 +318,10 @@ def build_pycode(out: str | Path, sources: list[str | Path] | None = None, inclu
     """Build ``out/ogbg_code2`` in OGB's raw layout from Python source; return a summary dict.
 
     ``workers`` parsing processes (default :func:`default_workers`); the output does not depend on
-    it. ``environment``: the corpus of ``--environment`` (:func:`environment_files` of
-    ``environment_dirs``, default the standard library and site-packages; tests kept; jedi,
-    docutils, hypothesis and IPython always left out) instead of ``sources``.
+    it. ``environment``: the corpus of ``--environment``
+    (:func:`~preprocessing.source_files.environment_files` of ``environment_dirs``, default the
+    standard library and site-packages; tests kept; jedi, docutils, hypothesis and IPython always
+    left out) instead of ``sources``.
     """
     check_out_dir(Path(out), "ogbg-code2", force)  # before minutes of parsing
     if environment:
@@ -530,7 +332,7 @@ def build_pycode(out: str | Path, sources: list[str | Path] | None = None, inclu
         src = roots
     else:
         src = [Path(s) for s in sources] if sources else default_source_dirs()
-        items = _source_items(src, include_tests)
+        items = source_items(src, include_tests)
     workers = workers or default_workers()
     where = ", ".join(map(str, src))
     with tempfile.TemporaryDirectory(prefix="satp-pycode-") as spill_dir:
@@ -639,35 +441,4 @@ def _write_corpus(out: str | Path, force: bool, items: list[tuple[Path, Path, st
         "avg_nodes": round(nodes_total / total, 1),
         "max_nodes": max_nodes,
         **_label_statistics(label_counts, train_subtokens, total),
-    }
-
-
-def load_mappings(folder: str | Path) -> tuple[dict[str, int], dict[str, int]]:
-    """``(type2idx, attr2idx)`` from a code2 folder's ``mapping/`` (to featurise new code)."""
-    out = []
-    for fname in ("typeidx2type.csv.gz", "attridx2attr.csv.gz"):
-        with gzip.open(Path(folder) / "mapping" / fname, "rt", encoding="utf-8", newline="") as fh:
-            rows = list(csv.reader(fh))[1:]
-        out.append({value: int(idx) for idx, value in rows})
-    return out[0], out[1]
-
-
-def code_to_raw_graph(fn: ast.FunctionDef | ast.AsyncFunctionDef, type2idx: dict[str, int],
-                      attr2idx: dict[str, int]) -> dict[str, np.ndarray]:
-    """One function as the raw arrays :func:`preprocessing.transforms.transform_graph` takes
-    (``y_tokens`` is the true name's subtokens), using a dataset's mappings."""
-    g = function_graph(fn)
-    unk_t, unk_a, none_a = type2idx["__UNK__"], attr2idx["__UNK__"], attr2idx["__NONE__"]
-    n = len(g.types)
-    return {
-        "graph_id": 0,
-        "num_nodes": n,
-        "edge_index": np.asarray([[g.parent[i] for i in range(1, n)], list(range(1, n))], dtype=np.int64).reshape(2, -1),
-        "x": np.asarray(
-            [(type2idx.get(t, unk_t), none_a if a is None else attr2idx.get(a, unk_a)) for t, a in zip(g.types, g.attrs)],
-            dtype=np.int64,
-        ),
-        "node_depth": np.asarray(g.depth, dtype=np.int64),
-        "node_is_attributed": np.asarray([int(a is not None) for a in g.attrs], dtype=np.int64),
-        "y_tokens": g.label,
     }

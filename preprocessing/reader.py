@@ -9,7 +9,7 @@
   decoded item owns its tensors (copies, never views of the mapping).
 - :meth:`ShardDataset.batch`: a whole mini-batch decoded at once, straight from the mapped columns
   into one PyG ``Batch``, equal to ``Batch.from_data_list`` of the items (the training loader's
-  path, :mod:`pipeline.loader`). Per-item decoding and PyG's collation cost ~15 tensors and a
+  path, :mod:`pipeline.train.loader`). Per-item decoding and PyG's collation cost ~15 tensors and a
   ``Data`` object per graph and one ``torch.cat`` of many small tensors per attribute; here each
   column is one ``np.concatenate`` of the rows' value ranges, and the offsets PyG would add are
   added to the whole column at once.
@@ -24,7 +24,7 @@
   workers construct it from the path.
 
 :func:`featurise` turns raw graphs (e.g. the functions of a new Python file, through
-:func:`preprocessing.pycode.code_to_raw_graph`) into ``SATData`` exactly as training data were
+:func:`preprocessing.python_graphs.code_to_raw_graph`) into ``SATData`` exactly as training data were
 made (transform, shard encoding, decoding), for prediction.
 """
 from __future__ import annotations
@@ -348,7 +348,7 @@ class ShardDataset(torch.utils.data.Dataset):
 
 
 def featurise(raws: list[dict], task: str, transform, vocab: list[str] | None = None) -> list[SATData]:
-    """Raw graphs (as :func:`preprocessing.pycode.code_to_raw_graph` or
+    """Raw graphs (as :func:`preprocessing.python_graphs.code_to_raw_graph` or
     :func:`preprocessing.sources.iter_chunk` give them) -> ``SATData`` through exactly the path of
     training data: :func:`~preprocessing.transforms.transform_graph`, the shard encoding and this
     module's decoding (in memory, no file). ``transform``: a ``TransformConfig`` or its dict."""

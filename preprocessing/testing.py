@@ -4,7 +4,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from preprocessing.pycode import default_source_dirs
+from preprocessing.source_files import default_source_dirs
 
 #: A few standard-library modules: ~255 functions in 6 top-level modules (json is a package).
 SMALL_MODULES = ("json", "csv.py", "textwrap.py", "shlex.py", "fractions.py", "argparse.py")

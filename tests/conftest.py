@@ -21,7 +21,7 @@ def ray_cluster():
     """One local Ray cluster for the whole test session (starting one costs ~5 s and ~1 GiB)."""
     import ray
 
-    from pipeline.cluster import init_local_ray
+    from runtime.ray_cluster import init_local_ray
 
     if not ray.is_initialized():
         init_local_ray(num_cpus=2, dashboard=False, log_to_driver=False, env_vars={"DS_ACCELERATOR": "cpu"})

@@ -5,7 +5,7 @@ import torch
 
 from benchmarks.gpu_step import _job_parts, load_graphs, save_graphs
 from benchmarks.synthetic import code2_like_graphs, ppa_like_graphs
-from pipeline.loader import BatchCollator
+from pipeline.train.loader import BatchCollator
 from sat import SAT, add_subgraph_indices
 
 

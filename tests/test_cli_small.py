@@ -54,7 +54,7 @@ def test_a_web_server_address_is_one_line_without_rays_warning(web_server, tmp_p
 
 @pytest.mark.ray
 def test_a_ray_cluster_passes_the_http2_check(ray_cluster):
-    from pipeline.cluster import _grpc_problem, probe
+    from runtime.ray_cluster import _grpc_problem, probe
 
     address = ray_cluster.get_runtime_context().gcs_address
     host, port = address.rsplit(":", 1)
@@ -64,9 +64,9 @@ def test_a_ray_cluster_passes_the_http2_check(ray_cluster):
 
 def test_preprocess_starts_ray_as_every_command_does(tmp_path):
     """``satp preprocess`` started its local Ray with ``ray.init`` directly, and Ray printed its
-    token-authentication warning; it goes through :func:`pipeline.cluster.connect` now (which
+    token-authentication warning; it goes through :func:`runtime.ray_cluster.connect` now (which
     starts a cluster without it). Checked where it calls: the first Ray task of a build."""
-    code = ("import pipeline.cluster as cluster\n"
+    code = ("import runtime.ray_cluster as cluster\n"
             "calls = []\n"
             "def connect(*args, **kwargs):\n"
             "    calls.append((args, kwargs)); raise SystemExit(7)\n"

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def comparison(ray_cluster, tmp_path_factory):
-    from pipeline.compare import run_compare
+    from pipeline.sweep.compare import run_compare
     from pipeline.config import JobConfig
     from preprocessing.sbm import build_sbm
 
@@ -113,7 +113,7 @@ def test_the_driver_leaves_no_generated_pyg_module(ray_cluster, tmp_path):
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
     tmp = tmp_path / "tmpdir"
     tmp.mkdir()
-    code = ("from pipeline.compare import count_parameters, variant_jobs; from pipeline.config import load_job; "
+    code = ("from pipeline.sweep.compare import count_parameters, variant_jobs; from pipeline.config import load_job; "
             f"jobs = variant_jobs(load_job({str(tmp_path / 'job.yaml')!r})); "
             f"print([count_parameters(jobs[v], {str(shards)!r}) for v in ('gcn', 'subtree_gcn')])")
     env = dict(os.environ, TMPDIR=str(tmp))

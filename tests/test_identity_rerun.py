@@ -40,7 +40,7 @@ def trained(ray_cluster, tmp_path_factory):
     """A finished run on the functions of ``json``, ``csv`` and ``shlex``; then its raw files rebuilt from
     ``json``'s modules alone (``satp data pycode --source <stdlib>/json --force``)."""
     from pipeline.config import JobConfig
-    from pipeline.train import train_job
+    from pipeline.train.driver import train_job
 
     base = tmp_path_factory.mktemp("rebuilt")
     build_pycode(base / "data", [str(small_python_source(base / "src-1", ("json", "csv.py", "shlex.py")))])

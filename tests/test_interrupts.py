@@ -59,7 +59,7 @@ def _checkpoints(run_dir: Path) -> dict[str, int]:
 def test_ctrl_c_keeps_the_newest_checkpoint_and_the_rerun_resumes_from_it(setting, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from pipeline import rerun
+    from pipeline.train import rerun
 
     base, address = setting
     job = _job(base, tmp_path, "intr", epochs=3, checkpoints_to_keep=1)

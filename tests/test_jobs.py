@@ -45,7 +45,7 @@ def test_ppa_job_batches_hold_the_graphs_its_learning_rate_assumes():
     import numpy as np
 
     from benchmarks.synthetic import ppa_like_graphs
-    from pipeline.batching import NodeBudgetSampler
+    from pipeline.train.batching import NodeBudgetSampler
 
     job = load_job(JOBS / "ppa.yaml")
     sizes = np.asarray([g.num_nodes for g in ppa_like_graphs(400, seed=0)])

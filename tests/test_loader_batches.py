@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from pipeline.batching import EpochStream, NodeBudgetSampler, pack
-from pipeline.loader import BatchCollator, PackedBatch, make_loader, to_device
+from pipeline.train.batching import EpochStream, NodeBudgetSampler, pack
+from pipeline.train.loader import BatchCollator, PackedBatch, make_loader, to_device
 from pipeline.tasks import make_task
 from preprocessing.config import TransformConfig
 from preprocessing.reader import ShardDataset

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from pipeline.loader import BatchCollator
+from pipeline.train.loader import BatchCollator
 from sat import SAT, SATConfig, SATData, add_subgraph_indices
 from sat.attention import StructureAwareAttention, varlen_available
 from sat.layout import GraphLayout

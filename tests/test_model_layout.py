@@ -1,7 +1,7 @@
 """The host-built batch layout (sat.layout) and the loader's collation give the model's own results.
 
 The training pipeline builds every batch's GraphLayout and checks its values on the CPU, in the
-DataLoader workers (pipeline.loader.BatchCollator), and runs the model with validate=False so that
+DataLoader workers (pipeline.train.loader.BatchCollator), and runs the model with validate=False so that
 the forward pass reads nothing back from an accelerator. These tests pin that this changes no
 result: a layout built from sizes equals one built from the batch vector, and a model given the
 collator's batch computes what it computes on a plain PyG batch.
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from pipeline.loader import BatchCollator
+from pipeline.train.loader import BatchCollator
 from sat import SAT, GraphLayout, SATConfig
 from sat.attention import StructureAwareAttention
 from test_model_attention import _graph

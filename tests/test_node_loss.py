@@ -209,7 +209,7 @@ def test_preprocess_and_training_survive_a_lost_node(cluster, tmp_path, tmp_path
     out, _ = pre.communicate(timeout=300)
     assert pre.returncode == 0, log.read_text()[-3000:]
     from pipeline.config import load_job
-    from pipeline.rerun import job_shard_dir
+    from pipeline.train.rerun import job_shard_dir
 
     shard_dir = job_shard_dir(load_job(job))
     assert str(shard_dir) in out
@@ -243,7 +243,7 @@ def test_preprocess_and_training_survive_a_lost_node(cluster, tmp_path, tmp_path
     assert "resumed after epoch" in text  # the worker group restarted from a checkpoint
     assert "registered model: models:/sat-node-loss/1" in text
 
-    from pipeline.rerun import latest_checkpoint
+    from pipeline.train.rerun import latest_checkpoint
 
     state = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())
     assert [h["epoch"] for h in state["history"]] == [0, 1, 2]

@@ -113,7 +113,7 @@ def test_sbm_tasks():
 
 def test_tune_and_compare_know_the_sbm_tasks():
     from pipeline.config import load_job
-    from pipeline.tune import task_metric
+    from pipeline.sweep.space import task_metric
 
     job = load_job(ROOT / "jobs" / "pattern-local.yaml")
     assert task_metric(job) == ("pattern", "acc", "max")
@@ -121,8 +121,8 @@ def test_tune_and_compare_know_the_sbm_tasks():
 
 # ----------------------------------------------------------------------------- the schedule
 def test_inverse_sqrt_schedule():
-    from pipeline.engine import lr_schedule, warmup_inverse_sqrt
-    from pipeline.train_config import TrainConfig
+    from pipeline.train.engine import lr_schedule, warmup_inverse_sqrt
+    from pipeline.config.train import TrainConfig
 
     f = warmup_inverse_sqrt(100)
     assert f(0) == pytest.approx(0.01) and f(49) == pytest.approx(0.5) and f(99) == pytest.approx(1.0)
@@ -167,7 +167,7 @@ def test_compare_section_is_validated(case, tmp_path, capsys):
 
 
 def test_compare_variant_values_are_checked_against_the_job():
-    from pipeline.compare import variant_jobs
+    from pipeline.sweep.compare import variant_jobs
     from pipeline.config import JobConfig
 
     bad = JobConfig.model_validate(_job_with_compare({"variants": {"ok": {}, "wide": {"model.hidden_dim": 30}}}))
@@ -180,7 +180,7 @@ def test_compare_variant_values_are_checked_against_the_job():
 
 def test_compare_grid_samples_each_variants_values():
     """The Tune space: variant x seed, and every key some variant sets, resolved from the variant."""
-    from pipeline.compare import base_dict, param_space
+    from pipeline.sweep.compare import base_dict, param_space
     from pipeline.config import JobConfig
 
     job = JobConfig.model_validate(_job_with_compare({"seeds": [0, 1], "variants": {
@@ -195,7 +195,7 @@ def test_compare_grid_samples_each_variants_values():
 
 
 def test_a_rerun_resumes_only_the_same_comparison(tmp_path):
-    from pipeline.compare import check_digest, comparison_digest
+    from pipeline.sweep.compare import check_digest, comparison_digest
     from pipeline.config import JobConfig
 
     job = JobConfig.model_validate(_job_with_compare({"variants": {"a": {}}}))
@@ -210,7 +210,7 @@ def test_a_rerun_resumes_only_the_same_comparison(tmp_path):
 
 
 def test_compare_table_and_plot(tmp_path):
-    from pipeline.compare import CompareOutcome, TrialResult, VariantSummary, format_table, plot_compare
+    from pipeline.sweep.compare import CompareOutcome, TrialResult, VariantSummary, format_table, plot_compare
 
     curves = {"val_acc": [(0, 0.6), (1, 0.7)], "test_acc": [(0, 0.6), (1, 0.69)], "train_loss": [(0, 0.6), (1, 0.5)]}
     trials = [TrialResult("gcn", s, f"t{s}", "finished", 2, 1, 0.7, 0.69 + 0.01 * s, 30.0, curves) for s in (0, 1)]
@@ -228,9 +228,9 @@ def test_compare_table_and_plot(tmp_path):
 # ----------------------------------------------------------------------------- the shipped jobs
 @pytest.mark.parametrize("name", ["pattern.yaml", "cluster.yaml", "pattern-local.yaml", "cluster-local.yaml"])
 def test_sbm_jobs_validate_and_document_their_commands(name):
-    from pipeline.compare import variant_jobs
+    from pipeline.sweep.compare import variant_jobs
     from pipeline.config import load_job
-    from pipeline.preflight import check_config
+    from pipeline.train.preflight import check_config
 
     path = ROOT / "jobs" / name
     job = load_job(path)

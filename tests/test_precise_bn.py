@@ -1,4 +1,4 @@
-"""BatchNorm statistics recomputed before evaluation (pipeline.precise_bn, ``train.precise_bn_batches``)."""
+"""BatchNorm statistics recomputed before evaluation (pipeline.train.precise_bn, ``train.precise_bn_batches``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.batching import NodeBudgetSampler
-from pipeline.precise_bn import StatisticsBatches, batchnorm_layers, recompute_batchnorm_stats
+from pipeline.train.batching import NodeBudgetSampler
+from pipeline.train.precise_bn import StatisticsBatches, batchnorm_layers, recompute_batchnorm_stats
 
 
 class DropoutThenNorm(nn.Module):
@@ -127,7 +127,7 @@ def test_statistics_batches_are_the_first_of_a_shuffled_pass_of_their_own():
 
 
 def test_the_job_setting_is_validated():
-    from pipeline.train_config import TrainConfig
+    from pipeline.config.train import TrainConfig
 
     assert TrainConfig().precise_bn_batches == 0
     assert TrainConfig(precise_bn_batches=32).precise_bn_batches == 32
@@ -138,7 +138,7 @@ def test_the_job_setting_is_validated():
 def _rank_statistics(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from pipeline.precise_bn import recompute_batchnorm_stats
+    from pipeline.train.precise_bn import recompute_batchnorm_stats
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

@@ -35,7 +35,7 @@ def _log(tmp_path, name: str, task_name: str) -> str:
     from sat.config import SATConfig
     from sat.data import SATData
 
-    from pipeline.registry import log_and_register
+    from pipeline.registry.versions import log_and_register
     from pipeline.tasks import make_task
     from preprocessing.config import TransformConfig
 
@@ -78,7 +78,7 @@ def store(tmp_path_factory):
 
 
 def test_code2_predicts_every_function_of_source_text(store):
-    from pipeline.predict import FunctionPrediction, load
+    from pipeline.registry.predict import FunctionPrediction, load
 
     model = load("models:/tiny-code2@champion", tracking_uri=store["uri"])
     preds = model.predict(SOURCE)
@@ -95,7 +95,7 @@ def test_code2_predicts_every_function_of_source_text(store):
 def test_ppa_predicts_json_graphs(store, tmp_path):
     import json
 
-    from pipeline.predict import load
+    from pipeline.registry.predict import load
 
     model = load("models:/tiny-ppa/1", tracking_uri=store["uri"])
     graphs = [{"num_nodes": 4, "edge_index": [[0, 1, 2], [1, 2, 3]], "edge_attr": [[0.1] * 7, [0.5] * 7, [0.9] * 7]},
@@ -114,7 +114,7 @@ def test_ppa_predicts_json_graphs(store, tmp_path):
     ("sat-code2", "expected a model URI"),
 ])
 def test_unknown_model_alias_or_version(store, uri, match):
-    from pipeline.predict import load
+    from pipeline.registry.predict import load
 
     with pytest.raises(ValueError, match=match) as info:
         load(uri, tracking_uri=store["uri"])
@@ -122,7 +122,7 @@ def test_unknown_model_alias_or_version(store, uri, match):
 
 
 def test_model_of_another_task(store, tmp_path):
-    from pipeline.predict import load
+    from pipeline.registry.predict import load
 
     source = tmp_path / "mod.py"
     source.write_text(SOURCE)
@@ -137,7 +137,7 @@ def test_model_of_another_task(store, tmp_path):
 def test_invalid_python_names_file_and_line(store, tmp_path):
     bad = tmp_path / "broken.py"
     bad.write_text("def ok():\n    return 1\n\ndef broken(:\n    pass\n")
-    from pipeline.predict import load
+    from pipeline.registry.predict import load
 
     with pytest.raises(ValueError, match=r"broken\.py:4: not valid Python"):
         load("models:/tiny-code2@champion", tracking_uri=store["uri"]).predict_file(bad)
@@ -170,7 +170,7 @@ def test_cli_errors_are_one_line_exit_2(store, tmp_path, capsys):
 
 def test_unreachable_tracking_server_fails_fast(capsys):
     from pipeline.cli import main
-    from pipeline.predict import load
+    from pipeline.registry.predict import load
 
     with pytest.raises(OSError, match="unreachable"):  # the first call also imports MLflow: not timed
         load("models:/x@champion", tracking_uri="http://127.0.0.1:9")

@@ -1,4 +1,4 @@
-"""The pre-flight check (pipeline.preflight): what the driver can see fails before Ray starts or a
+"""The pre-flight check (pipeline.train.preflight): what the driver can see fails before Ray starts or a
 worker is launched, as one ``satp: error:`` line, for ``satp train`` and ``satp tune`` alike."""
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def test_model_against_shard_features_before_anything_starts(case, tmp_path, cap
 
 
 def test_model_against_existing_shards():
-    from pipeline.preflight import check_shard_features
+    from pipeline.train.preflight import check_shard_features
     from sat.config import SATConfig
 
     columns = {"x": {"shape": [-1, 2]}, "rwpe": {"shape": [-1, 4]}}
@@ -113,7 +113,7 @@ def test_model_against_existing_shards():
 # ----------------------------------------------------------------------------- data root
 def test_data_root_problems(tmp_path):
     from pipeline.config import load_job
-    from pipeline.preflight import check_data_root
+    from pipeline.train.preflight import check_data_root
 
     (tmp_path / "a-file").write_text("")
     job = load_job(_job(tmp_path))
@@ -128,7 +128,7 @@ def test_data_root_problems(tmp_path):
 
 
 def test_download_probe_reports_a_dead_address():
-    from pipeline.preflight import _probe_download
+    from pipeline.train.preflight import _probe_download
 
     assert _probe_download(f"http://127.0.0.1:{_free_port()}/code2.zip")  # refused: a reason, not None
 
@@ -137,7 +137,7 @@ def test_download_probe_reports_a_dead_address():
 def test_unreachable_address_fails_within_seconds():
     """Refused, unroutable (or answered by something that is not Ray), and a listener that never
     answers: each is a one-line error within the probe's ~10 s, never ray.init's minute of retries."""
-    from pipeline.cluster import probe
+    from runtime.ray_cluster import probe
 
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -161,7 +161,7 @@ def test_train_with_a_dead_address_is_one_line_and_starts_no_ray(tmp_path):
 
 # ----------------------------------------------------------------------------- resources
 def test_worker_slots_count_per_node():
-    from pipeline.preflight import worker_slots
+    from pipeline.train.preflight import worker_slots
 
     nodes = [{"Alive": True, "Resources": {"CPU": 3.0, "GPU": 1.0}}, {"Alive": True, "Resources": {"CPU": 2.0}},
              {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}}]
@@ -186,8 +186,8 @@ def test_gpu_workers_on_a_machine_without_them_fail_before_ray_starts(tmp_path):
 def test_train_and_tune_share_the_preflight(ray_cluster, tmp_path):
     """The same check, with the connected cluster's numbers, from train_job and from a sweep."""
     from pipeline.config import load_job
-    from pipeline.train import train_job
-    from pipeline.tune import run_sweep
+    from pipeline.train.driver import train_job
+    from pipeline.sweep.tune import run_sweep
 
     job = load_job(_job(tmp_path, lambda r: r["resources"].update(num_workers=2, cpus_per_worker=1000)))
     with pytest.raises(ValueError, match=r"2 worker\(s\) x \(1000 CPU\); .* has 2 CPU"):
@@ -220,7 +220,7 @@ def test_a_directory_that_cannot_be_created_fails_in_the_preflight(key, tmp_path
 
 
 def test_a_directory_that_can_be_created_is_left_as_it_was(tmp_path):
-    from pipeline.preflight import check_writable_dir
+    from pipeline.train.preflight import check_writable_dir
 
     check_writable_dir("shards.root", tmp_path / "x" / "y" / "z")  # created and removed again
     assert list(tmp_path.iterdir()) == []

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from preprocessing.config import DataConfig
-from preprocessing.pycode import MASK, build_pycode, function_graph, split_name
+from preprocessing.pycode import build_pycode
+from preprocessing.python_graphs import MASK, function_graph, split_name
 from preprocessing.columnar import required_files
 from preprocessing.sources import load_source
 from preprocessing.synthetic import build_synthetic_ppa

@@ -117,7 +117,7 @@ def test_featurise_new_source_like_training_data():
     import ast as pyast
 
     from preprocessing.reader import featurise
-    from preprocessing.pycode import code_to_raw_graph
+    from preprocessing.python_graphs import code_to_raw_graph
 
     fn = pyast.parse("def parse_value(text):\n    return int(text.strip())\n").body[0]
     types = {t: i for i, t in enumerate(["Module", "FunctionDef", "Name", "Load", "__UNK__"])}

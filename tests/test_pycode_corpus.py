@@ -14,7 +14,8 @@ import pytest
 
 import preprocessing.pycode as pycode
 from preprocessing.ogb_layout import assign_groups, write_gz_array, write_gz_text, write_splits
-from preprocessing.pycode import RESERVED_PROJECTS, build_pycode, collect_functions, environment_files
+from preprocessing.pycode import build_pycode, collect_functions
+from preprocessing.source_files import RESERVED_PROJECTS, environment_files
 from preprocessing.testing import small_python_source
 
 FN = "def {name}(x):\n    return x + 1\n"

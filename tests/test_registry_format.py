@@ -100,7 +100,7 @@ def _run(uri: str, exp_id: str) -> str:
 
 
 def _register(tiny: Tiny, uri: str, run_id: str, name: str) -> dict:
-    from pipeline.registry import log_and_register
+    from pipeline.registry.versions import log_and_register
 
     return log_and_register(tiny.model, task=tiny.task, model_config=tiny.config, vocab=tiny.vocab, run_id=run_id,
                             tracking_uri=uri, registered_model=name, data_manifest_hash="abc",
@@ -131,8 +131,8 @@ def test_round_trip_predicts_as_the_logged_model(tmp_path, caplog, task_name):
     import mlflow.pyfunc
     from mlflow.tracking import MlflowClient
 
-    from pipeline.predict import load
-    from pipeline.registry import load_model
+    from pipeline.registry.predict import load
+    from pipeline.registry.versions import load_model
 
     uri, exp_id = _store(tmp_path)
     tiny = _tiny(task_name)
@@ -172,7 +172,7 @@ def test_loading_unpickles_nothing(tmp_path, monkeypatch):
     import cloudpickle
     import mlflow.pyfunc
 
-    from pipeline.registry import load_model
+    from pipeline.registry.versions import load_model
 
     uri, exp_id = _store(tmp_path)
     tiny = _tiny("pattern")
@@ -208,7 +208,7 @@ def test_loading_unpickles_nothing(tmp_path, monkeypatch):
 
 
 def test_weights_that_are_not_the_recorded_tensors_are_refused(tmp_path):
-    from pipeline.registry import load_model
+    from pipeline.registry.versions import load_model
 
     uri, exp_id = _store(tmp_path)
     run_id = _run(uri, exp_id)
@@ -274,7 +274,7 @@ def test_format1_is_refused_and_migrated(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     from pipeline.cli import main
-    from pipeline.registry import load_model
+    from pipeline.registry.versions import load_model
 
     uri, exp_id = _store(tmp_path)
     client = MlflowClient(uri)

@@ -1,4 +1,4 @@
-"""Reruns are explicit and honest (pipeline.rerun), end to end on the shared local Ray cluster.
+"""Reruns are explicit and honest (pipeline.train.rerun), end to end on the shared local Ray cluster.
 
 One run name goes through what a user does to it: train; run the same job again (nothing is
 trained or registered, its model is named); change the learning rate or the model (refused in
@@ -49,9 +49,9 @@ def test_rerun_is_explicit_and_honest(tiny, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     from pipeline.cli import main
-    from pipeline.registry import load_model
-    from pipeline.rerun import RerunConflict, latest_checkpoint
-    from pipeline.train import train_job
+    from pipeline.registry.versions import load_model
+    from pipeline.train.rerun import RerunConflict, latest_checkpoint
+    from pipeline.train.driver import train_job
 
     base, shards = tiny
     values = _values(base, tmp_path)
@@ -129,8 +129,8 @@ def test_rerun_is_explicit_and_honest(tiny, tmp_path, capsys):
 def test_what_a_resumed_run_may_change():
     """The hash covers what shapes the weights; bookkeeping keys stay out of it; a setting added
     after a checkpoint was written, at its default, is no difference."""
-    from pipeline.rerun import RESUMABLE_TRAIN_KEYS, differences, default_config
-    from pipeline.train_config import TrainConfig
+    from pipeline.train.rerun import RESUMABLE_TRAIN_KEYS, differences, default_config
+    from pipeline.config.train import TrainConfig
 
     assert {"epochs", "eval_every", "max_failures", "run_name", "storage_path"} <= RESUMABLE_TRAIN_KEYS
     assert not {"lr", "seed", "node_budget", "precision", "zero_stage", "eval_subset"} & RESUMABLE_TRAIN_KEYS

@@ -1,12 +1,12 @@
 """Which checkpoint a rerun resumes from, and which ones it deletes (no Ray: a run directory laid
-out as Ray Train and :func:`pipeline.checkpoint.save` leave it after an interrupt)."""
+out as Ray Train and :func:`pipeline.train.checkpoint.save` leave it after an interrupt)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from pipeline import checkpoint as ckpt
-from pipeline.rerun import SNAPSHOT, latest_checkpoint, prune_unregistered, registered_checkpoints
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.rerun import SNAPSHOT, latest_checkpoint, prune_unregistered, registered_checkpoints
 
 
 def _checkpoint(run_dir: Path, name: str, epoch: int, world: int = 2, ranks_done: int | None = None,

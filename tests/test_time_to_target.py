@@ -1,4 +1,4 @@
-"""Time to a quality target and early stopping (:mod:`pipeline.stopping`).
+"""Time to a quality target and early stopping (:mod:`pipeline.train.stopping`).
 
 The rules on made-up histories, then one real run on the shared local Ray cluster (2 CPU workers
 + DeepSpeed, MLflow on SQLite) that stops at its target, and a real MLflow server started on that
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import stopping
-from pipeline.train_config import TargetConfig, TrainConfig
+from pipeline.train import stopping
+from pipeline.config.train import TargetConfig, TrainConfig
 
 
 def _history(values: list[float], key: str = "val_f1") -> list[dict]:
@@ -76,7 +76,7 @@ def stopped_run(ray_cluster, tmp_path_factory):
     base = tmp_path_factory.getbasetemp() / "satp-tiny"
     base.mkdir(exist_ok=True)
     tiny_data(base)
-    from pipeline.train import train_job
+    from pipeline.train.driver import train_job
 
     job = _job(base, epochs=8, run_name="to-target", target={"metric": "val_f1", "value": TARGET})
     started = time.monotonic()
@@ -88,7 +88,7 @@ def stopped_run(ray_cluster, tmp_path_factory):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_run_stops_at_its_target_and_reports_the_time_to_it(stopped_run):
-    from pipeline.commands import summary
+    from pipeline.cli.train_commands import summary
 
     job, outcome = stopped_run
     history = outcome.history
@@ -110,8 +110,8 @@ def test_a_run_stops_at_its_target_and_reports_the_time_to_it(stopped_run):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_rerun_of_a_stopped_run_is_finished_and_a_higher_target_continues_it(stopped_run):
-    from pipeline import rerun
-    from pipeline.train import train_job
+    from pipeline.train import rerun
+    from pipeline.train.driver import train_job
 
     job, outcome = stopped_run
     again = train_job(job)
@@ -119,7 +119,7 @@ def test_a_rerun_of_a_stopped_run_is_finished_and_a_higher_target_continues_it(s
     assert again.registered["version"] == outcome.registered["version"]
     higher = job.model_copy(deep=True)
     higher.train.target.value = 0.99
-    from pipeline.loader import open_split
+    from pipeline.train.loader import open_split
 
     decision = rerun.decide(higher, rerun.weights_config(higher, open_split(rerun.job_shard_dir(higher), "train").manifest),
                             "commit")

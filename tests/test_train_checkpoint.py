@@ -21,11 +21,11 @@ import json, os, sys
 import torch
 from torch_geometric.data import Batch
 from sat import SAT, SATConfig, SATData
-from pipeline import checkpoint as ckpt
-from pipeline.engine import build_engine, clips_outside_deepspeed
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.engine import build_engine, clips_outside_deepspeed
 from pipeline.tasks import Code2Task
-from pipeline.train_step import TrainStep
-from pipeline.train_config import TrainConfig
+from pipeline.train.step import TrainStep
+from pipeline.config.train import TrainConfig
 
 mode, directory, precision = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.manual_seed(0)
@@ -88,7 +88,7 @@ def _run(mode: str, directory: Path, precision: str) -> dict:
 
 @pytest.mark.slow
 def test_checkpoint_round_trip(tmp_path):
-    from pipeline.engine import resolve_precision
+    from pipeline.train.engine import resolve_precision
 
     precision = resolve_precision("auto", use_gpu=False)
     saved = _run("save", tmp_path / "ckpt", precision)
@@ -106,7 +106,7 @@ def test_checkpoint_round_trip(tmp_path):
 
 
 def test_incomplete_checkpoint_is_rejected(tmp_path):
-    from pipeline import checkpoint as ckpt
+    from pipeline.train import checkpoint as ckpt
 
     (tmp_path / "ds").mkdir()
     with pytest.raises(ValueError, match="incomplete checkpoint"):
@@ -121,7 +121,7 @@ def test_registered_epoch_logger_logs_each_reported_epoch_once(tmp_path):
     from mlflow.tracking import MlflowClient
     from ray.train import Checkpoint
 
-    from pipeline.epoch_logger import RegisteredEpochLogger
+    from pipeline.train.epoch_logger import RegisteredEpochLogger
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)

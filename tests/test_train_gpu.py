@@ -2,7 +2,7 @@
 
 Run by the GPU check (`benchmarks/gpu/run.sh`). DeepSpeed cannot be initialised twice in one
 process (FACTS.md), so the step runs in a subprocess: a DeepSpeed engine from
-`pipeline.engine.build_engine`, the worker's `TrainStep`, batches from `BatchCollator` in pinned
+`pipeline.train.engine.build_engine`, the worker's `TrainStep`, batches from `BatchCollator` in pinned
 memory copied without blocking, and `torch.cuda.set_sync_debug_mode("error")` around the steps
 (it raises on any synchronising call: DeepSpeed's throughput timer or its own gradient clipping
 would).
@@ -22,11 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = r'''
 import sys
 import torch
-from pipeline.engine import build_engine, clips_outside_deepspeed
-from pipeline.loader import BatchCollator, to_device
+from pipeline.train.engine import build_engine, clips_outside_deepspeed
+from pipeline.train.loader import BatchCollator, to_device
 from pipeline.tasks import Code2Task
-from pipeline.train_config import TrainConfig
-from pipeline.train_step import TrainStep
+from pipeline.config.train import TrainConfig
+from pipeline.train.step import TrainStep
 from sat import SAT, SATConfig
 from benchmarks.synthetic import code2_like_graphs
 

@@ -45,9 +45,9 @@ def sbm_root(tmp_path_factory):
 def test_tiny_pattern_run_beats_the_majority_class_and_predicts(ray_cluster, sbm_root, tmp_path, capsys):
     from pipeline.cli import main
     from pipeline.config import JobConfig
-    from pipeline.loader import open_split
-    from pipeline.predict import load
-    from pipeline.train import train_job
+    from pipeline.train.loader import open_split
+    from pipeline.registry.predict import load
+    from pipeline.train.driver import train_job
 
     job = JobConfig.model_validate(pattern_job_dict(sbm_root, tmp_path, precise_bn_batches=3))
     outcome = train_job(job)
@@ -99,9 +99,9 @@ def _assert_statistics_recomputed(job, model, epoch: int, base: Path) -> None:
     epoch's statistics batches (train.precise_bn_batches), not training's moving averages."""
     import copy
 
-    from pipeline.loader import BatchCollator, make_loader, open_split
-    from pipeline.precise_bn import batchnorm_layers, recompute_batchnorm_stats
-    from pipeline.worker import statistics_batches
+    from pipeline.train.loader import BatchCollator, make_loader, open_split
+    from pipeline.train.precise_bn import batchnorm_layers, recompute_batchnorm_stats
+    from pipeline.train.worker import statistics_batches
 
     train_ds = open_split(_shard_dir(base), "train")
     batches = statistics_batches(job, train_ds)
@@ -130,9 +130,9 @@ def test_a_pna_job_gets_the_training_graphs_in_degree_histogram(ray_cluster, sbm
     from torch_geometric.nn import PNAConv
 
     from pipeline.config import JobConfig
-    from pipeline.loader import BatchCollator
-    from pipeline.train import plan
-    from pipeline.worker import build_model
+    from pipeline.train.loader import BatchCollator
+    from pipeline.train.driver import plan
+    from pipeline.train.worker import build_model
     from sat.config import SATConfig
 
     values = pattern_job_dict(sbm_root, tmp_path)

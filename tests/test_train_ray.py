@@ -72,10 +72,10 @@ def _runs(tracking_uri: str, experiment: str = "tiny"):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_two_worker_deepspeed_run_learns_and_registers(tiny, tmp_path):
-    from pipeline.registry import load_model
+    from pipeline.registry.versions import load_model
     from torch_geometric.data import Batch
 
-    from pipeline.train import open_split, train_job
+    from pipeline.train.driver import open_split, train_job
 
     base, shards = tiny
     outcome = train_job(_job(base, run_name="learns", epochs=4), shard_dir=shards)
@@ -117,7 +117,7 @@ def test_two_worker_deepspeed_run_learns_and_registers(tiny, tmp_path):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_killed_worker_resumes_from_checkpoint_in_one_mlflow_run(tiny, tmp_path):
-    from pipeline.train import train_job
+    from pipeline.train.driver import train_job
 
     base, shards = tiny
     marker = tmp_path / "killed"
@@ -147,7 +147,7 @@ def test_killed_worker_resumes_from_checkpoint_in_one_mlflow_run(tiny, tmp_path)
 @pytest.mark.ray
 @pytest.mark.slow
 def test_failed_run_registers_nothing(tiny, tmp_path):
-    from pipeline.train import train_job
+    from pipeline.train.driver import train_job
 
     base, shards = tiny
     job = _job(base, run_name="fails", epochs=1, max_failures=0)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.batching import NodeBudgetSampler, pack, padding_stats, subset_indices
-from pipeline.engine import clips_outside_deepspeed, deepspeed_config, resolve_precision, warmup_cosine
+from pipeline.train.batching import NodeBudgetSampler, pack, padding_stats, subset_indices
+from pipeline.train.engine import clips_outside_deepspeed, deepspeed_config, resolve_precision, warmup_cosine
 from pipeline.tasks import Code2Task, PPATask, best_constant_sequence, make_task, task_name_for
-from pipeline.train_config import TrainConfig
+from pipeline.config.train import TrainConfig
 
 
 def sizes(n=3000, seed=0):
@@ -111,7 +111,7 @@ def test_schedule_and_deepspeed_config():
     assert cfg["gradient_clipping"] == 0.5 and cfg["zero_optimization"]["stage"] == 1
     assert cfg["torch_autocast"]["dtype"] == "bfloat16"
     assert "torch_autocast" not in deepspeed_config(TrainConfig(), "fp32", 1)
-    # ZeRO 0: the step clips with one foreach norm (pipeline.engine.optimizer_step), not DeepSpeed;
+    # ZeRO 0: the step clips with one foreach norm (pipeline.train.engine.optimizer_step), not DeepSpeed;
     # partitioned gradients (ZeRO >= 1) and the fp16 loss scaler leave clipping to DeepSpeed
     assert clips_outside_deepspeed(TrainConfig(zero_stage=0), "bf16")
     assert deepspeed_config(TrainConfig(grad_clip=0.5, zero_stage=0), "bf16", 1)["gradient_clipping"] == 0.0
@@ -131,7 +131,7 @@ def test_collective_backend_resolves_to_gloo_where_workers_share_a_gpu():
     from pydantic import ValidationError
 
     from pipeline.config import load_job
-    from pipeline.train_config import ResourcesConfig
+    from pipeline.config.train import ResourcesConfig
 
     res = ResourcesConfig
     assert res().torch_backend == "gloo"  # CPU workers
@@ -156,12 +156,12 @@ def test_collective_backend_resolves_to_gloo_where_workers_share_a_gpu():
 
 
 def test_fit_gives_ray_train_the_resolved_backend(monkeypatch, tmp_path):
-    """``pipeline.train._fit`` hands ``resources.torch_backend`` to the TorchTrainer (Ray Train's own
+    """``pipeline.train.driver._fit`` hands ``resources.torch_backend`` to the TorchTrainer (Ray Train's own
     default would be NCCL for any GPU request). Ray is imported, no cluster is started."""
     rtt = pytest.importorskip("ray.train.torch")
-    from pipeline import train as train_mod
+    from pipeline.train import driver as train_mod
     from pipeline.config import load_job
-    from pipeline.worker import WorkerSetup
+    from pipeline.train.worker import WorkerSetup
 
     seen = {}
 

@@ -22,7 +22,7 @@ def _job(space, **tune):
 
 def test_sweep_jobs_validate():
     from pipeline.config import load_job
-    from pipeline.tune import check_space, data_variants
+    from pipeline.sweep.space import check_space, data_variants
 
     for name in ("code2-sweep.yaml", "code2-sweep-local.yaml"):
         job = load_job(ROOT / "jobs" / name)
@@ -47,7 +47,7 @@ def test_bad_tune_sections_are_rejected(space, match):
 
 def test_bad_keys_and_values_name_the_key():
     from pipeline.config import load_job
-    from pipeline.tune import check_space
+    from pipeline.sweep.space import check_space
 
     with pytest.raises(ValueError, match=r"tune\.space\.model\.dropout = 1\.5"):
         check_space(_job({"model.dropout": {"choice": [0.1, 1.5]}}))
@@ -60,7 +60,7 @@ def test_bad_keys_and_values_name_the_key():
 
 
 def test_linked_keys_and_data_variants():
-    from pipeline.tune import apply_config, base_job_dict, check_space, data_variants
+    from pipeline.sweep.space import apply_config, base_job_dict, check_space, data_variants
 
     job = _job({"transform.rwpe_steps, model.pe_dim": {"choice": [4, 8]}, "model.pe": {"value": "rwpe"},
                 "train.lr": {"loguniform": [1e-4, 1e-3]}})
@@ -73,7 +73,7 @@ def test_linked_keys_and_data_variants():
 
 
 def test_concurrency_is_capped_by_resources():
-    from pipeline.tune import concurrency_cap
+    from pipeline.sweep.tune import concurrency_cap
 
     job = _job({"train.lr": {"choice": [1e-3]}})
     job.resources.num_workers, job.resources.cpus_per_worker = 1, 1
@@ -93,7 +93,7 @@ class FakeVersion:
 
 
 class FakeClient:
-    """The four MlflowClient calls :func:`pipeline.registry.promote` makes."""
+    """The four MlflowClient calls :func:`pipeline.registry.versions.promote` makes."""
 
     def __init__(self, versions, alias=None):
         self.versions = {int(v.version): v for v in versions}
@@ -114,7 +114,7 @@ class FakeClient:
 
 
 def test_champion_moves_only_to_a_better_version():
-    from pipeline.registry import promote
+    from pipeline.registry.versions import promote
 
     client = FakeClient([FakeVersion(1, {"metric.best_val_f1": "0.30"}), FakeVersion(2, {}), FakeVersion(3, {})])
     first = promote(client, "m", 1, 0.30, "best_val_f1", "max", "champion", "sweep a")
@@ -134,7 +134,7 @@ def test_champion_moves_only_to_a_better_version():
 
 
 def test_plot_marks_early_stops(tmp_path):
-    from pipeline.tune import TrialSummary, plot_sweep
+    from pipeline.sweep.summary import TrialSummary, plot_sweep
 
     trials = [
         TrialSummary("a", {}, "finished", 3, 0.3, 0.3, 0.2, [(0, 0.1), (1, 0.2), (2, 0.3)], None),

@@ -56,7 +56,7 @@ def sweep_job(tmp: Path, src: Path, **tune_overrides):
 @pytest.fixture(scope="module")
 def sweep(ray_cluster, tmp_path_factory):
     from preprocessing.testing import small_python_source
-    from pipeline.tune import run_sweep
+    from pipeline.sweep.tune import run_sweep
 
     tmp = tmp_path_factory.mktemp("sweep")
     src = small_python_source(tmp / "src")
@@ -124,8 +124,8 @@ def test_champion_is_the_best_trials_version(sweep):
 
 
 def _checkpoint_model(trial):
-    from pipeline import checkpoint as ckpt
-    from pipeline.train import build_model
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.driver import build_model
     from sat.config import SATConfig
 
     state = ckpt.load_state(trial.checkpoint_path)
@@ -135,18 +135,18 @@ def _checkpoint_model(trial):
 
 
 def _chunks(graphs, size=None):
-    """Batches as `pipeline.predict` makes them: the exact comparisons below hold for the same
+    """Batches as `pipeline.registry.predict` makes them: the exact comparisons below hold for the same
     batches only (another batch composition changes the dense-attention blocks, hence the bits)."""
     from torch_geometric.data import Batch
 
-    from pipeline.predict import BATCH_GRAPHS
+    from pipeline.registry.predict import BATCH_GRAPHS
 
     size = size or BATCH_GRAPHS
     return [Batch.from_data_list(graphs[i : i + size]) for i in range(0, len(graphs), size)]
 
 
 def test_loaded_model_equals_model_at_end_of_training(sweep):
-    from pipeline.predict import load
+    from pipeline.registry.predict import load
     from preprocessing.reader import ShardDataset
 
     out = sweep["outcome"]
@@ -174,7 +174,7 @@ def test_source_graphs_match_the_training_shards(sweep):
     import csv
     import gzip
 
-    from pipeline.predict import load
+    from pipeline.registry.predict import load
     from preprocessing.reader import ShardDataset
 
     out = sweep["outcome"]
@@ -202,7 +202,7 @@ def test_source_graphs_match_the_training_shards(sweep):
 def test_predict_cli_in_a_fresh_process_reproduces_training(sweep):
     out = sweep["outcome"]
     trained = _checkpoint_model(out.best)
-    from pipeline.predict import load
+    from pipeline.registry.predict import load
 
     model = load("models:/sat-t@champion", tracking_uri=sweep["uri"])
     src_file = sweep["src"] / "textwrap.py"
@@ -227,7 +227,7 @@ def test_predict_cli_in_a_fresh_process_reproduces_training(sweep):
 def test_rerun_resumes_instead_of_starting_over(sweep):
     from mlflow.tracking import MlflowClient
 
-    from pipeline.tune import run_sweep
+    from pipeline.sweep.tune import run_sweep
 
     again = run_sweep(sweep["job"], verbose=0)
     assert again.resumed
@@ -256,7 +256,7 @@ def test_champion_moves_only_for_a_better_version_in_the_registry(sweep):
     one takes it and the replaced version is tagged with the reason."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.registry import promote
+    from pipeline.registry.versions import promote
 
     client = MlflowClient(sweep["uri"])
     champion = client.get_model_version_by_alias("sat-t", "champion")

@@ -27,7 +27,7 @@
 #   Mako and cryptography for the SQLite store and registry, instead of the full `mlflow` wheel
 #   and its server/UI/plotting dependencies (flask, gunicorn, graphene, matplotlib, docker, ...);
 # - Ray's dashboard dependencies (grpcio, opencensus, prometheus ...): `satp train` starts its
-#   local Ray with the dashboard (pipeline/cluster.py: Ray Train's placement-group cleaner asks
+#   local Ray with the dashboard (runtime/ray_cluster.py: Ray Train's placement-group cleaner asks
 #   the State API), which Ray refuses to start without them.
 # Then it checks that pip accepts every wheel for the target interpreter and that the kit fits
 # BUDGET_MIB, and writes MANIFEST.txt beside the wheels.

@@ -1,0 +1,73 @@
+"""The ``satp`` command. Each area registers its own subcommands; errors print one line.
+
+Building the parser imports no heavy library (see :mod:`pipeline.cli.args`): ``satp --help`` and
+a job file's validation error come back in well under a second; torch, Ray and MLflow load only
+in the command that needs them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="satp", description="Structure-Aware Transformer pipeline")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from pipeline.cli.data_commands import register as register_preprocessing
+
+    register_preprocessing(sub)
+    from pipeline.cli.train_commands import register as register_training
+
+    register_training(sub)
+    from pipeline.cli.sweep_commands import register as register_sweeps  # tune, compare
+
+    register_sweeps(sub)
+    from pipeline.cli.registry_commands import register as register_registry  # models, predict
+
+    register_registry(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's PyPI version check
+    args = build_parser().parse_args(argv)
+    from pipeline import console
+
+    console.setup(progress=not getattr(args, "no_progress", False))
+    from runtime.interrupts import install
+
+    install()  # SIGTERM too unwinds (Ray's own handling is put back after it starts: see there)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, OSError) as exc:
+        if os.environ.get("SATP_DEBUG"):
+            raise
+        print(f"satp: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        return _interrupted(exc)
+
+
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    """One line on what was kept, Ray shut down (a local cluster with it), status 130 / 143."""
+    from runtime.interrupts import as_interrupted, install
+
+    interrupted = as_interrupted(exc)
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            try:
+                ray.shutdown()
+            except (Exception, KeyboardInterrupt):  # a second Ctrl-C meanwhile: the line still comes
+                pass
+    install()  # now without what the training's handler kept alive (see runtime.interrupts)
+    kept = interrupted.kept or ("finished work is kept (shards and checkpoints are written whole or not "
+                                "at all): the same command continues from it")
+    print(f"satp: interrupted ({interrupted.signal_name}): {kept}", file=sys.stderr, flush=True)
+    return interrupted.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""``satp models`` and ``satp predict`` (registered by :mod:`pipeline.cli`).
+
+::
+
+    satp models [--tracking-uri URI] [--json]
+        registered models, versions, aliases, each version's metric, data hash and commit
+    satp models migrate NAME [--tracking-uri URI]
+        re-register NAME's format-1 versions (pickled modules, which satp no longer loads)
+        weights-only, as new versions; their aliases move to the copies
+    satp predict MODEL_URI INPUT [--tracking-uri URI] [--split test] [--json]
+        models:/NAME@alias or models:/NAME/VERSION; INPUT: a Python file (code2), a shard
+        directory or a JSON graph file (ppa; pattern and cluster: one class per node)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="registered models: versions, aliases, metrics, data hash, commit")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_models)
+    actions = p.add_subparsers(dest="models_command", metavar="{migrate}")
+    m = actions.add_parser("migrate", help="re-register a model's format-1 (pickled) versions weights-only")
+    m.add_argument("name", metavar="NAME", help="the registered model")
+    # SUPPRESS: `satp models --tracking-uri URI migrate NAME` keeps the URI given before the action
+    m.add_argument("--tracking-uri", default=argparse.SUPPRESS, help="MLflow tracking URI (as for satp models)")
+    m.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("predict", help="predict with a registered model (code2: method names of a Python file)")
+    p.add_argument("model_uri", metavar="MODEL_URI", help="models:/NAME@alias or models:/NAME/VERSION")
+    p.add_argument("input", metavar="INPUT", help="a Python file (code2), a shard directory or a JSON graph file (ppa, pattern, cluster)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)")
+    p.add_argument("--split", default="test", help="split to predict when INPUT is a shard directory (default test)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_predict)
+
+
+# ----------------------------------------------------------------------------- satp models
+def cmd_models(args: argparse.Namespace) -> int:
+    from pipeline.registry.listing import format_models, list_models
+
+    models = list_models(args.tracking_uri)
+    print(json.dumps(models, indent=1) if args.json else format_models(models))
+    return 0
+
+
+# ----------------------------------------------------------------------------- satp models migrate
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from pipeline.registry.migration import migrate
+
+    migrate(args.name, args.tracking_uri)
+    return 0
+
+
+# ----------------------------------------------------------------------------- satp predict
+def cmd_predict(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pipeline.registry.predict import FunctionPrediction, format_predictions, load
+
+    if not Path(args.input).exists():
+        raise ValueError(f"{args.input}: no such file")
+    model = load(args.model_uri, tracking_uri=args.tracking_uri)
+    predictions = model.predict_file(args.input, split=args.split)
+    if args.json:
+        rows = [
+            {"name": p.name, "line": p.line, "actual": p.actual, "predicted": p.predicted}
+            if isinstance(p, FunctionPrediction) else {"graph": p[0], "predicted": p[1]}
+            for p in predictions
+        ]
+        print(json.dumps(rows))
+    else:
+        print(f"# {args.model_uri} ({model.task_name}) on {args.input}: {len(predictions)} "
+              f"{'functions' if model.task_name == 'code2' else 'graphs'}")
+        print(format_predictions(predictions))
+    return 0

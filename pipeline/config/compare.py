@@ -1,0 +1,79 @@
+"""The ``compare:`` section of a job YAML: variants of the job, compared at equal budget over seeds.
+
+Example (``jobs/pattern-local.yaml``)::
+
+    compare:
+      seeds: [0, 1, 2]              # every variant trains once per seed (train.seed)
+      variants:                     # name -> dotted keys of the job set for that variant
+        gcn: {model.architecture: gnn, model.pe: none, model.pe_dim: 0}
+        transformer: {model.k_hops: 0}
+        subtree: {}                 # the job as it is
+        subgraph: {model.extractor: subgraph, transform.k_hops: 1}
+      max_concurrent_trials: 2      # further capped by the cluster's resources
+
+``satp compare JOB.yaml`` (:mod:`pipeline.sweep.compare`) trains every variant with every seed, each
+trial being a full Ray Train run of the job. Every trial gets the same budget: the same data and
+the same number of epochs. The keys that set the budget (``data``, ``train.epochs``,
+``train.train_subset``, ``train.eval_subset``) and the seed cannot be varied. Keys under
+``transform`` and ``shards`` may differ (e.g. subgraph indices for the k-subgraph variant). Each
+distinct preprocessing is built once, before the trials start.
+
+Every variant is checked against the job's own validation before anything starts: a bad key or
+value is a one-line error naming ``compare.variants.<name>``.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from pydantic import Field, field_validator
+
+from preprocessing.config import StrictModel
+
+#: Keys a variant may not set: what identifies or logs the run, and what fixes the budget.
+FORBIDDEN_PREFIXES = ("tune", "compare", "name", "mlflow", "data", "train.seed", "train.epochs", "train.train_subset",
+                      "train.eval_subset", "train.run_name", "train.storage_path")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # usable in run names and MLflow metric keys
+
+
+class CompareConfig(StrictModel):
+    """Variants x seeds, each a full training run; see the module docstring."""
+
+    variants: dict[str, Optional[dict[str, Any]]]  # None (an empty YAML value): the job as it is
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
+    #: Comparison name (Tune experiment directory, MLflow parent run): default ``<job name>-compare-<hash>``,
+    #: the hash of the job, variants and seeds. A rerun of the same configuration resumes it; a named
+    #: comparison rerun with another configuration is an error.
+    name: Optional[str] = None
+    #: Tune's storage (experiment state, trials' Train checkpoints): default ``<runs>/tune``.
+    storage_path: Optional[str] = None
+    max_concurrent_trials: Optional[int] = Field(None, ge=1)  # capped by the cluster's resources
+    #: CPUs reserved by each trial's Tune function, which only drives its Train run.
+    trial_cpus: float = Field(0.0, ge=0)
+    #: Times a trial whose Train driver died is restarted (its Train run resumes).
+    max_failures: int = Field(1, ge=0)
+
+    @field_validator("variants")
+    @classmethod
+    def _variants(cls, variants: dict[str, Optional[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+        if not variants:
+            raise ValueError("expected at least one variant")
+        for name, overrides in variants.items():
+            if not _NAME.match(str(name)):
+                raise ValueError(f"{name!r}: a variant name takes letters, digits and _ . + - (not first)")
+            for key in overrides or {}:
+                if not key or any(not part for part in str(key).split(".")):
+                    raise ValueError(f"{name}: {key!r}: expected dotted keys such as model.k_hops")
+                if any(key == p or key.startswith(p + ".") for p in FORBIDDEN_PREFIXES):
+                    raise ValueError(f"{name}: {key} cannot differ between variants (same data, epochs and seeds "
+                                     "for every variant)")
+        return {name: dict(overrides or {}) for name, overrides in variants.items()}
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, seeds: list[int]) -> list[int]:
+        if not seeds:
+            raise ValueError("expected at least one seed")
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"seeds repeat: {seeds}")
+        return seeds

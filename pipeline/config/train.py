@@ -1,0 +1,156 @@
+"""Job sections owned by training: ``train``, ``resources`` and ``mlflow``.
+
+Each section is a strict pydantic model (unknown keys are errors) with the
+defaults of a small local run; ``jobs/*.yaml`` set the paper's values. Paths
+that default to the project's run directory (``runs/`` under the current
+directory, or ``$SATP_RUNS_DIR``) are resolved to absolute paths by
+:func:`resolve_paths` in the driver, before anything reaches a Ray worker
+(a worker's or a Ray job's working directory is a temporary copy).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
+from preprocessing.config import StrictModel
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+TaskName = Literal["code2", "ppa", "pattern", "cluster"]
+
+
+class TargetConfig(StrictModel):
+    """A quality target: the run stops at the first evaluation where ``metric`` reaches ``value``
+    (``>=``, or ``<=`` for a task whose metric is minimised); see :mod:`pipeline.train.stopping`."""
+
+    metric: str  # val_<task metric>, test_<...> or train_<...>, e.g. val_acc, val_f1
+    value: float
+
+
+class TrainConfig(StrictModel):
+    """Optimisation, batching, checkpointing (paper, appendix C: AdamW with a linear warm-up, then
+    cosine decay on OGB, or the Transformer's inverse-square-root decay on ZINC/PATTERN/CLUSTER)."""
+
+    task: Optional[TaskName] = None  # None: inferred from data.name (see pipeline.tasks)
+    epochs: int = Field(4, ge=1)
+    warmup_epochs: float = Field(1.0, ge=0)
+    # warm-up in optimizer steps (the paper's 5,000 on PATTERN/CLUSTER); when set, warmup_epochs is unused
+    warmup_steps: Optional[int] = Field(None, ge=0)
+    lr: float = Field(1e-4, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = Field(1e-6, ge=0)
+    # after the warm-up: cosine (to lr * min_lr_ratio at the last step), constant, or inverse_sqrt:
+    # lr * sqrt(warmup / step), the schedule of Vaswani et al. scaled to peak at lr (the SAT authors'
+    # train_SBMs.py / train_zinc.py)
+    scheduler: Literal["cosine", "constant", "inverse_sqrt"] = "cosine"
+    # batching: a batch holds graphs of similar size up to `node_budget` padded nodes
+    # (graphs x largest graph), so dense attention wastes little; a graph larger than
+    # the budget gets a batch of its own (never dropped)
+    node_budget: int = Field(4000, ge=1)
+    max_graphs_per_batch: Optional[int] = Field(None, ge=1)
+    eval_node_budget: Optional[int] = Field(None, ge=1)  # default: 2 x node_budget
+    bucket_size: int = Field(2048, ge=1)  # graphs per shuffled bucket sorted by size
+    loader_workers: int = Field(0, ge=0)
+    train_subset: Optional[int] = Field(None, ge=1)  # first N graphs of a seeded permutation
+    eval_subset: Optional[int] = Field(None, ge=1)  # the same, seeded by data.seed (not by train.seed)
+    seed: int = 0
+    # DeepSpeed
+    precision: Precision = "auto"  # auto: bf16 where supported, else fp16 on GPU, fp32 on CPU
+    zero_stage: Literal[0, 1, 2] = 0
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables
+    # evaluation: BatchNorm's running statistics recomputed before each evaluation over this many
+    # random training batches, dropout off (pipeline.train.precise_bn); 0: the moving average of training
+    precise_bn_batches: int = Field(0, ge=0)
+    # bookkeeping
+    eval_every: int = Field(1, ge=1)
+    log_every_steps: int = Field(50, ge=1)
+    run_name: Optional[str] = None  # default: the job's name; a rerun with the same name resumes
+    storage_path: Optional[str] = None  # default: <runs>/ray
+    checkpoints_to_keep: int = Field(2, ge=1)
+    max_failures: int = Field(2, ge=0)  # worker-group restarts from the last checkpoint
+    # stopping before `epochs` (pipeline.train.stopping): at a quality target (its wall-clock, steps and
+    # epochs are reported as time to target), or after `patience` evaluations without a better
+    # validation metric
+    target: Optional[TargetConfig] = None
+    patience: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _warmup(self) -> "TrainConfig":
+        warmup = self.warmup_epochs if self.warmup_steps is None else self.warmup_steps
+        if self.scheduler == "inverse_sqrt" and not warmup > 0:
+            raise ValueError("scheduler 'inverse_sqrt' decays from the end of the warm-up; set warmup_steps > 0")
+        return self
+
+
+class ResourcesConfig(StrictModel):
+    """Ray Train workers: one DeepSpeed rank each."""
+
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1, gt=0)
+    gpus_per_worker: float = Field(1, ge=0)
+    torch_threads: Optional[int] = Field(None, ge=1)  # default: cpus_per_worker
+    # PACK: workers on as few nodes as possible; SPREAD: across nodes where they fit (a lost node
+    # then takes fewer workers with it). Either way a lost node's workers restart where room is.
+    placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
+    # false: fail before anything starts when the cluster's nodes cannot hold the workers;
+    # true: an autoscaling cluster, where Ray adds the nodes the workers ask for
+    wait_for_nodes: bool = False
+    # torch.distributed backend between the workers (DeepSpeed's gradient all-reduce, the metric
+    # and evaluation gathers): auto = nccl for GPU workers that each hold whole GPUs, gloo for CPU
+    # workers and for GPU workers that may share a device (gpus_per_worker below 1 with several
+    # workers: NCCL refuses two ranks on one GPU). gloo moves CUDA tensors through host memory.
+    collective_backend: Literal["auto", "nccl", "gloo"] = "auto"
+
+    @model_validator(mode="after")
+    def _gpu(self) -> "ResourcesConfig":
+        if self.use_gpu and self.gpus_per_worker <= 0:
+            raise ValueError("use_gpu needs gpus_per_worker > 0")
+        if self.collective_backend == "nccl" and not self.use_gpu:
+            raise ValueError("collective_backend 'nccl' needs GPU workers (use_gpu: true); CPU workers use gloo")
+        if self.collective_backend == "nccl" and self.shares_gpus:
+            raise ValueError(
+                f"collective_backend 'nccl' with gpus_per_worker {self.gpus_per_worker:g} and {self.num_workers} "
+                "workers: workers may share a GPU and NCCL refuses two ranks on one device; use gloo (or auto)")
+        return self
+
+    @property
+    def shares_gpus(self) -> bool:
+        """Whether two of the job's GPU workers may land on one device (a fractional GPU each)."""
+        return self.use_gpu and self.num_workers > 1 and not float(self.gpus_per_worker).is_integer()
+
+    @property
+    def torch_backend(self) -> str:
+        """``collective_backend`` with ``auto`` resolved: ``nccl`` or ``gloo``."""
+        if self.collective_backend != "auto":
+            return self.collective_backend
+        return "nccl" if self.use_gpu and not self.shares_gpus else "gloo"
+
+
+class MlflowConfig(StrictModel):
+    """Tracking: one MLflow run per training run (epochs logged by Ray Train's controller, system
+    metrics by rank 0)."""
+
+    enabled: bool = True
+    tracking_uri: Optional[str] = None  # default: sqlite:////abs/<runs>/mlflow.db
+    experiment: str = "satp"
+    registered_model: Optional[str] = None  # default: sat-<task>; registered at the end of a run
+    log_system_metrics: bool = True
+
+    @model_validator(mode="after")
+    def _uri(self) -> "MlflowConfig":
+        uri = self.tracking_uri
+        if uri and uri.startswith("sqlite:") and not uri.startswith("sqlite:////"):
+            raise ValueError(f"tracking_uri {uri!r}: use an absolute SQLite path (sqlite:////abs/path.db)")
+        return self
+
+
+def runs_dir() -> Path:
+    """The project's run directory: ``$SATP_RUNS_DIR`` or ``./runs`` (absolute)."""
+    return Path(os.environ.get("SATP_RUNS_DIR") or Path.cwd() / "runs").resolve()
+
+
+def default_tracking_uri() -> str:
+    return f"sqlite:///{runs_dir() / 'mlflow.db'}"

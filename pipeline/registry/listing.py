@@ -1,0 +1,66 @@
+"""``satp models``: the registered models, their versions and aliases, with each version's tags
+(metrics, data hash, commit), as data (:func:`list_models`) and as the command's table
+(:func:`format_models`)."""
+from __future__ import annotations
+
+
+def list_models(tracking_uri: str | None = None) -> list[dict]:
+    """Registered models with their aliases and versions (tags: metrics, data hash, commit)."""
+    from pipeline.registry.predict import check_reachable, resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
+    check_reachable(uri)
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    out = []
+    try:
+        models = list(client.search_registered_models(max_results=1000))
+        for rm in sorted(models, key=lambda m: m.name):
+            aliases = dict(rm.aliases or {})
+            by_version: dict[str, list[str]] = {}
+            for alias, version in aliases.items():
+                by_version.setdefault(str(version), []).append(alias)
+            versions = []
+            for v in sorted(client.search_model_versions(f"name='{rm.name}'"), key=lambda v: int(v.version)):
+                tags = dict(v.tags or {})
+                versions.append({
+                    "version": int(v.version),
+                    "aliases": sorted(by_version.get(str(v.version), [])),
+                    "task": tags.get("task"),
+                    "metrics": {k.removeprefix("metric."): _num(val) for k, val in sorted(tags.items()) if k.startswith("metric.")},
+                    "data_manifest_hash": tags.get("data_manifest_hash"),
+                    "git_commit": tags.get("git_commit"),
+                    "run_id": v.run_id,
+                    "created": v.creation_timestamp,
+                    "replaced_reason": tags.get("satp.replaced_reason"),
+                })
+            out.append({"name": rm.name, "aliases": aliases, "versions": versions})
+    except MlflowException as exc:
+        raise OSError(f"tracking store {uri}: {str(exc).splitlines()[0]}") from None
+    return out
+
+
+def _num(text: str):
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return text
+
+
+def format_models(models: list[dict]) -> str:
+    if not models:
+        return "no registered models"
+    lines = []
+    for m in models:
+        aliases = ", ".join(f"@{a} -> v{v}" for a, v in sorted(m["aliases"].items())) or "no aliases"
+        lines.append(f"{m['name']}  ({len(m['versions'])} versions; {aliases})")
+        for v in m["versions"]:
+            metric = ", ".join(f"{k} {val:.4f}" if isinstance(val, float) else f"{k} {val}"
+                               for k, val in v["metrics"].items() if k.startswith("best_val") or k.startswith("best_test"))
+            alias = " ".join(f"@{a}" for a in v["aliases"])
+            data = (v["data_manifest_hash"] or "-")[:12]
+            commit = (v["git_commit"] or "-")[:12] + ("-dirty" if (v["git_commit"] or "").endswith("-dirty") else "")
+            lines.append(f"  v{v['version']:<3} {alias:<11} {v['task'] or '-':<6} {metric or '-'}  data {data}  commit {commit}")
+    return "\n".join(lines)

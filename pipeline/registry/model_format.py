@@ -1,0 +1,159 @@
+"""The files of a registered satp model (format 2: weights only) and its MLflow pyfunc.
+
+A logged model is an MLflow **pyfunc** model whose pyfunc artifacts are two plain files::
+
+    MLmodel                    python_function flavour: loader mlflow.pyfunc.loaders.code_model,
+                               model_code_path satp_pyfunc.py, artifacts weights + satp_model
+    satp_pyfunc.py             :data:`PYFUNC_CODE` ("models from code")
+    artifacts/weights.pt       the state dict: ``{name: tensor}``, fp32, CPU (torch.save)
+    artifacts/satp_model.json  {"format": 2, "weights_sha256": "...",
+                                "task": {"name": "code2", "max_seq_len": 5},
+                                "model_config": {...SATConfig fields...}, "vocab": [...] | null,
+                                "data_manifest_hash": "...", "git_commit": "...", "metrics": {...},
+                                "provenance": {"config_hash": "...", "git_commits": [...]},
+                                "run_name": "...", "job": {...}, "input": {...}}
+
+Why: format 1 pickled the whole ``nn.Module`` (``mlflow.pytorch``), and unpickling runs whatever
+the pickle holds, so loading a version from a shared registry ran its author's code. Now nothing
+executable is stored: :func:`read_model` rebuilds :class:`sat.SAT` from the JSON config and
+fills it with the tensors, read by ``torch.load(weights_only=True)``, PyTorch's restricted
+unpickler that only admits tensors and plain containers (a file holding anything else is
+refused). ``safetensors`` would avoid pickle framing altogether; it is not a satp dependency.
+
+The pyfunc face (``mlflow.pyfunc.load_model(uri).predict([...])``) uses MLflow's "models from
+code": the model's ``satp_pyfunc.py`` builds :class:`SATPyfunc` by importing it from the
+installed satp, where a ``PythonModel`` instance would be cloudpickled (``python_model.pkl``).
+satp's own loading (:func:`pipeline.registry.versions.load_model`) never runs that file: it reads the two
+artifacts with :func:`read_model`.
+
+``weights_sha256`` (:func:`weights_sha256`: every tensor's name, dtype, shape and bytes in name
+order) names the weights: the registry tags each version with it so that the same weights of a
+run are registered once, and :func:`read_model` refuses a weights file that does not match it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import mlflow.pyfunc
+import pydantic
+import torch
+
+from pipeline.registry.versions import LoadedModel
+from pipeline.tasks import make_task
+from sat.config import SATConfig
+
+FORMAT = 2
+META_FILE = "satp_model.json"
+WEIGHTS_FILE = "weights.pt"
+LEGACY_META = f"extra_files/{META_FILE}"  # format 1: beside the pickled module of mlflow.pytorch
+#: artifact name -> file, as MLflow's pyfunc flavour lists them (MLmodel) and SATPyfunc reads them
+ARTIFACTS = {"weights": WEIGHTS_FILE, "satp_model": META_FILE}
+#: the models-from-code file MLflow runs to build the pyfunc model (written beside the model)
+PYFUNC_CODE = '''\
+"""satp's MLflow pyfunc model, built from the installed satp (nothing pickled)."""
+import mlflow
+
+from pipeline.registry.model_format import SATPyfunc
+
+mlflow.models.set_model(SATPyfunc())
+'''
+
+
+def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict as the registry stores it: fp32 floats on the CPU, each tensor its
+    own storage (``torch.save`` of a view would write the whole storage it views)."""
+    return {
+        name: t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype).contiguous().clone()
+        for name, t in model.state_dict().items()
+    }
+
+
+def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def write_files(state: Mapping[str, torch.Tensor], meta: dict[str, Any], directory: Path) -> dict[str, str]:
+    """Write the weights and the JSON into ``directory``: ``{artifact name: path}`` to log."""
+    torch.save(dict(state), directory / WEIGHTS_FILE)
+    (directory / META_FILE).write_text(json.dumps(meta, default=str))
+    return {name: str(directory / file) for name, file in ARTIFACTS.items()}
+
+
+def read_state(path: Path, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file; anything but a ``{name: tensor}`` dict is refused."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        raise ValueError(f"{where}: {path.name} is not a weights-only tensor file "
+                         f"({str(exc).splitlines()[0][:120]})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise ValueError(f"{where}: {path.name} holds {type(state).__name__}, expected a dict of named tensors")
+    return state
+
+
+def read_model(weights: Path, meta_file: Path, where: str) -> LoadedModel:
+    """Rebuild a logged model from its two artifacts: no Python object but tensors is read, no
+    stored code runs."""
+    from pipeline import pyg_templates
+    from sat import SAT
+
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{where}: {meta_file.name} has format {meta.get('format')!r}, expected {FORMAT}")
+    state = read_state(weights, where)
+    if weights_sha256(state) != meta.get("weights_sha256"):
+        raise ValueError(f"{where}: {weights.name} does not match the weights_sha256 of {meta_file.name}")
+    pyg_templates.install()  # building the model renders PyG convs: no generated module left in $TMPDIR
+    config = SATConfig.from_dict(meta["model_config"])
+    model = SAT(config)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ValueError(f"{where}: {weights.name} does not fit its model_config "
+                         f"({str(exc).splitlines()[-1].strip()[:160]})") from None
+    vocab = meta.get("vocab")
+    task_state = dict(meta["task"])
+    task = make_task(task_state.pop("name"), vocab=vocab, **task_state)
+    return LoadedModel(model=model.eval(), task=task, model_config=config, vocab=vocab, info=meta)
+
+
+# ----------------------------------------------------------------------------- MLflow pyfunc
+class ModelInput(pydantic.BaseModel):
+    """One input of the pyfunc model: Python source text (code2), or a graph in the JSON graph
+    format of ``satp predict`` (ppa: ``num_nodes``, ``edge_index``, ``edge_attr``; pattern and
+    cluster: ``num_nodes``, ``edge_index``, ``x``)."""
+
+    source: Optional[str] = None
+    num_nodes: Optional[int] = None
+    edge_index: Optional[list[list[int]]] = None
+    edge_attr: Optional[list[list[float]]] = None
+    x: Optional[list[int]] = None
+
+
+class SATPyfunc(mlflow.pyfunc.PythonModel):
+    """``mlflow.pyfunc.load_model(uri).predict(inputs)``: one prediction per input, as
+    ``satp predict --json`` gives them (code2: a list of ``{"name", "line", "actual",
+    "predicted"}`` per source; ppa: a class; pattern / cluster: a class per node)."""
+
+    def load_context(self, context) -> None:
+        from pipeline.registry.predict import Predictor
+
+        files = {name: Path(path) for name, path in context.artifacts.items()}
+        self.predictor = Predictor(read_model(files["weights"], files["satp_model"], "pyfunc model"))
+
+    # the input's type hint gives MLflow the signature (and validates inputs); no output hint: the
+    # output's type depends on the task, and an untyped ``list`` draws MLflow's inference message
+    def predict(self, context, model_input: list[ModelInput], params: Optional[dict[str, Any]] = None):
+        values = [v.model_dump(exclude_none=True) if isinstance(v, pydantic.BaseModel) else dict(v) for v in model_input]
+        return self.predictor.predict_json(values, "model input")

@@ -1,0 +1,435 @@
+"""Prediction from the MLflow model registry: ``satp predict`` and the Python API.
+
+>>> from pipeline.registry.predict import load
+>>> model = load("models:/sat-code2@champion", tracking_uri="sqlite:////abs/runs/mlflow.db")
+>>> for p in model.predict(open("some_module.py").read()):       # code2: Python source text
+...     print(p.line, p.name, p.predicted)                          # its actual name, predicted subtokens
+>>> model.predict_file("some_module.py")                             # the same from a file
+>>> model.predict([data, ...])                                       # SATData graphs (e.g. a ShardDataset's)
+>>> model.predict_file("runs/shards/ogbg-ppa-0123abcd4567")          # a shard directory (--split test)
+>>> model.predict_file("graphs.json")                                # a JSON graph file (ppa, pattern, cluster)
+
+Node tasks (pattern, cluster) predict one class per node: a list per graph, in the graph's node order.
+The same models serve MLflow's pyfunc interface (:class:`pipeline.registry.model_format.SATPyfunc`):
+``mlflow.pyfunc.load_model(uri).predict([{"source": text}])`` (code2) or ``.predict([graph, ...])``
+(JSON graphs, :meth:`Predictor.graphs_from_json`).
+
+A registered model (:mod:`pipeline.registry.versions`) carries its model config, the task
+(with the code2 vocabulary), and, under ``input``, what building its inputs
+needs: the shards' transform config and, for code2, the node-type and
+node-attribute tables of the dataset it was trained on (:func:`input_spec`).
+Python source is turned into graphs with the preprocessing package's
+Python-source -> ogbg-code2 code (:mod:`preprocessing.python_graphs`, OGB's py2graph
+rules) and the same transform (:func:`preprocessing.transforms.transform_graph`),
+and decoded exactly as the shard reader decodes training data.
+
+Errors (unknown model or alias, a model of another task, a file that is not
+valid Python, an unreachable tracking server) are ``ValueError``/``OSError``
+with a one-line message (``satp`` prints ``satp: error: ...`` and exits 2).
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+#: Short network timeouts for an http(s) tracking server (MLflow's defaults retry for minutes).
+HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+BATCH_GRAPHS = 32
+JSON_TASKS = ("ppa", "pattern", "cluster")  # the tasks whose inputs are JSON graphs (see Predictor.graphs_from_json)
+
+
+# ----------------------------------------------------------------------------- what a model carries
+def input_spec(shard_dir: str | Path) -> dict[str, Any]:
+    """``{"input": {...}}`` to log with a model trained on ``shard_dir``: the shards' task and
+    transform config and, for code2, the dataset's node-type / node-attribute tables (in id order),
+    so that new inputs are featurised exactly as the training data."""
+    from preprocessing.shards import read_manifest
+
+    manifest = read_manifest(Path(shard_dir))
+    spec: dict[str, Any] = {
+        "task": manifest.get("task"),
+        "dataset": manifest.get("dataset"),
+        "transform": (manifest.get("config") or {}).get("transform"),
+        "config_hash": manifest.get("config_hash"),
+    }
+    if manifest.get("task") == "code2":
+        folder = Path((manifest.get("source") or {}).get("folder", ""))
+        types, attrs = _mapping_tables(folder)
+        if types is not None:
+            spec["node_types"], spec["node_attributes"] = types, attrs
+    return {"input": spec}
+
+
+def _mapping_tables(folder: Path) -> tuple[Optional[list[str]], Optional[list[str]]]:
+    from preprocessing.python_graphs import load_mappings
+
+    if not (folder / "mapping" / "typeidx2type.csv.gz").is_file():
+        return None, None
+    type2idx, attr2idx = load_mappings(folder)
+    return _ordered(type2idx), _ordered(attr2idx)
+
+
+def _ordered(index: dict[str, int]) -> list[str]:
+    out = [""] * (max(index.values()) + 1 if index else 0)
+    for key, i in index.items():
+        out[i] = key
+    return out
+
+
+# ----------------------------------------------------------------------------- tracking store
+def resolve_tracking_uri(tracking_uri: Optional[str] = None) -> str:
+    """``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the project's SQLite store under ``runs/``.
+
+    A SQLite store that does not exist is an error here (MLflow would create an empty one).
+    An http(s) server gets short timeouts and no retries.
+    """
+    from pipeline.config.train import default_tracking_uri
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    if uri.startswith("sqlite:"):
+        path = uri.split("sqlite:///", 1)[-1] if uri.startswith("sqlite:///") else ""
+        if not path or not Path(path).is_file():
+            raise ValueError(f"tracking store {uri}: no such SQLite file (give --tracking-uri)")
+    elif uri.startswith(("http://", "https://")):
+        for key, value in HTTP_ENV.items():
+            os.environ.setdefault(key, value)
+    return uri
+
+
+def check_reachable(uri: str) -> None:
+    """Fail fast (``OSError``, one line) when an http(s) tracking server does not answer."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    timeout = float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_ENV["MLFLOW_HTTP_REQUEST_TIMEOUT"]))
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=min(timeout, 10)).close()
+    except urllib.error.HTTPError:
+        return  # it answered (a server without /health, or auth): let MLflow report the details
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise OSError(f"tracking server {uri} unreachable ({reason})") from None
+
+
+# ----------------------------------------------------------------------------- predictions
+@dataclasses.dataclass
+class FunctionPrediction:
+    """One function of a Python source: where it is, its actual name and the predicted subtokens."""
+
+    name: str
+    line: int
+    actual: list[str]
+    predicted: list[str]
+
+    def __str__(self) -> str:
+        return f"{self.line}: {self.name} -> {' '.join(self.predicted) or '(nothing)'}"
+
+
+class Predictor:
+    """A registered SAT model ready to predict (see the module docstring)."""
+
+    def __init__(self, loaded, uri: str = "") -> None:
+        self.uri = uri
+        self.model = loaded.model.eval()
+        self.task = loaded.task
+        self.model_config = loaded.model_config
+        self.vocab = loaded.vocab
+        self.info = loaded.info
+        self._spec = self.info.get("input") or {}
+        self._fill_spec_from_job()
+
+    @property
+    def task_name(self) -> str:
+        return self.task.name
+
+    def _fill_spec_from_job(self) -> None:
+        """Models logged without an ``input`` entry: take the transform from the logged job, and
+        the code2 tables from the job's dataset folder when it is still there."""
+        job = self.info.get("job") or {}
+        if not self._spec.get("transform") and job.get("transform"):
+            self._spec["transform"] = job["transform"]
+        if self.task_name == "code2" and "node_types" not in self._spec:
+            root = (job.get("data") or {}).get("root")
+            if root:
+                types, attrs = _mapping_tables(Path(root) / "ogbg_code2")
+                if types is not None:
+                    self._spec["node_types"], self._spec["node_attributes"] = types, attrs
+
+    def _transform(self):
+        from preprocessing.config import TransformConfig
+
+        if not self._spec.get("transform"):
+            raise ValueError(f"{self.uri}: the model does not record its transform config; cannot build inputs")
+        return TransformConfig.model_validate(self._spec["transform"])
+
+    # -- graphs -> predictions
+    @torch.no_grad()
+    def predict_graphs(self, graphs: Sequence[Any]) -> list:
+        """Per-graph predictions for ``SATData`` graphs: code2 subtoken lists, ppa class ids, and
+        for node tasks (pattern, cluster) a list of node classes per graph."""
+        from torch_geometric.data import Batch
+
+        out: list = []
+        graphs = list(graphs)
+        for i in range(0, len(graphs), BATCH_GRAPHS):
+            chunk = graphs[i : i + BATCH_GRAPHS]
+            predictions = self.task.predict(self.model(Batch.from_data_list(chunk)))
+            if self.task.node_level:  # one flat list over the batch's nodes -> one list per graph
+                ends = np.cumsum([g.num_nodes for g in chunk])
+                predictions = [predictions[a:b] for a, b in zip(np.r_[0, ends[:-1]], ends)]
+            out.extend(predictions)
+        return out
+
+    @torch.no_grad()
+    def outputs(self, graphs: Sequence[Any]) -> torch.Tensor:
+        """The model's raw outputs (logits) for ``graphs``, concatenated over batches."""
+        from torch_geometric.data import Batch
+
+        graphs = list(graphs)
+        parts = [self.model(Batch.from_data_list(graphs[i : i + BATCH_GRAPHS])) for i in range(0, len(graphs), BATCH_GRAPHS)]
+        return torch.cat(parts, 0)
+
+    def predict(self, inputs: Any) -> list:
+        """``inputs``: Python source text (code2: a :class:`FunctionPrediction` per function), or
+        ``SATData`` graphs / one graph (per-graph predictions)."""
+        if isinstance(inputs, str):
+            return self.predict_source(inputs)
+        if hasattr(inputs, "edge_index"):
+            inputs = [inputs]
+        return self.predict_graphs(inputs)
+
+    def predict_json(self, values: list[dict], where: str) -> list:
+        """Predictions for JSON inputs (the MLflow pyfunc's, :mod:`pipeline.registry.model_format`): a code2
+        model takes ``{"source": text}`` (a list of function rows each, as ``satp predict --json``),
+        the others JSON graphs (:meth:`graphs_from_json`)."""
+        if self.task_name != "code2":
+            return self.predict_graphs(self.graphs_from_json(values, where)[0])
+        rows = []
+        for i, value in enumerate(values):
+            if not isinstance(value.get("source"), str):
+                raise ValueError(f"{where} {i}: a code2 model takes {{'source': Python source text}}")
+            rows.append([dataclasses.asdict(p) for p in self.predict_source(value["source"], f"<{where} {i}>")])
+        return rows
+
+    # -- Python source (code2)
+    def _require(self, tasks: Sequence[str], what: str) -> None:
+        if self.task_name not in tasks:
+            names = ", ".join(tasks[:-1]) + (" or " if len(tasks) > 1 else "") + tasks[-1]
+            raise ValueError(f"{self.uri or 'the model'} is a {self.task_name} model; {what} needs a {names} model")
+
+    def source_graphs(self, text: str, filename: str = "<source>") -> list[tuple[str, int, list[str], Any]]:
+        """``(name, line, actual subtokens, SATData)`` for every function of ``text`` (source order)."""
+        from preprocessing.python_graphs import code_to_raw_graph
+
+        self._require(("code2",), "Python source")
+        if "node_types" not in self._spec:
+            raise ValueError(f"{self.uri}: the model does not carry its node-type tables; cannot featurise source")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tree = ast.parse(text, filename=filename)
+        except SyntaxError as exc:
+            raise ValueError(f"{filename}:{exc.lineno or 0}: not valid Python ({exc.msg})") from None
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{filename}: not valid Python ({str(exc).splitlines()[0]})") from None
+        type2idx = {t: i for i, t in enumerate(self._spec["node_types"])}
+        attr2idx = {a: i for i, a in enumerate(self._spec["node_attributes"])}
+        functions = []
+        stack: list[ast.AST] = [tree]
+        while stack:  # pre-order: functions in source order, nested ones included (as pycode does)
+            node = stack.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions.append(node)
+            stack.extend(reversed(list(ast.iter_child_nodes(node))))
+        raws = []
+        for i, fn in enumerate(functions):
+            raw = code_to_raw_graph(fn, type2idx, attr2idx)
+            raw["graph_id"] = i
+            raws.append(raw)
+        data = self._featurise(raws, "code2")
+        return [(fn.name, fn.lineno, list(raw["y_tokens"]), d) for fn, raw, d in zip(functions, raws, data)]
+
+    def predict_source(self, text: str, filename: str = "<source>") -> list[FunctionPrediction]:
+        items = self.source_graphs(text, filename)
+        preds = self.predict_graphs([d for *_, d in items]) if items else []
+        return [FunctionPrediction(name, line, actual, list(p)) for (name, line, actual, _), p in zip(items, preds)]
+
+    def _featurise(self, raws: list[dict], task: str) -> list:
+        """Raw graphs -> ``SATData`` through the training transform, the shard encoding and the
+        shard reader's decoding (the exact path training data took)."""
+        from preprocessing.reader import _Shard
+        from preprocessing.shards import column_specs, write_shard_file
+        from preprocessing.transforms import transform_graph
+
+        if not raws:
+            return []
+        cfg = self._transform()
+        vocab_index = {w: i for i, w in enumerate(self.vocab)} if self.vocab else None
+        rows = [transform_graph(raw, task, cfg, vocab_index) for raw in raws]
+        specs = column_specs(task, cfg)
+        with tempfile.TemporaryDirectory(prefix="satp-predict-") as tmp:
+            path = Path(tmp) / "input.arrow"
+            write_shard_file(path, rows, specs)
+            shard = _Shard(path, specs)
+            return [shard.item(i) for i in range(len(rows))]
+
+    # -- graph files and shards
+    def graphs_from_file(self, path: str | Path, split: str = "test") -> tuple[list[Any], list[str]]:
+        """``(graphs, labels)`` from a shard directory (``split``), or a JSON graph file."""
+        path = Path(path)
+        if path.is_dir():
+            return self._from_shards(path, split)
+        if path.suffix == ".arrow" and (path.parent / "manifest.json").is_file():
+            split = path.name.split("-")[0]
+            return self._from_shards(path.parent, split)
+        if path.suffix == ".json":
+            return self.graphs_from_json(_read_json_graphs(path), str(path))
+        raise ValueError(f"{path}: expected a Python file (code2), a shard directory or a JSON graph file")
+
+    def _from_shards(self, directory: Path, split: str) -> tuple[list[Any], list[str]]:
+        from preprocessing.reader import ShardDataset
+
+        ds = ShardDataset(directory, split)
+        task = ds.manifest.get("task")
+        if task != self.task_name:
+            raise ValueError(f"{directory}: {task} shards; {self.uri or 'the model'} is a {self.task_name} model")
+        want = (self._spec.get("transform") or {})
+        have = ((ds.manifest.get("config") or {}).get("transform") or {})
+        if want and have and want != have:
+            keys = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+            raise ValueError(f"{directory}: built with another transform than the model's (differs in {keys})")
+        ids = ds.graph_ids
+        return [ds[i] for i in range(len(ds))], [f"{split}[{i}] graph {int(g)}" for i, g in enumerate(ids)]
+
+    def graphs_from_json(self, values: list, where: str) -> tuple[list[Any], list[str]]:
+        """``(graphs, labels)`` of JSON graphs (``where``: the file or input named in errors). ppa:
+        each ``{"edge_index": [[src...], [dst...]], "edge_attr": [[7 floats], ...], "num_nodes": N}``;
+        pattern / cluster: each ``{"edge_index": [[src...], [dst...]], "x": [N node input ids],
+        "num_nodes": N}`` (undirected edges, listed once or in both directions)."""
+        self._require(JSON_TASKS, f"{where} (JSON graphs)")
+        if self.task.node_level:
+            return self._nodes_from_json(values, where)
+        raws = []
+        for i, g in enumerate(values):
+            try:
+                n = int(g["num_nodes"])
+                ei = np.asarray(g["edge_index"], dtype=np.int64).reshape(2, -1)
+                ea = np.asarray(g["edge_attr"], dtype=np.float32).reshape(ei.shape[1], -1)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{where}: graph {i}: expected num_nodes, edge_index [2, E], edge_attr [E, 7] ({exc})") from None
+            if ei.size and (ei.min() < 0 or ei.max() >= n):
+                raise ValueError(f"{where}: graph {i}: edge index out of range for {n} nodes")
+            # the loader stores one direction per undirected edge and adds the reverse (OGB's layout)
+            raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([ei, ei[::-1]], 1),
+                         "edge_attr": np.concatenate([ea, ea], 0), "y": int(g.get("y", 0))})
+        return self._featurise(raws, "ppa"), [f"graph {i}" for i in range(len(raws))]
+
+    def _nodes_from_json(self, values: list, where: str) -> tuple[list[Any], list[str]]:
+        """Node-task graphs (see :meth:`graphs_from_json`): the edges are made undirected and stored
+        once per pair, as the SBM raw layout does, and the loader adds the reverse."""
+        vocab = self.model_config.node_in_dim
+        raws = []
+        for i, g in enumerate(values):
+            try:
+                n = int(g["num_nodes"])
+                ei = np.asarray(g["edge_index"], dtype=np.int64).reshape(2, -1)
+                x = np.asarray(g["x"], dtype=np.int64).reshape(-1)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{where}: graph {i}: expected num_nodes, edge_index [2, E], x [N] ({exc})") from None
+            if x.size != n:
+                raise ValueError(f"{where}: graph {i}: x has {x.size} entries for {n} nodes")
+            if x.size and (x.min() < 0 or x.max() >= vocab):
+                raise ValueError(f"{where}: graph {i}: x holds ids outside [0, {vocab}) ({self.task_name} node inputs)")
+            if ei.size and (ei.min() < 0 or ei.max() >= n):
+                raise ValueError(f"{where}: graph {i}: edge index out of range for {n} nodes")
+            pairs = np.unique(np.sort(ei.T, axis=1), axis=0)
+            pairs = pairs[pairs[:, 0] != pairs[:, 1]].T  # [2, E] with u < v, no self-loops
+            raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([pairs, pairs[::-1]], 1),
+                         "x": x, "node_label": np.zeros(n, dtype=np.int64)})
+        return self._featurise(raws, self.task_name), [f"graph {i}" for i in range(len(raws))]
+
+    def predict_file(self, path: str | Path, split: str = "test") -> list:
+        """A Python file (code2: :class:`FunctionPrediction` per function), or graphs from a shard
+        directory / JSON graph file (``(label, prediction)`` pairs)."""
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"{path}: no such file")
+        if path.suffix == ".py" or (path.is_file() and self.task_name == "code2" and path.suffix != ".json"):
+            self._require(("code2",), f"{path} (Python source)")
+            import tokenize
+
+            try:
+                with tokenize.open(path) as fh:
+                    text = fh.read()
+            except (SyntaxError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{path}: not valid Python ({str(exc).splitlines()[0]})") from None
+            return self.predict_source(text, str(path))
+        graphs, labels = self.graphs_from_file(path, split)
+        return list(zip(labels, self.predict_graphs(graphs)))
+
+
+def _read_json_graphs(path: Path) -> list:
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    return values if isinstance(values, list) else [values]
+
+
+def load(uri: str, tracking_uri: Optional[str] = None) -> Predictor:
+    """Load ``models:/NAME@alias``, ``models:/NAME/VERSION`` (or ``runs:/ID/model``) from the registry.
+
+    ``tracking_uri``: default ``$MLFLOW_TRACKING_URI`` or the project's SQLite store. Raises
+    ``ValueError``/``OSError`` with a one-line message.
+    """
+    from pipeline.registry.versions import check_model_uri, load_model
+
+    if not isinstance(uri, str) or not uri.startswith(("models:/", "runs:/")):
+        raise ValueError(f"{uri!r}: expected a model URI such as models:/sat-code2@champion or models:/sat-code2/3")
+    check_model_uri(uri)
+    tracking = resolve_tracking_uri(tracking_uri)
+    check_reachable(tracking)
+    try:
+        loaded = load_model(uri, tracking_uri=tracking)
+    except ValueError as exc:
+        raise ValueError(_short(str(exc), uri)) from None
+    except Exception as exc:  # MLflow's REST client: connection errors, timeouts
+        from mlflow.exceptions import MlflowException
+
+        if isinstance(exc, (MlflowException, OSError)) or "Connection" in type(exc).__name__:
+            raise OSError(f"{uri}: tracking store {tracking}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise
+    return Predictor(loaded, uri)
+
+
+def _short(message: str, uri: str) -> str:
+    first = message.splitlines()[0] if message else ""
+    lowered = first.lower()
+    if "not found" in lowered or "does not exist" in lowered or "resource_does_not_exist" in lowered:
+        return f"{uri}: no such registered model or alias ({first.removeprefix(uri + ': ')})"
+    return first
+
+
+def format_predictions(predictions: list) -> str:
+    lines = []
+    for p in predictions:
+        if isinstance(p, FunctionPrediction):
+            lines.append(f"{p.line:>5}  {p.name:<32} -> {' '.join(p.predicted) or '(nothing)'}")
+        else:
+            label, pred = p
+            if isinstance(pred, list):  # node task: one class per node
+                lines.append(f"{label}: node classes {' '.join(str(c) for c in pred)}")
+            else:
+                lines.append(f"{label}: class {pred}")
+    return "\n".join(lines)

@@ -1,0 +1,268 @@
+"""MLflow tracking: one MLflow run per training run.
+
+The driver (:func:`open_run`) finds or creates the run before any worker
+starts, keyed by the tag ``satp.run_key`` (storage path + run name), so a
+resumed or retried training run keeps logging into the same MLflow run. A run
+name started over (``--restart``, :mod:`pipeline.train.rerun`) gets a new MLflow run:
+the old one is detached from the key (:func:`retire_run`) and keeps its status,
+history and registered versions. During training, Ray Train's controller logs
+each epoch once its checkpoint is registered (:mod:`pipeline.train.epoch_logger`:
+metrics and the training-curve plot), and rank 0 the system metrics
+(:class:`RankZeroLogger`). The driver closes the run (:func:`close_run`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+RUN_KEY_TAG = "satp.run_key"
+
+
+def flatten(values: Any, prefix: str = "") -> dict[str, str]:
+    """Nested dicts/lists -> ``{"a.b": "value"}`` (MLflow params; values truncated to 500 chars)."""
+    out: dict[str, str] = {}
+    if isinstance(values, dict):
+        for key, value in values.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+    elif isinstance(values, (list, tuple)) and len(values) > 20:
+        out[prefix[:-1]] = f"[{len(values)} items]"
+    else:
+        out[prefix[:-1]] = str(values)[:500]
+    return out
+
+
+def client(tracking_uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def artifact_location(tracking_uri: str) -> Optional[str]:
+    """Artifacts of a SQLite store live beside the database (``<dir>/mlartifacts``), not in the
+    current directory (MLflow's default ``./mlruns``, a temporary copy in a Ray job)."""
+    if tracking_uri.startswith("sqlite:///"):
+        return (Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+    return None
+
+
+def ensure_experiment(mlflow_client, name: str, tracking_uri: str) -> str:
+    """The id of experiment ``name``, created (artifacts beside a SQLite store) if absent."""
+    exp = mlflow_client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    return mlflow_client.create_experiment(name, artifact_location=artifact_location(tracking_uri))
+
+
+def find_run(mlflow_client, experiment_id: str, tags: dict[str, str]):
+    """The first run of the experiment carrying all ``tags``, or None."""
+    clauses = " and ".join(f"tags.`{k}` = '{str(v).replace(chr(39), chr(92) + chr(39))}'" for k, v in tags.items())
+    found = mlflow_client.search_runs([experiment_id], filter_string=clauses, max_results=1)
+    return found[0] if found else None
+
+
+def log_params(mlflow_client, run_id: str, params: dict) -> None:
+    """Log a nested dict as flattened params, in batches (MLflow caps a batch at 100 params)."""
+    from mlflow.entities import Param
+
+    items = [Param(k, v) for k, v in flatten(params).items()]
+    for i in range(0, len(items), 100):
+        mlflow_client.log_batch(run_id, params=items[i : i + 100])
+
+
+def open_run(tracking_uri: str, experiment: str, run_key: str, run_name: str, params: dict, config_text: str) -> str:
+    """Return the id of the MLflow run for ``run_key``, creating it (with params and config) if needed."""
+    mlflow_client = client(tracking_uri)
+    exp_id = ensure_experiment(mlflow_client, experiment, tracking_uri)
+    found = find_run(mlflow_client, exp_id, {RUN_KEY_TAG: run_key})
+    if found is not None:
+        run_id = found.info.run_id
+        if found.info.status != "RUNNING":
+            mlflow_client.update_run(run_id, status="RUNNING")
+        _note_changed_params(mlflow_client, found, params, config_text)
+        return run_id
+    run_id = mlflow_client.create_run(exp_id, run_name=run_name, tags={RUN_KEY_TAG: run_key}).info.run_id
+    log_params(mlflow_client, run_id, params)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "job.yaml"
+        path.write_text(config_text)
+        mlflow_client.log_artifact(run_id, str(path))
+    return run_id
+
+
+def _note_changed_params(mlflow_client, run, params: dict, config_text: str) -> None:
+    """A resumed run may change what does not shape its weights (``train.epochs``, ...), but MLflow
+    params are written once: each changed one gets a tag ``satp.param.<key>`` = ``new (was old)``,
+    and ``job.yaml`` is replaced by the job that now runs."""
+    logged = run.data.params
+    changed = {k: v for k, v in flatten(params).items() if k in logged and logged[k] != v}
+    if not changed:
+        return
+    for key, value in changed.items():
+        mlflow_client.set_tag(run.info.run_id, f"satp.param.{key}", f"{value} (was {logged[key]})"[:500])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "job.yaml"
+        path.write_text(config_text)
+        mlflow_client.log_artifact(run.info.run_id, str(path))
+
+
+def close_run(tracking_uri: str, run_id: str, status: str) -> None:
+    client(tracking_uri).set_terminated(run_id, status=status)
+
+
+def find_training_run(tracking_uri: str, experiment: str, run_key: str):
+    """The MLflow run of a training run (by its ``satp.run_key`` tag), or None."""
+    mlflow_client = client(tracking_uri)
+    exp = mlflow_client.get_experiment_by_name(experiment)
+    return find_run(mlflow_client, exp.experiment_id, {RUN_KEY_TAG: run_key}) if exp is not None else None
+
+
+def retire_run(tracking_uri: str, run_id: str, run_key: str, why: str) -> None:
+    """Detach an MLflow run from its run key, so that the key's next training run gets a new one.
+
+    Its status, metrics and registered versions stay; the tags say why (``satp.retired``) and
+    the key it had (``satp.retired_run_key``)."""
+    import time
+
+    mlflow_client = client(tracking_uri)
+    mlflow_client.set_tag(run_id, RUN_KEY_TAG, f"{run_key}#retired-{int(time.time())}")
+    mlflow_client.set_tag(run_id, "satp.retired_run_key", run_key)
+    mlflow_client.set_tag(run_id, "satp.retired", why[:500])
+
+
+def log_metrics(mlflow_client, run_id: str, metrics: dict[str, Any], step: int) -> None:
+    """The finite numbers of ``metrics`` at ``step``, in one batch."""
+    import math
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    items = [
+        Metric(k, float(v), now, step)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and math.isfinite(float(v))
+    ]
+    if items:
+        mlflow_client.log_batch(run_id, metrics=items)
+
+
+def log_curves(mlflow_client, run_id: str, history: list[dict[str, Any]], metric: str,
+               target: Optional[dict[str, Any]] = None) -> None:
+    """The plots of ``history`` (replaced each epoch): ``plots/training_curves.png`` (loss and
+    metrics per epoch) and ``plots/metric_vs_time.png`` (metrics against wall-clock, with the
+    target ``{"metric", "value"}`` when the job names one)."""
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            curves, timed = Path(tmp) / "training_curves.png", Path(tmp) / "metric_vs_time.png"
+            plot_curves(history, metric, curves)
+            mlflow_client.log_artifact(run_id, str(curves), artifact_path="plots")
+            if any(h.get("elapsed_s") is not None for h in history):
+                plot_metric_vs_time(history, metric, timed, target)
+                mlflow_client.log_artifact(run_id, str(timed), artifact_path="plots")
+    except Exception as exc:
+        log.warning("could not log the training curves: %s", exc)
+
+
+class RankZeroLogger:
+    """Rank 0's writer: system metrics, and after a resume the epochs MLflow missed. The epochs
+    themselves are logged by Ray Train's controller (:mod:`pipeline.train.epoch_logger`)."""
+
+    def __init__(self, tracking_uri: str, run_id: str, system_metrics: bool = True) -> None:
+        self.tracking_uri, self.run_id = tracking_uri, run_id
+        self.client = client(tracking_uri)
+        self.monitor = None
+        if system_metrics:
+            try:
+                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+                self.monitor = SystemMetricsMonitor(run_id, resume_logging=True, tracking_uri=tracking_uri)
+                self.monitor.start()
+            except Exception as exc:  # system metrics are a nicety (psutil missing, ...)
+                log.warning("system metrics disabled: %s", exc)
+                self.monitor = None
+
+    def catch_up(self, history: list[dict[str, Any]]) -> None:
+        """After a resume: log the epochs of ``history`` (the checkpoint's) this run has not seen
+        (an MLflow write that failed, or a driver stopped between registration and logging)."""
+        if not history:
+            return
+        logged = self.client.get_run(self.run_id).data.metrics.get("epoch")
+        for entry in history:
+            if logged is None or entry["epoch"] > logged:
+                log_metrics(self.client, self.run_id, entry, step=int(entry["epoch"]))
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            try:
+                self.monitor.finish()
+            except Exception:
+                pass
+            self.monitor = None
+
+
+def plot_curves(history: list[dict[str, Any]], metric: str, path: str | os.PathLike) -> None:
+    """Loss and train/val/test ``metric`` per epoch, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [h.get("train_loss") for h in history], marker="o", label="train loss")
+    ax_loss.set_xlabel("epoch")
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend()
+    for split in ("train", "val", "test"):
+        key = f"{split}_{metric}"
+        points = [(h["epoch"], h[key]) for h in history if h.get(key) is not None]
+        if points:
+            ax_metric.plot(*zip(*points), marker="o", label=key)
+    baseline = [h.get(f"constant_{metric}") for h in history if h.get(f"constant_{metric}") is not None]
+    if baseline:
+        ax_metric.axhline(baseline[-1], color="grey", linestyle="--", label="constant predictor")
+    ax_metric.set_xlabel("epoch")
+    ax_metric.set_ylabel(metric)
+    ax_metric.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_metric_vs_time(history: list[dict[str, Any]], metric: str, path: str | os.PathLike,
+                        target: Optional[dict[str, Any]] = None) -> None:
+    """Validation and test ``metric`` against the run's wall-clock (``elapsed_s``: training and
+    evaluation since the first step), the target as a line and the time it was reached, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for split in ("val", "test"):
+        key = f"{split}_{metric}"
+        points = [(h["elapsed_s"] / 60, h[key]) for h in history if h.get(key) is not None and h.get("elapsed_s") is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=key)
+    if target is not None:
+        ax.axhline(target["value"], color="red", linestyle=":", label=f"target {target['metric']} {target['value']:g}")
+        reached = [h for h in history if h.get("time_to_target_s") is not None]
+        if reached:
+            ax.axvline(reached[0]["time_to_target_s"] / 60, color="red", alpha=0.4,
+                       label=f"reached after {reached[0]['time_to_target_s'] / 60:.1f} min")
+    ax.set_xlabel("wall-clock of training and evaluation (min)")
+    ax.set_ylabel(metric)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_json(path: str | Path, values: dict) -> None:
+    Path(path).write_text(json.dumps(values, indent=1))

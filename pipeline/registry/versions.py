@@ -1,0 +1,284 @@
+"""Logging a trained model to MLflow, registering it once, and loading it back.
+
+A logged model (format 2, :mod:`pipeline.registry.model_format`) is an MLflow pyfunc model whose files
+are the weights (a state dict of tensors, read back weights-only) and ``satp_model.json``: the
+task (vocabulary included), the model config, the metrics, the data manifest hash and the
+provenance. :func:`load_model` rebuilds :class:`sat.SAT` from them, so that
+``task.predict(model(batch))`` gives decoded predictions, and unpickles no Python object but
+tensors: a version from a shared registry runs no code of its author. Format 1
+(``mlflow.pytorch``, a pickled module) is refused with how to re-register it weights-only
+(``satp models migrate NAME``, :mod:`pipeline.cli.registry_commands`).
+
+A version is registered only for weights that no version of the same run already holds: each
+version is tagged with the weights' sha256 (``satp.weights_sha256``) and the run (``run_id``),
+and :func:`log_and_register` returns the version that holds them instead of adding a copy.
+
+The recorded configuration, data hash and commit are those of the weights: the
+caller passes the ``provenance`` its checkpoint recorded (:mod:`pipeline.train.rerun`:
+the hash of the configuration that trained the weights, and the git commits of
+the code that did, one per resumed segment when it changed); ``git_commit`` is
+the last of them, not the commit of the process that happens to register.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+from pipeline.tasks import Task
+from sat.config import SATConfig
+
+CHAMPION = "champion"  # the alias that serves a model name: the best version by validation metric
+WEIGHTS_TAG = "satp.weights_sha256"
+PIP_REQUIREMENTS = ["torch", "torch-geometric", "pydantic", "satp"]
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    task: Task
+    model_config: SATConfig
+    vocab: Optional[list[str]]
+    info: dict[str, Any]
+
+
+def git_commit(cwd: Optional[str | Path] = None) -> str:
+    """The project's git commit (``$SATP_GIT_COMMIT`` first: a Ray job's working dir has no .git)."""
+    if os.environ.get("SATP_GIT_COMMIT"):
+        return os.environ["SATP_GIT_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd or Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
+        )
+        if out.returncode == 0:
+            commit = out.stdout.strip()
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=cwd or Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10,
+            ).stdout.strip()
+            return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def log_and_register(
+    model: torch.nn.Module,
+    *,
+    task: Task,
+    model_config: SATConfig,
+    vocab: Optional[list[str]],
+    run_id: str,
+    tracking_uri: str,
+    registered_model: Optional[str],
+    data_manifest_hash: str = "",
+    metrics: Optional[dict[str, float]] = None,
+    extra: Optional[dict[str, Any]] = None,
+    provenance: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Log ``model`` (+ what it needs to predict) to MLflow run ``run_id``; register it under
+    ``registered_model`` (skipped when None). Tags the version with the data manifest hash, the
+    git commit, the task, the metrics and the weights' sha256.
+
+    Returns ``{"model_uri", "registered_model", "version", "registered_uri"}`` (the last two None
+    when not registered). When a version of ``registered_model`` from the same run holds the same
+    weights, nothing is logged: that version is returned, with ``"reason"`` saying so.
+    """
+    from pipeline.registry.model_format import FORMAT, cpu_state, weights_sha256
+
+    state = cpu_state(model)
+    provenance = {k: v for k, v in (provenance or {}).items() if k in ("config_hash", "git_commits")}
+    commits = list(provenance.get("git_commits") or [])
+    commit = commits[-1] if commits else git_commit()
+    meta = {
+        "format": FORMAT,
+        "weights_sha256": weights_sha256(state),
+        "task": task.state(),
+        "model_config": dataclasses.asdict(model_config),
+        "vocab": list(vocab) if vocab is not None else None,
+        "data_manifest_hash": data_manifest_hash,
+        "git_commit": commit,
+        "metrics": dict(metrics or {}),
+        "provenance": provenance or None,
+        **(extra or {}),
+    }
+    tags = {
+        "data_manifest_hash": data_manifest_hash or "unknown",
+        "git_commit": commit,
+        "task": task.name,
+        "run_id": run_id,
+        **({"satp.config_hash": provenance["config_hash"]} if provenance.get("config_hash") else {}),
+        **({"satp.git_commits": " ".join(commits)} if len(commits) > 1 else {}),
+        **{f"metric.{k}": f"{v:.6g}" for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
+    }
+    return register_weights(state, meta, tags, run_id=run_id, tracking_uri=tracking_uri,
+                            registered_model=registered_model)
+
+
+def register_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], tags: dict[str, str], *,
+                     run_id: str, tracking_uri: str, registered_model: Optional[str]) -> dict[str, Any]:
+    """Log ``state`` + ``meta`` (format 2) to run ``run_id`` and register it as a version of
+    ``registered_model`` tagged ``tags`` and the weights' sha256, unless a version of the same run
+    holds these weights already (see :func:`log_and_register`)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    if registered_model:
+        held = version_holding(client, registered_model, run_id, meta["weights_sha256"])
+        if held is not None:
+            return {"model_uri": held.source, "registered_model": registered_model, "version": int(held.version),
+                    "registered_uri": f"models:/{registered_model}/{held.version}",
+                    "reason": f"weights already registered as version {held.version} (same run, same sha256)"}
+    model_uri = log_weights(state, meta, run_id, tracking_uri)
+    result: dict[str, Any] = {"model_uri": model_uri, "registered_model": None, "version": None, "registered_uri": None}
+    if registered_model:
+        tags = {**tags, WEIGHTS_TAG: meta["weights_sha256"]}
+        version = mlflow.register_model(model_uri, registered_model, tags={k: str(v) for k, v in tags.items()})
+        result.update(registered_model=registered_model, version=int(version.version),
+                      registered_uri=f"models:/{registered_model}/{version.version}")
+    return result
+
+
+def version_holding(client, name: str, run_id: str, weights_sha256: str):
+    """The version of ``name`` registered from run ``run_id`` with these weights, or None."""
+    for version in client.search_model_versions(f"name='{name}'"):
+        tags = version.tags or {}
+        if tags.get("run_id") == run_id and tags.get(WEIGHTS_TAG) == weights_sha256:
+            return version
+    return None
+
+
+def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id: str, tracking_uri: str) -> str:
+    """Log the two files as a pyfunc model built from code (:mod:`pipeline.registry.model_format`) into
+    run ``run_id``; returns its model URI."""
+    import mlflow
+    import mlflow.pyfunc
+
+    from pipeline.registry.model_format import PYFUNC_CODE, write_files
+
+    mlflow.set_tracking_uri(tracking_uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        code = Path(tmp) / "satp_pyfunc.py"
+        code.write_text(PYFUNC_CODE)
+        artifacts = write_files(state, meta, Path(tmp))
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pyfunc.log_model(name="model", python_model=str(code), artifacts=artifacts,
+                                           pip_requirements=PIP_REQUIREMENTS)
+    return info.model_uri
+
+
+def check_model_uri(uri: str) -> None:
+    """``models:/NAME`` alone names no model: MLflow reads it as a version-less URI and answers
+    that the model does not exist. Say what to write instead (one line)."""
+    name = uri[len("models:/"):] if uri.startswith("models:/") else None
+    if name and "/" not in name and "@" not in name:
+        raise ValueError(f"{uri}: name a version or an alias: models:/{name}/<version> or models:/{name}@champion "
+                         "(satp models lists them)")
+
+
+def registered_name(uri: str) -> Optional[str]:
+    """NAME of ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS`` (None for other URIs)."""
+    if not uri.startswith("models:/"):
+        return None
+    return uri[len("models:/"):].split("@")[0].split("/")[0] or None
+
+
+def download(uri: str, tracking_uri: Optional[str] = None) -> Path:
+    """The model's files (a local store's own folder, else a downloaded copy); a one-line
+    ``ValueError`` when there is no such model."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
+    try:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri))
+    except MlflowException as exc:
+        raise ValueError(f"{uri}: {str(exc).splitlines()[0]}") from None
+
+
+def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
+    """Load a logged SAT model (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``, ``runs:/...``)
+    from its weights and JSON (:func:`pipeline.registry.model_format.read_model`: tensors only, no pickle).
+
+    Raises ``ValueError`` with a one-line message when the model does not exist, was not logged
+    by :func:`log_and_register`, or is a format-1 (pickled) model.
+    """
+    check_model_uri(uri)
+    from pipeline.registry.model_format import LEGACY_META, META_FILE, WEIGHTS_FILE, read_model
+
+    local = download(uri, tracking_uri)
+    if (local / LEGACY_META).is_file():
+        raise ValueError(f"{uri}: a format-1 satp model (a pickled module, which satp no longer loads); "
+                         f"re-register it weights-only with: satp models migrate {registered_name(uri) or 'NAME'}")
+    files = local / "artifacts"  # where MLflow's pyfunc flavour puts a model's artifacts
+    if not (files / META_FILE).is_file() or not (files / WEIGHTS_FILE).is_file():
+        raise ValueError(f"{uri}: not a satp model (no artifacts/{META_FILE} and artifacts/{WEIGHTS_FILE})")
+    return read_model(files / WEIGHTS_FILE, files / META_FILE, uri)
+
+
+def finite_float(v: Any) -> Optional[float]:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def better(new: Optional[float], old: Optional[float], mode: str) -> bool:
+    """Whether ``new`` beats ``old`` under ``mode`` (``max``/``min``); a missing ``new`` never does."""
+    if new is None or not math.isfinite(new):
+        return False
+    if old is None or not math.isfinite(old):
+        return True
+    return new > old if mode == "max" else new < old
+
+
+def promote(client, name: str, version: int, value: Optional[float], metric_key: str, mode: str, alias: str,
+            why: str) -> dict[str, Any]:
+    """Move ``alias`` to ``version`` of ``name`` if ``value`` beats the current holder's ``metric_key`` tag.
+
+    The replaced version is tagged ``satp.replaced_by`` and ``satp.replaced_reason``; the
+    candidate is tagged ``satp.champion_decision`` either way. Returns ``{"champion", "reason"}``.
+    """
+    from mlflow.exceptions import MlflowException
+
+    current = None
+    try:
+        current = client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        current = None
+    if current is not None and int(current.version) == int(version):
+        return {"champion": True, "reason": "already the champion"}
+    old_value = finite_float(current.tags.get(f"metric.{metric_key}")) if current is not None else None
+    if value is not None and math.isfinite(value):
+        value = float(f"{value:.6g}")  # the precision of the metric tags: equal there is not better
+    if current is None:
+        reason = f"no {alias} yet"
+        promoted = True
+    elif better(value, old_value, mode):
+        reason = (f"{metric_key} {value:.6g} {'>' if mode == 'max' else '<'} "
+                  f"{'unknown' if old_value is None else f'{old_value:.6g}'} of version {current.version}")
+        promoted = True
+    else:
+        shown = "none" if value is None else f"{value:.6g}"
+        reason = (f"{metric_key} {shown} does not beat {old_value:.6g} of version {current.version} "
+                  f"(the {alias})")
+        promoted = False
+    if promoted:
+        client.set_registered_model_alias(name, alias, str(version))
+        if current is not None:
+            client.set_model_version_tag(name, current.version, "satp.replaced_by", str(version))
+            client.set_model_version_tag(
+                name, current.version, "satp.replaced_reason",
+                f"{alias} moved to version {version} ({why}): {reason}")
+    client.set_model_version_tag(name, str(version), "satp.champion_decision",
+                                 f"{'promoted' if promoted else 'not promoted'} to {alias}: {reason}")
+    return {"champion": promoted, "reason": reason}

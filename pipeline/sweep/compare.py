@@ -1,0 +1,451 @@
+"""Variants of a job compared at equal budget over seeds (``satp compare JOB.yaml``), on Ray Tune + MLflow.
+
+:func:`run_compare` reads the job's ``compare:`` section (:mod:`pipeline.config.compare`). Every
+variant trains once per seed, and each trial is a full Ray Train run of the job with the
+variant's keys and ``train.seed`` set. The machinery is that of :mod:`pipeline.sweep.tune`:
+
+* a Ray Tune grid over variant x seed, run by :func:`pipeline.train.driver.train_job` in each trial with
+  Tune's report callback. There is no scheduler: every trial runs all its epochs, the same data
+  and the same seeds. The variant's keys reach the trial as sampled values
+  (``tune.sample_from`` on the variant's name), so each trial's config holds every key it sets;
+* the checks before any trial starts: every variant against the job's schema, the pre-flight of
+  ``satp train``, and every distinct preprocessing built once;
+* MLflow, with the driver as the only writer: one parent run (tag ``satp.kind = compare``) and one
+  child run per trial (:class:`pipeline.sweep.mlflow_logging.SweepLogger`), named ``<variant>-seed<seed>``, with
+  the trial's params and per-epoch metrics;
+* a rerun of the same configuration (job, variants and seeds; the default name ends in their hash)
+  resumes with ``Tuner.restore``. A named comparison rerun with another configuration is a
+  one-line error.
+
+The result of a trial is its test metric at its best validation epoch (``best_test_<metric>``,
+what ``satp train`` reports). Per variant: the mean and the sample standard deviation over the
+seeds (``ddof=1``). They are logged to the parent run as metrics ``<variant>.test_<metric>_mean``
+and ``_std``, together with a markdown table (``compare.md``), a figure (``plots/compare.png``:
+bars with error bars, validation curves and training losses) and ``trials.json``. The table is
+also printed.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import logging
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from pipeline.registry import tracking
+from pipeline.config import JobConfig
+from pipeline.console import plural
+from pipeline.sweep.mlflow_logging import SWEEP_KEY_TAG, TRIAL_TAG, SweepLogger, open_parent_run
+from pipeline.sweep.space import apply_config, resolve_paths, task_metric, validate_raw
+from pipeline.sweep.summary import saved_states, summarize
+from pipeline.sweep.trials import SweepContext, fit_trials, report_callback, trial_job, trial_trainable
+
+log = logging.getLogger(__name__)
+
+KIND = "compare"
+DIGEST_TAG = "satp.compare_digest"
+DIGEST_FILE = "satp_compare_digest.txt"
+VARIANT = "variant"  # the trial config's key naming its variant
+SEED = "train.seed"
+
+
+# ----------------------------------------------------------------------------- the variants
+def base_dict(job: JobConfig) -> dict:
+    """The job as a dict, without its ``tune`` and ``compare`` sections."""
+    return job.model_dump(mode="json", exclude={"tune", "compare"})
+
+
+def get_dotted(raw: dict, key: str) -> Any:
+    node: Any = raw
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ValueError(f"{key}: not a key of the job")
+        node = node[part]
+    return node
+
+
+def variant_jobs(job: JobConfig, raw: Optional[dict] = None) -> dict[str, JobConfig]:
+    """Every variant's job (with the first seed), built on ``raw`` (default: the job as a dict,
+    :func:`base_dict`); a one-line error names a variant that gives an invalid job."""
+    if job.compare is None:
+        raise ValueError(f"job {job.name!r} has no compare: section")
+    raw = base_dict(job) if raw is None else raw
+    seed = job.compare.seeds[0]
+    return {name: validate_raw(apply_config(raw, {**overrides, SEED: seed}), f"compare.variants.{name}")
+            for name, overrides in job.compare.variants.items()}
+
+
+def _pick(values: dict[str, Any], config: dict) -> Any:
+    """``tune.sample_from`` function: the value of one key for the trial's variant (``config``: the
+    trial's config, its grid values resolved)."""
+    return copy.deepcopy(values[config[VARIANT]])
+
+
+def param_space(job: JobConfig, raw: dict) -> dict[str, Any]:
+    """The Tune grid: variant x seed, plus every key some variant sets, sampled from the variant."""
+    from ray import tune
+
+    variants = job.compare.variants
+    space: dict[str, Any] = {VARIANT: tune.grid_search(list(variants)), SEED: tune.grid_search(list(job.compare.seeds))}
+    for key in sorted({k for overrides in variants.values() for k in overrides}):
+        values = {name: overrides[key] if key in overrides else get_dotted(raw, key) for name, overrides in variants.items()}
+        space[key] = tune.sample_from(functools.partial(_pick, values))
+    return space
+
+
+def _trial(config: dict[str, Any], ctx: SweepContext) -> None:
+    """A Tune trial: one full Ray Train run of a variant with a seed."""
+    import ray.tune
+
+    from pipeline.train.driver import train_job
+
+    trial_id = ray.tune.get_context().get_trial_id()
+    overrides = {k: v for k, v in config.items() if k != VARIANT}
+    job = trial_job(ctx, overrides, trial_id)
+    train_job(job, shard_dir=ctx.shard_dirs[config[VARIANT]], register=False, callbacks=[report_callback()])
+
+
+# ----------------------------------------------------------------------------- results
+@dataclasses.dataclass
+class TrialResult:
+    variant: str
+    seed: int
+    trial_id: str
+    status: str  # finished | error | interrupted | incomplete
+    epochs: int
+    best_epoch: Optional[int]
+    best_val: Optional[float]
+    best_test: Optional[float]  # test metric at the best validation epoch
+    seconds: Optional[float]  # the trial's wall time (Tune's time_total_s)
+    curves: dict[str, list[tuple[int, float]]]  # val_<m>, test_<m>, train_loss per epoch
+    run_id: Optional[str] = None
+
+
+@dataclasses.dataclass
+class VariantSummary:
+    name: str
+    overrides: dict[str, Any]
+    seeds: list[int]  # of the trials that finished
+    test: list[float]
+    val: list[float]
+    parameters: Optional[int]
+    seconds: Optional[float]  # mean trial wall time
+
+    @staticmethod
+    def _mean_std(values: list[float]) -> tuple[float, float]:
+        """Mean and sample standard deviation (ddof 1); NaN where undefined."""
+        mean = statistics.fmean(values) if values else float("nan")
+        return mean, statistics.stdev(values) if len(values) > 1 else float("nan")
+
+    @property
+    def test_mean_std(self) -> tuple[float, float]:
+        return self._mean_std(self.test)
+
+    @property
+    def val_mean_std(self) -> tuple[float, float]:
+        return self._mean_std(self.val)
+
+
+@dataclasses.dataclass
+class CompareOutcome:
+    name: str
+    path: str  # the Tune experiment directory
+    metric: str  # the task metric (acc, f1)
+    epochs: int
+    variants: list[VariantSummary]
+    trials: list[TrialResult]
+    parent_run_id: Optional[str]
+    tracking_uri: Optional[str]
+    resumed: bool
+    seconds: float
+    interrupted: bool = False
+
+    def table(self) -> str:
+        return format_table(self)
+
+
+def trial_results(results, summaries, metric: str) -> list[TrialResult]:
+    """One :class:`TrialResult` per Tune result (``summaries``: :func:`pipeline.sweep.summary.summarize`'s)."""
+    out = []
+    keys = (f"val_{metric}", f"test_{metric}", "train_loss")
+    for result, summary in zip(results, summaries):
+        curves: dict[str, list[tuple[int, float]]] = {k: [] for k in keys}
+        best_epoch = seconds = None
+        df = result.metrics_dataframe
+        for row in (df.to_dict("records") if df is not None else []):
+            epoch = row.get("epoch")
+            if not isinstance(epoch, (int, float)) or math.isnan(epoch):
+                continue
+            for k in keys:
+                v = row.get(k)
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    curves[k].append((int(epoch), float(v)))
+            if isinstance(row.get("best_epoch"), (int, float)) and row["best_epoch"] >= 0:
+                best_epoch = int(row["best_epoch"])
+            if isinstance(row.get("time_total_s"), (int, float)):
+                seconds = float(row["time_total_s"])
+        status = summary.status if summary.status in ("error", "interrupted", "finished") else "incomplete"
+        config = summary.config
+        out.append(TrialResult(str(config.get(VARIANT)), int(config.get(SEED, 0)), summary.trial_id, status,
+                               summary.epochs, best_epoch, summary.best_val, summary.best_test, seconds, curves))
+    return out
+
+
+def summarize_variants(job: JobConfig, trials: list[TrialResult], parameters: dict[str, Optional[int]]) -> list[VariantSummary]:
+    out = []
+    for name, overrides in job.compare.variants.items():
+        done = sorted((t for t in trials if t.variant == name and t.status == "finished" and t.best_test is not None),
+                      key=lambda t: t.seed)
+        times = [t.seconds for t in done if t.seconds is not None]
+        out.append(VariantSummary(name, overrides, [t.seed for t in done], [t.best_test for t in done],
+                                  [t.best_val for t in done if t.best_val is not None], parameters.get(name),
+                                  sum(times) / len(times) if times else None))
+    return out
+
+
+def _pm(mean: float, std: float, scale: float = 1.0) -> str:
+    if math.isnan(mean):
+        return "-"
+    return f"{mean * scale:.4f}" + ("" if math.isnan(std) else f" ± {std * scale:.4f}")
+
+
+def format_table(outcome: CompareOutcome) -> str:
+    """The comparison as a markdown table (one row per variant)."""
+    m = outcome.metric
+    lines = [f"| variant | settings | params | test {m} (mean ± std) | val {m} (mean ± std) | test {m} per seed "
+             f"| trial time |",
+             "|---|---|---|---|---|---|---|"]
+    for v in outcome.variants:
+        settings = ", ".join(f"{k}={json.dumps(val)}" for k, val in v.overrides.items()) or "(the job)"
+        per_seed = ", ".join(f"{s}: {t:.4f}" for s, t in zip(v.seeds, v.test)) or "-"
+        params = f"{v.parameters:,}" if v.parameters else "-"
+        seconds = f"{v.seconds:.0f} s" if v.seconds else "-"
+        lines.append(f"| {v.name} | {settings} | {params} | {_pm(*v.test_mean_std)} | {_pm(*v.val_mean_std)} "
+                     f"| {per_seed} | {seconds} |")
+    failed = [t for t in outcome.trials if t.status != "finished"]
+    note = f"{plural(len(outcome.trials), 'trial')}, {plural(outcome.epochs, 'epoch')} each"
+    if failed:
+        note += "; not finished: " + ", ".join(f"{t.variant}-seed{t.seed} ({t.status})" for t in failed)
+    return "\n".join(lines + ["", note + ". Test metric at each trial's best validation epoch; std over seeds (ddof 1)."])
+
+
+def plot_compare(outcome: CompareOutcome, path: str | Path) -> None:
+    """Bars (test metric mean ± std, each seed a dot), validation curves and training losses."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = outcome.metric
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    colors = {v.name: f"C{i}" for i, v in enumerate(outcome.variants)}
+    names = [v.name for v in outcome.variants]
+    means = [v.test_mean_std[0] for v in outcome.variants]
+    stds = [0.0 if math.isnan(v.test_mean_std[1]) else v.test_mean_std[1] for v in outcome.variants]
+    ax = axes[0]
+    ax.bar(range(len(names)), [0.0 if math.isnan(x) else x for x in means], yerr=stds, capsize=6,
+           color=[colors[n] for n in names], alpha=0.7)
+    for i, v in enumerate(outcome.variants):
+        ax.plot([i] * len(v.test), v.test, "o", color="black", markersize=4)
+    ax.set_xticks(range(len(names)), names, rotation=20)
+    ax.set_ylabel(f"test {m} at best val epoch")
+    ax.set_title(f"{outcome.name}: mean ± std over seeds")
+    finite = [x for x in means if not math.isnan(x)]
+    if finite:
+        lo = min(min(v.test) for v in outcome.variants if v.test)
+        ax.set_ylim(max(0.0, lo - 0.1 * (max(finite) - lo + 1e-3) - 0.02), None)
+    for ax, key, label in ((axes[1], f"val_{m}", f"val {m}"), (axes[2], "train_loss", "train loss")):
+        for t in outcome.trials:
+            if t.curves.get(key):
+                xs, ys = zip(*t.curves[key])
+                ax.plot(xs, ys, "-", color=colors.get(t.variant, "grey"), alpha=0.8, linewidth=1)
+        for n in names:
+            ax.plot([], [], "-", color=colors[n], label=n)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} per trial")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def count_parameters(job: JobConfig, shard_dir: str) -> Optional[int]:
+    """Parameters of the variant's model, as :func:`pipeline.train.driver.plan` configures it (built in the
+    driver by :func:`pipeline.train.worker.build_model`, which keeps PyG's generated modules in memory)."""
+    from pipeline.train.driver import plan
+    from pipeline.train.worker import build_model
+    from sat.config import SATConfig
+
+    try:
+        model = build_model(SATConfig.from_dict(plan(job, shard_dir).model_config))
+    except ValueError:
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- the comparison
+def comparison_digest(base: dict, cmp) -> str:
+    """Hash of what decides a comparison's results: the job (paths resolved) and the variants and seeds."""
+    import hashlib
+
+    keyed = {"job": base, "variants": cmp.variants, "seeds": cmp.seeds}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_digest(sweep_dir: Path, digest: str, named: bool, record: bool = True) -> None:
+    """A rerun resumes only a comparison of the same configuration. Without ``compare.name`` the
+    default name carries the digest, so a changed job starts a new comparison. A name given
+    explicitly that already holds another configuration is a one-line error. ``record``: write the
+    digest (and the directory), once the comparison is sure to start."""
+    path = sweep_dir / DIGEST_FILE
+    if path.is_file() and path.read_text().strip() != digest:
+        hint = "choose another compare.name or delete it" if named else "delete it"
+        raise ValueError(f"comparison {sweep_dir.name}: {sweep_dir} holds a comparison of another configuration; {hint}")
+    if record:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(digest + "\n")
+
+
+def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1) -> CompareOutcome:
+    """Run (or resume) the comparison of ``job.compare``; see the module docstring."""
+    import ray
+    from ray import tune
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    import preprocessing
+    from pipeline.train.preflight import preflight
+    from pipeline.registry.predict import check_reachable
+    from pipeline.train.driver import resolve_job
+    from pipeline.config.train import runs_dir
+    from preprocessing.config import config_hash
+
+    start = time.time()
+    if job.compare is None:
+        raise ValueError(f"job {job.name!r} has no compare: section")
+    cmp = job.compare
+    _, m, mode = task_metric(job)
+    jobs = variant_jobs(job)
+    job = resolve_job(job)
+    if not job.mlflow.enabled:
+        raise ValueError("compare: the comparison logs to MLflow; mlflow.enabled must be true")
+    base = resolve_paths(base_dict(job), Path.cwd())
+    base["mlflow"]["enabled"] = False
+    digest = comparison_digest(base, cmp)
+    name = cmp.name or f"{job.name}-compare-{digest[:8]}"
+    storage = Path(cmp.storage_path or runs_dir() / "tune").expanduser().resolve()
+    sweep_dir = storage / name
+    check_digest(sweep_dir, digest, named=cmp.name is not None, record=False)  # before Ray; written after the checks
+    tracking_uri = job.mlflow.tracking_uri
+    check_reachable(tracking_uri)
+
+    workers = max(j.resources.num_workers * j.resources.cpus_per_worker for j in jobs.values())
+    preflight({f"compare.variants.{vname}": vjob for vname, vjob in jobs.items()}, address=address,
+              num_workers=max(j.resources.num_workers for j in jobs.values()), extra_cpus=cmp.trial_cpus,
+              ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+    check_digest(sweep_dir, digest, named=cmp.name is not None)
+
+    # every distinct preprocessing once, here; then each variant's model size
+    built: dict[str, str] = {}
+    shard_dirs: dict[str, str] = {}
+    for vname, v in variant_jobs(job, base).items():  # paths resolved
+        key = config_hash(v.data, v.transform, v.shards) + str(Path(v.shards.root))
+        if key not in built:
+            built[key] = str(Path(preprocessing.preprocess(v.data, v.transform, v.shards, address=address)).resolve())
+            log.info("shards for %s: %s", vname, built[key])
+        shard_dirs[vname] = built[key]
+    parameters = {vname: count_parameters(vjob, shard_dirs[vname]) for vname, vjob in jobs.items()}
+
+    ctx = SweepContext(name=name, base=base, shard_dirs=shard_dirs, data_keys=[], train_storage=str(sweep_dir / "train"),
+                       max_epochs=job.train.epochs)
+
+    # MLflow: experiment and parent run before any trial starts (one writer: this process)
+    client = tracking.client(tracking_uri)
+    exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)
+    sweep_key = str(sweep_dir)
+    parent_id = open_parent_run(client, exp_id, sweep_key, KIND, name, {**base, "compare": cmp.model_dump(mode="json")},
+                                tags={DIGEST_TAG: digest})
+
+    cluster = ray.cluster_resources()
+    need = workers + cmp.trial_cpus
+    cap = max(1, int(cluster.get("CPU", 0) // need)) if need > 0 else 1
+    concurrent = min(cap, cmp.max_concurrent_trials or cap)
+    trials_total = len(cmp.variants) * len(cmp.seeds)
+    log.info("comparison %s: %s x %s = %s of %s, at most %d at once", name, plural(len(cmp.variants), "variant"),
+             plural(len(cmp.seeds), "seed"), plural(trials_total, "trial"), plural(job.train.epochs, "epoch"), concurrent)
+
+    trainable = trial_trainable(_trial, ctx, cmp.trial_cpus)
+    metric = f"val_{m}"
+
+    def new_tuner():
+        return tune.Tuner(
+            trainable,
+            param_space=param_space(job, base),
+            tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=1,
+                                        search_alg=BasicVariantGenerator(max_concurrent=concurrent)),
+            run_config=tune.RunConfig(
+                name=name, storage_path=str(storage),
+                failure_config=tune.FailureConfig(max_failures=cmp.max_failures),
+                callbacks=[SweepLogger(tracking_uri, exp_id, parent_id, sweep_key, ctx, job.train.epochs)],
+                verbose=verbose,
+            ),
+        )
+
+    results, resumed = fit_trials(sweep_dir, trainable, new_tuner, client, parent_id)
+
+    summaries = summarize(results, metric, mode, metric, job.train.epochs, saved_states(sweep_dir))
+    trials = trial_results(results, summaries, m)
+    for t in trials:
+        found = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, TRIAL_TAG: t.trial_id})
+        if found is not None:
+            t.run_id = found.info.run_id
+            client.set_tag(t.run_id, "mlflow.runName", f"{t.variant}-seed{t.seed}")
+            client.set_tag(t.run_id, "satp.variant", t.variant)
+    outcome = CompareOutcome(name=name, path=str(sweep_dir), metric=m, epochs=job.train.epochs,
+                             variants=summarize_variants(job, trials, parameters), trials=trials,
+                             parent_run_id=parent_id, tracking_uri=tracking_uri, resumed=resumed,
+                             seconds=time.time() - start,
+                             interrupted=any(t.status == "interrupted" for t in trials))
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    values: dict[str, float] = {}
+    for v in outcome.variants:
+        for split, (mean, std) in (("test", v.test_mean_std), ("val", v.val_mean_std)):
+            values[f"{v.name}.{split}_{m}_mean"] = mean
+            values[f"{v.name}.{split}_{m}_std"] = std
+    client.log_batch(parent_id, metrics=[Metric(k, float(v), now, 0) for k, v in values.items() if math.isfinite(v)])
+    table = format_table(outcome)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "compare.md").write_text(f"# {name}\n\n{table}\n")
+        client.log_artifact(parent_id, str(Path(tmp) / "compare.md"))
+        png = Path(tmp) / "compare.png"
+        plot_compare(outcome, png)
+        client.log_artifact(parent_id, str(png), artifact_path="plots")
+        rows = [dataclasses.asdict(t) for t in trials]
+        (Path(tmp) / "trials.json").write_text(json.dumps(rows, indent=1, default=str))
+        client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
+    if outcome.interrupted:
+        client.set_tag(parent_id, "satp.interrupted", "true")
+        client.set_terminated(parent_id, status="KILLED")
+    else:
+        failed = all(t.status != "finished" for t in trials)
+        client.set_terminated(parent_id, status="FAILED" if failed else "FINISHED")
+    return outcome
+
+
+def format_outcome(outcome: CompareOutcome) -> str:
+    lines = [f"comparison {outcome.name}{' (resumed)' if outcome.resumed else ''}: "
+             f"{plural(len(outcome.variants), 'variant')}, {plural(len(outcome.trials), 'trial')}, "
+             f"{outcome.seconds:.0f} s", "", format_table(outcome), ""]
+    if outcome.interrupted:
+        lines.append(f"interrupted: rerun the same command to resume the comparison ({outcome.path})")
+    lines.append(f"MLflow parent run {outcome.parent_run_id} ({outcome.tracking_uri}): compare.md, plots/compare.png")
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""The best trial of a sweep registered from its checkpoint (the best epoch's weights), into its
+child run; the alias moves to it only if it beats the current holder's validation metric."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import JobConfig
+from pipeline.registry import tracking
+from pipeline.registry.versions import promote
+from pipeline.sweep.summary import TrialSummary
+
+#: the parent run's record of what it registered (``<trial id>/<version>``): a rerun registers nothing again
+REGISTERED_TAG = "satp.registered_version"
+
+
+def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, mode: str, tracking_uri: str,
+                  alias: str, sweep_name: str, parent_run_id: str) -> dict[str, Any]:
+    """Log the best trial's best-epoch model into its child run, register it, and move ``alias``
+    to it if it beats the current holder's validation metric."""
+    import torch
+
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.registry.predict import input_spec
+    from pipeline.registry.versions import log_and_register
+    from pipeline.tasks import make_task
+    from pipeline.train.loader import open_split
+    from pipeline.train.worker import build_model
+    from sat.config import SATConfig
+
+    if not best.checkpoint_path:
+        raise RuntimeError(f"trial {best.trial_id} reported no checkpoint")
+    directory = Path(best.checkpoint_path)
+    state = ckpt.load_state(directory)
+    weights = ckpt.load_best_weights(directory)
+    if weights is None:
+        raise RuntimeError(f"{directory}: no best weights in the trial's checkpoint")
+    config = SATConfig.from_dict(state["model_config"])
+    model = build_model(config)
+    model.load_state_dict(weights)
+    model.eval()
+    shard_dir = best.config.get("__shard_dir__")
+    task_state = dict(state["task"])
+    vocab = None
+    if shard_dir:
+        vocab = open_split(shard_dir, "train").vocab
+    task = make_task(task_state.pop("name"), vocab=vocab, **task_state)
+    m = task_metric_name
+    b = state["best"]
+    metrics = {f"best_val_{m}": b["val"], f"best_test_{m}": b["test"], "best_epoch": b["epoch"]}
+    if state.get("constant") is not None:
+        metrics[f"constant_{m}"] = state["constant"]
+    metrics = {k: v for k, v in metrics.items() if v is not None}
+    name = job.mlflow.registered_model or f"sat-{task.name}"
+    extra = {"run_name": f"{sweep_name}-{best.trial_id}", "job": best.config.get("__job__"),
+             "sweep": {"name": sweep_name, "trial_id": best.trial_id, "parent_run_id": parent_run_id}}
+    if shard_dir:
+        extra.update(input_spec(shard_dir))
+    manifest_hash = ""
+    if shard_dir:
+        manifest_hash = (open_split(shard_dir, "train").manifest or {}).get("config_hash", "")
+    with torch.no_grad():
+        reg = log_and_register(model, task=task, model_config=config, vocab=vocab, run_id=best.run_id,
+                               tracking_uri=tracking_uri, registered_model=name, data_manifest_hash=manifest_hash,
+                               metrics=metrics, extra=extra, provenance=state.get("provenance"))
+    client = tracking.client(tracking_uri)
+    client.set_model_version_tag(name, str(reg["version"]), "satp.sweep", sweep_name)
+    reg.update(promote(client, name, reg["version"], metrics.get(f"best_val_{m}"), f"best_val_{m}", mode, alias,
+                       sweep_name))
+    return reg

@@ -1,0 +1,143 @@
+"""What a sweep found: one :class:`TrialSummary` per trial (status, epochs, best metric, validation
+curve, checkpoint) read from Tune's results and saved state, the :class:`SweepOutcome`, and the
+plot of every trial's validation curve with ASHA's early stops marked."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from pipeline.registry.versions import better, finite_float
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrialSummary:
+    trial_id: str
+    config: dict[str, Any]
+    status: str  # finished | early_stopped | error | interrupted (not finished when the sweep stopped)
+    epochs: int
+    best: Optional[float]  # the sweep metric at its best epoch
+    best_val: Optional[float]  # best_val_<task metric> (the registered model's)
+    best_test: Optional[float]
+    curve: list[tuple[int, float]]  # (epoch, val metric)
+    checkpoint_path: Optional[str]
+    run_id: Optional[str] = None
+
+
+@dataclasses.dataclass
+class SweepOutcome:
+    name: str
+    path: str  # the Tune experiment directory
+    metric: str
+    mode: str
+    trials: list[TrialSummary]
+    best: Optional[TrialSummary]
+    parent_run_id: Optional[str]
+    tracking_uri: Optional[str]
+    registered: Optional[dict[str, Any]]  # registered_uri, version, champion (bool), reason
+    resumed: bool
+    seconds: float
+    interrupted: bool = False
+
+    @property
+    def early_stopped(self) -> list[TrialSummary]:
+        return [t for t in self.trials if t.status == "early_stopped"]
+
+
+def saved_states(path: str | Path) -> dict[str, str]:
+    """Trial states in the sweep's saved experiment state. After an interruption (Ctrl-C) Tune
+    stops the running trials and marks them TERMINATED in memory, but it saves them first as
+    PENDING/RUNNING so that ``Tuner.restore`` resumes them: the saved state tells."""
+    try:
+        from ray.tune import ExperimentAnalysis
+
+        return {t.trial_id: t.status for t in ExperimentAnalysis(str(path)).trials}
+    except Exception as exc:  # unreadable state: trust the in-memory results
+        log.debug("no saved experiment state at %s: %s", path, exc)
+        return {}
+
+
+def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
+              states: Optional[dict[str, str]] = None) -> list[TrialSummary]:
+    try:  # Tune's trials, in the order of the results
+        tune_trials = list(results._experiment_analysis.trials)
+    except AttributeError:
+        tune_trials = []
+    if len(tune_trials) != len(results):
+        tune_trials = [None] * len(results)
+    states = dict(states or {})
+    out = []
+    for trial, result in zip(tune_trials, results):
+        df = result.metrics_dataframe
+        last = result.metrics or {}
+        tid = trial.trial_id if trial is not None else last.get("trial_id") or Path(result.path).name
+        if trial is not None and tid not in states:
+            states[tid] = trial.status
+        curve: list[tuple[int, float]] = []
+        best = None
+        best_val = best_test = None
+        checkpoint_path = None
+        epochs = 0
+        if df is not None and len(df):
+            rows = df.to_dict("records")
+            for row in rows:
+                epoch = row.get("epoch")
+                if epoch is None or (isinstance(epoch, float) and math.isnan(epoch)):
+                    continue
+                epochs = max(epochs, int(epoch) + 1)
+                v = row.get(val_metric)
+                if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
+                    curve.append((int(epoch), float(v)))
+                m = row.get(metric)
+                if isinstance(m, (int, float)) and math.isfinite(m) and (best is None or better(m, best, mode)):
+                    best = float(m)
+                if row.get("checkpoint_path") and isinstance(row.get("checkpoint_path"), str):
+                    checkpoint_path = row["checkpoint_path"]
+                    best_val = row.get(f"best_{val_metric}", best_val)
+                    best_test = row.get(f"best_{val_metric.replace('val_', 'test_', 1)}", best_test)
+        if result.error is not None or states.get(tid) == "ERROR":
+            status = "error"
+        elif states.get(tid, "TERMINATED") != "TERMINATED":
+            status = "interrupted"
+        elif epochs < max_epochs:
+            status = "early_stopped"
+        else:
+            status = "finished"
+        config = dict(result.config or (trial.config if trial is not None else {}) or {})
+        out.append(TrialSummary(tid, config, status, epochs, best,
+                                finite_float(best_val), finite_float(best_test), curve, checkpoint_path))
+    return out
+
+
+def plot_sweep(trials: list[TrialSummary], val_metric: str, path: str | os.PathLike, title: str = "") -> None:
+    """Every trial's validation curve; an early stop is marked with a red cross at its last epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for t in trials:
+        if not t.curve:
+            continue
+        xs, ys = zip(*t.curve)
+        style = "--" if t.status != "finished" else "-"
+        (line,) = ax.plot(xs, ys, style, marker="o", markersize=3, label=f"{t.trial_id} ({t.status})")
+        if t.status == "early_stopped":
+            ax.plot(xs[-1], ys[-1], "x", color="red", markersize=10, markeredgewidth=2)
+    ax.plot([], [], "x", color="red", markersize=10, markeredgewidth=2, label="stopped early (ASHA)")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(val_metric)
+    ax.set_title(title or f"{val_metric} per trial")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

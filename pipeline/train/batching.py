@@ -1,0 +1,177 @@
+"""Batches built to a node budget with size bucketing, sharded over ranks.
+
+Dense attention pads every graph of a batch to the batch's largest graph, so a
+batch costs ``len(batch) x max(n)`` node slots and ``len(batch) x max(n)^2``
+attention cells. Batches here are built to a budget of padded node slots from
+graphs of similar size: each epoch the split is shuffled with ``seed + epoch``,
+cut into buckets of ``bucket_size`` graphs, each bucket sorted by size and cut
+greedily into batches, and the batch order shuffled again. A graph larger than
+the budget gets a batch of its own: large graphs are never dropped.
+
+Training: every rank gets the same number of batches per epoch (a collective
+per step would hang otherwise). The count is fixed at the first epoch's
+``len(batches) // world_size``; later epochs trim or repeat a few batches to
+match, so the learning-rate schedule knows its length in advance.
+
+Evaluation: the batches are cut from the split sorted by size (least padding,
+deterministic) and dealt round-robin; ranks may get different counts (no
+collective runs per evaluation step) and nothing is dropped.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+
+def pack(order: np.ndarray, sizes: np.ndarray, node_budget: int, max_graphs: Optional[int] = None) -> list[np.ndarray]:
+    """Cut ``order`` (graph indices, sorted by size, ascending) greedily into batches of at most
+    ``node_budget`` padded node slots (graphs x largest graph) and ``max_graphs`` graphs; a graph
+    larger than the budget gets a batch of its own.
+
+    Sorted, a batch's last graph is its largest, and its slots grow with every graph added, so a
+    batch is the longest run from its first graph whose slots fit: one vectorised test per batch
+    (the epoch's batches are cut in the main process, at the start of every epoch)."""
+    ordered = np.asarray(sizes, dtype=np.int64)[order]
+    if ordered.size > 1 and bool((ordered[1:] < ordered[:-1]).any()):
+        raise ValueError("pack needs the graphs sorted by size")
+    n = len(order)
+    cap = n if max_graphs is None else max(1, int(max_graphs))
+    batches: list[np.ndarray] = []
+    start = 0
+    while start < n:
+        # no graph after start is smaller than it: more than budget // size[start] graphs never fit
+        stop = min(n, start + cap, start + max(1, node_budget // max(int(ordered[start]), 1)))
+        slots = ordered[start:stop] * np.arange(1, stop - start + 1)
+        count = max(1, int(np.count_nonzero(slots <= node_budget)))
+        batches.append(order[start : start + count])
+        start += count
+    return batches
+
+
+def padding_stats(batches: Sequence[np.ndarray], sizes: np.ndarray) -> dict[str, float]:
+    """Share of padded node slots and of padded attention cells over ``batches``."""
+    slots = used_slots = cells = used_cells = 0
+    for b in batches:
+        s = sizes[b].astype(np.int64)
+        m = int(s.max())
+        slots += len(s) * m
+        used_slots += int(s.sum())
+        cells += len(s) * m * m
+        used_cells += int((s * s).sum())
+    return {
+        "node_padding": 1.0 - used_slots / max(slots, 1),
+        "attention_padding": 1.0 - used_cells / max(cells, 1),
+        "batches": float(len(batches)),
+    }
+
+
+class NodeBudgetSampler:
+    """Per-rank batch sampler: yields the graph ids of a batch at a time (an array), the sampler of
+    a ``torch.utils.data.DataLoader`` with ``batch_size=None`` over a dataset indexed by whole
+    batches (:class:`pipeline.train.loader.GraphBatches`).
+
+    Its whole state is ``(seed, epoch)``: the batches of an epoch are a pure
+    function of them, which is what a checkpoint stores (``state_dict``).
+    """
+
+    def __init__(
+        self,
+        sizes: np.ndarray,
+        node_budget: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        bucket_size: int = 2048,
+        max_graphs: Optional[int] = None,
+        indices: Optional[np.ndarray] = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of {world_size}")
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.indices = np.arange(len(self.sizes)) if indices is None else np.asarray(indices, dtype=np.int64)
+        if len(self.indices) == 0:
+            raise ValueError("cannot batch an empty split")
+        self.node_budget = int(node_budget)
+        self.rank, self.world_size = rank, world_size
+        self.shuffle, self.seed = shuffle, int(seed)
+        self.bucket_size, self.max_graphs = int(bucket_size), max_graphs
+        self.epoch = 0
+        self._per_rank: Optional[int] = None
+        if shuffle:
+            self._per_rank = max(1, len(self._global_batches(0)) // world_size)
+
+    # -- state ---------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+
+    # -- batches -------------------------------------------------------------
+    def _global_batches(self, epoch: int) -> list[np.ndarray]:
+        sizes = self.sizes
+        if not self.shuffle:
+            order = self.indices[np.argsort(sizes[self.indices], kind="stable")]
+            return pack(order, sizes, self.node_budget, self.max_graphs)
+        rng = np.random.default_rng([self.seed, epoch])
+        perm = self.indices[rng.permutation(len(self.indices))]
+        batches: list[np.ndarray] = []
+        for lo in range(0, len(perm), self.bucket_size):
+            bucket = perm[lo : lo + self.bucket_size]
+            bucket = bucket[np.argsort(sizes[bucket], kind="stable")]
+            batches.extend(pack(bucket, sizes, self.node_budget, self.max_graphs))
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def epoch_batches(self, epoch: Optional[int] = None) -> list[np.ndarray]:
+        """This rank's batches for ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        batches = self._global_batches(epoch)
+        if not self.shuffle:
+            return batches[self.rank :: self.world_size]
+        need = self._per_rank * self.world_size
+        if len(batches) < need:  # repeat a few (random, since shuffled) batches
+            reps = -(-need // len(batches))
+            batches = (batches * reps)[:need]
+        batches = batches[:need]
+        return batches[self.rank :: self.world_size]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """This rank's batches of the current epoch: an array of graph ids each."""
+        return iter(self.epoch_batches())
+
+    def __len__(self) -> int:
+        if self.shuffle:
+            return int(self._per_rank)
+        return len(self._global_batches(0)[self.rank :: self.world_size])
+
+
+class EpochStream:
+    """The batches of ``sampler``'s epochs one after the other, without end, from the epoch the
+    sampler is at when iteration starts: the sampler of a DataLoader that is iterated once for the
+    whole run, taking ``len(sampler)`` batches per epoch (every epoch has that many: a training
+    sampler). Its workers then prepare the next epoch's first batches while an epoch ends and is
+    evaluated; a new iterator per epoch would start them only when the epoch starts, and the step
+    would wait for a batch to be built from scratch."""
+
+    def __init__(self, sampler: NodeBudgetSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        epoch = self.sampler.epoch
+        while True:
+            yield from self.sampler.epoch_batches(epoch)
+            epoch += 1
+
+
+def subset_indices(n: int, limit: Optional[int], seed: int) -> Optional[np.ndarray]:
+    """The first ``limit`` graphs of a seeded permutation of ``range(n)`` (sorted), or None for all."""
+    if limit is None or limit >= n:
+        return None
+    rng = np.random.default_rng([seed, 7919])
+    return np.sort(rng.permutation(n)[:limit])

@@ -1,0 +1,151 @@
+"""The DeepSpeed engine of a worker: precision, ZeRO stage, clipping, AdamW and the schedule.
+
+A ``torch.optim.AdamW`` is passed to ``deepspeed.initialize`` (a DeepSpeed-config
+optimizer JIT-compiles ``fused_adam``, 85 s on CPU), together with a
+``LambdaLR`` implementing the paper's schedule: linear warm-up, then cosine
+decay (OGB) or the Transformer's inverse square root (PATTERN, CLUSTER; :func:`lr_schedule`),
+stepped once per optimizer step by the engine.
+
+Mixed precision is DeepSpeed's ``torch_autocast`` (weights and optimizer state
+in fp32, forward under ``torch.autocast``): bf16 on CPUs and GPUs that support
+it, fp16 (with a gradient scaler) on GPUs that lack bf16, or plain fp32.
+
+The optimizer step (:func:`optimizer_step`) avoids per-parameter work on the host: AdamW is
+torch's fused (CUDA) or foreach implementation, and without ZeRO partitioning (stage 0, no fp16
+scaler) gradients are clipped here with one foreach norm instead of DeepSpeed's loop over the
+parameters (a norm kernel, a host-made tensor and a multiply per parameter). With one rank,
+DeepSpeed's gradient all-reduce (flatten, all-reduce, copy back) is switched off: it has nothing
+to reduce. DeepSpeed's throughput timer, which synchronises the device twice per step, is off.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from pipeline.config.train import TrainConfig
+
+
+def resolve_precision(precision: str, use_gpu: bool) -> str:
+    """``auto`` -> ``bf16`` where supported, else ``fp16`` on GPU, ``fp32`` on CPU."""
+    if precision != "auto":
+        if precision == "fp16" and not use_gpu:
+            raise ValueError("train.precision: fp16 is not supported on CPU (DeepSpeed rejects it); use bf16 or fp32")
+        return precision
+    if use_gpu:
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if cpu_supports_bf16() else "fp32"
+
+
+def cpu_supports_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = fh.read()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        return False
+
+
+def deepspeed_config(train: TrainConfig, precision: str, world_size: int) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        # batches are built to a node budget, so DeepSpeed's batch size is nominal
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "zero_optimization": {"stage": train.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        # the throughput timer synchronises the device at the start and end of every step by
+        # default; the worker measures throughput itself, once per epoch
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
+    }
+    # always explicit: DeepSpeed clips at 1.0 when the key is absent (its default), which would
+    # clip a second time, or clip a job that turned clipping off (grad_clip: 0)
+    clip_here = clips_outside_deepspeed(train, precision)
+    config["gradient_clipping"] = 0.0 if clip_here else float(train.grad_clip)
+    if precision in ("bf16", "fp16"):
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16" if precision == "bf16" else "float16"}
+    return config
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float = 0.0, cosine: bool = True):
+    """Multiplier of the base lr at optimizer step ``step`` (LambdaLR semantics)."""
+    total_steps = max(1, int(total_steps))
+    warmup_steps = max(0, min(int(warmup_steps), total_steps))
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if not cosine:
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def warmup_inverse_sqrt(warmup_steps: int):
+    """The Transformer's schedule (Vaswani et al., 2017), scaled to peak at the base lr, as a
+    multiplier of it at optimizer step ``step`` (LambdaLR semantics). With ``s = step + 1`` and
+    ``w = warmup_steps`` it is ``s / w`` during the warm-up and ``sqrt(w / s)`` after it. The SAT
+    authors used it on ZINC, PATTERN and CLUSTER (paper, appendix; ``lr_scheduler`` in their
+    ``train_SBMs.py``: a linear ramp from 1e-6, then ``lr * sqrt(w / s)``)."""
+    w = max(1, int(warmup_steps))
+
+    def factor(step: int) -> float:
+        s = step + 1
+        return s / w if s < w else math.sqrt(w / s)
+
+    return factor
+
+
+def lr_schedule(train: TrainConfig, steps_per_epoch: int):
+    """The job's schedule (``train.scheduler``) as a LambdaLR multiplier. The warm-up is
+    ``train.warmup_steps`` if set, else ``train.warmup_epochs`` epochs."""
+    warmup = train.warmup_steps if train.warmup_steps is not None else round(steps_per_epoch * train.warmup_epochs)
+    if train.scheduler == "inverse_sqrt":
+        return warmup_inverse_sqrt(warmup)
+    return warmup_cosine(steps_per_epoch * train.epochs, warmup, train.min_lr_ratio, cosine=train.scheduler == "cosine")
+
+
+def clips_outside_deepspeed(train: TrainConfig, precision: str) -> bool:
+    """Whether :func:`optimizer_step` clips the gradients itself (whole, unscaled gradients on
+    every rank: ZeRO stage 0 without the fp16 gradient scaler)."""
+    return train.zero_stage == 0 and precision != "fp16"
+
+
+def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, steps_per_epoch: int, world_size: int):
+    """``deepspeed.initialize`` with AdamW and the job's lr schedule (:func:`lr_schedule`); returns the engine."""
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        raise RuntimeError("DeepSpeed needs RANK/WORLD_SIZE/MASTER_ADDR (run inside a Ray Train worker)")
+    on_cuda = next(model.parameters()).is_cuda or os.environ.get("DS_ACCELERATOR") == "cuda"
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=train.lr, weight_decay=train.weight_decay, **({"fused": True} if on_cuda else {})
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(train, steps_per_epoch))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=deepspeed_config(train, precision, world_size),
+    )
+    if world_size == 1:
+        engine.enable_backward_allreduce = False  # one rank: nothing to reduce
+    return engine
+
+
+def optimizer_step(engine, grad_clip: float, clip_here: bool) -> None:
+    """Clip (when this module owns clipping, see :func:`clips_outside_deepspeed`) and step the
+    engine: optimizer, zeroed gradients, lr schedule. Reads nothing back from the device."""
+    if clip_here and grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), grad_clip)  # foreach where supported
+    engine.step()
+
+
+def current_lr(engine) -> float:
+    return float(engine.optimizer.param_groups[0]["lr"])

@@ -1,0 +1,198 @@
+"""Data loading of a worker: shard splits, node-budget batches built on the CPU, device transfer.
+
+A DataLoader worker process builds a whole batch per call: the loader's sampler yields the id
+array of a batch (``batch_size=None``) and :class:`GraphBatches` turns it into a finished batch:
+
+* decoding and PyG collation at once, straight from the memory-mapped shard columns
+  (:meth:`preprocessing.reader.ShardDataset.batch`, equal to ``Batch.from_data_list`` of the items);
+  a dataset without that method (a list of in-memory graphs) gives its items to
+  :meth:`torch_geometric.data.Batch.from_data_list`;
+* then :class:`BatchCollator`: the value checks of :func:`sat.validation.validate_batch` (the step
+  then runs the model with ``validate=False``) and the :class:`sat.layout.GraphLayout` (graph
+  offsets, ``cu_seqlens``, largest graph, dense blocks, [CLS] positions) from the graphs' node
+  counts, attached as ``batch.graph_layout``: everything the model would otherwise compute from the
+  batch on the accelerator, with values read back to the host.
+
+The batch travels to the main process as a :class:`PackedBatch`: all its tensors in one buffer.
+With ``pin_memory`` the loader's thread page-locks that buffer, and :func:`to_device` copies the
+batch with ``non_blocking=True``, so the copy overlaps the previous step. :func:`make_loader`'s
+loader yields the batches unpacked (views of the buffer).
+"""
+from __future__ import annotations
+
+import copy
+import io
+import math
+import pickle
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from sat.config import SATConfig
+
+
+def open_split(shard_dir: str | Path, split: str):
+    """A split of a shard directory (:class:`preprocessing.reader.ShardDataset`)."""
+    from preprocessing.reader import ShardDataset
+
+    return ShardDataset(shard_dir, split)
+
+
+class BatchCollator:
+    """A ``Batch`` (or a list of ``SATData``, collated by PyG) -> the batch, checked and carrying its
+    ``graph_layout`` for a model of ``config`` (see the module docstring).
+
+    Picklable (DataLoader worker processes receive a copy).
+    """
+
+    def __init__(self, config: SATConfig, validate: bool = True, bucket_ratio: Optional[float] = 1.5) -> None:
+        self.config = config
+        self.validate = validate
+        self.bucket_ratio = bucket_ratio
+
+    def __call__(self, batch: Any) -> Any:
+        from torch_geometric.data import Batch
+
+        from sat.layout import GraphLayout
+        from sat.validation import validate_batch
+
+        if not isinstance(batch, Batch):
+            batch = Batch.from_data_list(batch)
+        if self.validate:
+            validate_batch(self.config, batch)
+        batch.graph_layout = GraphLayout.from_sizes(
+            torch.diff(batch.ptr), self.bucket_ratio, cls_token=self.config.readout == "cls"
+        )
+        return batch
+
+
+class GraphBatches(torch.utils.data.Dataset):
+    """``dataset`` indexed by whole batches: ``GraphBatches(ds, collator)[ids]`` is the finished batch of
+    the graphs ``ids`` (:meth:`~preprocessing.reader.ShardDataset.batch`, or the list of those graphs
+    for a dataset without that method, then ``collator``): a DataLoader worker builds a batch in one call."""
+
+    def __init__(self, dataset, collator: BatchCollator) -> None:
+        self.dataset = dataset
+        self.collator = collator
+
+    def __getitem__(self, ids) -> Any:
+        batch_of = getattr(self.dataset, "batch", None)
+        return self.collator(batch_of(ids) if batch_of else [self.dataset[int(i)] for i in ids])
+
+
+_ALIGN = 64  # bytes: every tensor of a packed batch starts at a multiple (any dtype may view it)
+
+
+class _TensorsOut(pickle.Pickler):
+    """Pickles an object with its tensors left out, by reference to ``tensors`` (in order)."""
+
+    def __init__(self, file, tensors: list) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+
+    def persistent_id(self, obj: Any) -> Optional[int]:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return len(self.tensors) - 1
+        return None
+
+
+class _TensorsIn(pickle.Unpickler):
+    """Unpickles what :class:`_TensorsOut` wrote, the references resolved to ``tensors``."""
+
+    def __init__(self, file, tensors: list) -> None:
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid: int) -> torch.Tensor:
+        return self.tensors[pid]
+
+
+class PackedBatch:
+    """A finished batch in transit from a DataLoader worker process: the bytes of all its tensors in
+    one buffer (contiguous, each at a multiple of 64 bytes), everything else pickled.
+
+    Sent as it is, a batch's ~40 tensors (attributes, PyG's slice and increment dicts, the layout)
+    would each become a shared-memory segment whose file descriptor the main process fetches over a
+    connection of its own to the worker, and the pin-memory thread would walk every attribute,
+    each string of ``y_tokens`` included. Packed, the batch is one segment, pinned as one buffer,
+    and :meth:`unpack` rebuilds it in the main process from views of that buffer (equal tensors,
+    each contiguous). The loader's ``collate_fn``: packs the batch :class:`GraphBatches` made.
+    """
+
+    def __init__(self, batch: Any) -> None:
+        tensors: list[torch.Tensor] = []
+        stream = io.BytesIO()
+        _TensorsOut(stream, tensors).dump(batch)
+        self.structure = stream.getvalue()
+        self.spans: list[tuple[int, torch.dtype, tuple[int, ...]]] = []
+        size = 0
+        for t in tensors:
+            self.spans.append((size, t.dtype, tuple(t.shape)))
+            size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        self.buffer = _buffer(size)
+        for t, span in zip(tensors, self.spans):
+            self._view(*span).copy_(t)
+
+    def _view(self, start: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.buffer[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def pin_memory(self) -> "PackedBatch":
+        """This batch with its buffer page-locked (the DataLoader's pin-memory thread calls it)."""
+        pinned = copy.copy(self)
+        pinned.buffer = self.buffer.pin_memory()
+        return pinned
+
+    def unpack(self) -> Any:
+        """The batch, its tensors views of the buffer."""
+        views = [self._view(*span) for span in self.spans]
+        return _TensorsIn(io.BytesIO(self.structure), views).load()
+
+
+def _buffer(nbytes: int) -> torch.Tensor:
+    """A byte buffer; in a DataLoader worker process in shared memory, where sending it copies nothing."""
+    if nbytes == 0 or torch.utils.data.get_worker_info() is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
+
+
+class BatchLoader:
+    """The finished batches of a DataLoader that yields them packed (:class:`PackedBatch`), unpacked."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        return (packed.unpack() for packed in self.loader)
+
+
+def make_loader(dataset, sampler, collator: BatchCollator, workers: int, pin_memory: bool) -> BatchLoader:
+    """The finished batches of ``dataset`` whose ids ``sampler`` yields (an array per batch, e.g.
+    :class:`pipeline.train.batching.NodeBudgetSampler`), built by ``workers`` processes that persist
+    across epochs (none: in this process)."""
+    from torch.utils.data import DataLoader
+
+    return BatchLoader(DataLoader(
+        GraphBatches(dataset, collator),
+        sampler=sampler,
+        batch_size=None,
+        collate_fn=PackedBatch,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=pin_memory,
+        prefetch_factor=4 if workers > 0 else None,
+    ))
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch``'s tensors (and layout) on ``device``, copied without blocking; a no-op on the CPU.
+
+    PyG moves a batch in place: read what is needed from the CPU batch first. Host lists
+    (``y_tokens``) are left alone rather than walked item by item.
+    """
+    if device.type == "cpu":
+        return batch
+    keys = [key for key, value in batch if not isinstance(value, list)]
+    return batch.to(device, *keys, non_blocking=True)

@@ -1,0 +1,112 @@
+"""BatchNorm statistics recomputed before an evaluation ("precise BN", ``train.precise_bn_batches``).
+
+In training, BatchNorm normalises with each batch's own statistics and keeps an exponential moving
+average of them (momentum 0.1: about the last 10 batches) for evaluation. Two things can make that
+average a poor stand-in for the statistics the evaluated model actually sees:
+
+* the average mixes batches taken under different weights and carries the noise of the last few
+  batches (Wu & Johnson, "Rethinking 'Batch' in BatchNorm", 2021, Sec. 3: "precise BN");
+* dropout in front of a BatchNorm layer changes the variance it sees between training and
+  evaluation (Li et al., "Understanding the Disharmony between Dropout and Batch Normalization by
+  Variance Shift", CVPR 2019); SAT's layers add the dropped-out attention and FFN outputs to the
+  residual right before their BatchNorm.
+
+:func:`recompute_batchnorm_stats` replaces every BatchNorm layer's running mean and variance by
+their plain average over a few training batches, run forward with dropout off (the model in
+evaluation mode, only the BatchNorm layers in training mode) and nothing else changed: the
+statistics the evaluated model will use, under its current weights. :class:`StatisticsBatches`
+picks those batches: the first ``count`` batches of a shuffled pass over the training split, with a
+seed of their own, so neither the training order nor its random state moves.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from pipeline.train.batching import NodeBudgetSampler
+
+
+def batchnorm_layers(module: torch.nn.Module) -> list[_BatchNorm]:
+    """The BatchNorm layers of ``module`` that keep running statistics."""
+    return [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+
+
+class StatisticsBatches:
+    """The sampler of the batches that :func:`recompute_batchnorm_stats` runs: the first ``count``
+    batches of ``sampler``'s epoch (a shuffled training sampler with a seed of its own), so
+    evaluation after every epoch sees fresh random batches of the training distribution."""
+
+    def __init__(self, sampler: NodeBudgetSampler, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"StatisticsBatches: count must be >= 1, got {count}")
+        self.sampler, self.count = sampler, int(count)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return iter(self.sampler.epoch_batches()[: self.count])
+
+    def __len__(self) -> int:
+        return min(self.count, len(self.sampler))
+
+
+@torch.no_grad()
+def recompute_batchnorm_stats(
+    module: torch.nn.Module, batches: Iterable[Any], forward: Callable[[Any], Any], average_ranks: bool = True
+) -> int:
+    """Replace the running mean and variance of ``module``'s BatchNorm layers by their average over
+    ``batches`` (each batch weighing the same, as BatchNorm's cumulative average does), computed by
+    ``forward(batch)`` with the module in evaluation mode except its BatchNorm layers (dropout off).
+
+    With ``torch.distributed`` initialised and several ranks, the ranks' averages are averaged, so
+    every rank evaluates with the same statistics. The module's modes and momenta are restored.
+    Returns the number of batches run; with none, the statistics are left as they were.
+    """
+    layers = batchnorm_layers(module)
+    if not layers:
+        return 0
+    was_training = module.training
+    saved = [(bn.momentum, bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone())
+             for bn in layers]
+    module.eval()
+    for bn in layers:
+        bn.reset_running_stats()
+        bn.momentum = None  # cumulative average over the batches
+        bn.train()
+    seen = 0
+    try:
+        for batch in batches:
+            forward(batch)
+            seen += 1
+    finally:
+        for bn, (momentum, *_rest) in zip(layers, saved):
+            bn.momentum = momentum
+        module.train(was_training)
+    if seen == 0:
+        for bn, (_momentum, mean, var, count) in zip(layers, saved):
+            bn.running_mean.copy_(mean)
+            bn.running_var.copy_(var)
+            bn.num_batches_tracked.copy_(count)
+        return 0
+    if average_ranks:
+        _average_over_ranks(layers)
+    return seen
+
+
+def _average_over_ranks(layers: list[_BatchNorm]) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    flat = torch.cat([t.float().view(-1) for bn in layers for t in (bn.running_mean, bn.running_var)])
+    dist.all_reduce(flat)  # SUM: gloo has no AVG
+    flat /= dist.get_world_size()
+    offset = 0
+    for bn in layers:
+        for t in (bn.running_mean, bn.running_var):
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

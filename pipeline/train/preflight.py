@@ -1,0 +1,359 @@
+"""Pre-flight: what a job can get wrong that the driver can see, checked before Ray starts.
+
+``satp train`` and ``satp tune`` (and every trial of a sweep, through
+:func:`pipeline.train.driver.train_job`) call :func:`preflight`, the one function for this. A mistake
+found later costs minutes: Ray starts (~10 s), data are preprocessed, an MLflow run is opened,
+workers start (20-30 s each try), the model fails in every worker's forward pass and the worker
+group is retried ``max_failures`` times. In the order of cost:
+
+1. :func:`check_config`: the job alone (no data, no Ray, no torch): precision against the
+   hardware asked for, the warm-up against the epochs, the model against the features the shards
+   will hold (``extractor: subgraph`` needs ``transform.k_hops > 0``, ``pe: rwpe`` needs
+   ``transform.rwpe_steps == model.pe_dim``, ``pe: lap`` needs ``transform.lap_pe_dim ==
+   model.pe_dim``), the task.
+2. :func:`check_data_root`: ``data.root`` is a directory or can be created (tried:
+   :func:`check_writable_dir`; ``/proc/nope`` fails here, not after Ray started); a dataset folder
+   that exists looks complete; one that is absent can be built (``pycode``: its source
+   directories exist; ``ogb``: the download address answers within seconds).
+   :func:`check_output_dirs`: ``shards.root`` can be created, ``train.storage_path`` written.
+3. the Ray address answers as a Ray cluster within ~10 s (:func:`runtime.ray_cluster.probe`), else
+   a one-line error; without an address, this machine holds the job's workers (a local cluster
+   would); steps 1-3 are :func:`early_checks`, which ``satp train`` also runs right after reading
+   the job, before it imports torch and Ray;
+4. a training run: what its run name holds (:func:`pipeline.train.rerun.early_decision`): a checkpoint
+   of another configuration, or of raw files that changed since, stops it here, a finished run
+   of this one whose shards exist needs no Ray;
+5. :func:`runtime.ray_cluster.connect` (without an address, a new local Ray starts), then
+   :func:`check_resources`: the cluster's alive nodes can hold the job's workers, counted per
+   node (a worker never spans nodes); the error gives the numbers (``4 worker(s) x (1 CPU, 1
+   GPU); this machine (a local Ray cluster) has 2 CPU, 0 GPU on 1 node(s), room for 0``). An autoscaling cluster, where
+   Ray adds nodes on demand, sets ``resources.wait_for_nodes: true`` to skip this.
+
+After it, :func:`pipeline.train.driver.plan` checks the model against the real shards
+(:func:`check_shard_features`, from the manifest's columns) before any worker starts.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+log = logging.getLogger(__name__)
+
+DOWNLOAD_PROBE_S = 10.0
+
+
+# ----------------------------------------------------------------------------- the job alone
+def feature_problem(model, subgraphs: bool, rwpe: int, lap_pe: int, where: str) -> Optional[str]:
+    """What the model reads that the shards lack (``where`` names the shards' side), or None.
+
+    ``subgraphs``: the shards hold k-hop subgraph indices; ``rwpe`` / ``lap_pe``: the width of
+    those columns (0: absent)."""
+    if model.needs_subgraphs and not subgraphs:
+        return (f"model.extractor: 'subgraph' reads each node's k-hop subgraph indices, and {where} hold none "
+                f"(transform.k_hops: 0); set transform.k_hops (e.g. {model.k_hops}) or use extractor: subtree")
+    for kind, have, key in (("rwpe", rwpe, "rwpe_steps"), ("lap", lap_pe, "lap_pe_dim")):
+        if model.pe == kind and have != model.pe_dim:
+            held = f"{have}-wide {kind} encodings" if have else f"no {kind} encodings"
+            fix = f"set transform.{key}: {model.pe_dim}" + (f" or model.pe_dim: {have}" if have else " or model.pe: none")
+            return (f"model.pe: {kind!r} with pe_dim {model.pe_dim} reads {model.pe_dim} values per node, and {where} "
+                    f"hold {held} (transform.{key}: {have}); {fix}")
+    return None
+
+
+def check_config(job, task: bool = True) -> None:
+    """Step 1 (see the module docstring); raises ``ValueError`` with one line. ``task=False``
+    leaves out the task check, the one that imports torch."""
+    train, res = job.train, job.resources
+    if train.precision == "fp16" and not res.use_gpu:
+        raise ValueError("train.precision: fp16 is not supported on CPU (DeepSpeed rejects it); use bf16 or fp32")
+    if train.warmup_epochs > train.epochs:
+        raise ValueError(f"train.warmup_epochs ({train.warmup_epochs}) exceeds train.epochs ({train.epochs})")
+    t = job.transform
+    problem = feature_problem(job.model, t.k_hops > 0, t.rwpe_steps, t.lap_pe_dim, "the job's shards")
+    if problem:
+        raise ValueError(problem)
+    if task:
+        from pipeline.tasks import task_name_for  # torch: last, after the checks that need nothing
+
+        task_name_for(train.task, getattr(job.data, "name", None))
+
+
+def check_shard_features(model, manifest: dict, shard_dir) -> None:
+    """The model against the shards that exist (their manifest's columns)."""
+    columns = manifest.get("columns") or {}
+
+    def width(name: str) -> int:
+        shape = (columns.get(name) or {}).get("shape") or []
+        return int(shape[-1]) if name in columns and shape else 0
+
+    problem = feature_problem(model, "subgraph_node_index" in columns, width("rwpe"), width("lap_pe"),
+                              f"the shards in {shard_dir}")
+    if problem:
+        raise ValueError(problem)
+
+
+# ----------------------------------------------------------------------------- data root
+def check_writable_dir(key: str, path: str | Path, default: str = "") -> None:
+    """Raise ``ValueError`` (one line naming ``key``, the path and why) unless ``path`` is a
+    directory where this process can create one, or can be created. Tried for real: the missing
+    directories and a probe directory inside are created and removed again (permission bits say
+    nothing for root, nor for ``/proc`` or a full or read-only file system). ``default``: how the
+    path was chosen, when ``key`` is unset."""
+    path = Path(path).expanduser()
+    missing, node = [], path.absolute()
+    while not node.exists() and node != node.parent:
+        missing.append(node)
+        node = node.parent
+    where = f"{key}{default}: {path}"
+    if not node.is_dir():
+        raise ValueError(f"{where}{'' if node == path.absolute() else f': {node}'} is a file; expected a directory")
+    made = []
+    try:
+        for directory in reversed(missing):
+            try:
+                directory.mkdir()
+            except FileExistsError:  # made meanwhile by someone else: theirs to keep
+                continue
+            made.append(directory)
+        os.rmdir(tempfile.mkdtemp(prefix=".satp-probe-", dir=path))
+    except OSError as exc:
+        what = "does not exist and cannot be created" if missing else "is not writable"
+        raise ValueError(f"{where} {what} (mkdir {exc.filename or path}: {exc.strerror or exc})") from None
+    finally:
+        for directory in reversed(made):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
+
+
+def _ogb_url(name: str) -> Optional[str]:
+    """OGB's download address of ``name`` (from the ``ogb`` package's master table, without
+    importing ogb, which imports torch_geometric)."""
+    import csv
+    import importlib.util
+
+    spec = importlib.util.find_spec("ogb")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    table = Path(list(spec.submodule_search_locations)[0]) / "graphproppred" / "master.csv"
+    try:
+        rows = list(csv.reader(table.open()))
+    except OSError:
+        return None
+    header = rows[0]
+    if name not in header:
+        return None
+    column = header.index(name)
+    return next((row[column] for row in rows if row and row[0] == "url"), None)
+
+
+def _probe_download(url: str) -> Optional[str]:
+    """None when ``url`` answers within :data:`DOWNLOAD_PROBE_S`, else why not (one line)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        request = urllib.request.Request(url, method="HEAD")
+        with urllib.request.urlopen(request, timeout=DOWNLOAD_PROBE_S):
+            return None
+    except urllib.error.HTTPError as exc:
+        return None if exc.code < 500 and exc.code not in (404, 410) else f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return str(reason).splitlines()[0] if str(reason) else type(exc).__name__
+
+
+def check_data_root(data) -> None:
+    """Step 2 (see the module docstring); raises ``ValueError`` naming ``data.root``."""
+    from preprocessing.ogb_layout import OGB_DIR
+
+    root = Path(data.root).expanduser()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"data.root: {root} is a file; expected a directory holding {OGB_DIR[data.name]}/")
+    folder = root / OGB_DIR[data.name]
+    if folder.exists():
+        if not folder.is_dir():
+            raise ValueError(f"data.root: {folder} is a file; expected {data.name}'s dataset folder")
+        if not (folder / "RELEASE_v1.txt").is_file():
+            raise ValueError(f"data.root: {folder}: RELEASE_v1.txt missing, not a complete OGB dataset folder "
+                             "(delete it to rebuild)")
+        return
+    check_writable_dir("data.root", root)  # the dataset is built into it
+    if data.source == "pycode":
+        for source in data.source_dirs:
+            if not Path(source).expanduser().exists():
+                raise ValueError(f"data.source_dirs: {source}: source directory not found")
+    elif data.source == "ogb":
+        url = _ogb_url(data.name)
+        problem = _probe_download(url) if url else None
+        if problem:
+            raise ValueError(f"data.root: {folder} is absent and data.source is 'ogb', but its download {url} "
+                             f"does not answer ({problem}); put OGB's raw layout there, or pick an offline data.source")
+
+
+# ----------------------------------------------------------------------------- the cluster
+def _need_per_worker(res) -> dict[str, float]:
+    need = {"CPU": float(res.cpus_per_worker)}
+    if res.use_gpu:
+        need["GPU"] = float(res.gpus_per_worker)
+    return need
+
+
+def _describe(amounts: dict[str, float]) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in amounts.items())
+
+
+def worker_slots(nodes: list[dict], need: dict[str, float]) -> int:
+    """How many workers needing ``need`` the ``nodes`` (``ray.nodes()`` entries) hold at once."""
+    slots = 0
+    for node in nodes:
+        if not node.get("Alive", False):
+            continue
+        have = node.get("Resources") or {}
+        slots += min(int(math.floor(have.get(k, 0.0) / v + 1e-9)) for k, v in need.items() if v > 0)
+    return slots
+
+
+def local_node(count_gpus: bool = True) -> dict:
+    """This machine as the one node of the local Ray cluster a command would start (Ray counts
+    the CPUs this process may use and the visible NVIDIA GPUs; ``count_gpus=False``: a job that
+    asks for none, so torch need not be imported to count them)."""
+    try:
+        cpus = float(len(os.sched_getaffinity(0)))
+    except AttributeError:
+        cpus = float(os.cpu_count() or 1)
+    gpus = 0.0
+    if count_gpus:
+        try:
+            import torch
+
+            gpus = float(torch.cuda.device_count()) if torch.cuda.is_available() else 0.0
+        except ImportError:
+            pass
+    return {"Alive": True, "Resources": {"CPU": cpus, "GPU": gpus}}
+
+
+def check_resources(job, num_workers: Optional[int] = None, extra_cpus: float = 0.0,
+                    address: Optional[str] = None, nodes: Optional[list[dict]] = None) -> None:
+    """Step 5 (see the module docstring): raises ``ValueError`` with the numbers. ``nodes``:
+    ``ray.nodes()`` entries (default: the connected cluster's)."""
+    res = job.resources
+    if res.wait_for_nodes:
+        return
+    workers = num_workers or res.num_workers
+    need = _need_per_worker(res)
+    if nodes is None:
+        import ray
+
+        nodes = ray.nodes()
+    nodes = [n for n in nodes if n.get("Alive", False)]
+    slots = worker_slots(nodes, need)
+    total: dict[str, float] = {}
+    for node in nodes:
+        for key in ("CPU", "GPU"):
+            total[key] = total.get(key, 0.0) + float((node.get("Resources") or {}).get(key, 0.0))
+    cpus_ok = total.get("CPU", 0.0) + 1e-9 >= workers * need["CPU"] + extra_cpus
+    if slots >= workers and cpus_ok:
+        return
+    where = f"the Ray cluster at {address}" if address else "this machine (a local Ray cluster)"
+    hint = ("set resources.use_gpu: false, " if res.use_gpu and total.get("GPU", 0.0) < need.get("GPU", 0.0) else "")
+    extra = f" + {extra_cpus:g} CPU for the trial" if extra_cpus else ""
+    raise ValueError(
+        f"resources: the job asks for {workers} worker(s) x ({_describe(need)}){extra}; {where} has "
+        f"{_describe(total) or 'nothing'} on {len(nodes)} node(s), room for {slots} such worker(s); "
+        f"{hint}lower resources.num_workers or the per-worker resources, or use a bigger cluster "
+        f"(an autoscaling one: resources.wait_for_nodes: true)")
+
+
+# ----------------------------------------------------------------------------- the one entry point
+def _ray_connected() -> bool:
+    ray = sys.modules.get("ray")  # never imported: not connected (and not worth importing to ask)
+    return bool(ray is not None and ray.is_initialized())
+
+
+def check_output_dirs(job) -> None:
+    """Step 2 for what a run writes: ``train.storage_path`` (unset: the runs directory's ``ray/``)
+    can be written, ``shards.root`` can be created (:func:`check_writable_dir`; one that exists may
+    be read-only: shared shards, built already)."""
+    from pipeline.config.train import runs_dir
+
+    if not Path(job.shards.root).expanduser().is_dir():
+        check_writable_dir("shards.root", job.shards.root)
+    if job.train.storage_path:
+        check_writable_dir("train.storage_path", job.train.storage_path)
+    else:
+        check_writable_dir("train.storage_path", runs_dir() / "ray", default=" (unset: <runs dir>/ray)")
+
+
+def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None,
+                 num_workers: Optional[int] = None, extra_cpus: float = 0.0, task: bool = True) -> None:
+    """Steps 1-3 of :func:`preflight`, and, when a new local cluster would start, this machine's
+    resources: nothing here starts or imports Ray, and only ``task=True`` (and GPU jobs) import
+    torch, so ``satp train`` runs it right after reading the job, before its heavy imports.
+
+    ``jobs``: a list, or a mapping from a name to the job (``compare.variants.sub2``): a problem of
+    one job's own settings (steps 1 and 2's output directories) then starts with its name."""
+    from runtime.ray_cluster import probe, resolve_address
+
+    named = jobs.items() if isinstance(jobs, Mapping) else [(None, job) for job in jobs]
+    seen = set()
+    for name, job in named:
+        try:
+            check_config(job, task=task)
+            check_output_dirs(job)
+        except ValueError as exc:
+            if name is None:
+                raise
+            raise ValueError(f"{name}: {exc}") from None
+        key = job.data.model_dump_json()
+        if key not in seen:
+            seen.add(key)
+            check_data_root(job.data)
+    jobs = [job for _, job in named]
+    if _ray_connected():
+        return
+    target = resolve_address(address)
+    if target:
+        probe(target)
+    else:  # a local cluster would hold this machine: check before starting it
+        node = local_node(count_gpus=any(j.resources.use_gpu for j in jobs))
+        check_resources(jobs[0], num_workers=num_workers, extra_cpus=extra_cpus, nodes=[node])
+
+
+def preflight(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None, num_workers: Optional[int] = None,
+              extra_cpus: float = 0.0, ray_env: Optional[dict] = None, restart: Optional[bool] = None):
+    """Check ``jobs`` (a job, or every variant of a sweep, optionally by name: see
+    :func:`early_checks`) and connect to Ray; see the module docstring.
+
+    ``num_workers`` / ``extra_cpus``: what one unit of work needs when it is not the job's own
+    request (a sweep: its largest swept worker count, plus the Tune trial's CPUs). ``ray_env``:
+    environment variables of a new Ray connection (see :func:`runtime.ray_cluster.connect`).
+    ``restart``: for a training run (resolved job), also check what its run name holds before
+    Ray starts (:func:`pipeline.train.rerun.early_decision`; a conflict raises ``RerunConflict``); None
+    for sweeps, whose trials name their runs.
+
+    Returns the early rerun decision, if any: a ``finished`` one is returned before connecting
+    (nothing will run), anything else after.
+    """
+    from runtime.ray_cluster import connect, resolve_address
+
+    jobs = jobs if isinstance(jobs, Mapping) else list(jobs)
+    early_checks(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus)
+    jobs = list(jobs.values()) if isinstance(jobs, Mapping) else jobs
+    target = resolve_address(address)
+    decision = None
+    if restart is not None:
+        from pipeline.train.rerun import early_decision
+
+        decision = early_decision(jobs[0], restart)
+        if decision is not None and decision.action == "finished":
+            return decision
+    connect(address, env_vars=ray_env)
+    check_resources(jobs[0], num_workers=num_workers, extra_cpus=extra_cpus, address=target)
+    return decision

@@ -1,0 +1,150 @@
+"""Which Python files an ogbg-code2 corpus is read from, and the project of each file.
+
+The project is the unit of the train / valid / test split of :mod:`preprocessing.pycode`. With
+``--source DIR`` (:func:`source_items`) it is the top-level module: the first path component below
+a source directory (``N:name`` for the N-th of several sources); test directories are skipped
+unless asked for, and nothing else is filtered. The default source is the running interpreter's
+standard library (:func:`default_source_dirs`), without test directories.
+
+``--environment`` (:func:`environment_files`) is the code2-scale corpus: the standard library
+and every package installed in the running environment (its purelib and platlib
+site-packages), test directories included, nothing downloaded; each top-level module or package
+is a project. jedi, docutils, hypothesis and IPython (case-insensitive, with every file of their
+distributions) are always left out of it: they are reserved for an independent check of models
+trained on it.
+
+Only the choice of files lives here (no parsing, no writing), so that what a corpus holds can be
+read and tested on its own. See ``docs/data.md``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+from pathlib import Path
+
+#: Left out of ``--environment`` always (case-insensitive top-level names, with every file of their
+#: distributions): reserved for an independent check of models trained on that corpus.
+RESERVED_PROJECTS = frozenset({"jedi", "docutils", "hypothesis", "ipython"})
+TEST_DIRS = frozenset({"test", "tests", "idle_test", "testing"})
+SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+def default_source_dirs() -> list[Path]:
+    return [Path(sysconfig.get_paths()["stdlib"])]
+
+
+def environment_roots() -> list[Path]:
+    """The directories of ``--environment``: the running interpreter's standard library, then its
+    purelib and platlib site-packages (``sysconfig.get_paths()``; in a virtual environment, the
+    environment's own), each once."""
+    paths = sysconfig.get_paths()
+    roots: list[Path] = []
+    for key in ("stdlib", "purelib", "platlib"):
+        path = Path(paths[key])
+        if path.is_dir() and all(not os.path.samefile(path, r) for r in roots):
+            roots.append(path)
+    return roots
+
+
+def _canonical(name: str) -> str:
+    """A distribution's name as PEP 503 compares them (``Foo_Bar.baz`` -> ``foo-bar-baz``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _reserved_in(root: Path, reserved: frozenset[str]) -> tuple[set[str], set[str]]:
+    """``(top-level names, file paths)`` that the distributions named in ``reserved`` installed
+    under ``root`` (their ``top_level.txt`` and ``RECORD``): e.g. hypothesis' ``_hypothesis_*.py``."""
+    import importlib.metadata
+
+    names: set[str] = set()
+    files: set[str] = set()
+    for dist in importlib.metadata.distributions(path=[str(root)]):
+        try:
+            name = dist.metadata["Name"] or ""
+        except Exception:  # a broken metadata file is no reserved distribution
+            continue
+        if _canonical(name) not in reserved:
+            continue
+        top_level = dist.read_text("top_level.txt") or ""
+        names.update(line.strip().lower() for line in top_level.splitlines() if line.strip())
+        for f in dist.files or []:
+            files.add(os.path.normpath(root / f))
+    return names, files
+
+
+def environment_files(roots: list[str | Path] | None = None,
+                      reserved: frozenset[str] = RESERVED_PROJECTS) -> list[tuple[Path, Path, str]]:
+    """The ``.py`` files of ``--environment`` as ``(path, path below its root, project)``, sorted.
+
+    ``roots`` (default :func:`environment_roots`): directories whose top-level entries are projects,
+    the project being the entry's name (``torch/...`` -> ``torch``, ``six.py`` -> ``six``), so that a
+    name present in two roots is one project. Test directories are kept. Left out: the projects
+    named in ``reserved`` (case-insensitive) and every file their distributions installed
+    (``RECORD``); a root met twice or nested in another (a site-packages below the standard
+    library); ``__pycache__``, hidden entries and what cannot be imported as a top-level name
+    (``*.dist-info``, ``numpy.libs``, ``config-3.11-x86_64-linux-gnu``); setuptools' generated
+    ``__editable__*`` finders.
+    """
+    reserved = frozenset(r.lower() for r in reserved)
+    dirs: list[Path] = []
+    for root in roots if roots is not None else environment_roots():
+        root = Path(root)
+        if not root.is_dir():
+            raise ValueError(f"{root}: source directory not found")
+        if all(os.path.realpath(root) != os.path.realpath(d) for d in dirs):
+            dirs.append(root)
+    real_roots = {os.path.realpath(d) for d in dirs}
+    items: list[tuple[Path, Path, str]] = []
+    for root in dirs:
+        names, files = _reserved_in(root, reserved)
+        skip = reserved | names
+        prune = real_roots - {os.path.realpath(root)}
+        for entry in sorted(os.listdir(root)):
+            path = root / entry
+            top = entry.removesuffix(".py") if entry.endswith(".py") else entry
+            if (entry in SKIP_DIRS or entry.startswith((".", "__editable__")) or not top.isidentifier()
+                    or top.lower() in skip or os.path.realpath(path) in prune):
+                continue
+            if path.is_dir():
+                found = iter_source_files(path, include_tests=True, prune=prune)
+            elif entry.endswith(".py") and path.is_file():
+                found = [path]
+            else:
+                continue
+            for f in found:
+                if os.path.normpath(f) not in files:
+                    items.append((f, f.relative_to(root), top))
+    return items
+
+
+def iter_source_files(source: Path, include_tests: bool = False, prune: set[str] | frozenset[str] = frozenset()):
+    """Sorted ``.py`` files below ``source`` (or ``source`` itself if it is a file); directories
+    whose real path is in ``prune`` are not entered."""
+    if source.is_file():
+        yield source
+        return
+    for dirpath, dirnames, filenames in os.walk(source):
+        dirnames[:] = sorted(
+            d for d in dirnames
+            if d not in SKIP_DIRS and (include_tests or d not in TEST_DIRS) and not d.startswith(".")
+            and not (prune and os.path.realpath(os.path.join(dirpath, d)) in prune)
+        )
+        for f in sorted(filenames):
+            if f.endswith(".py"):
+                yield Path(dirpath) / f
+
+
+def source_items(sources: list[Path], include_tests: bool) -> list[tuple[Path, Path, str]]:
+    """``(path, path below its source, project)`` of every file of ``sources``: the project is the
+    first path component below a source (``N:name`` for the N-th of several sources)."""
+    items: list[tuple[Path, Path, str]] = []
+    for index, source in enumerate(sources):
+        source = Path(source)
+        if not source.exists():
+            raise ValueError(f"{source}: source directory not found")
+        for path in iter_source_files(source, include_tests):
+            rel = path.relative_to(source) if path != source else Path(path.name)
+            top = rel.parts[0].removesuffix(".py")
+            items.append((path, rel, f"{index}:{top}" if len(sources) > 1 else top))
+    return items

@@ -1,0 +1,228 @@
+"""Connecting to Ray: a named cluster (fast failure when it does not answer) or a new local one.
+
+:func:`connect` is how every satp command reaches Ray (training, sweeps, preprocessing):
+
+* With an address (``--address``, or ``$RAY_ADDRESS``, which Ray sets inside a Ray job), the
+  address is first probed over TCP (:func:`probe`, a few seconds): ``ray.init`` on an address
+  where nothing listens retries its GCS connection for a minute or more, printing warnings,
+  and then fails with a traceback. A dead address is a one-line error instead, and so is one
+  where something else answers (a web server, a dashboard's port): it is told apart by its
+  answer to HTTP/2's preface (gRPC speaks HTTP/2) before Ray's GCS client is asked, which would
+  print a C++ warning of its own.
+* Without one, :func:`init_local_ray` starts a new local cluster (``address="local"``): plain
+  ``ray.init()`` attaches to a cluster it finds on the machine (``/tmp/ray/ray_current_cluster``
+  or a running GCS), possibly someone else's.
+
+About the local cluster:
+
+* Ray Train V2's placement-group cleaner queries the State API of "the" cluster, resolved the
+  same way: with several clusters on one machine it may ask another cluster whether our
+  controller is alive, get "no", and remove our placement group (killing our training).
+  ``RAY_API_SERVER_ADDRESS`` in the job's environment pins it to our own dashboard (or, without a
+  dashboard, to nothing, so it only warns).
+* Token authentication stays as Ray 2.60 sets it for a new local cluster (on, unless
+  ``RAY_AUTH_MODE`` says otherwise), without the warning Ray prints about it on every start.
+* Train's preemption watcher is off: it watches nodes being drained (spot instances); a local
+  cluster is never drained, and its actor logs an error-level line at every start.
+* The head's processes (dashboard, raylet, workers) get a private ``TMPDIR``, removed when this
+  process exits after Ray's own shutdown: the dashboard leaves a ``pymp-*`` directory in the
+  temporary directory each time it is killed, and workers are killed too.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from typing import Optional
+from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_address(address: Optional[str]) -> Optional[str]:
+    """The cluster to connect to: ``address``, else ``$RAY_ADDRESS``, else None (a new local one)."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
+def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Raise ``ValueError`` (one line) unless ``address`` answers as a Ray cluster within ~2 x ``timeout``.
+
+    ``address``: ``host:port`` (a GCS), ``ray://host:port`` or ``http(s)://host:port``; ``auto``
+    and ``local`` are left to Ray (they name no host). First a TCP connection (refused, unroutable:
+    fails here); then, for a GCS address, the port must answer HTTP/2 (:func:`_grpc_problem`) and
+    Ray's GCS client is asked for the cluster's id (a port where something else listens, such as a
+    web server or a proxy, or a silent listener, fails here instead of in ``ray.init``'s minute of
+    retries)."""
+    if address in ("auto", "local"):
+        return
+    parsed = urlparse(address if "://" in address else f"tcp://{address}")
+    host, port = parsed.hostname, parsed.port
+    if not host or not port:
+        raise ValueError(f"--address {address}: expected host:port (e.g. 127.0.0.1:6379) or ray://host:port")
+    advice = "start it (ray start --head) or leave --address out to run on a new local Ray"
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc) or type(exc).__name__)
+        raise ValueError(f"cannot reach the Ray cluster at {address} ({reason}); {advice}") from None
+    if parsed.scheme == "tcp":
+        problem = _grpc_problem(host, port, timeout) or _gcs_problem(f"{host}:{port}", timeout)
+        if problem:
+            raise ValueError(f"cannot reach the Ray cluster at {address} ({problem}); {advice}")
+
+
+#: What an HTTP/2 client sends first (RFC 9113 3.4), with an empty SETTINGS frame.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _grpc_problem(host: str, port: int, timeout: float) -> Optional[str]:
+    """None when ``host:port`` answers HTTP/2's connection preface with a SETTINGS frame, as Ray's
+    GCS (gRPC) does, or speaks TLS (``RAY_USE_TLS``: left to Ray); else what answered instead.
+
+    Asked before Ray's GCS client, which on anything else (a web server, a dashboard's port)
+    prints a C++ warning to the terminal from a thread of its own, around or after the one-line
+    error, and keeps the process from exiting for seconds."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return None
+    first = b""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as conn:
+            conn.sendall(_H2_PREFACE)
+            while len(first) < 9 and (chunk := conn.recv(9 - len(first))):  # a frame header
+                first += chunk
+    except socket.timeout:
+        if not first:
+            return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+    if len(first) >= 4 and first[3] == 4:  # frame type 4: SETTINGS
+        return None
+    if not first:
+        return "it answers, but not as a Ray cluster: it closed the connection"
+    if first[:5] == b"HTTP/" or first.lstrip()[:1] == b"<":
+        return "it answers, but not as a Ray cluster: it is an HTTP server; a dashboard address is for satp submit"
+    return f"it answers, but not as a Ray cluster: it replied {first!r}"
+
+
+def _gcs_problem(address: str, timeout: float) -> Optional[str]:
+    """None when a Ray GCS answers at ``address`` within ``timeout`` (an authentication error
+    counts as an answer: ``ray.init`` then says what is missing), else what went wrong."""
+    import threading
+
+    outcome: dict = {}
+
+    def ask() -> None:
+        try:
+            from ray._raylet import GcsClient
+
+            GcsClient(address=address)
+            outcome["ok"] = True
+        except Exception as exc:  # RpcError and the like: whatever answered is not a GCS
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=ask, name="satp-gcs-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    error = outcome.get("error")
+    if outcome.get("ok") or (error is not None and "auth" in type(error).__name__.lower()):
+        return None
+    if error is None:
+        return f"no answer from a Ray GCS within {timeout:g} s"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"it answers, but not as a Ray cluster: {first}"
+
+
+def connect(address: Optional[str] = None, env_vars: Optional[dict] = None, log_to_driver: bool = True,
+            **local) -> bool:
+    """Connect this process to Ray unless it is connected; return True when a local cluster was started.
+
+    ``env_vars``: environment of the connection's runtime env (a named cluster) or added to the
+    local cluster's; ``local``: further keyword arguments of :func:`init_local_ray`."""
+    import ray
+
+    from runtime import interrupts
+
+    if ray.is_initialized():
+        return False
+    try:
+        return _connect(address, env_vars, log_to_driver, **local)
+    finally:
+        interrupts.install()  # ray.init's own SIGTERM handling prints a stack dump: see there
+
+
+def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bool, **local) -> bool:
+    import ray
+
+    target = resolve_address(address)
+    if target:
+        probe(target)
+        log.info("connecting to the Ray cluster at %s", target)
+        kwargs = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
+        try:
+            ray.init(address=target, log_to_driver=log_to_driver, **kwargs)
+        except ConnectionError as exc:
+            raise ValueError(f"cannot connect to the Ray cluster at {target}: {str(exc).splitlines()[0]}") from None
+        return False
+    log.info("starting a local Ray cluster")
+    init_local_ray(env_vars=env_vars, log_to_driver=log_to_driver, **local)
+    return True
+
+
+def _private_tmpdir() -> str:
+    """A temporary directory for the local cluster's processes, removed at this process's exit.
+
+    Registered with ``atexit`` before ``ray.init`` registers its shutdown: exit handlers run in
+    reverse order, so the directory goes after Ray's processes."""
+    tempfile.gettempdir()  # fix this process's own choice first (not the private directory)
+    path = tempfile.mkdtemp(prefix="satp-ray-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = True, log_to_driver: bool = True,
+                   env_vars: Optional[dict] = None, resources: Optional[dict] = None) -> None:
+    """Start a new local Ray instance (dashboard on 127.0.0.1 when ``dashboard``); see the module docstring."""
+    import ray
+
+    port = free_port()
+    env = {
+        "OUTDATED_IGNORE": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        # dashboard off: an unreachable address makes the cleaner's queries fail (it then only warns)
+        "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port if dashboard else 9}",
+        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+        **(env_vars or {}),
+    }
+    kwargs = dict(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=log_to_driver,
+                  runtime_env={"env_vars": env}, resources=resources)
+    if dashboard:
+        kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
+    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = auth_log.level
+    from ray._common.utils import get_default_system_temp_dir
+
+    saved = {key: os.environ.get(key) for key in ("TMPDIR", "RAY_TMPDIR")}
+    os.environ["RAY_TMPDIR"] = get_default_system_temp_dir()  # Ray's own files stay where they always are
+    os.environ["TMPDIR"] = _private_tmpdir()  # inherited by the processes ray.init starts
+    auth_log.setLevel(logging.ERROR)
+    try:
+        ray.init(**kwargs)
+    finally:
+        auth_log.setLevel(level)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
