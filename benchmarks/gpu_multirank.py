@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_gpu import DRY_RUN, ROOT, Clock, measure
+from benchmarks.gpu_measure import DRY_RUN, ROOT, Clock, measure
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 330)
 GRAPHS_PER_SPLIT = int(os.environ.get("SATP_MULTIRANK_GRAPHS") or (150 if DRY_RUN else 3000))

@@ -41,7 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.bench_gpu import DRY_RUN, ROOT, Clock, _gb, _pipeline_metrics, disk_gb, measure
+from benchmarks.bench_gpu import _pipeline_metrics
+from benchmarks.gpu_measure import DRY_RUN, ROOT, Clock, _gb, disk_gb, measure
 
 FULL_GRAPHS = 158_100
 # a comma list (benchmarks/bench_scale.py's form of the same variable) gives its largest size

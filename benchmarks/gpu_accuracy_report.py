@@ -1,0 +1,85 @@
+"""How the GPU accuracy parts (:mod:`benchmarks.gpu_accuracy`) write up what they measured: number
+formats, the per-epoch curve table, the table of the part's steps, the device line, the metric-vs-time
+plot and the logs' tails in ``$OUT``."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from benchmarks.gpu_measure import DRY_RUN, _gb
+
+
+def _fmt(value, spec: str = ".4f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.3f}"
+
+
+def curve_table(history: list[dict], metric: str, observed: dict, target_epoch: Optional[int] = None) -> list[str]:
+    """One row per evaluated epoch: what the next session needs to see why a target was (not) reached.
+    With ``train.precise_bn_batches``, a column has the validation metric under BatchNorm's moving
+    averages, before the statistics were recomputed (:mod:`pipeline.train.precise_bn`)."""
+    running_bn = f"val_{metric}_running_bn"
+    both = any(h.get(running_bn) is not None for h in history)
+    lines = [f"| epoch | elapsed s (train + eval) | wall s since `satp train` start | steps | lr | train loss "
+             f"| train {metric} | val {metric} |{f' val {metric}, running BN |' if both else ''} test {metric} "
+             f"| epoch s | eval s | graphs/s | data wait |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if both else "")]
+    for h in history:
+        e = int(h["epoch"])
+        mark = " **(target)**" if e == target_epoch else ""
+        wall = observed.get(e, observed.get(str(e)))
+        lines.append(
+            f"| {e}{mark} | {_fmt(h.get('elapsed_s'), '.1f')} | {_fmt(wall, '.0f')} | {h.get('steps', '-')} "
+            f"| {_fmt(h.get('lr'), '.2e')} | {_fmt(h.get('train_loss'), '.4f')} | {_fmt(h.get(f'train_{metric}'))} "
+            f"| {_fmt(h.get(f'val_{metric}'))} |{f' {_fmt(h.get(running_bn))} |' if both else ''}"
+            f" {_fmt(h.get(f'test_{metric}'))} | {_fmt(h.get('epoch_seconds'), '.1f')} "
+            f"| {_fmt(h.get('eval_seconds'), '.1f')} | {_fmt(h.get('graphs_per_s'), ',.0f')} "
+            f"| {_fmt(None if h.get('data_wait_frac') is None else 100 * h['data_wait_frac'], '.1f')}% |")
+    return lines
+
+
+def step_row(label: str, r: dict) -> str:
+    if r.get("skipped"):
+        return f"| {label} | skipped: {r['skipped']} | | | | |"
+    if r.get("ok"):
+        status = "ok"
+    elif r.get("stopped") and r["stopped"] != "timeout":
+        status = f"stopped: {r['stopped']}"
+    elif r.get("timed_out"):
+        status = "cut by the budget (SIGINT)"
+    else:
+        status = f"FAILED ({r.get('returncode')})"
+    return (f"| {label} | {status} | {r.get('seconds', 0):.0f} | {_gb(r.get('max_rss_gb'))} | {_gb(r.get('tree_rss_gb'))} "
+            f"| {_gb(r.get('gpu_mem_gb'))} |")
+
+
+STEP_HEADER = ["| step | status | wall s | peak RSS, largest process (GB) | peak RSS, process tree (GB) | peak GPU memory (GB) |",
+               "|---|---|---|---|---|---|"]
+
+
+def _save_plot(history: list[dict], metric: str, target: Optional[dict], path: Path) -> None:
+    try:
+        from pipeline.registry.tracking import plot_metric_vs_time
+
+        if any(h.get("elapsed_s") is not None for h in history):
+            plot_metric_vs_time(history, metric, path, target)
+    except Exception as exc:  # matplotlib may be missing on the image: the table has the same figures
+        print(f"   (no plot: {exc})", flush=True)
+
+
+def _copy_logs(logs: Path, out_dir: Optional[Path], prefix: str) -> None:
+    """The logs' tails as ONE file in ``$OUT`` (the device tool brings back at most 8 files)."""
+    if out_dir is None:
+        return
+    parts = [f"===== {log.name} (last 12,000 characters)\n{log.read_text(errors='replace')[-12000:]}"
+             for log in sorted(logs.glob("*.log*"), key=lambda p: p.stat().st_mtime)]
+    (out_dir / f"gpu_{prefix}_logs.txt").write_text("\n".join(parts))
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run, tiny sizes and model)"
