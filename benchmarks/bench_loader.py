@@ -4,7 +4,7 @@
 
 iterates the training loader exactly as a Ray Train worker builds it (the job's sampler and loader,
 :func:`pipeline.train.worker.split_sampler` and :func:`pipeline.train.worker.train_loader`, the model
-configuration resolved by :func:`pipeline.train.driver.plan`; the job defaults to ``jobs/<task>.yaml`` of
+configuration resolved by :func:`pipeline.train.plan.worker_setup`; the job defaults to ``jobs/<task>.yaml`` of
 the shards' task, with ``train.node_budget`` and ``train.loader_workers`` set to N and W) and prints
 graphs/s. ``--per-item`` builds the same batches as the loader did before the batch path (``ds[i]``
 per graph, ``Batch.from_data_list``), for comparison. One loader process is ``--workers 1``: the main
@@ -57,7 +57,7 @@ def _parts(shards: str | Path, budget: int, workers: int, job: str | Path | None
     collator, as the driver and a Ray Train worker make them."""
     from pipeline.config import load_job
     from pipeline.train.loader import BatchCollator, open_split
-    from pipeline.train.driver import plan
+    from pipeline.train.plan import worker_setup as plan
     from pipeline.train.worker import split_sampler
     from sat.config import SATConfig
 

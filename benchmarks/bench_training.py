@@ -51,7 +51,8 @@ def run() -> str:
     import ray
 
     from pipeline.train.batching import NodeBudgetSampler, padding_stats
-    from pipeline.train.driver import open_split, prepare_data, train_job
+    from pipeline.train.driver import prepare_data, train_job
+    from pipeline.train.loader import open_split
 
     lines = []
     with tempfile.TemporaryDirectory(prefix="satp-bench-") as tmp:

@@ -131,7 +131,7 @@ def test_a_pna_job_gets_the_training_graphs_in_degree_histogram(ray_cluster, sbm
 
     from pipeline.config import JobConfig
     from pipeline.train.loader import BatchCollator
-    from pipeline.train.driver import plan
+    from pipeline.train.plan import worker_setup as plan
     from pipeline.train.worker import build_model
     from sat.config import SATConfig
 

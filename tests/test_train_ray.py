@@ -75,7 +75,8 @@ def test_two_worker_deepspeed_run_learns_and_registers(tiny, tmp_path):
     from pipeline.registry.versions import load_model
     from torch_geometric.data import Batch
 
-    from pipeline.train.driver import open_split, train_job
+    from pipeline.train.driver import train_job
+    from pipeline.train.loader import open_split
 
     base, shards = tiny
     outcome = train_job(_job(base, run_name="learns", epochs=4), shard_dir=shards)

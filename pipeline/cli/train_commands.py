@@ -81,38 +81,38 @@ def _duration(seconds: float) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from pipeline.cli.submit import enter_workdir
     from pipeline.config import load_job
-
-    from pathlib import Path
+    from pipeline.train.preflight import early_checks
 
     job_path = Path(args.job).resolve()
     enter_workdir()
     job = load_job(job_path, args.overrides)
-    from pipeline.train.preflight import early_checks
-
     # the pre-flight's first steps before the heavy imports (the job alone, the data root, the
-    # --address, this machine for a local cluster): seconds; train_job runs the whole pre-flight
+    # --address, this machine for a local cluster): seconds; train_plan runs the whole pre-flight
     early_checks([job], address=args.address, task=False)
     _logging()
-    from pipeline.train.driver import train_job
+    from pipeline.train.driver import train_plan
+    from pipeline.train.plan import JobPlan
 
+    plan = JobPlan.resolve(job, address=args.address, restart=args.restart)
     try:
-        outcome = train_job(job, address=args.address, register=not args.no_register, restart=args.restart)
+        outcome = train_plan(plan, register=not args.no_register)
     except KeyboardInterrupt as exc:
         from runtime.interrupts import Interrupted, as_interrupted
 
-        raise Interrupted(as_interrupted(exc).signum, kept=kept_after_interrupt(job)) from None
+        raise Interrupted(as_interrupted(exc).signum, kept=kept_after_interrupt(plan)) from None
     print(summary(outcome), flush=True)
     return 0
 
 
-def kept_after_interrupt(job) -> str:
+def kept_after_interrupt(plan) -> str:
     """What an interrupted ``satp train`` kept, and how to go on (one line)."""
     from pipeline.train import rerun
-    from pipeline.train.driver import resolve_job
 
-    train = resolve_job(job).train
+    train = plan.job.train
     previous = rerun.previous_run(train.storage_path, train.run_name)
     if previous is None:
         return (f"run {train.run_name} had written no checkpoint yet (finished shards are kept): the same command "

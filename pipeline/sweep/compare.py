@@ -277,14 +277,14 @@ def plot_compare(outcome: CompareOutcome, path: str | Path) -> None:
 
 
 def count_parameters(job: JobConfig, shard_dir: str) -> Optional[int]:
-    """Parameters of the variant's model, as :func:`pipeline.train.driver.plan` configures it (built in the
+    """Parameters of the variant's model, as :func:`pipeline.train.plan.worker_setup` configures it (built in the
     driver by :func:`pipeline.train.worker.build_model`, which keeps PyG's generated modules in memory)."""
-    from pipeline.train.driver import plan
+    from pipeline.train.plan import worker_setup
     from pipeline.train.worker import build_model
     from sat.config import SATConfig
 
     try:
-        model = build_model(SATConfig.from_dict(plan(job, shard_dir).model_config))
+        model = build_model(SATConfig.from_dict(worker_setup(job, shard_dir).model_config))
     except ValueError:
         return None
     return sum(p.numel() for p in model.parameters())
@@ -322,7 +322,7 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     import preprocessing
     from pipeline.train.preflight import preflight
     from pipeline.registry.predict import check_reachable
-    from pipeline.train.driver import resolve_job
+    from pipeline.train.plan import resolve_job
     from pipeline.config.train import runs_dir
     from preprocessing.config import config_hash
 

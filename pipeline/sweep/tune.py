@@ -90,7 +90,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    from pipeline.train.driver import resolve_job
+    from pipeline.train.plan import resolve_job
     from pipeline.config.train import runs_dir
 
     start = time.time()

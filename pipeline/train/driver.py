@@ -1,16 +1,22 @@
-"""Distributed training, the driver side: :func:`train_job` checks a job, builds and fits the trainer.
+"""Distributed training, the driver side: :func:`train_plan` checks a job, builds and fits the trainer.
 
-:func:`train_job` is the reusable entry point (the CLI's ``satp train``, the
-demo and Tune trials call it). In order, each step before the costly ones:
+:func:`train_job` is the reusable entry point (the demo, Tune trials and Python callers); it
+resolves the job into a :class:`~pipeline.train.plan.JobPlan` once and hands it to
+:func:`train_plan`, which ``satp train`` calls with the plan it built. In order, each step before
+the costly ones:
 
-1. :func:`pipeline.train.preflight.preflight`: the job alone, its data root, the Ray
-   address (connected here), the cluster's resources against the request;
+1. :func:`pipeline.train.preflight.early_checks`: the job alone, its data root, the Ray address;
+   then :func:`pipeline.train.rerun.early_decision`: a run name that holds a checkpoint of another
+   configuration stops here, a finished one whose shards exist needs no Ray; then
+   :func:`pipeline.train.preflight.connect_and_check`: Ray connected, its resources against the
+   request;
 2. :func:`prepare_data` (the preprocessing stage; reuses finished shards) and
-   :func:`plan`: the model against the shards' features, the model built once;
+   :meth:`JobPlan.attach_shards <pipeline.train.plan.JobPlan.attach_shards>`: the model against
+   the shards' features, the model built once;
 3. :func:`pipeline.train.rerun.decide`: what the run name already holds. A run of
    another configuration is never resumed into; a finished run of the same
    configuration is not trained or registered again (its model is reported);
-4. the MLflow run (:mod:`pipeline.registry.tracking`), then a Ray Train V2
+4. the MLflow run (:mod:`pipeline.train.mlflow_run`), then a Ray Train V2
    ``TorchTrainer`` whose workers run :func:`pipeline.train.worker.worker_loop`;
 5. only when the fit succeeded: the best model logged and registered, with the
    configuration hash and commits its checkpoint recorded.
@@ -31,21 +37,14 @@ import json
 import logging
 import os
 import shutil
-import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
-import torch
-
-from pipeline.train import checkpoint as ckpt
 from pipeline.config import JobConfig
-from pipeline.train.loader import open_split
-from pipeline.tasks import Task, make_task, task_name_for
-from pipeline.config.train import default_tracking_uri, runs_dir
-from pipeline.train.worker import WorkerSetup, build_model, worker_loop
-from sat.config import SATConfig
+from pipeline.train import checkpoint as ckpt
+from pipeline.train import mlflow_run, rerun
+from pipeline.train.plan import JobPlan
+from pipeline.train.worker import WorkerSetup, worker_loop
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +73,6 @@ class TrainOutcome:
     target: Optional[dict[str, Any]] = None  # the job's train.target, if any
 
 
-def resolve_job(job: JobConfig) -> JobConfig:
-    """Fill the defaults that depend on where the driver runs (absolute paths), in a copy."""
-    job = job.model_copy(deep=True)
-    train = job.train
-    train.run_name = train.run_name or job.name
-    train.storage_path = str(Path(train.storage_path or runs_dir() / "ray").expanduser().resolve())
-    if job.mlflow.enabled:
-        job.mlflow.tracking_uri = job.mlflow.tracking_uri or default_tracking_uri()
-    return job
-
-
 def prepare_data(job: JobConfig, address: Optional[str] = None) -> Path:
     """Build (or validate) the job's shards through the preprocessing stage; return their directory."""
     import preprocessing
@@ -96,63 +84,6 @@ def prepare_data(job: JobConfig, address: Optional[str] = None) -> Path:
     log.info("preprocessing: %s into %s", job.data.name, job.shards.root)
     return Path(preprocessing.preprocess(job.data, job.transform, job.shards, address=address,
                                          progress=show_progress()))
-
-
-def precheck(job: JobConfig) -> None:
-    """Checks that need no data and no Ray (raise ``ValueError`` before anything starts)."""
-    from pipeline.train.preflight import check_config
-
-    check_config(job)
-
-
-def plan(job: JobConfig, shard_dir: str | Path) -> WorkerSetup:
-    """Check the job against its data and build the worker setup; raises ``ValueError`` early."""
-    from pipeline.train.engine import resolve_precision
-
-    data_name = getattr(getattr(job, "data", None), "name", None)
-    task_name = task_name_for(job.train.task, data_name)
-    precision = job.train.precision  # "auto" resolved in the workers (the driver may have no GPU)
-    if precision == "fp16" and not job.resources.use_gpu:
-        resolve_precision(precision, False)  # raises
-    train_ds = open_split(shard_dir, "train")
-    if len(train_ds) == 0:
-        raise ValueError(f"{shard_dir}: the train split is empty")
-    for split in ("valid", "test"):
-        if len(open_split(shard_dir, split)) == 0:
-            raise ValueError(f"{shard_dir}: the {split} split is empty")
-    task = make_task(task_name, vocab=train_ds.vocab)
-    model_config = task.configure(job.model, train_ds[0])
-    if model_config.gnn_type == "pna" and model_config.has_gnn and not model_config.pna_degree_histogram:
-        model_config = dataclasses.replace(model_config, pna_degree_histogram=train_ds.in_degree_histogram())
-    from pipeline.train.preflight import check_shard_features
-
-    check_shard_features(model_config, train_ds.manifest or {}, shard_dir)
-    try:
-        model = build_model(model_config)
-        del model
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"model: {str(exc).splitlines()[0]}") from None
-    return WorkerSetup(
-        job=job,
-        shard_dir=str(Path(shard_dir).resolve()),
-        model_config=dataclasses.asdict(model_config),
-        task_name=task_name,
-        task_state={k: v for k, v in task.state().items() if k != "name"},
-        precision=precision,
-        run_id=None,
-        tracking_uri=job.mlflow.tracking_uri if job.mlflow.enabled else None,
-    )
-
-
-def _manifest_hash(shard_dir: str | Path) -> str:
-    try:
-        manifest = open_split(shard_dir, "train").manifest or {}
-    except Exception:
-        return ""
-    for key in ("config_hash", "transform_hash", "hash"):
-        if manifest.get(key):
-            return str(manifest[key])
-    return ""
 
 
 def train_job(
@@ -186,29 +117,33 @@ def train_job(
     last checkpoint and logs into the same MLflow run, if the configuration is the same
     (:mod:`pipeline.train.rerun`); raises :class:`pipeline.train.rerun.RerunConflict` otherwise.
     """
+    return train_plan(JobPlan.resolve(job, address=address, restart=restart), shard_dir=shard_dir, register=register,
+                      callbacks=callbacks, fault=fault)
+
+
+def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, register: bool = True,
+               callbacks: Optional[list] = None, fault: Optional[dict] = None) -> TrainOutcome:
+    """:func:`train_job` of a job resolved into ``plan`` (``satp train`` builds it at the edge)."""
     from pipeline import pyg_templates
-    from pipeline.train import rerun
-    from pipeline.train.preflight import preflight
     from pipeline.registry.versions import git_commit
+    from pipeline.train.preflight import connect_and_check, early_checks
 
     pyg_templates.install()
-    job = resolve_job(job)
-    train = job.train
-    check_stopping(job)
-    run_key = f"{train.storage_path}/{train.run_name}"
-    early = preflight([job], address=address, restart=restart)
-    if early is not None and early.action == "finished" and shard_dir is None:  # no Ray was started
-        setup = plan(job, rerun.job_shard_dir(job))
-        setup.provenance = early.provenance
-        return _already_finished(job, setup, early.previous, run_key, register)
-    shard_dir = Path(shard_dir) if shard_dir is not None else prepare_data(job, address)
-    setup = plan(job, shard_dir)
+    job, train = plan.job, plan.job.train
+    early_checks([job], address=plan.address, task=False)  # the task was resolved with the plan
+    plan.decision = rerun.early_decision(job, plan.task_name, plan.restart)
+    if plan.decision is not None and plan.decision.action == "finished" and shard_dir is None:  # no Ray started
+        plan.attach_shards(rerun.job_shard_dir(job))
+        plan.setup.provenance = plan.decision.provenance
+        return _already_finished(plan, register)
+    connect_and_check([job], address=plan.address)
+    setup = plan.attach_shards(Path(shard_dir) if shard_dir is not None else prepare_data(job, plan.address))
     setup.fault = fault if fault is not None else _fault_from_environment()
-    manifest = open_split(setup.shard_dir, "train").manifest or {}
-    decision = rerun.decide(job, rerun.weights_config(job, manifest), git_commit(), restart=restart)
+    decision = plan.decision = rerun.decide(job, rerun.weights_config(job, plan.manifest, plan.task_name),
+                                            git_commit(), restart=plan.restart)
     setup.provenance = decision.provenance
     if decision.action == "finished":
-        return _already_finished(job, setup, decision.previous, run_key, register)
+        return _already_finished(plan, register)
     if decision.action == "restart":
         log.info("restarting run %s: deleting its checkpoints in %s", train.run_name, decision.previous.run_dir)
         shutil.rmtree(decision.previous.run_dir)
@@ -221,45 +156,44 @@ def train_job(
 
     previous_status = None
     if job.mlflow.enabled:
-        previous_status = _mlflow_run(job, setup, run_key, decision.action)
+        previous_status = mlflow_run.open_run(plan, decision.action)
     try:
         result = _fit(job, setup, callbacks)
         with result.checkpoint.as_directory() as directory:
             state = ckpt.load_state(directory)
             best_weights = ckpt.load_best_weights(directory)
             checkpoint_path = str(result.checkpoint.path)
-        rerun.prune_unregistered(Path(train.storage_path) / train.run_name, keep=Path(checkpoint_path))
+        rerun.prune_unregistered(plan.run_dir, keep=Path(checkpoint_path))
         if state["epoch"] != train.epochs - 1 and not state.get("stopped"):
             raise RuntimeError(f"training stopped after epoch {state['epoch']} of {train.epochs}")
         registered = None
-        task = make_task(setup.task_name, vocab=open_split(setup.shard_dir, "train").vocab, **setup.task_state)
         if job.mlflow.enabled and register and best_weights is not None:
-            registered = _log_best_model(job, setup, task, state, best_weights)
+            registered = mlflow_run.log_best_model(plan, state, best_weights)
     except BaseException as exc:
         if job.mlflow.enabled and setup.run_id:
-            _close_failed(job, setup.run_id, previous_status, exc)
+            mlflow_run.close_failed(plan, previous_status, exc)
         raise
     if job.mlflow.enabled and setup.run_id:
         from pipeline.registry.tracking import close_run
 
-        _tag_stopping(job, setup.run_id, state)
+        mlflow_run.tag_stopping(plan, state)
         close_run(job.mlflow.tracking_uri, setup.run_id, "FINISHED")
-    history = state["history"]
+    return _outcome(plan, state, checkpoint_path, registered, result=result)
+
+
+def _outcome(plan: JobPlan, state: dict, checkpoint_path: str, registered: Optional[dict], **extra) -> TrainOutcome:
+    """The :class:`TrainOutcome` of a checkpoint's ``state`` (the run's history, best epoch, stops)."""
+    from pipeline.train import stopping
+
+    train, target = plan.job.train, plan.job.train.target
+    history = state.get("history") or []
     return TrainOutcome(
-        run_name=train.run_name,
-        storage_path=train.storage_path,
-        checkpoint_path=checkpoint_path,
-        metrics=history[-1] if history else {},
-        history=history,
-        best=state["best"],
-        constant=state["constant"],
-        metric=task.metric,
-        task=task.name,
-        mlflow_run_id=setup.run_id,
-        tracking_uri=job.mlflow.tracking_uri,
-        registered=registered,
-        result=result,
-        **_stopping_outcome(job, task, state),
+        run_name=train.run_name, storage_path=train.storage_path, checkpoint_path=checkpoint_path,
+        metrics=history[-1] if history else {}, history=history, best=state["best"], constant=state.get("constant"),
+        metric=plan.task.metric, task=plan.task.name, mlflow_run_id=plan.setup.run_id,
+        tracking_uri=plan.job.mlflow.tracking_uri, registered=registered,
+        stopped=state.get("stopped"), target=target.model_dump() if target is not None else None,
+        time_to_target=stopping.time_to_target(history, target, plan.task.mode), **extra,
     )
 
 
@@ -272,81 +206,41 @@ def _fault_from_environment() -> Optional[dict]:
     return fault
 
 
-def check_stopping(job: JobConfig) -> None:
-    """``train.target`` names a metric the job's task reports (a one-line ``ValueError``)."""
-    from pipeline.train import stopping
-    from pipeline.tasks import TASK_CLASSES
-
-    task_name = task_name_for(job.train.task, getattr(getattr(job, "data", None), "name", None))
-    stopping.check_target(job.train.target, TASK_CLASSES[task_name].metric)
-
-
-def _stopping_outcome(job: JobConfig, task: Task, state: dict) -> dict[str, Any]:
-    """The :class:`TrainOutcome` fields of the stopping rules, from a checkpoint's state."""
-    from pipeline.train import stopping
-
-    target = job.train.target
-    return {"stopped": state.get("stopped"), "target": target.model_dump() if target is not None else None,
-            "time_to_target": stopping.time_to_target(state.get("history") or [], target, task.mode)}
-
-
-def _tag_stopping(job: JobConfig, run_id: str, state: dict) -> None:
-    """The MLflow run's tags: its target and why it stopped early (``satp.stopped``), if it did."""
+def _already_finished(plan: JobPlan, register: bool) -> TrainOutcome:
+    """A rerun of a finished run of the same configuration: nothing trains; its registered model
+    is found (registered now from its last checkpoint if an earlier attempt stopped before)."""
     from pipeline.registry import tracking
 
-    client = tracking.client(job.mlflow.tracking_uri)
-    target = job.train.target
-    if target is not None:
-        client.set_tag(run_id, "satp.target", f"{target.metric} {target.value:g}")
-    if state.get("stopped"):
-        client.set_tag(run_id, "satp.stopped", str(state["stopped"])[:500])
-
-
-def _mlflow_run(job: JobConfig, setup: WorkerSetup, run_key: str, action: str) -> Optional[str]:
-    """Open the run's MLflow run (``setup.run_id``); return its status before (None: new).
-
-    A fresh start never logs into an MLflow run that holds another training's history: a
-    restarted run name, or one whose checkpoints are gone while its MLflow run has metrics,
-    gets a new MLflow run (the old one is detached from the key, see
-    :func:`pipeline.registry.tracking.retire_run`)."""
-    import yaml
-
-    from pipeline.registry import tracking
-
-    uri = job.mlflow.tracking_uri
-    existing = tracking.find_training_run(uri, job.mlflow.experiment, run_key)
-    if existing is not None and action in ("fresh", "restart") and (
-            action == "restart" or existing.data.metrics or existing.info.status == "FINISHED"):
-        why = ("run started over (--restart)" if action == "restart"
-               else "its checkpoints were gone: the run name started over")
-        tracking.retire_run(uri, existing.info.run_id, run_key, why)
-        existing = None
-    config_text = yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False)
-    params = job.model_dump(mode="json")
-    params["model"] = setup.model_config
-    params["shard_dir"] = setup.shard_dir
-    setup.run_id = tracking.open_run(uri, job.mlflow.experiment, run_key, job.train.run_name, params, config_text)
-    tracking.client(uri).set_tag(setup.run_id, "satp.config_hash", setup.provenance["config_hash"])
-    return existing.info.status if existing is not None else None
-
-
-def _close_failed(job: JobConfig, run_id: str, previous_status: Optional[str], exc: BaseException) -> None:
-    """A failed attempt marks its MLflow run FAILED, unless the run had FINISHED before: a failed
-    continuation leaves it FINISHED (its registered versions are sound), with the failure tagged."""
-    from pipeline.registry import tracking
-
-    try:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if isinstance(exc, KeyboardInterrupt):
-            first = f"interrupted ({first or 'SIGINT'})"
-        if previous_status == "FINISHED":
-            client = tracking.client(job.mlflow.tracking_uri)
-            client.set_tag(run_id, "satp.last_attempt", f"failed {time.strftime('%Y-%m-%d %H:%M:%S')}: {first}"[:500])
-            tracking.close_run(job.mlflow.tracking_uri, run_id, "FINISHED")
-        else:
-            tracking.close_run(job.mlflow.tracking_uri, run_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
-    except Exception:  # the tracking store must not hide the training error
-        pass
+    job, setup, previous = plan.job, plan.setup, plan.decision.previous
+    state = previous.state
+    rerun.prune_unregistered(previous.run_dir, keep=previous.checkpoint)
+    registered = None
+    if job.mlflow.enabled:
+        uri = job.mlflow.tracking_uri
+        found = tracking.find_training_run(uri, job.mlflow.experiment, plan.run_key)
+        client = tracking.client(uri)
+        digest = setup.provenance.get("config_hash")
+        if found is not None:
+            setup.run_id = found.info.run_id
+            versions = [v for v in client.search_model_versions(f"run_id='{setup.run_id}'")
+                        if (v.tags or {}).get("satp.config_hash") == digest]
+            if versions:
+                v = max(versions, key=lambda v: int(v.version))
+                registered = {"registered_model": v.name, "version": int(v.version),
+                              "registered_uri": f"models:/{v.name}/{v.version}", "model_uri": v.source,
+                              "champion": None, "reason": "registered when the run finished"}
+        if registered is None and register:
+            if setup.run_id is None:
+                mlflow_run.open_run(plan, "resume")
+            best_weights = ckpt.load_best_weights(previous.checkpoint)
+            if best_weights is not None:
+                log.info("run %s finished before its model was registered: registering it now", job.train.run_name)
+                registered = mlflow_run.log_best_model(plan, state, best_weights)
+        if setup.run_id is not None and (found is None or found.info.status != "FINISHED"):
+            tracking.close_run(uri, setup.run_id, "FINISHED")
+    log.info("run %s finished already (epoch %d, same configuration): nothing to train", job.train.run_name,
+             previous.epoch)
+    return _outcome(plan, state, str(previous.checkpoint), registered, trained=False)
 
 
 def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
@@ -456,129 +350,3 @@ def skip_deepspeed_jit_ops() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     except (ImportError, AttributeError, TypeError):
         pass
-
-
-def _already_finished(job: JobConfig, setup: WorkerSetup, previous, run_key: str, register: bool) -> TrainOutcome:
-    """A rerun of a finished run of the same configuration: nothing trains; its registered model
-    is found (registered now from its last checkpoint if an earlier attempt stopped before)."""
-    from pipeline.registry import tracking
-
-    from pipeline.train import rerun
-
-    train, state = job.train, previous.state
-    rerun.prune_unregistered(previous.run_dir, keep=previous.checkpoint)
-    task = make_task(setup.task_name, vocab=open_split(setup.shard_dir, "train").vocab, **setup.task_state)
-    registered = None
-    if job.mlflow.enabled:
-        uri = job.mlflow.tracking_uri
-        found = tracking.find_training_run(uri, job.mlflow.experiment, run_key)
-        client = tracking.client(uri)
-        digest = setup.provenance.get("config_hash")
-        if found is not None:
-            setup.run_id = found.info.run_id
-            versions = [v for v in client.search_model_versions(f"run_id='{setup.run_id}'")
-                        if (v.tags or {}).get("satp.config_hash") == digest]
-            if versions:
-                v = max(versions, key=lambda v: int(v.version))
-                registered = {"registered_model": v.name, "version": int(v.version),
-                              "registered_uri": f"models:/{v.name}/{v.version}", "model_uri": v.source,
-                              "champion": None, "reason": "registered when the run finished"}
-        if registered is None and register:
-            if setup.run_id is None:
-                _mlflow_run(job, setup, run_key, "resume")
-            best_weights = ckpt.load_best_weights(previous.checkpoint)
-            if best_weights is not None:
-                log.info("run %s finished before its model was registered: registering it now", train.run_name)
-                registered = _log_best_model(job, setup, task, state, best_weights)
-        if setup.run_id is not None and (found is None or found.info.status != "FINISHED"):
-            tracking.close_run(uri, setup.run_id, "FINISHED")
-    history = state.get("history") or []
-    log.info("run %s finished already (epoch %d, same configuration): nothing to train", train.run_name,
-             previous.epoch)
-    return TrainOutcome(
-        run_name=train.run_name, storage_path=train.storage_path, checkpoint_path=str(previous.checkpoint),
-        metrics=history[-1] if history else {}, history=history, best=state["best"], constant=state.get("constant"),
-        metric=task.metric, task=task.name, mlflow_run_id=setup.run_id, tracking_uri=job.mlflow.tracking_uri,
-        registered=registered, trained=False, **_stopping_outcome(job, task, state),
-    )
-
-
-def _log_best_model(job: JobConfig, setup: WorkerSetup, task: Task, state: dict, best_weights: dict) -> dict:
-    from pipeline.registry import tracking
-    from pipeline.registry.versions import CHAMPION, log_and_register, promote
-
-    config = SATConfig.from_dict(setup.model_config)
-    model = build_model(config)
-    model.load_state_dict(best_weights)
-    model.eval()
-    metric = task.metric
-    best = state["best"]
-    metrics = {f"best_val_{metric}": best["val"], f"best_test_{metric}": best["test"], "best_epoch": best["epoch"]}
-    if state.get("constant") is not None:
-        metrics[f"constant_{metric}"] = state["constant"]
-    name = job.mlflow.registered_model or f"sat-{task.name}"
-    log.info("logging the best model (epoch %s) to MLflow and registering it as %s", best["epoch"], name)
-    _log_attention_plot(job, setup, model, task)
-    registered = log_and_register(
-        model,
-        task=task,
-        model_config=config,
-        vocab=getattr(task, "vocab", None),
-        run_id=setup.run_id,
-        tracking_uri=job.mlflow.tracking_uri,
-        registered_model=name,
-        data_manifest_hash=_manifest_hash(setup.shard_dir),
-        metrics={k: v for k, v in metrics.items() if v is not None},
-        extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json"), **_input_spec(setup.shard_dir)},
-        provenance=state.get("provenance") or setup.provenance,  # the configuration and code that trained them
-    )
-    # the same rule as sweeps: the alias moves only to a version with a better validation metric
-    if registered.get("reason"):  # these weights of this run were registered before
-        log.info("%s: %s", name, registered["reason"])
-    registered.update(promote(tracking.client(job.mlflow.tracking_uri), name, registered["version"],
-                              best["val"], f"best_val_{metric}", task.mode, CHAMPION, f"run {job.train.run_name}"))
-    return registered
-
-
-def _input_spec(shard_dir: str) -> dict:
-    """What prediction needs to featurise new inputs (transform, code2 node tables): pipeline.registry.predict."""
-    from pipeline.registry.predict import input_spec
-
-    return input_spec(shard_dir)
-
-
-def _log_attention_plot(job: JobConfig, setup: WorkerSetup, model: torch.nn.Module, task: Task) -> None:
-    """[CLS] attention over one test graph's nodes, when the model offers it (best effort)."""
-    if not hasattr(model, "cls_attention"):
-        return
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from mlflow.tracking import MlflowClient
-
-        test = open_split(setup.shard_dir, "test")
-        sizes = np.asarray(test.num_nodes)
-        index = int(np.argsort(sizes)[len(sizes) // 2])  # a median-size graph
-        from torch_geometric.data import Batch
-
-        batch = Batch.from_data_list([test[index]])
-        with torch.no_grad():
-            attn = model.cls_attention(batch)
-        if isinstance(attn, (list, tuple)):
-            attn = attn[-1]
-        weights = attn.detach().float().reshape(-1, attn.shape[-1]).mean(0).cpu().numpy() if attn.dim() > 1 else attn.numpy()
-        fig, ax = plt.subplots(figsize=(8, 3))
-        ax.bar(np.arange(len(weights)), weights)
-        ax.set_xlabel("node (DFS order)")
-        ax.set_ylabel("[CLS] attention")
-        ax.set_title(f"test graph {index} ({len(weights)} nodes)")
-        fig.tight_layout()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "cls_attention.png"
-            fig.savefig(path, dpi=100)
-            MlflowClient(job.mlflow.tracking_uri).log_artifact(setup.run_id, str(path), artifact_path="plots")
-        plt.close(fig)
-    except Exception as exc:  # interpretability plot: never fail a run over it
-        log.info("no [CLS] attention plot: %s", exc)

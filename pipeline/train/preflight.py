@@ -20,16 +20,17 @@ group is retried ``max_failures`` times. In the order of cost:
    a one-line error; without an address, this machine holds the job's workers (a local cluster
    would); steps 1-3 are :func:`early_checks`, which ``satp train`` also runs right after reading
    the job, before it imports torch and Ray;
-4. a training run: what its run name holds (:func:`pipeline.train.rerun.early_decision`): a checkpoint
-   of another configuration, or of raw files that changed since, stops it here, a finished run
-   of this one whose shards exist needs no Ray;
-5. :func:`runtime.ray_cluster.connect` (without an address, a new local Ray starts), then
+4. a training run, between steps 3 and 5: what its run name holds
+   (:func:`pipeline.train.rerun.early_decision`): a checkpoint of another configuration, or of
+   raw files that changed since, stops it here, a finished run of this one whose shards exist
+   needs no Ray;
+5. :func:`connect_and_check`: :func:`runtime.ray_cluster.connect` (without an address, a new local Ray starts), then
    :func:`check_resources`: the cluster's alive nodes can hold the job's workers, counted per
    node (a worker never spans nodes); the error gives the numbers (``4 worker(s) x (1 CPU, 1
    GPU); this machine (a local Ray cluster) has 2 CPU, 0 GPU on 1 node(s), room for 0``). An autoscaling cluster, where
    Ray adds nodes on demand, sets ``resources.wait_for_nodes: true`` to skip this.
 
-After it, :func:`pipeline.train.driver.plan` checks the model against the real shards
+After it, :meth:`pipeline.train.plan.JobPlan.attach_shards` checks the model against the real shards
 (:func:`check_shard_features`, from the manifest's columns) before any worker starts.
 """
 from __future__ import annotations
@@ -327,33 +328,26 @@ def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] =
 
 
 def preflight(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None, num_workers: Optional[int] = None,
-              extra_cpus: float = 0.0, ray_env: Optional[dict] = None, restart: Optional[bool] = None):
+              extra_cpus: float = 0.0, ray_env: Optional[dict] = None) -> None:
     """Check ``jobs`` (a job, or every variant of a sweep, optionally by name: see
-    :func:`early_checks`) and connect to Ray; see the module docstring.
+    :func:`early_checks`) and connect to Ray; see the module docstring. A training run takes the
+    steps one by one, with its rerun decision between them (:func:`pipeline.train.driver.train_plan`).
 
     ``num_workers`` / ``extra_cpus``: what one unit of work needs when it is not the job's own
     request (a sweep: its largest swept worker count, plus the Tune trial's CPUs). ``ray_env``:
     environment variables of a new Ray connection (see :func:`runtime.ray_cluster.connect`).
-    ``restart``: for a training run (resolved job), also check what its run name holds before
-    Ray starts (:func:`pipeline.train.rerun.early_decision`; a conflict raises ``RerunConflict``); None
-    for sweeps, whose trials name their runs.
-
-    Returns the early rerun decision, if any: a ``finished`` one is returned before connecting
-    (nothing will run), anything else after.
     """
-    from runtime.ray_cluster import connect, resolve_address
-
     jobs = jobs if isinstance(jobs, Mapping) else list(jobs)
     early_checks(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus)
-    jobs = list(jobs.values()) if isinstance(jobs, Mapping) else jobs
-    target = resolve_address(address)
-    decision = None
-    if restart is not None:
-        from pipeline.train.rerun import early_decision
+    connect_and_check(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus, ray_env=ray_env)
 
-        decision = early_decision(jobs[0], restart)
-        if decision is not None and decision.action == "finished":
-            return decision
+
+def connect_and_check(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None,
+                      num_workers: Optional[int] = None, extra_cpus: float = 0.0, ray_env: Optional[dict] = None) -> None:
+    """Step 5: connect to Ray (a new local cluster without an address), then check its resources
+    against the first job's request."""
+    from runtime.ray_cluster import connect, resolve_address
+
+    jobs = list(jobs.values()) if isinstance(jobs, Mapping) else list(jobs)
     connect(address, env_vars=ray_env)
-    check_resources(jobs[0], num_workers=num_workers, extra_cpus=extra_cpus, address=target)
-    return decision
+    check_resources(jobs[0], num_workers=num_workers, extra_cpus=extra_cpus, address=resolve_address(address))

@@ -59,16 +59,19 @@ class RerunConflict(ValueError):
     """The run name holds a checkpoint of another configuration (a one-line message)."""
 
 
-def weights_config(job, manifest: dict) -> dict[str, Any]:
+def weights_config(job, manifest: dict, task_name: Optional[str] = None) -> dict[str, Any]:
     """Everything that shapes the weights of a run (see the module docstring), JSON-ready.
 
     Read from the job and the shards' manifest only (no data, no Ray): what the task derives
-    from the data (vocabulary, encoder widths) is pinned by the data's hashes."""
-    from pipeline.tasks import task_name_for
+    from the data (vocabulary, encoder widths) is pinned by the data's hashes. ``task_name``: the
+    plan's (:class:`pipeline.train.plan.JobPlan`); without it, derived from the job."""
+    if task_name is None:
+        from pipeline.tasks import task_name_for
 
+        task_name = task_name_for(job.train.task, job.data.name)
     return {
         "model": dataclasses.asdict(job.model),
-        "task": task_name_for(job.train.task, job.data.name),
+        "task": task_name,
         "train": job.train.model_dump(mode="json", exclude=set(RESUMABLE_TRAIN_KEYS)),
         "resources": {"num_workers": job.resources.num_workers},
         "data": {"config_hash": manifest.get("config_hash"),
@@ -291,7 +294,7 @@ def job_manifest(job, fingerprint: Optional[str] = None) -> Optional[dict]:
         return None
 
 
-def early_decision(job, restart: bool) -> Optional[Decision]:
+def early_decision(job, task_name: str, restart: bool) -> Optional[Decision]:
     """:func:`decide` before any data is built or Ray is started: a conflict raises at once, raw
     files that changed under the run included (their fingerprint is taken here, from its cache
     unless they changed); a finished run whose shards exist needs no Ray at all. None: decide
@@ -309,12 +312,12 @@ def early_decision(job, restart: bool) -> Optional[Decision]:
         fingerprint = raw_fingerprint(folder, job.data.name)
         manifest = job_manifest(job, fingerprint)
         if manifest is not None:
-            return decide(job, weights_config(job, manifest), git_commit(), restart=False)
+            return decide(job, weights_config(job, manifest, task_name), git_commit(), restart=False)
     else:  # built with the shards: everything but the raw data's fingerprint can be compared now
         fingerprint = ((previous.provenance.get("config") or {}).get("data") or {}).get("fingerprint")
     expected = {"config_hash": preprocessing.config_hash(job.data, job.transform, job.shards),
                 "source": {"fingerprint": fingerprint}}
-    decide(job, weights_config(job, expected), git_commit(), restart=False)  # raises on a conflict
+    decide(job, weights_config(job, expected, task_name), git_commit(), restart=False)  # raises on a conflict
     return None
 
 

@@ -1,0 +1,165 @@
+"""The MLflow side of one training run, in the driver: open (or find again) its run, close it, tag
+how it stopped, and log and register the best model with its [CLS] attention plot.
+
+One writer per run: the driver opens and closes it, Ray Train's controller logs each epoch
+(:mod:`pipeline.train.epoch_logger`), the workers log nothing. Every function reads the run's
+:class:`~pipeline.train.plan.JobPlan`.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pipeline.registry import tracking
+from pipeline.train.loader import open_split
+from pipeline.train.plan import JobPlan
+from pipeline.train.worker import build_model
+from sat.config import SATConfig
+
+log = logging.getLogger(__name__)
+
+
+def open_run(plan: JobPlan, action: str) -> Optional[str]:
+    """Open the run's MLflow run (``plan.setup.run_id``); return its status before (None: new).
+
+    A fresh start never logs into an MLflow run that holds another training's history: a
+    restarted run name, or one whose checkpoints are gone while its MLflow run has metrics,
+    gets a new MLflow run (the old one is detached from the key, see
+    :func:`pipeline.registry.tracking.retire_run`)."""
+    import yaml
+
+    job, setup = plan.job, plan.setup
+    uri = job.mlflow.tracking_uri
+    existing = tracking.find_training_run(uri, job.mlflow.experiment, plan.run_key)
+    if existing is not None and action in ("fresh", "restart") and (
+            action == "restart" or existing.data.metrics or existing.info.status == "FINISHED"):
+        why = ("run started over (--restart)" if action == "restart"
+               else "its checkpoints were gone: the run name started over")
+        tracking.retire_run(uri, existing.info.run_id, plan.run_key, why)
+        existing = None
+    config_text = yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False)
+    params = job.model_dump(mode="json")
+    params["model"] = setup.model_config
+    params["shard_dir"] = setup.shard_dir
+    setup.run_id = tracking.open_run(uri, job.mlflow.experiment, plan.run_key, job.train.run_name, params, config_text)
+    tracking.client(uri).set_tag(setup.run_id, "satp.config_hash", setup.provenance["config_hash"])
+    return existing.info.status if existing is not None else None
+
+
+def close_failed(plan: JobPlan, previous_status: Optional[str], exc: BaseException) -> None:
+    """A failed attempt marks its MLflow run FAILED, unless the run had FINISHED before: a failed
+    continuation leaves it FINISHED (its registered versions are sound), with the failure tagged."""
+    uri, run_id = plan.job.mlflow.tracking_uri, plan.setup.run_id
+    try:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, KeyboardInterrupt):
+            first = f"interrupted ({first or 'SIGINT'})"
+        if previous_status == "FINISHED":
+            client = tracking.client(uri)
+            client.set_tag(run_id, "satp.last_attempt", f"failed {time.strftime('%Y-%m-%d %H:%M:%S')}: {first}"[:500])
+            tracking.close_run(uri, run_id, "FINISHED")
+        else:
+            tracking.close_run(uri, run_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+    except Exception:  # the tracking store must not hide the training error
+        pass
+
+
+def tag_stopping(plan: JobPlan, state: dict) -> None:
+    """The MLflow run's tags: its target and why it stopped early (``satp.stopped``), if it did."""
+    client = tracking.client(plan.job.mlflow.tracking_uri)
+    run_id, target = plan.setup.run_id, plan.job.train.target
+    if target is not None:
+        client.set_tag(run_id, "satp.target", f"{target.metric} {target.value:g}")
+    if state.get("stopped"):
+        client.set_tag(run_id, "satp.stopped", str(state["stopped"])[:500])
+
+
+def manifest_hash(manifest: dict) -> str:
+    """The shards' configuration hash, as the registered version's ``data_manifest_hash``."""
+    for key in ("config_hash", "transform_hash", "hash"):
+        if manifest.get(key):
+            return str(manifest[key])
+    return ""
+
+
+def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
+    """Log the best epoch's weights into the run, register them, and move the champion alias to
+    them only if they beat its validation metric (the same rule as sweeps)."""
+    from pipeline.registry.predict import input_spec
+    from pipeline.registry.versions import CHAMPION, log_and_register, promote
+
+    job, setup, task = plan.job, plan.setup, plan.task
+    config = SATConfig.from_dict(setup.model_config)
+    model = build_model(config)
+    model.load_state_dict(best_weights)
+    model.eval()
+    metric = task.metric
+    best = state["best"]
+    metrics = {f"best_val_{metric}": best["val"], f"best_test_{metric}": best["test"], "best_epoch": best["epoch"]}
+    if state.get("constant") is not None:
+        metrics[f"constant_{metric}"] = state["constant"]
+    name = job.mlflow.registered_model or f"sat-{task.name}"
+    log.info("logging the best model (epoch %s) to MLflow and registering it as %s", best["epoch"], name)
+    _log_attention_plot(plan, model)
+    registered = log_and_register(
+        model,
+        task=task,
+        model_config=config,
+        vocab=getattr(task, "vocab", None),
+        run_id=setup.run_id,
+        tracking_uri=job.mlflow.tracking_uri,
+        registered_model=name,
+        data_manifest_hash=manifest_hash(plan.manifest),
+        metrics={k: v for k, v in metrics.items() if v is not None},
+        # what prediction needs to featurise new inputs (transform, code2 node tables)
+        extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json"), **input_spec(setup.shard_dir)},
+        provenance=state.get("provenance") or setup.provenance,  # the configuration and code that trained them
+    )
+    if registered.get("reason"):  # these weights of this run were registered before
+        log.info("%s: %s", name, registered["reason"])
+    registered.update(promote(tracking.client(job.mlflow.tracking_uri), name, registered["version"],
+                              best["val"], f"best_val_{metric}", task.mode, CHAMPION, f"run {job.train.run_name}"))
+    return registered
+
+
+def _log_attention_plot(plan: JobPlan, model: torch.nn.Module) -> None:
+    """[CLS] attention over one test graph's nodes, when the model offers it (best effort)."""
+    if not hasattr(model, "cls_attention"):
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from mlflow.tracking import MlflowClient
+
+        test = open_split(plan.shard_dir, "test")
+        sizes = np.asarray(test.num_nodes)
+        index = int(np.argsort(sizes)[len(sizes) // 2])  # a median-size graph
+        from torch_geometric.data import Batch
+
+        batch = Batch.from_data_list([test[index]])
+        with torch.no_grad():
+            attn = model.cls_attention(batch)
+        if isinstance(attn, (list, tuple)):
+            attn = attn[-1]
+        weights = attn.detach().float().reshape(-1, attn.shape[-1]).mean(0).cpu().numpy() if attn.dim() > 1 else attn.numpy()
+        fig, ax = plt.subplots(figsize=(8, 3))
+        ax.bar(np.arange(len(weights)), weights)
+        ax.set_xlabel("node (DFS order)")
+        ax.set_ylabel("[CLS] attention")
+        ax.set_title(f"test graph {index} ({len(weights)} nodes)")
+        fig.tight_layout()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "cls_attention.png"
+            fig.savefig(path, dpi=100)
+            MlflowClient(plan.job.mlflow.tracking_uri).log_artifact(plan.setup.run_id, str(path), artifact_path="plots")
+        plt.close(fig)
+    except Exception as exc:  # interpretability plot: never fail a run over it
+        log.info("no [CLS] attention plot: %s", exc)
