@@ -40,6 +40,14 @@ def test_shipped_jobs_validate_and_document_their_command(name):
         assert not job.resources.use_gpu and job.resources.num_workers == 2 and job.data.source == "pycode"
 
 
+
+def test_demo_runs_the_shipped_local_job():
+    """``satp demo`` (``make demo``) reads jobs/code2-local.yaml, found from its own module's place."""
+    from pipeline.cli.demo import LOCAL_JOB
+
+    assert LOCAL_JOB == JOBS / "code2-local.yaml"
+    assert load_job(LOCAL_JOB).name == "code2-local"
+
 def test_ppa_job_batches_hold_the_graphs_its_learning_rate_assumes():
     """ppa.yaml's lr assumes ~67 graphs per batch at its node budget: the sampler gives that on ppa-sized graphs."""
     import numpy as np

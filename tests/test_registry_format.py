@@ -321,3 +321,15 @@ def test_format1_is_refused_and_migrated(tmp_path, capsys):
     assert len(client.search_model_versions("name='old'")) == 4
     assert main(["models", "migrate", "nope", "--tracking-uri", uri]) == 2
     assert "nope: no such registered model" in capsys.readouterr().err
+
+
+def test_pyfunc_code_of_versions_registered_before_the_move_still_builds():
+    """Versions registered before ``pipeline/`` became sub-packages carry a ``satp_pyfunc.py`` that
+    imports ``pipeline.model_format``: that import still gives the class the current code names."""
+    from pipeline.registry.model_format import PYFUNC_CODE, SATPyfunc
+
+    old_code = PYFUNC_CODE.replace("pipeline.registry.model_format", "pipeline.model_format")
+    assert "from pipeline.model_format import SATPyfunc" in old_code
+    namespace: dict = {}
+    exec(compile(old_code.replace("mlflow.models.set_model(SATPyfunc())", ""), "satp_pyfunc.py", "exec"), namespace)
+    assert namespace["SATPyfunc"] is SATPyfunc

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-LOCAL_JOB = Path(__file__).resolve().parents[1] / "jobs" / "code2-local.yaml"
+LOCAL_JOB = Path(__file__).resolve().parents[2] / "jobs" / "code2-local.yaml"
 
 
 def run_demo(overrides: list[str] | None = None, job_path: str | Path = LOCAL_JOB) -> int:
