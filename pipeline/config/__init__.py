@@ -6,6 +6,11 @@ optional ``tune`` (an ASHA sweep) and ``compare`` (variants x seeds, see
 :mod:`pipeline.config.compare`). Unknown or mistyped keys are rejected with a
 one-line error that names the file and the dotted key. ``--set dotted.key=value`` overrides
 any key; the value is parsed as YAML (``--set train.lr=3e-4``).
+
+Shared by every room of :mod:`pipeline` (the CLI reads a job, training and sweeps run it, the
+registry records it), so it lies below all of them, with each section's schema in its own module:
+:mod:`~pipeline.config.train` (``train``, ``resources``, ``mlflow``), :mod:`~pipeline.config.tune`,
+:mod:`~pipeline.config.compare`. Importing it loads no torch, Ray or MLflow.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 The driver side resolves the job once into a plan (:mod:`~pipeline.train.plan`), checks it before
 anything costly (:mod:`~pipeline.train.preflight`), decides what the run name already holds
-(:mod:`~pipeline.train.rerun`) and fits the trainer (:mod:`~pipeline.train.driver`). The workers run
+(:mod:`~pipeline.train.rerun`), opens and closes the run's MLflow run and registers its best model
+(:mod:`~pipeline.train.mlflow_run`) and fits the trainer (:mod:`~pipeline.train.driver`). The workers run
 :mod:`~pipeline.train.worker`, which composes one-job components, as torchtitan's trainer does:
 :mod:`~pipeline.train.loader` and :mod:`~pipeline.train.batching` (shards into batches),
 :mod:`~pipeline.train.engine` (DeepSpeed, precision, optimizer), :mod:`~pipeline.train.step` (one
