@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from pipeline.config import JobConfig
 from pipeline.config.train import default_tracking_uri, runs_dir
@@ -32,6 +32,7 @@ from pipeline.tasks import TASK_CLASSES, Task, make_task, task_name_for
 from pipeline.train import stopping
 from pipeline.train.loader import open_split
 from pipeline.train.preflight import check_shard_features
+from pipeline.train.rerun import Decision
 from pipeline.train.worker import WorkerSetup, build_model
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class JobPlan:
     setup: Optional[WorkerSetup] = None  # after attach_shards
     task: Optional[Task] = None  # after attach_shards (the shards' vocabulary)
     manifest: dict = dataclasses.field(default_factory=dict)  # the train split's, after attach_shards
-    decision: Any = None  # pipeline.train.rerun.Decision, once taken
+    decision: Optional[Decision] = None  # what the run name holds, once decided (pipeline.train.rerun)
 
     @classmethod
     def resolve(cls, job: JobConfig, *, address: Optional[str] = None, restart: bool = False) -> "JobPlan":
