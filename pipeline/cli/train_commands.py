@@ -91,13 +91,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     enter_workdir()
     job = load_job(job_path, args.overrides)
     # the pre-flight's first steps before the heavy imports (the job alone, the data root, the
-    # --address, this machine for a local cluster): seconds; train_plan runs the whole pre-flight
+    # --address, this machine for a local cluster): seconds; train_plan runs the rest of it
     early_checks([job], address=args.address, task=False)
     _logging()
     from pipeline.train.driver import train_plan
     from pipeline.train.plan import JobPlan
 
-    plan = JobPlan.resolve(job, address=args.address, restart=args.restart)
+    plan = JobPlan.resolve(job, address=args.address, restart=args.restart, early_checked=True)
     try:
         outcome = train_plan(plan, register=not args.no_register)
     except KeyboardInterrupt as exc:

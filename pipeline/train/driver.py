@@ -130,7 +130,9 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
 
     pyg_templates.install()
     job, train = plan.job, plan.job.train
-    early_checks([job], address=plan.address, task=False)  # the task was resolved with the plan
+    if not plan.early_checked:
+        early_checks([job], address=plan.address, task=False)  # the task was resolved with the plan
+        plan.early_checked = True
     plan.decision = rerun.early_decision(job, plan.task_name, plan.restart)
     if plan.decision is not None and plan.decision.action == "finished" and shard_dir is None:  # no Ray started
         plan.attach_shards(rerun.job_shard_dir(job))

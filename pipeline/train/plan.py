@@ -57,19 +57,21 @@ class JobPlan:
     task_name: str
     address: Optional[str] = None  # Ray cluster (None: $RAY_ADDRESS, else a new local one)
     restart: bool = False  # start the run name over when it holds a checkpoint
+    early_checked: bool = False  # preflight.early_checks passed (satp train runs them before its heavy imports)
     setup: Optional[WorkerSetup] = None  # after attach_shards
     task: Optional[Task] = None  # after attach_shards (the shards' vocabulary)
     manifest: dict = dataclasses.field(default_factory=dict)  # the train split's, after attach_shards
     decision: Optional[Decision] = None  # what the run name holds, once decided (pipeline.train.rerun)
 
     @classmethod
-    def resolve(cls, job: JobConfig, *, address: Optional[str] = None, restart: bool = False) -> "JobPlan":
+    def resolve(cls, job: JobConfig, *, address: Optional[str] = None, restart: bool = False,
+                early_checked: bool = False) -> "JobPlan":
         """The plan of ``job`` before any data exists; raises a one-line ``ValueError`` on an unknown
         task or a target its task does not report."""
         job = resolve_job(job)
         task_name = task_name_for(job.train.task, getattr(getattr(job, "data", None), "name", None))
         stopping.check_target(job.train.target, TASK_CLASSES[task_name].metric)
-        return cls(job=job, task_name=task_name, address=address, restart=restart)
+        return cls(job=job, task_name=task_name, address=address, restart=restart, early_checked=early_checked)
 
     @property
     def metric(self) -> str:
