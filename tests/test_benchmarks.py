@@ -84,19 +84,22 @@ def test_gpu_accuracy_fast_variant_scales_batch_lr_and_warmup(monkeypatch):
 
 
 def test_gpu_accuracy_curve_shows_the_running_bn_metric_when_the_run_has_it():
-    """With train.precise_bn_batches the curve has a column for the validation metric under
-    BatchNorm's moving averages, between validation and test; without, the table is as before."""
+    """With train.precise_bn_batches the curve has columns for the validation metric under
+    BatchNorm's moving averages and the statistics' shift, between validation and test; without,
+    the table is as before."""
     from benchmarks.gpu_accuracy_report import curve_table
 
     plain = [{"epoch": 0, "val_acc": 0.8, "test_acc": 0.79}]
-    both = [{"epoch": 0, "val_acc": 0.85, "val_acc_running_bn": 0.78, "test_acc": 0.84}]
+    both = [{"epoch": 0, "val_acc": 0.85, "val_acc_running_bn": 0.78, "bn_var_ratio": 1.31, "bn_mean_shift": 0.12,
+             "test_acc": 0.84}]
     rows = curve_table(plain, "acc", {})
     assert "running BN" not in rows[0] and all(r.count("|") == rows[0].count("|") for r in rows)
     rows = curve_table(both, "acc", {})
-    assert all(r.count("|") == rows[0].count("|") == 15 for r in rows)
+    assert all(r.count("|") == rows[0].count("|") == 17 for r in rows)
     header = [c.strip() for c in rows[0].split("|")]
     cells = dict(zip(header, (c.strip() for c in rows[2].split("|"))))
     assert (cells["val acc"], cells["val acc, running BN"], cells["test acc"]) == ("0.8500", "0.7800", "0.8400")
+    assert (cells["BN var ratio"], cells["BN mean shift"]) == ("1.310", "0.120")
 
 
 def test_gpu_accuracy_code2_subset_fits_the_time_left():

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pipeline.train.batching import NodeBudgetSampler
-from pipeline.train.precise_bn import StatisticsBatches, batchnorm_layers, recompute_batchnorm_stats
+from pipeline.train.precise_bn import RecomputedStatistics, StatisticsBatches, batchnorm_layers, recompute_batchnorm_stats
 
 
 class DropoutThenNorm(nn.Module):
@@ -40,7 +40,7 @@ def test_statistics_are_the_average_over_the_batches_with_dropout_off():
     model.norm.momentum = 0.25
     model.seen.clear()
     batches = _batches(5, seed=2)
-    assert recompute_batchnorm_stats(model, batches, model) == 5
+    assert recompute_batchnorm_stats(model, batches, model).batches == 5
     # the inputs the norm saw were dropout-free: x + lin(x)
     with torch.no_grad():
         for seen, batch in zip(model.seen, batches):
@@ -54,6 +54,36 @@ def test_statistics_are_the_average_over_the_batches_with_dropout_off():
     assert model.norm.momentum == 0.25
 
 
+def test_the_shift_shows_dropouts_inflated_variance_and_a_moved_mean():
+    """Li et al.'s variance shift: with dropout 0.5 in front of the norm, the variance training saw
+    is larger than the dropout-free one (ratio well above 1); without dropout the moving averages
+    over the same distribution agree with the recomputed statistics. Shifted inputs move the mean."""
+    def shift_after_training(p: float, offset: float = 0.0):
+        torch.manual_seed(0)
+        model = DropoutThenNorm()
+        model.drop.p = p
+        with torch.no_grad():
+            model.lin.weight.copy_(torch.eye(4) * 2)  # the dropped term dominates the sum
+            model.lin.bias.zero_()
+        model.train()
+        for batch in _batches(60, seed=1):
+            model(batch)
+        return recompute_batchnorm_stats(model, [b + offset for b in _batches(20, seed=2)], model).shift
+
+    dropout = shift_after_training(0.5)
+    # per channel h = x (1 + 2 m / (1 - p)), m ~ Bernoulli(1 - p), x of mean 1 and variance 9: in
+    # training Var(h) = E[x^2] E[a^2] - (E[x] E[a])^2 with a = 1 + 4 m: 10 * 13 - 9 = 121; without
+    # dropout h = 3 x, Var(h) = 81
+    assert dropout.var_ratio == pytest.approx(121 / 81, rel=0.2)  # the moving average of ~20 batches is noisy
+    assert dropout.worst_layer_var_ratio == pytest.approx(dropout.var_ratio)  # one layer
+    plain = shift_after_training(0.0)
+    assert plain.var_ratio == pytest.approx(1.0, abs=0.1)
+    assert plain.mean_shift < 0.2
+    moved = shift_after_training(0.0, offset=3.0)  # h = 3 x moves by 9: one standard deviation of h
+    assert moved.mean_shift == pytest.approx(1.0, abs=0.2)
+    assert moved.var_ratio == pytest.approx(1.0, abs=0.1)
+
+
 def test_no_batches_leaves_the_statistics_and_a_model_without_batchnorm_is_untouched():
     model = DropoutThenNorm()
     model.train()
@@ -61,13 +91,13 @@ def test_no_batches_leaves_the_statistics_and_a_model_without_batchnorm_is_untou
         model(batch)
     before = (model.norm.running_mean.clone(), model.norm.running_var.clone(), int(model.norm.num_batches_tracked))
     model.eval()
-    assert recompute_batchnorm_stats(model, [], model) == 0
+    assert recompute_batchnorm_stats(model, [], model) == RecomputedStatistics(0)
     assert torch.equal(model.norm.running_mean, before[0]) and torch.equal(model.norm.running_var, before[1])
     assert int(model.norm.num_batches_tracked) == before[2] and not model.training
 
     plain = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     assert batchnorm_layers(plain) == []
-    assert recompute_batchnorm_stats(plain, _batches(2), plain) == 0
+    assert recompute_batchnorm_stats(plain, _batches(2), plain) == RecomputedStatistics(0)
 
 
 def test_sat_in_evaluation_with_recomputed_statistics_normalises_as_training_did_without_dropout():
@@ -97,7 +127,7 @@ def test_sat_in_evaluation_with_recomputed_statistics_normalises_as_training_did
     with torch.no_grad():
         model.eval()
         stale = model(batch)
-        assert recompute_batchnorm_stats(model, [batch], model) == 1
+        assert recompute_batchnorm_stats(model, [batch], model).batches == 1
         n = batch.num_nodes
         for m in batchnorm_layers(model):  # every norm layer of the k-subtree SAT runs over the nodes
             m.running_var.mul_((n - 1) / n)

@@ -57,6 +57,9 @@ def test_tiny_pattern_run_beats_the_majority_class_and_predicts(ray_cluster, sbm
     assert all(0.0 <= h[f"{split}_acc"] <= 1.0 for h in outcome.history for split in ("train", "val", "test"))
     # train.precise_bn_batches: the validation accuracy under the moving averages is kept beside
     assert all(0.0 <= h["val_acc_running_bn"] <= 1.0 for h in outcome.history)
+    # and how far the moving averages were from the recomputed statistics
+    assert all(h["bn_var_ratio"] > 0 and h["bn_worst_layer_var_ratio"] > 0 and h["bn_mean_shift"] >= 0
+               for h in outcome.history), outcome.history
     # throughput counts graphs (the loss is a mean over nodes): an epoch is the 300 training graphs
     assert all(abs(h["graphs_per_s"] * h["epoch_seconds"] - 300) < 0.5 for h in outcome.history), outcome.history
     assert outcome.best["test"] > outcome.constant + 0.05, outcome.history
@@ -108,7 +111,11 @@ def _assert_statistics_recomputed(job, model, epoch: int, base: Path) -> None:
     batches.set_epoch(epoch)
     loader = make_loader(train_ds, batches, BatchCollator(model.config), 0, False)
     again = copy.deepcopy(model)
-    assert recompute_batchnorm_stats(again, loader, lambda b: again(b, validate=False)) == 3
+    recomputed = recompute_batchnorm_stats(again, loader, lambda b: again(b, validate=False))
+    assert recomputed.batches == 3
+    # the same batches under the same weights: the statistics did not move
+    assert recomputed.shift.var_ratio == pytest.approx(1.0, abs=1e-3)
+    assert recomputed.shift.mean_shift == pytest.approx(0.0, abs=1e-3)
     layers = list(zip(batchnorm_layers(model), batchnorm_layers(again)))
     assert layers
     for registered, recomputed in layers:

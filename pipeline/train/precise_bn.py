@@ -17,10 +17,17 @@ evaluation mode, only the BatchNorm layers in training mode) and nothing else ch
 statistics the evaluated model will use, under its current weights. :class:`StatisticsBatches`
 picks those batches: the first ``count`` batches of a shuffled pass over the training split, with a
 seed of their own, so neither the training order nor its random state moves.
+
+It also says how far the moving averages were from the recomputed statistics
+(:class:`StatisticsShift`), which tells the two causes above apart: dropout's variance shift
+inflates the running variance (a ratio above 1 in every epoch), a stale or noisy average moves the
+running mean (a mean shift, in units of the recomputed standard deviation).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -54,21 +61,67 @@ class StatisticsBatches:
         return min(self.count, len(self.sampler))
 
 
+@dataclass(frozen=True)
+class StatisticsShift:
+    """Training's moving averages against the recomputed statistics, over every channel of every
+    BatchNorm layer.
+
+    ``var_ratio``: the geometric mean of running variance / recomputed variance (1: no shift; above 1:
+    the variance training saw was inflated, as dropout in front of the layer does).
+    ``worst_layer_var_ratio``: the same per layer, the layer farthest from 1 (by its logarithm).
+    ``mean_shift``: the mean of |running mean - recomputed mean| / recomputed standard deviation.
+    """
+
+    var_ratio: float
+    worst_layer_var_ratio: float
+    mean_shift: float
+
+    def metrics(self) -> dict[str, float]:
+        """As the run logs them: ``bn_var_ratio``, ``bn_worst_layer_var_ratio``, ``bn_mean_shift``."""
+        return {"bn_var_ratio": self.var_ratio, "bn_worst_layer_var_ratio": self.worst_layer_var_ratio,
+                "bn_mean_shift": self.mean_shift}
+
+
+@dataclass(frozen=True)
+class RecomputedStatistics:
+    """What :func:`recompute_batchnorm_stats` did: the batches run (0: nothing changed) and, when
+    it changed the statistics, how far the old ones were from the new (:class:`StatisticsShift`)."""
+
+    batches: int
+    shift: Optional[StatisticsShift] = None
+
+
+def statistics_shift(layers: list[_BatchNorm], old: list[tuple[torch.Tensor, torch.Tensor]]) -> StatisticsShift:
+    """:class:`StatisticsShift` of ``layers``' current statistics against ``old`` (running mean and
+    variance per layer, in the same order)."""
+    log_ratios, layer_logs, shifts = [], [], []
+    for bn, (mean, var) in zip(layers, old):
+        new_var = bn.running_var.double() + bn.eps
+        log_ratio = torch.log((var.double() + bn.eps) / new_var)
+        log_ratios.append(log_ratio)
+        layer_logs.append(float(log_ratio.mean()))
+        shifts.append((mean.double() - bn.running_mean.double()).abs() / new_var.sqrt())
+    worst = max(layer_logs, key=abs)
+    return StatisticsShift(var_ratio=math.exp(float(torch.cat(log_ratios).mean())),
+                           worst_layer_var_ratio=math.exp(worst), mean_shift=float(torch.cat(shifts).mean()))
+
+
 @torch.no_grad()
 def recompute_batchnorm_stats(
     module: torch.nn.Module, batches: Iterable[Any], forward: Callable[[Any], Any], average_ranks: bool = True
-) -> int:
+) -> RecomputedStatistics:
     """Replace the running mean and variance of ``module``'s BatchNorm layers by their average over
     ``batches`` (each batch weighing the same, as BatchNorm's cumulative average does), computed by
     ``forward(batch)`` with the module in evaluation mode except its BatchNorm layers (dropout off).
 
     With ``torch.distributed`` initialised and several ranks, the ranks' averages are averaged, so
     every rank evaluates with the same statistics. The module's modes and momenta are restored.
-    Returns the number of batches run; with none, the statistics are left as they were.
+    Returns the number of batches run and the shift of the statistics; with no batch, the
+    statistics are left as they were.
     """
     layers = batchnorm_layers(module)
     if not layers:
-        return 0
+        return RecomputedStatistics(0)
     was_training = module.training
     saved = [(bn.momentum, bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone())
              for bn in layers]
@@ -91,10 +144,10 @@ def recompute_batchnorm_stats(
             bn.running_mean.copy_(mean)
             bn.running_var.copy_(var)
             bn.num_batches_tracked.copy_(count)
-        return 0
+        return RecomputedStatistics(0)
     if average_ranks:
         _average_over_ranks(layers)
-    return seen
+    return RecomputedStatistics(seen, statistics_shift(layers, [(mean, var) for _m, mean, var, _c in saved]))
 
 
 def _average_over_ranks(layers: list[_BatchNorm]) -> None:

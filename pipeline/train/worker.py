@@ -273,8 +273,9 @@ class WorkerRun:
 
         With ``train.precise_bn_batches``, the validation metric under BatchNorm's moving averages
         is kept as ``val_<metric>_running_bn`` before the statistics are recomputed
-        (:mod:`pipeline.train.precise_bn`); the metrics, the best epoch and the weights kept use the
-        recomputed ones."""
+        (:mod:`pipeline.train.precise_bn`), with how far the moving averages were from the new
+        statistics (``bn_var_ratio``, ``bn_worst_layer_var_ratio``, ``bn_mean_shift``); the metrics,
+        the best epoch and the weights kept use the recomputed ones."""
         task, metric = self.task, self.task.metric
         started = time.perf_counter()
         running_bn = None
@@ -282,8 +283,8 @@ class WorkerRun:
             running_bn = gather_objects(evaluate(self.engine, task, self.eval_loaders["valid"], self.device))
             self.statistics_batches.set_epoch(epoch)
             engine, device = self.engine, self.device
-            recompute_batchnorm_stats(engine.module, self.statistics_loader,
-                                      lambda batch: engine(to_device(batch, device), validate=False))
+            recomputed = recompute_batchnorm_stats(engine.module, self.statistics_loader,
+                                                   lambda batch: engine(to_device(batch, device), validate=False))
         results = {split: gather_objects(evaluate(self.engine, task, loader, self.device))
                    for split, loader in self.eval_loaders.items()}
         metrics: dict[str, Any] = {"eval_seconds": time.perf_counter() - started}
@@ -291,6 +292,8 @@ class WorkerRun:
             return metrics
         if running_bn is not None:
             metrics[f"val_{metric}_running_bn"] = task.score(*concat_gathered(running_bn))
+            if recomputed.shift is not None:
+                metrics.update(recomputed.shift.metrics())
         val_score = task.score(*concat_gathered(results["valid"]))
         test_preds, test_targets = concat_gathered(results["test"])
         metrics[f"val_{metric}"] = val_score
