@@ -3,6 +3,9 @@ part per run, each sized to one device session, each returning its own markdown 
 benchmarks/RESULTS.md. ``SATP_GPU_PART`` picks it (run.sh's argument):
 
 - ``perf`` (the default; this module, items 1-4 below): parity, step benchmarks, the pipeline;
+- ``steps`` (:mod:`benchmarks.gpu_steps`): eager vs compiled vs captured training steps (``train.step``)
+  on PATTERN and code2 at two batch sizes each, step time against kernel time, and ``satp train``'s
+  start-up breakdown with cold and warm compile caches;
 - ``scale`` (:mod:`benchmarks.gpu_scale`): a synthetic ogbg-ppa of ``SATP_SCALE_GRAPHS`` graphs built
   on the machine, preprocessed, and one epoch of ``jobs/ppa.yaml`` on one GPU worker, with wall
   times, peak memory and disk of every step;
@@ -54,7 +57,7 @@ from pathlib import Path
 
 from benchmarks.gpu_measure import DRY_RUN, ROOT, Clock, _finish, _last_line, _run, _start, _step
 
-PARTS = ("perf", "scale", "multirank", "pattern", "cluster", "code2batch")
+PARTS = ("perf", "steps", "scale", "multirank", "pattern", "cluster", "code2batch")
 PART = os.environ.get("SATP_GPU_PART") or "perf"
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S", "420"))
 SYNTHETIC_GRAPHS = 256 if DRY_RUN else 16384  # code2-shaped graphs for the k-subtree rows (cycled over epochs)
@@ -358,6 +361,10 @@ def run() -> str:
         from benchmarks import gpu_multirank
 
         return gpu_multirank.run()
+    if PART == "steps":
+        from benchmarks import gpu_steps
+
+        return gpu_steps.run()
     if PART in ("pattern", "cluster", "code2batch"):
         from benchmarks import gpu_accuracy
 

@@ -307,10 +307,10 @@ def rank_balance(sizes: np.ndarray, node_budget: int, world: int, epochs: int = 
 
     sampler = NodeBudgetSampler(sizes, node_budget, rank=0, world_size=world, seed=seed, bucket_size=bucket_size)
     # every rank cuts the same global batches: cut them once per epoch, deal them as each rank would
-    sampler._global_batches = functools.lru_cache(maxsize=None)(sampler._global_batches)
+    sampler.global_batches = functools.lru_cache(maxsize=None)(sampler.global_batches)
     ratios: dict[str, list[float]] = {"graphs": [], "nodes": [], "attention": []}
     started = time.perf_counter()
-    sampler._global_batches(epochs)  # an epoch's cut, timed (every rank makes it when its epoch starts)
+    sampler.global_batches(epochs)  # an epoch's cut, timed (every rank makes it when its epoch starts)
     cut_s = time.perf_counter() - started
     for epoch in range(epochs):
         per_rank = []

@@ -27,7 +27,9 @@ Spec keys: ``precision`` (bf16 | fp32), ``extractor`` (subtree | subgraph), ``at
 buckets; ``bucket_size = max_graphs`` gives random batches, as the SAT authors' loader),
 ``seconds`` (timed window), ``warmup`` (steps), ``loader_workers``, ``compile``
 (``torch.compile(dynamic=True)`` the model), ``detail`` (default true: phases, profile, FLOPs),
-``top_ops`` (with ``detail``: the profile's top operators by device and by host time), ``tiny``
+``top_ops`` (with ``detail``: the profile's top operators by device and by host time), ``step``
+(``train.step``: eager | static | compiled | captured, :mod:`pipeline.train.step`; batch capacities
+from the sampler's first epoch; ``warmup_s`` then includes compilation and capture), ``tiny``
 (a small model, for dry runs on a CPU), ``graphs`` (a file written by :func:`save_graphs`) or
 ``shards`` (a shard directory: its train split), ``job`` (default ``jobs/code2.yaml``), ``in_ray``
 (measure inside a one-worker Ray Train ``TorchTrainer``, where ``satp train`` runs its steps).
@@ -233,11 +235,13 @@ def measure(spec: dict) -> dict:
     device = dev.device
     _setup_single_rank(device)
     from pipeline.train.batching import NodeBudgetSampler
+    from pipeline.train.capacity import choose_capacity, describe, graph_sizes
     from pipeline.train.engine import build_engine, clips_outside_deepspeed
-    from pipeline.train.loader import BatchCollator, make_loader, open_split, to_device
-    from pipeline.train.step import TrainStep
+    from pipeline.train.loader import BatchCollator, make_loader, open_split
+    from pipeline.train.step import TrainStep, compiles_model, pads_batches
     from sat import SAT
     from sat.edge_messages import resolve_impl as resolve_messages
+    from sat.padding import padding_of
 
     torch.manual_seed(0)
     dataset = load_graphs(spec["graphs"]) if spec.get("graphs") else open_split(spec["shards"], "train")
@@ -247,11 +251,17 @@ def measure(spec: dict) -> dict:
     if spec.get("compile"):
         model.compile(dynamic=True)  # in place: parameter names unchanged
     precision = spec["precision"]
+    mode = spec.get("step", "eager")
     sampler = NodeBudgetSampler(sizes, train.node_budget, seed=0, max_graphs=train.max_graphs_per_batch,
                                 bucket_size=train.bucket_size)
-    engine = build_engine(model, train, precision, len(sampler), 1)
-    step = TrainStep(engine, task, train.grad_clip, clips_outside_deepspeed(train, precision))
-    loader = make_loader(dataset, sampler, BatchCollator(config), spec.get("loader_workers", 4), pin_memory=dev.cuda)
+    capacity = None
+    if pads_batches(mode):
+        capacity = choose_capacity(sampler.global_batches(0), graph_sizes(dataset, config.needs_subgraphs),
+                                   train.capacity_sigmas)
+    engine = build_engine(model, train, precision, len(sampler), 1, compile_model=compiles_model(mode))
+    step = TrainStep(engine, task, train.grad_clip, clips_outside_deepspeed(train, precision), mode=mode, device=device)
+    collator = BatchCollator(config, capacity=capacity, node_targets=task.node_level)
+    loader = make_loader(dataset, sampler, collator, spec.get("loader_workers", 4), pin_memory=dev.cuda)
     engine.train()
 
     def batches():
@@ -262,10 +272,13 @@ def measure(spec: dict) -> dict:
             epoch += 1
 
     stream = batches()
+    warmup_start = time.perf_counter()  # with compile and capture (their first batches)
     for _ in range(spec.get("warmup", 20)):
-        step(to_device(next(stream), device))
+        step(next(stream))
     dev.sync()
+    warmup_s = time.perf_counter() - warmup_start
     dev.reset_peak()
+    step.overflow = 0
 
     # -- throughput window
     graphs = nodes = steps = 0
@@ -276,9 +289,10 @@ def measure(spec: dict) -> dict:
         t = time.perf_counter()
         cpu_batch = next(stream)
         wait += time.perf_counter() - t
-        step(to_device(cpu_batch, device))
-        graphs += cpu_batch.num_graphs
-        nodes += cpu_batch.num_nodes
+        step(cpu_batch)  # the step moves it (pinned, without blocking)
+        padding = padding_of(cpu_batch)
+        graphs += padding.graphs if padding is not None else cpu_batch.num_graphs
+        nodes += padding.nodes if padding is not None else cpu_batch.num_nodes
         steps += 1
     dev.sync()
     window = time.perf_counter() - start
@@ -298,15 +312,20 @@ def measure(spec: dict) -> dict:
         "peak_mem_gb": peak_mem,
         "device": dev.name(),
         "torch": torch.__version__,
+        "step_mode": mode,
+        "capacity": describe(capacity),
+        "overflow_share": step.overflow / steps,
+        "warmup_s": warmup_s,
         "attention_impl": engine.module.layers[0].attn.resolve_impl(
             torch.empty(1, device=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)),
         "gnn_messages": resolve_messages(engine.module.config.gnn_messages, device),
     }
     if spec.get("detail", True):
         clip_here = clips_outside_deepspeed(train, precision)
-        parts = [("phases", lambda: _phases(dev, engine, task, stream, train.grad_clip, clip_here)),
-                 ("profile", lambda: _profile(dev, step, stream, top=spec.get("top_ops", 0)))]
-        if not spec.get("compile"):  # counting would compile another graph
+        parts = [("profile", lambda: _profile(dev, step, stream, top=spec.get("top_ops", 0)))]
+        if mode == "eager":  # the phases call the engine directly: an eager step's parts
+            parts.insert(0, ("phases", lambda: _phases(dev, engine, task, stream, train.grad_clip, clip_here)))
+        if not spec.get("compile") and mode == "eager":  # counting would compile another graph
             parts.append(("flops", lambda: _mfu(engine.module, task, stream, device, precision, gps)))
         for name, part in parts:
             try:  # a failed detail must not lose the throughput figures
@@ -372,12 +391,10 @@ def _profile(dev: _Device, step, stream, steps: int = 3, top: int = 0) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from pipeline.train.loader import to_device
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            step(to_device(next(stream), dev.device))
+            step(next(stream))
         dev.sync()
     events = prof.events()
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-AREAS = ("model", "preprocessing", "training", "loader")
+AREAS = ("model", "preprocessing", "training", "loader", "step")
 
 
 def machine() -> str:

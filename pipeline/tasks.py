@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from sat.config import SATConfig
+from sat.padding import PAD_TARGET, padding_of
 
 EOS = "__EOS__"
 UNK = "__UNK__"
@@ -68,12 +69,22 @@ class Task:
         raise NotImplementedError
 
     def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
-        """The mean loss over the batch's :meth:`batch_size` units."""
+        """The mean loss over the batch's :meth:`batch_size` units (a padded batch's padding units,
+        whose targets are ``sat.padding.PAD_TARGET``, count for nothing)."""
         raise NotImplementedError
 
     def batch_size(self, batch: Any) -> int:
-        """The number of units the loss averages over (graphs; nodes for node tasks), from the host."""
-        return int(batch.num_graphs)
+        """The number of units the loss averages over (graphs; nodes for node tasks), from the host;
+        of a padded batch (:mod:`sat.padding`), its own graphs or nodes."""
+        padding = padding_of(batch)
+        if padding is not None:
+            return padding.nodes if self.node_level else padding.graphs
+        return int(batch.num_nodes if self.node_level else batch.num_graphs)
+
+    def real_rows(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        """The rows of ``output`` (or of :meth:`predictions`) that belong to the batch's own units: a
+        padded batch's first :meth:`batch_size` rows (a view: no host read), any other batch's all."""
+        return output if padding_of(batch) is None else output[: self.batch_size(batch)]
 
     def predictions(self, output: torch.Tensor) -> torch.Tensor:
         """Per-graph predictions as a tensor on the output's device (no host transfer)."""
@@ -133,7 +144,7 @@ class Code2Task(Task):
 
     def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
         y = batch.y.view(-1, self.max_seq_len)
-        return F.cross_entropy(output.float().reshape(-1, output.size(-1)), y.reshape(-1))
+        return F.cross_entropy(output.float().reshape(-1, output.size(-1)), y.reshape(-1), ignore_index=PAD_TARGET)
 
     def decode_ids(self, ids: Sequence[int]) -> list[str]:
         """Subtokens of one id sequence, up to the first ``__EOS__``."""
@@ -153,7 +164,8 @@ class Code2Task(Task):
     def targets(self, batch: Any) -> list:
         tokens = getattr(batch, "y_tokens", None)
         if tokens is None:  # fall back to the encoded targets
-            return [self.decode_ids(row) for row in batch.y.view(-1, self.max_seq_len).tolist()]
+            rows = batch.y.view(-1, self.max_seq_len)[: self.batch_size(batch)]
+            return [self.decode_ids(row) for row in rows.tolist()]
         return [list(t) for t in tokens]
 
     def score(self, predictions: Sequence, targets: Sequence) -> float:
@@ -236,7 +248,7 @@ class PPATask(Task):
         )
 
     def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
-        return F.cross_entropy(output.float(), batch.y.view(-1).long())
+        return F.cross_entropy(output.float(), batch.y.view(-1).long(), ignore_index=PAD_TARGET)
 
     def predictions(self, output: torch.Tensor) -> torch.Tensor:
         return output.argmax(-1)
@@ -245,7 +257,7 @@ class PPATask(Task):
         return predictions.tolist()
 
     def targets(self, batch: Any) -> list:
-        return batch.y.view(-1).cpu().tolist()
+        return batch.y.view(-1)[: self.batch_size(batch)].cpu().tolist()
 
     def score(self, predictions: Sequence, targets: Sequence) -> float:
         if not targets:
@@ -338,15 +350,14 @@ class SBMNodeTask(Task):
 
     def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
         y = batch.y.view(-1).long()
+        real = (y != PAD_TARGET).float()  # padding nodes count in no class (sat.padding)
         counts = torch.zeros(self.num_classes, dtype=torch.float32, device=y.device)
-        counts.index_add_(0, y, torch.ones_like(y, dtype=torch.float32))
+        counts.index_add_(0, y.clamp(min=0), real)
         present = (counts > 0).float()
-        weight = (y.numel() - counts) / max(y.numel(), 1) * present
+        total = real.sum().clamp(min=1)
+        weight = (total - counts) / total * present
         weight = weight + (weight.sum() == 0).float() * present  # one class only: unweighted, not 0/0
-        return F.cross_entropy(output.float(), y, weight=weight)
-
-    def batch_size(self, batch: Any) -> int:
-        return int(batch.num_nodes)
+        return F.cross_entropy(output.float(), y, weight=weight, ignore_index=PAD_TARGET)
 
     def predictions(self, output: torch.Tensor) -> torch.Tensor:
         return output.argmax(-1)  # [N] class per node
@@ -355,7 +366,7 @@ class SBMNodeTask(Task):
         return predictions.tolist()
 
     def targets(self, batch: Any) -> list:
-        return batch.y.view(-1).tolist()
+        return batch.y.view(-1)[: self.batch_size(batch)].tolist()
 
     def score(self, predictions: Sequence, targets: Sequence) -> float:
         return accuracy_sbm(predictions, targets)

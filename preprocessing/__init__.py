@@ -17,7 +17,9 @@ Public API (used by the training pipeline)::
 - :mod:`preprocessing.sources`: where a dataset comes from (offline builders, OGB's download) and
   :func:`~preprocessing.sources.load_source`.
 - :mod:`preprocessing.columnar`: the columnar raw store (memory-mapped Arrow, per-graph offsets) and
-  :mod:`preprocessing.conversion`: OGB's raw CSVs into it, streaming, with the input checks.
+  :mod:`preprocessing.conversion`: OGB's raw CSVs into it, streaming, with the input checks of
+  :mod:`preprocessing.raw_checks` (the range of every raw value).
+- :mod:`preprocessing.locks`: one writer at a time for a store or a shard directory.
 - :mod:`preprocessing.pycode`: Python source -> ogbg-code2 raw layout (``satp data pycode``), from
   :mod:`preprocessing.source_files` (which files, the project of each) and
   :mod:`preprocessing.python_graphs` (one function -> its graph, OGB's ``py2graph`` rules).

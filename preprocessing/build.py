@@ -21,6 +21,7 @@ locally (:func:`runtime.ray_cluster.connect`, stopped afterwards) unless it is a
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -47,6 +48,7 @@ from preprocessing.shards import (
 from preprocessing.sbm import NUM_CLASSES
 from preprocessing.columnar import TASK, ColumnarStore, raw_fingerprint
 from preprocessing.conversion import build_store, convert_file
+from preprocessing.locks import writer_lock
 from preprocessing.sources import dataset_dir, ensure_dataset, iter_chunk
 from preprocessing.transforms import build_vocab, transform_graph
 
@@ -158,15 +160,22 @@ def _rebuild_reason(out: Path, plan: ShardPlan, key: dict) -> str | None:
     return "its sha256 differs from the recorded one (corrupt)"
 
 
+def _read_manifest(out: Path) -> dict | None:
+    """The directory's manifest, None when there is none or it is unreadable (it is written again
+    from the sidecars: nothing but it is lost)."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
 def _check_owner(out: Path, chash: str) -> None:
     """A directory written by another configuration is never reused or mixed."""
     fix = "`satp preprocess JOB.yaml --force` rebuilds it"
-    manifest = out / MANIFEST
-    if manifest.is_file():
-        try:
-            found = json.loads(manifest.read_text()).get("config_hash")
-        except (OSError, json.JSONDecodeError):
-            found = None
+    manifest = _read_manifest(out)
+    if manifest is not None:
+        found = manifest.get("config_hash")
         if found != chash:
             raise ValueError(f"{out}: shard directory of another configuration (config hash {found!r}, "
                              f"expected {chash[:12]}...); {fix}")
@@ -175,7 +184,7 @@ def _check_owner(out: Path, chash: str) -> None:
             continue
         try:
             found = json.loads(side.read_text()).get("config_hash")
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, AttributeError):
             continue  # an unreadable sidecar only means its shard is recomputed
         if found != chash:
             raise ValueError(f"{side}: shard of another configuration (config hash {found!r}, expected {chash[:12]}...); "
@@ -204,9 +213,13 @@ def preprocess(data: DataConfig, transform: TransformConfig, shards: ShardConfig
             return out  # finished and intact: nothing to read
     with _RaySession(address) as session:
         store = build_store(folder, data.name, fingerprint, run=_conversion_runner(folder, session, progress))
-        if not force:
-            return build_shards(store, data, transform, shards, address=address, progress=progress)
-        return _rebuild(out, store, data, transform, shards, address, progress)
+        # one writer per directory (a second command waits, then finds it complete)
+        with writer_lock(out.with_name(f".{out.name}.lock"), f"the shard directory {out}"):
+            if not force and (out / MANIFEST).is_file() and _complete(out, fingerprint):
+                return out
+            if not force:
+                return build_shards(store, data, transform, shards, address=address, progress=progress)
+            return _rebuild(out, store, data, transform, shards, address, progress)
 
 
 def _rebuild(out: Path, store: ColumnarStore, data: DataConfig, transform: TransformConfig, shards: ShardConfig,
@@ -235,10 +248,10 @@ def _rebuild(out: Path, store: ColumnarStore, data: DataConfig, transform: Trans
 
 
 def _complete(out: Path, fingerprint: str) -> bool:
-    """True when ``out`` holds a manifest for ``fingerprint`` and every shard matches it."""
-    try:
-        manifest = json.loads((out / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
+    """True when ``out`` holds a manifest for ``fingerprint`` and every shard (and the vocabulary)
+    matches it."""
+    manifest = _read_manifest(out)
+    if manifest is None:
         return False
     if manifest.get("schema_version") != SCHEMA_VERSION or manifest.get("source", {}).get("fingerprint") != fingerprint:
         return False
@@ -246,7 +259,8 @@ def _complete(out: Path, fingerprint: str) -> bool:
         path = out / entry["file"]
         if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
             return False
-    return True
+    vocab = manifest.get("vocab_sha256")
+    return vocab is None or ((out / VOCAB_FILE).is_file() and sha256_file(out / VOCAB_FILE) == vocab)
 
 
 def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformConfig, shards: ShardConfig,
@@ -258,8 +272,11 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
     if out.exists():
         _check_owner(out, chash)
     task = TASK[data.name]
-    if out.exists() and (out / MANIFEST).is_file():
-        old = json.loads((out / MANIFEST).read_text()).get("source", {}).get("fingerprint")
+    previous = _read_manifest(out)
+    if previous is None and (out / MANIFEST).is_file():
+        print(f"satp: writing {out / MANIFEST} again: it is unreadable", file=sys.stderr, flush=True)
+    if previous is not None:
+        old = (previous.get("source") or {}).get("fingerprint")
         if old != store.fingerprint:  # the name holds 12 hex digits of it: a collision, or a copied directory
             raise ValueError(f"{out}: built from other source data than {store.folder} now holds (raw fingerprint "
                              f"{str(old)[:16]}..., now {store.fingerprint[:16]}...); "
@@ -274,19 +291,23 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
             raise ValueError(f"{store.folder}: the train split is empty, no vocabulary can be built")
         vocab = build_vocab(store.labels(train_ids), transform.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
+    interrupted = set()
     for orphan in out.glob(".*.tmp-*"):  # a killed run's half-written files (a shard is ~0.3 GB for ppa)
+        interrupted.add(orphan.name[1:].split(".tmp-")[0])
         orphan.unlink(missing_ok=True)
-    if vocab is not None:
-        payload = (json.dumps(vocab) + "\n").encode()
-        if not (out / VOCAB_FILE).is_file() or (out / VOCAB_FILE).read_bytes() != payload:
-            atomic_write_bytes(out / VOCAB_FILE, payload)
+    payload = None if vocab is None else (json.dumps(vocab) + "\n").encode()
+    if payload is not None and (not (out / VOCAB_FILE).is_file() or (out / VOCAB_FILE).read_bytes() != payload):
+        if (out / VOCAB_FILE).is_file():
+            print(f"satp: writing {out / VOCAB_FILE} again: it differs from the vocabulary of the train split "
+                  "(damaged)", file=sys.stderr, flush=True)
+        atomic_write_bytes(out / VOCAB_FILE, payload)
     key = {"config_hash": chash, "fingerprint": store.fingerprint, "schema_version": SCHEMA_VERSION}
     done = {p.file: _shard_done(out, p, key) for p in plans}
     pending = [p for p in plans if done[p.file] is None]
     for plan in pending:
-        why = _rebuild_reason(out, plan, key)
+        why = "its write was interrupted" if plan.file in interrupted else _rebuild_reason(out, plan, key)
         if why:
-            print(f"satp: rebuilding shard {out / plan.file}: {why}", file=sys.stderr)
+            print(f"satp: rebuilding shard {out / plan.file}: {why}", file=sys.stderr, flush=True)
     if pending:
         (out / MANIFEST).unlink(missing_ok=True)  # incomplete from here on
         with _RaySession(address) as session:
@@ -308,6 +329,7 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
         "shards": [],
         "columns": specs,
         "vocab_file": VOCAB_FILE if vocab is not None else None,
+        "vocab_sha256": hashlib.sha256(payload).hexdigest() if payload is not None else None,
         "num_vocab": len(vocab) if vocab is not None else None,
         "num_classes": len(vocab) if vocab is not None else NUM_CLASSES.get(data.name, 37),
         "max_seq_len": transform.max_seq_len if task == "code2" else None,
@@ -388,12 +410,22 @@ def _conversion_runner(folder: Path, session: _RaySession, progress: bool):
                 try:
                     results.append(ray.get(ready[0]))
                 except ray.exceptions.RayTaskError as exc:
+                    _cancel(ray, list(refs))
                     cause = getattr(exc, "cause", None) or exc
                     raise ValueError(str(cause).splitlines()[0]) from None
                 bar.update((folder / spec.rel).stat().st_size)
         return results
 
     return run
+
+
+def _cancel(ray, refs: list, timeout_s: float = 30.0) -> None:
+    """Stop the tasks of ``refs`` (a conversion that failed: the others' work is moot) and wait for
+    them, so that their ``finally`` blocks remove their temporary files before the command ends."""
+    for ref in refs:
+        ray.cancel(ref)
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
 
 def _run_shard_tasks(ray, pending: list[ShardPlan], store: ColumnarStore, task: str, transform: TransformConfig,
@@ -426,6 +458,7 @@ def _run_shard_tasks(ray, pending: list[ShardPlan], store: ColumnarStore, task: 
                 try:
                     written = ray.get(ref)
                 except ray.exceptions.RayTaskError as exc:
+                    _cancel(ray, list(in_flight))
                     cause = getattr(exc, "cause", None) or exc
                     raise ValueError(f"{out / plan.file}: {str(cause).splitlines()[0]}") from None
                 meta = dict(key, file=plan.file, split=plan.split, rows=int(plan.ids.size), **written)

@@ -5,14 +5,15 @@ pipeline converts the raw CSVs once per raw fingerprint (:mod:`preprocessing.con
 streaming, bounded memory, checked) into::
 
     <dataset folder>/columnar/
-        store.json            written last: schema version, dataset, source fingerprint, rows
+        store.json            written last: schema version, dataset, source fingerprint, rows,
+                              every file's size and xxh3 checksum
         edge_index.arrow      one Arrow IPC file per raw CSV (raw/edge.csv.gz -> edge_index.arrow,
         edge_attr.arrow ...   split/<kind>/train.csv.gz -> split-train.arrow): uncompressed record
         split-train.arrow     batches, one column ``values``: one value per line, a
                               ``fixed_size_list`` of k values per line, or the line's text (code2
                               labels); values in the narrowest type that holds them exactly (node
                               ids int32, features float32 as OGB's loader casts them)
-        edge_index.arrow.json sidecar of a finished file (fingerprint, rows)
+        edge_index.arrow.json sidecar of a finished file (fingerprint, rows, bytes, xxh3)
         fingerprint.json      the raw files' fingerprint and stat signature (:func:`raw_fingerprint`)
 
 :class:`ColumnarStore` opens a finished store holding only per-graph arrays in memory (offsets,
@@ -22,6 +23,12 @@ OGB's dtypes, so shard tasks read their own graphs and the driver never holds th
 Undirected datasets (ppa and the SBM sets) store each edge once, as the raw files do; reading
 adds the reverse of every edge right after it (``u->v, v->u``) with a copy of its features, as
 OGB's loader does.
+
+Integrity: every file's size and xxh3 checksum (:func:`file_digest`, ~8 GB/s) are recorded when it
+is written; :class:`ColumnarStore` checks the sizes whenever it opens the store (a ``stat`` per
+file: every shard task does), and the conversion reads every file once to check the checksums
+before shards are built from a finished store (:func:`preprocessing.conversion.build_store`),
+converting again only the files that differ.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import xxhash
 
 from preprocessing.config import SBM_DATASETS
 from preprocessing.ogb_layout import SPLIT_KIND
@@ -45,7 +53,6 @@ STORE_VERSION = 1
 BATCH_ROWS_KEY = "satp.batch_rows"  # schema metadata of each store file
 TASK = {"ogbg-code2": "code2", "ogbg-ppa": "ppa", "pattern": "pattern", "cluster": "cluster"}
 UNDIRECTED = frozenset({"ogbg-ppa", *SBM_DATASETS})
-NUM_CLASSES = {"ogbg-ppa": 37}  # graph classes; the SBM sets' node classes come from preprocessing.sbm
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,13 @@ def raw_fingerprint(folder: Path, name: str) -> str:
     return fingerprint
 
 
+def file_digest(path: Path) -> str:
+    """xxh3-64 of a file's bytes (hex): a checksum for damage, not an identity (sha256 names data)."""
+    from preprocessing.shards import digest_file
+
+    return digest_file(path, xxhash.xxh3_64())
+
+
 def store_is_current(folder: Path, fingerprint: str) -> bool:
     """True when ``folder/columnar`` is a finished store of the raw files with ``fingerprint``."""
     try:
@@ -267,6 +281,12 @@ class ColumnarStore:
         self.name: str = meta["dataset"]
         self.fingerprint: str = meta["fingerprint"]
         self.specs = {s.key: s for s in file_specs(self.name)}
+        for key, record in (meta.get("files") or {}).items():  # truncated or replaced since: named here
+            path = self.path / self.specs[key].arrow
+            size = path.stat().st_size if path.is_file() else None
+            if size != record["bytes"]:
+                found = "missing" if size is None else f"{size} bytes, {record['bytes']} recorded"
+                raise ValueError(f"{path}: damaged columnar store file ({found}); `satp preprocess` converts it again")
         nodes, edges = read_column(self.path / "num_nodes.arrow"), read_column(self.path / "num_edges.arrow")
         self.raw_edge_ptr = np.concatenate([[0], np.cumsum(edges)]).astype(np.int64)  # rows of the edge files
         self.node_ptr = np.concatenate([[0], np.cumsum(nodes)]).astype(np.int64)

@@ -6,16 +6,19 @@ a time, cut at line ends, parsed by Arrow's CSV reader, checked, and written as 
 renamed, then its sidecar records the raw fingerprint: a killed conversion resumes with the files
 not yet finished; ``store.json`` comes last. A store of other raw files is replaced.
 
-The checks, each a one-line ``ValueError`` naming the file and, where it applies, the graph:
-truncated or corrupt gzip, values per line, line counts against ``num-node-list`` /
-``num-edge-list``, empty graphs, graphs without edges, edge ids outside their graph, NaN /
-infinite features, negative ids, class ids outside the dataset's range, split ids outside the
-dataset, values too large for the storage type.
+The checks, each a one-line ``ValueError`` naming the file and, where it applies, the line and
+the graph: truncated or corrupt gzip, values per line, line counts against ``num-node-list`` /
+``num-edge-list``, the ranges of every value (:mod:`preprocessing.raw_checks`: counts, edge
+endpoints, node type / attribute ids, depths, classes, split ids; NaN / infinite features),
+graphs listed twice or in two splits, values too large for the storage type. A write that fails
+(a full disk) is a one-line ``OSError`` naming the store file; the files finished before it stay.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +28,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from preprocessing.columnar import (BATCH_ROWS_KEY, FINGERPRINT_FILE, NUM_CLASSES, STORE_DIR, STORE_FILE, STORE_VERSION,
-                                    ColumnarStore, FileSpec, file_specs, read_column, store_is_current)
-from preprocessing.config import SBM_DATASETS
+from preprocessing.columnar import (BATCH_ROWS_KEY, FINGERPRINT_FILE, STORE_DIR, STORE_FILE, STORE_VERSION, ColumnarStore,
+                                    FileSpec, file_digest, file_specs, read_column, store_is_current)
+from preprocessing.locks import writer_lock
+from preprocessing.raw_checks import Checker, check_splits
+
+#: In the store's folder: its writer lock (a conversion keeps it, as it keeps the fingerprint record).
+LOCK_FILE = ".lock"
 
 #: Rows per record batch (recorded in each file's schema: readers locate a row without reading other batches).
 BATCH_ROWS = 1 << 18
@@ -107,7 +114,7 @@ def _rows(path: Path, spec: FileSpec) -> Iterator[np.ndarray | list[str]]:
         yield _parse(block, spec, path)
 
 
-# ----------------------------------------------------------------------------- checks
+# ----------------------------------------------------------------------------- counts
 @dataclass
 class _Counts:
     """Per-graph node and edge counts (as in the raw files: one direction per undirected edge)."""
@@ -128,81 +135,12 @@ def _expected_rows(spec: FileSpec, counts: _Counts) -> int | None:
     return {"graph": counts.nodes.size, "node": int(counts.nodes.sum()), "edge": int(counts.edges.sum())}.get(spec.per)
 
 
-def _graph_of(ptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    return np.searchsorted(ptr, rows, side="right") - 1
-
-
-class _Checker:
-    """Streaming checks of one file's values, block by block (``start``: the block's first row)."""
-
-    def __init__(self, name: str, spec: FileSpec, path: Path, counts: _Counts | None):
-        from preprocessing.sbm import NODE_VOCAB
-        from preprocessing.sbm import NUM_CLASSES as SBM_CLASSES
-
-        self.spec, self.path, self.counts = spec, path, counts
-        self.ptr = None
-        if counts is not None:
-            self.ptr = {"node": counts.node_ptr, "edge": counts.edge_ptr}.get(spec.per)
-        self.limit = None  # (upper bound, what) of ids checked against a range
-        if spec.key == "y" and name in NUM_CLASSES:
-            self.limit = (NUM_CLASSES[name], "class ids")
-        elif name in SBM_DATASETS and spec.key == "x":
-            self.limit = (NODE_VOCAB[name], "node input ids")
-        elif name in SBM_DATASETS and spec.key == "node_label":
-            self.limit = (SBM_CLASSES[name], "node classes")
-        elif spec.per == "split":
-            self.limit = (counts.nodes.size, "graph ids")
-
-    def _graph(self, start: int, bad: np.ndarray) -> int:
-        return int(_graph_of(self.ptr, start + int(np.flatnonzero(bad)[0]))) if self.ptr is not None else -1
-
-    def __call__(self, values, start: int) -> None:
-        spec, where = self.spec, self.path
-        if spec.parse == "text":
-            return
-        if spec.parse == "float64":
-            finite = np.isfinite(values).all(axis=1) if values.ndim > 1 else np.isfinite(values)
-            if not finite.all():
-                raise ValueError(f"{where}: graph {self._graph(start, ~finite)} has NaN or infinite {spec.per} features")
-            return
-        if spec.key == "edge_index":
-            rows = start + np.arange(len(values))
-            g = _graph_of(self.ptr, rows)
-            n = self.counts.nodes[g]
-            bad = ((values < 0) | (values >= n[:, None])).any(axis=1)
-            if bad.any():
-                first = int(g[np.flatnonzero(bad)[0]])
-                raise ValueError(f"{where}: graph {first} has edge ids outside [0, {int(self.counts.nodes[first])})")
-            return
-        if self.limit is not None:
-            top, what = self.limit
-            bad = (values < 0) | (values >= top)
-            if bad.any():
-                if spec.per == "split":
-                    raise ValueError(f"{where}: graph ids outside [0, {top})")
-                graph = int(start + np.flatnonzero(bad)[0]) if spec.per == "graph" else self._graph(start, bad)
-                raise ValueError(f"{where}: graph {graph} has {what} outside [0, {top})")
-            return
-        if (values < 0).any():
-            if spec.key == "x":
-                raise ValueError(f"{where}: expected {spec.columns} non-negative integer ids per node")
-            raise ValueError(f"{where}: graph {self._graph(start, (values < 0).reshape(len(values), -1).any(axis=1))} "
-                             f"has negative values")
-        if np.iinfo(spec.store).max < values.max(initial=0):
-            raise ValueError(f"{where}: values up to {int(values.max())}, more than this layout allows "
-                             f"({np.iinfo(spec.store).max})")
-
-
 def _check_counts(folder: Path, counts: _Counts) -> None:
     raw = folder / "raw"
     if counts.edges.size != counts.nodes.size:
         raise ValueError(f"{raw / 'num-edge-list.csv.gz'}: {counts.edges.size} graphs, num-node-list has {counts.nodes.size}")
     if counts.nodes.size == 0:
         raise ValueError(f"{raw}: the dataset has no graphs")
-    if (counts.nodes == 0).any():
-        raise ValueError(f"{raw}: graph {int(np.flatnonzero(counts.nodes == 0)[0])} is empty (0 nodes)")
-    if (counts.edges == 0).any():
-        raise ValueError(f"{raw}: graph {int(np.flatnonzero(counts.edges == 0)[0])} has no edges")
 
 
 # ----------------------------------------------------------------------------- writing the store
@@ -223,19 +161,35 @@ def _schema(spec: FileSpec) -> pa.Schema:
     return pa.schema([("values", kind)], metadata={BATCH_ROWS_KEY: str(BATCH_ROWS)})
 
 
+def os_reason(exc: OSError) -> str:
+    """``No space left on device`` of an OSError, also of pyarrow's (``Error writing bytes to file.
+    Detail: [errno 28] ...``, without ``errno`` set)."""
+    found = re.search(r"\[errno (\d+)\]", str(exc), re.IGNORECASE)
+    if found:
+        return os.strerror(int(found.group(1)))
+    return exc.strerror or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
 def _write_sidecar(path: Path, meta: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(meta, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(meta, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise OSError(f"{path}: could not write it ({os_reason(exc)})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def convert_file(folder: str, name: str, spec: FileSpec, fingerprint: str, counts: _Counts | None) -> dict:
-    """Convert one raw CSV into ``<folder>/columnar/<key>.arrow`` (atomically, then its sidecar);
-    return ``{"rows": R}``. The body of one conversion task (see :func:`build_store`)."""
+    """Convert one raw CSV into ``<folder>/columnar/<key>.arrow`` (atomically, then its sidecar with
+    its size and xxh3 checksum); return ``{"rows": R}``. The body of one conversion task (see
+    :func:`build_store`). A write that fails (a full disk) names the store file and leaves nothing."""
     folder = Path(folder)
     src, out = folder / spec.rel, folder / STORE_DIR / spec.arrow
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    check = _Checker(name, spec, src, counts)
+    ptr = None if counts is None else {"node": counts.node_ptr, "edge": counts.edge_ptr}.get(spec.per)
+    check = Checker(name, spec, folder, ptr, None if counts is None else counts.nodes)
     rows, pending = 0, []
     try:
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, _schema(spec)) as writer:
@@ -259,10 +213,18 @@ def convert_file(folder: str, name: str, spec: FileSpec, fingerprint: str, count
         if expected is not None and rows != expected:
             one = {"node": " (one per node): truncated?", "edge": " (one per edge): truncated?"}.get(spec.per, "")
             raise ValueError(f"{src}: {rows} lines, expected {expected}{one}")
+        record = {"fingerprint": fingerprint, "rows": rows, "rel": spec.rel, "bytes": tmp.stat().st_size,
+                  "xxh3": file_digest(tmp)}
         os.replace(tmp, out)
+    except OSError as exc:  # pyarrow's own errors name no file: say which one could not be read or written
+        reason = os_reason(exc)
+        if str(getattr(exc, "filename", "")) == str(src):
+            raise ValueError(f"{src}: cannot read it ({reason})") from None
+        raise OSError(f"{out}: could not write it ({reason}); "
+                      "the files converted before it are kept") from None
     finally:
         tmp.unlink(missing_ok=True)
-    _write_sidecar(out.with_name(out.name + ".json"), {"fingerprint": fingerprint, "rows": rows, "rel": spec.rel})
+    _write_sidecar(out.with_name(out.name + ".json"), record)
     return {"rows": rows}
 
 
@@ -272,12 +234,56 @@ def _join(parts: list, spec: FileSpec):
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _finished(store: Path, spec: FileSpec, fingerprint: str) -> bool:
+def _record(store: Path, spec: FileSpec) -> dict | None:
     try:
         meta = json.loads((store / (spec.arrow + ".json")).read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _finished(store: Path, spec: FileSpec, fingerprint: str) -> bool:
+    """The file is converted from these raw files and has the size its sidecar recorded."""
+    meta = _record(store, spec)
+    path = store / spec.arrow
+    if meta is None or meta.get("fingerprint") != fingerprint or not path.is_file():
         return False
-    return meta.get("fingerprint") == fingerprint and (store / spec.arrow).is_file()
+    return meta.get("bytes") in (None, path.stat().st_size)  # None: converted before sizes were recorded
+
+
+def _redo_reason(store: Path, spec: FileSpec, fingerprint: str, leftovers: set[str]) -> str | None:
+    """Why a file of these raw files is converted again although it had been (None: it never was,
+    or it was converted from other raw files): said on stderr, so that damage is never silently redone."""
+    meta, path = _record(store, spec), store / spec.arrow
+    if spec.arrow in leftovers:
+        return "its conversion was interrupted (a temporary file was left)"
+    if meta is None:
+        return f"its sidecar {spec.arrow}.json is unreadable" if path.is_file() else None
+    if meta.get("fingerprint") != fingerprint:
+        return None
+    if not path.is_file():
+        return f"{path.name} is missing"
+    return f"{path.name} has {path.stat().st_size} bytes, {meta.get('bytes')} recorded (truncated or overwritten)"
+
+
+def _verify(store: Path, name: str) -> tuple[list[tuple[FileSpec, str]], list[FileSpec]]:
+    """``(damaged, unrecorded)`` files of a finished store: damaged, with why, when their bytes are
+    not what was written (sizes, then xxh3: one read of the whole store); unrecorded when they were
+    converted before satp recorded checksums."""
+    damaged, unrecorded = [], []
+    for spec in file_specs(name):
+        meta, path = _record(store, spec), store / spec.arrow
+        if meta is None:
+            damaged.append((spec, f"its sidecar {spec.arrow}.json is unreadable"))
+        elif not path.is_file():
+            damaged.append((spec, f"{path.name} is missing"))
+        elif meta.get("bytes") is None:
+            unrecorded.append(spec)
+        elif path.stat().st_size != meta["bytes"]:
+            damaged.append((spec, f"{path.name} has {path.stat().st_size} bytes, {meta['bytes']} recorded (truncated)"))
+        elif file_digest(path) != meta["xxh3"]:
+            damaged.append((spec, f"{path.name}'s checksum differs from the one recorded (corrupt)"))
+    return damaged, unrecorded
 
 
 Runner = Callable[[list[tuple]], Iterable[dict]]
@@ -288,38 +294,81 @@ def _run_here(calls: list[tuple]) -> Iterator[dict]:
         yield convert_file(*args)
 
 
+def _say(store: Path, spec: FileSpec, why: str) -> None:
+    print(f"satp: converting {spec.rel} again into {store / spec.arrow}: {why}", file=sys.stderr, flush=True)
+
+
 def build_store(folder: Path, name: str, fingerprint: str, run: Runner | None = None) -> "ColumnarStore":
     """Convert ``folder`` (OGB raw layout of ``name``, fingerprint ``fingerprint``) into its columnar
-    store unless it holds a finished one for that fingerprint; return the opened store.
+    store unless it holds a finished, intact one for that fingerprint; return the opened store.
 
-    The count files are read here first (they are small: one line per graph); the other files are
-    converted by ``run`` (default: one after the other in this process; :mod:`preprocessing.build`
-    passes Ray tasks), which takes a list of :func:`convert_file` argument tuples and yields their
-    results. Files finished under the same fingerprint by an interrupted conversion are kept.
+    A finished store is read once to check its files' checksums; a damaged file (and only that
+    one) is converted again, named on stderr. Conversions hold the store's writer lock
+    (:func:`preprocessing.locks.writer_lock`): a second command converting the same folder waits
+    for the first and then finds the store finished. The count files are read here first (they are
+    small: one line per graph); the other files are converted by ``run`` (default: one after the
+    other in this process; :mod:`preprocessing.build` passes Ray tasks), which takes a list of
+    :func:`convert_file` argument tuples and yields their results. Files finished under the same
+    fingerprint by an interrupted conversion are kept.
     """
     folder = Path(folder)
     store = folder / STORE_DIR
     if store_is_current(folder, fingerprint):
-        return ColumnarStore(folder)
+        damaged, unrecorded = _verify(store, name)
+        if not damaged and (not unrecorded or not os.access(store, os.W_OK)):  # read-only: used as it is
+            return ColumnarStore(folder)
+    with writer_lock(store / LOCK_FILE, f"the columnar store {store}"):
+        if store_is_current(folder, fingerprint):  # again: another command may have repaired it meanwhile
+            for spec, why in _verify(store, name)[0]:
+                _say(store, spec, why)
+                (store / (spec.arrow + ".json")).unlink(missing_ok=True)
+                (store / spec.arrow).unlink(missing_ok=True)
+        _convert(folder, name, fingerprint, run)
+    return ColumnarStore(folder)
+
+
+def _convert(folder: Path, name: str, fingerprint: str, run: Runner | None) -> None:
+    """The conversions of :func:`build_store` (under its lock): every file not finished, then store.json."""
+    store = folder / STORE_DIR
     store.mkdir(parents=True, exist_ok=True)
+    try:
+        json.loads((store / STORE_FILE).read_text())
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError):
+        print(f"satp: writing {store / STORE_FILE} again: it is unreadable", file=sys.stderr, flush=True)
     (store / STORE_FILE).unlink(missing_ok=True)  # incomplete from here on
-    for stale in store.iterdir():  # another fingerprint's files, or temporary files of a killed run
-        spec_of = stale.name.removesuffix(".json")
-        if stale.name == FINGERPRINT_FILE:  # the raw files' own record (preprocessing.columnar.raw_fingerprint)
+    leftovers = {p.name[1:].split(".tmp-")[0] for p in store.glob(".*.tmp-*")}
+    specs = file_specs(name)
+    for spec in specs:
+        if not _finished(store, spec, fingerprint):
+            why = _redo_reason(store, spec, fingerprint, leftovers)
+            if why:
+                _say(store, spec, why)
+    for stale in store.iterdir():  # another fingerprint's files, damaged ones, temporary files of a killed run
+        if stale.name in (FINGERPRINT_FILE, LOCK_FILE):  # the raw files' own record, the writer lock
             continue
-        if stale.name.startswith(".") or not any(s.arrow == spec_of and _finished(store, s, fingerprint)
-                                                 for s in file_specs(name)):
+        spec_of = stale.name.removesuffix(".json")
+        if stale.name.startswith(".") or not any(s.arrow == spec_of and _finished(store, s, fingerprint) for s in specs):
             stale.unlink()
-    count_specs = file_specs(name)[:2]
+    count_specs = specs[:2]
     for spec in count_specs:
         if not _finished(store, spec, fingerprint):
             convert_file(str(folder), name, spec, fingerprint, None)
     counts = _Counts(*(read_column(store / spec.arrow) for spec in count_specs))
     _check_counts(folder, counts)
-    todo = [s for s in file_specs(name)[2:] if not _finished(store, s, fingerprint)]
+    todo = [s for s in specs[2:] if not _finished(store, s, fingerprint)]
     list((run or _run_here)([(str(folder), name, spec, fingerprint, counts) for spec in todo]))
-    rows = {s.key: json.loads((store / (s.arrow + ".json")).read_text())["rows"] for s in file_specs(name)}
+    split_specs = [s for s in specs if s.per == "split"]
+    check_splits({s.key.removeprefix("split-"): folder / s.rel for s in split_specs},
+                 {s.key.removeprefix("split-"): read_column(store / s.arrow) for s in split_specs})
+    records = {s.key: _record(store, s) for s in specs}
+    for spec in specs:  # kept from a conversion by a satp that recorded no checksums: recorded now
+        if records[spec.key].get("bytes") is None:
+            path = store / spec.arrow
+            records[spec.key] = {**records[spec.key], "bytes": path.stat().st_size, "xxh3": file_digest(path)}
+            _write_sidecar(store / (spec.arrow + ".json"), records[spec.key])
     meta = {"version": STORE_VERSION, "dataset": name, "fingerprint": fingerprint, "graphs": int(counts.nodes.size),
-            "rows": rows}
+            "rows": {k: r["rows"] for k, r in records.items()},
+            "files": {k: {"bytes": r["bytes"], "xxh3": r["xxh3"]} for k, r in records.items()}}
     _write_sidecar(store / STORE_FILE, meta)
-    return ColumnarStore(folder)

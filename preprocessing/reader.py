@@ -19,7 +19,8 @@
   in id order, ``__UNK__`` and ``__EOS__`` last) or ``None``.
 - Integrity: on construction every shard of the split must exist with the size recorded in the
   manifest; a shard's sha256 is verified when the shard is first opened for items (``verify=True``,
-  the default; :meth:`verify_all` checks them all now). A bad shard raises ``ValueError`` naming it.
+  the default; :meth:`verify_all` checks them all now), the vocabulary's when it is first read. A
+  bad shard or vocabulary raises ``ValueError`` naming it.
 - Picklable and cheap to re-open (pickling keeps only the path, split and ``verify``), so Ray
   workers construct it from the path.
 
@@ -29,6 +30,7 @@ made (transform, shard encoding, decoding), for prediction.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -308,6 +310,21 @@ class ShardDataset(torch.utils.data.Dataset):
             self._num_nodes = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
         return self._num_nodes
 
+    def sizes(self, name: str) -> np.ndarray:
+        """Every item's size along the axis PyG concatenates column ``name`` on (``edge_index``: its
+        edges; ``subgraph_node_index``: its k-subgraph entries), int64, from the shards' offsets
+        without decoding graphs (the training loop's fixed batch capacities are chosen from them)."""
+        if name == "num_nodes":
+            return self.num_nodes
+        spec = self._specs.get(name)
+        if spec is None or spec["type"] == "string":
+            raise ValueError(f"{self.shard_dir}: no tensor column {name!r} (has {sorted(self._specs)})")
+        shape = spec["shape"]
+        axis = _cat_axis(name, len(shape))
+        width = math.prod(d for i, d in enumerate(shape) if i != axis and d != -1)
+        parts = [np.diff(self._shard(k, verify=False).columns[name][0]) // width for k in range(len(self._entries))]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
     def in_degree_histogram(self) -> list[int]:
         """``hist[d]``: the number of nodes of the split with in-degree ``d`` (edges counted at their
         target, as PyG's ``degree(edge_index[1])``), from the ``edge_index`` column without decoding
@@ -340,7 +357,16 @@ class ShardDataset(torch.utils.data.Dataset):
         if name is None:
             return None
         if self._vocab is None:
-            self._vocab = json.loads((self.shard_dir / name).read_text())
+            path = self.shard_dir / name
+            try:
+                payload = path.read_bytes()
+                expected = self.manifest.get("vocab_sha256")  # absent in directories of older satp versions
+                if expected is not None and hashlib.sha256(payload).hexdigest() != expected:
+                    raise ValueError("sha256 does not match the manifest")
+                self._vocab = json.loads(payload)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{path}: damaged vocabulary ({str(exc).splitlines()[0]}); "
+                                 "`satp preprocess` writes it again") from None
         return self._vocab
 
     def __repr__(self) -> str:

@@ -53,8 +53,8 @@ code2 / ppa layout is unchanged, so the version stayed 1.)
 **manifest.json**: ``schema_version``, ``dataset``, ``task``, ``config_hash``, ``config``
 (data/transform/shards sections), ``source`` (dataset folder and fingerprint: sha256 of OGB's raw
 and split files), ``splits`` (per split: graphs, nodes, shard files), ``shards`` (per shard:
-file, split, rows, bytes, sha256), ``columns`` (see above), ``vocab_file`` and ``num_vocab``
-(code2), ``num_classes``.
+file, split, rows, bytes, sha256), ``columns`` (see above), ``vocab_file``, ``vocab_sha256`` and
+``num_vocab`` (code2), ``num_classes``.
 """
 from __future__ import annotations
 
@@ -176,7 +176,11 @@ def write_shard_file(path: Path, rows: list[dict], specs: dict[str, dict]) -> di
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+    return digest_file(path, hashlib.sha256())
+
+
+def digest_file(path: Path, digest) -> str:
+    """``digest`` (a hashlib-style object: ``update``, ``hexdigest``) of a file's bytes, read in 4 MiB chunks."""
     with open(path, "rb") as fh:
         while chunk := fh.read(1 << 22):
             digest.update(chunk)
@@ -193,6 +197,8 @@ def atomic_write_bytes(path: Path, payload: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk names the temporary file: name the one being written
+        raise OSError(f"{path}: could not write it ({exc.strerror or exc}); the previous version, if any, is kept") from None
     finally:
         if tmp.exists():
             tmp.unlink()

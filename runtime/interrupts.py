@@ -9,16 +9,29 @@ both signals.
 
 The CLI turns :class:`Interrupted` (or a plain ``KeyboardInterrupt``) into one line and the
 conventional status: 130 for SIGINT, 143 for SIGTERM.
+
+More signals while the first is handled (Ctrl-C pressed again, a terminal's Ctrl-C reaching every
+process of the command's group, a scheduler's SIGTERM after its SIGINT) must not cut the clean-up
+short: the last line, Ray's shutdown (which stops the local cluster's processes) and the removal
+of the cluster's private temporary folder at exit. So clean-up on the way out runs under
+:func:`deferred`, where a signal waits for the end of the block, and once the command has caught
+its interrupt it calls :func:`ending`: from then until the process exits, signals are ignored.
+The status is the first signal's (:func:`as_interrupted`). A command that must end at once takes
+SIGKILL, or Ctrl-\\ (SIGQUIT).
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 
-_last_signal: int = signal.SIGINT  # the signal :func:`install`'s handler last raised for (see as_interrupted)
+_first_signal: Optional[int] = None  # the command's first SIGINT / SIGTERM: its exit status (as_interrupted)
+_deferring = 0  # > 0: inside deferred(), a signal waits (_pending) for the end of the block
+_pending: Optional[int] = None  # a signal that arrived inside deferred()
+_ending = False  # ending(): the command is ending; a handler installed again after it does not raise either
 
 
 class Interrupted(KeyboardInterrupt):
@@ -43,14 +56,20 @@ def install(keep: Any = None) -> None:
     ``keep`` stays referenced as long as these handlers are installed: Ray Train's controller
     actor, whose last handle would otherwise go with the frames the exception unwinds, and an
     actor without handles is killed at once, while the driver still prints the cluster's logs
-    (its clean-up actor's tracebacks). The CLI shuts Ray down first, then installs anew.
+    (its clean-up actor's tracebacks). The CLI drops it when the command ends (:func:`ending`).
     Elsewhere (a Tune trial's thread) nothing changes: only the main thread may set handlers."""
     if threading.current_thread() is not threading.main_thread():
         return
 
     def _raise(signum, frame, _keep=keep):
-        global _last_signal
-        _last_signal = signum
+        global _first_signal, _pending
+        if _first_signal is None:
+            _first_signal = signum
+        if _ending:
+            return
+        if _deferring:
+            _pending = signum if _pending is None else _pending
+            return
         _stop_printing_cluster_logs()
         raise Interrupted(signum)
 
@@ -72,8 +91,49 @@ def _stop_printing_cluster_logs() -> None:
         pass
 
 
+def reset() -> None:
+    """A new command in this process: no signal seen, none deferred (see the module docstring)."""
+    global _first_signal, _deferring, _pending, _ending
+    _first_signal, _deferring, _pending, _ending = None, 0, None, False
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM wait while the block runs, a clean-up that a signal must not cut short
+    (closing the MLflow run, releasing the run's lease): one that arrived meanwhile is raised when
+    the block ends (the outermost one; not once the command is :func:`ending`). Main thread only:
+    signals are handled there."""
+    global _deferring, _pending
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+        if not _deferring and _pending is not None and not _ending:
+            signum, _pending = _pending, None
+            raise Interrupted(signum)
+
+
+def ending() -> None:
+    """The command caught its interrupt and only ends now: from here until the process exits,
+    SIGINT and SIGTERM are ignored (what Ray and satp clean up at exit runs whole, and the status
+    stays the first signal's). Ignored, not handled: the interpreter puts the default action (to
+    die of the signal) back in place of a Python handler while it finalises, after the clean-up at
+    exit; it leaves "ignore" as it is. This also drops what :func:`install` kept alive for the
+    training."""
+    global _ending
+    _ending = True
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+
+
 def as_interrupted(exc: KeyboardInterrupt) -> Interrupted:
-    """``exc`` as an :class:`Interrupted`. Ray's ``ray.get`` turns the exception a signal handler
-    raised into a plain ``KeyboardInterrupt``: the signal is the one the handler saw last (SIGINT
-    when none did)."""
-    return exc if isinstance(exc, Interrupted) else Interrupted(_last_signal)
+    """``exc`` as an :class:`Interrupted` of the command's first signal (the exit status says what
+    stopped it, not what arrived while it stopped; SIGINT when no handler saw one: ``ray.get`` turns
+    the exception a signal handler raised into a plain ``KeyboardInterrupt``), keeping what it kept."""
+    signum = _first_signal if _first_signal is not None else getattr(exc, "signum", signal.SIGINT)
+    return Interrupted(signum, kept=getattr(exc, "kept", None))

@@ -23,6 +23,8 @@ _EXPORTS = {
     "SubtreeExtractor": ".extractors",
     "SATLayer": ".layers",
     "GraphLayout": ".layout",
+    "Capacity": ".padding",
+    "pad_batch": ".padding",
     "SAT": ".model",
     "validate_batch": ".validation",
 }
@@ -39,6 +41,8 @@ __all__ = [
     "node_degree",
     "StructureAwareAttention",
     "GraphLayout",
+    "Capacity",
+    "pad_batch",
     "SubtreeExtractor",
     "SubgraphExtractor",
     "SATLayer",

@@ -64,9 +64,9 @@ class NodeEncoder(nn.Module):
         for m in self.children():
             m.reset_parameters()
 
-    def forward(self, batch: Any) -> Tensor:
+    def forward(self, batch: Any, n: int) -> Tensor:
+        """``n``: the batch's number of node rows."""
         x = _attr(batch, "x")
-        n = batch.num_nodes
         if self.kind == "embedding":
             return self.embedding(self._long_x(x, 1).view(-1))  # id ranges: sat.validation
         if self.kind == "linear":
@@ -159,14 +159,15 @@ class PositionalEncoder(nn.Module):
     def reset_parameters(self) -> None:
         self.linear.reset_parameters()
 
-    def forward(self, batch: Any, graph_index: Tensor, num_graphs: int) -> Tensor:
+    def forward(self, batch: Any, graph_index: Tensor, num_graphs: int, n: int) -> Tensor:
+        """``n``: the batch's number of node rows."""
         pe = _attr(batch, self.attr)
-        if pe is None or pe.dim() != 2 or pe.size(1) != self.pe_dim or pe.size(0) != batch.num_nodes:
+        if pe is None or pe.dim() != 2 or pe.size(1) != self.pe_dim or pe.size(0) != n:
             raise ValueError(
-                f"pe={self.kind!r} expects batch.{self.attr} of shape [N={batch.num_nodes}, {self.pe_dim}] "
+                f"pe={self.kind!r} expects batch.{self.attr} of shape [N={n}, {self.pe_dim}] "
                 f"(model.pe_dim), got {_describe(pe)}"
             )
-        pe = pe.float()
+        pe = pe.to(self.linear.weight.dtype)  # fp32 (the weights' dtype) under autocast
         if self.kind == "lap" and self.training:
             sign = torch.randint(0, 2, (num_graphs, self.pe_dim), device=pe.device).float() * 2 - 1
             pe = pe * sign[graph_index]

@@ -32,6 +32,7 @@ from torch_geometric.utils import scatter
 
 from .config import EDGE_AWARE_GNNS, MessageImpl, PNASettings
 from .edge_messages import MessageEdges, RootTerm, aggregate_edge_messages, message_edges, resolve_impl
+from .norm import BatchNorm
 
 GNN_TYPES = ("gcn", "gin", "gine", "sage", "pna")
 
@@ -134,6 +135,37 @@ class EdgeGCNConv(MessagePassing):
         return norm.view(-1, 1) * F.relu(x_j + edge_attr)
 
 
+class FixedShapeGCNConv(GCNConv):
+    """PyG's ``GCNConv`` (Kipf & Welling, ICLR 2017; the same parameters and state-dict keys), with
+    its self-loops added as a fixed-shape operation:
+
+        h_v = b + sum_{u -> v, u != v, and u = v once} (d_u d_v)^{-1/2} W x_u,   d_v = 1 + in-degree
+
+    ``GCNConv`` adds the *remaining* self-loops (``add_remaining_self_loops``): it drops the loops
+    already in ``edge_index`` and adds one per node, selecting edges by value, an operation whose
+    output shape depends on the data (a graph break under ``torch.compile``, not capturable as a CUDA
+    graph). Here every edge is kept and weighted 1, or 0 when it is a loop, and one loop of weight 1
+    is appended per node: the same normalised sum as ``GCNConv`` (unweighted graphs, default
+    arguments), from shapes that depend on ``N`` and ``E`` only. The padding self-loops of a
+    fixed-capacity batch (:mod:`sat.padding`) thus weigh nothing.
+
+    Shapes: x ``[N, d]``, edge_index ``[2, E]`` -> ``[N, d]``.
+    """
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:  # type: ignore[override]
+        n = x.size(0)
+        loops = torch.arange(n, device=edge_index.device)
+        row = torch.cat([edge_index[0], loops])
+        col = torch.cat([edge_index[1], loops])
+        weight = torch.cat([(edge_index[0] != edge_index[1]).to(x.dtype), x.new_ones(n)])
+        deg_inv_sqrt = scatter(weight, col, dim=0, dim_size=n, reduce="sum").pow(-0.5)
+        deg_inv_sqrt = deg_inv_sqrt.masked_fill(deg_inv_sqrt == float("inf"), 0.0)
+        norm = deg_inv_sqrt[row] * weight * deg_inv_sqrt[col]
+        h = self.lin(x)
+        out = scatter(h.index_select(0, row) * norm.view(-1, 1), col, dim=0, dim_size=n, reduce="sum")
+        return out if self.bias is None else out + self.bias
+
+
 def _gcn_norm(edge_index: Tensor, num_nodes: int) -> tuple[Tensor, Tensor]:
     """OGB-GCN's ``deg = 1 + out-degree`` ``[N]`` and edge weights ``(deg_u deg_v)^{-1/2}`` ``[E]``,
     counted in fp32 (exact under autocast)."""
@@ -182,7 +214,8 @@ def gnn_layer(
         message_impl: how :class:`EdgeGCNConv` (GCN with edge features) sums its messages.
     """
     if gnn_type == "gcn":
-        return GCNConv(hidden_dim, hidden_dim) if edge_dim is None else EdgeGCNConv(hidden_dim, edge_dim, message_impl)
+        return FixedShapeGCNConv(hidden_dim, hidden_dim) if edge_dim is None else EdgeGCNConv(hidden_dim, edge_dim,
+                                                                                               message_impl)
     if gnn_type == "gin":
         return GINConv(_mlp(hidden_dim), train_eps=True)
     if gnn_type == "gine":
@@ -301,7 +334,7 @@ class _Extractor(nn.Module):
         super().__init__()
         self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna, message_impl)
         width = self.gnn.out_dim + (hidden_dim if self.keeps_input else 0)
-        self.norm = nn.BatchNorm1d(width)
+        self.norm = BatchNorm(width)
         self.out_proj = nn.Linear(width, hidden_dim)
         self.recompute_gnn = recompute_gnn
 
@@ -332,12 +365,14 @@ class SubtreeExtractor(_Extractor):
         recompute_gnn: recompute the base GNN in the backward pass instead of keeping its
             activations (see :class:`_Extractor`).
 
-    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``.
+    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]``, mask ``[N]`` (the
+    real rows of a padded batch, for BatchNorm's statistics: :mod:`sat.norm`) -> ``[N, d]``.
     """
 
-    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor] = None,
+                mask: Optional[Tensor] = None) -> Tensor:
         h = self._run(lambda x_, e_: self.gnn(x_, edge_index, e_), x, edge_attr)
-        return self.out_proj(self.norm(h))
+        return self.out_proj(self.norm(h, mask))
 
 
 class SubgraphExtractor(_Extractor):
@@ -372,9 +407,11 @@ class SubgraphExtractor(_Extractor):
         subgraph_edge_index: Tensor,
         subgraph_edge_id: Tensor,
         fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None,
+        mask: Optional[Tensor] = None,
     ) -> Tensor:
         """``fused_edges``: :meth:`fused_edges` of the same inputs, built once per batch for all
-        extractors over it (otherwise built here, where the GCN sums fused)."""
+        extractors over it (otherwise built here, where the GCN sums fused). ``mask``: the real rows
+        of a padded batch (:mod:`sat.norm`)."""
         if fused_edges is None:
             fused_edges = self.fused_edges(x, edge_attr, subgraph_node_index, subgraph_edge_index, subgraph_edge_id)
 
@@ -392,7 +429,7 @@ class SubgraphExtractor(_Extractor):
             return scatter(h.to(x_.dtype), subgraph_indicator, dim=0, dim_size=x_.size(0), reduce="sum")
 
         pooled = self._run(gnn_and_pool, x, edge_attr)
-        return self.out_proj(self.norm(torch.cat([x, pooled], dim=-1)))
+        return self.out_proj(self.norm(torch.cat([x, pooled], dim=-1), mask))
 
     def fused_edges(
         self, x: Tensor, edge_attr: Optional[Tensor], subgraph_node_index: Tensor, subgraph_edge_index: Tensor,

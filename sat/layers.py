@@ -26,14 +26,7 @@ from .attention import StructureAwareAttention
 from .config import EDGE_AWARE_GNNS, MessageImpl, PNASettings
 from .extractors import EdgeGCNConv, SubgraphExtractor, build_extractor, gnn_layer
 from .layout import GraphLayout
-
-
-def _norm(kind: str, dim: int) -> nn.Module:
-    if kind == "batch":
-        return nn.BatchNorm1d(dim)
-    if kind == "layer":
-        return nn.LayerNorm(dim)
-    raise ValueError(f"unknown norm {kind!r}; expected 'batch' or 'layer'")
+from .norm import make_norm, normalise
 
 
 class SATLayer(nn.Module):
@@ -87,8 +80,8 @@ class SATLayer(nn.Module):
         self.ffn = nn.Sequential(
             nn.Linear(hidden_dim, ffn_dim), nn.ReLU(), nn.Dropout(dropout), nn.Linear(ffn_dim, hidden_dim)
         )
-        self.norm1 = _norm(norm, hidden_dim)
-        self.norm2 = _norm(norm, hidden_dim)
+        self.norm1 = make_norm(norm, hidden_dim)
+        self.norm2 = make_norm(norm, hidden_dim)
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
 
@@ -109,23 +102,24 @@ class SATLayer(nn.Module):
         degree_scale: Optional[Tensor] = None,
         return_attention: bool = False,
     ) -> tuple[Tensor, Optional[Tensor]]:
-        h = self.norm1(x) if self.pre_norm else x
+        mask = layout.node_mask  # padded batches: BatchNorm's statistics over the real rows only
+        h = normalise(self.norm1, x, mask) if self.pre_norm else x
         if self.extractor is None:
             h_struct = h
         elif isinstance(self.extractor, SubgraphExtractor):
             if subgraph is None:
                 raise ValueError("the k-subgraph extractor needs the subgraph indices (see sat.add_subgraph_indices)")
-            h_struct = self.extractor(h, edge_index, edge_attr, **subgraph)
+            h_struct = self.extractor(h, edge_index, edge_attr, **subgraph, mask=mask)
         else:
-            h_struct = self.extractor(h, edge_index, edge_attr)
+            h_struct = self.extractor(h, edge_index, edge_attr, mask=mask)
         a, weights = self.attn(h, h_struct, layout, return_attention)
         if degree_scale is not None:
             a = a * degree_scale.unsqueeze(-1).to(a.dtype)
         x = x + self.dropout1(a)
-        h = self.norm2(x) if self.pre_norm else self.norm1(x)
+        h = normalise(self.norm2, x, mask) if self.pre_norm else normalise(self.norm1, x, mask)
         x = (x if self.pre_norm else h) + self.dropout2(self.ffn(h))
         if not self.pre_norm:
-            x = self.norm2(x)
+            x = normalise(self.norm2, x, mask)
         return x, weights
 
 
@@ -141,8 +135,9 @@ class GNNLayer(nn.Module):
     where that GNN takes them, as in the extractors; GINE without edge features gets zero edge
     embeddings. ``norm`` is ``batch`` or ``layer``. There is no attention and no FFN.
 
-    It takes the arguments of :class:`SATLayer` and ignores the attention-only ones (``layout``,
-    ``subgraph``, ``degree_scale``), so the model drives either kind of layer in one loop.
+    It takes the arguments of :class:`SATLayer` and ignores the attention-only ones (``subgraph``,
+    ``degree_scale``; of ``layout`` only the padding mask is read), so the model drives either kind
+    of layer in one loop.
 
     Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` or None -> ``([N, d], None)``.
     """
@@ -161,7 +156,7 @@ class GNNLayer(nn.Module):
         self.gnn_type = gnn_type
         self.edge_dim = edge_dim if gnn_type in EDGE_AWARE_GNNS else None
         self.conv = gnn_layer(gnn_type, hidden_dim, self.edge_dim, pna, gnn_messages)
-        self.norm = _norm(norm, hidden_dim)
+        self.norm = make_norm(norm, hidden_dim)
         self.dropout = nn.Dropout(dropout)
 
     def reset_parameters(self) -> None:
@@ -189,5 +184,6 @@ class GNNLayer(nn.Module):
     ) -> tuple[Tensor, None]:
         if return_attention:
             raise ValueError("architecture 'gnn' has no attention weights to return")
-        h = F.relu(self.norm(self._conv(x, edge_index, edge_attr)))
+        mask = None if layout is None else layout.node_mask
+        h = F.relu(normalise(self.norm, self._conv(x, edge_index, edge_attr), mask))
         return self.dropout(x + h), None

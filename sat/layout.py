@@ -11,8 +11,14 @@ A PyG mini-batch is a disjoint union of ``B`` graphs whose nodes are stored grap
 * dense blocks: graphs grouped by size (sizes within ``bucket_ratio`` of each other) into padded
   ``[G, L]`` blocks, each given by the ids of its nodes and their flat position ``slot * L + local``;
 * with ``cls=True``, a virtual [CLS] node in front of every graph (:class:`sat.heads.ClsToken`):
-  ``real_index`` ``[N_real]`` is where the real nodes go, ``cls_index`` ``[B]`` where each [CLS] node
-  sits, and every other field describes the enlarged graphs.
+  ``real_index`` ``[N_in]`` is where the batch's own node rows go, ``cls_index`` ``[B]`` where each
+  [CLS] node sits, and every other field describes the enlarged graphs;
+* a layout of fixed capacity (:meth:`GraphLayout.padded`, for batches padded by :mod:`sat.padding`)
+  has the same shapes for every batch: ``capacity.graphs`` graph slots (the batch's graphs first,
+  then empty ones), padding graphs holding the padding rows, ``max_nodes`` the capacity's longest
+  graph (not the batch's), one dense block, and ``node_mask`` ``[N]`` (bool): ``True`` on the rows
+  of real graphs ([CLS] nodes included), what BatchNorm's statistics are taken over
+  (:mod:`sat.norm`). Unpadded layouts have ``node_mask = None``.
 
 Everything is derived from the graphs' node counts on the host. :meth:`GraphLayout.from_sizes`
 builds it without touching an accelerator, e.g. in a DataLoader worker, and :meth:`to` moves it
@@ -23,11 +29,14 @@ counts to the host once.
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .padding import Capacity
 
 DenseGroup = tuple[Tensor, Tensor, int, int]  # (node ids [n], flat positions [n], G, L)
 
@@ -92,6 +101,38 @@ class GraphLayout:
         layout._build(np.asarray(sizes, dtype=np.int64).reshape(-1), bucket_ratio, cls=cls_token)
         return layout
 
+    @classmethod
+    def padded(
+        cls, sizes: Union[Sequence[int], np.ndarray, Tensor], capacity: "Capacity", cls_token: bool = False
+    ) -> "GraphLayout":
+        """The fixed-capacity layout of graphs with ``sizes[g]`` nodes, whose node rows are padded to
+        ``capacity.nodes`` (:func:`sat.padding.pad_batch`): graph slots ``0..B-1`` hold the graphs,
+        slots ``B..capacity.graphs-1`` are empty, and the padding rows (at least one) fill
+        ``capacity.padding_graphs`` further slots of at most ``capacity.graph_nodes`` rows each, so
+        that no graph, padding included, is longer than the static ``max_nodes``. Every tensor's
+        shape and every integer field but ``num_batch_graphs`` depend on ``capacity`` alone."""
+        if isinstance(sizes, Tensor):
+            sizes = sizes.detach().cpu().numpy()
+        real = np.asarray(sizes, dtype=np.int64).reshape(-1)
+        problems = capacity.shortfall(graphs=real.size, nodes=int(real.sum()),
+                                      graph_nodes=int(real.max()) if real.size else 0)
+        if problems:
+            raise ValueError(f"GraphLayout.padded: the batch exceeds its capacity ({'; '.join(problems)})")
+        longest = capacity.graph_nodes
+        full, rest = divmod(capacity.nodes - int(real.sum()), longest)
+        padding = np.zeros(capacity.padding_graphs, dtype=np.int64)
+        padding[:full] = longest
+        padding[full] = rest if full < padding.size else 0
+        slots = np.concatenate([real, np.zeros(capacity.graphs - real.size, dtype=np.int64), padding])
+        layout = cls.__new__(cls)
+        layout._build(slots, None, cls=cls_token)
+        layout.max_nodes = longest + int(cls_token)
+        layout.num_batch_graphs = int(real.size)
+        layout.node_mask = layout.batch < real.size
+        L = layout.max_nodes
+        layout._groups = [(torch.arange(layout.num_nodes), layout.batch * L + layout.local_index, slots.size, L)]
+        return layout
+
     def _build(self, real_sizes: np.ndarray, bucket_ratio: Optional[float], cls: bool) -> None:
         real_sizes = np.asarray(real_sizes, dtype=np.int64)
         if (real_sizes < 0).any():
@@ -104,8 +145,10 @@ class GraphLayout:
         batch = np.repeat(np.arange(B, dtype=np.int64), sizes)
         local = np.arange(N, dtype=np.int64) - ptr[:-1][batch]
         self.num_graphs = int(B)
+        self.num_batch_graphs = int(B)  # graphs of the batch (on a padded layout: not its empty or padding slots)
         self.num_nodes = N
-        self.num_real_nodes = int(real_sizes.sum())
+        self.num_input_nodes = int(real_sizes.sum())  # the batch's node rows: every node but the [CLS] ones
+        self.node_mask: Optional[Tensor] = None  # padded layouts: the rows of the batch's graphs (see padded)
         self.has_cls = bool(cls)
         self.sizes = sizes  # host copy: node count of every graph in this layout
         self.max_nodes = int(sizes.max()) if B else 0
@@ -141,9 +184,18 @@ class GraphLayout:
     def device(self) -> torch.device:
         return self.ptr.device
 
+    _TENSORS = ("batch", "ptr", "cu_seqlens", "local_index", "cls_index", "real_index", "node_mask")
+
+    def tensors(self) -> list[Tensor]:
+        """Every index tensor of this layout, in a fixed order: two fixed-capacity layouts of one
+        capacity give tensors of the same shapes, position by position (what a captured step copies
+        a new batch's layout into, :mod:`pipeline.train.cuda_graphs`)."""
+        out = [t for t in (getattr(self, name) for name in self._TENSORS) if t is not None]
+        return out + [t for nodes, flat, _G, _L in self._groups for t in (nodes, flat)]
+
     def _map(self, fn) -> "GraphLayout":
         out = copy.copy(self)
-        for name in ("batch", "ptr", "cu_seqlens", "local_index", "cls_index", "real_index"):
+        for name in self._TENSORS:
             value = getattr(self, name)
             if value is not None:
                 setattr(out, name, fn(value))
@@ -163,9 +215,16 @@ class GraphLayout:
         """This layout in page-locked memory (DataLoader ``pin_memory=True``), for non-blocking copies."""
         return self._map(lambda t: t.pin_memory())
 
-    def matches(self, num_graphs: int, num_real_nodes: int, cls: bool) -> bool:
-        """Whether this layout describes a batch of ``num_graphs`` graphs and ``num_real_nodes`` nodes."""
-        return self.num_graphs == num_graphs and self.num_real_nodes == num_real_nodes and self.has_cls == cls
+    @property
+    def padded_capacity(self) -> bool:
+        """Whether this is a fixed-capacity layout (:meth:`padded`)."""
+        return self.node_mask is not None
+
+    def matches(self, num_input_nodes: int, cls: bool, num_graphs: Optional[int] = None) -> bool:
+        """Whether this layout describes a batch of ``num_input_nodes`` node rows (and, when given,
+        ``num_graphs`` graph slots), with or without [CLS] nodes."""
+        return (self.num_input_nodes == num_input_nodes and self.has_cls == cls
+                and (num_graphs is None or self.num_graphs == num_graphs))
 
     # ------------------------------------------------------------------ dense blocks
     def dense_groups(self, bucketed: bool = True) -> list[DenseGroup]:
@@ -174,7 +233,7 @@ class GraphLayout:
         ``[G, L]``, the number of graph slots ``G`` and the padded length ``L``. Unbucketed (or
         when every graph fits one bucket) there is one block whose slot of graph ``g`` is ``g``.
         """
-        if bucketed and self._groups:
+        if (bucketed or self.padded_capacity) and self._groups:
             return self._groups
         if self._full_group is None:
             L = self.max_nodes

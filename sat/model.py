@@ -19,6 +19,11 @@ Output of ``forward``: ``[B, num_classes]`` for graph heads, ``[N, num_classes]`
 per layer of shape ``[B, num_heads, L, L]``: softmax weights of query (row) over key (column),
 nodes in the graph's order, ``L`` the largest graph of the batch, zero on padding. With the
 ``cls`` readout each graph's [CLS] node comes first (index 0) and ``L`` counts it.
+
+A batch padded to a fixed capacity (:mod:`sat.padding`) gives one output row per graph slot (or
+node row) of the capacity: the batch's own graphs' (nodes') rows come first and equal the unpadded
+batch's; the padding rows are zeroed at each layer's input and left out of BatchNorm's statistics
+(``layout.node_mask``).
 """
 from __future__ import annotations
 
@@ -36,7 +41,10 @@ from .extractors import GNN_TYPES
 from .heads import ClsToken, Head, pool_nodes
 from .layers import GNNLayer, SATLayer
 from .layout import GraphLayout
+from .norm import make_norm, normalise
 from .validation import validate_batch
+
+_NODE_ROW_KEYS = ("batch", "x", "node_depth", "rwpe", "lap_pe", "degree")  # tensors with one row per node
 
 
 class SAT(nn.Module):
@@ -100,7 +108,7 @@ class SAT(nn.Module):
             ]
         self.layers = nn.ModuleList(layers)
         pre_norm = config.architecture == "sat" and config.pre_norm
-        self.final_norm = (nn.BatchNorm1d(d) if config.norm == "batch" else nn.LayerNorm(d)) if pre_norm else None
+        self.final_norm = make_norm(config.norm, d) if pre_norm else None
         self.cls = ClsToken(d) if config.readout == "cls" else None
         self.head = Head(config.head, d, config.num_classes, config.max_seq_len)
 
@@ -133,14 +141,19 @@ class SAT(nn.Module):
     def layout(self, batch: Any) -> GraphLayout:
         """The batch's :class:`sat.layout.GraphLayout` for this model: the one it carries as
         ``batch.graph_layout`` (built on the host by the data loader, see
-        :meth:`GraphLayout.from_sizes`) when it matches, else one built here."""
+        :meth:`GraphLayout.from_sizes`; a padded batch's, :mod:`sat.padding`) when it matches the
+        batch's tensor shapes, else one built here."""
+        cls = self.cls is not None
+        layout = getattr(batch, "graph_layout", None)
+        if isinstance(layout, GraphLayout):
+            # shapes only: no host read, and nothing that would break a compiled graph
+            ptr = getattr(batch, "ptr", None)
+            num_graphs = ptr.numel() - 1 if isinstance(ptr, torch.Tensor) else None
+            if layout.matches(_node_rows(batch), cls, num_graphs):
+                return layout
         n = batch.num_nodes
         graph_index = getattr(batch, "batch", None)
         num_graphs = 1 if graph_index is None else int(getattr(batch, "num_graphs", None) or int(graph_index.max()) + 1)
-        cls = self.cls is not None
-        layout = getattr(batch, "graph_layout", None)
-        if isinstance(layout, GraphLayout) and layout.matches(num_graphs, n, cls):
-            return layout
         if graph_index is None:
             sizes = [n]
         else:
@@ -161,17 +174,16 @@ class SAT(nn.Module):
         if validate:
             self.validate(batch)
         cfg = self.config
-        n = batch.num_nodes
         edge_index = batch.edge_index.long()
         layout = self.layout(batch)
-        num_graphs = layout.num_graphs
+        n, num_graphs = layout.num_input_nodes, layout.num_graphs
         graph_index = getattr(batch, "batch", None)
         if graph_index is None:
             graph_index = torch.zeros(n, dtype=torch.long, device=edge_index.device)
 
-        x = self.node_encoder(batch)
+        x = self.node_encoder(batch, n)
         if self.pe_encoder is not None:
-            x = x + self.pe_encoder(batch, graph_index, num_graphs)
+            x = x + self.pe_encoder(batch, graph_index, num_graphs, n)
         edge_attr = self.edge_encoder(batch.edge_attr) if self.edge_encoder is not None else None
         subgraph = {k: getattr(batch, k).long() for k in SUBGRAPH_KEYS} if self.needs_subgraphs else None
 
@@ -188,12 +200,15 @@ class SAT(nn.Module):
                 x, edge_attr, *(subgraph[k] for k in ("subgraph_node_index", "subgraph_edge_index", "subgraph_edge_id")))
 
         attention = []
+        padding_rows = None if layout.node_mask is None else ~layout.node_mask.view(-1, 1)
         for layer in self.layers:
+            if padding_rows is not None:  # keeps padding rows small and finite (sat.padding)
+                x = x.masked_fill(padding_rows, 0)
             x, weights = layer(x, layout, edge_index, edge_attr, subgraph, degree_scale, return_attention)
             if return_attention:
                 attention.append(weights)
         if self.final_norm is not None:
-            x = self.final_norm(x)
+            x = normalise(self.final_norm, x, layout.node_mask)
 
         if self.head.node_level:
             out = self.head(x if layout.real_index is None else x[layout.real_index])
@@ -222,3 +237,14 @@ class SAT(nn.Module):
         else:
             sizes = torch.bincount(graph_index, minlength=last.size(0)).tolist()
         return [last[g, 0, 1 : 1 + s].float() for g, s in enumerate(sizes)]
+
+
+def _node_rows(batch: Any) -> int:
+    """The number of node rows of ``batch``, from the shape of a tensor with one row per node (PyG's
+    ``num_nodes`` property, the fallback, is resolved by Python code that ``torch.compile`` cannot
+    trace through)."""
+    for key in _NODE_ROW_KEYS:
+        value = getattr(batch, key, None)
+        if isinstance(value, torch.Tensor):
+            return value.size(0)
+    return int(batch.num_nodes)

@@ -29,6 +29,18 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def tiny_setting(ray_cluster, tmp_path_factory):
+    """``(folder, Ray address)``: the tiny ogbg-code2-format dataset of ``tests/test_train_ray.py`` (made
+    once per session) and the session's cluster, for tests that run ``satp train`` commands on it."""
+    from tests.test_train_ray import tiny_data
+
+    base = tmp_path_factory.getbasetemp() / "satp-tiny"
+    base.mkdir(exist_ok=True)
+    tiny_data(base)
+    return base, ray_cluster.get_runtime_context().gcs_address
+
+
 def kept_for_backward(fn) -> list[torch.Tensor]:
     """The distinct tensors (one per storage and dtype) autograd keeps for the backward pass while ``fn`` runs."""
     seen = {}

@@ -135,7 +135,7 @@ def test_killed_conversion_resumes_with_the_unfinished_files(roots, tmp_path):
                         run=lambda calls: [converted.append(a[2].key) or conversion.convert_file(*a) for a in calls])
     assert converted == ["edge_attr", "split-train", "split-valid", "split-test"]
     assert all((store_dir / name).stat().st_mtime_ns == ns for name, ns in kept.items())  # finished files kept
-    assert not any(p.name.startswith(".") for p in store_dir.iterdir())  # the killed run's temporary file is gone
+    assert not list(store_dir.glob(".*.tmp-*"))  # the killed run's temporary file is gone
     reference = load_source(DataConfig(name="ogbg-ppa", root=str(roots))).chunk(np.arange(30))
     resumed = store.chunk(np.arange(30))
     assert all(np.array_equal(resumed[k], reference[k]) for k in reference)
@@ -189,3 +189,24 @@ def test_conversion_memory_does_not_grow_with_the_input(tmp_path):
     # 1,400 more graphs hold ~3.2M more edges (~140 MB as int64 ids + float32 features in
     # memory); the growth allowed is a fifth of that
     assert peaks[200] > 0 and peaks[1600] - peaks[200] < 28, peaks
+
+
+def test_a_store_of_an_older_satp_gets_its_checksums_without_converting(roots, tmp_path):
+    """Stores converted before sizes and checksums were recorded are kept (a full-size one took
+    minutes): the first build that finds them records them, reading each file once."""
+    import json
+    import shutil
+
+    load_source(DataConfig(name="ogbg-ppa", root=str(roots)))  # converted (once per module)
+    folder = tmp_path / "ogbg_ppa"
+    shutil.copytree(roots / "ogbg_ppa", folder, ignore=shutil.ignore_patterns("processed"))
+    store = folder / STORE_DIR
+    for side in store.glob("*.arrow.json"):  # as satp wrote them before: fingerprint, rows, rel
+        meta = json.loads(side.read_text())
+        side.write_text(json.dumps({k: meta[k] for k in ("fingerprint", "rows", "rel")}))
+    meta = json.loads((store / STORE_FILE).read_text())
+    (store / STORE_FILE).write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
+    kept = {p.name: p.stat().st_mtime_ns for p in store.glob("*.arrow")}
+    build_store(folder, "ogbg-ppa", raw_fingerprint(folder, "ogbg-ppa"), run=lambda calls: [pytest.fail(c) for c in calls])
+    assert {p.name: p.stat().st_mtime_ns for p in store.glob("*.arrow")} == kept
+    assert json.loads((store / STORE_FILE).read_text())["files"] == meta["files"]

@@ -17,17 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_train_ray import tiny_data, tiny_job_dict
+from tests.test_train_ray import tiny_job_dict
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def setting(ray_cluster, tmp_path_factory):
-    base = tmp_path_factory.getbasetemp() / "satp-tiny"
-    base.mkdir(exist_ok=True)
-    tiny_data(base)
-    return base, ray_cluster.get_runtime_context().gcs_address
 
 
 def _satp_train(job: Path, address: str, fault: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -56,12 +48,12 @@ def _checkpoints(run_dir: Path) -> dict[str, int]:
             for p in sorted(run_dir.glob("checkpoint_*")) if (p / "state.json").is_file()}
 
 
-def test_ctrl_c_keeps_the_newest_checkpoint_and_the_rerun_resumes_from_it(setting, tmp_path):
+def test_ctrl_c_keeps_the_newest_checkpoint_and_the_rerun_resumes_from_it(tiny_setting, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from pipeline.train import rerun
 
-    base, address = setting
+    base, address = tiny_setting
     job = _job(base, tmp_path, "intr", epochs=3, checkpoints_to_keep=1)
     stopped = _satp_train(job, address, {"signal": "SIGINT", "epoch": 1, "marker": str(tmp_path / "fired")})
     assert stopped.returncode == 130, stopped.stderr[-3000:]
@@ -88,10 +80,10 @@ def test_ctrl_c_keeps_the_newest_checkpoint_and_the_rerun_resumes_from_it(settin
     assert run.info.status == "FINISHED"
 
 
-def test_sigterm_ends_with_one_line_no_stack_dump_and_no_workers_left(setting, tmp_path):
+def test_sigterm_ends_with_one_line_no_stack_dump_and_no_workers_left(tiny_setting, tmp_path):
     from ray.util.state import list_actors
 
-    base, address = setting
+    base, address = tiny_setting
     job = _job(base, tmp_path, "term", epochs=3)
     stopped = _satp_train(job, address, {"signal": "SIGTERM", "epoch": 0, "marker": str(tmp_path / "fired")})
     assert stopped.returncode == 143, stopped.stderr[-3000:]

@@ -108,7 +108,7 @@ def test_subgraph_extractor_separates_triangles_from_hexagon_subtree_does_not(k)
             out = model(batch)
             # the structure extractor of the first layer, on the embedded inputs
             layer = model.layers[0]
-            x = model.node_encoder(batch)
+            x = model.node_encoder(batch, batch.num_nodes)
             if extractor == "subgraph":
                 sub = {key: batch[key] for key in ("subgraph_node_index", "subgraph_indicator", "subgraph_edge_index", "subgraph_edge_id")}
                 phi = layer.extractor(x, batch.edge_index, None, **sub)

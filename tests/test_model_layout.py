@@ -56,11 +56,12 @@ def test_layout_from_sizes_equals_layout_from_batch_vector(bucket_ratio):
 
 def test_cls_layout_places_one_cls_node_before_each_graph():
     layout = GraphLayout.from_sizes([2, 3], cls_token=True)
-    assert layout.num_nodes == 7 and layout.num_real_nodes == 5 and layout.max_nodes == 4
+    assert layout.num_nodes == 7 and layout.num_input_nodes == 5 and layout.max_nodes == 4
     assert layout.cls_index.tolist() == [0, 3]
     assert layout.real_index.tolist() == [1, 2, 4, 5, 6]
     assert layout.batch.tolist() == [0, 0, 0, 1, 1, 1, 1]
-    assert layout.matches(2, 5, cls=True) and not layout.matches(2, 5, cls=False)
+    assert layout.matches(5, cls=True, num_graphs=2) and not layout.matches(5, cls=False, num_graphs=2)
+    assert not layout.matches(5, cls=True, num_graphs=3) and layout.node_mask is None
 
 
 @pytest.mark.parametrize("readout", ["mean", "cls"])

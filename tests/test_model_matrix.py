@@ -9,10 +9,10 @@ import itertools
 import pytest
 import torch
 from torch_geometric.data import Batch
-from torch_geometric.nn import GCNConv, GINConv, GINEConv, PNAConv, SAGEConv
+from torch_geometric.nn import GINConv, GINEConv, PNAConv, SAGEConv
 
 from sat import SAT, SATConfig, SATData, add_subgraph_indices, incident_edge_sum, laplacian_pe, random_walk_pe
-from sat.extractors import SubgraphExtractor
+from sat.extractors import FixedShapeGCNConv, SubgraphExtractor
 
 PNA_HIST = [1, 4, 6, 3, 1]
 
@@ -53,7 +53,7 @@ GRAD_RTOL = 1e-9
 # output at every node: its output bias (PNA: also the towers' output biases, mixed by `lin`).
 # EdgeGCNConv has none: its biases act inside ReLUs.
 _OUTPUT_SHIFT = {
-    GCNConv: ("bias",),
+    FixedShapeGCNConv: ("bias",),
     SAGEConv: ("lin_l.bias",),
     GINConv: ("nn.2.bias",),
     GINEConv: ("nn.2.bias",),

@@ -190,3 +190,36 @@ def test_models_lists_versions_and_aliases(store, capsys):
     assert main(["models", "--tracking-uri", store["uri"]]) == 0
     text = capsys.readouterr().out
     assert "tiny-code2" in text and "@champion" in text and "tiny-ppa" in text
+
+
+GOOD_PPA = {"num_nodes": 3, "edge_index": [[0, 1], [1, 2]], "edge_attr": [[0.1] * 7, [0.2] * 7]}
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "not a JSON graph file (not UTF-8 text: byte 0 is 0x89)"),
+    (b'[{"num_nodes": 3', "graphs.json:1: not valid JSON (Expecting ',' delimiter)"),
+    ([GOOD_PPA, {**GOOD_PPA, "num_nodes": 0}], "graph 1: num_nodes 0; expected a positive integer"),
+    ([{**GOOD_PPA, "num_nodes": 2.5}], "graph 0: num_nodes 2.5; expected a positive integer"),
+    ([{**GOOD_PPA, "edge_index": [[0, 1.5], [1, 2]]}], "graph 0: edge_index holds 1.5; expected integer ids"),
+    ([{**GOOD_PPA, "edge_index": [[0, 1.0], [1, 2]]}], "graph 0: edge_index holds 1.0; expected integer ids"),
+    ([{**GOOD_PPA, "edge_index": [[0, True], [1, 2]]}], "graph 0: edge_index holds True; expected integer ids"),
+    ([{**GOOD_PPA, "edge_index": [[0, 1], [1]]}], "graph 0: edge_index has shape ragged lists; expected [2, E]"),
+    ([{**GOOD_PPA, "edge_index": [[0, 1], [1, 3]]}], "graph 0: edge_index holds node 3, outside [0, 3)"),
+    ([{**GOOD_PPA, "edge_attr": [[0.1] * 7]}], "graph 0: edge_attr has shape [1, 7]; expected [2, 7]"),
+    (["not a graph"], "graph 0: expected an object with num_nodes and edge_index, got str"),
+])
+def test_bad_json_graphs_name_the_file_and_the_graph(store, tmp_path, capsys, content, message):
+    """Issue 30, defect 11: random bytes and ``num_nodes: 0`` gave errors naming no file or graph, and
+    float node ids were cast to integers without a word."""
+    import json
+
+    from pipeline.cli import main
+
+    path = tmp_path / "graphs.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(json.dumps(content))
+    assert main(["predict", "models:/tiny-ppa/1", str(path), "--tracking-uri", store["uri"]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"satp: error: {path}") and message in err, err

@@ -85,3 +85,24 @@ def test_missing_raw_file_via_cli(tmp_path, capsys):
                          f"shards: {{root: {tmp_path / 'shards'}}}\n")
     line = _error(capsys, ["preprocess", str(job)])
     assert "graph-label.csv.gz: missing" in line and not (tmp_path / "shards").exists()
+
+
+@pytest.mark.parametrize("key", ["data.root", "shards.root"])
+def test_preprocess_checks_its_paths_before_torch_and_ray(tmp_path, key):
+    """Issue 30, defect 10: ``--set data.root=/proc/nope`` answered after 10-17 s (Ray started, the
+    dataset builder failed) with an error naming no key; now satp train's path checks run first."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    job = _job(tmp_path, f"name: t\nmodel: {{}}\ndata: {{name: ogbg-ppa, root: {tmp_path / 'data'}, source: synthetic}}\n"
+                         f"shards: {{root: {tmp_path / 'shards'}}}\n")
+    code = ("import sys\nfrom pipeline.cli import main\nrc = main(sys.argv[1:])\n"
+            "print(sorted(m for m in ('torch', 'ray', 'pyarrow') if m in sys.modules))\nsys.exit(rc)\n")
+    proc = subprocess.run([sys.executable, "-c", code, "preprocess", str(job), "--set", f"{key}=/proc/nope"],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"satp: error: {key}: /proc/nope does not exist and cannot be created (mkdir /proc/nope: No such file or directory)"]
+    assert proc.stdout.strip() == "[]"  # refused before torch, Ray or the data libraries were loaded
+    assert not (tmp_path / "data").exists() and not (tmp_path / "shards").exists()

@@ -269,14 +269,14 @@ def test_missing_and_short_files_are_named(roots, tmp_path):
 def test_bad_values_are_named(roots, tmp_path):
     root = _copy(roots, tmp_path)
     _rewrite(root / "sbm_cluster/raw/node-label.csv.gz", lambda lines: lines[:3] + ["6"] + lines[4:])
-    assert "node-label.csv.gz: graph 0 has node classes outside [0, 6)" in _load_error(root)
+    assert "node-label.csv.gz: line 4, graph 0: node class 6 outside [0, 6)" in _load_error(root)
     root = _copy(roots, tmp_path / "b")
     _rewrite(root / "sbm_cluster/raw/edge.csv.gz", lambda lines: lines[:2] + ["1;2"] + lines[3:])
     message = _load_error(root)
     assert "edge.csv.gz" in message and "integer" in message
     root = _copy(roots, tmp_path / "c")
     _rewrite(root / "sbm_cluster/raw/edge.csv.gz", lambda lines: ["0,500"] + lines[1:])
-    assert "graph 0 has edge ids outside" in _load_error(root)
+    assert "edge.csv.gz: line 1, graph 0: edge endpoint 500 outside [0, " in _load_error(root)
 
 
 def test_config_ties_sbm_to_its_datasets():

@@ -209,7 +209,7 @@ def test_bad_input_leaves_no_output(tmp_path, ray_cluster):
     with gzip.open(path, "wt") as fh:
         fh.write("\n".join(["-1,0"] + lines[1:]) + "\n")
     shards = ShardConfig(root=str(tmp_path / "shards"))
-    with pytest.raises(ValueError, match="graph 0 has edge ids outside"):
+    with pytest.raises(ValueError, match="line 1, graph 0: edge endpoint -1 outside"):
         preprocess(DataConfig(name="ogbg-ppa", root=str(tmp_path / "data")), TransformConfig(), shards)
     assert not (tmp_path / "shards").exists()
 

@@ -193,7 +193,7 @@ def test_edge_ids_out_of_range(ppa_root, tmp_path):
 def test_empty_graph(ppa_root, tmp_path):
     root = _copy(ppa_root, tmp_path, "ogbg_ppa")
     _rewrite(root / "ogbg_ppa/raw/num-node-list.csv.gz", lambda lines: lines[:5] + ["0"] + lines[6:])
-    assert "graph 5 is empty" in _load_error(root, "ogbg-ppa")
+    assert "num-node-list.csv.gz: line 6, graph 5: node count 0, expected at least 1" in _load_error(root, "ogbg-ppa")
 
 
 def test_graph_without_edges(ppa_root, tmp_path):
@@ -204,7 +204,7 @@ def test_graph_without_edges(ppa_root, tmp_path):
     _rewrite(folder / "num-edge-list.csv.gz", lambda lines: ["0"] + lines[1:])
     _rewrite(folder / "edge.csv.gz", lambda lines: lines[first:])
     _rewrite(folder / "edge-feat.csv.gz", lambda lines: lines[first:])
-    assert "graph 0 has no edges" in _load_error(root, "ogbg-ppa")
+    assert "num-edge-list.csv.gz: line 1, graph 0: edge count 0, expected at least 1" in _load_error(root, "ogbg-ppa")
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf"])
@@ -215,13 +215,13 @@ def test_non_finite_features(ppa_root, tmp_path, bad):
     _rewrite(root / "ogbg_ppa/raw/edge-feat.csv.gz",
              lambda lines: lines[: first + 3] + [",".join([bad] * 7)] + lines[first + 4 :])
     message = _load_error(root, "ogbg-ppa")
-    assert "graph 1 has NaN or infinite edge features" in message and "edge-feat.csv.gz" in message
+    assert f"edge-feat.csv.gz: line {first + 4}, graph 1: NaN or infinite edge feature" in message
 
 
 def test_split_ids_out_of_range(ppa_root, tmp_path):
     root = _copy(ppa_root, tmp_path, "ogbg_ppa")
     _rewrite(root / "ogbg_ppa/split/species/valid.csv.gz", lambda lines: lines + ["999"])
-    assert "valid.csv.gz: graph ids outside" in _load_error(root, "ogbg-ppa")
+    assert "valid.csv.gz: line " in (message := _load_error(root, "ogbg-ppa")) and ": graph id 999 outside [0, 40)" in message
 
 
 def test_unknown_dataset_name():

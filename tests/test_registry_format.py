@@ -333,3 +333,47 @@ def test_pyfunc_code_of_versions_registered_before_the_move_still_builds():
     namespace: dict = {}
     exec(compile(old_code.replace("mlflow.models.set_model(SATPyfunc())", ""), "satp_pyfunc.py", "exec"), namespace)
     assert namespace["SATPyfunc"] is SATPyfunc
+
+
+def test_a_format1_pickle_that_is_not_a_module_is_one_line_and_listed_as_pickled(tmp_path, capsys):
+    """Issue 30, defects 8 and 11: migrating a format-1 version whose pickle is not a module ended in
+    a traceback (``'int' object has no attribute 'eval'``); ``satp models`` listed such versions
+    without saying that they need ``satp models migrate``."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.cli import main
+
+    uri, exp_id = _store(tmp_path)
+    version = _register_format1(_tiny("pattern"), uri, _run(uri, exp_id), "old")
+    assert main(["models", "--tracking-uri", uri]) == 0
+    assert "(pickled: satp loads it after `satp models migrate old`)" in capsys.readouterr().out
+    torch.save(5, _stored_files(uri, "old", version) / "data" / "model.pth")  # an int where the module was
+
+    assert main(["models", "migrate", "old", "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("satp:")] == [
+        "satp: error: models:/old/1: its format-1 pickle holds an int, not a torch module; nothing of it was migrated"]
+    assert "Traceback" not in err
+    assert len(MlflowClient(uri).search_model_versions("name='old'")) == 1  # nothing registered
+    assert main(["models", "--tracking-uri", uri, "--json"]) == 0
+    [listed] = json.loads(capsys.readouterr().out)[0]["versions"]
+    assert listed["format"] == 1 and listed["migrated_to"] is None
+
+
+def test_a_raw_pickle_weights_file_is_refused_in_one_clean_line(tmp_path, capsys):
+    """Issue 30, defect 11: torch's warnings came first and the reason was cut off mid-word."""
+    from pipeline.cli import main
+
+    uri, exp_id = _store(tmp_path)
+    reg = _register(_tiny("pattern"), uri, _run(uri, exp_id), "tiny")
+    marker = tmp_path / "unpickled"
+    (_stored_files(uri, "tiny", reg["version"]) / "artifacts" / "weights.pt").write_bytes(
+        pickle.dumps({"w": Planted(marker)}, protocol=2))
+    graphs = tmp_path / "graphs.json"
+    graphs.write_text(json.dumps(PATTERN_GRAPHS))
+    capsys.readouterr()
+    assert main(["predict", "models:/tiny/1", str(graphs), "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("satp: error: models:/tiny/1: weights.pt is not a weights-only tensor file (Unsupported "
+                          "global: GLOBAL ") and err.endswith(": it holds more than tensors)") and "\n" not in err, err
+    assert not marker.exists()

@@ -94,7 +94,7 @@ def test_tiny_pattern_run_beats_the_majority_class_and_predicts(ray_cluster, sbm
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{**rows[0], "x": [5] * rows[0]["num_nodes"]}]))
     assert main(["predict", uri, str(bad), "--tracking-uri", tracking]) == 2
-    assert "x holds ids outside [0, 3)" in capsys.readouterr().err
+    assert f"{bad}: graph 0: x holds 5, outside [0, 3)" in capsys.readouterr().err
 
 
 def _assert_statistics_recomputed(job, model, epoch: int, base: Path) -> None:
@@ -163,3 +163,36 @@ def test_a_pna_job_gets_the_training_graphs_in_degree_histogram(ray_cluster, sbm
     batch = BatchCollator(config)([train[i] for i in range(4)])
     out = model(batch)
     assert out.shape == (batch.num_nodes, 2) and torch.isfinite(out).all()
+
+
+def test_static_step_pads_to_recorded_capacities_and_reports_its_startup(ray_cluster, sbm_root, tmp_path):
+    """``train.step: static``: the worker chooses the batch capacities from the shards, pads every batch
+    that fits (BatchNorm's statistics recomputed over padded batches too), runs the rest eagerly and
+    counts them, records the capacities and the step in MLflow, and reports where its start-up went."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.config import JobConfig
+    from pipeline.train.driver import train_job
+    from pipeline.train.startup import PHASES
+    from sat.padding import Capacity
+
+    job = JobConfig.model_validate(pattern_job_dict(sbm_root, tmp_path, epochs=2, step="static",
+                                                    capacity_sigmas=1.0, precise_bn_batches=2))
+    outcome = train_job(job)
+    first, second = outcome.history
+    # graphs/s still counts the 300 training graphs, not padding
+    assert abs(first["graphs_per_s"] * first["epoch_seconds"] - 300) < 0.5
+    assert first["overflow_batches"] >= 1  # mean + 1 sd: some batches over the capacity, run eagerly
+    assert first["overflow_batches"] < job.train.epochs * 300 / 16 and "eval_overflow_batches" in first
+    assert outcome.best["test"] > outcome.constant, outcome.history
+    startup = {k: v for k, v in first.items() if k.startswith("startup_")}
+    assert {f"startup_{phase}_s" for _event, phase in PHASES} <= startup.keys(), startup
+    assert startup["startup_to_first_step_s"] == pytest.approx(sum(v for k, v in startup.items()
+                                                                    if k != "startup_to_first_step_s"), rel=1e-6)
+    assert not any(k.startswith("startup_") for k in second)  # once per run segment
+    run = MlflowClient(job.mlflow.tracking_uri).get_run(outcome.mlflow_run_id)
+    assert run.data.tags["satp.step"] == "static"
+    train_capacity = Capacity.from_dict(json.loads(run.data.tags["satp.capacity.train"]))
+    assert train_capacity.graphs <= 16 and train_capacity.nodes > train_capacity.graph_nodes
+    assert "satp.capacity.eval" in run.data.tags
+    assert run.data.metrics["startup_to_first_step_s"] == pytest.approx(startup["startup_to_first_step_s"])

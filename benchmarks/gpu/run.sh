@@ -6,6 +6,9 @@
 #
 #   perf       (the default, and what the check did before it had parts) parity tests, the train-step
 #              benchmarks (code2 and ppa shapes), the real pipeline on pycode; SATP_GPU_BUDGET_S=420
+#   steps      eager vs compiled vs captured training steps (train.step) for PATTERN at 32 and 128 graphs per
+#              step and code2 at budgets 16384 and 131072: graphs/s, step ms, kernel ms per step; satp train's
+#              start-up breakdown, cold and warm compile caches (benchmarks/gpu_steps.py); SATP_GPU_BUDGET_S=510
 #   scale      a synthetic ogbg-ppa of SATP_SCALE_GRAPHS graphs (default 158100, full size) built on the
 #              machine, `satp preprocess jobs/ppa.yaml`, one epoch of `satp train jobs/ppa.yaml` on one GPU
 #              worker; wall time, peak RSS, GPU memory and disk of each step (benchmarks/gpu_scale.py);
@@ -41,8 +44,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PART=${1:-perf}
 case "$PART" in
-  perf | scale | multirank | pattern | cluster | code2batch) ;;
-  *) echo "usage: benchmarks/gpu/run.sh [perf|scale|multirank|pattern|cluster|code2batch] (got: $PART)" >&2; exit 2 ;;
+  perf | steps | scale | multirank | pattern | cluster | code2batch) ;;
+  *) echo "usage: benchmarks/gpu/run.sh [perf|steps|scale|multirank|pattern|cluster|code2batch] (got: $PART)" >&2; exit 2 ;;
 esac
 start=$(date +%s)
 PY=${PYTHON:-python3}

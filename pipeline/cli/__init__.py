@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline import console
 
     console.setup(progress=not getattr(args, "no_progress", False))
-    from runtime.interrupts import install
+    from runtime.interrupts import install, reset
 
+    reset()
     install()  # SIGTERM too unwinds (Ray's own handling is put back after it starts: see there)
     try:
         return int(args.func(args) or 0)
@@ -55,9 +56,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupted(exc: KeyboardInterrupt) -> int:
-    """One line on what was kept, Ray shut down (a local cluster with it), status 130 / 143."""
-    from runtime.interrupts import as_interrupted, install
+    """One line on what was kept, Ray shut down (a local cluster with it), status 130 / 143 (of the
+    first signal). Signals that arrive meanwhile, or until the process has exited, are ignored
+    (:func:`runtime.interrupts.ending`): Ray's shutdown and the clean-up at exit run whole."""
+    from runtime.interrupts import as_interrupted, ending
 
+    ending()  # also drops what the training's handler kept alive (see runtime.interrupts)
     interrupted = as_interrupted(exc)
     if "ray" in sys.modules:
         import ray
@@ -65,9 +69,8 @@ def _interrupted(exc: KeyboardInterrupt) -> int:
         if ray.is_initialized():
             try:
                 ray.shutdown()
-            except (Exception, KeyboardInterrupt):  # a second Ctrl-C meanwhile: the line still comes
+            except Exception:  # the line still comes
                 pass
-    install()  # now without what the training's handler kept alive (see runtime.interrupts)
     kept = interrupted.kept or ("finished work is kept (shards and checkpoints are written whole or not "
                                 "at all): the same command continues from it")
     print(f"satp: interrupted ({interrupted.signal_name}): {kept}", file=sys.stderr, flush=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from pipeline.cli.args import add_job_arguments
 
@@ -70,11 +69,23 @@ def _sbm(args: argparse.Namespace) -> int:
 
 
 def _preprocess(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from pipeline.config import load_job
-    from preprocessing.build import preprocess
+    from pipeline.train.preflight import check_data_root, check_writable_dir
+    from runtime.ray_cluster import probe, resolve_address
 
     job = load_job(args.job, args.overrides)
-    if args.address or os.environ.get("RAY_ADDRESS"):  # a dead address: one line in seconds, not minutes
+    target = resolve_address(args.address)
+    if target:  # a dead address: one line in seconds, not minutes
+        probe(target)
+    # the path checks of satp train's pre-flight, before torch and Ray load (~10 s): one line naming the key
+    check_data_root(job.data)
+    if not Path(job.shards.root).expanduser().is_dir():  # one that exists may be read-only: built already
+        check_writable_dir("shards.root", job.shards.root)
+    from preprocessing.build import preprocess
+
+    if target:
         from runtime.ray_cluster import connect
 
         connect(args.address, log_to_driver=False)

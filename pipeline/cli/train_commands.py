@@ -101,8 +101,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         outcome = train_plan(plan, register=not args.no_register)
     except KeyboardInterrupt as exc:
-        from runtime.interrupts import Interrupted, as_interrupted
+        from runtime.interrupts import Interrupted, as_interrupted, ending
 
+        ending()  # more signals from here on are ignored: the line below and Ray's shutdown run whole
         raise Interrupted(as_interrupted(exc).signum, kept=kept_after_interrupt(plan)) from None
     print(summary(outcome), flush=True)
     return 0
@@ -113,7 +114,7 @@ def kept_after_interrupt(plan) -> str:
     from pipeline.train import rerun
 
     train = plan.job.train
-    previous = rerun.previous_run(train.storage_path, train.run_name)
+    previous = rerun.previous_run(train.storage_path, train.run_name, warn=False)  # the rerun names what is damaged
     if previous is None:
         return (f"run {train.run_name} had written no checkpoint yet (finished shards are kept): the same command "
                 "starts it again")

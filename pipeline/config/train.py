@@ -56,6 +56,16 @@ class TrainConfig(StrictModel):
     train_subset: Optional[int] = Field(None, ge=1)  # first N graphs of a seeded permutation
     eval_subset: Optional[int] = Field(None, ge=1)  # the same, seeded by data.seed (not by train.seed)
     seed: int = 0
+    # the training and evaluation step (pipeline.train.step_modes; docs/gpu.md "Step cost"):
+    #   eager: batches as they come (any shape), every operator dispatched from Python;
+    #   static: batches padded to fixed capacities (sat.padding), eager kernels;
+    #   compiled: static, and the model compiled once for those shapes (torch.compile through DeepSpeed);
+    #   captured: compiled, and forward + loss + backward captured once as a CUDA graph and replayed
+    #   (GPU workers only). A batch over capacity runs eagerly and is counted (overflow_batches).
+    step: Literal["eager", "static", "compiled", "captured"] = "eager"
+    # capacities: mean + this many standard deviations of the first epoch's batches (nodes, edges,
+    # graphs, largest graph, subgraph entries and edges), at most their largest (NVIDIA's MLPerf GNN: 5)
+    capacity_sigmas: float = Field(5.0, ge=0)
     # DeepSpeed
     precision: Precision = "auto"  # auto: bf16 where supported, else fp16 on GPU, fp32 on CPU
     zero_stage: Literal[0, 1, 2] = 0

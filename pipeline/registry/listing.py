@@ -7,6 +7,7 @@ from __future__ import annotations
 def list_models(tracking_uri: str | None = None) -> list[dict]:
     """Registered models with their aliases and versions (tags: metrics, data hash, commit)."""
     from pipeline.registry.predict import check_reachable, resolve_tracking_uri
+    from pipeline.registry.versions import WEIGHTS_TAG
 
     uri = resolve_tracking_uri(tracking_uri)
     check_reachable(uri)
@@ -35,11 +36,19 @@ def list_models(tracking_uri: str | None = None) -> list[dict]:
                     "run_id": v.run_id,
                     "created": v.creation_timestamp,
                     "replaced_reason": tags.get("satp.replaced_reason"),
+                    # format 2 (weights only) versions carry their weights' sha256; others are pickled
+                    # modules (format 1, or not satp's), which satp loads only after `satp models migrate`
+                    "format": 2 if WEIGHTS_TAG in tags else 1,
+                    "migrated_to": _int_or_none(tags.get("satp.migrated_to")),
                 })
             out.append({"name": rm.name, "aliases": aliases, "versions": versions})
     except MlflowException as exc:
         raise OSError(f"tracking store {uri}: {str(exc).splitlines()[0]}") from None
     return out
+
+
+def _int_or_none(text):
+    return None if text is None else int(text)
 
 
 def _num(text: str):
@@ -62,5 +71,10 @@ def format_models(models: list[dict]) -> str:
             alias = " ".join(f"@{a}" for a in v["aliases"])
             data = (v["data_manifest_hash"] or "-")[:12]
             commit = (v["git_commit"] or "-")[:12] + ("-dirty" if (v["git_commit"] or "").endswith("-dirty") else "")
-            lines.append(f"  v{v['version']:<3} {alias:<11} {v['task'] or '-':<6} {metric or '-'}  data {data}  commit {commit}")
+            note = ""
+            if v["format"] == 1:
+                note = (f"  (pickled, migrated to v{v['migrated_to']})" if v["migrated_to"] is not None else
+                        f"  (pickled: satp loads it after `satp models migrate {m['name']}`)")
+            lines.append(f"  v{v['version']:<3} {alias:<11} {v['task'] or '-':<6} {metric or '-'}  data {data}  "
+                         f"commit {commit}{note}")
     return "\n".join(lines)

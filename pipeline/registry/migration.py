@@ -43,11 +43,38 @@ def migrate(name: str, tracking_uri: str | None = None, echo=print) -> list[dict
     return out
 
 
+def _a(name: str) -> str:
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _unpickled_module(local, uri: str):
+    """The format-1 version's pickled module (MLflow's ``mlflow.pytorch`` loader), or a one-line
+    ``ValueError`` saying what the pickle gave instead: MLflow's loader calls ``.eval()`` on whatever
+    it unpickled and fails with an ``AttributeError`` on anything but a module."""
+    import re
+
+    import mlflow.pytorch
+    import torch
+
+    try:
+        model = mlflow.pytorch.load_model(str(local), map_location="cpu")
+    except AttributeError as exc:
+        found = re.match(r"'(\w+)' object has no attribute", str(exc))
+        what = _a(found.group(1)) if found else f"an object without a module's methods ({exc})"
+        raise ValueError(f"{uri}: its format-1 pickle holds {what}, not a torch module; nothing of it was migrated") from None
+    except Exception as exc:  # whatever unpickling the author's objects raises (a missing class, a bad file)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(f"{uri}: its format-1 pickle does not load ({type(exc).__name__}: {first}); "
+                         "nothing of it was migrated") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{uri}: its format-1 pickle holds {_a(type(model).__name__)}, not a torch module; "
+                         "nothing of it was migrated")
+    return model
+
+
 def migrate_version(client, tracking_uri: str, name: str, version, aliases: list[str], echo) -> dict | None:
     """One version of :func:`migrate` (None when it is not a format-1 satp model)."""
     import json
-
-    import mlflow.pytorch
 
     from pipeline import pyg_templates
     from pipeline.registry.model_format import FORMAT, LEGACY_META, cpu_state, weights_sha256
@@ -65,7 +92,7 @@ def migrate_version(client, tracking_uri: str, name: str, version, aliases: list
     echo(f"{uri}: unpickling its format-1 model to migrate it (this runs the pickle's code: "
          "migrate models of your own registry only)")
     pyg_templates.install()  # unpickling builds PyG convs: no generated module left in $TMPDIR
-    state = cpu_state(mlflow.pytorch.load_model(str(local), map_location="cpu"))
+    state = cpu_state(_unpickled_module(local, uri))
     meta = {**json.loads((local / LEGACY_META).read_text()), "format": FORMAT, "weights_sha256": weights_sha256(state)}
     kept = {k: v for k, v in tags.items() if k in MIGRATED_TAGS or k.startswith("metric.")}
     reg = register_weights(state, meta, {**kept, "run_id": run_id, "satp.migrated_from": str(version.version)},

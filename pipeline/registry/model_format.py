@@ -35,6 +35,9 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import re
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -89,13 +92,29 @@ def write_files(state: Mapping[str, torch.Tensor], meta: dict[str, Any], directo
     return {name: str(directory / file) for name, file in ARTIFACTS.items()}
 
 
+def _load_failure(exc: BaseException, path: Path) -> str:
+    """What ``torch.load(weights_only=True)`` refused, in a few words: its message is a paragraph of
+    advice (to load without ``weights_only``, which satp never does) with terminal colour codes."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    if "WeightsUnpickler error:" in text:
+        after = text.split("WeightsUnpickler error:", 1)[1]
+        first = next((line.strip() for line in after.splitlines() if line.strip()), "")
+        detail = first.split(" was not an allowed global")[0].split(". ")[0].rstrip(".")
+        return f"{detail}: it holds more than tensors" if detail.startswith("Unsupported global") else detail
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive: a cut one ends without its directory
+        return f"not a complete zip archive as torch.save writes, {path.stat().st_size} bytes: truncated?"
+    return " ".join(text.split()).split(". ")[0].rstrip(".")
+
+
 def read_state(path: Path, where: str) -> dict[str, torch.Tensor]:
-    """The tensors of a weights file; anything but a ``{name: tensor}`` dict is refused."""
+    """The tensors of a weights file; anything but a ``{name: tensor}`` dict is refused (one line;
+    torch's warnings about the file are not shown: the line says what is wrong)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
-        raise ValueError(f"{where}: {path.name} is not a weights-only tensor file "
-                         f"({str(exc).splitlines()[0][:120]})") from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise ValueError(f"{where}: {path.name} is not a weights-only tensor file ({_load_failure(exc, path)})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise ValueError(f"{where}: {path.name} holds {type(state).__name__}, expected a dict of named tensors")
@@ -108,7 +127,12 @@ def read_model(weights: Path, meta_file: Path, where: str) -> LoadedModel:
     from pipeline import pyg_templates
     from sat import SAT
 
-    meta = json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(f"{where}: {meta_file.name} is damaged ({str(exc).splitlines()[0]})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: {meta_file.name} is damaged (a JSON {type(meta).__name__}, not an object)")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{where}: {meta_file.name} has format {meta.get('format')!r}, expected {FORMAT}")
     state = read_state(weights, where)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import os
 import tempfile
 import warnings
@@ -40,6 +39,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
+
+from pipeline.registry import json_graphs as jg
 
 #: Short network timeouts for an http(s) tracking server (MLflow's defaults retry for minutes).
 HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
@@ -294,7 +295,7 @@ class Predictor:
             split = path.name.split("-")[0]
             return self._from_shards(path.parent, split)
         if path.suffix == ".json":
-            return self.graphs_from_json(_read_json_graphs(path), str(path))
+            return self.graphs_from_json(jg.read_json_graphs(path), str(path))
         raise ValueError(f"{path}: expected a Python file (code2), a shard directory or a JSON graph file")
 
     def _from_shards(self, directory: Path, split: str) -> tuple[list[Any], list[str]]:
@@ -318,41 +319,28 @@ class Predictor:
         pattern / cluster: each ``{"edge_index": [[src...], [dst...]], "x": [N node input ids],
         "num_nodes": N}`` (undirected edges, listed once or in both directions)."""
         self._require(JSON_TASKS, f"{where} (JSON graphs)")
+        if not values:
+            raise ValueError(f"{where}: no graphs (an empty list)")
         if self.task.node_level:
             return self._nodes_from_json(values, where)
         raws = []
         for i, g in enumerate(values):
-            try:
-                n = int(g["num_nodes"])
-                ei = np.asarray(g["edge_index"], dtype=np.int64).reshape(2, -1)
-                ea = np.asarray(g["edge_attr"], dtype=np.float32).reshape(ei.shape[1], -1)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{where}: graph {i}: expected num_nodes, edge_index [2, E], edge_attr [E, 7] ({exc})") from None
-            if ei.size and (ei.min() < 0 or ei.max() >= n):
-                raise ValueError(f"{where}: graph {i}: edge index out of range for {n} nodes")
+            n = jg.num_nodes(g, where, i)
+            ei = jg.edge_index(g, n, where, i)
+            ea = jg.edge_features(g, ei.shape[1], self.model_config.edge_in_dim, where, i)
             # the loader stores one direction per undirected edge and adds the reverse (OGB's layout)
             raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([ei, ei[::-1]], 1),
-                         "edge_attr": np.concatenate([ea, ea], 0), "y": int(g.get("y", 0))})
+                         "edge_attr": np.concatenate([ea, ea], 0), "y": 0})
         return self._featurise(raws, "ppa"), [f"graph {i}" for i in range(len(raws))]
 
     def _nodes_from_json(self, values: list, where: str) -> tuple[list[Any], list[str]]:
         """Node-task graphs (see :meth:`graphs_from_json`): the edges are made undirected and stored
         once per pair, as the SBM raw layout does, and the loader adds the reverse."""
-        vocab = self.model_config.node_in_dim
         raws = []
         for i, g in enumerate(values):
-            try:
-                n = int(g["num_nodes"])
-                ei = np.asarray(g["edge_index"], dtype=np.int64).reshape(2, -1)
-                x = np.asarray(g["x"], dtype=np.int64).reshape(-1)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{where}: graph {i}: expected num_nodes, edge_index [2, E], x [N] ({exc})") from None
-            if x.size != n:
-                raise ValueError(f"{where}: graph {i}: x has {x.size} entries for {n} nodes")
-            if x.size and (x.min() < 0 or x.max() >= vocab):
-                raise ValueError(f"{where}: graph {i}: x holds ids outside [0, {vocab}) ({self.task_name} node inputs)")
-            if ei.size and (ei.min() < 0 or ei.max() >= n):
-                raise ValueError(f"{where}: graph {i}: edge index out of range for {n} nodes")
+            n = jg.num_nodes(g, where, i)
+            ei = jg.edge_index(g, n, where, i)
+            x = jg.node_inputs(g, n, self.model_config.node_in_dim, self.task_name, where, i)
             pairs = np.unique(np.sort(ei.T, axis=1), axis=0)
             pairs = pairs[pairs[:, 0] != pairs[:, 1]].T  # [2, E] with u < v, no self-loops
             raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([pairs, pairs[::-1]], 1),
@@ -377,14 +365,6 @@ class Predictor:
             return self.predict_source(text, str(path))
         graphs, labels = self.graphs_from_file(path, split)
         return list(zip(labels, self.predict_graphs(graphs)))
-
-
-def _read_json_graphs(path: Path) -> list:
-    try:
-        values = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-    return values if isinstance(values, list) else [values]
 
 
 def load(uri: str, tracking_uri: Optional[str] = None) -> Predictor:

@@ -11,7 +11,9 @@ tensors: a version from a shared registry runs no code of its author. Format 1
 
 A version is registered only for weights that no version of the same run already holds: each
 version is tagged with the weights' sha256 (``satp.weights_sha256``) and the run (``run_id``),
-and :func:`log_and_register` returns the version that holds them instead of adding a copy.
+and :func:`log_and_register` returns the version that holds them instead of adding a copy. Two
+commands registering the same weights at once (both found no version) both register; each then
+looks again, and the one whose version is not the first deletes it and returns the first.
 
 The recorded configuration, data hash and commit are those of the weights: the
 caller passes the ``provenance`` its checkpoint recorded (:mod:`pipeline.train.rerun`:
@@ -130,29 +132,42 @@ def register_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], ta
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
+    sha = meta["weights_sha256"]
     if registered_model:
-        held = version_holding(client, registered_model, run_id, meta["weights_sha256"])
+        held = version_holding(client, registered_model, run_id, sha)
         if held is not None:
-            return {"model_uri": held.source, "registered_model": registered_model, "version": int(held.version),
-                    "registered_uri": f"models:/{registered_model}/{held.version}",
-                    "reason": f"weights already registered as version {held.version} (same run, same sha256)"}
-    model_uri = log_weights(state, meta, run_id, tracking_uri)
+            return _held(held, registered_model, "already registered")
+    try:
+        model_uri = log_weights(state, meta, run_id, tracking_uri)
+    except OSError as exc:  # a full disk under the artifact store: say where (MLflow names its temporary copy)
+        store = client.get_experiment(client.get_run(run_id).info.experiment_id).artifact_location
+        raise OSError(f"{store}: could not write the model's files ({exc.strerror or exc}); nothing was "
+                      "registered") from None
     result: dict[str, Any] = {"model_uri": model_uri, "registered_model": None, "version": None, "registered_uri": None}
     if registered_model:
-        tags = {**tags, WEIGHTS_TAG: meta["weights_sha256"]}
+        tags = {**tags, WEIGHTS_TAG: sha}
         version = mlflow.register_model(model_uri, registered_model, tags={k: str(v) for k, v in tags.items()})
+        first = version_holding(client, registered_model, run_id, sha)
+        if first is not None and int(first.version) < int(version.version):
+            # a second command registered the same weights meanwhile: the lowest version stays, this one goes
+            client.delete_model_version(registered_model, version.version)
+            return _held(first, registered_model, "registered meanwhile by another command")
         result.update(registered_model=registered_model, version=int(version.version),
                       registered_uri=f"models:/{registered_model}/{version.version}")
     return result
 
 
+def _held(version, name: str, how: str) -> dict[str, Any]:
+    return {"model_uri": version.source, "registered_model": name, "version": int(version.version),
+            "registered_uri": f"models:/{name}/{version.version}",
+            "reason": f"weights {how} as version {version.version} (same run, same sha256)"}
+
+
 def version_holding(client, name: str, run_id: str, weights_sha256: str):
-    """The version of ``name`` registered from run ``run_id`` with these weights, or None."""
-    for version in client.search_model_versions(f"name='{name}'"):
-        tags = version.tags or {}
-        if tags.get("run_id") == run_id and tags.get(WEIGHTS_TAG) == weights_sha256:
-            return version
-    return None
+    """The first version of ``name`` registered from run ``run_id`` with these weights, or None."""
+    holding = [v for v in client.search_model_versions(f"name='{name}'")
+               if (v.tags or {}).get("run_id") == run_id and (v.tags or {}).get(WEIGHTS_TAG) == weights_sha256]
+    return min(holding, key=lambda v: int(v.version), default=None)
 
 
 def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id: str, tracking_uri: str) -> str:

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from pipeline.registry import tracking
 from pipeline.sweep.space import apply_config
+from pipeline.sweep.summary import checkpoint_history
 from pipeline.sweep.trials import SweepContext, release_orphaned_placement_groups
 
 
@@ -52,17 +53,12 @@ def catch_up_metrics(client, run_id: str, checkpoint_path: str) -> int:
     callback. Returns the number of epochs logged."""
     from mlflow.entities import Metric
 
-    from pipeline.train import checkpoint as ckpt
-
-    try:
-        history = ckpt.load_state(checkpoint_path).get("history") or []
-    except (ValueError, OSError):
-        return 0
+    history = checkpoint_history(checkpoint_path)
     logged = {int(m.step) for m in client.get_metric_history(run_id, "epoch")}
     now = int(time.time() * 1000)
     count = 0
     for entry in history:
-        epoch = int(entry.get("epoch", -1))
+        epoch = entry["epoch"]
         if epoch < 0 or epoch in logged:
             continue
         items = [Metric(k, v, now, epoch) for k, v in _numeric(entry).items()]

@@ -78,28 +78,26 @@ def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
         tid = trial.trial_id if trial is not None else last.get("trial_id") or Path(result.path).name
         if trial is not None and tid not in states:
             states[tid] = trial.status
-        curve: list[tuple[int, float]] = []
-        best = None
         best_val = best_test = None
         checkpoint_path = None
-        epochs = 0
-        if df is not None and len(df):
-            rows = df.to_dict("records")
-            for row in rows:
-                epoch = row.get("epoch")
-                if epoch is None or (isinstance(epoch, float) and math.isnan(epoch)):
-                    continue
-                epochs = max(epochs, int(epoch) + 1)
-                v = row.get(val_metric)
-                if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
-                    curve.append((int(epoch), float(v)))
-                m = row.get(metric)
-                if isinstance(m, (int, float)) and math.isfinite(m) and (best is None or better(m, best, mode)):
-                    best = float(m)
-                if row.get("checkpoint_path") and isinstance(row.get("checkpoint_path"), str):
-                    checkpoint_path = row["checkpoint_path"]
-                    best_val = row.get(f"best_{val_metric}", best_val)
-                    best_test = row.get(f"best_{val_metric.replace('val_', 'test_', 1)}", best_test)
+        by_epoch: dict[int, dict] = {}
+        for row in (df.to_dict("records") if df is not None and len(df) else []):
+            epoch = row.get("epoch")
+            if epoch is None or (isinstance(epoch, float) and math.isnan(epoch)):
+                continue
+            by_epoch[int(epoch)] = row
+            if row.get("checkpoint_path") and isinstance(row.get("checkpoint_path"), str):
+                checkpoint_path = row["checkpoint_path"]
+                best_val = row.get(f"best_{val_metric}", best_val)
+                best_test = row.get(f"best_{val_metric.replace('val_', 'test_', 1)}", best_test)
+        for row in checkpoint_history(checkpoint_path):  # checkpointed epochs whose report never reached Tune
+            by_epoch.setdefault(int(row["epoch"]), row)
+        epochs = max(by_epoch, default=-1) + 1
+        curve = [(e, float(r[val_metric])) for e, r in sorted(by_epoch.items()) if _finite(r.get(val_metric))]
+        best = None
+        for _, row in sorted(by_epoch.items()):
+            if _finite(row.get(metric)) and (best is None or better(row[metric], best, mode)):
+                best = float(row[metric])
         if result.error is not None or states.get(tid) == "ERROR":
             status = "error"
         elif states.get(tid, "TERMINATED") != "TERMINATED":
@@ -112,6 +110,27 @@ def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
         out.append(TrialSummary(tid, config, status, epochs, best,
                                 finite_float(best_val), finite_float(best_test), curve, checkpoint_path))
     return out
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def checkpoint_history(checkpoint_path: Optional[str]) -> list[dict]:
+    """Every epoch of a trial's Train run, as its last checkpoint records them (``state.json``).
+
+    Tune's results miss the epochs whose report had not reached its driver when a sweep was
+    interrupted: the trial's Train run had checkpointed them, and, resumed from that checkpoint,
+    never reports them again. The checkpoint carries the whole history."""
+    if not checkpoint_path:
+        return []
+    from pipeline.train import checkpoint as ckpt
+
+    try:
+        history = ckpt.load_state(checkpoint_path).get("history") or []
+    except (ValueError, OSError):
+        return []
+    return [row for row in history if isinstance(row, dict) and isinstance(row.get("epoch"), int)]
 
 
 def plot_sweep(trials: list[TrialSummary], val_metric: str, path: str | os.PathLike, title: str = "") -> None:

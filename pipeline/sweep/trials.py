@@ -63,12 +63,22 @@ def trial_trainable(trial_fn, ctx: SweepContext, trial_cpus: float):
     return tune.with_resources(tune.with_parameters(trial_fn, ctx=ctx), resources)
 
 
+class _NoRestoreHint(logging.Filter):
+    """Drops Tune's "Resume experiment with: Tuner.restore(path=..., trainable=...)" after an
+    interruption: ``satp tune`` resumes by the same command, and says so itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tuner.restore(" not in record.getMessage()
+
+
 def fit_trials(sweep_dir: Path, trainable, new_tuner, client, parent_id: str):
     """Fit the trials: a new ``Tuner`` (``new_tuner()``), or the interrupted one in ``sweep_dir``
     restored. Returns ``(results, resumed)``; any failure marks the parent run FAILED."""
     from ray import tune
 
     resumed = tune.Tuner.can_restore(str(sweep_dir))
+    tune_log, hint = logging.getLogger("ray.tune.tune"), _NoRestoreHint()
+    tune_log.addFilter(hint)
     try:
         if resumed:
             log.info("resuming %s", sweep_dir)
@@ -83,6 +93,8 @@ def fit_trials(sweep_dir: Path, trainable, new_tuner, client, parent_id: str):
         except Exception:
             pass
         raise
+    finally:
+        tune_log.removeFilter(hint)
     return results, resumed
 
 

@@ -101,7 +101,7 @@ class NodeBudgetSampler:
         self.epoch = 0
         self._per_rank: Optional[int] = None
         if shuffle:
-            self._per_rank = max(1, len(self._global_batches(0)) // world_size)
+            self._per_rank = max(1, len(self.global_batches(0)) // world_size)
 
     # -- state ---------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -114,7 +114,9 @@ class NodeBudgetSampler:
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
 
     # -- batches -------------------------------------------------------------
-    def _global_batches(self, epoch: int) -> list[np.ndarray]:
+    def global_batches(self, epoch: int) -> list[np.ndarray]:
+        """Every rank's batches of ``epoch`` before they are dealt (training: before the count per rank
+        is evened out): what the fixed batch capacities are measured on (:mod:`pipeline.train.capacity`)."""
         sizes = self.sizes
         if not self.shuffle:
             order = self.indices[np.argsort(sizes[self.indices], kind="stable")]
@@ -131,7 +133,7 @@ class NodeBudgetSampler:
     def epoch_batches(self, epoch: Optional[int] = None) -> list[np.ndarray]:
         """This rank's batches for ``epoch`` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
-        batches = self._global_batches(epoch)
+        batches = self.global_batches(epoch)
         if not self.shuffle:
             return batches[self.rank :: self.world_size]
         need = self._per_rank * self.world_size
@@ -148,7 +150,7 @@ class NodeBudgetSampler:
     def __len__(self) -> int:
         if self.shuffle:
             return int(self._per_rank)
-        return len(self._global_batches(0)[self.rank :: self.world_size])
+        return len(self.global_batches(0)[self.rank :: self.world_size])
 
 
 class EpochStream:

@@ -5,9 +5,13 @@ resolves the job into a :class:`~pipeline.train.plan.JobPlan` once and hands it 
 :func:`train_plan`, which ``satp train`` calls with the plan it built. In order, each step before
 the costly ones:
 
+0. the run's lease (:mod:`pipeline.train.lease`), held to the end: a second command of the same run
+   name stops here, in one line naming the one that holds it;
 1. :func:`pipeline.train.preflight.early_checks`: the job alone, its data root, the Ray address;
    then :func:`pipeline.train.rerun.early_decision`: a run name that holds a checkpoint of another
-   configuration stops here, a finished one whose shards exist needs no Ray; then
+   configuration stops here, a finished one whose shards exist needs no Ray; a tracking store that
+   does not know the MLflow run the run's checkpoints log to stops here too
+   (:func:`pipeline.train.mlflow_run.check_tracking_store`); then
    :func:`pipeline.train.preflight.connect_and_check`: Ray connected, its resources against the
    request;
 2. :func:`prepare_data` (the preprocessing stage; reuses finished shards) and
@@ -24,7 +28,8 @@ the costly ones:
 The workers (:mod:`pipeline.train.worker`) train, evaluate, checkpoint and report every
 epoch; Ray Train's controller logs each epoch to MLflow once it has registered
 the epoch's checkpoint (:mod:`pipeline.train.epoch_logger`). A retry after a worker or a node was lost
-(``FailureConfig``) resumes from the last checkpoint, in the same MLflow run.
+(``FailureConfig``) resumes from the last checkpoint, in the same MLflow run. A full disk under
+``train.storage_path`` is not retried: the run ends with one line (:func:`worker_main`, :func:`_fit`).
 A failed attempt marks its own MLflow run FAILED, except a run that had
 FINISHED before (a continuation with more epochs): it stays FINISHED, with the
 failure in its ``satp.last_attempt`` tag, since its registered versions are
@@ -36,13 +41,12 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.config import JobConfig
 from pipeline.train import checkpoint as ckpt
-from pipeline.train import mlflow_run, rerun
+from pipeline.train import mlflow_run, rerun, startup
 from pipeline.train.plan import JobPlan
 from pipeline.train.worker import WorkerSetup, worker_loop
 
@@ -117,29 +121,52 @@ def train_job(
     last checkpoint and logs into the same MLflow run, if the configuration is the same
     (:mod:`pipeline.train.rerun`); raises :class:`pipeline.train.rerun.RerunConflict` otherwise.
     """
+    from pipeline.train.lease import WAIT_S
+
     return train_plan(JobPlan.resolve(job, address=address, restart=restart), shard_dir=shard_dir, register=register,
-                      callbacks=callbacks, fault=fault)
+                      callbacks=callbacks, fault=fault, lease_wait_s=WAIT_S)
 
 
 def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, register: bool = True,
-               callbacks: Optional[list] = None, fault: Optional[dict] = None) -> TrainOutcome:
-    """:func:`train_job` of a job resolved into ``plan`` (``satp train`` builds it at the edge)."""
+               callbacks: Optional[list] = None, fault: Optional[dict] = None, lease_wait_s: float = 0.0) -> TrainOutcome:
+    """:func:`train_job` of a job resolved into ``plan`` (``satp train`` builds it at the edge), under
+    the run's lease (:mod:`pipeline.train.lease`): another command holding it is an error (a
+    one-line :class:`~pipeline.train.lease.LeaseHeld`) unless it expires within ``lease_wait_s``."""
+    from pipeline.train.lease import RunLease
+    from runtime.interrupts import deferred
+
+    lease = RunLease(plan.run_dir, plan.job.train.run_name).acquire(lease_wait_s)
+    try:
+        return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault)
+    finally:
+        with deferred():
+            lease.release()
+
+
+def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], register: bool, callbacks: Optional[list],
+                       fault: Optional[dict]) -> TrainOutcome:
     from pipeline import pyg_templates
     from pipeline.registry.versions import git_commit
     from pipeline.train.preflight import connect_and_check, early_checks
 
     pyg_templates.install()
+    marks = {"command": startup.process_started(), "plan": startup.now()}  # start-up events (pipeline.train.startup)
     job, train = plan.job, plan.job.train
     if not plan.early_checked:
         early_checks([job], address=plan.address, task=False)  # the task was resolved with the plan
         plan.early_checked = True
     plan.decision = rerun.early_decision(job, plan.task_name, plan.restart)
+    if job.mlflow.enabled and not plan.restart:
+        mlflow_run.check_tracking_store(plan, rerun.previous_run(train.storage_path, train.run_name))
     if plan.decision is not None and plan.decision.action == "finished" and shard_dir is None:  # no Ray started
         plan.attach_shards(rerun.job_shard_dir(job))
         plan.setup.provenance = plan.decision.provenance
         return _already_finished(plan, register)
     connect_and_check([job], address=plan.address)
+    marks["ray"] = startup.now()
     setup = plan.attach_shards(Path(shard_dir) if shard_dir is not None else prepare_data(job, plan.address))
+    marks["shards"] = startup.now()
+    setup.startup = marks
     setup.fault = fault if fault is not None else _fault_from_environment()
     decision = plan.decision = rerun.decide(job, rerun.weights_config(job, plan.manifest, plan.task_name),
                                             git_commit(), restart=plan.restart)
@@ -148,7 +175,7 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
         return _already_finished(plan, register)
     if decision.action == "restart":
         log.info("restarting run %s: deleting its checkpoints in %s", train.run_name, decision.previous.run_dir)
-        shutil.rmtree(decision.previous.run_dir)
+        rerun.clear_run(decision.previous.run_dir)
     elif decision.action == "resume":
         log.info("resuming run %s after epoch %d (%s)", train.run_name, decision.previous.epoch,
                  decision.previous.checkpoint)
@@ -162,6 +189,9 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
     try:
         result = _fit(job, setup, callbacks)
         with result.checkpoint.as_directory() as directory:
+            problem = ckpt.verify(directory)  # nothing registers weights from a damaged checkpoint
+            if problem:
+                raise ValueError(problem)
             state = ckpt.load_state(directory)
             best_weights = ckpt.load_best_weights(directory)
             checkpoint_path = str(result.checkpoint.path)
@@ -173,7 +203,10 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
             registered = mlflow_run.log_best_model(plan, state, best_weights)
     except BaseException as exc:
         if job.mlflow.enabled and setup.run_id:
-            mlflow_run.close_failed(plan, previous_status, exc)
+            from runtime.interrupts import deferred
+
+            with deferred():  # a second Ctrl-C does not leave the MLflow run RUNNING
+                mlflow_run.close_failed(plan, previous_status, exc)
         raise
     if job.mlflow.enabled and setup.run_id:
         from pipeline.registry.tracking import close_run
@@ -231,6 +264,10 @@ def _already_finished(plan: JobPlan, register: bool) -> TrainOutcome:
                 registered = {"registered_model": v.name, "version": int(v.version),
                               "registered_uri": f"models:/{v.name}/{v.version}", "model_uri": v.source,
                               "champion": None, "reason": "registered when the run finished"}
+                if "satp.champion_decision" not in (v.tags or {}):  # stopped between registering and promoting
+                    log.info("run %s: version %s was registered, its champion decision not made: making it now",
+                             job.train.run_name, v.version)
+                    registered.update(mlflow_run.promote_version(plan, state, v.name, int(v.version)))
         if registered is None and register:
             if setup.run_id is None:
                 mlflow_run.open_run(plan, "resume")
@@ -274,6 +311,7 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
         target = train.target.model_dump() if train.target is not None else None
         callbacks.append(RegisteredEpochLogger(job.mlflow.tracking_uri, setup.run_id, TASK_CLASSES[setup.task_name].metric,
                                                target))
+    setup.startup = dict(setup.startup or {}, fit=startup.now())
     trainer = _interruptible_trainer()(
         worker_main,
         train_loop_config={"setup": setup},
@@ -294,9 +332,26 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
     result = trainer.fit()
     if getattr(result, "error", None) is not None:
         raise result.error
+    full = (getattr(result, "return_value", None) or {}).get("storage_full")
+    if full:
+        raise _storage_full(job, full)
     if result.checkpoint is None:
         raise RuntimeError("training finished without a checkpoint")
     return result
+
+
+def _storage_full(job: JobConfig, full: dict) -> OSError:
+    """The one-line error of a checkpoint that did not fit on its disk (see :func:`worker_main`)."""
+    import errno
+
+    kept = rerun.latest_checkpoint(Path(job.train.storage_path) / job.train.run_name)
+    what = (f"the checkpoint of epoch {ckpt.load_state(kept)['epoch']} ({kept}) is kept: free space there and run the same "
+            f"command to resume after it" if kept is not None else
+            "no checkpoint is kept: free space there and run the same command to start the run")
+    error = OSError(f"{full['path']}: the disk is full (No space left on device) while writing the checkpoint of "
+                    f"epoch {full['epoch']}; the partial checkpoint was removed and the run ended (not retried); {what}")
+    error.errno = errno.ENOSPC
+    return error
 
 
 def _interruptible_trainer():
@@ -317,8 +372,9 @@ def _interruptible_trainer():
     return InterruptibleTrainer
 
 
-def worker_main(config: dict) -> None:
-    """The Ray Train workers' entry: process set-up, then :func:`pipeline.train.worker.worker_loop`.
+def worker_main(config: dict) -> Optional[dict]:
+    """The Ray Train workers' entry: process set-up, then :func:`pipeline.train.worker.worker_loop`;
+    returns ``{"storage_full": ...}`` when a checkpoint did not fit on its disk (see below), else None.
 
     * PyG's generated modules stay in memory (:mod:`pipeline.pyg_templates`).
     * DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce op
@@ -339,7 +395,14 @@ def worker_main(config: dict) -> None:
         logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
     except ImportError:
         pass
-    worker_loop(config)
+    try:
+        worker_loop(config)
+    except ckpt.StorageFull as full:
+        # every rank stops here together (pipeline.train.checkpoint.persist); returning instead of
+        # raising ends the fit as done (a raise would be a worker failure, retried max_failures
+        # times on the same full disk): rank 0's value reaches the driver (Result.return_value)
+        return {"storage_full": full.details}
+    return None
 
 
 def skip_deepspeed_jit_ops() -> None:

@@ -117,8 +117,11 @@ def clips_outside_deepspeed(train: TrainConfig, precision: str) -> bool:
     return train.zero_stage == 0 and precision != "fp16"
 
 
-def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, steps_per_epoch: int, world_size: int):
-    """``deepspeed.initialize`` with AdamW and the job's lr schedule (:func:`lr_schedule`); returns the engine."""
+def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, steps_per_epoch: int, world_size: int,
+                 compile_model: bool = False):
+    """``deepspeed.initialize`` with AdamW and the job's lr schedule (:func:`lr_schedule`); returns the engine.
+    ``compile_model``: DeepSpeed's ``engine.compile`` (``torch.compile`` of the module in place, for
+    fixed shapes: ``dynamic=False``; it compiles on the first call of each kind of batch)."""
     import deepspeed
 
     if "RANK" not in os.environ:
@@ -136,6 +139,8 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, ste
     )
     if world_size == 1:
         engine.enable_backward_allreduce = False  # one rank: nothing to reduce
+    if compile_model:
+        engine.compile(compile_kwargs={"dynamic": False})
     return engine
 
 

@@ -11,7 +11,10 @@ array of a batch (``batch_size=None``) and :class:`GraphBatches` turns it into a
   then runs the model with ``validate=False``) and the :class:`sat.layout.GraphLayout` (graph
   offsets, ``cu_seqlens``, largest graph, dense blocks, [CLS] positions) from the graphs' node
   counts, attached as ``batch.graph_layout``: everything the model would otherwise compute from the
-  batch on the accelerator, with values read back to the host.
+  batch on the accelerator, with values read back to the host. Given a fixed capacity
+  (``train.step`` other than ``eager``: :mod:`pipeline.train.capacity`), a batch that fits is padded
+  to it here (:func:`sat.padding.pad_batch`, with its fixed-capacity layout); one that does not is
+  left as it is, to run eagerly.
 
 The batch travels to the main process as a :class:`PackedBatch`: all its tensors in one buffer.
 With ``pin_memory`` the loader's thread page-locks that buffer, and :func:`to_device` copies the
@@ -30,6 +33,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from sat.config import SATConfig
+from sat.padding import Capacity
 
 
 def open_split(shard_dir: str | Path, split: str):
@@ -41,29 +45,35 @@ def open_split(shard_dir: str | Path, split: str):
 
 class BatchCollator:
     """A ``Batch`` (or a list of ``SATData``, collated by PyG) -> the batch, checked and carrying its
-    ``graph_layout`` for a model of ``config`` (see the module docstring).
+    ``graph_layout`` for a model of ``config``, padded to ``capacity`` when given and when it fits
+    (``node_targets``: one target per node, as node tasks have); see the module docstring.
 
     Picklable (DataLoader worker processes receive a copy).
     """
 
-    def __init__(self, config: SATConfig, validate: bool = True, bucket_ratio: Optional[float] = 1.5) -> None:
+    def __init__(self, config: SATConfig, validate: bool = True, bucket_ratio: Optional[float] = 1.5,
+                 capacity: Optional[Capacity] = None, node_targets: bool = False) -> None:
         self.config = config
         self.validate = validate
         self.bucket_ratio = bucket_ratio
+        self.capacity = capacity
+        self.node_targets = node_targets
 
     def __call__(self, batch: Any) -> Any:
         from torch_geometric.data import Batch
 
         from sat.layout import GraphLayout
+        from sat.padding import fits, pad_batch
         from sat.validation import validate_batch
 
         if not isinstance(batch, Batch):
             batch = Batch.from_data_list(batch)
         if self.validate:
             validate_batch(self.config, batch)
-        batch.graph_layout = GraphLayout.from_sizes(
-            torch.diff(batch.ptr), self.bucket_ratio, cls_token=self.config.readout == "cls"
-        )
+        cls_token = self.config.readout == "cls"
+        if self.capacity is not None and fits(batch, self.capacity):
+            return pad_batch(batch, self.capacity, self.node_targets, cls_token)
+        batch.graph_layout = GraphLayout.from_sizes(torch.diff(batch.ptr), self.bucket_ratio, cls_token=cls_token)
         return batch
 
 

@@ -7,11 +7,15 @@ One writer per run: the driver opens and closes it, Ray Train's controller logs 
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
+import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -24,6 +28,91 @@ from sat.config import SATConfig
 
 log = logging.getLogger(__name__)
 
+FULL = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota, is full
+
+
+def check_tracking_store(plan: JobPlan, previous) -> None:
+    """Stop in one line (a ``ValueError``) when the tracking store cannot be read, or does not know
+    the MLflow run that the run's checkpoints log to (``previous``: :class:`pipeline.train.rerun.Previous`).
+
+    A run's checkpoints record its MLflow run (``state.json``: ``mlflow_run_id``). A store without
+    that run was deleted or replaced since: a SQLite file removed, which MLflow would silently
+    create again, empty. Going on would log the resumed epochs into a new MLflow run without the
+    earlier ones and register the model as version 1 of a store that holds none of its history
+    ("nothing trained" and a fresh registration). So nothing starts and the checkpoints are kept;
+    the ways on are to restore the database (or point ``mlflow.tracking_uri`` at the store that has
+    the run), or ``--restart`` to train the run over into this store. Runs before Ray starts."""
+    from mlflow.exceptions import MlflowException
+
+    uri = plan.job.mlflow.tracking_uri
+    run_id = previous.state.get("mlflow_run_id") if previous is not None else None
+    database = _database(uri)
+    if run_id and database is not None and not database.exists():
+        missing = f"the database {database} does not exist (deleted or moved?)"
+    else:
+        try:
+            client = tracking.client(uri)
+            if not run_id:
+                client.search_experiments(max_results=1)
+                return
+            client.get_run(run_id)
+            return
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise ValueError(_unreadable(uri, exc)) from None
+            missing = f"it holds no MLflow run {run_id} (another or a new database?)"
+        except Exception as exc:  # the database itself: SQLAlchemy's and sqlite3's errors
+            raise ValueError(_unreadable(uri, exc)) from None
+    raise ValueError(
+        f"mlflow.tracking_uri: {uri}: {missing}, and the checkpoints of run {plan.job.train.run_name!r} (epoch "
+        f"{previous.epoch}, {previous.checkpoint}) log to MLflow run {run_id}: nothing was trained or registered and "
+        "the checkpoints are kept; restore the database (or point mlflow.tracking_uri at the store that has that run), "
+        "or pass --restart to train the run over into this store (its checkpoints are deleted)")
+
+
+def _database(uri: str) -> Optional[Path]:
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+@contextlib.contextmanager
+def writing(plan: JobPlan, doing: str, outcome: str) -> Iterator[None]:
+    """MLflow's errors while ``doing`` as one line (``outcome``: what that leaves of the run): a
+    full disk under the tracking database or its artifacts (an ``OSError`` naming the file, or the
+    artifact folder), any other error of the tracking store (a ``ValueError`` naming the URI)."""
+    from mlflow.exceptions import MlflowException
+
+    uri = plan.job.mlflow.tracking_uri
+    store_log = logging.getLogger("mlflow.store.db.utils")  # logs each database error with a traceback, then raises it
+    level = store_log.level
+    store_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in FULL:
+            raise
+        artifacts = tracking.artifact_location(uri)
+        where = exc.filename or (artifacts[len("file://"):] if artifacts else f"mlflow.tracking_uri: {uri}")
+        error = OSError(f"{where}: the disk is full (No space left on device) while {doing}; {outcome}")
+        error.errno = exc.errno
+        raise error from None
+    except MlflowException as exc:
+        if "disk is full" in str(exc):  # SQLite: "database or disk is full"
+            error = OSError(f"{_database(uri) or f'mlflow.tracking_uri: {uri}'}: the disk is full (database or disk "
+                            f"is full) while {doing}; {outcome}")
+            error.errno = errno.ENOSPC
+            raise error from None
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ValueError(f"mlflow.tracking_uri: {uri}: {first} (while {doing}); {outcome}") from None
+    finally:
+        store_log.setLevel(level)
+
+
+def _unreadable(uri: str, exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    return (f"mlflow.tracking_uri: {uri}: the tracking store cannot be read ({first}); nothing was trained or "
+            "registered and the run's checkpoints are kept: restore the database from a copy, or point "
+            "mlflow.tracking_uri at another store")
+
 
 def open_run(plan: JobPlan, action: str) -> Optional[str]:
     """Open the run's MLflow run (``plan.setup.run_id``); return its status before (None: new).
@@ -31,7 +120,14 @@ def open_run(plan: JobPlan, action: str) -> Optional[str]:
     A fresh start never logs into an MLflow run that holds another training's history: a
     restarted run name, or one whose checkpoints are gone while its MLflow run has metrics,
     gets a new MLflow run (the old one is detached from the key, see
-    :func:`pipeline.registry.tracking.retire_run`)."""
+    :func:`pipeline.registry.tracking.retire_run`). A store that cannot be written is one line
+    (:func:`writing`)."""
+    with writing(plan, "opening the run's MLflow run", "nothing was trained: free space there (or fix the store) and "
+                 "run the same command"):
+        return _open_run(plan, action)
+
+
+def _open_run(plan: JobPlan, action: str) -> Optional[str]:
     import yaml
 
     job, setup = plan.job, plan.setup
@@ -92,7 +188,7 @@ def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
     """Log the best epoch's weights into the run, register them, and move the champion alias to
     them only if they beat its validation metric (the same rule as sweeps)."""
     from pipeline.registry.predict import input_spec
-    from pipeline.registry.versions import CHAMPION, log_and_register, promote
+    from pipeline.registry.versions import log_and_register
 
     job, setup, task = plan.job, plan.setup, plan.task
     config = SATConfig.from_dict(setup.model_config)
@@ -107,25 +203,40 @@ def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
     name = job.mlflow.registered_model or f"sat-{task.name}"
     log.info("logging the best model (epoch %s) to MLflow and registering it as %s", best["epoch"], name)
     _log_attention_plot(plan, model)
-    registered = log_and_register(
-        model,
-        task=task,
-        model_config=config,
-        vocab=getattr(task, "vocab", None),
-        run_id=setup.run_id,
-        tracking_uri=job.mlflow.tracking_uri,
-        registered_model=name,
-        data_manifest_hash=manifest_hash(plan.manifest),
-        metrics={k: v for k, v in metrics.items() if v is not None},
-        # what prediction needs to featurise new inputs (transform, code2 node tables)
-        extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json"), **input_spec(setup.shard_dir)},
-        provenance=state.get("provenance") or setup.provenance,  # the configuration and code that trained them
-    )
+    with writing(plan, f"registering the model of run {job.train.run_name!r}", "nothing was registered: free space "
+                 "there (or fix the store) and run the same command, which registers it then"):
+        registered = log_and_register(
+            model,
+            task=task,
+            model_config=config,
+            vocab=getattr(task, "vocab", None),
+            run_id=setup.run_id,
+            tracking_uri=job.mlflow.tracking_uri,
+            registered_model=name,
+            data_manifest_hash=manifest_hash(plan.manifest),
+            metrics={k: v for k, v in metrics.items() if v is not None},
+            # what prediction needs to featurise new inputs (transform, code2 node tables)
+            extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json"), **input_spec(setup.shard_dir)},
+            provenance=state.get("provenance") or setup.provenance,  # the configuration and code that trained them
+        )
     if registered.get("reason"):  # these weights of this run were registered before
         log.info("%s: %s", name, registered["reason"])
-    registered.update(promote(tracking.client(job.mlflow.tracking_uri), name, registered["version"],
-                              best["val"], f"best_val_{metric}", task.mode, CHAMPION, f"run {job.train.run_name}"))
+    if os.environ.get("SATP_TEST_KILL_AT") == "registration":  # test hook: killed between the version and its alias
+        os.kill(os.getpid(), signal.SIGKILL)
+    registered.update(promote_version(plan, state, name, registered["version"]))
     return registered
+
+
+def promote_version(plan: JobPlan, state: dict, name: str, version: int) -> dict:
+    """Move the champion alias to ``version`` of ``name`` only if its validation metric beats the
+    champion's (the rule of sweeps too); ``{"champion", "reason"}``. A run stopped between
+    registering and this decision has it made by its next command (the version lacks the tag
+    ``satp.champion_decision``: :func:`pipeline.train.driver._already_finished`)."""
+    from pipeline.registry.versions import CHAMPION, promote
+
+    metric, mode = plan.task.metric, plan.task.mode
+    return promote(tracking.client(plan.job.mlflow.tracking_uri), name, version, state["best"]["val"],
+                   f"best_val_{metric}", mode, CHAMPION, f"run {plan.job.train.run_name}")
 
 
 def _log_attention_plot(plan: JobPlan, model: torch.nn.Module) -> None:

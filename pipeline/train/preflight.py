@@ -72,6 +72,9 @@ def check_config(job, task: bool = True) -> None:
     train, res = job.train, job.resources
     if train.precision == "fp16" and not res.use_gpu:
         raise ValueError("train.precision: fp16 is not supported on CPU (DeepSpeed rejects it); use bf16 or fp32")
+    if train.step == "captured" and not res.use_gpu:
+        raise ValueError("train.step: 'captured' replays CUDA graphs and needs GPU workers (resources.use_gpu: true); "
+                         "on CPU use 'compiled' or 'static'")
     if train.warmup_epochs > train.epochs:
         raise ValueError(f"train.warmup_epochs ({train.warmup_epochs}) exceeds train.epochs ({train.epochs})")
     t = job.transform

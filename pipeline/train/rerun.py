@@ -28,7 +28,8 @@ is laid out again over the new length, from the step reached), the stopping rule
 (``train.target``, ``train.patience``: a run that stopped under the job's rules is finished, one
 they no longer stop, e.g. at a higher target, continues; :mod:`pipeline.train.stopping`), evaluation cadence and batch size
 (``eval_every``, ``eval_node_budget``), logging, checkpoint retention, ``max_failures``,
-``loader_workers``, the run's name and storage path, the other ``resources`` (the same workers
+``loader_workers``, how the step runs (``step``, ``capacity_sigmas``: padded, compiled or captured
+steps compute the same function), the run's name and storage path, the other ``resources`` (the same workers
 may run on other nodes) and the ``mlflow`` section. ``train.eval_subset`` stays in: it picks the
 best epoch, i.e. the weights that get registered.
 
@@ -41,6 +42,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 RESUMABLE_TRAIN_KEYS = frozenset({
     "epochs", "eval_every", "eval_node_budget", "log_every_steps", "run_name", "storage_path",
     "checkpoints_to_keep", "max_failures", "loader_workers", "target", "patience",
+    "step", "capacity_sigmas",  # how a step runs, not what it computes (pipeline.train.step_modes)
 })
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's record of a run's checkpoints
 STATE_FILE = "state.json"
@@ -150,26 +153,70 @@ def registered_checkpoints(run_dir: str | Path) -> list[str]:
 def _epoch(checkpoint: Path) -> int:
     try:
         return int(json.loads((checkpoint / STATE_FILE).read_text()).get("epoch", -1))
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError, AttributeError):
         return -1
 
 
-def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
-    """The run's newest complete checkpoint on storage, by epoch (no trainer needed).
+_named: set[str] = set()  # damaged checkpoints this process has named already (one line each)
+
+
+def latest_checkpoint(run_dir: str | Path, warn: bool = True) -> Optional[Path]:
+    """The run's newest intact checkpoint on storage, by epoch (no trainer needed).
 
     Ray Train resumes from the last checkpoint it registered; a run interrupted after its
     workers uploaded newer ones (Ray registers a report when it next polls them) has those on
-    storage too, unregistered. They count when complete (:func:`pipeline.train.checkpoint.is_complete`:
-    every rank's files there), so a rerun loses no epoch; a registered one wins a tie."""
+    storage too, unregistered: they count as well, so a rerun loses no epoch; a registered one
+    wins a tie. Each is verified, newest first, registered or not
+    (:func:`pipeline.train.checkpoint.verify`: every rank's part there, each file with the size
+    and digest recorded when it was written); one that fails is never used, and (``warn``) named
+    in one ``satp: warning:`` line with the checkpoint used instead."""
     from pipeline.train import checkpoint as ckpt
 
     run_dir = Path(run_dir)
     registered = set(registered_checkpoints(run_dir))
-    found = [p for p in sorted(run_dir.glob("checkpoint_*"))
-             if (p / STATE_FILE).is_file() and (p.name in registered or ckpt.is_complete(p))]
-    if not found:
-        return None
-    return max(found, key=lambda p: (_epoch(p), p.name in registered, p.name))
+    found = sorted((p for p in run_dir.glob("checkpoint_*") if p.is_dir()),
+                   key=lambda p: (_epoch(p), p.name in registered, p.name), reverse=True)
+    damaged, chosen = [], None
+    for path in found:
+        problem = ckpt.verify(path)
+        if problem is None:
+            chosen = path
+            break
+        damaged.append((path, problem))
+    instead = (f"the run goes on from {chosen.name} (epoch {_epoch(chosen)})" if chosen is not None
+               else "no intact checkpoint is left: the run starts from its first epoch")
+    for path, problem in damaged if warn else []:
+        if problem not in _named:
+            _named.add(problem)
+            what = f"epoch {_epoch(path)}" if _epoch(path) >= 0 else "epoch unknown"
+            print(f"satp: warning: {problem}; checkpoint {path.name} ({what}) is damaged and not resumed from; "
+                  f"{instead}", file=sys.stderr, flush=True)
+    return chosen
+
+
+def resume_point(candidates: list[Path], run_dir: str | Path) -> Optional[Path]:
+    """The checkpoint the workers restore: the newest of ``candidates`` (Ray Train's registered one
+    first, the driver's ``resume_from``; a tie goes to the first), if it verifies, else the run's
+    newest intact one (:func:`latest_checkpoint`, which names what is damaged); None: none is intact."""
+    from pipeline.train import checkpoint as ckpt
+
+    newest = max(candidates, key=_epoch)
+    return newest if ckpt.verify(newest) is None else latest_checkpoint(run_dir)
+
+
+def clear_run(run_dir: str | Path) -> None:
+    """Delete what a run folder holds (``--restart``), except the run's lease, which this command holds."""
+    import shutil
+
+    from pipeline.train.lease import LEASE_FILE
+
+    for path in Path(run_dir).iterdir():
+        if path.name == LEASE_FILE:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def prune_unregistered(run_dir: str | Path, keep: Optional[Path] = None) -> list[str]:
@@ -217,9 +264,10 @@ class Previous:
         return list(self.provenance.get("git_commits") or [])
 
 
-def previous_run(storage_path: str, run_name: str) -> Optional[Previous]:
+def previous_run(storage_path: str, run_name: str, warn: bool = True) -> Optional[Previous]:
+    """The newest intact checkpoint of a run name (:func:`latest_checkpoint`), or None."""
     run_dir = Path(storage_path) / run_name
-    checkpoint = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    checkpoint = latest_checkpoint(run_dir, warn) if run_dir.is_dir() else None
     if checkpoint is None:
         return None
     try:

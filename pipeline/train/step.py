@@ -1,48 +1,131 @@
 """One optimisation step of a worker, and evaluation over a split: nothing read back to the host.
 
-:class:`TrainStep` runs forward (``validate=False``: the data loader checked the batch on the
-CPU, see :mod:`pipeline.train.loader`), the task's loss, DeepSpeed's backward and the optimizer step
-(:func:`pipeline.train.engine.optimizer_step`), and returns the detached output and loss as device
-tensors; :func:`evaluate` keeps each batch's predictions on the device and decodes them once.
+:class:`TrainStep` moves a batch to the device, runs forward (``validate=False``: the data loader
+checked the batch on the CPU, see :mod:`pipeline.train.loader`), the task's loss, DeepSpeed's
+backward and the optimizer step (:func:`pipeline.train.engine.optimizer_step`), and returns the
+detached output and loss as device tensors; :func:`evaluate` keeps each batch's predictions on the
+device and decodes them once.
+
+How a step runs is ``train.step`` (:data:`STEP_MODES`):
+
+* ``eager``: batches as the sampler cuts them, every operator dispatched from Python (~3,200 per
+  step of the PATTERN model, each a kernel launch on a GPU: the step costs what the host takes to
+  issue them, ~50 ms on an H100/H200 whatever the batch);
+* ``static``: batches padded to fixed capacities (:mod:`sat.padding`, chosen by
+  :mod:`pipeline.train.capacity`), still eager: the same function, every shape fixed;
+* ``compiled``: ``static``, and the model compiled once for those shapes through DeepSpeed
+  (``engine.compile``, i.e. ``torch.compile(dynamic=False)`` on the module in place: the parameter
+  names, checkpoints and registered weights stay the same);
+* ``captured``: ``compiled``, and on CUDA the forward, loss and backward of a padded batch recorded
+  once as a CUDA graph and replayed (:mod:`pipeline.train.cuda_graphs`); DeepSpeed's gradient
+  all-reduce and optimizer step stay eager.
+
+A batch over capacity is not padded (the loader leaves it as it is) and runs eagerly, with the
+compiled code set aside (``torch.compiler.set_stance("force_eager")``), so that an odd shape never
+triggers a recompilation; :attr:`TrainStep.overflow` counts them.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Optional
 
 import torch
 
+from pipeline.tasks import Task
 from pipeline.train.engine import optimizer_step
 from pipeline.train.loader import to_device
-from pipeline.tasks import Task
+from sat.padding import padding_of
+
+STEP_MODES = ("eager", "static", "compiled", "captured")
+
+
+def pads_batches(mode: str) -> bool:
+    """Whether ``train.step = mode`` pads batches to fixed capacities."""
+    return mode != "eager"
+
+
+def compiles_model(mode: str) -> bool:
+    """Whether ``train.step = mode`` compiles the model."""
+    return mode in ("compiled", "captured")
 
 
 class TrainStep:
-    """``step(batch) -> (output, loss)`` on the engine's device (both detached)."""
+    """``step(batch) -> (output, loss)`` on the engine's device (both detached); ``forward(batch)``
+    for evaluation. ``batch``: on the CPU (pinned, for copies that overlap the previous step) or on
+    the device already. See the module docstring for ``mode``."""
 
-    def __init__(self, engine, task: Task, grad_clip: float, clip_here: bool) -> None:
+    def __init__(self, engine, task: Task, grad_clip: float, clip_here: bool, mode: str = "eager",
+                 device: Optional[torch.device] = None) -> None:
+        if mode not in STEP_MODES:
+            raise ValueError(f"train.step: expected one of {list(STEP_MODES)}, got {mode!r}")
         self.engine = engine
         self.task = task
         self.grad_clip = grad_clip
         self.clip_here = clip_here
+        self.mode = mode
+        self.device = device if device is not None else next(engine.module.parameters()).device
+        self.overflow = 0  # batches over capacity, run eagerly (reset by the caller)
+        self.graphs = None
+        if mode == "captured" and self.device.type == "cuda":
+            from pipeline.train.cuda_graphs import CapturedSteps
+
+            self.graphs = CapturedSteps(engine, task)
+
+    def _eager_if(self, unpadded: bool):
+        """Compiled code set aside for a batch that is not padded (see the module docstring)."""
+        if unpadded and compiles_model(self.mode):
+            return torch.compiler.set_stance("force_eager")
+        return contextlib.nullcontext()
+
+    def _padded(self, batch: Any) -> bool:
+        padded = padding_of(batch) is not None
+        if not padded and pads_batches(self.mode):
+            self.overflow += 1
+        return padded
 
     def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.engine(batch, validate=False)
-        loss = self.task.loss(out, batch)
-        self.engine.backward(loss)
+        padded = self._padded(batch)
+        if padded and self.graphs is not None:
+            out, loss = self.graphs.train(batch)
+        else:
+            batch = to_device(batch, self.device)
+            with self._eager_if(not padded):
+                out = self.engine(batch, validate=False)
+            loss = self.task.loss(out, batch)
+            self.engine.backward(loss)
         optimizer_step(self.engine, self.grad_clip, self.clip_here)
         return out.detach(), loss.detach()
 
+    @torch.no_grad()
+    def forward(self, batch: Any) -> torch.Tensor:
+        """The model's output on ``batch`` in the mode the module is in (evaluation, or the BatchNorm
+        statistics pass of :mod:`pipeline.train.precise_bn`), without gradients. Captured only in
+        evaluation mode: a graph replays what it recorded, and the statistics pass changes modes."""
+        padded = self._padded(batch)
+        if padded and self.graphs is not None and not self.engine.module.training \
+                and not any(m.training for m in self.engine.module.modules()):
+            return self.graphs.evaluate(batch)
+        batch = to_device(batch, self.device)
+        with self._eager_if(not padded):
+            return self.engine(batch, validate=False)
 
-def evaluate(engine, task: Task, loader, device: torch.device) -> tuple[list, list]:
-    """This rank's ``(predictions, targets)`` over the batches of ``loader`` (in loader order)."""
+
+def evaluate(engine, task: Task, loader, device: torch.device,
+             forward: Optional[Callable[[Any], torch.Tensor]] = None) -> tuple[list, list]:
+    """This rank's ``(predictions, targets)`` over the batches of ``loader`` (in loader order), the
+    padding of padded batches left out. ``forward(batch)``: the model's output (default: ``engine``
+    on the batch moved to ``device``; a worker passes :meth:`TrainStep.forward`)."""
     engine.eval()
+    if forward is None:
+        def forward(batch):
+            return engine(to_device(batch, device), validate=False)
     predictions: list[torch.Tensor] = []
     targets: list = []
     with torch.no_grad():
         for batch in loader:
             targets.extend(task.targets(batch))  # from the CPU batch, before it moves
-            out = engine(to_device(batch, device), validate=False)
-            predictions.append(task.predictions(out))
+            out = forward(batch)
+            predictions.append(task.real_rows(task.predictions(out), batch))
     if not predictions:
         return [], targets
     return task.decode(torch.cat(predictions).cpu()), targets

@@ -1,9 +1,13 @@
 """The Ray Train worker: ``train_loop_per_worker`` of the TorchTrainer that :func:`pipeline.train.driver.train_job` fits.
 
 Each worker (one DeepSpeed rank) builds its parts once (:class:`WorkerRun`): data loaders over its
-share of the node-budget batches (:mod:`pipeline.train.loader`, :mod:`pipeline.train.batching`), the model
-and DeepSpeed engine (:mod:`pipeline.train.engine`), the loop state restored from Ray Train's last
-checkpoint, and on rank 0 the MLflow system metrics (:mod:`pipeline.registry.tracking`). Then, per epoch:
+share of the node-budget batches (:mod:`pipeline.train.loader`, :mod:`pipeline.train.batching`), padded
+to fixed capacities when ``train.step`` asks for them (:mod:`pipeline.train.capacity`), the model and
+DeepSpeed engine (:mod:`pipeline.train.engine`; compiled for ``compiled`` and ``captured`` steps, its
+caches under the storage path), the step (:mod:`pipeline.train.step`), the loop state restored from
+Ray Train's last checkpoint, and on rank 0 the MLflow system metrics (:mod:`pipeline.registry.tracking`).
+Its first step ends the run's start-up, which rank 0 logs phase by phase (:mod:`pipeline.train.startup`)
+and reports with the first epoch. Then, per epoch:
 
 * :meth:`WorkerRun.train_epoch`: the steps (:class:`pipeline.train.step.TrainStep`), the loss
   accumulated on the device (:class:`pipeline.train.metrics.EpochMeter`), a sample of the batches'
@@ -19,6 +23,7 @@ checkpoint, and on rank 0 the MLflow system metrics (:mod:`pipeline.registry.tra
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -32,16 +37,18 @@ import numpy as np
 import torch
 
 from pipeline.train import checkpoint as ckpt
-from pipeline.train import stopping
+from pipeline.train import startup, stopping
 from pipeline.train.batching import EpochStream, NodeBudgetSampler, subset_indices
 from pipeline.config import JobConfig
+from pipeline.train.capacity import describe, overflow_share, run_capacities
 from pipeline.train.engine import build_engine, clips_outside_deepspeed, current_lr, resolve_precision
-from pipeline.train.loader import BatchCollator, make_loader, open_split, to_device
+from pipeline.train.loader import BatchCollator, make_loader, open_split
 from pipeline.train.metrics import EpochMeter, broadcast_from_rank_zero, concat_gathered, gather_objects
 from pipeline.train.precise_bn import StatisticsBatches, batchnorm_layers, recompute_batchnorm_stats
 from pipeline.tasks import make_task
-from pipeline.train.step import TrainStep, evaluate
+from pipeline.train.step import TrainStep, compiles_model, evaluate
 from sat.config import SATConfig
+from sat.padding import padding_of
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,7 @@ class WorkerSetup:
     fault: Optional[dict] = None
     provenance: Optional[dict] = None  # config hash + git commits, recorded in every checkpoint (pipeline.train.rerun)
     resume_from: Optional[str] = None  # a complete checkpoint newer than Ray's record (pipeline.train.rerun)
+    startup: Optional[dict] = None  # the driver's start-up events, wall-clock (pipeline.train.startup)
 
 
 def worker_loop(config: dict) -> None:
@@ -140,6 +148,7 @@ class WorkerRun:
         self.setup = setup
         self.job = job = setup.job
         train = job.train
+        self.startup = dict(setup.startup or {}, worker=startup.now())
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         use_gpu = job.resources.use_gpu
@@ -156,16 +165,26 @@ class WorkerRun:
         train_ds = open_split(setup.shard_dir, "train")
         self.task = make_task(setup.task_name, vocab=train_ds.vocab, **setup.task_state)
         model_config = SATConfig.from_dict(setup.model_config)
-        collator = BatchCollator(model_config)
         pin = self.device.type == "cuda"
         self.train_sampler = split_sampler(job, train_ds, shuffle=True, rank=self.rank, world=self.world)
+        eval_splits = {s: open_split(setup.shard_dir, s) for s in ("valid", "test")}
+        eval_samplers = {s: split_sampler(job, ds, shuffle=False, rank=self.rank, world=self.world)
+                         for s, ds in eval_splits.items()}
+        # fixed batch capacities (train.step other than eager): what every padded batch's shapes are
+        self.capacities = run_capacities(job, model_config, (train_ds, self.train_sampler),
+                                         [(eval_splits[s], eval_samplers[s]) for s in eval_splits])
+        if self.rank == 0 and self.capacities["train"] is not None:
+            over = overflow_share(self.train_sampler.global_batches(0), capacity_sizes(train_ds, model_config),
+                                  self.capacities["train"])
+            log.info("batch capacity (train.step %s): training %s (%.1f%% of the first epoch's batches over it run "
+                     "eagerly); evaluation %s", train.step, describe(self.capacities["train"]), 100 * over,
+                     describe(self.capacities["eval"]))
+        collator, eval_collator = (BatchCollator(model_config, capacity=self.capacities[kind],
+                                                 node_targets=self.task.node_level) for kind in ("train", "eval"))
         self.train_loader = train_loader(job, train_ds, self.train_sampler, collator, pin)
         self._train_batches: Optional[Iterator] = None  # made by the first epoch trained, kept for the run
-        self.eval_loaders = {
-            split: make_loader(ds, split_sampler(job, ds, shuffle=False, rank=self.rank, world=self.world),
-                               collator, train.loader_workers, pin)
-            for split, ds in ((s, open_split(setup.shard_dir, s)) for s in ("valid", "test"))
-        }
+        self.eval_loaders = {split: make_loader(eval_splits[split], eval_samplers[split], eval_collator,
+                                                train.loader_workers, pin) for split in eval_splits}
 
         torch.manual_seed(train.seed)
         model = build_model(model_config)
@@ -173,9 +192,14 @@ class WorkerRun:
         if train.precise_bn_batches and batchnorm_layers(model):
             self.statistics_batches = statistics_batches(job, train_ds, self.rank, self.world)
             self.statistics_loader = make_loader(train_ds, self.statistics_batches, collator, train.loader_workers, pin)
+        self.startup["loaders"] = startup.now()
         self.precision = resolve_precision(setup.precision, use_gpu)  # "auto" is resolved where the GPU is
-        self.engine = build_engine(model, train, self.precision, len(self.train_sampler), self.world)
-        self.step = TrainStep(self.engine, self.task, train.grad_clip, clips_outside_deepspeed(train, self.precision))
+        if compiles_model(train.step):
+            keep_compile_caches(train.storage_path)
+        self.engine = build_engine(model, train, self.precision, len(self.train_sampler), self.world,
+                                   compile_model=compiles_model(train.step))
+        self.step = TrainStep(self.engine, self.task, train.grad_clip, clips_outside_deepspeed(train, self.precision),
+                              mode=train.step, device=self.device)
 
         self.state: dict[str, Any] = {
             "epoch": -1,
@@ -203,28 +227,35 @@ class WorkerRun:
             self.logger.catch_up(self.state["history"])
             self.logger.client.set_tag(setup.run_id, "satp.precision", self.precision)
             self.logger.client.set_tag(setup.run_id, "satp.world_size", str(self.world))
+            self.logger.client.set_tag(setup.run_id, "satp.step", train.step)
+            for kind, capacity in self.capacities.items():
+                if capacity is not None:
+                    self.logger.client.set_tag(setup.run_id, f"satp.capacity.{kind}", json.dumps(capacity.to_dict()))
+        self.startup["engine"] = startup.now()
 
     def _restore(self) -> None:
         """Restore the newest of Ray Train's checkpoint (the last one it registered, in this fit or
         the run before) and the driver's ``resume_from`` (a complete checkpoint on storage that an
-        interrupted run wrote but Ray never registered: :mod:`pipeline.train.rerun`)."""
-        import contextlib
-
+        interrupted run wrote but Ray never registered: :mod:`pipeline.train.rerun`), verified first:
+        a damaged one (cut short, changed since it was written) is named in one warning line and the
+        run's newest intact checkpoint is restored instead (:func:`pipeline.train.rerun.resume_point`);
+        with none intact, the run starts from its first epoch. Rank 0 verifies and decides for all."""
         import ray.train
 
-        with contextlib.ExitStack() as stack:
-            candidates = []
-            restored = ray.train.get_checkpoint()
-            if restored is not None:
-                candidates.append(Path(stack.enter_context(restored.as_directory())))
-            if self.setup.resume_from:
-                candidates.append(Path(self.setup.resume_from))
-            if not candidates:
-                return
-            directory = max(candidates, key=lambda d: ckpt.load_state(d)["epoch"])  # a tie: Ray's
-            self.state = ckpt.restore(directory, self.engine)
-            if self.rank == 0:
-                self.best_weights = ckpt.load_best_weights(directory)
+        from pipeline.train import rerun
+
+        restored = ray.train.get_checkpoint()  # in the run's storage (satp's storage paths are file systems)
+        candidates = [Path(p) for p in (restored.path if restored is not None else None, self.setup.resume_from) if p]
+        if not candidates:
+            return
+        run_dir = Path(ray.train.get_context().get_storage().experiment_fs_path)
+        chosen = rerun.resume_point(candidates, run_dir) if self.rank == 0 else None
+        directory = broadcast_from_rank_zero(str(chosen) if chosen is not None else None)
+        if directory is None:
+            return
+        self.state = ckpt.restore(directory, self.engine)
+        if self.rank == 0:
+            self.best_weights = ckpt.load_best_weights(directory)
         self.train_sampler.load_state_dict(self.state["sampler"])
         log.info("rank %d resumed after epoch %d (%s)", self.rank, self.state["epoch"], directory)
 
@@ -239,27 +270,36 @@ class WorkerRun:
         meter = EpochMeter(device)
         sampled_predictions: list[torch.Tensor] = []
         sampled_targets: list = []
-        if self._train_batches is None:
+        first_epoch = self._train_batches is None
+        if first_epoch:
             self._train_batches = iter(self.train_loader)  # starts at this epoch (set above)
         batches = self._train_batches
+        self.step.overflow = 0
         for step in range(steps):
             waited = time.perf_counter()
             cpu_batch = next(batches)
             meter.data_wait += time.perf_counter() - waited
+            if first_epoch and step == 0:
+                self.startup["first_batch"] = startup.now()
             if self.setup.fault and "signal" not in self.setup.fault:
                 _maybe_fail(self.setup.fault, self.rank, epoch, step, meter.seconds)
             size, sampled = task.batch_size(cpu_batch), step % sample_every == 0
             if sampled:
                 sampled_targets.extend(task.targets(cpu_batch))
-            out, loss = self.step(to_device(cpu_batch, device))
-            meter.add(loss, size, int(cpu_batch.num_graphs))
+            out, loss = self.step(cpu_batch)
+            padding = padding_of(cpu_batch)
+            meter.add(loss, size, padding.graphs if padding is not None else int(cpu_batch.num_graphs))
             if sampled:
-                sampled_predictions.append(task.predictions(out))
+                sampled_predictions.append(task.real_rows(task.predictions(out), cpu_batch))
+            if first_epoch and step == 0:
+                self._first_step_done()
             if self.rank == 0 and (step + 1) % train.log_every_steps == 0:
                 log.info("epoch %d step %d/%d loss %.4f", epoch, step + 1, steps, float(loss))
         self.state["steps"] = self.state.get("steps", 0) + steps
         metrics: dict[str, Any] = {"epoch": epoch, **meter.reduce(device), "lr": current_lr(self.engine),
-                                   "steps": self.state["steps"]}
+                                   "steps": self.state["steps"], "overflow_batches": self.step.overflow}
+        if first_epoch and self.rank == 0:
+            metrics.update(startup.metrics(self.startup))
         predictions = task.decode(torch.cat(sampled_predictions).cpu())
         if not self.baseline_targets and self.state["constant"] is None:
             self.baseline_targets = sampled_targets[:TRAIN_SAMPLE_FOR_BASELINE]
@@ -267,6 +307,14 @@ class WorkerRun:
         if self.rank == 0:
             metrics[f"train_{task.metric}"] = task.score(*concat_gathered(gathered))
         return metrics
+
+    def _first_step_done(self) -> None:
+        """Stamp the first step's end (its kernels finished) and log the start-up (rank 0)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.startup["first_step"] = startup.now()
+        if self.rank == 0:
+            log.info("%s", startup.describe(self.startup))
 
     def evaluate_epoch(self, epoch: int) -> dict[str, Any]:
         """Validation and test metrics (rank 0), and the best epoch by validation.
@@ -276,18 +324,18 @@ class WorkerRun:
         (:mod:`pipeline.train.precise_bn`), with how far the moving averages were from the new
         statistics (``bn_var_ratio``, ``bn_worst_layer_var_ratio``, ``bn_mean_shift``); the metrics,
         the best epoch and the weights kept use the recomputed ones."""
-        task, metric = self.task, self.task.metric
+        task, metric, forward = self.task, self.task.metric, self.step.forward
         started = time.perf_counter()
+        self.step.overflow = 0
         running_bn = None
         if self.statistics_batches is not None:
-            running_bn = gather_objects(evaluate(self.engine, task, self.eval_loaders["valid"], self.device))
+            running_bn = gather_objects(evaluate(self.engine, task, self.eval_loaders["valid"], self.device, forward))
             self.statistics_batches.set_epoch(epoch)
-            engine, device = self.engine, self.device
-            recomputed = recompute_batchnorm_stats(engine.module, self.statistics_loader,
-                                                   lambda batch: engine(to_device(batch, device), validate=False))
-        results = {split: gather_objects(evaluate(self.engine, task, loader, self.device))
+            recomputed = recompute_batchnorm_stats(self.engine.module, self.statistics_loader, forward)
+        results = {split: gather_objects(evaluate(self.engine, task, loader, self.device, forward))
                    for split, loader in self.eval_loaders.items()}
-        metrics: dict[str, Any] = {"eval_seconds": time.perf_counter() - started}
+        metrics: dict[str, Any] = {"eval_seconds": time.perf_counter() - started,
+                                   "eval_overflow_batches": self.step.overflow}
         if self.rank != 0:
             return metrics
         if running_bn is not None:
@@ -334,11 +382,16 @@ class WorkerRun:
         state["world_size"] = self.world
         state["provenance"] = self.setup.provenance  # a resumed run may add a git commit
         state["sampler"] = self.train_sampler.state_dict()
+        # written locally, then into the run's storage by satp (a full disk ends the run: ckpt.persist),
+        # then reported to Ray Train where it lies
+        storage = ray.train.get_context().get_storage()
         with tempfile.TemporaryDirectory(prefix="satp-ckpt-") as directory:
             ckpt.save(directory, self.engine, state, self.best_weights, self.rank)
-            has_files = any(p.is_file() for p in Path(directory).rglob("*"))
-            checkpoint = ray.train.Checkpoint.from_directory(directory) if has_files else None
-            ray.train.report(metrics, checkpoint=checkpoint)
+            name = ckpt.persist(directory, storage.experiment_fs_path, self.rank, epoch)
+        checkpoint = ray.train.Checkpoint(path=str(Path(storage.experiment_fs_path) / name),
+                                          filesystem=storage.storage_filesystem)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
+                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
         if self.rank == 0:
             log.info("epoch %d: %s", epoch, {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
             if state["stopped"]:
@@ -381,3 +434,22 @@ def _maybe_signal(fault: dict, rank: int, epoch: int) -> None:
     marker.write_text(str(os.getpid()))
     os.kill(int(fault["pid"]), getattr(signal, fault["signal"]))
     time.sleep(120)
+
+
+def capacity_sizes(dataset, config: SATConfig) -> dict:
+    """The per-graph sizes a batch capacity bounds (:func:`pipeline.train.capacity.graph_sizes`)."""
+    from pipeline.train.capacity import graph_sizes
+
+    return graph_sizes(dataset, config.needs_subgraphs)
+
+
+def keep_compile_caches(storage_path: str) -> None:
+    """Point Inductor's and Triton's caches at ``<storage_path>/.satp-compile-cache``, so that a
+    rerun or a resumed run (any run stored there: the caches are keyed by what they compiled) loads
+    the compiled kernels instead of compiling again. Storage behind a URI (``s3://...``) keeps
+    PyTorch's default caches (local to the node)."""
+    if "://" in storage_path:
+        return
+    root = Path(storage_path) / ".satp-compile-cache"
+    for variable, name in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        os.environ[variable] = str(root / name)

@@ -1,0 +1,117 @@
+"""Fixed batch capacities, chosen from the data: the shapes a static, compiled or captured step is
+built for (``train.step``; :mod:`sat.padding`).
+
+The sampler's batches of an epoch are a pure function of its seed and the graphs' node counts
+(:mod:`pipeline.train.batching`), and the shards record every graph's edge and subgraph counts, so
+every quantity a padded batch has a capacity for is known for every batch of the first epoch
+before anything is decoded: graphs, nodes, edges, the largest graph, k-subgraph entries and
+edges. Each capacity is the mean plus ``train.capacity_sigmas`` standard deviations of that
+quantity over the batches (NVIDIA's MLPerf GNN code: 5), at most its largest value: the rare
+batch above (one huge graph, a batch of many tiny ones) runs eagerly instead of making every
+step pay for it. Nodes and subgraph entries get one more, for the padding row or entry that
+padding edges need.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from sat.padding import Capacity
+
+#: capacity field -> the per-graph column whose sizes it sums over a batch
+SUMMED = {"nodes": "num_nodes", "edges": "edge_index", "subgraph_entries": "subgraph_node_index",
+          "subgraph_edges": "subgraph_edge_index"}
+
+
+def graph_sizes(dataset, subgraphs: bool) -> dict[str, np.ndarray]:
+    """Every graph's node and edge counts (and k-subgraph entries and edges when ``subgraphs``),
+    from a :class:`preprocessing.reader.ShardDataset`'s offsets, or from the items of an in-memory
+    dataset (a list of graphs)."""
+    columns = [c for field, c in SUMMED.items() if subgraphs or not field.startswith("subgraph")]
+    sizes_of = getattr(dataset, "sizes", None)
+    if sizes_of is not None:
+        return {c: np.asarray(sizes_of(c), dtype=np.int64) for c in columns}
+    items = [dataset[i] for i in range(len(dataset))]
+    axis = {"num_nodes": None, "edge_index": 1, "subgraph_node_index": 0, "subgraph_edge_index": 1}
+    return {c: np.asarray([g.num_nodes if axis[c] is None else getattr(g, c).size(axis[c]) for g in items],
+                          dtype=np.int64) for c in columns}
+
+
+def batch_totals(batches: Sequence[np.ndarray], sizes: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per batch (graph id arrays): its graphs, largest graph, and the sums of each column of ``sizes``."""
+    lengths = np.asarray([len(b) for b in batches], dtype=np.int64)
+    ids = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    totals = {"graphs": lengths, "graph_nodes": np.maximum.reduceat(sizes["num_nodes"][ids], starts)}
+    for field, column in SUMMED.items():
+        if column in sizes:
+            totals[field] = np.add.reduceat(sizes[column][ids], starts)
+    return totals
+
+
+def bound(values: np.ndarray, sigmas: float) -> int:
+    """``mean + sigmas * std`` of ``values``, rounded up, at most their largest value."""
+    return int(min(values.max(), math.ceil(values.mean() + sigmas * values.std())))
+
+
+def choose_capacity(batches: Sequence[np.ndarray], sizes: dict[str, np.ndarray], sigmas: float) -> Capacity:
+    """The :class:`~sat.padding.Capacity` for ``batches`` (graph id arrays, e.g. a sampler's first
+    epoch) of graphs of ``sizes`` (:func:`graph_sizes`); see the module docstring."""
+    if not len(batches):
+        raise ValueError("choose_capacity: no batches to measure")
+    return capacity_for(batch_totals(batches, sizes), sigmas)
+
+
+def capacity_for(totals: dict[str, np.ndarray], sigmas: float) -> Capacity:
+    """The capacity for batches of these :func:`batch_totals` (those of several splits concatenated)."""
+    subgraphs = "subgraph_entries" in totals
+    return Capacity(
+        nodes=bound(totals["nodes"], sigmas) + 1,
+        edges=max(1, bound(totals["edges"], sigmas)),
+        graphs=bound(totals["graphs"], sigmas),
+        graph_nodes=bound(totals["graph_nodes"], sigmas),
+        subgraph_entries=bound(totals["subgraph_entries"], sigmas) + 1 if subgraphs else 0,
+        subgraph_edges=bound(totals["subgraph_edges"], sigmas) if subgraphs else 0,
+    )
+
+
+def overflow_share(batches: Sequence[np.ndarray], sizes: dict[str, np.ndarray], capacity: Capacity) -> float:
+    """The share of ``batches`` that exceed ``capacity`` (they run eagerly)."""
+    if not len(batches):
+        return 0.0
+    totals = batch_totals(batches, sizes)
+    over = [bool(capacity.shortfall(**{k: int(v[i]) for k, v in totals.items()})) for i in range(len(batches))]
+    return float(np.mean(over))
+
+
+def describe(capacity: Optional[Capacity]) -> str:
+    """One line: ``nodes 4097, edges 31000, graphs 64 (+ 8 padding), longest graph 512 ...``."""
+    if capacity is None:
+        return "none (batches as they come)"
+    text = (f"nodes {capacity.nodes}, edges {capacity.edges}, graphs {capacity.graphs} "
+            f"(+ {capacity.padding_graphs} padding), longest graph {capacity.graph_nodes}")
+    if capacity.subgraph_entries:
+        text += f", subgraph entries {capacity.subgraph_entries}, subgraph edges {capacity.subgraph_edges}"
+    return text
+
+
+def run_capacities(job, config, train_split: tuple, eval_splits: Sequence[tuple]) -> dict[str, Optional[Capacity]]:
+    """The training and evaluation capacities of a run whose ``train.step`` pads batches (else
+    ``None`` each): over the training sampler's first epoch, and over the evaluation splits' batches.
+    ``train_split`` and each of ``eval_splits``: ``(dataset, sampler)`` (every rank's batches are
+    measured, so that every rank pads to the same capacity)."""
+    from pipeline.train.step import pads_batches
+
+    if not pads_batches(job.train.step):
+        return {"train": None, "eval": None}
+    sigmas, subgraphs = job.train.capacity_sigmas, config.needs_subgraphs
+
+    def totals(dataset, sampler) -> dict[str, np.ndarray]:
+        return batch_totals(sampler.global_batches(0), graph_sizes(dataset, subgraphs))
+
+    parts = [totals(*split) for split in eval_splits]
+    merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else None
+    return {"train": capacity_for(totals(*train_split), sigmas),
+            "eval": capacity_for(merged, sigmas) if merged is not None else None}

@@ -1,0 +1,151 @@
+"""Training and evaluation steps captured as CUDA graphs (``train.step: captured``).
+
+A training step of SAT launches ~1,200-1,800 kernels from Python; on an H100/H200 the host takes
+~50 ms to issue them while the kernels take 10-13 ms. Over batches padded to fixed capacities
+(:mod:`sat.padding`) every kernel of a step has the same shapes and the same input addresses, so
+the step can be recorded once as a CUDA graph and replayed: one launch per step (the recipe of
+PyTorch's "whole network capture" and of NVIDIA's MLPerf GNN code).
+
+What is captured, per kind of batch (the training capacity and the evaluation capacity):
+
+* training: the module's forward under the engine's autocast (``cache_enabled=False``, as CUDA
+  graphs require), the task's loss, and ``loss.backward()``. Not DeepSpeed's ``engine.forward`` /
+  ``engine.backward`` wrappers: they run host code per call (timers, hooks that scale the loss, the
+  gradient all-reduce), which a replay would skip. What they do for a ZeRO-0 bf16/fp32 engine is
+  done around the replay instead: the gradients are all-reduced eagerly by
+  ``engine.allreduce_gradients()`` (several ranks), then :func:`pipeline.train.engine.optimizer_step`
+  clips them and calls ``engine.step()`` (fused AdamW, zeroed gradients, the lr schedule, DeepSpeed's
+  step counters): ~10-20 launches, none of them per parameter.
+* evaluation: the module's forward in evaluation mode, without gradients.
+
+Inputs are the tensors of the batch used for the capture (its attributes and its layout's index
+tensors, :meth:`sat.layout.GraphLayout.tensors`): each new padded batch is copied into them (from
+pinned memory, without blocking) before the replay. Outputs (the model's output and the loss) are
+the graph's own tensors, overwritten by the next replay: the training loop reads them at once.
+The gradients are the graph's tensors too: ``engine.step()`` sets ``param.grad = None`` (DeepSpeed's
+zero_grad), so they are attached again after every replay.
+
+Before the capture the step runs three times on a side stream (PyTorch's requirement: lazy
+initialisation, cuDNN/cuBLAS workspaces, ``torch.compile``'s compilation); BatchNorm's running
+statistics are restored afterwards and the gradients cleared, so the warm-up trains nothing.
+fp16 (a loss scaler on the host) and ZeRO stages above 0 (gradient hooks) are refused in one line.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from pipeline.tasks import Task
+from pipeline.train.loader import to_device
+from sat.layout import GraphLayout
+
+WARMUP_STEPS = 3
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor a padded batch carries, in a fixed order: its tensor attributes by name, then
+    its layout's index tensors. Two batches padded to one capacity give lists of equal shapes."""
+    out: list[torch.Tensor] = []
+    for key in sorted(batch.keys()):
+        value = batch[key]
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, GraphLayout):
+            out.extend(value.tensors())
+    return out
+
+
+def copy_into(static: list[torch.Tensor], batch: Any) -> None:
+    """Copy ``batch``'s tensors into ``static`` (:func:`batch_tensors` of the captured batch)."""
+    source = batch_tensors(batch)
+    if len(source) != len(static) or any(s.shape != t.shape or s.dtype != t.dtype for s, t in zip(source, static)):
+        raise ValueError("a padded batch differs in its tensors from the captured one (another capacity?)")
+    for dst, src in zip(static, source):
+        dst.copy_(src, non_blocking=True)
+
+
+class _Graph:
+    """One captured graph: its input tensors and what it returns."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], outputs: tuple) -> None:
+        self.graph, self.inputs, self.outputs = graph, inputs, outputs
+
+    def replay(self, batch: Any) -> tuple:
+        copy_into(self.inputs, batch)
+        self.graph.replay()
+        return self.outputs
+
+
+class CapturedSteps:
+    """The captured training step and evaluation forward of one DeepSpeed engine (see the module
+    docstring); each graph is captured on the first padded batch of its kind."""
+
+    def __init__(self, engine, task: Task) -> None:
+        if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
+            raise ValueError("train.step 'captured': fp16 scales the loss on the host; use bf16 or fp32")
+        if engine.zero_optimization_stage() > 0:
+            raise ValueError("train.step 'captured': ZeRO stages above 0 reduce gradients in hooks; use zero_stage 0")
+        self.engine, self.task = engine, task
+        self.module = engine.module
+        self.device = next(self.module.parameters()).device
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self._train: Optional[_Graph] = None
+        self._eval: Optional[_Graph] = None
+        self._grads: list[Optional[torch.Tensor]] = []
+
+    def _autocast(self):
+        enabled = bool(self.engine.torch_autocast_enabled())
+        dtype = self.engine.torch_autocast_dtype() if enabled else None
+        return torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False)
+
+    def _forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._autocast():
+            out = self.module(batch, validate=False)
+            loss = self.task.loss(out, batch)
+        loss.backward()
+        return out.detach(), loss.detach()
+
+    def _forward(self, batch: Any) -> torch.Tensor:
+        with torch.no_grad(), self._autocast():
+            return self.module(batch, validate=False)
+
+    def _capture(self, fn, batch: Any, training: bool) -> _Graph:
+        static = to_device(batch, self.device)
+        buffers = [b.detach().clone() for b in self.module.buffers()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                fn(static)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():  # the warm-up trained nothing: BatchNorm's statistics as they were
+            for b, saved in zip(self.module.buffers(), buffers):
+                b.copy_(saved)
+        if training:
+            for p in self.params:
+                p.grad = None  # the captured backward allocates the gradients in the graph's pool
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = fn(static)
+        if training:
+            self._grads = [p.grad for p in self.params]
+        return _Graph(graph, batch_tensors(static), outputs if isinstance(outputs, tuple) else (outputs,))
+
+    def train(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, loss and backward of a padded batch, replayed; gradients all-reduced over ranks.
+        The caller then steps the optimizer (:func:`pipeline.train.engine.optimizer_step`)."""
+        if self._train is None:
+            self._train = self._capture(self._forward_backward, batch, training=True)
+        out, loss = self._train.replay(batch)
+        for p, grad in zip(self.params, self._grads):
+            p.grad = grad  # DeepSpeed's zero_grad set them to None after the last step
+        if self.engine.enable_backward_allreduce:
+            self.engine.allreduce_gradients()
+        return out, loss
+
+    def evaluate(self, batch: Any) -> torch.Tensor:
+        """The model's output on a padded batch in evaluation mode, replayed."""
+        if self._eval is None:
+            self._eval = self._capture(self._forward, batch, training=False)
+        return self._eval.replay(batch)[0]

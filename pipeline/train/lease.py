@@ -1,0 +1,377 @@
+"""The run lease: one command at a time per run name (``train.storage_path`` + ``train.run_name``).
+
+Two commands training one run name at once write into one checkpoint folder and one MLflow run:
+each deletes the other's checkpoints as "never registered", epochs are logged twice, and one of
+them dies in the middle of an upload. So ``satp train`` (and every :func:`pipeline.train.driver.train_job`)
+holds a lease on the run before anything else: a file ``<storage_path>/<run_name>/satp-lease.json``
+that says who holds it (host, pid, since when, last heartbeat). A second command finds it and
+stops, before Ray starts, in one line naming the holder.
+
+Why a file with a heartbeat, and not ``flock``: the run's folder may be on storage that several
+nodes mount (README, *Several nodes*), where advisory locks are unreliable (NFS) or absent, and a
+lock file alone outlives a holder that was killed. The rules:
+
+* created atomically: the record is written to a temporary file, then hard-linked to the lease's
+  name (``link`` fails if the name exists, atomically also over NFS, unlike ``O_EXCL`` on old
+  NFS clients; a lost reply is told apart by the temporary file's link count);
+* refreshed by its holder every :data:`HEARTBEAT_S` seconds (a daemon thread writes a new record
+  and renames it over the lease; a holder that finds another holder's record in it stops
+  refreshing and says so);
+* expired when its holder is gone: on the same machine (same boot and pid namespace) when its
+  process no longer runs (or its pid now belongs to a process started later); from another
+  machine when its heartbeat is older than :data:`EXPIRES_S` seconds (the machines' clocks are
+  assumed to agree within that, as NTP keeps them). A lease that cannot be read (cut short,
+  bytes flipped: its checksum fails) expires when its file was not modified for that long;
+* an expired lease is taken over with one ``satp: warning:`` line naming it and its holder: it is
+  renamed aside, and put back if what was renamed is no longer the record that was judged
+  expired (its holder refreshed it meanwhile, or another command took it over first);
+* released (deleted, if it is still this holder's) when the command ends: normally, with an
+  error, or interrupted.
+
+Waiting: ``satp train`` refuses at once; :func:`pipeline.train.driver.train_job` (Tune trials, the
+demo, Python callers) waits up to :data:`WAIT_S` for a lease held from another machine to expire,
+so that a trial that Tune retries on another node after its node died is not refused for the
+minute its old heartbeat still looks fresh.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+LEASE_FILE = "satp-lease.json"
+HEARTBEAT_S = 10.0
+EXPIRES_S = 60.0
+WAIT_S = EXPIRES_S + 2 * HEARTBEAT_S
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class LeaseHeld(ValueError):
+    """Another live command holds the run's lease (a one-line message naming it)."""
+
+
+@dataclasses.dataclass
+class Holder:
+    """What a lease file records."""
+
+    host: str  # hostname, for people
+    machine: str  # boot id + pid namespace: "the same machine" for the liveness check
+    pid: int
+    pid_started: Optional[int]  # the process's start time in clock ticks since boot (a reused pid differs)
+    started: float  # when the lease was taken (time.time())
+    heartbeat: float  # when its holder last refreshed it
+    token: str  # this holding, unique
+    command: str
+
+    def describe(self, now: Optional[float] = None) -> str:
+        now = time.time() if now is None else now
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        return (f"{self.command} on host {self.host}, pid {self.pid}, since {since} "
+                f"(last heartbeat {max(0.0, now - self.heartbeat):.0f} s ago)")
+
+
+def lease_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / LEASE_FILE
+
+
+# ----------------------------------------------------------------------------- this machine
+def _read_text(path: str) -> Optional[str]:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def this_machine() -> str:
+    """An id shared by the processes that can see each other's pids: the kernel's boot id and the
+    pid namespace (containers on one host have their own); the hostname where neither exists."""
+    boot = _read_text("/proc/sys/kernel/random/boot_id")
+    try:
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        namespace = None
+    return f"{boot}:{namespace}" if boot else socket.gethostname()
+
+
+def process_started(pid: int) -> Optional[int]:
+    """The start time of process ``pid`` (clock ticks since boot; Linux), None where unknown."""
+    stat = _read_text(f"/proc/{pid}/stat")
+    try:
+        return int(stat.rsplit(")", 1)[1].split()[19]) if stat else None
+    except (IndexError, ValueError):
+        return None
+
+
+def process_running(pid: int, started: Optional[int]) -> bool:
+    """Whether ``pid`` is the same process as when it took the lease, and has not exited."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        pass
+    stat = _read_text(f"/proc/{pid}/stat")
+    if stat is not None and stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]:
+        return False  # exited, not yet reaped
+    now_started = process_started(pid)
+    return started is None or now_started is None or now_started == started
+
+
+# ----------------------------------------------------------------------------- the file
+def encode(holder: Holder) -> bytes:
+    """The record, with a checksum of its fields (a flipped byte makes it unreadable, not wrong)."""
+    fields = dataclasses.asdict(holder)
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return json.dumps({**fields, "sha256": hashlib.sha256(body.encode()).hexdigest()}, sort_keys=True).encode() + b"\n"
+
+
+def decode(data: bytes) -> Holder:
+    """The holder of a lease file's bytes; ``ValueError`` when they are not a whole record."""
+    try:
+        fields = json.loads(data)
+        digest = fields.pop("sha256")
+        body = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        if hashlib.sha256(body.encode()).hexdigest() != digest:
+            raise ValueError("its checksum does not match")
+        return Holder(**fields)
+    except (TypeError, KeyError, AttributeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a lease record ({type(exc).__name__})") from None
+
+
+def _write_new(path: Path, data: bytes) -> Path:
+    """``data`` in a new temporary file beside ``path`` (flushed to storage); returns its path."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def _create(path: Path, data: bytes) -> bool:
+    """Create ``path`` holding ``data`` if it does not exist (atomically); whether it was created."""
+    tmp = _write_new(path, data)
+    try:
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
+            if os.stat(tmp).st_nlink == 2:  # NFS: the link was made, its reply was lost
+                return True
+            raise
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _take_over(path: Path, seen: bytes) -> bool:
+    """Remove the expired lease ``path`` if it still holds ``seen``; whether it was removed."""
+    aside = path.with_name(f".{path.name}.{uuid.uuid4().hex}.expired")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False  # someone else took it over first
+    try:
+        if aside.read_bytes() == seen:
+            return True
+        try:  # refreshed or taken meanwhile: what was renamed is a live lease, put it back
+            os.link(aside, path)
+        except FileExistsError:
+            pass
+        return False
+    finally:
+        aside.unlink(missing_ok=True)
+
+
+def _sweep(path: Path) -> None:
+    """Remove what writers of the lease killed mid-write left beside it (a temporary record, a record
+    renamed aside), once older than the expiry: no live writer keeps one that long."""
+    for left in path.parent.glob(f".{path.name}.*"):
+        try:
+            if time.time() - left.stat().st_mtime > EXPIRES_S:
+                left.unlink()
+        except OSError:
+            pass
+
+
+def _unreadable_age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def expiry(holder: Holder, now: Optional[float] = None) -> Optional[str]:
+    """Why ``holder``'s lease has expired (see the module docstring), or None while it holds."""
+    now = time.time() if now is None else now
+    if holder.machine == this_machine():
+        if not process_running(holder.pid, holder.pid_started):
+            return "its process is no longer running"
+        return None
+    age = now - holder.heartbeat
+    if age > EXPIRES_S:
+        return f"its last heartbeat is {age:.0f} s old (more than {EXPIRES_S:.0f} s)"
+    return None
+
+
+def _say(line: str) -> None:
+    print(f"satp: warning: {line}", file=sys.stderr, flush=True)
+
+
+def _one_line(exc: OSError, path: Path, doing: str) -> OSError:
+    """An ``OSError`` of the lease file as one line (a full disk said in words), with its errno."""
+    if exc.errno in FULL:
+        error = OSError(f"{path}: the disk is full (No space left on device) while trying to {doing}; "
+                        "free space there and run the command again")
+    else:
+        error = OSError(f"{path}: cannot {doing} ({exc.strerror or exc})")
+    error.errno = exc.errno
+    return error
+
+
+# ----------------------------------------------------------------------------- holding it
+class RunLease:
+    """The lease of one run folder, held by this process while the command runs (a context manager)."""
+
+    def __init__(self, run_dir: str | Path, run_name: str, command: str = "satp train") -> None:
+        self.path = lease_path(run_dir)
+        self.run_name, self.command = run_name, command
+        self.holder: Optional[Holder] = None
+        self.lost: Optional[str] = None  # why this holder no longer holds it (see _refresh)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def acquire(self, wait_s: float = 0.0) -> "RunLease":
+        """Take the lease, taking over an expired one; raise :class:`LeaseHeld` if another command
+        holds it ``wait_s`` seconds from now, an ``OSError`` (one line) if it cannot be written."""
+        deadline = time.monotonic() + wait_s
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _one_line(exc, self.path.parent, "create the run's folder") from None
+        _sweep(self.path)
+        while True:
+            now = time.time()
+            mine = Holder(host=socket.gethostname(), machine=this_machine(), pid=os.getpid(),
+                          pid_started=process_started(os.getpid()), started=now, heartbeat=now,
+                          token=uuid.uuid4().hex, command=self.command)
+            try:
+                if _create(self.path, encode(mine)):
+                    self.holder = mine
+                    self._start_heartbeat()
+                    return self
+            except OSError as exc:
+                raise _one_line(exc, self.path, "write the run's lease") from None
+            refusal = self._expire_or_refuse()
+            if refusal is None:
+                continue
+            if time.monotonic() >= deadline:
+                raise LeaseHeld(refusal)
+            time.sleep(min(HEARTBEAT_S / 2, max(0.05, deadline - time.monotonic())))
+
+    def _expire_or_refuse(self) -> Optional[str]:
+        """Take over the lease on file if it expired (None: try again), else why it holds (one line)."""
+        try:
+            seen = self.path.read_bytes()
+        except FileNotFoundError:
+            return None  # released meanwhile
+        except OSError as exc:
+            raise _one_line(exc, self.path, "read the run's lease") from None
+        try:
+            holder: Optional[Holder] = decode(seen)
+            why = expiry(holder)
+            who = holder.describe()
+        except ValueError as exc:
+            holder, age = None, _unreadable_age(self.path)
+            why = f"it is unreadable ({exc}) and unchanged for {age:.0f} s" if age > EXPIRES_S else None
+            who = f"an unreadable lease ({exc}), modified {age:.0f} s ago"
+        if why is None:
+            expires = ("it is released when that command ends, or when it no longer runs" if holder is not None
+                       and holder.machine == this_machine() else
+                       f"it expires {EXPIRES_S:.0f} s after its holder's last heartbeat")
+            return (f"{self.path}: run {self.run_name!r} is held by {who}; {expires}: wait for it, or pick another "
+                    f"train.run_name")
+        if _take_over(self.path, seen):
+            _say(f"{self.path}: the lease of run {self.run_name!r} held by {who} has expired ({why}): taken over")
+        return None
+
+    def _start_heartbeat(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="satp-lease-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            if not self._refresh():
+                return
+
+    def _refresh(self) -> bool:
+        """Write a new heartbeat into the lease if it is still this holder's; whether to go on.
+
+        Every writer replaces the file whole, so a record that cannot be read was damaged where it
+        lies: it is written again, and so is a lease deleted under its holder (if no other command
+        created one meanwhile). A record of another holder means this one lost the lease."""
+        try:
+            data: Optional[bytes] = self.path.read_bytes()
+        except FileNotFoundError:
+            data = None
+        except OSError as exc:
+            log.warning("%s: heartbeat not written (%s)", self.path, exc)
+            return True
+        try:
+            on_file = decode(data) if data is not None else None
+        except ValueError:
+            on_file = None
+        if on_file is not None and on_file.token != self.holder.token:
+            self.lost = f"it is now held by {on_file.describe()}"
+            _say(f"{self.path}: this command no longer holds the lease of run {self.run_name!r} ({self.lost})")
+            return False
+        self.holder = dataclasses.replace(self.holder, heartbeat=time.time())
+        try:
+            if data is None:
+                if not _create(self.path, encode(self.holder)):
+                    return self._refresh()  # another command's now: said there
+            else:
+                os.replace(_write_new(self.path, encode(self.holder)), self.path)
+        except OSError as exc:  # a full disk: the lease stays, with an older heartbeat
+            log.warning("%s: heartbeat not written (%s)", self.path, exc)
+        return True
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lease if it is still this holder's."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.holder is None:
+            return
+        try:
+            if decode(self.path.read_bytes()).token == self.holder.token:
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass  # gone, or another holder's now
+        self.holder = None
+
+    def __enter__(self) -> "RunLease":
+        return self if self.holder is not None else self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,0 +1,44 @@
+"""One writer at a time for what several satp commands may build at once (a dataset's columnar
+store, a shard directory).
+
+Two ``satp preprocess`` (or a ``satp train`` and a ``satp tune``) of the same data would convert
+and write the same files together: each removes what it takes for a killed run's leftovers (the
+other's files in progress) and the directory's ``manifest.json``. The writer holds an exclusive
+``flock`` on a lock file beside what it writes; a second writer says whom it waits for, in one
+line, and waits, then finds the work done. The kernel releases the lock when its holder ends,
+killed included (no stale lock to remove); on NFS, Linux takes ``flock`` as a POSIX lock of the
+whole file, which the server arbitrates between nodes. The lock files stay (removing one while
+another process waits on it would let a third take a new one).
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def writer_lock(path: Path, what: str) -> Iterator[None]:
+    """Hold the exclusive lock ``path`` while writing ``what`` (named in the line a waiting writer prints)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            print(f"satp: {what} is being written by {holder}: waiting for it to finish", file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:  # who holds it, for the line of a waiting writer (a full disk may refuse it: the lock holds anyway)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"satp (pid {os.getpid()} on {socket.gethostname()})\n".encode(), 0)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,210 @@
+"""Fixed-capacity batches: a mini-batch padded to static shapes, with padding that changes nothing.
+
+A training step whose tensors have the same shapes every time can be compiled once
+(``torch.compile(dynamic=False)``) and captured once as a CUDA graph, then replayed for every batch:
+the host issues one graph launch instead of thousands of kernels (NVIDIA's MLPerf GNN code pads its
+batches the same way). :func:`pad_batch` pads a PyG batch of :class:`sat.data.SATData` to a
+:class:`Capacity`: ``nodes`` node rows, ``edges`` edges, ``graphs`` graph slots, graphs of at most
+``graph_nodes`` nodes (attention's static ``max_seqlen``), ``subgraph_entries`` and
+``subgraph_edges`` (the k-subgraph extractor's indices).
+
+The padding is inert: the model's output on the real graphs and nodes, its loss, every gradient,
+and BatchNorm's batch statistics and running averages equal those of the unpadded batch
+(``tests/test_padding.py``, fp64). That holds because
+
+* padding rows sit in graph slots of their own (:meth:`sat.layout.GraphLayout.padded`), so attention
+  (within a graph), the readouts (per graph slot) and the [CLS] nodes never mix them with real nodes;
+* padding edges, subgraph entries and subgraph edges join padding rows (or entries) only, dealt
+  round-robin over them so that no padding row collects many messages, and the model zeroes the
+  padding rows at every layer's input (:class:`sat.SAT`), so their values stay small and finite (a
+  non-finite padding value would turn a weight gradient into NaN through ``0 * inf``);
+* BatchNorm takes its statistics over the real rows only (:mod:`sat.norm`, ``layout.node_mask``);
+* targets of padding graphs and nodes are :data:`PAD_TARGET`, PyTorch's ``ignore_index``: the
+  cross-entropy losses skip them, and the host reads predictions and targets of the first
+  ``padding.graphs`` graphs / ``padding.nodes`` nodes only (:class:`Padding`).
+
+A batch that exceeds its capacity is not padded; a training loop runs it as it is (eagerly).
+The padded batch keeps the batch's own rows first (nodes, edges, graphs, in order) and carries
+``graph_layout`` (the fixed-capacity :class:`~sat.layout.GraphLayout`) and ``padding``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .data import SUBGRAPH_KEYS, SATData
+from .layout import GraphLayout
+
+PAD_TARGET = -100  # targets of padding rows: torch.nn.functional.cross_entropy's ignore_index
+
+NODE_ROWS = ("x", "rwpe", "lap_pe", "node_depth", "degree")  # one row per node, padded with zeros
+EDGE_ROWS = ("edge_attr",)  # one row per edge, padded with zeros
+GRAPH_ROWS = ("graph_id",)  # one row per graph, padded with -1
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Static sizes of a padded batch (see the module docstring). ``nodes`` counts node rows with
+    at least one padding row (every padded batch has one: padding edges need a row to join), and
+    ``subgraph_entries`` likewise keeps one padding entry; ``0`` subgraph capacities: batches
+    without k-subgraph indices."""
+
+    nodes: int
+    edges: int
+    graphs: int
+    graph_nodes: int
+    subgraph_entries: int = 0
+    subgraph_edges: int = 0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            lowest = 0 if f.name.startswith("subgraph") else 1
+            if not isinstance(value, (int, np.integer)) or value < lowest:
+                raise ValueError(f"Capacity.{f.name}: expected an integer >= {lowest}, got {value!r}")
+        if self.nodes < 2:
+            raise ValueError(f"Capacity.nodes: expected >= 2 (a node and a padding row), got {self.nodes}")
+
+    @property
+    def padding_graphs(self) -> int:
+        """Graph slots for the padding rows: enough for ``nodes`` rows of at most ``graph_nodes`` each."""
+        return math.ceil(self.nodes / self.graph_nodes)
+
+    @property
+    def graph_slots(self) -> int:
+        """All graph slots of a padded batch: ``graphs`` for the batch's graphs, then the padding graphs."""
+        return self.graphs + self.padding_graphs
+
+    def shortfall(self, graphs: int, nodes: int, graph_nodes: int, edges: int = 0, subgraph_entries: int = 0,
+                  subgraph_edges: int = 0) -> list[str]:
+        """What of a batch with these counts does not fit (one phrase each; empty: it fits)."""
+        checks = (("graphs", graphs, self.graphs), ("nodes", nodes, self.nodes - 1),
+                  ("largest graph", graph_nodes, self.graph_nodes), ("edges", edges, self.edges),
+                  ("subgraph entries", subgraph_entries, max(self.subgraph_entries - 1, 0)),
+                  ("subgraph edges", subgraph_edges, self.subgraph_edges))
+        return [f"{name} {value} > {limit}" for name, value, limit in checks if value > limit]
+
+    def to_dict(self) -> dict[str, int]:
+        return {k: int(v) for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "Capacity":
+        return cls(**{k: int(v) for k, v in values.items()})
+
+
+@dataclass(frozen=True)
+class Padding:
+    """What a padded batch holds for real: its first ``graphs`` graph slots and ``nodes`` node rows
+    (host integers, read by the training loop for its metrics; never by the model)."""
+
+    graphs: int
+    nodes: int
+
+
+def batch_counts(batch: Any, subgraphs: bool = True) -> dict[str, int]:
+    """A PyG batch's sizes, as :meth:`Capacity.shortfall` takes them (from tensor shapes and ``ptr``);
+    ``subgraphs=False``: its k-subgraph indices left out (0)."""
+    sizes = torch.diff(batch.ptr)
+    entries = getattr(batch, "subgraph_node_index", None) if subgraphs else None
+    sub_edges = getattr(batch, "subgraph_edge_index", None) if subgraphs else None
+    return {
+        "graphs": int(sizes.numel()),
+        "nodes": int(sizes.sum()),
+        "graph_nodes": int(sizes.max()) if sizes.numel() else 0,
+        "edges": int(batch.edge_index.size(1)),
+        "subgraph_entries": 0 if entries is None else int(entries.numel()),
+        "subgraph_edges": 0 if sub_edges is None else int(sub_edges.size(1)),
+    }
+
+
+def fits(batch: Any, capacity: Capacity) -> bool:
+    """Whether :func:`pad_batch` can pad ``batch`` to ``capacity``."""
+    return not capacity.shortfall(**batch_counts(batch, subgraphs=capacity.subgraph_entries > 0))
+
+
+def padding_of(batch: Any) -> Optional[Padding]:
+    """The :class:`Padding` of a padded batch, ``None`` for any other batch."""
+    padding = getattr(batch, "padding", None)
+    return padding if isinstance(padding, Padding) else None
+
+
+def _pad_rows(value: Tensor, rows: int, fill) -> Tensor:
+    if value.size(0) > rows:
+        raise ValueError(f"pad_batch: {value.size(0)} rows exceed the capacity's {rows}")
+    out = value.new_full((rows, *value.shape[1:]), fill)
+    out[: value.size(0)] = value
+    return out
+
+
+def _pad_ids(value: Tensor, rows: int, start: int, stop: int) -> Tensor:
+    """``value`` (ids, along its last axis) followed by ids cycling over ``start .. stop - 1`` up to
+    ``rows`` ids (every row of a ``[2, E]`` index gets the same ones: padding self-loops)."""
+    missing = rows - value.size(-1)
+    if missing < 0:
+        raise ValueError(f"pad_batch: {value.size(-1)} ids exceed the capacity's {rows}")
+    fill = torch.arange(missing, dtype=value.dtype) % (stop - start) + start
+    return torch.cat([value, fill.expand(*value.shape[:-1], missing)], dim=-1)
+
+
+def pad_batch(batch: Any, capacity: Capacity, node_targets: bool = False, cls_token: bool = False) -> Any:
+    """``batch`` (a PyG ``Batch`` of :class:`~sat.data.SATData`, on the CPU) padded to ``capacity``
+    (see the module docstring). ``node_targets``: ``y`` has one row per node (node classification),
+    else one per graph. ``cls_token``: the model reads out through [CLS] nodes (its layout has them).
+
+    A capacity without room for k-subgraph indices (``subgraph_entries = 0``: a model that does not
+    read them) drops them from the padded batch.
+
+    Raises ``ValueError`` when the batch exceeds the capacity (:func:`fits` says beforehand) or holds
+    an attribute without a padding rule."""
+    from torch_geometric.data import Batch
+
+    subgraphs = capacity.subgraph_entries > 0
+    counts = batch_counts(batch, subgraphs)
+    problems = capacity.shortfall(**counts)
+    if problems:
+        raise ValueError(f"pad_batch: the batch exceeds its capacity ({'; '.join(problems)})")
+    sizes = torch.diff(batch.ptr)
+    layout = GraphLayout.padded(sizes, capacity, cls_token=cls_token)
+    graphs, nodes, entries = counts["graphs"], counts["nodes"], counts["subgraph_entries"]
+    slots = layout.num_graphs
+    # padding edges join padding rows, entries sit on padding rows, subgraph edges join padding entries
+    out = Batch(_base_cls=SATData)
+    for key, value in batch:
+        if key in ("batch", "ptr", "graph_layout", "padding") or (key in SUBGRAPH_KEYS and not subgraphs):
+            continue
+        if not isinstance(value, Tensor):  # host lists (y_tokens) stay as they are: one item per real graph
+            out[key] = value
+        elif key in NODE_ROWS:
+            out[key] = _pad_rows(value, capacity.nodes, 0)
+        elif key in EDGE_ROWS:
+            out[key] = _pad_rows(value, capacity.edges, 0)
+        elif key in GRAPH_ROWS:
+            out[key] = _pad_rows(value, slots, -1)
+        elif key == "y":
+            out[key] = _pad_rows(value if node_targets else value.view(graphs, -1).squeeze(-1),
+                                 capacity.nodes if node_targets else slots, PAD_TARGET)
+        elif key == "edge_index":
+            out[key] = _pad_ids(value, capacity.edges, nodes, capacity.nodes)
+        elif key in ("subgraph_node_index", "subgraph_indicator"):
+            out[key] = _pad_ids(value, capacity.subgraph_entries, nodes, capacity.nodes)
+        elif key == "subgraph_edge_index":
+            out[key] = _pad_ids(value, capacity.subgraph_edges, entries, capacity.subgraph_entries)
+        elif key == "subgraph_edge_id":  # any edge will do: its message only reaches a padding entry
+            out[key] = _pad_ids(value, capacity.subgraph_edges, 0, 1)
+        else:
+            raise ValueError(f"pad_batch: batch attribute {key!r} has no padding rule (known: node rows {NODE_ROWS}, "
+                             f"edge rows {EDGE_ROWS}, graph rows {GRAPH_ROWS}, y, and the index attributes)")
+    input_sizes = layout.sizes - int(cls_token)
+    out.batch = torch.repeat_interleave(torch.arange(slots), torch.from_numpy(input_sizes))
+    out.ptr = torch.from_numpy(np.concatenate([[0], np.cumsum(input_sizes)]))
+    out.num_nodes = capacity.nodes
+    out._num_graphs = slots
+    out.graph_layout = layout
+    out.padding = Padding(graphs=graphs, nodes=nodes)
+    return out
