@@ -196,7 +196,7 @@ def _kernels():
 # program) for rows with few edges (on code2: ~3.5 per subgraph entry with its root edge, ~13 per
 # graph edge) and rows with many (the first layer's gradient into graph nodes: ~60 each, root
 # edges included). Chosen on an H100, before the root edges joined, by
-# benchmarks/gpu_messages.py (benchmarks/RESULTS.md): one program per row and few warps keep
+# benchmarks/gpu/messages.py (benchmarks/RESULTS.md): one program per row and few warps keep
 # many short rows in flight; long rows want wide edge tiles.
 KERNEL_CONFIGS = {"short": (1, 256, 2), "long": (32, 64, 2)}
 LONG_ROWS = 16  # mean edges per row from which the "long" configuration applies

@@ -1,10 +1,10 @@
-"""The GPU train-step benchmark's own parts (benchmarks/gpu_step.py), on CPU: its graph files and
+"""The GPU train-step benchmark's own parts (benchmarks/gpu/step.py), on CPU: its graph files and
 the job, task and model it builds, as the worker does."""
 import pytest
 import torch
 
-from benchmarks.gpu_step import _job_parts, load_graphs, save_graphs
-from benchmarks.synthetic import code2_like_graphs, ppa_like_graphs
+from benchmarks.gpu.step import _job_parts, load_graphs, save_graphs
+from benchmarks.graphs.synthetic import code2_like_graphs, ppa_like_graphs
 from pipeline.train.loader import BatchCollator
 from sat import SAT, add_subgraph_indices
 
@@ -45,7 +45,7 @@ def test_gpu_step_benchmark_trains_each_job_with_its_own_task(job, task):
 def test_scale_benchmark_row_for_a_tiny_size(tmp_path, monkeypatch):
     """`BENCH=scale` at 60 graphs: generate, preprocess (its own local Ray) and the finished rerun as
     subprocesses; one table row, every figure positive, the size's directory removed (~65 s on 2 busy cores)."""
-    from benchmarks import bench_scale
+    from benchmarks.scale import data_path as bench_scale
 
     monkeypatch.setenv("SATP_SCALE_DIR", str(tmp_path))
     text = bench_scale.run([60], kill_after=0)
@@ -65,9 +65,9 @@ def test_scale_benchmark_row_for_a_tiny_size(tmp_path, monkeypatch):
 
 
 def test_gpu_accuracy_fast_variant_scales_batch_lr_and_warmup(monkeypatch):
-    """`SATP_ACC_FAST=1` (benchmarks/gpu_accuracy.py): 4x the job's batch, lr by the square-root rule,
+    """`SATP_ACC_FAST=1` (benchmarks/gpu/accuracy.py): 4x the job's batch, lr by the square-root rule,
     a quarter of the warm-up in epochs; without it the part runs the job file's settings."""
-    from benchmarks.gpu_accuracy_sbm import sbm_variant
+    from benchmarks.gpu.accuracy_sbm import sbm_variant
     from pipeline.config import load_job
 
     job = load_job("jobs/pattern.yaml")
@@ -87,7 +87,7 @@ def test_gpu_accuracy_curve_shows_the_running_bn_metric_when_the_run_has_it():
     """With train.precise_bn_batches the curve has columns for the validation metric under
     BatchNorm's moving averages and the statistics' shift, between validation and test; without,
     the table is as before."""
-    from benchmarks.gpu_accuracy_report import curve_table
+    from benchmarks.gpu.accuracy_report import curve_table
 
     plain = [{"epoch": 0, "val_acc": 0.8, "test_acc": 0.79}]
     both = [{"epoch": 0, "val_acc": 0.85, "val_acc_running_bn": 0.78, "bn_var_ratio": 1.31, "bn_mean_shift": 0.12,
@@ -105,7 +105,7 @@ def test_gpu_accuracy_curve_shows_the_running_bn_metric_when_the_run_has_it():
 def test_gpu_accuracy_code2_subset_fits_the_time_left():
     """code2batch's N: 3 recipe epochs at 85% of the probe's rate fit what is left after the default's
     reserve and both start-ups; never more than the split or the cap."""
-    from benchmarks import gpu_accuracy_code2 as acc
+    from benchmarks.gpu import accuracy_code2 as acc
 
     n, sizing = acc.choose_subset(400.0, 700.0, 100_000, 30_000, 100_000)
     epochs_s = acc.RECIPE_EPOCHS * n / (0.85 * 700.0)
@@ -115,7 +115,7 @@ def test_gpu_accuracy_code2_subset_fits_the_time_left():
 
 
 def test_gpu_accuracy_never_builds_from_reserved_packages():
-    from benchmarks.gpu_accuracy_code2 import package_dirs
+    from benchmarks.gpu.accuracy_code2 import package_dirs
 
     dirs, skipped = package_dirs(["json", "IPython", "no_such_package_xyz"])
     assert len(dirs) == 1 and dirs[0].endswith("json")
@@ -123,11 +123,11 @@ def test_gpu_accuracy_never_builds_from_reserved_packages():
 
 
 def test_measure_stops_a_command_when_asked_with_sigint_first(tmp_path):
-    """gpu_measure.measure's stop predicate: SIGINT, the grace period, then the process tree is killed."""
+    """benchmarks.gpu.measure.measure's stop predicate: SIGINT, the grace period, then the process tree is killed."""
     import sys
     import time
 
-    from benchmarks.gpu_measure import measure
+    from benchmarks.gpu.measure import measure
 
     script = ("import signal, sys, time\n"
               "signal.signal(signal.SIGINT, lambda *a: (print('got SIGINT', flush=True), sys.exit(3)))\n"

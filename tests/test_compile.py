@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from benchmarks.job_graphs import job_graphs
+from benchmarks.graphs.jobs import job_graphs
 from pipeline.config import load_job
 from sat import SAT
 from sat.padding import Capacity, batch_counts, pad_batch

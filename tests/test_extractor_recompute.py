@@ -9,7 +9,7 @@ import torch
 from conftest import kept_for_backward
 from torch_geometric.data import Batch
 
-from benchmarks.synthetic import code2_like_graphs
+from benchmarks.graphs.synthetic import code2_like_graphs
 from sat import SAT, SATConfig, add_subgraph_indices
 from sat.data import SUBGRAPH_KEYS
 from sat.extractors import SubgraphExtractor, SubtreeExtractor

@@ -52,7 +52,7 @@ def test_ppa_job_batches_hold_the_graphs_its_learning_rate_assumes():
     """ppa.yaml's lr assumes ~67 graphs per batch at its node budget: the sampler gives that on ppa-sized graphs."""
     import numpy as np
 
-    from benchmarks.synthetic import ppa_like_graphs
+    from benchmarks.graphs.synthetic import ppa_like_graphs
     from pipeline.train.batching import NodeBudgetSampler
 
     job = load_job(JOBS / "ppa.yaml")

@@ -143,7 +143,7 @@ def test_fused_subgraph_messages_match_torch_in_bf16_with_less_memory():
     autocast, forward and backward, on code2-shaped graphs: as close to the fp32 result as the torch
     path in bf16 is (both round the linear maps to bf16), and with a lower peak memory, since the
     fused path keeps no [Es, d] activations."""
-    from benchmarks.synthetic import code2_like_graphs
+    from benchmarks.graphs.synthetic import code2_like_graphs
     from sat.data import SUBGRAPH_KEYS
     from sat.extractors import SubgraphExtractor
 

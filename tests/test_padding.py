@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from benchmarks.job_graphs import job_graphs
+from benchmarks.graphs.jobs import job_graphs
 from pipeline.config import load_job
 from pipeline.train.cuda_graphs import batch_tensors
 from sat import SAT

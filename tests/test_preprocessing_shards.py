@@ -234,7 +234,7 @@ def test_ppa_shards(ppa):
 def test_benchmark_ppa_graphs_are_laid_out_as_ppa_shard_rows(ppa):
     """The GPU check's ppa rows train on ``ppa_like_graphs``: the fields, dtypes and edge order that
     ``satp preprocess`` writes for ppa (``edge_sum`` node input), at ogbg-ppa's sizes."""
-    from benchmarks.synthetic import ppa_like_graphs
+    from benchmarks.graphs.synthetic import ppa_like_graphs
 
     row = ShardDataset(ppa[2], "train")[0]
     graphs = ppa_like_graphs(24, seed=0)

@@ -323,13 +323,17 @@ def test_format1_is_refused_and_migrated(tmp_path, capsys):
     assert "nope: no such registered model" in capsys.readouterr().err
 
 
-def test_pyfunc_code_of_versions_registered_before_the_move_still_builds():
-    """Versions registered before ``pipeline/`` became sub-packages carry a ``satp_pyfunc.py`` that
-    imports ``pipeline.model_format``: that import still gives the class the current code names."""
-    from pipeline.registry.model_format import PYFUNC_CODE, SATPyfunc
+@pytest.mark.parametrize("stored_module", ["pipeline.model_format", "pipeline.registry.model_format"])
+def test_pyfunc_code_of_versions_registered_before_the_moves_still_builds(stored_module):
+    """A registered version's ``satp_pyfunc.py`` names the module of the pyfunc class as it was when
+    the version was registered: ``pipeline.model_format`` (before ``pipeline/`` had sub-packages),
+    ``pipeline.registry.model_format`` (before the class moved to :mod:`pipeline.registry.pyfunc`);
+    each import still gives the class the current code names."""
+    from pipeline.registry.model_format import PYFUNC_CODE
+    from pipeline.registry.pyfunc import SATPyfunc
 
-    old_code = PYFUNC_CODE.replace("pipeline.registry.model_format", "pipeline.model_format")
-    assert "from pipeline.model_format import SATPyfunc" in old_code
+    assert "from pipeline.registry.pyfunc import SATPyfunc" in PYFUNC_CODE
+    old_code = PYFUNC_CODE.replace("pipeline.registry.pyfunc", stored_module)
     namespace: dict = {}
     exec(compile(old_code.replace("mlflow.models.set_model(SATPyfunc())", ""), "satp_pyfunc.py", "exec"), namespace)
     assert namespace["SATPyfunc"] is SATPyfunc

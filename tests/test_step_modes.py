@@ -29,7 +29,7 @@ import json, sys
 import torch
 from torch_geometric.data import Batch
 from torch._dynamo.utils import counters
-from benchmarks.job_graphs import job_graphs
+from benchmarks.graphs.jobs import job_graphs
 from pipeline.config import load_job
 from pipeline.config.train import TrainConfig
 from pipeline.train.engine import build_engine, clips_outside_deepspeed
@@ -106,7 +106,7 @@ def test_a_padded_batch_copied_into_the_captured_inputs_is_what_the_model_sees()
     """What a replay reads: the captured batch's tensors, overwritten with the next batch's."""
     from torch_geometric.data import Batch
 
-    from benchmarks.job_graphs import job_graphs
+    from benchmarks.graphs.jobs import job_graphs
     from pipeline.config import load_job
     from pipeline.train.cuda_graphs import batch_tensors, copy_into
     from sat import SAT

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch_geometric.data import Batch
 from torch_geometric.utils import scatter
 
-from benchmarks.synthetic import code2_like_graphs
+from benchmarks.graphs.synthetic import code2_like_graphs
 from sat import add_subgraph_indices
 from sat.extractors import EdgeGCNConv, SubgraphExtractor
 

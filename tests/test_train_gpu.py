@@ -28,7 +28,7 @@ from pipeline.tasks import Code2Task
 from pipeline.config.train import TrainConfig
 from pipeline.train.step import TrainStep
 from sat import SAT, SATConfig
-from benchmarks.synthetic import code2_like_graphs
+from benchmarks.graphs.synthetic import code2_like_graphs
 
 precision = sys.argv[1]
 torch.manual_seed(0)

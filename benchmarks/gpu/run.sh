@@ -8,18 +8,18 @@
 #              benchmarks (code2 and ppa shapes), the real pipeline on pycode; SATP_GPU_BUDGET_S=420
 #   steps      eager vs compiled vs captured training steps (train.step) for PATTERN at 32 and 128 graphs per
 #              step and code2 at budgets 16384 and 131072: graphs/s, step ms, kernel ms per step; satp train's
-#              start-up breakdown, cold and warm compile caches (benchmarks/gpu_steps.py); SATP_GPU_BUDGET_S=510
+#              start-up breakdown, cold and warm compile caches (benchmarks/gpu/steps.py); SATP_GPU_BUDGET_S=510
 #   scale      a synthetic ogbg-ppa of SATP_SCALE_GRAPHS graphs (default 158100, full size) built on the
 #              machine, `satp preprocess jobs/ppa.yaml`, one epoch of `satp train jobs/ppa.yaml` on one GPU
-#              worker; wall time, peak RSS, GPU memory and disk of each step (benchmarks/gpu_scale.py);
+#              worker; wall time, peak RSS, GPU memory and disk of each step (benchmarks/gpu/scale.py);
 #              SATP_GPU_BUDGET_S=510; data kept in runs/gpu-scale for a rerun on the same warm machine
 #   multirank  two Ray Train workers sharing the GPU (gloo), equal batches per rank, gathered
-#              evaluation against a 1-rank one, checkpoint, resume (benchmarks/gpu_multirank.py);
+#              evaluation against a 1-rank one, checkpoint, resume (benchmarks/gpu/multirank.py);
 #              SATP_GPU_BUDGET_S=330
 #   pattern    time to accuracy of jobs/pattern.yaml on one GPU: the full PATTERN generated on the machine
 #              (`satp data sbm-pattern`), `satp preprocess`, `satp train` with train.target val_acc >= 0.865
 #              (SATP_ACC_TARGET); time to target, test acc at the best val epoch, the per-epoch curve
-#              (benchmarks/gpu_accuracy.py); SATP_ACC_FAST=1 (or SATP_ACC_BATCH/_LR/_WARMUP_STEPS/_SET) for
+#              (benchmarks/gpu/accuracy.py); SATP_ACC_FAST=1 (or SATP_ACC_BATCH/_LR/_WARMUP_STEPS/_SET) for
 #              a GPU-fast variant; SATP_GPU_BUDGET_S=510; data and runs kept in runs/gpu-pattern: a second
 #              call on the same warm machine resumes a run the budget cut
 #   cluster    the same for jobs/cluster.yaml (target val_acc >= 0.774); its 10 minutes need two calls
@@ -31,7 +31,7 @@
 #    and pyarrow), installs the wheel kit `.whl/` (built on a CPU machine by
 #    benchmarks/gpu/make_wheels.sh; no network needed; SATP_KIT names another folder) with
 #    benchmarks/gpu/install_kit.sh.
-# 2. Runs `SATP_GPU_PART=PART BENCH=gpu python -m benchmarks.run` (benchmarks/bench_gpu.py), which
+# 2. Runs `SATP_GPU_PART=PART BENCH=gpu python -m benchmarks.run` (benchmarks/gpu/check.py), which
 #    prints the part's table and appends it to benchmarks/RESULTS.md as its own section.
 # 3. With $OUT set (the device tool's output folder), copies the section (perf: gpu_section.md,
 #    others: gpu_PART_section.md) and the raw figures and logs there (written as the part goes).

@@ -21,8 +21,9 @@ unpickler that only admits tensors and plain containers (a file holding anything
 refused). ``safetensors`` would avoid pickle framing altogether; it is not a satp dependency.
 
 The pyfunc face (``mlflow.pyfunc.load_model(uri).predict([...])``) uses MLflow's "models from
-code": the model's ``satp_pyfunc.py`` builds :class:`SATPyfunc` by importing it from the
-installed satp, where a ``PythonModel`` instance would be cloudpickled (``python_model.pkl``).
+code": the model's ``satp_pyfunc.py`` builds :class:`pipeline.registry.pyfunc.SATPyfunc` by
+importing it from the installed satp, where a ``PythonModel`` instance would be cloudpickled
+(``python_model.pkl``).
 satp's own loading (:func:`pipeline.registry.versions.load_model`) never runs that file: it reads the two
 artifacts with :func:`read_model`.
 
@@ -32,6 +33,7 @@ run are registered once, and :func:`read_model` refuses a weights file that does
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pickle
@@ -41,12 +43,9 @@ import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-import mlflow.pyfunc
-import pydantic
 import torch
 
-from pipeline.registry.versions import LoadedModel
-from pipeline.tasks import make_task
+from pipeline.tasks import Task, make_task
 from sat.config import SATConfig
 
 FORMAT = 2
@@ -60,10 +59,22 @@ PYFUNC_CODE = '''\
 """satp's MLflow pyfunc model, built from the installed satp (nothing pickled)."""
 import mlflow
 
-from pipeline.registry.model_format import SATPyfunc
+from pipeline.registry.pyfunc import SATPyfunc
 
 mlflow.models.set_model(SATPyfunc())
 '''
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A registered model read back (:func:`read_model`): the module, its task, config, vocabulary and
+    the version's ``satp_model.json``."""
+
+    model: torch.nn.Module
+    task: Task
+    model_config: SATConfig
+    vocab: Optional[list[str]]
+    info: dict[str, Any]
 
 
 def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -152,32 +163,13 @@ def read_model(weights: Path, meta_file: Path, where: str) -> LoadedModel:
     return LoadedModel(model=model.eval(), task=task, model_config=config, vocab=vocab, info=meta)
 
 
-# ----------------------------------------------------------------------------- MLflow pyfunc
-class ModelInput(pydantic.BaseModel):
-    """One input of the pyfunc model: Python source text (code2), or a graph in the JSON graph
-    format of ``satp predict`` (ppa: ``num_nodes``, ``edge_index``, ``edge_attr``; pattern and
-    cluster: ``num_nodes``, ``edge_index``, ``x``)."""
+def __getattr__(name: str):
+    """``SATPyfunc`` for the ``satp_pyfunc.py`` of versions registered while it lived here
+    (``from pipeline.registry.model_format import SATPyfunc``): stored files are never rewritten, so
+    this name keeps resolving, to :mod:`pipeline.registry.pyfunc` (imported on that first use only:
+    this module stays below the prediction code the pyfunc class uses)."""
+    if name == "SATPyfunc":
+        from pipeline.registry.pyfunc import SATPyfunc
 
-    source: Optional[str] = None
-    num_nodes: Optional[int] = None
-    edge_index: Optional[list[list[int]]] = None
-    edge_attr: Optional[list[list[float]]] = None
-    x: Optional[list[int]] = None
-
-
-class SATPyfunc(mlflow.pyfunc.PythonModel):
-    """``mlflow.pyfunc.load_model(uri).predict(inputs)``: one prediction per input, as
-    ``satp predict --json`` gives them (code2: a list of ``{"name", "line", "actual",
-    "predicted"}`` per source; ppa: a class; pattern / cluster: a class per node)."""
-
-    def load_context(self, context) -> None:
-        from pipeline.registry.predict import Predictor
-
-        files = {name: Path(path) for name, path in context.artifacts.items()}
-        self.predictor = Predictor(read_model(files["weights"], files["satp_model"], "pyfunc model"))
-
-    # the input's type hint gives MLflow the signature (and validates inputs); no output hint: the
-    # output's type depends on the task, and an untyped ``list`` draws MLflow's inference message
-    def predict(self, context, model_input: list[ModelInput], params: Optional[dict[str, Any]] = None):
-        values = [v.model_dump(exclude_none=True) if isinstance(v, pydantic.BaseModel) else dict(v) for v in model_input]
-        return self.predictor.predict_json(values, "model input")
+        return SATPyfunc
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@
 >>> model.predict_file("graphs.json")                                # a JSON graph file (ppa, pattern, cluster)
 
 Node tasks (pattern, cluster) predict one class per node: a list per graph, in the graph's node order.
-The same models serve MLflow's pyfunc interface (:class:`pipeline.registry.model_format.SATPyfunc`):
+The same models serve MLflow's pyfunc interface (:class:`pipeline.registry.pyfunc.SATPyfunc`):
 ``mlflow.pyfunc.load_model(uri).predict([{"source": text}])`` (code2) or ``.predict([graph, ...])``
 (JSON graphs, :meth:`Predictor.graphs_from_json`).
 

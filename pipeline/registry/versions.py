@@ -33,21 +33,14 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from pipeline.registry.model_format import (FORMAT, LEGACY_META, META_FILE, PYFUNC_CODE, WEIGHTS_FILE, LoadedModel,
+                                            cpu_state, read_model, weights_sha256, write_files)
 from pipeline.tasks import Task
 from sat.config import SATConfig
 
 CHAMPION = "champion"  # the alias that serves a model name: the best version by validation metric
 WEIGHTS_TAG = "satp.weights_sha256"
 PIP_REQUIREMENTS = ["torch", "torch-geometric", "pydantic", "satp"]
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    model: torch.nn.Module
-    task: Task
-    model_config: SATConfig
-    vocab: Optional[list[str]]
-    info: dict[str, Any]
 
 
 def git_commit(cwd: Optional[str | Path] = None) -> str:
@@ -92,7 +85,6 @@ def log_and_register(
     when not registered). When a version of ``registered_model`` from the same run holds the same
     weights, nothing is logged: that version is returned, with ``"reason"`` saying so.
     """
-    from pipeline.registry.model_format import FORMAT, cpu_state, weights_sha256
 
     state = cpu_state(model)
     provenance = {k: v for k, v in (provenance or {}).items() if k in ("config_hash", "git_commits")}
@@ -176,7 +168,6 @@ def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id:
     import mlflow
     import mlflow.pyfunc
 
-    from pipeline.registry.model_format import PYFUNC_CODE, write_files
 
     mlflow.set_tracking_uri(tracking_uri)
     with tempfile.TemporaryDirectory() as tmp:
@@ -227,7 +218,6 @@ def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
     by :func:`log_and_register`, or is a format-1 (pickled) model.
     """
     check_model_uri(uri)
-    from pipeline.registry.model_format import LEGACY_META, META_FILE, WEIGHTS_FILE, read_model
 
     local = download(uri, tracking_uri)
     if (local / LEGACY_META).is_file():

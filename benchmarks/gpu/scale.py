@@ -18,7 +18,7 @@ Each step: wall time, exit status, peak RSS of the largest process (``wait4``'s 
 ``/usr/bin/time -v`` reports it), peak summed RSS of the process tree and of the machine's used
 memory, peak GPU memory (NVML), disk of each directory after it. The epoch's graphs/s, data-wait
 share, epoch and evaluation seconds and accuracy are read back from MLflow as the ``perf`` part's
-pipeline rows read them (:func:`benchmarks.bench_gpu._pipeline_metrics`).
+pipeline rows read them (:func:`benchmarks.gpu.measure._pipeline_metrics`).
 
 Sizes and why: the full size is the default because the rewritten generator and preprocessing stream
 (bounded memory) and run in parallel; at FACTS.md's 1/10-size figures (raw files 39 KB, shards 152 KB
@@ -41,11 +41,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.bench_gpu import _pipeline_metrics
-from benchmarks.gpu_measure import DRY_RUN, ROOT, Clock, _gb, disk_gb, measure
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _pipeline_metrics, disk_gb, measure
 
 FULL_GRAPHS = 158_100
-# a comma list (benchmarks/bench_scale.py's form of the same variable) gives its largest size
+# a comma list (benchmarks/scale/data_path.py's form of the same variable) gives its largest size
 GRAPHS = max(int(v) for v in (os.environ.get("SATP_SCALE_GRAPHS") or str(300 if DRY_RUN else FULL_GRAPHS)).split(",")
              if v.strip())
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 510)

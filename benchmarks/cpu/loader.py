@@ -1,6 +1,6 @@
 """Loader benchmark: the training DataLoader alone, no model (``BENCH=loader make bench``).
 
-    python -m benchmarks.bench_loader --shards DIR --budget N --workers W [--job JOB] [--seconds S]
+    python -m benchmarks.cpu.loader --shards DIR --budget N --workers W [--job JOB] [--seconds S]
 
 iterates the training loader exactly as a Ray Train worker builds it (the job's sampler and loader,
 :func:`pipeline.train.worker.split_sampler` and :func:`pipeline.train.worker.train_loader`, the model
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # make bench: shards of the standard library's larger packages (~4k functions) and 600 synthetic ppa graphs
 PACKAGES = ("asyncio", "email", "multiprocessing", "idlelib", "tkinter", "concurrent", "xml", "json")
 PPA_GRAPHS = 600
@@ -184,7 +184,7 @@ def run() -> str:
     waits = ["| code2 131072, 1 loader worker | data wait per epoch ms | of it, the first batch ms |", "|---|---|---|"]
     waits += [f"| {mode} | {r['wait_s'] * 1000:.0f} | {r['first_batch_wait_s'] * 1000:.0f} |" for mode, r in starts.items()]
     return "\n".join([
-        "### Loader: the training DataLoader alone (`python -m benchmarks.bench_loader`)",
+        "### Loader: the training DataLoader alone (`python -m benchmarks.cpu.loader`)",
         f"Shards: {', '.join(PACKAGES)} of the standard library (code2) and {PPA_GRAPHS} synthetic ppa graphs, "
         "the jobs' transforms; one loader worker process (`--workers 1`), batches of the jobs' budgets. "
         "`per-item`: `ds[i]` per graph and `Batch.from_data_list` (the path before `ShardDataset.batch`). "
@@ -197,7 +197,7 @@ def run() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_loader", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu.loader", description=__doc__.splitlines()[0])
     parser.add_argument("--shards", required=True, help="a shard directory (its train split is read)")
     parser.add_argument("--budget", type=int, required=True, help="train.node_budget")
     parser.add_argument("--workers", type=int, required=True, help="train.loader_workers (0: in this process)")

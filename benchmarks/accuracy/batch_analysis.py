@@ -1,4 +1,4 @@
-"""Reading and analysing the batch-size study's runs (:mod:`benchmarks.bench_batch`): each trial's
+"""Reading and analysing the batch-size study's runs (:mod:`benchmarks.accuracy.batch`): each trial's
 history from its Train checkpoints, the sweeps' best lr, the F1 curves per batch size, the graphs per
 step of the product's sampler, the steps and seconds to a common validation F1 target, and the fit of
 the critical batch size."""
@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.batch_study_jobs import base_dict, lr_grid, seeds_name, shard_dirs, sweep_name
+from benchmarks.accuracy.batch_jobs import base_dict, lr_grid, seeds_name, shard_dirs, sweep_name
 
 
 # ----------------------------------------------------------------------------- reading results

@@ -1,8 +1,10 @@
-"""How the GPU check runs and measures its commands (:mod:`benchmarks.bench_gpu` and its parts
-``scale``, ``multirank``, ``pattern``, ``cluster``, ``code2batch``): the repository root and the dry-run
+"""How the GPU check runs and measures its commands (:mod:`benchmarks.gpu.check` and its parts
+``steps``, ``scale``, ``multirank``, ``pattern``, ``cluster``, ``code2batch``): the repository root and the dry-run
 switch, the budget clock, the commands' environment, one train-step benchmark process
-(:mod:`benchmarks.gpu_step`), background commands, :func:`measure` (wall time, exit status, peak
-memory of the process tree and the GPU, stopped on a timeout or when asked) and disk use."""
+(:mod:`benchmarks.gpu.step`), background commands, :func:`measure` (wall time, exit status, peak
+memory of the process tree and the GPU, stopped on a timeout or when asked), disk use, and the
+per-epoch figures of a ``satp train`` run read back from MLflow (:func:`_pipeline_metrics`): what the
+parts share sits here, below all of them, so that no part imports another's module."""
 from __future__ import annotations
 
 import json
@@ -14,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DRY_RUN = os.environ.get("SATP_GPU_DRY_RUN") == "1"
 
 
@@ -42,7 +44,7 @@ def _last_line(text: str, limit: int | None = 300) -> str:
 
 def _step(spec: dict, timeout: float) -> dict:
     try:
-        proc = _run([sys.executable, "-m", "benchmarks.gpu_step", json.dumps(spec)], timeout)
+        proc = _run([sys.executable, "-m", "benchmarks.gpu.step", json.dumps(spec)], timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0:
@@ -203,3 +205,24 @@ def disk_gb(path: str | Path) -> float:
 
 def _gb(value) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+EPOCH_KEYS = ("graphs_per_s", "epoch_seconds", "data_wait_frac", "eval_seconds", "train_loss")
+
+
+def _pipeline_metrics(tracking_uri: str, run_name: str, metric: str = "f1") -> list[dict]:
+    """Per-epoch figures of ``satp train``'s MLflow run named ``run_name``, as Ray Train's controller
+    logged them (:mod:`pipeline.train.epoch_logger`): throughput, data-wait share, times, loss, val/test metric."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              filter_string=f"tags.mlflow.runName = '{run_name}'")
+    if not runs:
+        return []
+    run_id = runs[0].info.run_id
+    by_epoch: dict[int, dict] = {}
+    for key in (*EPOCH_KEYS, f"val_{metric}", f"test_{metric}"):
+        for m in client.get_metric_history(run_id, key):
+            by_epoch.setdefault(m.step, {})[key] = m.value
+    return [dict(epoch=k, **v) for k, v in sorted(by_epoch.items())]

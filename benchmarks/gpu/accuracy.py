@@ -51,25 +51,25 @@ Target: (2)'s time to target <= 1/10 of (1)'s 3-epoch time (both training + eval
 product's ``elapsed_s``). 3 epochs of 100k functions at 32 graphs per step do not fit one command with the
 corpus, the shards and two Ray starts: a train step of the code2 model is launch-bound, ~45-55 ms on an
 H100 whatever the batch (benchmarks/RESULTS.md), i.e. ~600-700 graphs/s at 32 graphs per step and ~450 s
-for 3 x 100k. So after the shards a 6-second probe of the recipe's step (``benchmarks/gpu_step.py`` on the
+for 3 x 100k. So after the shards a 6-second probe of the recipe's step (``benchmarks/gpu/step.py`` on the
 train shards, 32 random graphs per step) sets N, the training functions of both runs, to what fits the
 time left (``SATP_CODE2BATCH_N`` forces it); the section states N, the probe's rate, and the recipe's
 3-epoch time on all the training functions extrapolated from its measured epochs.
 
 ``SATP_GPU_DRY_RUN=1``: a few hundred graphs, a tiny model, CPU workers, through the same commands and code.
 
-This module is the entry point (:func:`run`); the parts are in :mod:`benchmarks.gpu_accuracy_sbm`
-(``pattern``, ``cluster``) and :mod:`benchmarks.gpu_accuracy_code2` (``code2batch``), what they share in
-:mod:`benchmarks.gpu_accuracy_runs` (budget, ledger, ``satp train`` under a watch) and
-:mod:`benchmarks.gpu_accuracy_report` (tables, plot, logs).
+This module is the entry point (:func:`run`); the parts are in :mod:`benchmarks.gpu.accuracy_sbm`
+(``pattern``, ``cluster``) and :mod:`benchmarks.gpu.accuracy_code2` (``code2batch``), what they share in
+:mod:`benchmarks.gpu.accuracy_runs` (budget, ledger, ``satp train`` under a watch) and
+:mod:`benchmarks.gpu.accuracy_report` (tables, plot, logs).
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from benchmarks.gpu_accuracy_code2 import run_code2batch
-from benchmarks.gpu_accuracy_runs import PART
-from benchmarks.gpu_accuracy_sbm import run_sbm
+from benchmarks.gpu.accuracy_code2 import run_code2batch
+from benchmarks.gpu.accuracy_runs import PART
+from benchmarks.gpu.accuracy_sbm import run_sbm
 
 PARTS = ("pattern", "cluster", "code2batch")
 

@@ -1,12 +1,12 @@
 """Step cost on the CPU: operators per training step and host time per step, eager vs padded vs
-compiled (issue 29). ``BENCH=step make bench`` calls :func:`run`; ``python -m benchmarks.bench_step
+compiled (issue 29). ``BENCH=step make bench`` calls :func:`run`; ``python -m benchmarks.cpu.step
 [JOB ...]`` prints the table for the given job files (default: ``jobs/pattern.yaml`` and
 ``jobs/code2.yaml``).
 
 On a GPU a step of SAT costs what the host takes to dispatch its operators (~14 us each, ~3,200 per
 PATTERN step: FACTS.md), whatever the batch; the CPU shows the same dispatch cost when the
 arithmetic is negligible. So each job's own model (its ``model`` section, its task's encoders and
-head; :mod:`benchmarks.job_graphs`) is measured on two batches:
+head; :mod:`benchmarks.graphs.jobs`) is measured on two batches:
 
 * ``1 graph``: one graph of the job's data (a PATTERN graph has ~118 nodes): the host-bound proxy
   of the GPU's step, where the issue's target is compiled <= 1/3 of eager;
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JOBS = ("jobs/pattern.yaml", "jobs/code2.yaml")
 MODES = ("eager", "static", "compiled")
 SIZES = (1, 32)
@@ -49,7 +49,7 @@ def measure(job_path: str, graphs: int, mode: str, steps: int = TIMED_STEPS) -> 
     import torch
     from torch_geometric.data import Batch
 
-    from benchmarks.job_graphs import job_graphs
+    from benchmarks.graphs.jobs import job_graphs
     from pipeline.config import load_job
     from sat import SAT
     from sat.layout import GraphLayout
@@ -114,7 +114,7 @@ def _dispatched(event) -> bool:
 
 
 def _in_subprocess(job_path: str, graphs: int, mode: str) -> dict:
-    code = ("import json, sys; from benchmarks.bench_step import measure; "
+    code = ("import json, sys; from benchmarks.cpu.step import measure; "
             "print('RESULT ' + json.dumps(measure(sys.argv[1], int(sys.argv[2]), sys.argv[3])))")
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", code, job_path, str(graphs), mode], cwd=ROOT, env=env,
@@ -142,18 +142,11 @@ def table(jobs=JOBS) -> str:
     return "\n".join(rows)
 
 
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return ", ".join(f for f in wanted if f" {f}" in flags) or "none of avx2/avx512"
-
-
 def run() -> str:
+    from benchmarks.machine import cpu_flags
+
     return ("### Step cost: operators and host time per training step, eager vs padded vs compiled (CPU)\n\n"
-            f"Command: `BENCH=step make bench` (`benchmarks/bench_step.py`; {TIMED_STEPS} timed steps per row, "
+            f"Command: `BENCH=step make bench` (`benchmarks/cpu/step.py`; {TIMED_STEPS} timed steps per row, "
             f"median; 2 threads; CPU flags: {cpu_flags()}; forward + the task's loss + backward + AdamW foreach, "
             "no DeepSpeed; each row in its own process).\n\n" + table())
 

@@ -1,6 +1,6 @@
 """GPU train-step benchmark through the project's own parts: one configuration per process.
 
-``python -m benchmarks.gpu_step '<json spec>'`` prints one JSON line of figures. The step is the
+``python -m benchmarks.gpu.step '<json spec>'`` prints one JSON line of figures. The step is the
 worker's (:class:`pipeline.train.step.TrainStep` on a :func:`pipeline.train.engine.build_engine`
 DeepSpeed engine, single rank), fed by the worker's loader (:class:`pipeline.train.batching.NodeBudgetSampler`,
 :class:`pipeline.train.loader.BatchCollator` in DataLoader worker processes, pinned memory,
@@ -47,7 +47,7 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: dense peak FLOP/s by card name fragment: (bf16 tensor cores, fp32 without TF32)
 PEAK_FLOPS = {"H200": (989e12, 67e12), "H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12)}

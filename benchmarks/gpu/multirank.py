@@ -22,7 +22,7 @@ device), on small real data: ``satp data pycode`` over the machine's own standar
    - the resume: the second run's log says it resumed after epoch 0, its history keeps epoch 0 as the
      first run wrote it, the MLflow run is the same, the step counter went on.
 
-``python -m benchmarks.gpu_multirank --balance`` prints the per-rank work imbalance of node-budget
+``python -m benchmarks.gpu.multirank --balance`` prints the per-rank work imbalance of node-budget
 batches for several world sizes, ``--epoch-costs`` the per-epoch gather and checkpoint costs measured
 on the machine it runs on (both for docs/scale.md; no GPU needed).
 
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu_measure import DRY_RUN, ROOT, Clock, measure
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, measure
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 330)
 GRAPHS_PER_SPLIT = int(os.environ.get("SATP_MULTIRANK_GRAPHS") or (150 if DRY_RUN else 3000))
@@ -359,8 +359,8 @@ def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
 
     import torch
 
-    from benchmarks.gpu_step import _job_parts
-    from benchmarks.synthetic import code2_like_graphs
+    from benchmarks.gpu.step import _job_parts
+    from benchmarks.graphs.synthetic import code2_like_graphs
     from pipeline.tasks import Code2Task
     from pipeline.train.worker import build_model
 

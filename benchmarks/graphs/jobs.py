@@ -1,7 +1,7 @@
 """Graphs as a job's shards hold them, without shards: the model, task and data of any job file.
 
 :func:`job_graphs` draws synthetic raw graphs of the job's task (code2: random ASTs of
-:mod:`benchmarks.synthetic`'s code2 shapes with random method-name subtokens; ppa: the synthetic
+:mod:`benchmarks.graphs.synthetic`'s code2 shapes with random method-name subtokens; ppa: the synthetic
 ppa recipe; pattern / cluster: the SBM recipes) and turns them into items exactly as training data
 are made (:func:`preprocessing.reader.featurise`: the job's transform, the shard encoding, the
 decoding). It also builds the job's task and its model config (the task's encoders and head; PNA's
@@ -22,7 +22,7 @@ from sat.data import SATData
 
 
 def _code2_raws(n: int, rng: np.random.Generator) -> list[dict]:
-    from benchmarks.synthetic import NUM_NODE_ATTRIBUTES, NUM_NODE_TYPES, _random_dfs_tree, code2_node_counts
+    from benchmarks.graphs.synthetic import NUM_NODE_ATTRIBUTES, NUM_NODE_TYPES, _random_dfs_tree, code2_node_counts
 
     raws = []
     for graph_id, num_nodes in enumerate(code2_node_counts(n, int(rng.integers(1 << 31))).tolist()):

@@ -1,10 +1,10 @@
 """A/B of the CPU model benchmark: a base commit against the working tree, interleaved in one run.
 
-    .venv/bin/python -m benchmarks.ab_model [BASE] [--rounds N]      # BASE default: 995638f
+    .venv/bin/python -m benchmarks.cpu.ab_model [BASE] [--rounds N]      # BASE default: 995638f
 
 Machines differ (FACTS.md: AVX-512 bf16 on one, AVX2 only on the next), so "not slower than
 before" is only meaningful within one run on one machine. This checks ``BASE`` out into a
-temporary git worktree and runs :func:`benchmarks.bench_model.measure` for each configuration from
+temporary git worktree and runs :func:`benchmarks.cpu.model.measure` for each configuration from
 the base tree and from this tree alternately (A, B, A, B, ...), each in a fresh process with the
 same interpreter, and prints a markdown table of the per-configuration medians and the ratio.
 """
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = [
     ("dense, fp32, k-subtree", dict(attention="dense", precision="fp32", extractor="subtree", warmup=1, steps=8)),
     ("dense, bf16 autocast, k-subtree", dict(attention="dense", precision="bf16", extractor="subtree", warmup=1, steps=8)),
@@ -29,7 +29,9 @@ CONFIGS = [
 
 def _measure(tree: Path, spec: dict) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(tree))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_model", json.dumps(spec)], cwd=tree, env=env,
+    # the model benchmark's module in that tree (benchmarks/bench_model.py before the rooms of issue 31)
+    module = "benchmarks.cpu.model" if (tree / "benchmarks" / "cpu" / "model.py").is_file() else "benchmarks.bench_model"
+    proc = subprocess.run([sys.executable, "-m", module, json.dumps(spec)], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1][:200]}
@@ -62,8 +64,8 @@ def main() -> int:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     print(f"\n### CPU model benchmark, base {args.base} vs this tree ({head} + working tree), interleaved\n")
-    print(f"Command: `.venv/bin/python -m benchmarks.ab_model {args.base} --rounds {args.rounds}`; "
-          f"`benchmarks/bench_model.py` settings; graphs/s, median of {args.rounds} fresh processes each; "
+    print(f"Command: `.venv/bin/python -m benchmarks.cpu.ab_model {args.base} --rounds {args.rounds}`; "
+          f"`benchmarks/cpu/model.py` settings; graphs/s, median of {args.rounds} fresh processes each; "
           f"load average at end {os.getloadavg()[0]:.1f}.\n")
     print("| configuration | base graphs/s | this tree graphs/s | ratio |")
     print("|---|---|---|---|")

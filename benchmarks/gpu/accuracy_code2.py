@@ -1,4 +1,4 @@
-"""GPU check, part ``code2batch`` (:mod:`benchmarks.gpu_accuracy`): the paper's code2 recipe (32 graphs
+"""GPU check, part ``code2batch`` (:mod:`benchmarks.gpu.accuracy`): the paper's code2 recipe (32 graphs
 per step, lr 1e-4) for 3 epochs against ``jobs/code2.yaml``'s default batch and lr on one GPU, to the
 recipe's validation F1: the pycode corpus from the image's own packages, the shards, the probe that
 sizes the runs (N training functions), the two runs, and the part's section."""
@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.gpu_accuracy_report import STEP_HEADER, _copy_logs, _device, _fmt, _save_plot, curve_table, step_row
-from benchmarks.gpu_accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, STARTUP_S, _begin, _cli, _digest,
+from benchmarks.gpu.accuracy_report import STEP_HEADER, _copy_logs, _device, _fmt, _save_plot, curve_table, step_row
+from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, STARTUP_S, _begin, _cli, _digest,
                                           _preprocess, history_of, run_state, time_to, train)
-from benchmarks.gpu_measure import DRY_RUN, ROOT, Clock, _gb, _step, measure
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _step, measure
 
 CPUS = min(16, os.cpu_count() or 1)
 CODE2_JOB = "jobs/code2.yaml"
@@ -249,7 +249,7 @@ def _code2_section(title: str, raw: dict, recipe_hist, default_hist, records: di
               step_row("2. satp preprocess jobs/code2.yaml", steps.get("preprocess", {"skipped": "-"}))]
     probe = steps.get("probe")
     if probe is not None:
-        lines.append(step_row("3. probe: benchmarks/gpu_step.py, 32 graphs/step", dict(
+        lines.append(step_row("3. probe: benchmarks/gpu/step.py, 32 graphs/step", dict(
             probe, returncode=None if probe.get("ok") else "error", max_rss_gb=None, tree_rss_gb=None,
             gpu_mem_gb=probe.get("peak_mem_gb"))))
     for key, label in (("recipe", "4. the paper's recipe (satp train)"), ("default", "5. the job's default (satp train)")):
@@ -263,7 +263,7 @@ def _code2_section(title: str, raw: dict, recipe_hist, default_hist, records: di
         return "\n".join(lines + ["", f"Part wall time {BUDGET_S - clock.left():.0f} s."])
     n, sizing = raw["n"], raw["sizing"]
     rate = raw.get("probe_rate")
-    lines += ["", f"Probe (`benchmarks/gpu_step.py` on the train shards, the recipe's batches: 32 random graphs per step, "
+    lines += ["", f"Probe (`benchmarks/gpu/step.py` on the train shards, the recipe's batches: 32 random graphs per step, "
                   f"the job's model, {(probe or {}).get('precision', 'bf16')}): " + (f"**{probe['graphs_per_s']:,.0f} graphs/s**, {probe.get('step_ms', 0):.1f} ms "
                                                  f"per step, peak {_gb(probe.get('peak_mem_gb'))} GB"
                                                  if probe and probe.get("graphs_per_s") else

@@ -1,7 +1,7 @@
 """GPU check, part ``steps`` (``benchmarks/gpu/run.sh steps``): what a training step costs, eager vs
 compiled vs captured (``train.step``, issue 29), and where ``satp train``'s start-up goes.
 
-1. Step rows (:mod:`benchmarks.gpu_step`, one process each, the worker's sampler, loader, DeepSpeed
+1. Step rows (:mod:`benchmarks.gpu.step`, one process each, the worker's sampler, loader, DeepSpeed
    engine and :class:`pipeline.train.step.TrainStep`): PATTERN with the model of
    ``jobs/pattern.yaml`` at 32 and 128 random graphs per step, and code2 with the model of
    ``jobs/code2.yaml`` at node budgets 16384 and 131072, each ``eager``, ``compiled`` and
@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.gpu_measure import DRY_RUN, ROOT, Clock, _run, _step
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _run, _step
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 510)
 WORK = Path(os.environ.get("SATP_GPU_STEPS_DIR") or ROOT / "runs" / ("gpu-steps-dry" if DRY_RUN else "gpu-steps"))
@@ -60,9 +60,9 @@ STARTUP_AFTER = 4
 
 
 def graph_files() -> dict[str, str]:
-    """PATTERN- and code2-shaped graphs as their jobs' shards hold them (:mod:`benchmarks.job_graphs`)."""
-    from benchmarks.gpu_step import save_graphs
-    from benchmarks.job_graphs import job_graphs
+    """PATTERN- and code2-shaped graphs as their jobs' shards hold them (:mod:`benchmarks.graphs.jobs`)."""
+    from benchmarks.gpu.step import save_graphs
+    from benchmarks.graphs.jobs import job_graphs
     from pipeline.config import load_job
 
     files = {}
@@ -168,7 +168,7 @@ def run() -> str:
     lines = ["### GPU check, part steps (`benchmarks/gpu/run.sh steps`): eager vs compiled vs captured steps", "",
              f"Device: {torch.cuda.get_device_name() if not DRY_RUN else 'CPU (dry run, tiny sizes and model)'}, "
              f"torch {torch.__version__}; budget {BUDGET_S:.0f} s. {PATTERN_GRAPHS} PATTERN graphs, {CODE2_GRAPHS} "
-             "code2-shaped graphs (`benchmarks/job_graphs.py`), bf16, the jobs' models; warm-up "
+             "code2-shaped graphs (`benchmarks/graphs/jobs.py`), bf16, the jobs' models; warm-up "
              f"{TIMING['warmup']} steps, then >= {TIMING['seconds']:g} s of whole steps; kernel ms: GPU busy time "
              "per step (torch.profiler, 3 steps).", ""] + HEADER
     for i, (label, mode) in enumerate(ORDER):

@@ -1,7 +1,7 @@
 """The fused k-subgraph message kernels (``sat/edge_messages.py``) on one GPU: a sweep of their
 launch configurations on a code2-shaped batch, against the torch path.
 
-    python -m benchmarks.gpu_messages [graphs]      # CUDA and Triton; prints JSON lines
+    python -m benchmarks.gpu.messages [graphs]      # CUDA and Triton; prints JSON lines
 
 (Without CUDA, with ``TRITON_INTERPRET=1``, it runs in Triton's interpreter: a dry run.)
 
@@ -53,7 +53,7 @@ def main(num_graphs: int = 200, d: int = 256) -> None:
     import torch
     from torch_geometric.data import Batch
 
-    from benchmarks.synthetic import code2_like_graphs
+    from benchmarks.graphs.synthetic import code2_like_graphs
     from sat import add_subgraph_indices
     from sat import edge_messages as em
     from sat.data import SUBGRAPH_KEYS

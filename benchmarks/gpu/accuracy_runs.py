@@ -1,7 +1,7 @@
-"""What the GPU accuracy parts (:mod:`benchmarks.gpu_accuracy`) share: the part and its budget, the
+"""What the GPU accuracy parts (:mod:`benchmarks.gpu.accuracy`) share: the part and its budget, the
 reserves around ``satp train``, the dry runs' tiny model, ``satp`` command lines, the work folder and
 its ledger of earlier calls on the machine, ``satp preprocess`` and ``satp train`` run under
-:func:`benchmarks.gpu_measure.measure` with a watch on the run's checkpoints, and the run's history
+:func:`benchmarks.gpu.measure.measure` with a watch on the run's checkpoints, and the run's history
 and time to target read back from them."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from benchmarks.gpu_measure import DRY_RUN, ROOT, Clock, measure
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, measure
 
 PART = os.environ.get("SATP_GPU_PART") or "pattern"
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or ((540 if PART == "code2batch" else 420) if DRY_RUN else 510))
@@ -72,7 +72,7 @@ def run_state(storage: Path, name: str) -> Optional[dict]:
 
 
 class Watch:
-    """Called by :func:`benchmarks.gpu_measure.measure` every few seconds while ``satp train`` runs: records
+    """Called by :func:`benchmarks.gpu.measure.measure` every few seconds while ``satp train`` runs: records
     when each epoch of this call appeared in a checkpoint (wall seconds since the command started) and
     returns a reason to stop the run when ``stop(state)`` gives one (None: it goes on). The checkpoint
     found before the command (an earlier call's; deleted by ``--restart``) is not this call's."""

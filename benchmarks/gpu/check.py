@@ -3,19 +3,19 @@ part per run, each sized to one device session, each returning its own markdown 
 benchmarks/RESULTS.md. ``SATP_GPU_PART`` picks it (run.sh's argument):
 
 - ``perf`` (the default; this module, items 1-4 below): parity, step benchmarks, the pipeline;
-- ``steps`` (:mod:`benchmarks.gpu_steps`): eager vs compiled vs captured training steps (``train.step``)
+- ``steps`` (:mod:`benchmarks.gpu.steps`): eager vs compiled vs captured training steps (``train.step``)
   on PATTERN and code2 at two batch sizes each, step time against kernel time, and ``satp train``'s
   start-up breakdown with cold and warm compile caches;
-- ``scale`` (:mod:`benchmarks.gpu_scale`): a synthetic ogbg-ppa of ``SATP_SCALE_GRAPHS`` graphs built
+- ``scale`` (:mod:`benchmarks.gpu.scale`): a synthetic ogbg-ppa of ``SATP_SCALE_GRAPHS`` graphs built
   on the machine, preprocessed, and one epoch of ``jobs/ppa.yaml`` on one GPU worker, with wall
   times, peak memory and disk of every step;
-- ``multirank`` (:mod:`benchmarks.gpu_multirank`): two Ray Train workers sharing the one GPU
+- ``multirank`` (:mod:`benchmarks.gpu.multirank`): two Ray Train workers sharing the one GPU
   (gloo), equal batches per rank, gathered evaluation against a 1-rank one, checkpoint and resume.
-- ``pattern``, ``cluster`` (:mod:`benchmarks.gpu_accuracy`): time to accuracy of ``jobs/pattern.yaml`` /
+- ``pattern``, ``cluster`` (:mod:`benchmarks.gpu.accuracy`): time to accuracy of ``jobs/pattern.yaml`` /
   ``jobs/cluster.yaml`` on one GPU (the full benchmark regenerated on the machine, ``train.target`` on
   the validation accuracy, the test accuracy at the best validation epoch, the curve); a call the
   budget cuts is resumed by the next call on the same machine;
-- ``code2batch`` (:mod:`benchmarks.gpu_accuracy`): the paper's code2 recipe (32 graphs per step, lr
+- ``code2batch`` (:mod:`benchmarks.gpu.accuracy`): the paper's code2 recipe (32 graphs per step, lr
   1e-4) for 3 epochs vs ``jobs/code2.yaml``'s default batch and lr on one GPU, to the recipe's
   validation F1, on a pycode corpus built from the image's own packages.
 
@@ -24,8 +24,8 @@ The ``perf`` part:
 1. Parity: the CUDA tests (``tests/test_model_gpu.py``: packed ``varlen`` vs padded ``dense`` vs
    ``sparse`` attention, outputs and gradients; ``tests/test_train_gpu.py``: no host
    synchronisation in a training step, the model's and the worker's through DeepSpeed).
-2. Train-step benchmark (:mod:`benchmarks.gpu_step`, one process per row) on code2-shaped
-   synthetic graphs (:mod:`benchmarks.synthetic`, FACTS.md's shapes) with the model of
+2. Train-step benchmark (:mod:`benchmarks.gpu.step`, one process per row) on code2-shaped
+   synthetic graphs (:mod:`benchmarks.graphs.synthetic`, FACTS.md's shapes) with the model of
    ``jobs/code2.yaml``: bf16 and fp32, k-subtree and k-subgraph (k=2), several node budgets, and
    batches of 32 graphs for comparison with the SAT authors' code (FACTS.md: 299 graphs/s fp32 and
    6.2 GB; k-subgraph 9.0 GB, on an H200).
@@ -42,8 +42,8 @@ default) is spent. Raw figures go to ``$OUT/gpu_results.json`` (``gpu_scale.json
 sizes (to check the script on a machine without GPU before a GPU run).
 
 This module is the entry point (:func:`run`) and the ``perf`` part; the budget clock, the commands'
-environment and :func:`benchmarks.gpu_measure.measure`, which all parts use, are in
-:mod:`benchmarks.gpu_measure`.
+environment and :func:`benchmarks.gpu.measure.measure`, which all parts use, are in
+:mod:`benchmarks.gpu.measure`.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.gpu_measure import DRY_RUN, ROOT, Clock, _finish, _last_line, _run, _start, _step
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _finish, _last_line, _pipeline_metrics, _run, _start, _step
 
 PARTS = ("perf", "steps", "scale", "multirank", "pattern", "cluster", "code2batch")
 PART = os.environ.get("SATP_GPU_PART") or "perf"
@@ -131,8 +131,8 @@ def parity(proc: subprocess.Popen, clock: Clock) -> tuple[str, dict]:
 
 def _synthetic_files(tmp: Path) -> dict[str, str]:
     """The step rows' graph sets: code2-shaped (``subtree``; ``subgraph`` with 2-hop indices) and ``ppa``."""
-    from benchmarks.gpu_step import save_graphs
-    from benchmarks.synthetic import code2_like_graphs, ppa_like_graphs
+    from benchmarks.gpu.step import save_graphs
+    from benchmarks.graphs.synthetic import code2_like_graphs, ppa_like_graphs
     from sat import add_subgraph_indices
 
     files = {"subtree": str(tmp / "code2_like.pt"), "subgraph": str(tmp / "code2_like_k2.pt"), "ppa": str(tmp / "ppa_like.pt")}
@@ -171,7 +171,7 @@ STEP_HEADER = [
 
 def _code2_heading() -> list[str]:
     return [
-        "#### Train step (`benchmarks/gpu_step.py`), code2-shaped synthetic graphs, model of `jobs/code2.yaml`", "",
+        "#### Train step (`benchmarks/gpu/step.py`), code2-shaped synthetic graphs, model of `jobs/code2.yaml`", "",
         f"{SYNTHETIC_GRAPHS} graphs (k-subgraph rows: {SUBGRAPH_GRAPHS}, 2-hop indices precomputed), lognormal sizes "
         "(mean 125, sigma 0.75, 10-1000 nodes), OGB augment_edge; 4 layers, hidden 256, 4 heads, FFN 2x, dropout 0.2, "
         "k=2 GCN extractor with edge embeddings, mean readout, 5 x 5002 heads, AdamW + warm-up/cosine, grad clip 1.0, "
@@ -189,8 +189,8 @@ def _ppa_heading() -> list[str]:
 
     m = load_job(ROOT / "jobs/ppa.yaml").model
     return [
-        "#### Train step (`benchmarks/gpu_step.py`), ppa-shaped synthetic graphs, model of `jobs/ppa.yaml`", "",
-        f"{PPA_GRAPHS} graphs as `satp data synthetic-ppa` makes them (`benchmarks.synthetic.ppa_like_graphs`: ~243 "
+        "#### Train step (`benchmarks/gpu/step.py`), ppa-shaped synthetic graphs, model of `jobs/ppa.yaml`", "",
+        f"{PPA_GRAPHS} graphs as `satp data synthetic-ppa` makes them (`benchmarks.graphs.synthetic.ppa_like_graphs`: ~243 "
         "nodes, 60-600, average degree ~18, 7 float edge features, node input the sum of incident edge features); "
         f"the model, task (`PPATask`, 37 classes) and optimizer of `jobs/ppa.yaml` ({m.num_layers} layers, hidden "
         f"{m.hidden_dim}, {m.num_heads} heads, k={m.k_hops} {m.gnn_type.upper()} {m.extractor} extractor); "
@@ -231,27 +231,6 @@ def _top_ops_tables(results: dict) -> list[str]:
                           "| operator | calls | device ms | host ms (self) |", "|---|---|---|---|"]
                 lines += [f"| `{name}` | {calls:g} | {dev:.2f} | {host:.2f} |" for name, calls, dev, host in r[key]]
     return lines
-
-
-EPOCH_KEYS = ("graphs_per_s", "epoch_seconds", "data_wait_frac", "eval_seconds", "train_loss")
-
-
-def _pipeline_metrics(tracking_uri: str, run_name: str, metric: str = "f1") -> list[dict]:
-    """Per-epoch figures of ``satp train``'s MLflow run named ``run_name``, as Ray Train's controller
-    logged them (:mod:`pipeline.train.epoch_logger`): throughput, data-wait share, times, loss, val/test metric."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                              filter_string=f"tags.mlflow.runName = '{run_name}'")
-    if not runs:
-        return []
-    run_id = runs[0].info.run_id
-    by_epoch: dict[int, dict] = {}
-    for key in (*EPOCH_KEYS, f"val_{metric}", f"test_{metric}"):
-        for m in client.get_metric_history(run_id, key):
-            by_epoch.setdefault(m.step, {})[key] = m.value
-    return [dict(epoch=k, **v) for k, v in sorted(by_epoch.items())]
 
 
 def pycode_command(tmp: Path) -> list[str]:
@@ -354,19 +333,19 @@ def run() -> str:
     if PART not in PARTS:
         raise SystemExit(f"SATP_GPU_PART={PART!r}: expected one of {', '.join(PARTS)}")
     if PART == "scale":
-        from benchmarks import gpu_scale
+        from benchmarks.gpu import scale as gpu_scale
 
         return gpu_scale.run()
     if PART == "multirank":
-        from benchmarks import gpu_multirank
+        from benchmarks.gpu import multirank as gpu_multirank
 
         return gpu_multirank.run()
     if PART == "steps":
-        from benchmarks import gpu_steps
+        from benchmarks.gpu import steps as gpu_steps
 
         return gpu_steps.run()
     if PART in ("pattern", "cluster", "code2batch"):
-        from benchmarks import gpu_accuracy
+        from benchmarks.gpu import accuracy as gpu_accuracy
 
         return gpu_accuracy.run(PART)
     return run_perf()

@@ -1,4 +1,4 @@
-"""The batch-size study's figures and section (:mod:`benchmarks.bench_batch`): F1 against wall-clock
+"""The batch-size study's figures and section (:mod:`benchmarks.accuracy.batch`): F1 against wall-clock
 and against optimizer steps (``docs/figures/batch_f1_vs_*.png``), the markdown section with the
 sweeps, the per-size table, the steps to the targets, and the statement on the critical batch size."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.batch_study_analysis import _mean, _std, mean_curve
-from benchmarks.batch_study_jobs import WARMUP_FRACTION, sqrt_rule_lr
-from benchmarks.bench_scale import cpu_model
+from benchmarks.accuracy.batch_analysis import _mean, _std, mean_curve
+from benchmarks.accuracy.batch_jobs import WARMUP_FRACTION, sqrt_rule_lr
+from benchmarks.machine import cpu_model
 
 
 # ----------------------------------------------------------------------------- figures

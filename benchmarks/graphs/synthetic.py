@@ -10,7 +10,7 @@ next-token edges between consecutive attributed nodes in DFS order (``[1, 0]``) 
 
 API::
 
-    from benchmarks.synthetic import code2_like_graphs, code2_node_counts
+    from benchmarks.graphs.synthetic import code2_like_graphs, code2_node_counts
     graphs = code2_like_graphs(64, seed=0)      # list[SATData], deterministic in (n, seed)
     batch = Batch.from_data_list(graphs[:32])
 

@@ -3,12 +3,12 @@
 ``BENCH=model make bench`` (or ``python -m benchmarks.run`` with ``BENCH=model``) calls :func:`run`,
 which measures each configuration in a fresh subprocess (so that its peak RSS is its own) and
 returns a markdown section. Settings follow FACTS.md's "Benchmark shapes": batches of 32
-synthetic code2-shaped graphs (:mod:`benchmarks.synthetic`), 4 layers, hidden 256, 4 heads, FFN 4x,
+synthetic code2-shaped graphs (:mod:`benchmarks.graphs.synthetic`), 4 layers, hidden 256, 4 heads, FFN 4x,
 dropout 0.2, k=2 GCN extractor with edge features (edge dim 128), mean readout, 5 heads of 5002
 classes, AdamW, ``torch.set_num_threads(2)``. A step is forward, loss, backward and optimizer
 step; the figure is the median step time after warm-up, as graphs/s.
 
-One configuration alone: ``python -m benchmarks.bench_model '{"attention": "sparse"}'``.
+One configuration alone: ``python -m benchmarks.cpu.model '{"attention": "sparse"}'``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GRAPHS_PER_BATCH = 32
 NUM_BATCHES = 4  # distinct batches, cycled (sizes vary: the median covers them)
 
@@ -52,7 +52,7 @@ def measure(spec: dict) -> dict:
     import torch
     from torch_geometric.data import Batch
 
-    from benchmarks.synthetic import MAX_SEQ_LEN, NUM_CLASSES, code2_like_graphs
+    from benchmarks.graphs.synthetic import MAX_SEQ_LEN, NUM_CLASSES, code2_like_graphs
     from sat import SAT, SATConfig, add_subgraph_indices
 
     torch.set_num_threads(int(spec.get("threads", 2)))
@@ -134,7 +134,7 @@ def _measure_in_subprocess(spec: dict, timeout: float = 300.0) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(spec.get("threads", 2)), PYTHONPATH=str(ROOT))
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.bench_model", json.dumps(spec)],
+            [sys.executable, "-m", "benchmarks.cpu.model", json.dumps(spec)],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=_memory_guard,
         )
     except subprocess.TimeoutExpired:
@@ -163,8 +163,8 @@ def run() -> str:
         "### Model: SAT train step on code2-shaped batches",
         "",
         "Command: `BENCH=model make bench` (one configuration: "
-        "`.venv/bin/python -m benchmarks.bench_model '{\"attention\": \"sparse\"}'`).",
-        f"Batches of {GRAPHS_PER_BATCH} synthetic code2-shaped graphs (`benchmarks/synthetic.py`, seed 0; "
+        "`.venv/bin/python -m benchmarks.cpu.model '{\"attention\": \"sparse\"}'`).",
+        f"Batches of {GRAPHS_PER_BATCH} synthetic code2-shaped graphs (`benchmarks/graphs/synthetic.py`, seed 0; "
         f"{NUM_BATCHES} distinct batches cycled); SAT with 4 layers, hidden 256, 4 heads, FFN 4x, dropout 0.2, "
         "k=2 GCN extractor with edge features (edge dim 128), mean readout, 5 x 5002-class heads, AdamW, "
         "2 threads. Step = forward + loss + backward + optimizer step; median after warm-up; "

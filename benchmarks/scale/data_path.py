@@ -1,4 +1,4 @@
-"""Scale benchmark: ``BENCH=scale make bench`` (or ``python -m benchmarks.bench_scale --graphs N ...``).
+"""Scale benchmark: ``BENCH=scale make bench`` (or ``python -m benchmarks.scale.data_path --graphs N ...``).
 
 For each size N (``--graphs``, repeatable; default ``SATP_SCALE_GRAPHS``, "1581,15810"; the full
 ogbg-ppa has 158,100 graphs), in a fresh directory D, the project's own commands as subprocesses::
@@ -43,7 +43,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.machine import cpu_model
+
+ROOT = Path(__file__).resolve().parents[2]
 JOB = "jobs/ppa.yaml"
 FULL_GRAPHS = 158_100
 # bytes per graph at full size (measured: raw ~8 GB, columnar ~12 GB, shards ~25 GB for 158,100 graphs)
@@ -54,18 +56,6 @@ MIB = 2**20
 
 
 # ---------------------------------------------------------------- machine and disk
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
-
 
 def nproc() -> int:
     try:
@@ -429,7 +419,7 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
         f"--set shards.root=D/shards{extra_set} --no-progress",
         "",
         f"then {cmd_kill}the same preprocess command once more on the finished directory (nothing to do). "
-        f"(`python -m benchmarks.bench_scale --graphs N [--kill-after-shards K|half] [--keep DIR]`; "
+        f"(`python -m benchmarks.scale.data_path --graphs N [--kill-after-shards K|half] [--keep DIR]`; "
         f"sizes from `SATP_SCALE_GRAPHS`, full ogbg-ppa = {FULL_GRAPHS:,} graphs.)",
         "",
         f"CPU: {cpu_model()}, nproc {nproc()}. Load average (1/5/15 min) at start "
@@ -465,7 +455,7 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_scale", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale.data_path", description=__doc__.splitlines()[0])
     parser.add_argument("--graphs", type=int, action="append", metavar="N",
                         help="a size (repeatable; default SATP_SCALE_GRAPHS or 1581,15810)")
     parser.add_argument("--kill-after-shards", default=None, metavar="K",

@@ -1,4 +1,4 @@
-"""GPU check, parts ``pattern`` and ``cluster`` (:mod:`benchmarks.gpu_accuracy`): time to accuracy of
+"""GPU check, parts ``pattern`` and ``cluster`` (:mod:`benchmarks.gpu.accuracy`): time to accuracy of
 ``jobs/pattern.yaml`` / ``jobs/cluster.yaml`` on one GPU, on the full benchmark regenerated on the
 machine: the benchmarks' settings, the variant the environment asks for (``SATP_ACC_*``), data,
 shards and the run to ``train.target``, and the part's section (verdict, calls, curve)."""
@@ -10,11 +10,11 @@ import os
 import shutil
 from typing import Any, Optional
 
-from benchmarks.gpu_accuracy_report import (STEP_HEADER, _copy_logs, _device, _fmt, _pct, _save_plot, curve_table,
+from benchmarks.gpu.accuracy_report import (STEP_HEADER, _copy_logs, _device, _fmt, _pct, _save_plot, curve_table,
                                             step_row)
-from benchmarks.gpu_accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, STARTUP_S, _begin, _cli, _digest,
+from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, STARTUP_S, _begin, _cli, _digest,
                                           _preprocess, history_of, run_state, time_to, train)
-from benchmarks.gpu_measure import DRY_RUN, ROOT, measure
+from benchmarks.gpu.measure import DRY_RUN, ROOT, measure
 
 SBM = {
     "pattern": dict(job="jobs/pattern.yaml", builder="sbm-pattern", folder="sbm_pattern", target=0.865, target_s=300,

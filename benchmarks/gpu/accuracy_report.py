@@ -1,4 +1,4 @@
-"""How the GPU accuracy parts (:mod:`benchmarks.gpu_accuracy`) write up what they measured: number
+"""How the GPU accuracy parts (:mod:`benchmarks.gpu.accuracy`) write up what they measured: number
 formats, the per-epoch curve table, the table of the part's steps, the device line, the metric-vs-time
 plot and the logs' tails in ``$OUT``."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.gpu_measure import DRY_RUN, _gb
+from benchmarks.gpu.measure import DRY_RUN, _gb
 
 
 def _fmt(value, spec: str = ".4f", none: str = "-") -> str:

@@ -1,5 +1,5 @@
 """Batch-size study (issue 20, "time to accuracy"): ``BENCH=batch .venv/bin/python -m benchmarks.run``
-(or ``python -m benchmarks.bench_batch``, which prints the section without appending it).
+(or ``python -m benchmarks.accuracy.batch``, which prints the section without appending it).
 
 The question: the GPU job's global batch (~2,070 graphs per step over 4 workers, 65x the paper's 32)
 with a learning rate from the square-root rule. Here, on CPU, with the model of ``jobs/code2-local.yaml``
@@ -36,8 +36,8 @@ which twice the minimal number of steps is needed (and twice the minimal number 
 beyond which doubling the batch saves less than a third of the steps.
 
 This module runs the study and is its entry point (:func:`run`); the settings and job files are in
-:mod:`benchmarks.batch_study_jobs`, the reading and analysis of the runs in
-:mod:`benchmarks.batch_study_analysis`, the figures and the section in :mod:`benchmarks.batch_study_report`.
+:mod:`benchmarks.accuracy.batch_jobs`, the reading and analysis of the runs in
+:mod:`benchmarks.accuracy.batch_analysis`, the figures and the section in :mod:`benchmarks.accuracy.batch_report`.
 """
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.batch_study_analysis import analyse, best_trial, read_sweep
-from benchmarks.batch_study_jobs import ROOT, base_dict, lanes_of, seeds_job, settings, sweep_job, write_job
-from benchmarks.batch_study_report import plot, section
+from benchmarks.accuracy.batch_analysis import analyse, best_trial, read_sweep
+from benchmarks.accuracy.batch_jobs import ROOT, base_dict, lanes_of, seeds_job, settings, sweep_job, write_job
+from benchmarks.accuracy.batch_report import plot, section
 
 
 # ----------------------------------------------------------------------------- running

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("asyncio", "multiprocessing", "email", "idlelib", "tkinter")
 EPOCHS = 2
 
