@@ -2,7 +2,7 @@
 
 A run's start-up is a chain of events, each stamped with the wall clock where it happens: in the
 driver (the command's process started, the plan made, Ray connected and the cluster checked, the
-shards ready, the Ray Train workers asked for) and in the rank-0 worker (the worker running, its
+shards ready, the Ray Train workers asked for) and in the rank-0 worker (its process started, the worker running, its
 data loaders and batch capacities ready, the DeepSpeed engine built and restored, the first batch
 in hand, the first step done: compilation and CUDA-graph capture happen in it). The durations
 between consecutive events are the phases of :data:`PHASES`; the worker logs them in one line and
@@ -22,7 +22,8 @@ PHASES = (
     ("ray", "ray"),  # Ray started or joined, the cluster checked against the job
     ("shards", "data"),  # the shards found (or preprocessed)
     ("fit", "run_setup"),  # rerun decision, MLflow run opened
-    ("worker", "workers"),  # Ray Train's worker group up, the worker's loop entered
+    ("worker_process", "worker_processes"),  # Ray Train's controller and placement, the rank-0 worker's process started
+    ("worker", "worker_setup"),  # that process: imports (torch, PyG, DeepSpeed, satp), process group, loop entered
     ("loaders", "loaders"),  # datasets opened, batch capacities chosen, data loaders made
     ("engine", "engine"),  # model and DeepSpeed engine built, checkpoint restored
     ("first_batch", "first_batch"),  # the first batch out of the loader
@@ -44,15 +45,18 @@ def now() -> float:
 def breakdown(marks: dict[str, float]) -> dict[str, float]:
     """Seconds per phase of :data:`PHASES` for the events in ``marks`` (event -> wall-clock time;
     ``command``: the start), and ``to_first_step`` from the start; phases whose end or start is
-    missing are left out."""
+    missing are left out. An event stamped before the one it follows (a worker process Ray had
+    started earlier, clocks of two nodes a little apart) ends its phase at zero seconds, so the
+    phases always add up to ``to_first_step``."""
     out: dict[str, float] = {}
     previous = marks.get("command")
     for event, phase in PHASES:
         if event not in marks:
             continue
+        at = marks[event] if previous is None else max(marks[event], previous)
         if previous is not None:
-            out[phase] = max(0.0, marks[event] - previous)
-        previous = marks[event]
+            out[phase] = at - previous
+        previous = at
     if "command" in marks and "first_step" in marks:
         out["to_first_step"] = marks["first_step"] - marks["command"]
     return out

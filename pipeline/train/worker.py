@@ -148,7 +148,7 @@ class WorkerRun:
         self.setup = setup
         self.job = job = setup.job
         train = job.train
-        self.startup = dict(setup.startup or {}, worker=startup.now())
+        self.startup = dict(setup.startup or {}, worker_process=startup.process_started(), worker=startup.now())
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         use_gpu = job.resources.use_gpu

@@ -1,0 +1,42 @@
+"""The start-up breakdown (pipeline/train/startup.py): phases between consecutive events."""
+from __future__ import annotations
+
+import pytest
+
+from pipeline.train import startup
+
+
+def _marks(**moved: float) -> dict[str, float]:
+    """One event a second after the previous, from ``command`` at 100 s; ``moved`` overrides."""
+    events = ["command"] + [event for event, _phase in startup.PHASES]
+    marks = {event: 100.0 + i for i, event in enumerate(events)}
+    marks.update(moved)
+    return marks
+
+
+def test_phases_in_order_and_adding_up():
+    parts = startup.breakdown(_marks())
+    assert list(parts) == [phase for _event, phase in startup.PHASES] + ["to_first_step"]
+    assert all(parts[phase] == pytest.approx(1.0) for _event, phase in startup.PHASES)
+    assert parts["to_first_step"] == pytest.approx(len(startup.PHASES))
+
+
+def test_an_early_event_ends_its_phase_at_zero():
+    # a worker process Ray started before the trainer asked for it: no negative phase, and the
+    # phases still add up to the whole start-up
+    marks = _marks(worker_process=90.0)
+    parts = startup.breakdown(marks)
+    assert parts["worker_processes"] == 0.0
+    assert parts["worker_setup"] == pytest.approx(marks["worker"] - marks["fit"])
+    total = parts.pop("to_first_step")
+    assert sum(parts.values()) == pytest.approx(total)
+
+
+def test_missing_events_leave_their_phases_out():
+    marks = _marks()
+    del marks["first_step"], marks["worker_process"]
+    parts = startup.breakdown(marks)
+    assert "first_step" not in parts and "to_first_step" not in parts and "worker_processes" not in parts
+    assert parts["worker_setup"] == pytest.approx(2.0)  # from the previous event present
+    assert startup.metrics(marks)["startup_engine_s"] == pytest.approx(1.0)
+    assert startup.describe(marks).startswith("start-up: imports 1.0 s")
