@@ -41,6 +41,31 @@ def tiny_setting(ray_cluster, tmp_path_factory):
     return base, ray_cluster.get_runtime_context().gcs_address
 
 
+def conversion_killed_in(dataset: str, key: str, batch_rows: int = 0) -> str:
+    """Code for ``python -c CODE FOLDER``: build FOLDER's columnar store of ``dataset`` in 4 KiB blocks
+    (``batch_rows``: rows per record batch, 0 keeps the default), SIGKILLed in the third block of
+    the raw file converted into the store's ``key`` (a conversion interrupted mid-file)."""
+    rows = f"conversion.BATCH_ROWS = {batch_rows}" if batch_rows else ""
+    return f"""
+import os, signal, sys
+from preprocessing import columnar, conversion
+conversion.BLOCK_BYTES = 1 << 12
+{rows}
+parse, blocks = conversion._parse, []
+
+def dies_mid_file(block, spec, path):
+    if spec.key == {key!r}:
+        blocks.append(1)
+        if len(blocks) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return parse(block, spec, path)
+
+conversion._parse = dies_mid_file
+folder = sys.argv[1]
+conversion.build_store(folder, {dataset!r}, columnar.raw_fingerprint(folder, {dataset!r}))
+"""
+
+
 def kept_for_backward(fn) -> list[torch.Tensor]:
     """The distinct tensors (one per storage and dtype) autograd keeps for the backward pass while ``fn`` runs."""
     seen = {}

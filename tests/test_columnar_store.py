@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import conversion_killed_in
 from ogb_reference import ogb_arrays
 from preprocessing import conversion
 from preprocessing.columnar import STORE_DIR, STORE_FILE, file_specs, raw_fingerprint
@@ -96,23 +97,7 @@ def test_small_batches_and_blocks_give_the_same_store(roots, tmp_path, monkeypat
         assert pa.ipc.open_file(source).num_record_batches > 10
 
 
-_KILLED = textwrap.dedent("""
-    import os, signal, sys
-    from preprocessing import columnar, conversion
-    conversion.BLOCK_BYTES = 1 << 12
-    parse, blocks = conversion._parse, []
-
-    def dies_in_edge_features(block, spec, path):  # SIGKILL in the middle of edge-feat.csv.gz
-        if spec.key == "edge_attr":
-            blocks.append(1)
-            if len(blocks) == 3:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return parse(block, spec, path)
-
-    conversion._parse = dies_in_edge_features
-    folder = sys.argv[1]
-    conversion.build_store(folder, "ogbg-ppa", columnar.raw_fingerprint(folder, "ogbg-ppa"))
-""")
+_KILLED = conversion_killed_in("ogbg-ppa", "edge_attr")  # SIGKILL in the middle of edge-feat.csv.gz
 
 
 def test_killed_conversion_resumes_with_the_unfinished_files(roots, tmp_path):

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import conversion_killed_in
 from preprocessing import DataConfig, ShardConfig, TransformConfig, preprocess
 from preprocessing.columnar import STORE_DIR, STORE_FILE, ColumnarStore, file_specs, raw_fingerprint
 from preprocessing.conversion import build_store, convert_file
@@ -155,23 +156,7 @@ def _fill(disk: Path, leave: int) -> Path:
 
 
 # ============================================================================= the columnar store
-_KILLED_CONVERSION = """
-    import os, signal, sys
-    from preprocessing import columnar, conversion
-    conversion.BLOCK_BYTES, conversion.BATCH_ROWS = 1 << 12, 512  # node-feat spans blocks and batches
-    parse, blocks = conversion._parse, []
-
-    def dies_in_node_features(block, spec, path):
-        if spec.key == "x":
-            blocks.append(1)
-            if len(blocks) == 3:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return parse(block, spec, path)
-
-    conversion._parse = dies_in_node_features
-    folder = sys.argv[1]
-    conversion.build_store(folder, "ogbg-code2", columnar.raw_fingerprint(folder, "ogbg-code2"))
-"""
+_KILLED_CONVERSION = conversion_killed_in("ogbg-code2", "x", batch_rows=512)  # node-feat spans blocks and batches
 
 
 def test_store_killed_mid_write_converts_only_the_unfinished_files(raw, tmp_path, capfd):

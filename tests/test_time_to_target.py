@@ -122,7 +122,7 @@ def test_a_rerun_of_a_stopped_run_is_finished_and_a_higher_target_continues_it(s
     from pipeline.train.loader import open_split
 
     decision = rerun.decide(higher, rerun.weights_config(higher, open_split(rerun.job_shard_dir(higher), "train").manifest),
-                            "commit")
+                            "commit", rerun.previous_run(higher.train.storage_path, higher.train.run_name))
     assert decision.action == "resume", "a target the run has not reached leaves epochs to train"
 
 

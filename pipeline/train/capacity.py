@@ -81,9 +81,13 @@ def overflow_share(batches: Sequence[np.ndarray], sizes: dict[str, np.ndarray], 
     """The share of ``batches`` that exceed ``capacity`` (they run eagerly)."""
     if not len(batches):
         return 0.0
-    totals = batch_totals(batches, sizes)
-    over = [bool(capacity.shortfall(**{k: int(v[i]) for k, v in totals.items()})) for i in range(len(batches))]
-    return float(np.mean(over))
+    return _share_over(batch_totals(batches, sizes), capacity)
+
+
+def _share_over(totals: dict[str, np.ndarray], capacity: Capacity) -> float:
+    """The share of the batches of these :func:`batch_totals` that exceed ``capacity``."""
+    count = len(totals["graphs"])
+    return float(np.mean([bool(capacity.shortfall(**{k: int(v[i]) for k, v in totals.items()})) for i in range(count)]))
 
 
 def describe(capacity: Optional[Capacity]) -> str:
@@ -97,15 +101,17 @@ def describe(capacity: Optional[Capacity]) -> str:
     return text
 
 
-def run_capacities(job, config, train_split: tuple, eval_splits: Sequence[tuple]) -> dict[str, Optional[Capacity]]:
+def run_capacities(job, config, train_split: tuple,
+                   eval_splits: Sequence[tuple]) -> tuple[dict[str, Optional[Capacity]], float]:
     """The training and evaluation capacities of a run whose ``train.step`` pads batches (else
-    ``None`` each): over the training sampler's first epoch, and over the evaluation splits' batches.
-    ``train_split`` and each of ``eval_splits``: ``(dataset, sampler)`` (every rank's batches are
-    measured, so that every rank pads to the same capacity)."""
+    ``None`` each), and the share of the first epoch's training batches over the training capacity
+    (they run eagerly): over the training sampler's first epoch, and over the evaluation splits'
+    batches. ``train_split`` and each of ``eval_splits``: ``(dataset, sampler)`` (every rank's
+    batches are measured, so that every rank pads to the same capacity)."""
     from pipeline.train.step import pads_batches
 
     if not pads_batches(job.train.step):
-        return {"train": None, "eval": None}
+        return {"train": None, "eval": None}, 0.0
     sigmas, subgraphs = job.train.capacity_sigmas, config.needs_subgraphs
 
     def totals(dataset, sampler) -> dict[str, np.ndarray]:
@@ -113,5 +119,7 @@ def run_capacities(job, config, train_split: tuple, eval_splits: Sequence[tuple]
 
     parts = [totals(*split) for split in eval_splits]
     merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else None
-    return {"train": capacity_for(totals(*train_split), sigmas),
-            "eval": capacity_for(merged, sigmas) if merged is not None else None}
+    train_totals = totals(*train_split)
+    train = capacity_for(train_totals, sigmas)
+    return ({"train": train, "eval": capacity_for(merged, sigmas) if merged is not None else None},
+            _share_over(train_totals, train))

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import datetime
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from preprocessing.shards import sha256_file
 
 DS_DIR = "ds"
 TAG = "last"
@@ -57,15 +58,6 @@ class StorageFull(Exception):
         self.details = {"path": path, "checkpoint": checkpoint, "epoch": epoch}
 
 
-def digest(path: str | Path) -> str:
-    """The sha256 of a file (read in 1 MiB blocks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def save(directory: str | Path, engine, state: dict[str, Any], best_state_dict: Optional[dict], rank: int) -> Path:
     """Write this rank's part of a checkpoint into ``directory`` (a collective: every rank calls it)."""
     directory = Path(directory)
@@ -80,7 +72,7 @@ def save(directory: str | Path, engine, state: dict[str, Any], best_state_dict: 
         tmp.write_text(json.dumps(state, indent=1, default=_jsonable))
         os.replace(tmp, directory / STATE_FILE)
     # this rank's directory holds its files only (the ranks' parts meet in storage)
-    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": digest(p)}
+    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(directory.rglob("*")) if p.is_file()}
     (directory / RANK_FILE.format(rank=rank)).write_text(json.dumps({"files": files}))
     return directory
@@ -157,7 +149,7 @@ def _file_problem(path: Path, recorded: dict) -> Optional[str]:
     if size != recorded["size"]:
         how = "cut short" if size < recorded["size"] else "grown"
         return f"{size} bytes where {recorded['size']} were written ({how})"
-    if "sha256" in recorded and digest(path) != recorded["sha256"]:
+    if "sha256" in recorded and sha256_file(path) != recorded["sha256"]:
         return "its content differs from what was written (sha256 mismatch: changed since)"
     return None
 

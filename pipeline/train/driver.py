@@ -155,9 +155,11 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
     if not plan.early_checked:
         early_checks([job], address=plan.address, task=False)  # the task was resolved with the plan
         plan.early_checked = True
-    plan.decision = rerun.early_decision(job, plan.task_name, plan.restart)
+    # what the run name holds, found once (the lease keeps other commands from changing it)
+    previous = rerun.previous_run(train.storage_path, train.run_name)
+    plan.decision = rerun.early_decision(job, plan.task_name, plan.restart, previous)
     if job.mlflow.enabled and not plan.restart:
-        mlflow_run.check_tracking_store(plan, rerun.previous_run(train.storage_path, train.run_name))
+        mlflow_run.check_tracking_store(plan, previous)
     if plan.decision is not None and plan.decision.action == "finished" and shard_dir is None:  # no Ray started
         plan.attach_shards(rerun.job_shard_dir(job))
         plan.setup.provenance = plan.decision.provenance
@@ -169,7 +171,7 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
     setup.startup = marks
     setup.fault = fault if fault is not None else _fault_from_environment()
     decision = plan.decision = rerun.decide(job, rerun.weights_config(job, plan.manifest, plan.task_name),
-                                            git_commit(), restart=plan.restart)
+                                            git_commit(), previous, restart=plan.restart)
     setup.provenance = decision.provenance
     if decision.action == "finished":
         return _already_finished(plan, register)

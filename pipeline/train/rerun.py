@@ -284,11 +284,12 @@ class Decision:
     provenance: dict  # what the checkpoints of this run record (see the module docstring)
 
 
-def decide(job, config: dict, commit: str, restart: bool = False) -> Decision:
-    """What this job does with its run name; raises :class:`RerunConflict` (see the module docstring)."""
+def decide(job, config: dict, commit: str, previous: Optional[Previous], restart: bool = False) -> Decision:
+    """What this job does with its run name, which holds ``previous`` (:func:`previous_run`, found
+    once per command: each verifies the checkpoint's files); raises :class:`RerunConflict` (see the
+    module docstring)."""
     train = job.train
     digest = config_hash(config)
-    previous = previous_run(train.storage_path, train.run_name)
     fresh = {"config_hash": digest, "config": config, "data_settings": data_settings(job), "git_commits": [commit]}
     if previous is None:
         return Decision("fresh", None, fresh)
@@ -342,12 +343,11 @@ def job_manifest(job, fingerprint: Optional[str] = None) -> Optional[dict]:
         return None
 
 
-def early_decision(job, task_name: str, restart: bool) -> Optional[Decision]:
+def early_decision(job, task_name: str, restart: bool, previous: Optional[Previous]) -> Optional[Decision]:
     """:func:`decide` before any data is built or Ray is started: a conflict raises at once, raw
     files that changed under the run included (their fingerprint is taken here, from its cache
     unless they changed); a finished run whose shards exist needs no Ray at all. None: decide
     after the data."""
-    previous = previous_run(job.train.storage_path, job.train.run_name)
     if restart or previous is None:
         return None
     import preprocessing
@@ -360,12 +360,12 @@ def early_decision(job, task_name: str, restart: bool) -> Optional[Decision]:
         fingerprint = raw_fingerprint(folder, job.data.name)
         manifest = job_manifest(job, fingerprint)
         if manifest is not None:
-            return decide(job, weights_config(job, manifest, task_name), git_commit(), restart=False)
+            return decide(job, weights_config(job, manifest, task_name), git_commit(), previous)
     else:  # built with the shards: everything but the raw data's fingerprint can be compared now
         fingerprint = ((previous.provenance.get("config") or {}).get("data") or {}).get("fingerprint")
     expected = {"config_hash": preprocessing.config_hash(job.data, job.transform, job.shards),
                 "source": {"fingerprint": fingerprint}}
-    decide(job, weights_config(job, expected, task_name), git_commit(), restart=False)  # raises on a conflict
+    decide(job, weights_config(job, expected, task_name), git_commit(), previous)  # raises on a conflict
     return None
 
 

@@ -102,8 +102,7 @@ class TrainStep:
         statistics pass of :mod:`pipeline.train.precise_bn`), without gradients. Captured only in
         evaluation mode: a graph replays what it recorded, and the statistics pass changes modes."""
         padded = self._padded(batch)
-        if padded and self.graphs is not None and not self.engine.module.training \
-                and not any(m.training for m in self.engine.module.modules()):
+        if padded and self.graphs is not None and not any(m.training for m in self.engine.module.modules()):
             return self.graphs.evaluate(batch)
         batch = to_device(batch, self.device)
         with self._eager_if(not padded):

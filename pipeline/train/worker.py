@@ -40,7 +40,7 @@ from pipeline.train import checkpoint as ckpt
 from pipeline.train import startup, stopping
 from pipeline.train.batching import EpochStream, NodeBudgetSampler, subset_indices
 from pipeline.config import JobConfig
-from pipeline.train.capacity import describe, overflow_share, run_capacities
+from pipeline.train.capacity import describe, run_capacities
 from pipeline.train.engine import build_engine, clips_outside_deepspeed, current_lr, resolve_precision
 from pipeline.train.loader import BatchCollator, make_loader, open_split
 from pipeline.train.metrics import EpochMeter, broadcast_from_rank_zero, concat_gathered, gather_objects
@@ -171,11 +171,9 @@ class WorkerRun:
         eval_samplers = {s: split_sampler(job, ds, shuffle=False, rank=self.rank, world=self.world)
                          for s, ds in eval_splits.items()}
         # fixed batch capacities (train.step other than eager): what every padded batch's shapes are
-        self.capacities = run_capacities(job, model_config, (train_ds, self.train_sampler),
-                                         [(eval_splits[s], eval_samplers[s]) for s in eval_splits])
+        self.capacities, over = run_capacities(job, model_config, (train_ds, self.train_sampler),
+                                               [(eval_splits[s], eval_samplers[s]) for s in eval_splits])
         if self.rank == 0 and self.capacities["train"] is not None:
-            over = overflow_share(self.train_sampler.global_batches(0), capacity_sizes(train_ds, model_config),
-                                  self.capacities["train"])
             log.info("batch capacity (train.step %s): training %s (%.1f%% of the first epoch's batches over it run "
                      "eagerly); evaluation %s", train.step, describe(self.capacities["train"]), 100 * over,
                      describe(self.capacities["eval"]))
@@ -434,13 +432,6 @@ def _maybe_signal(fault: dict, rank: int, epoch: int) -> None:
     marker.write_text(str(os.getpid()))
     os.kill(int(fault["pid"]), getattr(signal, fault["signal"]))
     time.sleep(120)
-
-
-def capacity_sizes(dataset, config: SATConfig) -> dict:
-    """The per-graph sizes a batch capacity bounds (:func:`pipeline.train.capacity.graph_sizes`)."""
-    from pipeline.train.capacity import graph_sizes
-
-    return graph_sizes(dataset, config.needs_subgraphs)
 
 
 def keep_compile_caches(storage_path: str) -> None:
