@@ -139,7 +139,7 @@ def small_disk(tmp_path):
 def _local_part(where: Path, epoch: int, files: dict[str, bytes | Path] | None = None) -> Path:
     """A rank-0 part of a checkpoint as :func:`pipeline.train.checkpoint.save` leaves it in its local
     folder (real files, their sizes and digests listed last); a ``Path`` value is linked, not copied."""
-    from pipeline.train import checkpoint as ckpt
+    from preprocessing.shards import sha256_file
 
     files = {"state.json": json.dumps({"epoch": epoch, "world_size": 1}).encode(),
              "ds/last/mp_rank_00_model_states.pt": os.urandom(300_000), "best_model.pt": os.urandom(1000),
@@ -150,7 +150,7 @@ def _local_part(where: Path, epoch: int, files: dict[str, bytes | Path] | None =
             (where / name).symlink_to(data)
         else:
             (where / name).write_bytes(data)
-    listed = {name: {"size": len(data), "sha256": ckpt.digest(where / name)} for name, data in files.items()
+    listed = {name: {"size": len(data), "sha256": sha256_file(where / name)} for name, data in files.items()
               if not isinstance(data, Path)}
     listed |= {name: {"size": 1 << 40, "sha256": "0" * 64} for name, data in files.items() if isinstance(data, Path)}
     (where / "rank_0.json").write_text(json.dumps({"files": listed}))
