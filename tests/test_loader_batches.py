@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from pipeline.train.batching import EpochStream, NodeBudgetSampler, pack
+from pipeline.train.batching import NodeBudgetSampler, pack
+from pipeline.train.global_batch import GlobalBatches, Position, RankStream
 from pipeline.train.loader import BatchCollator, PackedBatch, make_loader, to_device
 from pipeline.tasks import make_task
 from preprocessing.config import TransformConfig
@@ -178,14 +179,14 @@ def test_packed_batch_crosses_processes_as_one_buffer(shards):
     assert storages == {packed.buffer.untyped_storage().data_ptr()}  # views of the one buffer
 
 
-def test_epoch_stream_runs_on_into_the_next_epochs():
+def test_rank_stream_runs_on_into_the_next_epochs_from_its_position():
     sizes = np.random.default_rng(0).integers(5, 60, 300)
-    sampler = NodeBudgetSampler(sizes, 400, seed=2, world_size=2, rank=1)
-    sampler.set_epoch(3)
-    stream = iter(EpochStream(sampler))
-    taken = [next(stream) for _ in range(3 * len(sampler))]
-    expected = [b for epoch in (3, 4, 5) for b in sampler.epoch_batches(epoch)]
-    assert all(np.array_equal(a, b) for a, b in zip(taken, expected)) and len(taken) == len(expected)
+    batches = GlobalBatches(NodeBudgetSampler(sizes, 400, seed=2), micro_batches_per_step=3)
+    stream = iter(RankStream(batches, rank=1, world=2, start=Position(3, 2)))
+    steps = batches.steps_per_epoch
+    taken = [next(stream) for _ in range(3 * steps - 2)]  # rank 1 of 2 takes micro-batch 1 of each step's 3
+    expected = [batches.step(epoch, s)[1] for epoch in (3, 4, 5) for s in range(steps) if (epoch, s) >= (3, 2)]
+    assert len(taken) == len(expected) and all(np.array_equal(a, b) for a, b in zip(taken, expected))
 
 
 def test_pack_is_the_greedy_cut_of_sorted_graphs():

@@ -76,7 +76,7 @@ def measure(shards: str | Path, budget: int, workers: int, job: str | Path | Non
     from pipeline.train.worker import train_loader
 
     config, dataset, sampler, collator = _parts(shards, budget, workers, job)
-    loader = train_loader(config, _PerItem(dataset) if per_item else dataset, sampler, collator, pin=False)
+    loader = train_loader(config, _PerItem(dataset) if per_item else dataset, _one_rank(sampler), collator, pin=False)
     if workers == 0:
         torch.set_num_threads(1)  # as in a DataLoader worker process
     started = time.perf_counter()
@@ -101,21 +101,29 @@ def measure(shards: str | Path, budget: int, workers: int, job: str | Path | Non
     }
 
 
+def _one_rank(sampler):
+    """The training loader's sampler of one worker taking one micro-batch per step (the stream of
+    every batch of ``sampler``'s epochs, in order)."""
+    from pipeline.train.global_batch import GlobalBatches, RankStream
+
+    return RankStream(GlobalBatches(sampler, micro_batches_per_step=1), rank=0, world=1)
+
+
 def epoch_starts(shards: str | Path, budget: int, workers: int, step_s: float, job: str | Path | None = None,
                  epochs: int = 4, pause_s: float = 0.3) -> dict:
     """Data wait of a consumer taking ``step_s`` per batch (the GPU step) over ``epochs`` epochs after
     a first one, with ``pause_s`` between epochs (evaluation, checkpoint): the worker's loader, one
-    iterator over all epochs (:class:`pipeline.train.batching.EpochStream`), against a new iterator per
+    iterator over all epochs (:class:`pipeline.train.global_batch.RankStream`), against a new iterator per
     epoch over the same persistent workers. Seconds per epoch: the wait for an epoch's first batch
     and for all its batches."""
     from pipeline.train.loader import make_loader
     from pipeline.train.worker import train_loader
 
     out = {}
-    for mode in ("per-epoch iterator", "one iterator (EpochStream)"):
+    for mode in ("per-epoch iterator", "one iterator (RankStream)"):
         config, dataset, sampler, collator = _parts(shards, budget, workers, job)
         stream = mode.startswith("one")
-        loader = (train_loader(config, dataset, sampler, collator, pin=False) if stream
+        loader = (train_loader(config, dataset, _one_rank(sampler), collator, pin=False) if stream
                   else make_loader(dataset, sampler, collator, workers, pin_memory=False))
         batches, first, total = None, 0.0, 0.0
         for epoch in range(epochs + 1):

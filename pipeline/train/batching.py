@@ -8,10 +8,12 @@ cut into buckets of ``bucket_size`` graphs, each bucket sorted by size and cut
 greedily into batches, and the batch order shuffled again. A graph larger than
 the budget gets a batch of its own: large graphs are never dropped.
 
-Training: every rank gets the same number of batches per epoch (a collective
-per step would hang otherwise). The count is fixed at the first epoch's
-``len(batches) // world_size``; later epochs trim or repeat a few batches to
-match, so the learning-rate schedule knows its length in advance.
+Training: :meth:`NodeBudgetSampler.global_batches` is the epoch's one sequence of batches, which
+:mod:`pipeline.train.global_batch` cuts into optimizer steps of ``train.micro_batches_per_step``
+micro-batches and deals to the ranks. Dealt by the sampler itself (``rank``, ``world_size``), each
+rank gets the same number of batches per epoch, fixed at the first epoch's
+``len(batches) // world_size`` (later epochs trim or repeat a few): the per-rank batches over which
+BatchNorm's statistics are recomputed (:mod:`pipeline.train.precise_bn`).
 
 Evaluation: the batches are cut from the split sorted by size (least padding,
 deterministic) and dealt round-robin; ranks may get different counts (no
@@ -151,24 +153,6 @@ class NodeBudgetSampler:
         if self.shuffle:
             return int(self._per_rank)
         return len(self.global_batches(0)[self.rank :: self.world_size])
-
-
-class EpochStream:
-    """The batches of ``sampler``'s epochs one after the other, without end, from the epoch the
-    sampler is at when iteration starts: the sampler of a DataLoader that is iterated once for the
-    whole run, taking ``len(sampler)`` batches per epoch (every epoch has that many: a training
-    sampler). Its workers then prepare the next epoch's first batches while an epoch ends and is
-    evaluated; a new iterator per epoch would start them only when the epoch starts, and the step
-    would wait for a batch to be built from scratch."""
-
-    def __init__(self, sampler: NodeBudgetSampler) -> None:
-        self.sampler = sampler
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        epoch = self.sampler.epoch
-        while True:
-            yield from self.sampler.epoch_batches(epoch)
-            epoch += 1
 
 
 def subset_indices(n: int, limit: Optional[int], seed: int) -> Optional[np.ndarray]:

@@ -9,10 +9,12 @@ PyTorch's "whole network capture" and of NVIDIA's MLPerf GNN code).
 What is captured, per kind of batch (the training capacity and the evaluation capacity):
 
 * training: the module's forward under the engine's autocast (``cache_enabled=False``, as CUDA
-  graphs require), the task's loss, and ``loss.backward()``. Not DeepSpeed's ``engine.forward`` /
-  ``engine.backward`` wrappers: they run host code per call (timers, hooks that scale the loss, the
-  gradient all-reduce), which a replay would skip. What they do for a ZeRO-0 bf16/fp32 engine is
-  done around the replay instead: the gradients are all-reduced eagerly by
+  graphs require), the task's loss times the micro-batch's scale (a one-element device tensor the
+  graph reads, filled before each replay: :mod:`pipeline.train.global_batch`), and
+  ``backward()``. Not DeepSpeed's ``engine.forward`` / ``engine.backward`` wrappers: they run host
+  code per call (timers, hooks that scale the loss), which a replay would skip. What they do for a
+  ZeRO-0 bf16/fp32 engine is done around the replay instead, once per step
+  (:meth:`pipeline.train.step.TrainStep.finish`): the gradients are all-reduced eagerly by
   ``engine.allreduce_gradients()`` (several ranks), then :func:`pipeline.train.engine.optimizer_step`
   clips them and calls ``engine.step()`` (fused AdamW, zeroed gradients, the lr schedule, DeepSpeed's
   step counters): ~10-20 launches, none of them per parameter.
@@ -23,7 +25,9 @@ tensors, :meth:`sat.layout.GraphLayout.tensors`): each new padded batch is copie
 pinned memory, without blocking) before the replay. Outputs (the model's output and the loss) are
 the graph's own tensors, overwritten by the next replay: the training loop reads them at once.
 The gradients are the graph's tensors too: ``engine.step()`` sets ``param.grad = None`` (DeepSpeed's
-zero_grad), so they are attached again after every replay.
+zero_grad), so they are attached again after every replay. A replay overwrites them: a rank that
+accumulates several micro-batches in a step sums them into buffers of its own (one foreach copy or
+add per micro-batch), which become the gradients after its last one.
 
 Before the capture the step runs three times on a side stream (PyTorch's requirement: lazy
 initialisation, cuDNN/cuBLAS workspaces, ``torch.compile``'s compilation); BatchNorm's running
@@ -93,6 +97,8 @@ class CapturedSteps:
         self._train: Optional[_Graph] = None
         self._eval: Optional[_Graph] = None
         self._grads: list[Optional[torch.Tensor]] = []
+        self._sums: Optional[list[torch.Tensor]] = None  # several micro-batches in a step
+        self._scale = torch.ones((), device=self.device)
 
     def _autocast(self):
         enabled = bool(self.engine.torch_autocast_enabled())
@@ -103,7 +109,7 @@ class CapturedSteps:
         with self._autocast():
             out = self.module(batch, validate=False)
             loss = self.task.loss(out, batch)
-        loss.backward()
+        (loss * self._scale).backward()
         return out.detach(), loss.detach()
 
     def _forward(self, batch: Any) -> torch.Tensor:
@@ -132,16 +138,24 @@ class CapturedSteps:
             self._grads = [p.grad for p in self.params]
         return _Graph(graph, batch_tensors(static), outputs if isinstance(outputs, tuple) else (outputs,))
 
-    def train(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward, loss and backward of a padded batch, replayed; gradients all-reduced over ranks.
-        The caller then steps the optimizer (:func:`pipeline.train.engine.optimizer_step`)."""
+    def train(self, batch: Any, scale: float = 1.0, index: int = 0, count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, loss (scaled by ``scale`` for the backward pass) and backward of a padded batch,
+        replayed: micro-batch ``index`` of this rank's ``count`` in the step. After the last one the
+        parameters hold the step's gradients; the caller then reduces them and steps the optimizer
+        (:meth:`pipeline.train.step.TrainStep.finish`)."""
         if self._train is None:
             self._train = self._capture(self._forward_backward, batch, training=True)
+        self._scale.fill_(scale)
         out, loss = self._train.replay(batch)
-        for p, grad in zip(self.params, self._grads):
-            p.grad = grad  # DeepSpeed's zero_grad set them to None after the last step
-        if self.engine.enable_backward_allreduce:
-            self.engine.allreduce_gradients()
+        grads = self._grads
+        if count > 1:  # the next replay overwrites the graph's gradients: sum them apart
+            if self._sums is None:
+                self._sums = [torch.empty_like(g) for g in self._grads]
+            (torch._foreach_copy_ if index == 0 else torch._foreach_add_)(self._sums, self._grads)
+            grads = self._sums
+        if index == count - 1:
+            for p, grad in zip(self.params, grads):
+                p.grad = grad  # DeepSpeed's zero_grad set them to None after the last step
         return out, loss
 
     def evaluate(self, batch: Any) -> torch.Tensor:

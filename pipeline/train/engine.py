@@ -13,9 +13,12 @@ it, fp16 (with a gradient scaler) on GPUs that lack bf16, or plain fp32.
 The optimizer step (:func:`optimizer_step`) avoids per-parameter work on the host: AdamW is
 torch's fused (CUDA) or foreach implementation, and without ZeRO partitioning (stage 0, no fp16
 scaler) gradients are clipped here with one foreach norm instead of DeepSpeed's loop over the
-parameters (a norm kernel, a host-made tensor and a multiply per parameter). With one rank,
-DeepSpeed's gradient all-reduce (flatten, all-reduce, copy back) is switched off: it has nothing
-to reduce. DeepSpeed's throughput timer, which synchronises the device twice per step, is off.
+parameters (a norm kernel, a host-made tensor and a multiply per parameter). At stage 0 DeepSpeed's
+all-reduce in the backward pass is switched off: a rank accumulates its share of the step's
+micro-batches, which may differ between ranks, and the step reduces once, explicitly, on every rank
+(:meth:`pipeline.train.step.TrainStep.finish`); at stages 1 and 2 DeepSpeed's own gradient
+accumulation runs over the share (:func:`accumulation_steps`). DeepSpeed's throughput timer, which
+synchronises the device twice per step, is off.
 """
 from __future__ import annotations
 
@@ -48,12 +51,26 @@ def cpu_supports_bf16() -> bool:
         return False
 
 
+def accumulation_steps(train: TrainConfig, world_size: int) -> int:
+    """DeepSpeed's ``gradient_accumulation_steps``: 1 at ZeRO stage 0 (satp accumulates and reduces
+    itself), else every rank's share of a step, which must then be equal (the gradients are reduced
+    in hooks at every backward pass: uneven shares would leave a rank waiting in one)."""
+    if train.zero_stage == 0:
+        return 1
+    k = train.micro_batches_per_step or world_size
+    if k % world_size:
+        raise ValueError(f"train.zero_stage {train.zero_stage} needs every worker to take the same share of a step: "
+                         f"train.micro_batches_per_step {k} is not a multiple of {world_size} workers")
+    return k // world_size
+
+
 def deepspeed_config(train: TrainConfig, precision: str, world_size: int) -> dict[str, Any]:
+    gas = accumulation_steps(train, world_size)
     config: dict[str, Any] = {
         # batches are built to a node budget, so DeepSpeed's batch size is nominal
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": world_size,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": world_size * gas,
         "zero_optimization": {"stage": train.zero_stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
@@ -137,8 +154,8 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, ste
         lr_scheduler=scheduler,
         config=deepspeed_config(train, precision, world_size),
     )
-    if world_size == 1:
-        engine.enable_backward_allreduce = False  # one rank: nothing to reduce
+    if train.zero_stage == 0 or world_size == 1:
+        engine.enable_backward_allreduce = False  # reduced once per step (see the module docstring), or alone
     if compile_model:
         engine.compile(compile_kwargs={"dynamic": False})
     return engine

@@ -52,7 +52,8 @@ def sum_across(values: list[float], device: torch.device) -> list[float]:
 
 class EpochMeter:
     """One epoch of one rank: loss summed on the device (weighted by the task's batch size: graphs,
-    or nodes for node-level tasks), host counters, timing.
+    or nodes for node-level tasks), host counters, timing (after a resume within the epoch, of the
+    steps since: :meth:`carry` brings the loss of the steps before).
 
     ``data_wait`` is the time the loop spent blocked on the data loader.
     """
@@ -71,6 +72,17 @@ class EpochMeter:
         self.weight += weight
         self.graphs += graphs
         self.steps += 1
+
+    def partial(self, device: torch.device) -> dict[str, float]:
+        """The loss so far over all ranks (a collective), for a checkpoint taken within the epoch."""
+        loss, weight = sum_across([float(self.loss_sum), self.weight], device)
+        return {"loss_sum": loss, "weight": weight}
+
+    def carry(self, partial: dict[str, float]) -> None:
+        """Start from a checkpoint's :meth:`partial` (on one rank only: :meth:`reduce` sums the ranks),
+        so that a resumed epoch's ``train_loss`` covers all its steps."""
+        self.loss_sum += float(partial["loss_sum"])
+        self.weight += float(partial["weight"])
 
     @property
     def seconds(self) -> float:

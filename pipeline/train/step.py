@@ -1,10 +1,16 @@
 """One optimisation step of a worker, and evaluation over a split: nothing read back to the host.
 
-:class:`TrainStep` moves a batch to the device, runs forward (``validate=False``: the data loader
-checked the batch on the CPU, see :mod:`pipeline.train.loader`), the task's loss, DeepSpeed's
-backward and the optimizer step (:func:`pipeline.train.engine.optimizer_step`), and returns the
-detached output and loss as device tensors; :func:`evaluate` keeps each batch's predictions on the
-device and decodes them once.
+:class:`TrainStep` moves a micro-batch to the device, runs forward (``validate=False``: the data
+loader checked the batch on the CPU, see :mod:`pipeline.train.loader`), the task's loss scaled for
+the global batch (:mod:`pipeline.train.global_batch`) and DeepSpeed's backward
+(:meth:`TrainStep.accumulate`), returning the detached output and loss as device tensors; once a rank
+has accumulated its share of the step, :meth:`TrainStep.finish` reduces the gradients over the ranks
+and steps the optimizer (:func:`pipeline.train.engine.optimizer_step`). A rank's share may be empty
+(more workers than micro-batches): it still joins the reduction, with zero gradients. At ZeRO stage 0
+the reduction is one explicit all-reduce per step on every rank, whatever the shares; ZeRO stages 1
+and 2 reduce in DeepSpeed's own gradient accumulation (``gradient_accumulation_steps`` = the share,
+which must then be the same on every rank: :func:`pipeline.train.engine.accumulation_steps`).
+:func:`evaluate` keeps each batch's predictions on the device and decodes them once.
 
 How a step runs is ``train.step`` (:data:`STEP_MODES`):
 
@@ -50,7 +56,8 @@ def compiles_model(mode: str) -> bool:
 
 
 class TrainStep:
-    """``step(batch) -> (output, loss)`` on the engine's device (both detached); ``forward(batch)``
+    """``accumulate(batch, scale)`` per micro-batch, ``finish()`` per step (``step(batch)``: both, for
+    a step of one micro-batch), outputs and losses on the engine's device, detached; ``forward(batch)``
     for evaluation. ``batch``: on the CPU (pinned, for copies that overlap the previous step) or on
     the device already. See the module docstring for ``mode``."""
 
@@ -65,6 +72,7 @@ class TrainStep:
         self.mode = mode
         self.device = device if device is not None else next(engine.module.parameters()).device
         self.overflow = 0  # batches over capacity, run eagerly (reset by the caller)
+        self.deepspeed_accumulates = engine.zero_optimization_stage() > 0  # see the module docstring
         self.graphs = None
         if mode == "captured" and self.device.type == "cuda":
             from pipeline.train.cuda_graphs import CapturedSteps
@@ -83,18 +91,36 @@ class TrainStep:
             self.overflow += 1
         return padded
 
-    def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def accumulate(self, batch: Any, scale: float = 1.0, index: int = 0, count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of micro-batch ``index`` of this rank's ``count`` in the step, its loss
+        scaled by ``scale`` for the backward pass; returns the output and the unscaled loss."""
         padded = self._padded(batch)
         if padded and self.graphs is not None:
-            out, loss = self.graphs.train(batch)
+            out, loss = self.graphs.train(batch, scale, index, count)
         else:
             batch = to_device(batch, self.device)
             with self._eager_if(not padded):
                 out = self.engine(batch, validate=False)
             loss = self.task.loss(out, batch)
-            self.engine.backward(loss)
-        optimizer_step(self.engine, self.grad_clip, self.clip_here)
+            self.engine.backward(loss * scale if scale != 1.0 else loss, scale_wrt_gas=False)
+            if self.deepspeed_accumulates:
+                optimizer_step(self.engine, self.grad_clip, self.clip_here)  # DeepSpeed steps at the boundary
         return out.detach(), loss.detach()
+
+    def finish(self) -> None:
+        """The step's end on every rank: the gradients all-reduced (several ranks; ZeRO stage 0) and
+        the optimizer stepped. A collective: every rank calls it once per step."""
+        if self.deepspeed_accumulates:
+            return
+        if self.engine.dp_world_size > 1:
+            self.engine.allreduce_gradients()
+        optimizer_step(self.engine, self.grad_clip, self.clip_here)
+
+    def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole step of one micro-batch: :meth:`accumulate`, then :meth:`finish`."""
+        out, loss = self.accumulate(batch)
+        self.finish()
+        return out, loss
 
     @torch.no_grad()
     def forward(self, batch: Any) -> torch.Tensor:
