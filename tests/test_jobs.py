@@ -23,18 +23,19 @@ def test_shipped_jobs_validate_and_document_their_command(name):
     header = "".join(l for l in (JOBS / name).read_text().splitlines(True) if l.startswith("#"))
     assert f"jobs/{name}" in header and ("ray job submit" in header or "satp" in header)
     # the paper's configurations (appendix C); the learning rate follows the square-root rule for the
-    # GPU jobs' larger batches (docs/gpu.md): paper lr * sqrt(graphs per step over the workers / 32)
+    # GPU jobs' larger batches (docs/gpu.md): paper lr * sqrt(graphs per global step / 32), the same at
+    # every worker count of the job's range (the global batch: pipeline.train.global_batch)
     if name == "code2.yaml":
         assert (job.model.num_layers, job.model.hidden_dim, job.model.num_heads, job.model.ffn_ratio) == (4, 256, 4, 2.0)
         assert (job.train.epochs, job.train.warmup_epochs, job.train.weight_decay) == (30, 2, 1e-6)
-        graphs_per_step = job.resources.num_workers * 518  # measured at node budget 131072 (benchmarks/RESULTS.md)
+        graphs_per_step = job.train.micro_batches_per_step * 518  # measured at node budget 131072 (benchmarks/RESULTS.md)
         assert job.train.node_budget == 131072
         assert job.train.lr == pytest.approx(1e-4 * math.sqrt(graphs_per_step / 32), rel=0.03)
         assert job.model.readout == "mean" and job.resources.use_gpu and job.data.source == "ogb"
     if name == "ppa.yaml":
         assert (job.model.num_layers, job.model.hidden_dim, job.model.num_heads) == (3, 128, 8)
         assert (job.train.epochs, job.train.warmup_epochs, job.train.weight_decay) == (200, 10, 1e-4)
-        graphs_per_step = job.resources.num_workers * 67  # ~16384 node slots / 243 nodes
+        graphs_per_step = job.train.micro_batches_per_step * 67  # ~16384 node slots / 243 nodes
         assert job.train.lr == pytest.approx(3e-4 * math.sqrt(graphs_per_step / 32), rel=0.03)
     if name == "code2-local.yaml":
         assert not job.resources.use_gpu and job.resources.num_workers == 2 and job.data.source == "pycode"
@@ -80,6 +81,20 @@ BAD = {
     "bad model": (lambda r: r["model"].update(hidden_dim=30), "hidden_dim: 30 is not divisible"),
     "unknown section": (lambda r: r.update(trian={}), "trian: unknown key"),
     "fp16 on cpu": (lambda r: r["train"].update(precision="fp16"), "fp16 is not supported on CPU"),
+    # resources.num_workers: a count or [min, max] (elastic)
+    "range of three": (lambda r: r["resources"].update(num_workers=[1, 2, 3]),
+                       "resources.num_workers: expected a range of two integers [min, max], got [1, 2, 3]"),
+    "range upside down": (lambda r: r["resources"].update(num_workers=[3, 1]),
+                          "resources.num_workers: expected a range [min, max] with 1 <= min <= max, got [3, 1]"),
+    "range of words": (lambda r: r["resources"].update(num_workers=["two", 4]),
+                       "resources.num_workers: expected a range of two integers [min, max], got ['two', 4]"),
+    "count as text": (lambda r: r["resources"].update(num_workers="2-4"), "resources.num_workers: expected a worker count"),
+    "elastic zero 1": (lambda r: (r["resources"].update(num_workers=[1, 2]), r["train"].update(zero_stage=1)),
+                       "resources.num_workers [1, 2] with train.zero_stage 1"),
+    "zero 1 uneven shares": (lambda r: r["train"].update(zero_stage=1, micro_batches_per_step=3),
+                             "train.micro_batches_per_step 3 does not divide among resources.num_workers 2"),
+    "no micro-batches": (lambda r: r["train"].update(micro_batches_per_step=0), "train.micro_batches_per_step"),
+    "checkpoint every 0 steps": (lambda r: r["train"].update(checkpoint_every_steps=0), "train.checkpoint_every_steps"),
 }
 
 

@@ -23,7 +23,7 @@ def run_demo(overrides: list[str] | None = None, job_path: str | Path = LOCAL_JO
     start = time.time()
     job = load_job(job_path, overrides or [])
     if not ray.is_initialized():
-        cpus = max(2, int(job.resources.num_workers * job.resources.cpus_per_worker))
+        cpus = max(2, int(job.resources.max_workers * job.resources.cpus_per_worker))
         from runtime.ray_cluster import init_local_ray
 
         # with its dashboard (on loopback) Ray Train's state queries work; without it, Train's
@@ -34,7 +34,7 @@ def run_demo(overrides: list[str] | None = None, job_path: str | Path = LOCAL_JO
     best = outcome.best
     elapsed = time.time() - start
     print("\n==== satp demo ====", flush=True)
-    print(f"job               {Path(job_path).name} ({job.resources.num_workers} CPU workers, DeepSpeed)")
+    print(f"job               {Path(job_path).name} ({job.resources.max_workers} CPU workers, DeepSpeed)")
     print(f"epochs            {len(outcome.history)} (best epoch {best['epoch']}, val {m} {best['val']:.4f})")
     if not outcome.trained:
         print("                  (this run had finished before with this configuration: nothing trained; "

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import BaseModel, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, TypeAdapter, ValidationError, field_validator, model_validator
 
 from pipeline.config.train import MlflowConfig, ResourcesConfig, TrainConfig
 from pipeline.config.compare import CompareConfig
@@ -42,6 +42,14 @@ class JobConfig(StrictModel):
     mlflow: MlflowConfig = MlflowConfig()
     tune: Optional[TuneConfig] = None  # ASHA sweep (satp tune), see pipeline.config.tune
     compare: Optional[CompareConfig] = None  # variants x seeds (satp compare), see pipeline.config.compare
+
+    @model_validator(mode="after")
+    def _global_batch(self) -> "JobConfig":
+        """``train.micro_batches_per_step`` unset: the job's worker count (the max of a range), fixed
+        here so that everything downstream (the configuration hash included) sees the number."""
+        if self.train.micro_batches_per_step is None:
+            self.train.micro_batches_per_step = self.resources.max_workers
+        return self
 
     @field_validator("model", mode="before")
     @classmethod

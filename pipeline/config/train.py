@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from preprocessing.config import StrictModel
 
@@ -49,6 +49,11 @@ class TrainConfig(StrictModel):
     # (graphs x largest graph), so dense attention wastes little; a graph larger than
     # the budget gets a batch of its own (never dropped)
     node_budget: int = Field(4000, ge=1)
+    # the global batch (pipeline.train.global_batch): an optimizer step is this many node-budget
+    # micro-batches of one sequence that depends on train.seed and the epoch only, dealt to the workers
+    # (each accumulates its share); steps per epoch and the lr schedule do not depend on the worker
+    # count. Unset: the job's resources.num_workers (the max of a range), resolved when the job is read
+    micro_batches_per_step: Optional[int] = Field(None, ge=1)
     max_graphs_per_batch: Optional[int] = Field(None, ge=1)
     eval_node_budget: Optional[int] = Field(None, ge=1)  # default: 2 x node_budget
     bucket_size: int = Field(2048, ge=1)  # graphs per shuffled bucket sorted by size
@@ -79,6 +84,13 @@ class TrainConfig(StrictModel):
     run_name: Optional[str] = None  # default: the job's name; a rerun with the same name resumes
     storage_path: Optional[str] = None  # default: <runs>/ray
     checkpoints_to_keep: int = Field(2, ge=1)
+    # a checkpoint every this many optimizer steps as well as at every epoch's end (None: epoch ends
+    # only); a resumed or resized run continues from the newest one, at the same global step
+    checkpoint_every_steps: Optional[int] = Field(None, ge=1)
+    # every this many steps the workers ask Ray Train whether a node of theirs is being drained for
+    # preemption (ray.train.get_preemption_info: a collective through Ray, ~ms); if so, they write a
+    # checkpoint at once, once per notice
+    preemption_check_steps: int = Field(10, ge=1)
     max_failures: int = Field(2, ge=0)  # worker-group restarts from the last checkpoint
     # stopping before `epochs` (pipeline.train.stopping): at a quality target (its wall-clock, steps and
     # epochs are reported as time to target), or after `patience` evaluations without a better
@@ -97,7 +109,11 @@ class TrainConfig(StrictModel):
 class ResourcesConfig(StrictModel):
     """Ray Train workers: one DeepSpeed rank each."""
 
-    num_workers: int = Field(2, ge=1)
+    # a count, or [min, max]: an elastic run (Ray Train's ScalingConfig(num_workers=(min, max))) that
+    # starts once min workers fit, continues with fewer (>= min) when a node is lost, and grows when
+    # nodes join, checked every resize_check_s seconds (docs/scale.md, "Elastic runs")
+    num_workers: Union[int, tuple[int, int]] = 2
+    resize_check_s: float = Field(60.0, gt=0)
     use_gpu: bool = False
     cpus_per_worker: float = Field(1, gt=0)
     gpus_per_worker: float = Field(1, ge=0)
@@ -114,6 +130,40 @@ class ResourcesConfig(StrictModel):
     # workers: NCCL refuses two ranks on one GPU). gloo moves CUDA tensors through host memory.
     collective_backend: Literal["auto", "nccl", "gloo"] = "auto"
 
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _count_or_range(cls, value):
+        if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
+            raise ValueError(f"expected a worker count (an integer >= 1) or a range [min, max], got {value!r}")
+        if isinstance(value, int):
+            if value < 1:
+                raise ValueError(f"expected a worker count >= 1, got {value}")
+            return value
+        if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ValueError(f"expected a range of two integers [min, max], got {list(value)!r}")
+        low, high = value
+        if low < 1 or low > high:
+            raise ValueError(f"expected a range [min, max] with 1 <= min <= max, got {list(value)!r}")
+        return low if low == high else (low, high)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job gives a range of worker counts."""
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if self.elastic else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if self.elastic else self.num_workers
+
+    @property
+    def counts(self) -> range:
+        """Every worker count the job may run at."""
+        return range(self.min_workers, self.max_workers + 1)
+
     @model_validator(mode="after")
     def _gpu(self) -> "ResourcesConfig":
         if self.use_gpu and self.gpus_per_worker <= 0:
@@ -122,14 +172,14 @@ class ResourcesConfig(StrictModel):
             raise ValueError("collective_backend 'nccl' needs GPU workers (use_gpu: true); CPU workers use gloo")
         if self.collective_backend == "nccl" and self.shares_gpus:
             raise ValueError(
-                f"collective_backend 'nccl' with gpus_per_worker {self.gpus_per_worker:g} and {self.num_workers} "
+                f"collective_backend 'nccl' with gpus_per_worker {self.gpus_per_worker:g} and {self.max_workers} "
                 "workers: workers may share a GPU and NCCL refuses two ranks on one device; use gloo (or auto)")
         return self
 
     @property
     def shares_gpus(self) -> bool:
         """Whether two of the job's GPU workers may land on one device (a fractional GPU each)."""
-        return self.use_gpu and self.num_workers > 1 and not float(self.gpus_per_worker).is_integer()
+        return self.use_gpu and self.max_workers > 1 and not float(self.gpus_per_worker).is_integer()
 
     @property
     def torch_backend(self) -> str:

@@ -345,9 +345,9 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     tracking_uri = job.mlflow.tracking_uri
     check_reachable(tracking_uri)
 
-    workers = max(j.resources.num_workers * j.resources.cpus_per_worker for j in jobs.values())
+    workers = max(j.resources.max_workers * j.resources.cpus_per_worker for j in jobs.values())
     preflight({f"compare.variants.{vname}": vjob for vname, vjob in jobs.items()}, address=address,
-              num_workers=max(j.resources.num_workers for j in jobs.values()), extra_cpus=cmp.trial_cpus,
+              num_workers=max(j.resources.max_workers for j in jobs.values()), extra_cpus=cmp.trial_cpus,
               ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
     check_digest(sweep_dir, digest, named=cmp.name is not None)
 

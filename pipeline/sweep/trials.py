@@ -48,6 +48,8 @@ def report_callback():
 
     class EpochReportCallback(TuneReportCallback):
         def after_report(self, run_context, metrics, checkpoint):
+            if metrics and "epoch" not in metrics[0]:
+                return  # a checkpoint within an epoch: Tune's iterations are epochs
             metrics = [dict(m, **{TIME_ATTR: int(m["epoch"]) + 1}) if "epoch" in m else m for m in metrics]
             super().after_report(run_context, metrics, checkpoint)
 

@@ -76,7 +76,7 @@ def concurrency_cap(job: JobConfig, tune_cfg: TuneConfig, cluster: dict[str, flo
 
 def max_workers(job: JobConfig, tune_cfg: TuneConfig) -> int:
     """The job's worker count, or the largest one the space sweeps."""
-    workers = job.resources.num_workers
+    workers = job.resources.max_workers
     for key, dist in tune_cfg.space.items():
         if "resources.num_workers" in split_key(key):
             workers = max(int(v) for v in dist.candidates())

@@ -1,4 +1,5 @@
-"""Per-epoch checkpoints: DeepSpeed engine state + the loop's state + the best weights.
+"""Checkpoints (at epoch ends, every ``train.checkpoint_every_steps`` steps, on a preemption notice):
+DeepSpeed engine state + the loop's state + the best weights.
 
 Layout of a checkpoint directory (each rank writes its own files into a local temporary
 directory, :func:`save`, then copies them into the run's storage, :func:`persist`; the ranks'
@@ -6,8 +7,10 @@ parts make one directory there, which Ray Train registers once every rank has re
 
     ds/latest, ds/<tag>/...   DeepSpeed engine: module, optimizer (per ZeRO rank), lr scheduler
     best_model.pt             rank 0: fp32 state dict of the best epoch by validation
-    state.json                rank 0: epoch, steps, wall-clock, sampler state, best-so-far,
-                              metric history, MLflow run id, model config, task, world size
+    state.json                rank 0: last epoch done, global step, the position in the epoch's
+                              sequence (pipeline.train.global_batch.Position), wall-clock,
+                              best-so-far, metric history, MLflow run id, model config, task,
+                              world size (the ranks that wrote parts), worker-group events
     rank_<r>.json             every rank, written last: its files, their sizes and sha256 digests
 
 A checkpoint is resumed from only when :func:`verify` finds it whole: every rank's list is there,
@@ -36,7 +39,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -62,7 +65,8 @@ def save(directory: str | Path, engine, state: dict[str, Any], best_state_dict: 
     """Write this rank's part of a checkpoint into ``directory`` (a collective: every rank calls it)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    engine.save_checkpoint(str(directory / DS_DIR), tag=TAG, client_state={"satp_epoch": state["epoch"]})
+    engine.save_checkpoint(str(directory / DS_DIR), tag=TAG,
+                           client_state={"satp_epoch": state["epoch"], "satp_steps": state.get("steps")})
     if rank == 0:
         if best_state_dict is not None:
             tmp = directory / (BEST_FILE + ".tmp")
@@ -83,10 +87,12 @@ def checkpoint_name() -> str:
     return f"checkpoint_{datetime.datetime.now().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
 
 
-def persist(local: str | Path, run_dir: str | Path, rank: int, epoch: int) -> str:
+def persist(local: str | Path, run_dir: str | Path, rank: int, epoch: int,
+            after_file: Optional[Callable[[int], None]] = None) -> str:
     """Copy this rank's part of a checkpoint (``local``, written by :func:`save`) into a new directory
     of the run's storage ``run_dir``; return its name. A collective: every rank calls it, and all
-    return, or all raise (see the module docstring)."""
+    return, or all raise (see the module docstring). ``after_file``: called with the count of files
+    copied so far (a test hook: :func:`pipeline.train.faults.pause_in_checkpoint`)."""
     from pipeline.train.metrics import broadcast_from_rank_zero, gather_objects
 
     local = Path(local)
@@ -95,10 +101,12 @@ def persist(local: str | Path, run_dir: str | Path, rank: int, epoch: int) -> st
     problem, writing = None, target
     try:
         rank_file = RANK_FILE.format(rank=rank)
-        for relative in [*json.loads((local / rank_file).read_text())["files"], rank_file]:  # the list last
-            writing = target / relative
+        for copied, relative in enumerate([*json.loads((local / rank_file).read_text())["files"], rank_file], 1):
+            writing = target / relative  # the list last
             writing.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(local / relative, writing)
+            if after_file is not None:
+                after_file(copied)
     except OSError as exc:
         problem = (exc.errno, str(writing), exc.strerror or str(exc))
     problems = [p for p in gather_objects(problem) if p is not None]
@@ -173,8 +181,8 @@ def restore(directory: str | Path, engine) -> dict[str, Any]:
     path, client = engine.load_checkpoint(str(Path(directory) / DS_DIR), tag=TAG)
     if path is None:
         raise ValueError(f"{directory}: DeepSpeed could not load the engine state")
-    if client.get("satp_epoch") != state["epoch"]:
-        raise ValueError(f"{directory}: engine state and loop state disagree on the epoch")
+    if client.get("satp_epoch") != state["epoch"] or client.get("satp_steps") != state.get("steps"):
+        raise ValueError(f"{directory}: engine state and loop state disagree on the epoch or the step")
     return state
 
 

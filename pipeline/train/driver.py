@@ -28,7 +28,8 @@ the costly ones:
 The workers (:mod:`pipeline.train.worker`) train, evaluate, checkpoint and report every
 epoch; Ray Train's controller logs each epoch to MLflow once it has registered
 the epoch's checkpoint (:mod:`pipeline.train.epoch_logger`). A retry after a worker or a node was lost
-(``FailureConfig``) resumes from the last checkpoint, in the same MLflow run. A full disk under
+(``FailureConfig``), and a resize of an elastic run (``resources.num_workers: [min, max]``: Ray Train's
+elastic scaling, :mod:`pipeline.train.elastic`), resume from the newest checkpoint, in the same MLflow run. A full disk under
 ``train.storage_path`` is not retried: the run ends with one line (:func:`worker_main`, :func:`_fit`).
 A failed attempt marks its own MLflow run FAILED, except a run that had
 FINISHED before (a continuation with more epochs): it stays FINISHED, with the
@@ -319,7 +320,8 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
         train_loop_config={"setup": setup},
         torch_config=TorchConfig(backend=res.torch_backend),
         scaling_config=ScalingConfig(num_workers=res.num_workers, use_gpu=res.use_gpu, resources_per_worker=resources,
-                                     placement_strategy=res.placement_strategy),
+                                     placement_strategy=res.placement_strategy,
+                                     elastic_resize_monitor_interval_s=res.resize_check_s),
         run_config=RunConfig(
             name=train.run_name,
             storage_path=train.storage_path,
@@ -329,7 +331,8 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
             worker_runtime_env={"env_vars": env_vars},
         ),
     )
-    log.info("starting %d Ray Train worker(s) (%s each; collectives: %s)", res.num_workers,
+    count = f"{res.min_workers} to {res.max_workers}" if res.elastic else str(res.num_workers)
+    log.info("starting %s Ray Train worker(s) (%s each; collectives: %s)", count,
              ", ".join(f"{v:g} {k}" for k, v in resources.items()), res.torch_backend)
     result = trainer.fit()
     if getattr(result, "error", None) is not None:

@@ -1,4 +1,6 @@
-"""Per-epoch MLflow logging from Ray Train's controller, once an epoch's checkpoint is registered.
+"""MLflow logging from Ray Train's controller, once a report's checkpoint is registered: each
+epoch's metrics (step = epoch), and each step's loss and worker count (``train_step_loss`` and
+``world_size``, step = global step; :mod:`pipeline.train.reporting`).
 
 A worker's ``ray.train.report`` hands its checkpoint to the controller, which registers it when it
 next polls the worker group. A worker (or its node) lost between the two resumes from the
@@ -22,7 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class RegisteredEpochLogger(UserCallback):
-    """Log rank 0's metrics of each registered epoch (step = epoch) and the plots of the curves
+    """Log rank 0's metrics of each registered report: its steps' losses and worker count (step =
+    global step) and, at an epoch's end, the epoch's metrics (step = epoch) and the plots of the curves
     (:func:`pipeline.registry.tracking.log_curves`; ``target``: the job's ``train.target``, if any)."""
 
     def __init__(self, tracking_uri: str, run_id: str, metric: str, target: Optional[dict[str, Any]] = None) -> None:
@@ -40,6 +43,11 @@ class RegisteredEpochLogger(UserCallback):
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint: Optional[Any]) -> None:
         values = metrics[0] if metrics else {}
+        steps = values.get("step_losses") or []
+        try:
+            self._log_steps(steps, values.get("world_size"))
+        except Exception as exc:  # the tracking store must not stop training
+            log.warning("MLflow: steps %s-%s not logged (%s)", steps[0][0], steps[-1][0], exc)
         if "epoch" not in values:
             return
         epoch = int(values["epoch"])
@@ -51,3 +59,17 @@ class RegisteredEpochLogger(UserCallback):
                 tracking.log_curves(self.client, self.run_id, history, self.metric, self.target)
         except Exception as exc:  # the tracking store must not stop training
             log.warning("MLflow: epoch %d not logged (%s); the next resume catches it up", epoch, exc)
+
+    def _log_steps(self, steps: list[list[float]], world_size: Optional[int]) -> None:
+        """``train_step_loss`` and ``world_size`` at each of ``steps`` (``[global step, loss]``), in
+        batches of MLflow's limit (1,000 values per call)."""
+        import math
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        values = [Metric("train_step_loss", float(loss), now, int(step)) for step, loss in steps if math.isfinite(loss)]
+        values += [Metric("world_size", float(world_size), now, int(step)) for step, _ in steps if world_size]
+        for start in range(0, len(values), 1000):
+            self.client.log_batch(self.run_id, metrics=values[start : start + 1000])

@@ -7,7 +7,8 @@ workers start (20-30 s each try), the model fails in every worker's forward pass
 group is retried ``max_failures`` times. In the order of cost:
 
 1. :func:`check_config`: the job alone (no data, no Ray, no torch): precision against the
-   hardware asked for, the warm-up against the epochs, the model against the features the shards
+   hardware asked for, the warm-up against the epochs, the worker counts against ZeRO
+   (:func:`worker_count_problem`), the model against the features the shards
    will hold (``extractor: subgraph`` needs ``transform.k_hops > 0``, ``pe: rwpe`` needs
    ``transform.rwpe_steps == model.pe_dim``, ``pe: lap`` needs ``transform.lap_pe_dim ==
    model.pe_dim``), the task.
@@ -25,8 +26,9 @@ group is retried ``max_failures`` times. In the order of cost:
    raw files that changed since, stops it here, a finished run of this one whose shards exist
    needs no Ray;
 5. :func:`connect_and_check`: :func:`runtime.ray_cluster.connect` (without an address, a new local Ray starts), then
-   :func:`check_resources`: the cluster's alive nodes can hold the job's workers, counted per
-   node (a worker never spans nodes); the error gives the numbers (``4 worker(s) x (1 CPU, 1
+   :func:`check_resources`: the cluster's alive nodes can hold the job's workers (an elastic
+   run's minimum), counted per node (a worker never spans nodes), and, for an elastic run, which of
+   its counts take equal shares of a step (:func:`describe_counts`, logged); the error gives the numbers (``4 worker(s) x (1 CPU, 1
    GPU); this machine (a local Ray cluster) has 2 CPU, 0 GPU on 1 node(s), room for 0``). An autoscaling cluster, where
    Ray adds nodes on demand, sets ``resources.wait_for_nodes: true`` to skip this.
 
@@ -77,6 +79,9 @@ def check_config(job, task: bool = True) -> None:
                          "on CPU use 'compiled' or 'static'")
     if train.warmup_epochs > train.epochs:
         raise ValueError(f"train.warmup_epochs ({train.warmup_epochs}) exceeds train.epochs ({train.epochs})")
+    problem = worker_count_problem(job)
+    if problem:
+        raise ValueError(problem)
     t = job.transform
     problem = feature_problem(job.model, t.k_hops > 0, t.rwpe_steps, t.lap_pe_dim, "the job's shards")
     if problem:
@@ -85,6 +90,45 @@ def check_config(job, task: bool = True) -> None:
         from pipeline.tasks import task_name_for  # torch: last, after the checks that need nothing
 
         task_name_for(train.task, getattr(job.data, "name", None))
+
+
+def _range(res) -> str:
+    return f"[{res.min_workers}, {res.max_workers}]" if res.elastic else str(res.num_workers)
+
+
+def worker_count_problem(job) -> Optional[str]:
+    """What no worker count of the job can run (one line), or None. At ZeRO stage 0 every count
+    runs any global batch (a worker's share of a step may be uneven, or empty); ZeRO stages 1 and 2
+    partition the optimizer state by the worker count (DeepSpeed loads their checkpoints only at the
+    count that wrote them) and reduce gradients at every backward pass (every worker must take the
+    same share of a step)."""
+    train, res = job.train, job.resources
+    if train.zero_stage == 0:
+        return None
+    if res.elastic:
+        return (f"resources.num_workers {_range(res)} with train.zero_stage {train.zero_stage}: ZeRO partitions the "
+                f"optimizer state by the worker count and DeepSpeed resumes it only at the count that wrote it; an "
+                f"elastic run needs train.zero_stage: 0 (or give one worker count)")
+    k = train.micro_batches_per_step
+    if k % res.num_workers:
+        return (f"train.micro_batches_per_step {k} does not divide among resources.num_workers {res.num_workers}: "
+                f"train.zero_stage {train.zero_stage} reduces gradients at every backward pass, so every worker "
+                f"must take the same share of a step; use a multiple of {res.num_workers}, or train.zero_stage: 0")
+    return None
+
+
+def describe_counts(job) -> str:
+    """How a step's micro-batches deal to each worker count the job allows, e.g. ``a step's 4
+    micro-batches: 1, 2 or 4 workers take equal shares; 3 take 2/1/1``."""
+    k, res = job.train.micro_batches_per_step, job.resources
+    even = [w for w in res.counts if k % w == 0]
+    uneven = [f"{w} take {'/'.join(str(len(range(r, k, w))) for r in range(w))}" for w in res.counts
+              if k % w and w <= k]
+    idle = [w for w in res.counts if w > k]
+    parts = ([f"{', '.join(map(str, even))} worker(s) take equal shares"] if even else []) + uneven
+    if idle:
+        parts.append(f"{idle[0]}{f' to {idle[-1]}' if len(idle) > 1 else ''} leave workers idle")
+    return f"resources.num_workers {_range(res)}, a step's {k} micro-batch(es): " + "; ".join(parts)
 
 
 def check_shard_features(model, manifest: dict, shard_dir) -> None:
@@ -250,7 +294,7 @@ def check_resources(job, num_workers: Optional[int] = None, extra_cpus: float = 
     res = job.resources
     if res.wait_for_nodes:
         return
-    workers = num_workers or res.num_workers
+    workers = num_workers or res.min_workers  # an elastic run starts once its minimum fits
     need = _need_per_worker(res)
     if nodes is None:
         import ray
@@ -264,12 +308,15 @@ def check_resources(job, num_workers: Optional[int] = None, extra_cpus: float = 
             total[key] = total.get(key, 0.0) + float((node.get("Resources") or {}).get(key, 0.0))
     cpus_ok = total.get("CPU", 0.0) + 1e-9 >= workers * need["CPU"] + extra_cpus
     if slots >= workers and cpus_ok:
+        if res.elastic or job.train.micro_batches_per_step % res.num_workers:
+            log.info("%s; the cluster holds %d now", describe_counts(job), slots)
         return
     where = f"the Ray cluster at {address}" if address else "this machine (a local Ray cluster)"
     hint = ("set resources.use_gpu: false, " if res.use_gpu and total.get("GPU", 0.0) < need.get("GPU", 0.0) else "")
     extra = f" + {extra_cpus:g} CPU for the trial" if extra_cpus else ""
+    least = "at least " if res.elastic and not num_workers else ""
     raise ValueError(
-        f"resources: the job asks for {workers} worker(s) x ({_describe(need)}){extra}; {where} has "
+        f"resources: the job asks for {least}{workers} worker(s) x ({_describe(need)}){extra}; {where} has "
         f"{_describe(total) or 'nothing'} on {len(nodes)} node(s), room for {slots} such worker(s); "
         f"{hint}lower resources.num_workers or the per-worker resources, or use a bigger cluster "
         f"(an autoscaling one: resources.wait_for_nodes: true)")

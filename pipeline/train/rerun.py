@@ -20,17 +20,20 @@ another configuration     nothing starts (:class:`RerunConflict`, one line namin
 no checkpoint             a fresh run (``fresh``)
 ========================  ===============================================================
 
-What is in the hash: the job's model section, the task, the ``train`` section except the keys below, the number of workers (it sets the
-global batch and how the data are dealt to ranks), and the data: the shards' config hash and
-their source's fingerprint. Left out, because a resumed run may change them without changing
+What is in the hash: the job's model section, the task, the ``train`` section except the keys below
+(``train.micro_batches_per_step``, the global batch, stays in), and the data: the shards' config hash
+and their source's fingerprint. The worker count is not: a step's global batch and the epoch's
+sequence do not depend on it (:mod:`pipeline.train.global_batch`), so a run resumes, or Ray Train
+resizes it, at any count, at the same global step with the same remaining global batches. Left out, because a resumed run may change them without changing
 what its weights are: ``train.epochs`` (raising it continues a run; the learning-rate schedule
 is laid out again over the new length, from the step reached), the stopping rules
 (``train.target``, ``train.patience``: a run that stopped under the job's rules is finished, one
 they no longer stop, e.g. at a higher target, continues; :mod:`pipeline.train.stopping`), evaluation cadence and batch size
-(``eval_every``, ``eval_node_budget``), logging, checkpoint retention, ``max_failures``,
+(``eval_every``, ``eval_node_budget``), logging, checkpoint cadence and retention
+(``checkpoint_every_steps``, ``preemption_check_steps``, ``checkpoints_to_keep``), ``max_failures``,
 ``loader_workers``, how the step runs (``step``, ``capacity_sigmas``: padded, compiled or captured
-steps compute the same function), the run's name and storage path, the other ``resources`` (the same workers
-may run on other nodes) and the ``mlflow`` section. ``train.eval_subset`` stays in: it picks the
+steps compute the same function), the run's name and storage path, the ``resources`` section (workers, their count included, may
+run on other nodes) and the ``mlflow`` section. ``train.eval_subset`` stays in: it picks the
 best epoch, i.e. the weights that get registered.
 
 The checkpoint's provenance also lists the git commits of the code that trained it (one per
@@ -51,7 +54,8 @@ log = logging.getLogger(__name__)
 #: ``train`` keys a resumed run may change (see the module docstring).
 RESUMABLE_TRAIN_KEYS = frozenset({
     "epochs", "eval_every", "eval_node_budget", "log_every_steps", "run_name", "storage_path",
-    "checkpoints_to_keep", "max_failures", "loader_workers", "target", "patience",
+    "checkpoints_to_keep", "checkpoint_every_steps", "preemption_check_steps", "max_failures", "loader_workers",
+    "target", "patience",
     "step", "capacity_sigmas",  # how a step runs, not what it computes (pipeline.train.step_modes)
 })
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's record of a run's checkpoints
@@ -76,7 +80,6 @@ def weights_config(job, manifest: dict, task_name: Optional[str] = None) -> dict
         "model": dataclasses.asdict(job.model),
         "task": task_name,
         "train": job.train.model_dump(mode="json", exclude=set(RESUMABLE_TRAIN_KEYS)),
-        "resources": {"num_workers": job.resources.num_workers},
         "data": {"config_hash": manifest.get("config_hash"),
                  "fingerprint": (manifest.get("source") or {}).get("fingerprint")},
     }
@@ -151,17 +154,24 @@ def registered_checkpoints(run_dir: str | Path) -> list[str]:
 
 
 def _epoch(checkpoint: Path) -> int:
+    return _progress(checkpoint)[0]
+
+
+def _progress(checkpoint: Path) -> tuple[int, int]:
+    """``(last epoch done, global step)`` of a checkpoint (``(-1, -1)``: unreadable): newer is larger,
+    a checkpoint within an epoch after the one at the end of the epoch before."""
     try:
-        return int(json.loads((checkpoint / STATE_FILE).read_text()).get("epoch", -1))
+        state = json.loads((checkpoint / STATE_FILE).read_text())
+        return int(state.get("epoch", -1)), int(state.get("steps") or 0)
     except (OSError, ValueError, TypeError, AttributeError):
-        return -1
+        return -1, -1
 
 
 _named: set[str] = set()  # damaged checkpoints this process has named already (one line each)
 
 
 def latest_checkpoint(run_dir: str | Path, warn: bool = True) -> Optional[Path]:
-    """The run's newest intact checkpoint on storage, by epoch (no trainer needed).
+    """The run's newest intact checkpoint on storage, by epoch and global step (no trainer needed).
 
     Ray Train resumes from the last checkpoint it registered; a run interrupted after its
     workers uploaded newer ones (Ray registers a report when it next polls them) has those on
@@ -175,7 +185,7 @@ def latest_checkpoint(run_dir: str | Path, warn: bool = True) -> Optional[Path]:
     run_dir = Path(run_dir)
     registered = set(registered_checkpoints(run_dir))
     found = sorted((p for p in run_dir.glob("checkpoint_*") if p.is_dir()),
-                   key=lambda p: (_epoch(p), p.name in registered, p.name), reverse=True)
+                   key=lambda p: (_progress(p), p.name in registered, p.name), reverse=True)
     damaged, chosen = [], None
     for path in found:
         problem = ckpt.verify(path)
@@ -200,7 +210,7 @@ def resume_point(candidates: list[Path], run_dir: str | Path) -> Optional[Path]:
     newest intact one (:func:`latest_checkpoint`, which names what is damaged); None: none is intact."""
     from pipeline.train import checkpoint as ckpt
 
-    newest = max(candidates, key=_epoch)
+    newest = max(candidates, key=_progress)
     return newest if ckpt.verify(newest) is None else latest_checkpoint(run_dir)
 
 

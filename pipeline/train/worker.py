@@ -1,24 +1,29 @@
 """The Ray Train worker: ``train_loop_per_worker`` of the TorchTrainer that :func:`pipeline.train.driver.train_job` fits.
 
 Each worker (one DeepSpeed rank) builds its parts once (:class:`WorkerRun`): data loaders over its
-share of the node-budget batches (:mod:`pipeline.train.loader`, :mod:`pipeline.train.batching`), padded
+share of every step's micro-batches (:mod:`pipeline.train.global_batch`: the global batch does not
+depend on the worker count; :mod:`pipeline.train.loader`, :mod:`pipeline.train.batching`), padded
 to fixed capacities when ``train.step`` asks for them (:mod:`pipeline.train.capacity`), the model and
 DeepSpeed engine (:mod:`pipeline.train.engine`; compiled for ``compiled`` and ``captured`` steps, its
 caches under the storage path), the step (:mod:`pipeline.train.step`), the loop state restored from
-Ray Train's last checkpoint, and on rank 0 the MLflow system metrics (:mod:`pipeline.registry.tracking`).
-Its first step ends the run's start-up, which rank 0 logs phase by phase (:mod:`pipeline.train.startup`)
-and reports with the first epoch. Then, per epoch:
+Ray Train's last checkpoint at its position in the epoch's sequence (possibly written by a group of
+another size), and on rank 0 the MLflow system metrics (:mod:`pipeline.registry.tracking`). Its first
+step ends the run's start-up, which rank 0 logs phase by phase (:mod:`pipeline.train.startup`) and
+reports with the first epoch, and what happened since the previous worker group (a resize, a
+restart: :mod:`pipeline.train.elastic`). Then, per epoch:
 
-* :meth:`WorkerRun.train_epoch`: the steps (:class:`pipeline.train.step.TrainStep`), the loss
-  accumulated on the device (:class:`pipeline.train.metrics.EpochMeter`), a sample of the batches'
-  predictions kept for the train metric (decoded at the end of the epoch, never per step);
+* :meth:`WorkerRun.train_epoch`: the steps, each this rank's share of the global batch accumulated
+  and one reduction (:class:`pipeline.train.step.TrainStep`), the loss accumulated on the device
+  (:class:`pipeline.train.metrics.EpochMeter`), a sample of the batches' predictions kept for the
+  train metric (decoded at the end of the epoch, never per step); a checkpoint every
+  ``train.checkpoint_every_steps`` steps and on a preemption notice (:meth:`WorkerRun.checkpoint_here`);
 * :meth:`WorkerRun.evaluate_epoch`: validation and test predictions, gathered to rank 0, OGB's
   metric, the best epoch by validation;
 * :meth:`WorkerRun.report`: the run's wall-clock and steps so far, whether it stops here (a
   quality target reached or a plateau, :mod:`pipeline.train.stopping`, decided on rank 0 for all),
-  a checkpoint (:mod:`pipeline.train.checkpoint`) and the metrics through ``ray.train.report`` (every
-  rank, once per epoch); Ray Train's controller logs the epoch to MLflow once it has registered
-  the checkpoint (:mod:`pipeline.train.epoch_logger`).
+  a checkpoint and the metrics through ``ray.train.report`` (every rank, :mod:`pipeline.train.reporting`);
+  Ray Train's controller logs the epoch to MLflow once it has registered the checkpoint
+  (:mod:`pipeline.train.epoch_logger`).
 """
 from __future__ import annotations
 
@@ -27,8 +32,6 @@ import json
 import logging
 import math
 import os
-import signal
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -37,14 +40,16 @@ import numpy as np
 import torch
 
 from pipeline.train import checkpoint as ckpt
-from pipeline.train import startup, stopping
-from pipeline.train.batching import EpochStream, NodeBudgetSampler, subset_indices
+from pipeline.train import elastic, faults, startup, stopping
+from pipeline.train.batching import NodeBudgetSampler, subset_indices
+from pipeline.train.global_batch import GlobalBatches, Position, RankStream
 from pipeline.config import JobConfig
 from pipeline.train.capacity import describe, run_capacities
 from pipeline.train.engine import build_engine, clips_outside_deepspeed, current_lr, resolve_precision
 from pipeline.train.loader import BatchCollator, make_loader, open_split
 from pipeline.train.metrics import EpochMeter, broadcast_from_rank_zero, concat_gathered, gather_objects
 from pipeline.train.precise_bn import StatisticsBatches, batchnorm_layers, recompute_batchnorm_stats
+from pipeline.train.reporting import Reports
 from pipeline.tasks import make_task
 from pipeline.train.step import TrainStep, compiles_model, evaluate
 from sat.config import SATConfig
@@ -90,14 +95,13 @@ def worker_loop(config: dict) -> None:
     run = WorkerRun(config["setup"])
     train = run.job.train
     try:
-        for epoch in range(run.state["epoch"] + 1, train.epochs):
-            started = time.perf_counter()
+        for epoch in range(run.position.epoch, train.epochs):
             metrics = run.train_epoch(epoch)
             if (epoch + 1) % train.eval_every == 0 or epoch == train.epochs - 1:
                 metrics.update(run.evaluate_epoch(epoch))
-            stop = run.report(epoch, metrics, time.perf_counter() - started)
+            stop = run.report(epoch, metrics)
             if run.setup.fault and "signal" in run.setup.fault:
-                _maybe_signal(run.setup.fault, run.rank, epoch)
+                faults.maybe_signal(run.setup.fault, run.rank, epoch)
             if stop:
                 break
     finally:
@@ -133,10 +137,10 @@ def statistics_batches(job: JobConfig, dataset, rank: int = 0, world: int = 1) -
     return StatisticsBatches(sampler, job.train.precise_bn_batches)
 
 
-def train_loader(job: JobConfig, dataset, sampler: NodeBudgetSampler, collator: BatchCollator, pin: bool):
-    """The training DataLoader over ``sampler``'s epochs one after the other (:class:`EpochStream`): one
-    iterator serves the whole run, starting at the sampler's epoch, ``len(sampler)`` batches per epoch."""
-    return make_loader(dataset, EpochStream(sampler), collator, job.train.loader_workers, pin)
+def train_loader(job: JobConfig, dataset, stream: RankStream, collator: BatchCollator, pin: bool):
+    """The training DataLoader over a rank's micro-batches of the run (:class:`RankStream`): one
+    iterator serves the whole run, from the stream's start position on."""
+    return make_loader(dataset, stream, collator, job.train.loader_workers, pin)
 
 
 class WorkerRun:
@@ -166,12 +170,15 @@ class WorkerRun:
         self.task = make_task(setup.task_name, vocab=train_ds.vocab, **setup.task_state)
         model_config = SATConfig.from_dict(setup.model_config)
         pin = self.device.type == "cuda"
-        self.train_sampler = split_sampler(job, train_ds, shuffle=True, rank=self.rank, world=self.world)
+        # the run's global batches (every rank's), and this rank's share of them
+        self.batches = GlobalBatches(split_sampler(job, train_ds, shuffle=True), train.micro_batches_per_step,
+                                     per_node=self.task.node_level)
+        self.stream = RankStream(self.batches, self.rank, self.world)
         eval_splits = {s: open_split(setup.shard_dir, s) for s in ("valid", "test")}
         eval_samplers = {s: split_sampler(job, ds, shuffle=False, rank=self.rank, world=self.world)
                          for s, ds in eval_splits.items()}
         # fixed batch capacities (train.step other than eager): what every padded batch's shapes are
-        self.capacities, over = run_capacities(job, model_config, (train_ds, self.train_sampler),
+        self.capacities, over = run_capacities(job, model_config, (train_ds, self.batches.sampler),
                                                [(eval_splits[s], eval_samplers[s]) for s in eval_splits])
         if self.rank == 0 and self.capacities["train"] is not None:
             log.info("batch capacity (train.step %s): training %s (%.1f%% of the first epoch's batches over it run "
@@ -179,7 +186,7 @@ class WorkerRun:
                      describe(self.capacities["eval"]))
         collator, eval_collator = (BatchCollator(model_config, capacity=self.capacities[kind],
                                                  node_targets=self.task.node_level) for kind in ("train", "eval"))
-        self.train_loader = train_loader(job, train_ds, self.train_sampler, collator, pin)
+        self.train_loader = train_loader(job, train_ds, self.stream, collator, pin)
         self._train_batches: Optional[Iterator] = None  # made by the first epoch trained, kept for the run
         self.eval_loaders = {split: make_loader(eval_splits[split], eval_samplers[split], eval_collator,
                                                 train.loader_workers, pin) for split in eval_splits}
@@ -194,17 +201,19 @@ class WorkerRun:
         self.precision = resolve_precision(setup.precision, use_gpu)  # "auto" is resolved where the GPU is
         if compiles_model(train.step):
             keep_compile_caches(train.storage_path)
-        self.engine = build_engine(model, train, self.precision, len(self.train_sampler), self.world,
+        self.engine = build_engine(model, train, self.precision, self.batches.steps_per_epoch, self.world,
                                    compile_model=compiles_model(train.step))
         self.step = TrainStep(self.engine, self.task, train.grad_clip, clips_outside_deepspeed(train, self.precision),
                               mode=train.step, device=self.device)
 
         self.state: dict[str, Any] = {
             "epoch": -1,
-            "steps": 0,  # optimizer steps so far
+            "steps": 0,  # optimizer steps so far: the global step
+            "position": Position(0).to_dict(),  # the next step to train (pipeline.train.global_batch)
+            "epoch_partial": None,  # the loss of the steps done of an unfinished epoch (EpochMeter.partial)
+            "events": [],  # what happened between worker groups (pipeline.train.elastic.resize_event)
             "elapsed_s": 0.0,  # wall seconds of training and evaluation so far (pipeline.train.stopping)
             "stopped": None,  # why the run stopped before train.epochs (pipeline.train.stopping)
-            "sampler": self.train_sampler.state_dict(),
             "best": {"epoch": -1, "val": None, "test": None},
             "history": [],
             "constant": None,
@@ -216,6 +225,17 @@ class WorkerRun:
         self.best_weights: Optional[dict] = None
         self.baseline_targets: list = []
         self._restore()
+        self.position = Position(**self.state["position"])  # where this group starts
+        self.resumed_step = self.state["steps"]
+        self.stream.start = self.position
+        self.reports = Reports(self.engine, self.rank, self.world, self.device, setup.fault)
+        self.preemption = elastic.PreemptionCheck(train.preemption_check_steps)
+        self._mark: Optional[float] = None  # wall-clock counted into elapsed_s up to here
+        # rank 0: the previous worker group's progress note (read before this group writes its own)
+        run_dir = Path(ray.train.get_context().get_storage().experiment_fs_path)
+        command = (setup.startup or {}).get("command")
+        self.previous_note = elastic.read_note(run_dir) if self.rank == 0 else None
+        self.note = elastic.ProgressNote(run_dir, command, self.world) if self.rank == 0 else None
 
         self.logger = None
         if self.rank == 0 and setup.run_id and setup.tracking_uri:
@@ -254,51 +274,70 @@ class WorkerRun:
         self.state = ckpt.restore(directory, self.engine)
         if self.rank == 0:
             self.best_weights = ckpt.load_best_weights(directory)
-        self.train_sampler.load_state_dict(self.state["sampler"])
-        log.info("rank %d resumed after epoch %d (%s)", self.rank, self.state["epoch"], directory)
+        log.info("rank %d of %d resumed at global step %d (epoch %d, step %d of %d) from %s", self.rank, self.world,
+                 self.state["steps"], self.state["position"]["epoch"], self.state["position"]["step"],
+                 self.batches.steps_per_epoch, directory)
 
     # ------------------------------------------------------------------ epochs
     def train_epoch(self, epoch: int) -> dict[str, Any]:
-        """Train one epoch; returns its metrics (train metric on rank 0 only)."""
-        train, task, device = self.job.train, self.task, self.device
-        self.train_sampler.set_epoch(epoch)
+        """Train one epoch (from the step the run is at); returns its metrics (train metric on rank 0
+        only). Every step: this rank's share of the global batch accumulated, one reduction
+        (:class:`pipeline.train.step.TrainStep`); a checkpoint when one is due (:meth:`checkpoint_here`)."""
+        train, task, device, fault = self.job.train, self.task, self.device, self.setup.fault
         self.engine.train()
-        steps = len(self.train_sampler)
+        steps = self.batches.steps_per_epoch
+        start = self.position.step if self.position.epoch == epoch else 0
+        count = len(self.stream.mine)
         sample_every = max(1, math.ceil(steps / TRAIN_METRIC_BATCHES))
         meter = EpochMeter(device)
+        if start and self.rank == 0 and self.state.get("epoch_partial"):
+            meter.carry(self.state["epoch_partial"])  # the loss of the steps before the checkpoint
         sampled_predictions: list[torch.Tensor] = []
         sampled_targets: list = []
-        first_epoch = self._train_batches is None
+        first_epoch = self._mark is None  # this worker group's first
         if first_epoch:
-            self._train_batches = iter(self.train_loader)  # starts at this epoch (set above)
+            self._mark = time.perf_counter()
+            self._train_batches = iter(self.train_loader) if count else None  # from the position (restored)
         batches = self._train_batches
         self.step.overflow = 0
-        for step in range(steps):
-            waited = time.perf_counter()
-            cpu_batch = next(batches)
-            meter.data_wait += time.perf_counter() - waited
-            if first_epoch and step == 0:
-                self.startup["first_batch"] = startup.now()
-            if self.setup.fault and "signal" not in self.setup.fault:
-                _maybe_fail(self.setup.fault, self.rank, epoch, step, meter.seconds)
-            size, sampled = task.batch_size(cpu_batch), step % sample_every == 0
-            if sampled:
-                sampled_targets.extend(task.targets(cpu_batch))
-            out, loss = self.step(cpu_batch)
-            padding = padding_of(cpu_batch)
-            meter.add(loss, size, padding.graphs if padding is not None else int(cpu_batch.num_graphs))
-            if sampled:
-                sampled_predictions.append(task.real_rows(task.predictions(out), cpu_batch))
-            if first_epoch and step == 0:
+        for step in range(start, steps):
+            scales = self.batches.scales(epoch, step, self.rank, self.world)
+            part = torch.zeros((), device=device)  # this rank's part of the step's loss
+            for index, scale in enumerate(scales):
+                waited = time.perf_counter()
+                cpu_batch = next(batches)
+                meter.data_wait += time.perf_counter() - waited
+                if first_epoch and step == start and index == 0:
+                    self.startup["first_batch"] = startup.now()
+                if fault and not {"signal", "pause_in_checkpoint"} & fault.keys():
+                    faults.maybe_fail(fault, self.rank, epoch, step, meter.seconds)
+                size, sampled = task.batch_size(cpu_batch), step % sample_every == 0 and index == 0
+                if sampled:
+                    sampled_targets.extend(task.targets(cpu_batch))
+                out, loss = self.step.accumulate(cpu_batch, scale, index, count)
+                padding = padding_of(cpu_batch)
+                meter.add(loss, size, padding.graphs if padding is not None else int(cpu_batch.num_graphs))
+                part += loss.float() * (scale / self.world)
+                if sampled:
+                    sampled_predictions.append(task.real_rows(task.predictions(out), cpu_batch))
+            self.step.finish()
+            self.position = Position(epoch, step + 1)
+            self.state["steps"] = global_step = epoch * steps + step + 1
+            self.reports.add_step(global_step, part)
+            if self.note is not None:
+                self.note.write(global_step)
+            if first_epoch and step == start:
                 self._first_step_done()
             if self.rank == 0 and (step + 1) % train.log_every_steps == 0:
-                log.info("epoch %d step %d/%d loss %.4f", epoch, step + 1, steps, float(loss))
-        self.state["steps"] = self.state.get("steps", 0) + steps
+                log.info("epoch %d step %d/%d loss %.4f", epoch, step + 1, steps, float(part) * self.world)
+            reason = self._checkpoint_due(global_step)
+            if reason and step + 1 < steps:  # the epoch's end writes one anyway
+                self.checkpoint_here(epoch, meter, reason)
         metrics: dict[str, Any] = {"epoch": epoch, **meter.reduce(device), "lr": current_lr(self.engine),
                                    "steps": self.state["steps"], "overflow_batches": self.step.overflow}
         if first_epoch and self.rank == 0:
             metrics.update(startup.metrics(self.startup))
-        predictions = task.decode(torch.cat(sampled_predictions).cpu())
+        predictions = task.decode(torch.cat(sampled_predictions).cpu()) if sampled_predictions else []
         if not self.baseline_targets and self.state["constant"] is None:
             self.baseline_targets = sampled_targets[:TRAIN_SAMPLE_FOR_BASELINE]
         gathered = gather_objects((predictions, sampled_targets))
@@ -306,13 +345,60 @@ class WorkerRun:
             metrics[f"train_{task.metric}"] = task.score(*concat_gathered(gathered))
         return metrics
 
+    def _checkpoint_due(self, global_step: int) -> Optional[str]:
+        """Why a checkpoint is due after ``global_step`` (the same answer on every rank), or None."""
+        notice = self.preemption.notice(global_step)  # a collective at its steps, asked whatever else is due
+        if notice is not None:
+            if self.rank == 0:
+                log.warning("preemption notice: node(s) %s (ranks %s) drained, deadline %s: checkpoint at step %d",
+                            ", ".join(notice.preempted_node_ids), notice.preempted_ranks,
+                            time.strftime("%H:%M:%S", time.localtime(notice.deadline_ms / 1000))
+                            if notice.deadline_ms else "none", global_step)
+            return "preemption notice"
+        every = self.job.train.checkpoint_every_steps
+        return "train.checkpoint_every_steps" if every and global_step % every == 0 else None
+
+    def checkpoint_here(self, epoch: int, meter: EpochMeter, reason: str) -> None:
+        """A checkpoint within ``epoch`` at the run's position (every rank), reported to Ray Train."""
+        state = self.state
+        state["position"] = self.position.to_dict()
+        state["epoch_partial"] = meter.partial(self.device)  # a collective
+        self._count_elapsed()
+        state["world_size"] = self.world
+        state["provenance"] = self.setup.provenance
+        self.reports.write(state, self.best_weights, {"elapsed_s": state["elapsed_s"]}, epoch)
+        if self.note is not None:
+            self.note.write(state["steps"], force=True)
+        if self.rank == 0:
+            log.info("checkpoint at global step %d (epoch %d, step %d of %d; %s)", state["steps"], epoch,
+                     self.position.step, self.batches.steps_per_epoch, reason)
+
+    def _count_elapsed(self) -> None:
+        now = time.perf_counter()
+        self.state["elapsed_s"] = self.state.get("elapsed_s", 0.0) + now - self._mark
+        self._mark = now
+
     def _first_step_done(self) -> None:
-        """Stamp the first step's end (its kernels finished) and log the start-up (rank 0)."""
+        """Stamp this worker group's first step's end (its kernels finished); on rank 0, log the
+        start-up and what happened since the previous group (:func:`pipeline.train.elastic.resize_event`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.startup["first_step"] = startup.now()
-        if self.rank == 0:
-            log.info("%s", startup.describe(self.startup))
+        if self.rank != 0:
+            return
+        log.info("%s", startup.describe(self.startup))
+        event = elastic.resize_event(self.previous_note, self.note.command, self.world, self.resumed_step,
+                                     time.time())
+        if event is None:
+            return
+        log.info("worker group: %s", elastic.describe(event))
+        self.state["events"].append(event)
+        if self.logger is not None:
+            number = sum(1 for e in self.state["events"] if e["kind"] == event["kind"])
+            try:
+                self.logger.client.set_tag(self.setup.run_id, f"satp.{event['kind']}.{number}", elastic.describe(event))
+            except Exception as exc:  # the tracking store must not stop training
+                log.warning("MLflow: worker-group event not logged (%s)", exc)
 
     def evaluate_epoch(self, epoch: int) -> dict[str, Any]:
         """Validation and test metrics (rank 0), and the best epoch by validation.
@@ -352,14 +438,12 @@ class WorkerRun:
             self.best_weights = {k: v.detach().float().cpu().clone() for k, v in self.engine.module.state_dict().items()}
         return metrics
 
-    def report(self, epoch: int, metrics: dict[str, Any], seconds: float) -> bool:
-        """Checkpoint and report the epoch (every rank); return whether the run stops here.
+    def report(self, epoch: int, metrics: dict[str, Any]) -> bool:
+        """Checkpoint and report the epoch's end (every rank); return whether the run stops here.
         MLflow gets the epoch from Ray Train's controller once the checkpoint is registered
         (:mod:`pipeline.train.epoch_logger`)."""
-        import ray.train
-
         metric, state, task = self.task.metric, self.state, self.task
-        state["elapsed_s"] = state.get("elapsed_s", 0.0) + seconds
+        self._count_elapsed()
         metrics["elapsed_s"] = state["elapsed_s"]
         stopped = None
         if self.rank == 0:
@@ -377,19 +461,12 @@ class WorkerRun:
         # every rank leaves the loop together: rank 0 alone holds the validation metrics
         state["stopped"] = broadcast_from_rank_zero(stopped)
         state["epoch"] = epoch
+        self.position = Position(epoch + 1)
+        state["position"] = self.position.to_dict()
+        state["epoch_partial"] = None
         state["world_size"] = self.world
         state["provenance"] = self.setup.provenance  # a resumed run may add a git commit
-        state["sampler"] = self.train_sampler.state_dict()
-        # written locally, then into the run's storage by satp (a full disk ends the run: ckpt.persist),
-        # then reported to Ray Train where it lies
-        storage = ray.train.get_context().get_storage()
-        with tempfile.TemporaryDirectory(prefix="satp-ckpt-") as directory:
-            ckpt.save(directory, self.engine, state, self.best_weights, self.rank)
-            name = ckpt.persist(directory, storage.experiment_fs_path, self.rank, epoch)
-        checkpoint = ray.train.Checkpoint(path=str(Path(storage.experiment_fs_path) / name),
-                                          filesystem=storage.storage_filesystem)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
-                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+        self.reports.write(state, self.best_weights, metrics, epoch)
         if self.rank == 0:
             log.info("epoch %d: %s", epoch, {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
             if state["stopped"]:
@@ -399,39 +476,6 @@ class WorkerRun:
     def close(self) -> None:
         if self.logger is not None:
             self.logger.close()
-
-
-def _maybe_fail(fault: dict, rank: int, epoch: int, step: int, seconds: float) -> None:
-    """Test hook: kill this worker once, at step ``step`` of epoch ``epoch``, no sooner than
-    ``seconds`` into the epoch (``fault = {rank, epoch, step, seconds, marker}``).
-
-    Ray Train registers a reported checkpoint when its controller next polls the workers
-    (every 2 s); a worker group that dies sooner after a report resumes from the checkpoint
-    before. Waiting out ``seconds`` makes the kill land after the registration, however fast
-    the epoch runs."""
-    if rank != fault.get("rank", 0) or epoch != fault.get("epoch", 0) or step < fault.get("step", 0):
-        return
-    marker = Path(fault["marker"])
-    if marker.exists():
-        return
-    time.sleep(max(0.0, fault.get("seconds", 0.0) - seconds))
-    marker.write_text(str(os.getpid()))
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _maybe_signal(fault: dict, rank: int, epoch: int) -> None:
-    """Test hook: once the checkpoint of epoch ``epoch`` is on storage (``ray.train.report`` has
-    returned), send ``signal`` to the driver process ``pid``, once (``marker``), then wait for the
-    abort: the interrupt lands after the upload, and before or while Ray registers it
-    (``fault = {signal, pid, epoch, marker}``)."""
-    if rank != 0 or epoch != fault.get("epoch", 0):
-        return
-    marker = Path(fault["marker"])
-    if marker.exists():
-        return
-    marker.write_text(str(os.getpid()))
-    os.kill(int(fault["pid"]), getattr(signal, fault["signal"]))
-    time.sleep(120)
 
 
 def keep_compile_caches(storage_path: str) -> None:

@@ -1,0 +1,117 @@
+"""What an elastic run records about its worker groups: progress notes, resize events, preemption.
+
+Ray Train (2.60) changes a run's worker count by tearing the whole worker group down and starting
+a new one from the newest reported checkpoint: on a lost node (fewer workers, down to the job's
+minimum), and when a node joins (at the next resize check, ``resources.resize_check_s``). It tells
+the workers nothing beforehand, so what was trained since the last checkpoint is lost, and the new
+group cannot ask the old one how far it had got. So rank 0 of every group leaves a note on the
+run's storage, :data:`NOTE_FILE`, with the global step it has reached, its worker count and the
+time (:class:`ProgressNote`, written after a step at most every :data:`NOTE_EVERY_S`), and rank 0 of
+the next group reads it before its first step: the previous count, how many steps were done after
+the checkpoint it resumes from (lost, trained again), and, once its first step is done, how long
+the run made no progress (:func:`resize_event`). The run's storage is shared by every node, so the
+note outlives the node that wrote it.
+
+A preemption notice (a node drained with ``ray drain-node ... --reason DRAIN_NODE_REASON_PREEMPTION``,
+which a cloud's spot reclaim or an autoscaler sends) reaches the workers through
+``ray.train.get_preemption_info()`` (alpha in Ray 2.60): a collective through Ray's synchronisation
+actor (a few milliseconds), so the workers ask every ``train.preemption_check_steps`` steps, all at
+the same global steps (:class:`PreemptionCheck`), and write a checkpoint at once on the first
+notice; Ray Train keeps them running until the node's deadline, then restarts the group without it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+NOTE_FILE = "satp-progress.json"
+NOTE_EVERY_S = 0.2  # at most this often: a small file replaced on shared storage
+
+
+@dataclasses.dataclass
+class ProgressNote:
+    """Rank 0's note of a worker group's progress (see the module docstring)."""
+
+    run_dir: Path
+    command: Optional[float]  # when the satp command that started the fit began (its identity)
+    world_size: int
+    _written: float = float("-inf")
+
+    def write(self, global_step: int, force: bool = False) -> None:
+        """Note that ``global_step`` steps are done (at most every :data:`NOTE_EVERY_S` unless ``force``)."""
+        now = time.time()
+        if not force and now - self._written < NOTE_EVERY_S:
+            return
+        record = {"global_step": global_step, "world_size": self.world_size, "time": now, "command": self.command}
+        tmp = self.run_dir / f".{NOTE_FILE}.{os.getpid()}.tmp"
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.run_dir / NOTE_FILE)
+        except OSError as exc:  # a note is worth less than the step: the event then says less
+            log.warning("%s: progress note not written (%s)", self.run_dir / NOTE_FILE, exc)
+            return
+        self._written = now
+
+
+def read_note(run_dir: str | Path) -> Optional[dict[str, Any]]:
+    """The previous worker group's note, or None (a fresh run, or an unreadable note)."""
+    try:
+        note = json.loads((Path(run_dir) / NOTE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return note if isinstance(note, dict) and "global_step" in note and "world_size" in note else None
+
+
+def resize_event(note: Optional[dict], command: Optional[float], world_size: int, resumed_step: int,
+                 first_step_at: float) -> Optional[dict[str, Any]]:
+    """What happened between the previous worker group (its ``note``) and this one, which resumed at
+    global step ``resumed_step`` and finished its first step at ``first_step_at`` (a wall-clock time):
+    ``kind`` ``resize`` (another worker count, in the same command), ``restart`` (the same count: a
+    worker or node replaced) or ``resume`` (a new command); ``from``/``to`` the worker counts,
+    ``steps_lost`` (done after the checkpoint, trained again; a lower bound, as the note is written
+    every :data:`NOTE_EVERY_S` at most) and ``seconds`` (from the previous group's last note to this
+    group's first step). None without a note."""
+    if note is None:
+        return None
+    same_command = note.get("command") is not None and note.get("command") == command
+    previous = int(note["world_size"])
+    kind = "resume" if not same_command else ("resize" if previous != world_size else "restart")
+    return {"kind": kind, "time": first_step_at, "from": previous, "to": world_size, "step": resumed_step,
+            "steps_lost": max(0, int(note["global_step"]) - resumed_step),
+            "seconds": round(first_step_at - float(note.get("time", first_step_at)), 3)}
+
+
+def describe(event: dict[str, Any]) -> str:
+    """One line: ``resize 2 -> 1 workers at step 12: 3 steps lost, 41.2 s without progress``."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event["time"]))
+    return (f"{event['kind']} {event['from']} -> {event['to']} workers at step {event['step']} ({when}): "
+            f"{event['steps_lost']} step(s) lost, {event['seconds']:.1f} s without progress")
+
+
+class PreemptionCheck:
+    """Asks Ray Train every ``every`` global steps whether a node of the worker group is being
+    drained (a collective: every rank asks at the same steps); :meth:`notice` says once per group
+    that one is."""
+
+    def __init__(self, every: int) -> None:
+        self.every = int(every)
+        self.noticed = False
+
+    def notice(self, global_step: int) -> Optional[Any]:
+        """The ``ray.train.PreemptionInfo`` of a new notice at this step, else None."""
+        if self.noticed or global_step % self.every:
+            return None
+        import ray.train
+
+        info = ray.train.get_preemption_info()
+        if info is None:
+            return None
+        self.noticed = True
+        return info

@@ -1,0 +1,67 @@
+"""Test hooks of a worker: faults at chosen moments of a real run (``$SATP_TEST_FAULT``, JSON, or
+``train_job(fault=...)``), so that tests see what a user would after a crash, an interrupt or a lost
+node. Each fires once per run (its ``marker`` file says it has); a worker without a ``fault`` never
+calls them.
+
+* ``{rank, epoch, step, seconds, marker}``: :func:`maybe_fail`, the worker dies (SIGKILL);
+* ``{signal, pid, epoch, marker}``: :func:`maybe_signal`, the driver gets a signal after a checkpoint;
+* ``{pause_in_checkpoint: {rank, step, seconds}, marker}``: :func:`maybe_pause_in_checkpoint`, a rank
+  stops half-way through copying its part of the checkpoint of global step ``step`` into storage, so
+  that a test can take its node away while a checkpoint is being written.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+
+def maybe_fail(fault: dict, rank: int, epoch: int, step: int, seconds: float) -> None:
+    """Kill this worker once, at step ``step`` of epoch ``epoch``, no sooner than ``seconds`` into
+    the epoch.
+
+    Ray Train registers a reported checkpoint when its controller next polls the workers
+    (every 2 s); a worker group that dies sooner after a report resumes from the checkpoint
+    before. Waiting out ``seconds`` makes the kill land after the registration, however fast
+    the epoch runs."""
+    if rank != fault.get("rank", 0) or epoch != fault.get("epoch", 0) or step < fault.get("step", 0):
+        return
+    marker = Path(fault["marker"])
+    if marker.exists():
+        return
+    time.sleep(max(0.0, fault.get("seconds", 0.0) - seconds))
+    marker.write_text(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_signal(fault: dict, rank: int, epoch: int) -> None:
+    """Once the checkpoint of epoch ``epoch`` is on storage (``ray.train.report`` has returned), send
+    ``signal`` to the driver process ``pid``, once, then wait for the abort: the interrupt lands
+    after the upload, and before or while Ray registers it."""
+    if rank != 0 or epoch != fault.get("epoch", 0):
+        return
+    marker = Path(fault["marker"])
+    if marker.exists():
+        return
+    marker.write_text(str(os.getpid()))
+    os.kill(int(fault["pid"]), getattr(signal, fault["signal"]))
+    time.sleep(120)
+
+
+def pause_in_checkpoint(fault: Optional[dict], rank: int, global_step: int) -> Optional[Callable[[int], None]]:
+    """The hook :func:`pipeline.train.checkpoint.persist` calls after each file it copies (its count
+    so far): after the first, it writes the marker (this process's pid) and sleeps ``seconds``, once,
+    on rank ``rank`` in the checkpoint of step ``step``; None where no such fault applies."""
+    pause = (fault or {}).get("pause_in_checkpoint")
+    if not pause or rank != pause.get("rank", 0) or global_step != pause.get("step"):
+        return None
+    marker = Path(fault["marker"])
+
+    def hook(copied: int) -> None:
+        if copied == 1 and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            time.sleep(float(pause.get("seconds", 60.0)))
+
+    return hook

@@ -1,0 +1,74 @@
+"""A worker's checkpoints and reports to Ray Train, and the per-step losses they carry.
+
+A checkpoint is written at every epoch's end, every ``train.checkpoint_every_steps`` global steps and
+on a preemption notice (:mod:`pipeline.train.elastic`); each is a collective of every rank, at the
+same global steps on every rank, as Ray Train and DeepSpeed require: ``engine.save_checkpoint``,
+satp's copy into the run's storage (:func:`pipeline.train.checkpoint.persist`, all ranks succeed or
+all raise) and ``ray.train.report`` (every rank, the same number of times). The report carries, from
+rank 0, the loss of every step since the previous report (``step_losses``: ``[global step, loss]``
+pairs) and the worker count, which Ray Train's controller logs to MLflow over the global step once
+it has registered the checkpoint (:mod:`pipeline.train.epoch_logger`): steps trained again after a
+resize are logged once, as the run kept them.
+
+A step's loss is the mean over the units of the whole global batch: each rank adds its micro-batches'
+losses weighted by ``units_j / units of the step`` on the device (no host read per step), and the
+parts are summed over the ranks once per report (one all-reduce of a vector).
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pipeline.train import checkpoint as ckpt
+from pipeline.train import faults
+
+
+class Reports:
+    """The checkpoints and reports of one worker (see the module docstring)."""
+
+    def __init__(self, engine, rank: int, world: int, device: torch.device, fault: Optional[dict]) -> None:
+        self.engine, self.rank, self.world, self.device, self.fault = engine, rank, world, device, fault
+        self._steps: list[int] = []
+        self._losses: list[torch.Tensor] = []
+
+    def add_step(self, global_step: int, loss_part: torch.Tensor) -> None:
+        """This rank's part of the loss of global step ``global_step`` (a device scalar)."""
+        self._steps.append(global_step)
+        self._losses.append(loss_part.detach().float())
+
+    def step_losses(self) -> list[list[float]]:
+        """``[global step, loss]`` of the steps since the last call, summed over the ranks (a
+        collective: every rank calls it at the same steps)."""
+        import torch.distributed as dist
+
+        if not self._steps:
+            return []
+        parts = torch.stack(self._losses).to(torch.float64)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(parts)
+        out = [[step, loss] for step, loss in zip(self._steps, parts.tolist())]
+        self._steps, self._losses = [], []
+        return out
+
+    def write(self, state: dict[str, Any], best_weights: Optional[dict], metrics: dict[str, Any], epoch: int) -> str:
+        """Checkpoint ``state`` (and the best weights), then report ``metrics`` with it; return the
+        checkpoint's directory name. ``epoch``: the epoch being trained or just done (messages). Every
+        rank calls it."""
+        import ray.train
+
+        metrics = dict(metrics, step_losses=self.step_losses(), world_size=self.world, global_step=state["steps"])
+        # written locally, then into the run's storage by satp (a full disk ends the run: ckpt.persist),
+        # then reported to Ray Train where it lies
+        storage = ray.train.get_context().get_storage()
+        with tempfile.TemporaryDirectory(prefix="satp-ckpt-") as directory:
+            ckpt.save(directory, self.engine, state, best_weights, self.rank)
+            name = ckpt.persist(directory, storage.experiment_fs_path, self.rank, epoch,
+                                after_file=faults.pause_in_checkpoint(self.fault, self.rank, state["steps"]))
+        checkpoint = ray.train.Checkpoint(path=str(Path(storage.experiment_fs_path) / name),
+                                          filesystem=storage.storage_filesystem)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
+                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+        return name
