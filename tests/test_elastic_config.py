@@ -46,3 +46,30 @@ def test_the_configuration_hash_keeps_the_global_batch_and_drops_the_worker_coun
     assert digest("resources.num_workers=1") == base == digest("resources.num_workers=[1, 4]")
     assert digest("train.checkpoint_every_steps=5", "train.preemption_check_steps=3") == base  # how often, not what
     assert digest("train.micro_batches_per_step=4") != base
+
+
+def test_worker_group_events_name_the_counts_the_steps_lost_and_the_time_without_progress(tmp_path):
+    from pipeline.train.elastic import ProgressNote, describe, read_note, resize_event
+
+    assert read_note(tmp_path) is None and resize_event(None, 1.0, 2, 0, 10.0) is None  # a fresh run
+    ProgressNote(tmp_path, command=1.0, world_size=2).write(7, force=True)
+    note = read_note(tmp_path)
+    event = resize_event(note, 1.0, 1, 6, note["time"] + 41.25)
+    assert {k: event[k] for k in ("kind", "from", "to", "step", "steps_lost", "seconds")} == \
+        {"kind": "resize", "from": 2, "to": 1, "step": 6, "steps_lost": 1, "seconds": 41.25}
+    assert "resize 2 -> 1 workers at step 6" in describe(event) and "1 step(s) lost, 41.2 s" in describe(event)
+    assert resize_event(note, 1.0, 2, 6, note["time"])["kind"] == "restart"  # the same count: a worker replaced
+    assert resize_event(note, 2.0, 1, 6, note["time"])["kind"] == "resume"  # another command
+
+
+def test_a_preemption_notice_is_asked_for_at_the_same_steps_on_every_rank_and_taken_once(monkeypatch):
+    import ray.train
+
+    from pipeline.train.elastic import PreemptionCheck
+
+    asked, answers = [], iter([None, "notice", "again"])
+    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: asked.append(1) or next(answers))
+    check = PreemptionCheck(every=5)
+    seen = [(step, check.notice(step)) for step in range(1, 21)]
+    assert len(asked) == 2  # steps 5 and 10; after the notice no more collectives
+    assert [(s, n) for s, n in seen if n] == [(10, "notice")]

@@ -6,7 +6,8 @@ minimum), and when a node joins (at the next resize check, ``resources.resize_ch
 the workers nothing beforehand, so what was trained since the last checkpoint is lost, and the new
 group cannot ask the old one how far it had got. So rank 0 of every group leaves a note on the
 run's storage, :data:`NOTE_FILE`, with the global step it has reached, its worker count and the
-time (:class:`ProgressNote`, written after a step at most every :data:`NOTE_EVERY_S`), and rank 0 of
+time (:class:`ProgressNote`, written after a step at most every :data:`NOTE_EVERY_S`, and before every
+checkpoint), and rank 0 of
 the next group reads it before its first step: the previous count, how many steps were done after
 the checkpoint it resumes from (lost, trained again), and, once its first step is done, how long
 the run made no progress (:func:`resize_event`). The run's storage is shared by every node, so the
@@ -75,8 +76,8 @@ def resize_event(note: Optional[dict], command: Optional[float], world_size: int
     global step ``resumed_step`` and finished its first step at ``first_step_at`` (a wall-clock time):
     ``kind`` ``resize`` (another worker count, in the same command), ``restart`` (the same count: a
     worker or node replaced) or ``resume`` (a new command); ``from``/``to`` the worker counts,
-    ``steps_lost`` (done after the checkpoint, trained again; a lower bound, as the note is written
-    every :data:`NOTE_EVERY_S` at most) and ``seconds`` (from the previous group's last note to this
+    ``steps_lost`` (done after the checkpoint, trained again; exact when the group was lost while
+    writing a checkpoint, else a lower bound, as the note is written every :data:`NOTE_EVERY_S` at most) and ``seconds`` (from the previous group's last note to this
     group's first step). None without a note."""
     if note is None:
         return None

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from ray.train import UserCallback
 
 from pipeline.train import checkpoint as ckpt
+from pipeline.train.reporting import STEP_KEYS
 from pipeline.registry import tracking
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ class RegisteredEpochLogger(UserCallback):
             return
         epoch = int(values["epoch"])
         try:
-            tracking.log_metrics(self.client, self.run_id, values, step=epoch)
+            epoch_values = {k: v for k, v in values.items() if k not in STEP_KEYS}  # those are over the global step
+            tracking.log_metrics(self.client, self.run_id, epoch_values, step=epoch)
             if checkpoint is not None:
                 with checkpoint.as_directory() as directory:
                     history = ckpt.load_state(directory).get("history") or []

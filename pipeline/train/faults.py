@@ -5,9 +5,12 @@ calls them.
 
 * ``{rank, epoch, step, seconds, marker}``: :func:`maybe_fail`, the worker dies (SIGKILL);
 * ``{signal, pid, epoch, marker}``: :func:`maybe_signal`, the driver gets a signal after a checkpoint;
-* ``{pause_in_checkpoint: {rank, step, seconds}, marker}``: :func:`maybe_pause_in_checkpoint`, a rank
+* ``{pause_in_checkpoint: {rank, step, seconds}, marker}``: :func:`pause_in_checkpoint`, a rank
   stops half-way through copying its part of the checkpoint of global step ``step`` into storage, so
-  that a test can take its node away while a checkpoint is being written.
+  that a test can take its node away while a checkpoint is being written;
+* ``{hold: {step, world_size}}``: :func:`maybe_hold`, a worker group of ``world_size`` workers stops
+  after global step ``step`` until Ray Train tears it down (a resize): what it would train next is
+  left to the next group, however fast the machine is.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import signal
 import time
 from pathlib import Path
 from typing import Callable, Optional
+
+TIMED = ("signal", "pause_in_checkpoint", "hold")  # faults that are not maybe_fail's kill
 
 
 def maybe_fail(fault: dict, rank: int, epoch: int, step: int, seconds: float) -> None:
@@ -48,6 +53,16 @@ def maybe_signal(fault: dict, rank: int, epoch: int) -> None:
     marker.write_text(str(os.getpid()))
     os.kill(int(fault["pid"]), getattr(signal, fault["signal"]))
     time.sleep(120)
+
+
+def maybe_hold(fault: dict, world_size: int, global_step: int, before: Callable[[], None]) -> None:
+    """Wait for the end (Ray Train's teardown) after global step ``step`` in a group of ``world_size``,
+    calling ``before`` first (the progress note, written whatever its throttle)."""
+    hold = fault.get("hold") or {}
+    if global_step == hold.get("step") and world_size == hold.get("world_size"):
+        before()
+        while True:
+            time.sleep(1.0)
 
 
 def pause_in_checkpoint(fault: Optional[dict], rank: int, global_step: int) -> Optional[Callable[[int], None]]:

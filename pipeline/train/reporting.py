@@ -26,6 +26,9 @@ from pipeline.train import checkpoint as ckpt
 from pipeline.train import faults
 
 
+STEP_KEYS = ("step_losses", "world_size", "global_step")  # what every report adds (see Reports.write)
+
+
 class Reports:
     """The checkpoints and reports of one worker (see the module docstring)."""
 

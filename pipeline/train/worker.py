@@ -309,7 +309,7 @@ class WorkerRun:
                 meter.data_wait += time.perf_counter() - waited
                 if first_epoch and step == start and index == 0:
                     self.startup["first_batch"] = startup.now()
-                if fault and not {"signal", "pause_in_checkpoint"} & fault.keys():
+                if fault and not set(faults.TIMED) & fault.keys():
                     faults.maybe_fail(fault, self.rank, epoch, step, meter.seconds)
                 size, sampled = task.batch_size(cpu_batch), step % sample_every == 0 and index == 0
                 if sampled:
@@ -329,10 +329,13 @@ class WorkerRun:
             if first_epoch and step == start:
                 self._first_step_done()
             if self.rank == 0 and (step + 1) % train.log_every_steps == 0:
-                log.info("epoch %d step %d/%d loss %.4f", epoch, step + 1, steps, float(part) * self.world)
+                log.info("epoch %d step %d/%d loss %.4f", epoch, step + 1, steps, float(loss))  # rank 0's last
             reason = self._checkpoint_due(global_step)
             if reason and step + 1 < steps:  # the epoch's end writes one anyway
                 self.checkpoint_here(epoch, meter, reason)
+            if fault and "hold" in fault:
+                faults.maybe_hold(fault, self.world, global_step,
+                                  lambda: self.note is not None and self.note.write(global_step, force=True))
         metrics: dict[str, Any] = {"epoch": epoch, **meter.reduce(device), "lr": current_lr(self.engine),
                                    "steps": self.state["steps"], "overflow_batches": self.step.overflow}
         if first_epoch and self.rank == 0:
@@ -366,9 +369,9 @@ class WorkerRun:
         self._count_elapsed()
         state["world_size"] = self.world
         state["provenance"] = self.setup.provenance
-        self.reports.write(state, self.best_weights, {"elapsed_s": state["elapsed_s"]}, epoch)
-        if self.note is not None:
+        if self.note is not None:  # exact before a checkpoint: a group lost while writing it lost these steps
             self.note.write(state["steps"], force=True)
+        self.reports.write(state, self.best_weights, {"elapsed_s": state["elapsed_s"]}, epoch)
         if self.rank == 0:
             log.info("checkpoint at global step %d (epoch %d, step %d of %d; %s)", state["steps"], epoch,
                      self.position.step, self.batches.steps_per_epoch, reason)
@@ -466,6 +469,8 @@ class WorkerRun:
         state["epoch_partial"] = None
         state["world_size"] = self.world
         state["provenance"] = self.setup.provenance  # a resumed run may add a git commit
+        if self.note is not None:
+            self.note.write(state["steps"], force=True)
         self.reports.write(state, self.best_weights, metrics, epoch)
         if self.rank == 0:
             log.info("epoch %d: %s", epoch, {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})

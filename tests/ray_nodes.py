@@ -1,0 +1,165 @@
+"""A Ray cluster of several nodes on this machine, for tests that lose and add nodes.
+
+Each node is a ``ray start --block`` process with its own ports, in one temporary directory (their
+storage: one machine's file system is what every node sees; on a real cluster ``shards.root``,
+``train.storage_path`` and the MLflow store are shared storage). A node is "lost" the hard way:
+SIGKILL to its ``ray start``, raylet and agents (its process group) and to every worker its raylet
+started (Ray gives each worker a process group of its own). Ray's node health check is tightened
+(1 s x 3) so that a node's death is declared in seconds. Only the processes these helpers started are
+ever stopped (never ``ray stop``, which would stop every Ray cluster on the machine).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from test_submit import _free_ports
+
+BIN = Path(sys.executable).parent
+
+
+def _proc(pid: int) -> tuple[int, int, str]:
+    """(process group, parent pid, argv[0]) of a process."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat.rsplit(")", 1)[1].split()
+    argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    return int(fields[2]), int(fields[1]), argv0
+
+
+def _all_procs() -> dict[int, tuple[int, int, str]]:
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                out[int(entry.name)] = _proc(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+class Node:
+    """One ``ray start --block`` node of the test cluster, and the processes that are the node."""
+
+    def __init__(self, temp: str, env: dict, gcs_port: int, head: bool, cpus: int) -> None:
+        self.temp, self.env, self.gcs_port, self.head, self.cpus = temp, env, gcs_port, head, cpus
+        self.proc = None
+        self.log = Path(temp) / f"{'head' if head else 'node'}-{time.time_ns()}.log"
+
+    def start(self) -> "Node":
+        p = _free_ports(7)
+        cmd = [str(BIN / "ray"), "start", "--block", f"--num-cpus={self.cpus}", "--node-ip-address=127.0.0.1",
+               f"--node-manager-port={p[0]}", f"--object-manager-port={p[1]}", f"--dashboard-agent-listen-port={p[2]}",
+               f"--dashboard-agent-grpc-port={p[3]}", f"--metrics-export-port={p[4]}", f"--runtime-env-agent-port={p[5]}",
+               "--disable-usage-stats"]
+        if self.head:
+            cmd += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false", f"--ray-client-server-port={p[6]}",
+                    f"--temp-dir={self.temp}",
+                    "--system-config=" + json.dumps({"health_check_period_ms": 1000, "health_check_failure_threshold": 3})]
+        else:
+            cmd += [f"--address=127.0.0.1:{self.gcs_port}"]
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def wait_started(self, timeout: float = 120) -> None:
+        deadline = time.time() + timeout
+        while "Ray runtime started" not in self.log.read_text():
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"ray start failed: {self.log.read_text()[-2000:]}")
+            time.sleep(0.3)
+
+    def pids(self) -> list[int]:
+        """The node's processes: its process group, and the workers its raylet started."""
+        procs = _all_procs()
+        group = [pid for pid, (pgid, _, _) in procs.items() if pgid == self.proc.pid]
+        raylets = {pid for pid in group if procs[pid][2].endswith("raylet")}
+        workers = [pid for pid, (_, ppid, _) in procs.items() if ppid in raylets and pid not in group]
+        return group + workers
+
+    def running(self, prefix: str) -> bool:
+        """Whether one of the node's workers runs a task or actor whose title starts with ``prefix``."""
+        procs = _all_procs()
+        return any(procs.get(pid, (0, 0, ""))[2].startswith(prefix) for pid in self.pids())
+
+    def kill(self) -> None:
+        """The node dies at once: SIGKILL to all of its processes."""
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None and not self.pids():
+            return
+        pids = self.pids()
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.time() + 8
+        while time.time() < deadline and self.proc.poll() is None:
+            time.sleep(0.3)
+        for pid in set(pids) | set(self.pids()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@contextlib.contextmanager
+def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1) -> Iterator[dict]:
+    """A head node of ``head_cpus`` CPUs; yields ``{"address", "env", "add_node", "base"}``, where
+    ``add_node()`` starts one more node of ``node_cpus`` CPUs and returns it once it runs, and
+    ``base`` is the nodes' shared temporary directory. Every node is stopped at the end."""
+    temp = tempfile.mkdtemp(prefix="satpn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = dict(env, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OUTDATED_IGNORE="1", DS_ACCELERATOR="cpu",
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    env.pop("RAY_ADDRESS", None)
+    nodes: list[Node] = []
+
+    def started(head: bool, gcs: int, cpus: int, attempts: int = 3) -> Node:
+        for attempt in range(attempts):
+            node = Node(temp, env, gcs, head=head, cpus=cpus).start()
+            nodes.append(node)
+            try:
+                node.wait_started()
+                return node
+            except RuntimeError:  # `ray start` gives a raylet 30 s to register: a loaded machine misses it
+                node.stop()
+                if attempt == attempts - 1:
+                    raise
+                gcs = _free_ports(1)[0] if head else gcs
+
+    try:
+        gcs = started(True, _free_ports(1)[0], head_cpus).gcs_port
+
+        def add_node() -> Node:
+            return started(False, gcs, node_cpus)
+
+        yield {"address": f"127.0.0.1:{gcs}", "env": env, "add_node": add_node, "base": Path(temp)}
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def wait_for(proc: subprocess.Popen, until: Callable[[], bool], what: str, timeout: float = 240) -> None:
+    """Poll ``until()`` every 0.2 s; fail when ``proc`` ends first or ``timeout`` passes."""
+    deadline = time.time() + timeout
+    while not until():
+        if proc.poll() is not None:
+            raise AssertionError(f"the command ended (exit {proc.returncode}) before {what}")
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
