@@ -151,7 +151,7 @@ def run_code2batch() -> str:
 
     # 4. the paper's recipe, stopped after its 3rd epoch
     recipe_sets = [f"train.max_graphs_per_batch={RECIPE_BATCH}", f"train.bucket_size={RECIPE_BATCH}",
-                   f"train.node_budget={budget32}", f"train.lr={RECIPE_LR:g}"] + subset
+                   f"train.node_budget={budget32}", "train.micro_batches_per_step=1", f"train.lr={RECIPE_LR:g}"] + subset
     recipe_name = f"gpu-code2batch-recipe-{_digest(recipe_sets)}"
     default_lr = os.environ.get("SATP_CODE2BATCH_DEFAULT_LR")
     default_sets = subset + ([f"train.lr={default_lr}"] if default_lr else [])
@@ -281,7 +281,7 @@ def _code2_section(title: str, raw: dict, recipe_hist, default_hist, records: di
                  f"weight decay {t.weight_decay:g}, grad clip {t.grad_clip:g}, precision {t.precision}; one GPU worker"
                  if job is not None else "") + "):", "",
               f"1. the paper's recipe: `--set train.max_graphs_per_batch=32 --set train.bucket_size=32 --set "
-              f"train.node_budget={budget32} --set train.lr=1e-4`, stopped after its {RECIPE_EPOCHS}rd epoch (the paper's "
+              f"train.node_budget={budget32} --set train.micro_batches_per_step=1 --set train.lr=1e-4`, stopped after its {RECIPE_EPOCHS}rd epoch (the paper's "
               "schedule, not one squeezed into 3 epochs);",
               f"2. the job's default (node budget {t.node_budget if t else '-'}, lr {t.lr if t else '-'}"
               + (f" -> `{raw['runs']['default']['sets']}`" if raw.get("runs", {}).get("default", {}).get("sets") else "")

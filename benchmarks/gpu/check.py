@@ -244,7 +244,7 @@ def pipeline(clock: Clock, tmp: Path, pycode: subprocess.Popen, pycode_started: 
     sets = [
         f"data.root={work / 'data'}", f"shards.root={work / 'shards'}", "data.source=pycode", "data.include_tests=true",
         f"train.epochs={PIPELINE_EPOCHS}", "train.warmup_epochs=1", "resources.num_workers=1",
-        f"train.node_budget={PIPELINE_NODE_BUDGET}",
+        f"train.node_budget={PIPELINE_NODE_BUDGET}", "train.micro_batches_per_step=1",  # one batch per step, as measured
         f"train.storage_path={work / 'ray'}", f"mlflow.tracking_uri={tracking}", "train.run_name=gpu-check",
     ]
     if DRY_RUN:

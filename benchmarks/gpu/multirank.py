@@ -12,11 +12,11 @@ device), on small real data: ``satp data pycode`` over the machine's own standar
    MLflow run;
 3. checks, from the run's files and the pipeline's own classes:
 
-   - equal batches per rank: the per-rank batch counts of the worker's sampler
-     (:class:`pipeline.train.batching.NodeBudgetSampler`, built as ``pipeline.train.worker`` builds it); DeepSpeed's
-     step counter in the checkpoint (rank 0's) equal to count x epochs; the graphs the epoch reports
-     (summed over ranks by the worker: ``graphs_per_s x epoch_seconds``) equal to the graphs of both
-     ranks' batches: rank 1 ran all of its own;
+   - the global batch: every micro-batch of a step dealt to one rank
+     (:class:`pipeline.train.global_batch.GlobalBatches`, over the sampler ``pipeline.train.worker`` builds);
+     DeepSpeed's step counter in the checkpoint (rank 0's) equal to steps per epoch x epochs; the graphs
+     the epoch reports (summed over ranks by the worker: ``graphs_per_s x epoch_seconds``) equal to the
+     graphs of both ranks' shares: rank 1 ran all of its own;
    - gathered evaluation: the checkpoint's best weights evaluated here in ONE process over whole
      splits (same batches, same precision) give the validation and test metrics the two ranks reported;
    - the resume: the second run's log says it resumed after epoch 0, its history keeps epoch 0 as the
@@ -219,26 +219,30 @@ def run() -> str:
     if shard_dir and first is not None:
         train_ds = open_split(shard_dir, "train")
         sizes = np.asarray(train_ds.num_nodes)
-        per_rank = [len(split_sampler(job, train_ds, True, r, WORLD)) for r in range(WORLD)]
+        from pipeline.train.global_batch import GlobalBatches, share
+
+        # the run's global batches, as every worker cuts them (the sequence of rank 0 of 1 is every rank's)
+        plan = GlobalBatches(split_sampler(job, train_ds, True, 0, 1), job.train.micro_batches_per_step)
+        steps, mine = plan.steps_per_epoch, [share(plan.micro_batches, r, WORLD) for r in range(WORLD)]
         history = (second or first)["state"]["history"]
-        lines += ["", "Per rank and epoch (the worker's sampler; graphs and node slots of each rank's batches):", "",
-                  "| epoch | batches per rank | graphs per rank | nodes per rank | graphs reported (sum over ranks) |",
+        lines += ["", "Per rank and epoch (each rank's share of every step's micro-batches; graphs and node slots):", "",
+                  "| epoch | micro-batches per rank | graphs per rank | nodes per rank | graphs reported (sum over ranks) |",
                   "|---|---|---|---|---|"]
         for h in history:
             epoch = int(h["epoch"])
-            samplers = [split_sampler(job, train_ds, True, r, WORLD) for r in range(WORLD)]
-            batches = [s.epoch_batches(epoch) for s in samplers]
+            batches = [[plan.step(epoch, s)[j] for s in range(steps) for j in m] for m in mine]
             graphs = [sum(len(b) for b in bs) for bs in batches]
             nodes = [int(sum(sizes[b].sum() for b in bs)) for bs in batches]
             reported = round(h["graphs_per_s"] * h["epoch_seconds"])
             lines.append(f"| {epoch} | {' / '.join(map(str, (len(b) for b in batches)))} | "
                          f"{' / '.join(map(str, graphs))} | {' / '.join(f'{n:,}' for n in nodes)} | {reported:,} |")
-            checks.append((f"epoch {epoch}: graphs reported = both ranks' batches", reported == sum(graphs),
+            checks.append((f"epoch {epoch}: graphs reported = both ranks' micro-batches", reported == sum(graphs),
                            f"{reported} vs {sum(graphs)}"))
-        checks.append(("equal batches per rank (sampler)", len(set(per_rank)) == 1, f"{per_rank}"))
+        checks.append(("every micro-batch of a step dealt to one rank (global batch)",
+                       sorted(j for m in mine for j in m) == list(range(plan.micro_batches)), f"{[list(m) for m in mine]}"))
         steps_first = first["deepspeed"].get("global_steps")
-        checks.append(("DeepSpeed steps after epoch 0 = batches per rank", steps_first == per_rank[0],
-                       f"{steps_first} vs {per_rank[0]}; dp_world_size {first['deepspeed'].get('dp_world_size')}"))
+        checks.append(("DeepSpeed steps after epoch 0 = steps per epoch", steps_first == steps,
+                       f"{steps_first} vs {steps}; dp_world_size {first['deepspeed'].get('dp_world_size')}"))
         for split in ("valid", "test"):
             ds = open_split(shard_dir, split)
             counts = [len(split_sampler(job, ds, False, r, WORLD)) for r in range(WORLD)]
@@ -254,7 +258,7 @@ def run() -> str:
             checks.append(("resume: the same MLflow run", first["state"].get("mlflow_run_id") == second["state"].get("mlflow_run_id"),
                            str(second["state"].get("mlflow_run_id"))))
             steps_second = second["deepspeed"].get("global_steps")
-            checks.append(("resume: DeepSpeed steps went on (2 x batches per rank)", steps_second == 2 * per_rank[0],
+            checks.append(("resume: DeepSpeed steps went on (2 x steps per epoch)", steps_second == 2 * steps,
                            f"{steps_first} -> {steps_second}"))
         final = second or first
         if clock.left() > 15:

@@ -177,7 +177,7 @@ def run() -> str:
     # 3. one epoch on one GPU worker
     run_name = f"gpu-scale-{time.strftime('%Y%m%d-%H%M%S')}"
     tracking = f"sqlite:///{SCALE_DIR / 'mlflow.db'}"
-    train_sets = sets + ["resources.num_workers=1", "train.epochs=1", "train.warmup_epochs=1",
+    train_sets = sets + ["resources.num_workers=1", "train.micro_batches_per_step=1", "train.epochs=1", "train.warmup_epochs=1",
                          f"train.storage_path={SCALE_DIR / 'ray'}", f"mlflow.tracking_uri={tracking}",
                          f"train.run_name={run_name}"]
     sizes, epochs = {}, []
@@ -204,7 +204,7 @@ def run() -> str:
     lines += [f"Commands (in `{SCALE_DIR}`; `--set` {' '.join('`' + s + '`' for s in sets)}):", "",
               f"1. `satp data synthetic-ppa --out DIR/data --graphs {graphs} --workers {WORKERS}`",
               f"2. `satp preprocess {JOB} --no-progress --set ...`",
-              f"3. `satp train {JOB} --set ... --set resources.num_workers=1 --set train.epochs=1 "
+              f"3. `satp train {JOB} --set ... --set resources.num_workers=1 --set train.micro_batches_per_step=1 --set train.epochs=1 "
               f"--set train.warmup_epochs=1` (one GPU worker, evaluation, checkpoint, registration)", "",
               "| step | status | wall s | peak RSS, largest process (GB) | peak RSS, process tree (GB) "
               "| machine memory used, peak above start (GB) | peak GPU memory (GB) | disk after (GB) |",

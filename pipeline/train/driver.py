@@ -180,8 +180,8 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
         log.info("restarting run %s: deleting its checkpoints in %s", train.run_name, decision.previous.run_dir)
         rerun.clear_run(decision.previous.run_dir)
     elif decision.action == "resume":
-        log.info("resuming run %s after epoch %d (%s)", train.run_name, decision.previous.epoch,
-                 decision.previous.checkpoint)
+        log.info("resuming run %s after epoch %d, at global step %d (%s)", train.run_name, decision.previous.epoch,
+                 decision.previous.state.get("steps", 0), decision.previous.checkpoint)
         # the newest complete checkpoint, which Ray may not have registered (an interrupted run)
         setup.resume_from = str(decision.previous.checkpoint)
         rerun.prune_unregistered(decision.previous.run_dir, keep=decision.previous.checkpoint)
