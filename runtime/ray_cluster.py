@@ -35,7 +35,9 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
+from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
 
@@ -144,12 +146,24 @@ def _gcs_problem(address: str, timeout: float) -> Optional[str]:
     return f"it answers, but not as a Ray cluster: {first}"
 
 
+#: what the connected cluster's worker processes have in their environment (None: a cluster satp did
+#: not start, whose workers' environment is unknown); set by :func:`connect`, read by
+#: :func:`missing_worker_env`. Process-wide, as Ray's own connection is.
+_worker_env: Optional[dict[str, str]] = None
+
+
 def connect(address: Optional[str] = None, env_vars: Optional[dict] = None, log_to_driver: bool = True,
-            **local) -> bool:
+            warm_workers: int = 0, keep_warm: bool = False, **local) -> bool:
     """Connect this process to Ray unless it is connected; return True when a local cluster was started.
 
-    ``env_vars``: environment of the connection's runtime env (a named cluster) or added to the
-    local cluster's; ``local``: further keyword arguments of :func:`init_local_ray`."""
+    Without an address (and without ``$RAY_ADDRESS``) the satp cluster of this machine is used when
+    one runs (:func:`runtime.local_cluster.for_command`), else a new local one starts here
+    (:func:`init_local_ray`) with ``warm_workers`` Train workers' processes started ahead (see
+    there; ``keep_warm``: kept topped up while this process runs, for sweeps' later trials).
+
+    ``env_vars``: environment the job's processes need: of the connection's runtime env (a named
+    cluster; what a satp cluster's workers have already is left out, so that they stay warm) or
+    added to the local cluster's; ``local``: further keyword arguments of :func:`init_local_ray`."""
     import ray
 
     from runtime import interrupts
@@ -157,63 +171,166 @@ def connect(address: Optional[str] = None, env_vars: Optional[dict] = None, log_
     if ray.is_initialized():
         return False
     try:
-        return _connect(address, env_vars, log_to_driver, **local)
+        return _connect(address, env_vars, log_to_driver, warm_workers, keep_warm, **local)
     finally:
         interrupts.install()  # ray.init's own SIGTERM handling prints a stack dump: see there
 
 
-def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bool, **local) -> bool:
+def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bool, warm_workers: int,
+             keep_warm: bool, **local) -> bool:
     import ray
 
+    from runtime import local_cluster
+
+    global _worker_env
     target = resolve_address(address)
+    record = None
     if target:
         probe(target)
-        log.info("connecting to the Ray cluster at %s", target)
-        kwargs = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
+        record = _recorded_cluster_at(target)
+    else:
+        record = local_cluster.for_command(warn=_warn)
+        target = record.address if record is not None else None
+    if target:
+        log.info("connecting to the %s at %s", "satp cluster" if record is not None else "Ray cluster", target)
+        if record is not None:
+            os.environ.update(record.connect_env())
+            _local_train_env()
+        _worker_env = dict(record.worker_env) if record is not None else None
+        missing = missing_worker_env(env_vars or {})
+        kwargs = {"runtime_env": {"env_vars": missing}} if missing else {}
         try:
             ray.init(address=target, log_to_driver=log_to_driver, **kwargs)
         except ConnectionError as exc:
+            _worker_env = None
             raise ValueError(f"cannot connect to the Ray cluster at {target}: {str(exc).splitlines()[0]}") from None
         return False
     log.info("starting a local Ray cluster")
-    init_local_ray(env_vars=env_vars, log_to_driver=log_to_driver, **local)
+    init_local_ray(env_vars=env_vars, log_to_driver=log_to_driver, warm_workers=warm_workers, keep_warm=keep_warm,
+                   **local)
     return True
+
+
+def _local_train_env() -> None:
+    """What a driver of a local cluster's runs sets for Ray Train to pass on to every actor of a run
+    (:data:`runtime.worker_pool.LOCAL_TRAIN_ENV`); a value the user set stays."""
+    from runtime.worker_pool import LOCAL_TRAIN_ENV
+
+    for key, value in LOCAL_TRAIN_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def _recorded_cluster_at(target: str):
+    """The satp cluster's record when ``target`` is its address (its clients need its settings)."""
+    from runtime import local_cluster
+
+    try:
+        record = local_cluster.ClusterRecord.load()
+    except ValueError:
+        return None
+    if record is not None and target.split("://")[-1] in (record.address, record.address.replace("127.0.0.1", "localhost")):
+        return record
+    return None
+
+
+def _warn(line: str) -> None:
+    print(f"satp: warning: {line}", file=sys.stderr, flush=True)
+
+
+def missing_worker_env(needed: dict[str, str]) -> dict[str, str]:
+    """What of ``needed`` the connected cluster's worker processes do not have in their environment
+    already, i.e. what a task or actor must be given in its runtime env. Processes of a satp
+    cluster (or of the local cluster started here) have what it was started with; inside a Ray
+    worker, what this process has; a cluster satp did not start gets all of it."""
+    if _worker_env is not None:
+        have = _worker_env
+    elif _in_ray_worker():
+        have = os.environ
+    else:
+        return dict(needed)
+    return {k: v for k, v in needed.items() if have.get(k) != v}
+
+
+def _in_ray_worker() -> bool:
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    return ray.get_runtime_context().worker.mode == ray.WORKER_MODE
 
 
 def _private_tmpdir() -> str:
     """A temporary directory for the local cluster's processes, removed at this process's exit.
 
     Registered with ``atexit`` before ``ray.init`` registers its shutdown: exit handlers run in
-    reverse order, so the directory goes after Ray's processes."""
+    reverse order, so the directory goes after Ray's processes. Its name carries this process's
+    id: one left by a command that was killed (no exit handlers ran) is found by the next one
+    (:func:`sweep_orphans`)."""
     tempfile.gettempdir()  # fix this process's own choice first (not the private directory)
-    path = tempfile.mkdtemp(prefix="satp-ray-")
+    path = tempfile.mkdtemp(prefix=f"{ORPHAN_PREFIX}{os.getpid()}-")
     atexit.register(shutil.rmtree, path, True)
     return path
 
 
+ORPHAN_PREFIX = "satp-ray-"
+
+
+def sweep_orphans() -> list[str]:
+    """Remove what killed commands left of their local clusters: each private temporary folder
+    (:func:`_private_tmpdir`) whose command no longer runs, after stopping the processes that
+    still carry it (Ray's processes outlive a command killed with SIGKILL: a Train worker may
+    still be writing a checkpoint). Returns the folders removed."""
+    import psutil
+
+    from runtime import local_cluster
+
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{ORPHAN_PREFIX}*"):
+        owner = folder.name[len(ORPHAN_PREFIX):].split("-", 1)[0]
+        if owner.isdigit():
+            if psutil.pid_exists(int(owner)):
+                continue
+            local_cluster.stop_processes(str(folder))
+        elif local_cluster.processes_of(str(folder)):  # named before folders carried their owner: in use
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(str(folder))
+    return removed
+
+
 def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = True, log_to_driver: bool = True,
-                   env_vars: Optional[dict] = None, resources: Optional[dict] = None) -> None:
-    """Start a new local Ray instance (dashboard on 127.0.0.1 when ``dashboard``); see the module docstring."""
+                   env_vars: Optional[dict] = None, resources: Optional[dict] = None, warm_workers: int = 0,
+                   keep_warm: bool = False) -> None:
+    """Start a new local Ray instance (dashboard on 127.0.0.1 when ``dashboard``); see the module docstring.
+
+    Worker processes: every one imports Ray Train when it starts, and ``warm_workers`` Train
+    workers (with their controller's actors) are started ahead, importing torch, PyG and DeepSpeed
+    while this process prepares the run (:mod:`runtime.worker_pool`). ``keep_warm``: every worker
+    imports those, and the pool is kept topped up from a thread of this process (sweeps)."""
     import ray
 
+    from runtime import local_cluster, worker_pool
+
+    global _worker_env
+    for folder in sweep_orphans():
+        log.info("removed %s, left by a satp command that was killed", folder)
     port = free_port()
-    env = {
-        "OUTDATED_IGNORE": "1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        # dashboard off: an unreachable address makes the cleaner's queries fail (it then only warns)
-        "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port if dashboard else 9}",
-        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-        **(env_vars or {}),
-    }
+    use_gpu = (env_vars or {}).get("DS_ACCELERATOR") == "cuda"
+    preload = worker_pool.TRAINING_MODULES if keep_warm else worker_pool.CONTROLLER_MODULES
+    env = {**local_cluster.cluster_env(use_gpu=use_gpu, api_server=f"http://127.0.0.1:{port if dashboard else 9}",
+                                       preload=preload), **(env_vars or {})}
     kwargs = dict(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=log_to_driver,
-                  runtime_env={"env_vars": env}, resources=resources)
+                  resources=resources)
     if dashboard:
         kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
     auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
     level = auth_log.level
     from ray._common.utils import get_default_system_temp_dir
 
-    saved = {key: os.environ.get(key) for key in ("TMPDIR", "RAY_TMPDIR")}
+    # the cluster's processes inherit this process's environment: set while ray.init starts them
+    # (a job-level runtime env would put every task and actor in an environment of its own, where
+    # no prestarted process fits)
+    saved = {key: os.environ.get(key) for key in ("TMPDIR", "RAY_TMPDIR", *env)}
+    os.environ.update(env)
     os.environ["RAY_TMPDIR"] = get_default_system_temp_dir()  # Ray's own files stay where they always are
     os.environ["TMPDIR"] = _private_tmpdir()  # inherited by the processes ray.init starts
     auth_log.setLevel(logging.ERROR)
@@ -226,3 +343,29 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = True, log_t
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+    _worker_env = env
+    _local_train_env()
+    if warm_workers:
+        _warm_up(worker_pool.default_targets(warm_workers), keep_warm)
+
+
+def _warm_up(targets: dict, keep: bool) -> None:
+    """Prestart ``targets`` on this process's own raylet; ``keep``: keep them topped up from a thread."""
+    import threading
+
+    import psutil
+    import ray
+
+    from runtime import worker_pool
+
+    node = next(n for n in ray.nodes() if n.get("Alive"))
+    raylet = next((p.pid for p in psutil.Process().children(recursive=True) if p.name() == "raylet"), None)
+    if raylet is None:
+        return
+    pool = worker_pool.WorkerPool(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}", raylet,
+                                  ray.get_runtime_context().gcs_address)
+    if keep:
+        threading.Thread(target=worker_pool.keep_warm, args=(pool, targets), name="satp-worker-pool",
+                         daemon=True).start()
+    else:
+        pool.top_up(targets)

@@ -297,14 +297,10 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
     resources = {"CPU": res.cpus_per_worker}
     if res.use_gpu:
         resources["GPU"] = res.gpus_per_worker
-    env_vars = {
-        "OUTDATED_IGNORE": "1",
-        "DS_ACCELERATOR": "cuda" if res.use_gpu else "cpu",
-        "OMP_NUM_THREADS": str(res.torch_threads or max(1, int(res.cpus_per_worker))),
-    }
+    setup.process_env = {"OMP_NUM_THREADS": str(res.torch_threads or max(1, int(res.cpus_per_worker)))}
     for key in ("RAY_COLOR_PREFIX", "TQDM_DISABLE"):  # what this command's console asks for
         if os.environ.get(key):
-            env_vars[key] = os.environ[key]
+            setup.process_env[key] = os.environ[key]
     callbacks = list(callbacks or [])
     if job.mlflow.enabled and setup.run_id:
         from pipeline.train.epoch_logger import RegisteredEpochLogger
@@ -326,7 +322,7 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
             failure_config=FailureConfig(max_failures=train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=train.checkpoints_to_keep),
             callbacks=callbacks,
-            worker_runtime_env={"env_vars": env_vars},
+            worker_runtime_env=worker_runtime_env(job),
         ),
     )
     log.info("starting %d Ray Train worker(s) (%s each; collectives: %s)", res.num_workers,
@@ -340,6 +336,19 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
     if result.checkpoint is None:
         raise RuntimeError("training finished without a checkpoint")
     return result
+
+
+def worker_runtime_env(job: JobConfig) -> dict:
+    """The Train workers' runtime environment: the training modules imported when a process starts
+    (:func:`runtime.worker_pool.training_env`), and only the variables that must be set before a
+    process imports them and that the cluster's workers lack (DeepSpeed reads ``DS_ACCELERATOR`` on
+    import). Anything more would put the workers in an environment of their own, where no warm
+    process fits; what can be set later goes to :attr:`WorkerSetup.process_env` instead."""
+    from runtime.ray_cluster import missing_worker_env
+    from runtime.worker_pool import training_env
+
+    needed = {"OUTDATED_IGNORE": "1", "DS_ACCELERATOR": "cuda" if job.resources.use_gpu else "cpu"}
+    return training_env(missing_worker_env(needed))
 
 
 def _storage_full(job: JobConfig, full: dict) -> OSError:
@@ -389,6 +398,8 @@ def worker_main(config: dict) -> Optional[dict]:
     """
     from pipeline import pyg_templates
 
+    setup = config["setup"]
+    os.environ.update(setup.process_env or {})
     pyg_templates.install()
     skip_deepspeed_jit_ops()
     try:

@@ -83,6 +83,7 @@ class WorkerSetup:
     provenance: Optional[dict] = None  # config hash + git commits, recorded in every checkpoint (pipeline.train.rerun)
     resume_from: Optional[str] = None  # a complete checkpoint newer than Ray's record (pipeline.train.rerun)
     startup: Optional[dict] = None  # the driver's start-up events, wall-clock (pipeline.train.startup)
+    process_env: Optional[dict] = None  # environment variables the worker sets when it starts (threads, console)
 
 
 def worker_loop(config: dict) -> None:
