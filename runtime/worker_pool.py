@@ -50,6 +50,7 @@ TRAINING_MODULES = ("ray.train.torch", "torch_geometric", "deepspeed")
 #: what a controller needs, for clusters where only the training workers import the rest
 CONTROLLER_MODULES = ("ray.train",)
 USAGE_WINDOW_S = 600.0
+CLEANER_CHECK_ROUNDS = 10  # keep_warm's rounds between looks for orphaned placement-group cleaners
 MIN_FREE_MEMORY = 2 << 30
 KEEP_ALIVE_S = 24 * 3600
 #: variables the raylet sets in every worker process it starts (seen in /proc): not part of a kind
@@ -215,10 +216,8 @@ class WorkerPool:
             self._learn_serializations(busy_pids)
         return available, busy
 
-    def _learn_serializations(self, busy_pids: dict[int, Kind]) -> None:
-        """Read how Ray wrote the runtime environments of the actors in use (GCS's actor table)."""
-        from ray.core.generated import gcs_pb2
-
+    def _state(self):
+        """Ray's accessor of the cluster's tables (GCS), made on first use."""
         if self._actors is None:
             from ray._private.state import GlobalState
             from ray._raylet import GcsClientOptions
@@ -227,11 +226,47 @@ class WorkerPool:
             state._initialize_global_state(GcsClientOptions.create(self.gcs_address, None, allow_cluster_id_nil=True,
                                                                    fetch_cluster_id_if_nil=False))
             self._actors = state._connect_and_get_accessor()
-        for raw in self._actors.get_actor_table(None, None):
-            actor = gcs_pb2.ActorTableData.FromString(raw)
+        return self._actors
+
+    def _alive_actors(self) -> list:
+        from ray.core.generated import gcs_pb2
+
+        actors = (gcs_pb2.ActorTableData.FromString(raw) for raw in self._state().get_actor_table(None, None))
+        return [a for a in actors if a.state == gcs_pb2.ActorTableData.ALIVE]
+
+    def _learn_serializations(self, busy_pids: dict[int, Kind]) -> None:
+        """Read how Ray wrote the runtime environments of the actors in use (GCS's actor table)."""
+        for actor in self._alive_actors():
             kind = busy_pids.get(actor.pid)
-            if kind is not None and actor.state == gcs_pb2.ActorTableData.ALIVE and kind not in self.serializations:
+            if kind is not None and kind not in self.serializations:
                 self.serializations[kind] = actor.serialized_runtime_env
+
+    def end_orphaned_cleaners(self) -> int:
+        """End Ray Train's placement-group cleaners whose run's driver has gone; return how many.
+
+        Each Train run starts a detached ``PlacementGroupCleaner`` that asks the State API (the
+        dashboard) whether the run's controller lives, and exits once it does not. A run that ends
+        normally stops it; one whose driver was interrupted or killed leaves it asking, and
+        without a dashboard it never learns the answer: a process (~200 MB, polling) per such run,
+        for as long as the cluster lives. Its job's placement groups went with the job."""
+        import signal
+
+        from ray.core.generated import gcs_pb2
+
+        dead_jobs = {gcs_pb2.JobTableData.FromString(raw).job_id
+                     for raw in self._state().get_job_table(skip_submission_job_info_field=True,
+                                                            skip_is_running_tasks_field=True)
+                     if gcs_pb2.JobTableData.FromString(raw).is_dead}
+        ended = 0
+        for actor in self._alive_actors():
+            if actor.class_name == "PlacementGroupCleaner" and actor.job_id in dead_jobs and \
+                    _is_child(actor.pid, self.raylet_pid):
+                try:
+                    os.kill(actor.pid, signal.SIGTERM)
+                    ended += 1
+                except OSError:
+                    pass
+        return ended
 
     def prestart(self, kind: Kind, count: int, keep_alive_s: int = KEEP_ALIVE_S) -> None:
         from ray.core.generated import common_pb2, node_manager_pb2
@@ -262,6 +297,15 @@ class WorkerPool:
             self.prestart(kind, missing)
             started[kind] = missing
         return started
+
+
+def _is_child(pid: int, parent: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).ppid() == parent
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _raylet_cpus(raylet_pid: int) -> int:
@@ -330,8 +374,12 @@ def keep_warm(pool: WorkerPool, defaults: dict[Kind, int], interval_s: float = 1
               max_per_kind: int = 16) -> None:
     """Top the pool up every ``interval_s`` until the raylet is gone (see the module docstring)."""
     usage, requests = UsageMemory(), Requests()
+    rounds = 0
     while pool.alive():
         try:
+            if rounds % CLEANER_CHECK_ROUNDS == 0 and pool.end_orphaned_cleaners():
+                log.info("ended Ray Train's placement-group cleaners of runs whose driver has gone")
+            rounds += 1
             available, busy = pool.census()
             now = time.monotonic()
             usage.add(busy, now)

@@ -101,14 +101,18 @@ def param_space(job: JobConfig, raw: dict) -> dict[str, Any]:
 
 def _trial(config: dict[str, Any], ctx: SweepContext) -> None:
     """A Tune trial: one full Ray Train run of a variant with a seed."""
+    import time
+
     import ray.tune
 
+    started = time.time()  # the trial's start-up counts from here (its process may have started long before)
     from pipeline.train.driver import train_job
 
     trial_id = ray.tune.get_context().get_trial_id()
     overrides = {k: v for k, v in config.items() if k != VARIANT}
     job = trial_job(ctx, overrides, trial_id)
-    train_job(job, shard_dir=ctx.shard_dirs[config[VARIANT]], register=False, callbacks=[report_callback()])
+    train_job(job, shard_dir=ctx.shard_dirs[config[VARIANT]], register=False, callbacks=[report_callback()],
+              started_at=started)
 
 
 # ----------------------------------------------------------------------------- results

@@ -53,14 +53,17 @@ log = logging.getLogger(__name__)
 
 def _trial(config: dict[str, Any], ctx: SweepContext) -> None:
     """A Tune trial: one full Ray Train run of the job with ``config`` applied."""
+    import time
+
     import ray.tune
 
+    started = time.time()  # the trial's start-up counts from here (its process may have started long before)
     from pipeline.train.driver import train_job
 
     trial_id = ray.tune.get_context().get_trial_id()
     job = trial_job(ctx, config, trial_id)
     shard_dir = ctx.shard_dirs[variant_key(config, ctx.data_keys)]
-    train_job(job, shard_dir=shard_dir, register=False, callbacks=[report_callback()])
+    train_job(job, shard_dir=shard_dir, register=False, callbacks=[report_callback()], started_at=started)
 
 
 def concurrency_cap(job: JobConfig, tune_cfg: TuneConfig, cluster: dict[str, float]) -> int:

@@ -99,6 +99,7 @@ def train_job(
     callbacks: Optional[list] = None,
     fault: Optional[dict] = None,
     restart: bool = False,
+    started_at: Optional[float] = None,
 ) -> TrainOutcome:
     """Train ``job`` on Ray Train (+ DeepSpeed) and register the best model; return the outcome.
 
@@ -116,6 +117,8 @@ def train_job(
             ``$SATP_TEST_FAULT``, for tests that run the ``satp`` command).
         restart: start the run name over when it holds a checkpoint of another configuration
             (or of this one): its checkpoints are deleted, its MLflow run is detached from it.
+        started_at: wall-clock time the run's start-up counts from (default: when this process
+            started; a sweep's trial, which runs in a process started earlier, gives its own start).
 
     A rerun with the same ``train.run_name`` and ``train.storage_path`` resumes from the
     last checkpoint and logs into the same MLflow run, if the configuration is the same
@@ -124,11 +127,12 @@ def train_job(
     from pipeline.train.lease import WAIT_S
 
     return train_plan(JobPlan.resolve(job, address=address, restart=restart), shard_dir=shard_dir, register=register,
-                      callbacks=callbacks, fault=fault, lease_wait_s=WAIT_S)
+                      callbacks=callbacks, fault=fault, lease_wait_s=WAIT_S, started_at=started_at)
 
 
 def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, register: bool = True,
-               callbacks: Optional[list] = None, fault: Optional[dict] = None, lease_wait_s: float = 0.0) -> TrainOutcome:
+               callbacks: Optional[list] = None, fault: Optional[dict] = None, lease_wait_s: float = 0.0,
+               started_at: Optional[float] = None) -> TrainOutcome:
     """:func:`train_job` of a job resolved into ``plan`` (``satp train`` builds it at the edge), under
     the run's lease (:mod:`pipeline.train.lease`): another command holding it is an error (a
     one-line :class:`~pipeline.train.lease.LeaseHeld`) unless it expires within ``lease_wait_s``."""
@@ -137,20 +141,22 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
 
     lease = RunLease(plan.run_dir, plan.job.train.run_name).acquire(lease_wait_s)
     try:
-        return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault)
+        return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault,
+                                  started_at=started_at)
     finally:
         with deferred():
             lease.release()
 
 
 def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], register: bool, callbacks: Optional[list],
-                       fault: Optional[dict]) -> TrainOutcome:
+                       fault: Optional[dict], started_at: Optional[float]) -> TrainOutcome:
     from pipeline import pyg_templates
     from pipeline.registry.versions import git_commit
     from pipeline.train.preflight import connect_and_check, early_checks
 
     pyg_templates.install()
-    marks = {"command": startup.process_started(), "plan": startup.now()}  # start-up events (pipeline.train.startup)
+    # start-up events (pipeline.train.startup)
+    marks = {"command": started_at or startup.process_started(), "plan": startup.now()}
     job, train = plan.job, plan.job.train
     if not plan.early_checked:
         early_checks([job], address=plan.address, task=False)  # the task was resolved with the plan
@@ -388,11 +394,7 @@ def worker_main(config: dict) -> Optional[dict]:
     returns ``{"storage_full": ...}`` when a checkpoint did not fit on its disk (see below), else None.
 
     * PyG's generated modules stay in memory (:mod:`pipeline.pyg_templates`).
-    * DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce op
-      (``deepspeed_shm_comm``, 30-60 s with a C++ compiler, cached in ``~/.cache/torch_extensions``)
-      when it sets up communication. The op serves only ``inference_all_reduce`` (DeepSpeed
-      inference); training all-reduces go through ``torch.distributed`` (gloo), the installed
-      implementation. So it is marked unavailable and nothing is compiled.
+    * DeepSpeed compiles none of its ops (:func:`pipeline.train.engine.skip_deepspeed_jit_ops`).
     * Ray Train logs every report with its metrics ("Reporting training result ...") and
       rank 0 prints the same epoch's metrics: Ray's line is dropped (warnings stay).
     """
@@ -401,7 +403,6 @@ def worker_main(config: dict) -> Optional[dict]:
     setup = config["setup"]
     os.environ.update(setup.process_env or {})
     pyg_templates.install()
-    skip_deepspeed_jit_ops()
     try:
         from ray.train.v2._internal.execution import context as train_context
 
@@ -416,15 +417,3 @@ def worker_main(config: dict) -> Optional[dict]:
         # times on the same full disk): rank 0's value reaches the driver (Result.return_value)
         return {"storage_full": full.details}
     return None
-
-
-def skip_deepspeed_jit_ops() -> None:
-    """Mark DeepSpeed's CPU shared-memory communication op unavailable (see :func:`worker_main`)."""
-    if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
-        return
-    try:
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    except (ImportError, AttributeError, TypeError):
-        pass

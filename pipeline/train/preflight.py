@@ -264,6 +264,7 @@ def check_resources(job, num_workers: Optional[int] = None, extra_cpus: float = 
             total[key] = total.get(key, 0.0) + float((node.get("Resources") or {}).get(key, 0.0))
     cpus_ok = total.get("CPU", 0.0) + 1e-9 >= workers * need["CPU"] + extra_cpus
     if slots >= workers and cpus_ok:
+        _say_if_waiting(workers, need, extra_cpus, address)
         return
     where = f"the Ray cluster at {address}" if address else "this machine (a local Ray cluster)"
     hint = ("set resources.use_gpu: false, " if res.use_gpu and total.get("GPU", 0.0) < need.get("GPU", 0.0) else "")
@@ -273,6 +274,22 @@ def check_resources(job, num_workers: Optional[int] = None, extra_cpus: float = 
         f"{_describe(total) or 'nothing'} on {len(nodes)} node(s), room for {slots} such worker(s); "
         f"{hint}lower resources.num_workers or the per-worker resources, or use a bigger cluster "
         f"(an autoscaling one: resources.wait_for_nodes: true)")
+
+
+def _say_if_waiting(workers: int, need: dict[str, float], extra_cpus: float, address: Optional[str]) -> None:
+    """On a cluster that other runs share (the satp cluster, a named one): one warning line when
+    what the job asks for is not free now, since Ray then queues its workers until it is."""
+    if not _ray_connected():
+        return
+    import ray
+
+    free = ray.available_resources()
+    short = {k: workers * v + (extra_cpus if k == "CPU" else 0.0) for k, v in need.items()
+             if free.get(k, 0.0) + 1e-9 < workers * v + (extra_cpus if k == "CPU" else 0.0)}
+    if short:
+        held = ", ".join(f"{free.get(k, 0.0):g} of the {k} free, {v:g} needed" for k, v in short.items())
+        print(f"satp: warning: the Ray cluster{f' at {address}' if address else ''} is busy with other runs "
+              f"({held}): this run waits until they end", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- the one entry point
