@@ -6,9 +6,10 @@ found later costs minutes: Ray starts (~10 s), data are preprocessed, an MLflow 
 workers start (20-30 s each try), the model fails in every worker's forward pass and the worker
 group is retried ``max_failures`` times. In the order of cost:
 
-1. :func:`check_config`: the job alone (no data, no Ray, no torch): precision against the
-   hardware asked for, the warm-up against the epochs, the model against the features the shards
-   will hold (``extractor: subgraph`` needs ``transform.k_hops > 0``, ``pe: rwpe`` needs
+1. :func:`check_config`: the job alone (no data, no Ray, no torch): the names that become paths
+   or MLflow names (:mod:`pipeline.config.names`), precision against the hardware asked for, the
+   warm-up against the epochs, the model against the features the shards will hold
+   (``extractor: subgraph`` needs ``transform.k_hops > 0``, ``pe: rwpe`` needs
    ``transform.rwpe_steps == model.pe_dim``, ``pe: lap`` needs ``transform.lap_pe_dim ==
    model.pe_dim``), the task.
 2. :func:`check_data_root`: ``data.root`` is a directory or can be created (tried:
@@ -69,6 +70,9 @@ def feature_problem(model, subgraphs: bool, rwpe: int, lap_pe: int, where: str) 
 def check_config(job, task: bool = True) -> None:
     """Step 1 (see the module docstring); raises ``ValueError`` with one line. ``task=False``
     leaves out the task check, the one that imports torch."""
+    from pipeline.config.names import check_names
+
+    check_names(job)  # run name, MLflow names: before anything is written under them
     train, res = job.train, job.resources
     if train.precision == "fp16" and not res.use_gpu:
         raise ValueError("train.precision: fp16 is not supported on CPU (DeepSpeed rejects it); use bf16 or fp32")
