@@ -323,7 +323,7 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
 
     import preprocessing
     from pipeline.train.preflight import preflight
-    from pipeline.registry.predict import check_reachable
+    from pipeline.registry.addresses import check_reachable
     from pipeline.train.plan import resolve_job
     from pipeline.config.train import runs_dir
     from preprocessing.config import config_hash

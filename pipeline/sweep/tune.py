@@ -119,7 +119,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     sweep_dir = storage / name
     with hold_sweep(sweep_dir, name, "satp tune", "tune.name"):  # one writer per sweep, like a run
         tracking_uri = job.mlflow.tracking_uri
-        from pipeline.registry.predict import check_reachable
+        from pipeline.registry.addresses import check_reachable
 
         check_reachable(tracking_uri)  # fail fast, before any preprocessing or trial
         cwd = Path.cwd()
