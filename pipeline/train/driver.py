@@ -167,6 +167,7 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
     connect_and_check([job], address=plan.address)
     marks["ray"] = startup.now()
     setup = plan.attach_shards(Path(shard_dir) if shard_dir is not None else prepare_data(job, plan.address))
+    setup.damaged = rerun.named_damage()  # said once here: the workers do not say it again
     marks["shards"] = startup.now()
     setup.startup = marks
     setup.fault = fault if fault is not None else _fault_from_environment()
@@ -211,10 +212,7 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
                 mlflow_run.close_failed(plan, previous_status, exc)
         raise
     if job.mlflow.enabled and setup.run_id:
-        from pipeline.registry.tracking import close_run
-
-        mlflow_run.tag_stopping(plan, state)
-        close_run(job.mlflow.tracking_uri, setup.run_id, "FINISHED")
+        mlflow_run.close_finished(plan, state)
     return _outcome(plan, state, checkpoint_path, registered, result=result)
 
 
