@@ -32,6 +32,7 @@ from preprocessing.columnar import (BATCH_ROWS_KEY, FINGERPRINT_FILE, STORE_DIR,
                                     FileSpec, file_digest, file_specs, read_column, store_is_current)
 from preprocessing.locks import writer_lock
 from preprocessing.raw_checks import Checker, check_splits
+from preprocessing.write_errors import os_reason, write_error
 
 #: In the store's folder: its writer lock (a conversion keeps it, as it keeps the fingerprint record).
 LOCK_FILE = ".lock"
@@ -161,22 +162,13 @@ def _schema(spec: FileSpec) -> pa.Schema:
     return pa.schema([("values", kind)], metadata={BATCH_ROWS_KEY: str(BATCH_ROWS)})
 
 
-def os_reason(exc: OSError) -> str:
-    """``No space left on device`` of an OSError, also of pyarrow's (``Error writing bytes to file.
-    Detail: [errno 28] ...``, without ``errno`` set)."""
-    found = re.search(r"\[errno (\d+)\]", str(exc), re.IGNORECASE)
-    if found:
-        return os.strerror(int(found.group(1)))
-    return exc.strerror or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-
-
 def _write_sidecar(path: Path, meta: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(json.dumps(meta, sort_keys=True) + "\n")
         os.replace(tmp, path)
     except OSError as exc:
-        raise OSError(f"{path}: could not write it ({os_reason(exc)})") from None
+        raise write_error(path, exc, "the files converted before it are kept") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -217,11 +209,9 @@ def convert_file(folder: str, name: str, spec: FileSpec, fingerprint: str, count
                   "xxh3": file_digest(tmp)}
         os.replace(tmp, out)
     except OSError as exc:  # pyarrow's own errors name no file: say which one could not be read or written
-        reason = os_reason(exc)
         if str(getattr(exc, "filename", "")) == str(src):
-            raise ValueError(f"{src}: cannot read it ({reason})") from None
-        raise OSError(f"{out}: could not write it ({reason}); "
-                      "the files converted before it are kept") from None
+            raise ValueError(f"{src}: cannot read it ({os_reason(exc)})") from None
+        raise write_error(out, exc, "the files converted before it are kept") from None
     finally:
         tmp.unlink(missing_ok=True)
     _write_sidecar(out.with_name(out.name + ".json"), record)
