@@ -82,7 +82,8 @@ def check_config(job, task: bool = True) -> None:
         raise ValueError("train.precision: fp16 is not supported on CPU (DeepSpeed rejects it); use bf16 or fp32")
     if train.step == "captured" and not res.use_gpu:
         raise ValueError("train.step: 'captured' replays CUDA graphs and needs GPU workers (resources.use_gpu: true); "
-                         "on CPU use 'compiled' or 'static'")
+                         "on CPU use 'eager' (the default): 'static' and 'compiled' pad every batch to a fixed capacity, "
+                         "which costs a CPU more than the kernel launches they save on a GPU")
     if train.warmup_epochs > train.epochs:
         raise ValueError(f"train.warmup_epochs ({train.warmup_epochs}) exceeds train.epochs ({train.epochs})")
     t = job.transform
