@@ -213,9 +213,10 @@ class RankZeroLogger:
             segment += 1
             since = time.strftime("%Y-%m-%d %H:%M:%S")
             back = f"epoch {epoch}" if epoch >= 0 else "the start"
+            epochs = f"epoch {logged}" if logged == epoch + 1 else f"epochs {epoch + 1}-{logged}"
             self.client.set_tag(self.run_id, FELL_BACK_TAG, (
                 f"segment {segment} since {since}: went back from epoch {logged} to {back} ({why}); the values "
-                f"logged for epochs {epoch + 1}-{logged} before then (segment {segment - 1}) are superseded")[:5000])
+                f"logged for {epochs} before then (segment {segment - 1}) are superseded")[:5000])
             return segment
         for entry in history:
             if entry["epoch"] > logged:
