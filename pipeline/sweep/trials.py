@@ -70,16 +70,26 @@ def hold_sweep(sweep_dir: Path, name: str, command: str, key: str) -> Iterator[N
     (:class:`pipeline.train.lease.RunLease`, ``<sweep_dir>/satp-lease.json``). Two sweeps of one
     name would share Tune's state and the trials' runs, and take each other's trial leases; the
     second is refused at once, in one line naming the holder (``key``: the job key to change), and
-    a sweep whose holder died is taken over with one warning line."""
+    a sweep whose holder died is taken over with one warning line. The folders the lease created
+    are removed again if the sweep wrote nothing into them (its pre-flight failed)."""
     from pipeline.train.lease import RunLease
     from runtime.interrupts import deferred
 
+    created, node = [], Path(sweep_dir).absolute()
+    while not node.exists() and node != node.parent:
+        created.append(node)
+        node = node.parent
     lease = RunLease(sweep_dir, name, command=command, kind="sweep", key=key).acquire()
     try:
         yield
     finally:
         with deferred():
             lease.release()
+            for folder in created:  # deepest first; one that holds anything stays
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
 
 
 class _NoRestoreHint(logging.Filter):

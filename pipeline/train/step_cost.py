@@ -49,7 +49,7 @@ def padding_cost(job, model_config, train_ds) -> Optional[str]:
         blocks = GraphLayout.from_sizes(counts).dense_groups()
         rows, attention = int(counts.sum()), sum(g * length * length for _, _, g, length in blocks)
         eager_rows, eager_attention = eager_rows + rows, eager_attention + attention
-        fits = len(ids) <= capacity.graphs and rows < capacity.nodes and int(counts.max()) <= longest
+        fits = not capacity.shortfall(graphs=len(ids), nodes=rows, graph_nodes=int(counts.max()))
         padded_rows += capacity.nodes if fits else rows  # a batch over capacity runs eagerly
         padded_attention += slots * longest * longest if fits else attention
     rows_x, attention_x = padded_rows / max(1, eager_rows), padded_attention / max(1, eager_attention)
