@@ -173,6 +173,8 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
     connect_and_check([job], address=plan.address)
     marks["ray"] = startup.now()
     setup = plan.attach_shards(Path(shard_dir) if shard_dir is not None else prepare_data(job, plan.address))
+    setup.damaged = rerun.named_damage()  # said once here: the workers do not say it again
+    _say_padding_cost(plan)
     marks["shards"] = startup.now()
     setup.startup = marks
     setup.fault = fault if fault is not None else _fault_from_environment()
@@ -217,11 +219,21 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
                 mlflow_run.close_failed(plan, previous_status, exc)
         raise
     if job.mlflow.enabled and setup.run_id:
-        from pipeline.registry.tracking import close_run
-
-        mlflow_run.tag_stopping(plan, state)
-        close_run(job.mlflow.tracking_uri, setup.run_id, "FINISHED")
+        mlflow_run.close_finished(plan, state)
     return _outcome(plan, state, checkpoint_path, registered, result=result)
+
+
+def _say_padding_cost(plan: JobPlan) -> None:
+    """One warning line when ``train.step`` pads batches for CPU workers at a cost (:mod:`pipeline.train.step_cost`)."""
+    import sys
+
+    from pipeline.train.loader import open_split
+    from pipeline.train.step_cost import padding_cost
+    from sat.config import SATConfig
+
+    line = padding_cost(plan.job, SATConfig.from_dict(plan.setup.model_config), open_split(plan.setup.shard_dir, "train"))
+    if line:
+        print(f"satp: warning: {line}", file=sys.stderr, flush=True)
 
 
 def _outcome(plan: JobPlan, state: dict, checkpoint_path: str, registered: Optional[dict], **extra) -> TrainOutcome:

@@ -6,7 +6,7 @@ checkpoint before, and re-runs the epoch. Had rank 0 logged that epoch itself, M
 twice (once for the lost attempt). The controller calls its report callbacks only after the
 checkpoint manager has registered the report, so logging here writes each epoch that the run keeps,
 once. What a failed write misses, the next resume catches up from the checkpoint's history
-(:meth:`pipeline.registry.tracking.RankZeroLogger.catch_up`).
+(:meth:`pipeline.registry.tracking.RankZeroLogger.resume`).
 """
 from __future__ import annotations
 
