@@ -152,6 +152,66 @@ def _gcs_problem(address: str, timeout: float) -> Optional[str]:
 _worker_env: Optional[dict[str, str]] = None
 
 
+#: a connection under way in a thread (:func:`connect_in_background`): (thread, outcome)
+_background: Optional[tuple] = None
+
+
+def connect_in_background(address: Optional[str] = None, **kwargs) -> None:
+    """Start :func:`connect` in a thread, so that this process imports what it needs meanwhile (a
+    new local cluster's processes start, and the connection waits on them, while the main thread
+    imports torch); the next :func:`connect` from the main thread waits for it and raises what it
+    raised. Ray's SIGTERM handling is not installed from a thread: that next call installs satp's.
+    A thread that started a local cluster never ends (see there)."""
+    import threading
+
+    global _background
+    outcome: dict = {}
+
+    def run() -> None:
+        worker_log = logging.getLogger("ray._private.worker")
+        quiet = _DropMessage("SIGTERM handler is not set")
+        worker_log.addFilter(quiet)
+        try:
+            outcome["started"] = connect(address, **kwargs)
+        except BaseException as exc:  # re-raised in the main thread
+            outcome["error"] = exc
+        finally:
+            worker_log.removeFilter(quiet)
+            done.set()
+        if outcome.get("started"):
+            # the local cluster's processes die with the thread that started them (Ray starts them
+            # with PR_SET_PDEATHSIG, which fires when the creating thread ends): it stays
+            threading.Event().wait()
+
+    done = threading.Event()
+    thread = threading.Thread(target=run, name="satp-ray-connect", daemon=True)
+    _background = (done, outcome)
+    thread.start()
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def wait_for_background_connect() -> Optional[bool]:
+    """Wait for :func:`connect_in_background`'s connection; return whether it started a local
+    cluster (None: there was none under way)."""
+    global _background
+    if _background is None:
+        return None
+    done, outcome = _background
+    done.wait()
+    _background = None
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("started", False)
+
+
 def connect(address: Optional[str] = None, env_vars: Optional[dict] = None, log_to_driver: bool = True,
             warm_workers: int = 0, keep_warm: bool = False, **local) -> bool:
     """Connect this process to Ray unless it is connected; return True when a local cluster was started.
@@ -164,10 +224,17 @@ def connect(address: Optional[str] = None, env_vars: Optional[dict] = None, log_
     ``env_vars``: environment the job's processes need: of the connection's runtime env (a named
     cluster; what a satp cluster's workers have already is left out, so that they stay warm) or
     added to the local cluster's; ``local``: further keyword arguments of :func:`init_local_ray`."""
+    import threading
+
     import ray
 
     from runtime import interrupts
 
+    if threading.current_thread() is threading.main_thread():
+        started = wait_for_background_connect()
+        if started is not None:
+            interrupts.install()
+            return started
     if ray.is_initialized():
         return False
     try:
@@ -198,7 +265,10 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
             _local_train_env()
         _worker_env = dict(record.worker_env) if record is not None else None
         missing = missing_worker_env(env_vars or {})
-        kwargs = {"runtime_env": {"env_vars": missing}} if missing else {}
+        runtime_env = {"env_vars": missing} if missing else {}
+        if record is None:  # its workers did not import runtime.ray_logs ahead: the job's hook does
+            runtime_env["worker_process_setup_hook"] = "runtime.ray_logs.quiet_ray_train_noise"
+        kwargs = {"runtime_env": runtime_env} if runtime_env else {}
         try:
             ray.init(address=target, log_to_driver=log_to_driver, **kwargs)
         except ConnectionError as exc:
@@ -350,7 +420,8 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = True, log_t
 
 
 def _warm_up(targets: dict, keep: bool) -> None:
-    """Prestart ``targets`` on this process's own raylet; ``keep``: keep them topped up from a thread."""
+    """Prestart ``targets`` on this process's own raylet, from a thread (the raylet starts a few
+    processes at a time); ``keep``: keep them topped up for as long as the cluster runs."""
     import threading
 
     import psutil
@@ -364,8 +435,5 @@ def _warm_up(targets: dict, keep: bool) -> None:
         return
     pool = worker_pool.WorkerPool(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}", raylet,
                                   ray.get_runtime_context().gcs_address)
-    if keep:
-        threading.Thread(target=worker_pool.keep_warm, args=(pool, targets), name="satp-worker-pool",
-                         daemon=True).start()
-    else:
-        pool.top_up(targets)
+    threading.Thread(target=worker_pool.keep_warm, args=(pool, targets), kwargs={"once": not keep},
+                     name="satp-worker-pool", daemon=True).start()

@@ -46,9 +46,10 @@ CONTROLLER_VAR = ("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
 #: modules a satp training process needs (torch, PyG, DeepSpeed, Ray Train and through them numpy,
 #: pyarrow, pandas, MLflow); satp's own modules are not among them: a worker imports those from the
 #: checkout when it runs (~0.2 s), so an edited checkout never runs stale code in a warm process
-TRAINING_MODULES = ("ray.train.torch", "torch_geometric", "deepspeed")
+TRAINING_MODULES = ("ray.train.torch", "torch_geometric", "deepspeed", "runtime.ray_logs")
 #: what a controller needs, for clusters where only the training workers import the rest
-CONTROLLER_MODULES = ("ray.train",)
+#: (:mod:`runtime.ray_logs` quiets Ray Train's console noise where it is logged)
+CONTROLLER_MODULES = ("ray.train", "runtime.ray_logs")
 USAGE_WINDOW_S = 600.0
 CLEANER_CHECK_ROUNDS = 10  # keep_warm's rounds between looks for orphaned placement-group cleaners
 MIN_FREE_MEMORY = 2 << 30
@@ -285,7 +286,8 @@ class WorkerPool:
         if available is None:
             available = self.census()[0]
         started, room = {}, self.starts_at_once - self.starting
-        for kind, target in sorted(targets.items()):
+        # the training kinds first: their processes take longest to be ready
+        for kind, target in sorted(targets.items(), key=lambda item: (SETUP_HOOK_VAR not in dict(item[0].env), item[0])):
             missing = min(target - available.get(kind, 0), room)
             if missing <= 0:
                 continue
@@ -371,8 +373,9 @@ class Requests:
 
 
 def keep_warm(pool: WorkerPool, defaults: dict[Kind, int], interval_s: float = 1.0,
-              max_per_kind: int = 16) -> None:
-    """Top the pool up every ``interval_s`` until the raylet is gone (see the module docstring)."""
+              max_per_kind: int = 16, once: bool = False) -> None:
+    """Top the pool up every ``interval_s`` until the raylet is gone (see the module docstring);
+    ``once``: until it has held ``defaults`` once (a command's own cluster, for its one run)."""
     usage, requests = UsageMemory(), Requests()
     rounds = 0
     while pool.alive():
@@ -386,6 +389,8 @@ def keep_warm(pool: WorkerPool, defaults: dict[Kind, int], interval_s: float = 1
             targets = dict(defaults)
             for kind, peak in usage.peaks().items():
                 targets[kind] = min(max_per_kind, max(targets.get(kind, 0), peak))
+            if once and all(available.get(kind, 0) >= count for kind, count in defaults.items()):
+                return
             counted = requests.counted(available, now)
             for kind, count in pool.top_up(targets, counted).items():
                 requests.add(kind, counted.get(kind, 0), count, now)

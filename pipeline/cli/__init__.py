@@ -69,6 +69,11 @@ def _interrupted(exc: KeyboardInterrupt) -> int:
 
     ending()  # also drops what the training's handler kept alive (see runtime.interrupts)
     interrupted = as_interrupted(exc)
+    if "runtime.ray_cluster" in sys.modules:  # a connection under way in a thread ends first
+        try:
+            sys.modules["runtime.ray_cluster"].wait_for_background_connect()
+        except BaseException:  # noqa: BLE001 - its error says nothing more than the interrupt
+            pass
     if "ray" in sys.modules:
         import ray
 
