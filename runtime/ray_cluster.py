@@ -1,4 +1,5 @@
-"""Connecting to Ray: a named cluster (fast failure when it does not answer) or a new local one.
+"""Connecting to Ray: the satp cluster, a named cluster (fast failure when it does not answer), or a
+new local one.
 
 :func:`connect` is how every satp command reaches Ray (training, sweeps, preprocessing):
 
@@ -9,24 +10,34 @@
   where something else answers (a web server, a dashboard's port): it is told apart by its
   answer to HTTP/2's preface (gRPC speaks HTTP/2) before Ray's GCS client is asked, which would
   print a C++ warning of its own.
-* Without one, :func:`init_local_ray` starts a new local cluster (``address="local"``): plain
-  ``ray.init()`` attaches to a cluster it finds on the machine (``/tmp/ray/ray_current_cluster``
-  or a running GCS), possibly someone else's.
+* Without one, the satp cluster of this machine when one runs (``satp cluster start``:
+  :mod:`runtime.local_cluster`, whose worker processes are kept warm), else :func:`init_local_ray`
+  starts a new local cluster (``address="local"``): plain ``ray.init()`` attaches to a cluster it
+  finds on the machine (``/tmp/ray/ray_current_cluster`` or a running GCS), possibly someone else's.
+  :func:`connect_in_background` does the same from a thread, while the command imports.
 
-About the local cluster:
+The Ray Train workers' processes of a run are started ahead (:mod:`runtime.worker_pool`): every
+runtime environment the job's tasks and actors get must match a prestarted process's exactly, so
+the job itself gets none on satp's clusters, and the workers only what the cluster's processes lack
+(:func:`missing_worker_env`).
+
+About the local cluster (see :func:`runtime.local_cluster.cluster_env` for its environment):
 
 * Ray Train V2's placement-group cleaner queries the State API of "the" cluster, resolved the
   same way: with several clusters on one machine it may ask another cluster whether our
   controller is alive, get "no", and remove our placement group (killing our training).
-  ``RAY_API_SERVER_ADDRESS`` in the job's environment pins it to our own dashboard (or, without a
-  dashboard, to nothing, so it only warns).
+  ``RAY_API_SERVER_ADDRESS`` in the cluster's environment pins it to our own dashboard (or, without
+  a dashboard, to nothing: :mod:`runtime.ray_logs` keeps its every-second warning off the console).
 * Token authentication stays as Ray 2.60 sets it for a new local cluster (on, unless
   ``RAY_AUTH_MODE`` says otherwise), without the warning Ray prints about it on every start.
-* Train's preemption watcher is off: it watches nodes being drained (spot instances); a local
-  cluster is never drained, and its actor logs an error-level line at every start.
+* Train's preemption watcher is off (:data:`runtime.worker_pool.LOCAL_TRAIN_ENV`, set in the
+  driver, which Ray Train passes on to every actor of a run): it watches nodes being drained (spot
+  instances); a local cluster is never drained.
 * The head's processes (dashboard, raylet, workers) get a private ``TMPDIR``, removed when this
   process exits after Ray's own shutdown: the dashboard leaves a ``pymp-*`` directory in the
-  temporary directory each time it is killed, and workers are killed too.
+  temporary directory each time it is killed, and workers are killed too. A command killed with
+  SIGKILL runs no exit handler: the next one finds the folder by its owner's id and stops what
+  still carries it (:func:`sweep_orphans`).
 """
 from __future__ import annotations
 
@@ -367,10 +378,13 @@ def sweep_orphans() -> list[str]:
     return removed
 
 
-def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = True, log_to_driver: bool = True,
+def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_to_driver: bool = True,
                    env_vars: Optional[dict] = None, resources: Optional[dict] = None, warm_workers: int = 0,
                    keep_warm: bool = False) -> None:
-    """Start a new local Ray instance (dashboard on 127.0.0.1 when ``dashboard``); see the module docstring.
+    """Start a new local Ray instance; see the module docstring. ``dashboard``: Ray's dashboard on
+    127.0.0.1 (off by default: a command's own cluster lives as long as the command, and the
+    dashboard's processes cost seconds of its start on 2 cores and ~0.9 GiB; ``satp cluster start``
+    has one).
 
     Worker processes: every one imports Ray Train when it starts, and ``warm_workers`` Train
     workers (with their controller's actors) are started ahead, importing torch, PyG and DeepSpeed

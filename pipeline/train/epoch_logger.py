@@ -15,7 +15,6 @@ from typing import Any, Optional
 
 from ray.train import UserCallback
 
-from pipeline.train import checkpoint as ckpt
 from pipeline.registry import tracking
 
 log = logging.getLogger(__name__)
@@ -39,6 +38,10 @@ class RegisteredEpochLogger(UserCallback):
         return self._client
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint: Optional[Any]) -> None:
+        # imported here, not with the module: the controller loads this class when it starts, and
+        # the checkpoint module brings torch (seconds of a new controller's start on 2 cores)
+        from pipeline.train import checkpoint as ckpt
+
         values = metrics[0] if metrics else {}
         if "epoch" not in values:
             return
