@@ -146,11 +146,13 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def cluster_env(use_gpu: bool, api_server: str, preload: tuple[str, ...] = worker_pool.TRAINING_MODULES) -> dict[str, str]:
+def cluster_env(use_gpu: bool, api_server: str) -> dict[str, str]:
     """The environment of a satp cluster's processes (inherited by every worker the raylet starts):
-    its workers import ``preload``; ``RAY_prestart_worker_first_driver`` off (the pool decides what
-    to prestart). No variable that runtime environments set (Ray Train's and Tune's): a worker's
-    kind is what its environment adds to this one (:mod:`runtime.worker_pool`).
+    its workers import :data:`runtime.worker_pool.PRELOAD_MODULES` (the heavy training modules only
+    the processes that run training: :func:`runtime.worker_pool.training_env`);
+    ``RAY_prestart_worker_first_driver`` off (the pool decides what to prestart). No variable that
+    runtime environments set (Ray Train's and Tune's): a worker's kind is what its environment adds
+    to this one (:mod:`runtime.worker_pool`).
 
     ``api_server``: the dashboard whose State API Ray Train's placement-group cleaner asks (it
     otherwise resolves "the" cluster of the machine, and with several clusters on one machine may
@@ -162,7 +164,7 @@ def cluster_env(use_gpu: bool, api_server: str, preload: tuple[str, ...] = worke
         "DS_ACCELERATOR": "cuda" if use_gpu else "cpu",
         "RAY_prestart_worker_first_driver": "0",
         "RAY_API_SERVER_ADDRESS": api_server,
-        **worker_pool.preload_setting(preload),
+        **worker_pool.preload_setting(worker_pool.PRELOAD_MODULES),
     }
 
 

@@ -277,7 +277,9 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
         _worker_env = dict(record.worker_env) if record is not None else None
         missing = missing_worker_env(env_vars or {})
         runtime_env = {"env_vars": missing} if missing else {}
-        if record is None:  # its workers did not import runtime.ray_logs ahead: the job's hook does
+        if keep_warm:
+            runtime_env.setdefault("env_vars", {}).update(sweep_job_env()["env_vars"])
+        elif record is None:  # its workers did not import runtime.ray_logs ahead: the job's hook does
             runtime_env["worker_process_setup_hook"] = "runtime.ray_logs.quiet_ray_train_noise"
         kwargs = {"runtime_env": runtime_env} if runtime_env else {}
         try:
@@ -290,6 +292,15 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
     init_local_ray(env_vars=env_vars, log_to_driver=log_to_driver, warm_workers=warm_workers, keep_warm=keep_warm,
                    **local)
     return True
+
+
+def sweep_job_env() -> dict:
+    """The runtime environment of a sweep's job: every process of it (its Tune trials too, which run
+    a training driver each; Ray gives a job's environment to all its tasks and actors) imports the
+    training modules when it starts, so that trials after the first find such processes warm."""
+    from runtime.worker_pool import training_env
+
+    return training_env()
 
 
 def _local_train_env() -> None:
@@ -388,8 +399,9 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_
 
     Worker processes: every one imports Ray Train when it starts, and ``warm_workers`` Train
     workers (with their controller's actors) are started ahead, importing torch, PyG and DeepSpeed
-    while this process prepares the run (:mod:`runtime.worker_pool`). ``keep_warm``: every worker
-    imports those, and the pool is kept topped up from a thread of this process (sweeps)."""
+    while this process prepares the run (:mod:`runtime.worker_pool`). ``keep_warm`` (a sweep):
+    every process of the job imports those (:func:`sweep_job_env`), and the pool is kept topped up
+    from a thread of this process."""
     import ray
 
     from runtime import local_cluster, worker_pool
@@ -399,11 +411,10 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_
         log.info("removed %s, left by a satp command that was killed", folder)
     port = free_port()
     use_gpu = (env_vars or {}).get("DS_ACCELERATOR") == "cuda"
-    preload = worker_pool.TRAINING_MODULES if keep_warm else worker_pool.CONTROLLER_MODULES
-    env = {**local_cluster.cluster_env(use_gpu=use_gpu, api_server=f"http://127.0.0.1:{port if dashboard else 9}",
-                                       preload=preload), **(env_vars or {})}
+    env = {**local_cluster.cluster_env(use_gpu=use_gpu, api_server=f"http://127.0.0.1:{port if dashboard else 9}"),
+           **(env_vars or {})}
     kwargs = dict(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=log_to_driver,
-                  resources=resources)
+                  resources=resources, runtime_env=sweep_job_env() if keep_warm else None)
     if dashboard:
         kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
     auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")

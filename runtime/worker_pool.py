@@ -6,15 +6,19 @@ new Python process then imports what it runs: torch, PyG, DeepSpeed and Ray Trai
 CPU on 2 cores, before the process does anything. Ray can start worker processes ahead of a request
 (the raylet's ``PrestartWorkers`` call), and can import modules in every worker it starts
 (``RAY_preload_python_modules``, a setting of the raylet) or in the workers of one runtime
-environment (its setup hook, an environment variable of that environment: :func:`training_env`).
+environment (its setup hook, an environment variable of that environment).
 
-Ray hands an idle process only to a task or actor of the same runtime environment: its environment
-variables are part of what is compared, and a child actor inherits (merges) its parent's. So the
-processes of one run come in a few *kinds*, each an environment (:class:`Kind`): Train's
-controller and its helper actors carry Ray's ``RAY_WARN_BLOCKING_GET_INSIDE_ASYNC``, satp's Train
-workers add the training setup hook (:func:`training_env`), a Tune trial's carry Tune's
-``PL_DISABLE_FORK`` too. A process's kind is read from ``/proc``: the environment variables it
-has beyond its raylet's, so the pool serves the local node (the machine of ``satp cluster``).
+Ray hands an idle process only to a task or actor of the same runtime environment: its text is
+what Ray compares, and a child actor inherits (merges) its parent's. So the processes of one run
+come in a few *kinds* (:class:`Kind`), each an environment: Train's controller and its helper
+actors carry Ray's ``RAY_WARN_BLOCKING_GET_INSIDE_ASYNC``, satp's Train workers add the training
+setup hook (:func:`training_env`: they import :data:`TRAINING_MODULES` when they start), a Tune
+trial's carry Tune's ``PL_DISABLE_FORK`` too (and a sweep gives its whole job the hook, since its
+trials run a training driver each). Every worker of satp's clusters imports the light
+:data:`PRELOAD_MODULES`; only the kinds that train pay for the heavy ones. A process's kind is
+read from ``/proc`` (the environment variables it has beyond its raylet's), so a pool serves the
+local node (the machine of ``satp cluster``); how Ray wrote each kind's environment is read from
+the cluster's actor table (:func:`serialized`).
 
 :class:`WorkerPool` counts the raylet's idle processes of each kind (started, not yet handed to a
 job) and prestarts what is missing; :func:`keep_warm` does so every second, in the process that
@@ -23,7 +27,8 @@ raylet is gone. How many of a kind it keeps: the most that were in use at once w
 :data:`USAGE_WINDOW_S` (so the second trial of a sweep finds what the first one used), at least
 what one ``satp train`` run of the cluster's size needs (:func:`default_targets`). Prestarted
 processes are kept alive (``keep_alive_duration_secs``) so that Ray's idle-worker killer leaves
-them; no process is prestarted while less than :data:`MIN_FREE_MEMORY` is free.
+them; no process is prestarted while less than :data:`MIN_FREE_MEMORY` is free. It also ends the
+placement-group cleaners that interrupted runs leave behind (:meth:`WorkerPool.end_orphaned_cleaners`).
 """
 from __future__ import annotations
 
@@ -44,12 +49,14 @@ SETUP_HOOK_VAR = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 #: what Ray Train sets on its controller (and so on every actor the controller starts)
 CONTROLLER_VAR = ("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
 #: modules a satp training process needs (torch, PyG, DeepSpeed, Ray Train and through them numpy,
-#: pyarrow, pandas, MLflow); satp's own modules are not among them: a worker imports those from the
-#: checkout when it runs (~0.2 s), so an edited checkout never runs stale code in a warm process
+#: pyarrow, pandas, MLflow), imported by :func:`training_env`'s processes when they start; satp's
+#: own modules are not among them: a worker imports those from the checkout when it runs (~0.2 s),
+#: so an edited checkout never runs stale code in a warm process
 TRAINING_MODULES = ("ray.train.torch", "torch_geometric", "deepspeed", "runtime.ray_logs")
-#: what a controller needs, for clusters where only the training workers import the rest
-#: (:mod:`runtime.ray_logs` quiets Ray Train's console noise where it is logged)
-CONTROLLER_MODULES = ("ray.train", "runtime.ray_logs")
+#: what every worker process of satp's clusters imports when it starts (the raylet's
+#: ``RAY_preload_python_modules``): what a Train controller and its helper actors run, and
+#: :mod:`runtime.ray_logs`, which quiets Ray Train's console noise where it is logged
+PRELOAD_MODULES = ("ray.train", "runtime.ray_logs")
 USAGE_WINDOW_S = 600.0
 CLEANER_CHECK_ROUNDS = 10  # keep_warm's rounds between looks for orphaned placement-group cleaners
 MIN_FREE_MEMORY = 2 << 30
