@@ -5,7 +5,9 @@ markdown section with its own command line and figures. ``BENCH=model,preprocess
 default is the CPU areas below. ``BENCH=gpu`` is the GPU check (``benchmarks/gpu/run.sh`` runs it on
 a bare GPU machine). ``BENCH=scale`` (not in the default) is the scale run of ``satp data synthetic-ppa`` +
 ``satp preprocess jobs/ppa.yaml`` at the sizes in ``SATP_SCALE_GRAPHS`` (``benchmarks/scale/data_path.py``).
-``BENCH=batch`` (not in the default; ~35-40 min on 2 cores) is the batch-size study of issue 20: per global
+``BENCH=startup`` (not in the default; ~15 min) times ``satp train``'s start-up cold, on a warm ``satp
+cluster`` and per trial of a sweep (``benchmarks/cpu/startup.py``; ``SATP_STARTUP_BEFORE=REF`` adds that
+ref's code side by side). ``BENCH=batch`` (not in the default; ~35-40 min on 2 cores) is the batch-size study of issue 20: per global
 batch, an ASHA lr sweep (``satp tune``) and 2 more seeds (``satp compare``), F1 against wall-clock and steps,
 and the critical batch size (``benchmarks/accuracy/batch.py``, sizes from ``SATP_BATCH_*``).
 """
@@ -25,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 MODULES = {
     "model": "benchmarks.cpu.model", "preprocessing": "benchmarks.cpu.preprocessing",
     "training": "benchmarks.cpu.training", "loader": "benchmarks.cpu.loader", "step": "benchmarks.cpu.step",
-    "scale": "benchmarks.scale.data_path", "batch": "benchmarks.accuracy.batch", "gpu": "benchmarks.gpu.check",
+    "startup": "benchmarks.cpu.startup", "scale": "benchmarks.scale.data_path", "batch": "benchmarks.accuracy.batch", "gpu": "benchmarks.gpu.check",
 }
 AREAS = ("model", "preprocessing", "training", "loader", "step")  # `make bench` without BENCH
 

@@ -459,8 +459,8 @@ def _run_shard_tasks(ray, pending: list[ShardPlan], store: ColumnarStore, task: 
                     written = ray.get(ref)
                 except ray.exceptions.RayTaskError as exc:
                     _cancel(ray, list(in_flight))
-                    cause = getattr(exc, "cause", None) or exc
-                    raise ValueError(f"{out / plan.file}: {str(cause).splitlines()[0]}") from None
+                    cause = str(getattr(exc, "cause", None) or exc).splitlines()[0]
+                    raise ValueError(cause if cause.startswith(str(out / plan.file)) else f"{out / plan.file}: {cause}") from None
                 meta = dict(key, file=plan.file, split=plan.split, rows=int(plan.ids.size), **written)
                 atomic_write_json(out / plan.sidecar, meta)
                 results[plan.file] = meta

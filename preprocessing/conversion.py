@@ -32,6 +32,7 @@ from preprocessing.columnar import (BATCH_ROWS_KEY, FINGERPRINT_FILE, STORE_DIR,
                                     FileSpec, file_digest, file_specs, read_column, store_is_current)
 from preprocessing.locks import writer_lock
 from preprocessing.raw_checks import Checker, check_splits
+from preprocessing.write_errors import os_reason, write_error
 
 #: In the store's folder: its writer lock (a conversion keeps it, as it keeps the fingerprint record).
 LOCK_FILE = ".lock"
@@ -161,24 +162,52 @@ def _schema(spec: FileSpec) -> pa.Schema:
     return pa.schema([("values", kind)], metadata={BATCH_ROWS_KEY: str(BATCH_ROWS)})
 
 
-def os_reason(exc: OSError) -> str:
-    """``No space left on device`` of an OSError, also of pyarrow's (``Error writing bytes to file.
-    Detail: [errno 28] ...``, without ``errno`` set)."""
-    found = re.search(r"\[errno (\d+)\]", str(exc), re.IGNORECASE)
-    if found:
-        return os.strerror(int(found.group(1)))
-    return exc.strerror or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-
-
 def _write_sidecar(path: Path, meta: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(json.dumps(meta, sort_keys=True) + "\n")
         os.replace(tmp, path)
     except OSError as exc:
-        raise OSError(f"{path}: could not write it ({os_reason(exc)})") from None
+        raise write_error(path, exc, "the files converted before it are kept") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _checked_rows(folder: Path, name: str, spec: FileSpec, counts: _Counts | None) -> Iterator:
+    """The parsed blocks of one raw file, each checked (:class:`preprocessing.raw_checks.Checker`), then
+    its line count against the count files (``counts``: None for the count files themselves)."""
+    src = folder / spec.rel
+    ptr = None if counts is None else {"node": counts.node_ptr, "edge": counts.edge_ptr}.get(spec.per)
+    check = Checker(name, spec, folder, ptr, None if counts is None else counts.nodes)
+    rows = 0
+    for values in _rows(src, spec):
+        check(values, rows)
+        rows += len(values)
+        yield values
+    expected = _expected_rows(spec, counts) if counts is not None else None
+    if expected is not None and rows != expected:
+        one = {"node": " (one per node): truncated?", "edge": " (one per edge): truncated?"}.get(spec.per, "")
+        raise ValueError(f"{src}: {rows} lines, expected {expected}{one}")
+
+
+def check_values(folder: str | Path, name: str) -> None:
+    """Every check of the conversion (values in range, line counts, splits), on the raw files of
+    ``folder`` as they are, writing nothing: the pre-flight's (:func:`pipeline.train.preflight.check_data_root`),
+    in this process, before Ray starts. Memory: the per-graph counts and splits, and one block."""
+    folder = Path(folder)
+    specs = file_specs(name)
+    counts = _Counts(*(_join(list(_checked_rows(folder, name, spec, None)) or [np.zeros(0, np.int64)], spec)
+                       for spec in specs[:2]))
+    _check_counts(folder, counts)
+    splits = {}
+    for spec in specs[2:]:
+        blocks = _checked_rows(folder, name, spec, counts)
+        if spec.per == "split":
+            splits[spec.key.removeprefix("split-")] = _join(list(blocks) or [np.zeros(0, np.int64)], spec)
+        else:
+            for _ in blocks:  # checked block by block, kept nowhere
+                pass
+    check_splits({s.key.removeprefix("split-"): folder / s.rel for s in specs if s.per == "split"}, splits)
 
 
 def convert_file(folder: str, name: str, spec: FileSpec, fingerprint: str, counts: _Counts | None) -> dict:
@@ -188,8 +217,6 @@ def convert_file(folder: str, name: str, spec: FileSpec, fingerprint: str, count
     folder = Path(folder)
     src, out = folder / spec.rel, folder / STORE_DIR / spec.arrow
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    ptr = None if counts is None else {"node": counts.node_ptr, "edge": counts.edge_ptr}.get(spec.per)
-    check = Checker(name, spec, folder, ptr, None if counts is None else counts.nodes)
     rows, pending = 0, []
     try:
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, _schema(spec)) as writer:
@@ -197,8 +224,7 @@ def convert_file(folder: str, name: str, spec: FileSpec, fingerprint: str, count
                 writer.write_batch(pa.record_batch([_arrow_values(values, spec)], schema=_schema(spec)))
 
             buffered = 0
-            for values in _rows(src, spec):
-                check(values, rows)
+            for values in _checked_rows(folder, name, spec, counts):
                 rows += len(values)
                 pending.append(values if spec.store == "text" else values.astype(spec.store))
                 buffered += len(values)
@@ -209,19 +235,13 @@ def convert_file(folder: str, name: str, spec: FileSpec, fingerprint: str, count
                     buffered -= BATCH_ROWS
             if buffered:
                 emit(_join(pending, spec))
-        expected = _expected_rows(spec, counts) if counts is not None else None
-        if expected is not None and rows != expected:
-            one = {"node": " (one per node): truncated?", "edge": " (one per edge): truncated?"}.get(spec.per, "")
-            raise ValueError(f"{src}: {rows} lines, expected {expected}{one}")
         record = {"fingerprint": fingerprint, "rows": rows, "rel": spec.rel, "bytes": tmp.stat().st_size,
                   "xxh3": file_digest(tmp)}
         os.replace(tmp, out)
     except OSError as exc:  # pyarrow's own errors name no file: say which one could not be read or written
-        reason = os_reason(exc)
         if str(getattr(exc, "filename", "")) == str(src):
-            raise ValueError(f"{src}: cannot read it ({reason})") from None
-        raise OSError(f"{out}: could not write it ({reason}); "
-                      "the files converted before it are kept") from None
+            raise ValueError(f"{src}: cannot read it ({os_reason(exc)})") from None
+        raise write_error(out, exc, "the files converted before it are kept") from None
     finally:
         tmp.unlink(missing_ok=True)
     _write_sidecar(out.with_name(out.name + ".json"), record)

@@ -68,6 +68,7 @@ import numpy as np
 import pyarrow as pa
 
 from preprocessing.config import SBM_DATASETS
+from preprocessing.write_errors import write_error
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -170,6 +171,8 @@ def write_shard_file(path: Path, rows: list[dict], specs: dict[str, dict]) -> di
         digest = sha256_file(tmp)
         size = tmp.stat().st_size
         os.replace(tmp, path)
+    except OSError as exc:  # Arrow's words name no file (a full disk: "Error writing bytes to file ...")
+        raise write_error(path, exc, "the shards finished before it are kept") from None
     finally:
         tmp.unlink(missing_ok=True)
     return {"bytes": size, "sha256": digest}
@@ -198,7 +201,7 @@ def atomic_write_bytes(path: Path, payload: bytes) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except OSError as exc:  # a full disk names the temporary file: name the one being written
-        raise OSError(f"{path}: could not write it ({exc.strerror or exc}); the previous version, if any, is kept") from None
+        raise write_error(path, exc, "the previous version, if any, is kept") from None
     finally:
         if tmp.exists():
             tmp.unlink()

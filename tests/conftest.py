@@ -1,11 +1,29 @@
 """Shared fixtures. Ray-based tests share one local cluster per session (see `ray_cluster`)."""
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("OUTDATED_IGNORE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# the session's satp cluster (see ray_cluster) takes Ray's default token authentication, which a
+# client process reads when it first imports Ray: before any test module does
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
+def satp_home_for_tests() -> Path:
+    """``SATP_HOME`` of this checkout's test sessions: where the session's satp cluster is recorded
+    (one per checkout, so that sessions of other checkouts on the machine keep theirs; never the
+    user's own ``~/.satp``). Every ``satp`` command a test runs without ``--address`` uses that
+    cluster while it runs."""
+    root = Path(__file__).resolve().parents[1]
+    return Path(tempfile.gettempdir()) / f"satp-tests-{hashlib.sha1(str(root).encode()).hexdigest()[:10]}"
+
+
+os.environ["SATP_HOME"] = str(satp_home_for_tests())
 
 import pytest
 import torch
@@ -18,15 +36,27 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster for the whole test session (starting one costs ~5 s and ~1 GiB)."""
+    """One warm satp cluster for the whole test session (``satp cluster start``'s, with the session
+    as its owner: what a killed session left is stopped by the next one), which every ``satp``
+    command the tests run finds through ``SATP_HOME``; this process is one of its drivers."""
     import ray
 
-    from runtime.ray_cluster import init_local_ray
+    from runtime import local_cluster
+    from runtime.ray_cluster import connect
 
+    record = local_cluster.ClusterRecord.load()
+    ours = record is None or not record.alive()  # else another session of this checkout runs it: shared
+    if ours:
+        if record is not None:
+            local_cluster.stop(record)
+        record = local_cluster.start(num_cpus=2, num_gpus=0, workers=2, dashboard=False, wait=False,
+                                     owner_pid=os.getpid())
     if not ray.is_initialized():
-        init_local_ray(num_cpus=2, dashboard=False, log_to_driver=False, env_vars={"DS_ACCELERATOR": "cpu"})
+        connect(record.address, log_to_driver=False)
     yield ray
     ray.shutdown()
+    if ours:
+        local_cluster.stop(record)
 
 
 @pytest.fixture(scope="module")

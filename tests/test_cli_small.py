@@ -27,6 +27,19 @@ def test_a_yaml_error_names_where_the_bracket_opened(tmp_path, capsys):
                    "(while parsing a flow mapping opened at line 2, column 8)"], err
 
 
+@pytest.mark.parametrize("value, says", [
+    ("[1,", "not valid YAML (expected the node content, but found '<stream end>')"),
+    ("!!python/object/apply:os.system [echo]", "the value carries the YAML tag !!python/object/apply:os.system"),
+    ("!!str 3", "the value carries the YAML tag !!str"),
+])
+def test_a_set_value_that_is_not_plain_yaml_is_one_line(value, says, capsys):
+    """Issue 37, 6: ``--set`` values go through YAML as a job file's do; one that does not parse, or that
+    carries a tag, is one ``satp: error: --set KEY=VALUE: ...`` line, status 2 (was: a traceback)."""
+    assert main(["train", str(ROOT / "jobs" / "code2-local.yaml"), "--set", f"train.lr={value}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"satp: error: --set train.lr={value}: {says}"), err
+
+
 @pytest.fixture
 def web_server():
     """An HTTP server on a free port of this machine: it answers, and it is not Ray."""

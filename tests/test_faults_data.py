@@ -405,6 +405,8 @@ def test_shards_on_a_full_disk_name_the_file_and_resume_once_there_is_room(shard
     out = small_disk / "shards" / reference_dir.name
     message = str(info.value)
     assert "\n" not in message and message.startswith(str(out) + "/") and "No space left on device" in message, message
+    assert message.endswith(": free space there and run the same command again"), message  # issue 37, 13
+    assert "Error writing bytes" not in message and message.count(str(out)) == 1, message  # satp's words, not Arrow's
     assert not (out / MANIFEST).exists() and not list(out.glob(".*.tmp-*"))
     finished = _stamps(out, "*.arrow")
     finished = {k: v for k, v in finished.items() if (out / k.replace(".arrow", ".json")).is_file()}

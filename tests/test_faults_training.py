@@ -230,6 +230,35 @@ def test_checkpoint_damaged_afterwards_is_named_and_the_one_before_used(tmp_path
     assert ckpt.verify(older) is None and rerun.previous_run(str(tmp_path), "run").epoch == 0
 
 
+WORKER_RESUME = r'''
+import json, sys
+from pathlib import Path
+from pipeline.train import rerun
+print(rerun.resume_point([Path(sys.argv[1])], sys.argv[2], json.loads(sys.argv[3])).name)
+'''
+
+
+def test_a_damaged_checkpoint_the_driver_named_is_not_named_again_by_the_workers(tmp_path, capfd):
+    """Issue 37, 9: the driver names the damaged checkpoint; Ray's worker (another process) that is
+    handed it as Ray's registered one takes the one before without saying it again (it said it twice)."""
+    from pipeline.train import rerun
+
+    run_dir = tmp_path / "run"
+    older = _write_checkpoint(run_dir, 0, tmp_path)
+    newest = _write_checkpoint(run_dir, 1, tmp_path)
+    os.truncate(newest / "ds" / "last" / "mp_rank_00_model_states.pt", 1000)
+    capfd.readouterr()
+    assert rerun.latest_checkpoint(run_dir) == older  # the driver
+    assert len(satp_lines(capfd.readouterr().err)) == 1
+    named = {problem: where for problem, where in rerun.named_damage().items() if str(newest) in problem}
+    assert list(named.values()) == [f"the checkpoint of epoch 1 ({newest.name})"], named
+    for told, lines in ((named, 0), ({}, 1)):  # a worker told what the driver named; one told nothing
+        worker = subprocess.run([sys.executable, "-c", WORKER_RESUME, str(newest), str(run_dir), json.dumps(told)],
+                                capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert worker.returncode == 0 and worker.stdout.strip() == older.name, worker.stderr[-2000:]
+        assert len(satp_lines(worker.stderr)) == lines, worker.stderr
+
+
 def test_checkpoint_on_a_full_disk_is_removed_and_the_intact_ones_kept(tmp_path, small_disk):
     """C x full disk (a real tmpfs): the writer raises :class:`StorageFull` naming the file that did
     not fit, having removed its partial checkpoint; the checkpoint before stays intact."""
@@ -517,6 +546,8 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tiny_se
     warnings = satp_lines(err, "warning:")
     assert len(warnings) == 1 and warnings[0].startswith(f"satp: warning: {target}: "), warnings
     assert "epoch 1" in warnings[0] and "cut short" in warnings[0], warnings[0]
+    # said once, by the driver: the worker that verifies Ray's registered checkpoint does not repeat it (issue 37, 9)
+    assert [line for line in err.splitlines() if "satp: warning:" in line] == warnings, err[-3000:]
     assert "resuming run cut after epoch 0" in err, err[-3000:]
     assert not tracebacks(err), err[-3000:]
     final = _checkpoints(run_dir)
@@ -525,6 +556,12 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tiny_se
     (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert run.info.status == "FINISHED"
     assert {m.step for m in client.get_metric_history(run.info.run_id, "val_f1")} == {0, 1, 2}
+    # the run says it went back, and each value names its trajectory (issue 37, 10)
+    went_back = run.data.tags["satp.fell_back"]
+    assert "went back from epoch 1 to epoch 0 (the checkpoint of epoch 1 (" in went_back and "cut short" in went_back
+    segment = {(m.step, m.timestamp): m.value for m in client.get_metric_history(run.info.run_id, "segment")}
+    values = sorted((m.step, segment[(m.step, m.timestamp)]) for m in client.get_metric_history(run.info.run_id, "val_f1"))
+    assert values == [(0, 0), (1, 0), (1, 1), (2, 1)], values
 
     # the tracking store deleted under the run's checkpoints
     database = tmp_path / "mlflow.db"

@@ -163,3 +163,36 @@ def test_satp_preprocess_refuses_an_out_of_range_node_type(datasets, tmp_path, r
     store = folder / STORE_DIR
     assert not (store / STORE_FILE).exists() and not list(store.glob(".*.tmp-*"))
     assert not (tmp_path / "shards").exists()
+
+
+@pytest.mark.parametrize("name, edit, expected", [("ogbg-code2", e, x) for e, x in CODE2] + [("ogbg-ppa", e, x) for e, x in PPA],
+                         ids=[x for _, x in CODE2 + PPA])
+def test_the_preflight_check_names_what_the_conversion_names(datasets, tmp_path, name, edit, expected):
+    """Issue 37, 13: the same checks, on the raw files as they are, writing nothing (the pre-flight's)."""
+    from preprocessing.conversion import check_values
+
+    folder = _copy(datasets, tmp_path, name.replace("-", "_"))
+    edit(folder)
+    with pytest.raises(ValueError) as info:
+        check_values(folder, name)
+    assert str(info.value) == _refused(folder, name)
+    assert expected in str(info.value)
+
+
+def test_satp_train_names_an_out_of_range_value_before_ray_starts(datasets, tmp_path):
+    """Issue 37, 13: the raw-data range check came after Ray started (54-93 s); it is the pre-flight's
+    now: one line, status 2, and neither Ray nor torch was imported."""
+    shutil.copytree(datasets / "ogbg_code2", tmp_path / "data/ogbg_code2", ignore=shutil.ignore_patterns(STORE_DIR))
+    folder = tmp_path / "data/ogbg_code2"
+    rel, line = _edit_node_row({0: "99999"})(folder)
+    argv = ["train", str(ROOT / "jobs" / "code2-local.yaml"), "--set", f"data.root={tmp_path / 'data'}",
+            "--set", f"shards.root={tmp_path / 'shards'}", "--set", f"train.storage_path={tmp_path / 'ray'}"]
+    code = (f"import sys; from pipeline.cli import main; rc = main({argv!r}); "
+            "print([m for m in ('ray', 'torch') if m in sys.modules]); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "SATP_RUNS_DIR": str(tmp_path / "runs")})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"satp: error: {folder / rel}: line {line}, graph 2: node type id 99999 outside "
+                                  "[0, ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    assert not (folder / STORE_DIR / STORE_FILE).exists() and not (tmp_path / "shards").exists()

@@ -132,8 +132,10 @@ def test_what_a_resumed_run_may_change():
     from pipeline.train.rerun import RESUMABLE_TRAIN_KEYS, differences, default_config
     from pipeline.config.train import TrainConfig
 
-    assert {"epochs", "eval_every", "max_failures", "run_name", "storage_path"} <= RESUMABLE_TRAIN_KEYS
-    assert not {"lr", "seed", "node_budget", "precision", "zero_stage", "eval_subset"} & RESUMABLE_TRAIN_KEYS
+    assert {"epochs", "eval_every", "max_failures", "run_name", "storage_path", "checkpoint_every_steps",
+            "preemption_check_steps"} <= RESUMABLE_TRAIN_KEYS
+    assert not {"lr", "seed", "node_budget", "micro_batches_per_step", "precision", "zero_stage",
+                "eval_subset"} & RESUMABLE_TRAIN_KEYS  # the global batch shapes the weights; the worker count does not
     assert set(RESUMABLE_TRAIN_KEYS) <= set(TrainConfig.model_fields)
     defaults = default_config()
     old = {"model": {"hidden_dim": 32}, "train": {"lr": 0.003}}

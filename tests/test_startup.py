@@ -40,3 +40,13 @@ def test_missing_events_leave_their_phases_out():
     assert parts["worker_setup"] == pytest.approx(2.0)  # from the previous event present
     assert startup.metrics(marks)["startup_engine_s"] == pytest.approx(1.0)
     assert startup.describe(marks).startswith("start-up: imports 1.0 s")
+
+
+def test_a_worker_process_started_before_the_fit_is_a_warm_one():
+    assert startup.warm(_marks(worker_process=90.0)) is True
+    assert startup.metrics(_marks(worker_process=90.0))["startup_warm_worker"] == 1.0
+    assert startup.describe(_marks(worker_process=90.0)).endswith("(warm worker process)")
+    assert startup.warm(_marks()) is False and startup.describe(_marks()).endswith("(new worker process)")
+    marks = _marks()
+    del marks["fit"]
+    assert startup.warm(marks) is None and "startup_warm_worker" not in startup.metrics(marks)

@@ -31,11 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline.cli.registry_commands import register as register_registry  # models, predict
 
     register_registry(sub)
+    from pipeline.cli.cluster_commands import register as register_cluster  # cluster start / status / stop
+
+    register_cluster(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's PyPI version check
+    from runtime.local_cluster import adopt_client_settings
+
+    adopt_client_settings()  # the satp cluster's authentication, before anything imports Ray
     args = build_parser().parse_args(argv)
     from pipeline import console
 
@@ -63,6 +69,11 @@ def _interrupted(exc: KeyboardInterrupt) -> int:
 
     ending()  # also drops what the training's handler kept alive (see runtime.interrupts)
     interrupted = as_interrupted(exc)
+    if "runtime.ray_cluster" in sys.modules:  # a connection under way in a thread ends first
+        try:
+            sys.modules["runtime.ray_cluster"].wait_for_background_connect()
+        except BaseException:  # noqa: BLE001 - its error says nothing more than the interrupt
+            pass
     if "ray" in sys.modules:
         import ray
 

@@ -22,13 +22,17 @@ def run_section_command(args, section: str, example: str, run: str) -> int:
     """``satp tune`` / ``satp compare``: the job of ``args`` must have a ``section:`` (see
     ``example``); run from the project directory (relative paths in jobs), as ``satp train`` does,
     with INFO logging on stderr. ``run`` (``module:function``) runs it and returns an outcome with
-    ``interrupted``; ``format_outcome`` of the same module prints it. Exit 130 when interrupted."""
+    ``interrupted``; ``format_outcome`` of the same module prints it. Interrupted (Tune stops on
+    Ctrl-C and returns): :class:`runtime.interrupts.Interrupted`, which the CLI ends with its one
+    last line and status 130."""
     import importlib
     import logging
+    import signal
     import sys
     from pathlib import Path
 
     from pipeline.config import load_job
+    from pipeline.config.names import check_names
     from pipeline.cli.submit import enter_workdir
 
     job_path = Path(args.job).resolve()
@@ -36,9 +40,16 @@ def run_section_command(args, section: str, example: str, run: str) -> int:
     job = load_job(job_path, args.overrides)
     if getattr(job, section) is None:
         raise ValueError(f"{job_path}: no {section}: section (see {example})")
+    check_names(job)  # before the heavy imports: seconds
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     module_name, function = run.split(":")
     module = importlib.import_module(module_name)
     outcome = getattr(module, function)(job, address=args.address)
     print(module.format_outcome(outcome), flush=True)
-    return 130 if outcome.interrupted else 0
+    if outcome.interrupted:  # Tune stopped on Ctrl-C: the CLI's last line says so, after Ray's (pipeline.cli)
+        from runtime.interrupts import Interrupted
+
+        what = {"tune": "sweep", "compare": "comparison"}[section]
+        raise Interrupted(signal.SIGINT, kept=f"{what} {outcome.name} kept its finished trials and the unfinished "
+                                           f"ones' checkpoints in {outcome.path}: the same command resumes it")
+    return 0

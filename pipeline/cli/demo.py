@@ -24,11 +24,12 @@ def run_demo(overrides: list[str] | None = None, job_path: str | Path = LOCAL_JO
     job = load_job(job_path, overrides or [])
     if not ray.is_initialized():
         cpus = max(2, int(job.resources.max_workers * job.resources.cpus_per_worker))
-        from runtime.ray_cluster import init_local_ray
+        from runtime.ray_cluster import connect
 
-        # with its dashboard (on loopback) Ray Train's state queries work; without it, Train's
-        # placement-group cleaner warns every few seconds that the State API is unavailable
-        init_local_ray(num_cpus=cpus, dashboard=True)
+        # the satp cluster when one runs, else a local one: with its dashboard (on loopback) Ray
+        # Train's state queries work; without it, Train's placement-group cleaner warns every few
+        # seconds that the State API is unavailable
+        connect(None, num_cpus=cpus, dashboard=True, warm_workers=job.resources.max_workers)
     outcome = train_job(job)
     m = outcome.metric
     best = outcome.best

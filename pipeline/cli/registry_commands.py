@@ -60,10 +60,15 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pipeline.registry.predict import FunctionPrediction, format_predictions, load
+    from pipeline.registry.addresses import check_model_uri, check_reachable, resolve_tracking_uri
 
+    # what can be wrong before torch, MLflow and the model load (10-30 s on a busy machine): seconds
     if not Path(args.input).exists():
         raise ValueError(f"{args.input}: no such file")
+    check_model_uri(args.model_uri)
+    check_reachable(resolve_tracking_uri(args.tracking_uri))
+    from pipeline.registry.predict import FunctionPrediction, format_predictions, load
+
     model = load(args.model_uri, tracking_uri=args.tracking_uri)
     predictions = model.predict_file(args.input, split=args.split)
     if args.json:

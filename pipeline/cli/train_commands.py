@@ -94,6 +94,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     # --address, this machine for a local cluster): seconds; train_plan runs the rest of it
     early_checks([job], address=args.address, task=False)
     _logging()
+    if args.restart or not _may_be_finished(job):
+        # Ray joined (or a local cluster started) in a thread while the driver's modules load below
+        from runtime.ray_cluster import connect_in_background
+
+        connect_in_background(args.address, warm_workers=job.resources.max_workers)
     from pipeline.train.driver import train_plan
     from pipeline.train.plan import JobPlan
 
@@ -107,6 +112,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise Interrupted(as_interrupted(exc).signum, kept=kept_after_interrupt(plan)) from None
     print(summary(outcome), flush=True)
     return 0
+
+
+def _may_be_finished(job) -> bool:
+    """Whether the run's newest checkpoint may be its last (a rerun that trains nothing and needs no
+    Ray); read from its state alone, without verifying it: a guess that only decides whether Ray is
+    joined early."""
+    import json
+    from pathlib import Path
+
+    from pipeline.config.train import runs_dir
+
+    storage = Path(job.train.storage_path or runs_dir() / "ray").expanduser()
+    states = sorted((storage / (job.train.run_name or job.name)).glob("checkpoint_*/state.json"))
+    if not states:
+        return False
+    try:
+        state = json.loads(states[-1].read_text())
+    except (OSError, ValueError):
+        return True
+    return bool(state.get("stopped")) or int(state.get("epoch", -1)) >= job.train.epochs - 1
 
 
 def kept_after_interrupt(plan) -> str:

@@ -70,8 +70,24 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set {item!r}: expected dotted.key=value")
-        set_dotted(raw, key, yaml.safe_load(text), where="--set ")
+        set_dotted(raw, key, override_value(item, text), where="--set ")
     return raw
+
+
+def override_value(item: str, text: str) -> Any:
+    """The YAML value of ``--set KEY=VALUE`` (``item``); one-line ``ValueError`` when it is not valid
+    YAML or carries a tag (``!!python/...``, ``!custom``: a job's values are plain data)."""
+    try:
+        tags = [e.tag for e in yaml.parse(text, Loader=yaml.SafeLoader) if getattr(e, "tag", None)]
+        value = None if tags else yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"--set {item}: not valid YAML ({problem}); quote a value meant as text") from None
+    if tags:
+        shown = tags[0].replace("tag:yaml.org,2002:", "!!")
+        raise ValueError(f"--set {item}: the value carries the YAML tag {shown}; a job takes plain values "
+                         "(numbers, text, lists, mappings), without tags")
+    return value
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any, where: str = "") -> None:

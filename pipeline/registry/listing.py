@@ -1,13 +1,18 @@
 """``satp models``: the registered models, their versions and aliases, with each version's tags
 (metrics, data hash, commit), as data (:func:`list_models`) and as the command's table
-(:func:`format_models`)."""
+(:func:`format_models`). Each weights-only version's files are checked against the registry's record
+of it (:mod:`pipeline.registry.record`): one that serves other files is marked, and so is an alias
+that points to it (the champion is never listed as healthy when it is not)."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 
 def list_models(tracking_uri: str | None = None) -> list[dict]:
     """Registered models with their aliases and versions (tags: metrics, data hash, commit)."""
-    from pipeline.registry.predict import check_reachable, resolve_tracking_uri
-    from pipeline.registry.versions import WEIGHTS_TAG
+    from pipeline.registry.addresses import check_reachable, resolve_tracking_uri
+    from pipeline.registry.record import WEIGHTS_TAG
 
     uri = resolve_tracking_uri(tracking_uri)
     check_reachable(uri)
@@ -40,11 +45,31 @@ def list_models(tracking_uri: str | None = None) -> list[dict]:
                     # modules (format 1, or not satp's), which satp loads only after `satp models migrate`
                     "format": 2 if WEIGHTS_TAG in tags else 1,
                     "migrated_to": _int_or_none(tags.get("satp.migrated_to")),
+                    # what differs from the registry's record (None: it serves what was registered)
+                    "record": _record(rm.name, v, uri) if WEIGHTS_TAG in tags else None,
                 })
             out.append({"name": rm.name, "aliases": aliases, "versions": versions})
     except MlflowException as exc:
         raise OSError(f"tracking store {uri}: {str(exc).splitlines()[0]}") from None
     return out
+
+
+def _record(name: str, version, tracking_uri: str):
+    """What ``version``'s files differ in from the registry's record of it, or None."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.registry.record import META_FILE, record_problem
+
+    try:  # a local store's own folder; a remote one's copy
+        files = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version.version}",
+                                                         tracking_uri=tracking_uri)) / "artifacts"
+        meta = json.loads((files / META_FILE).read_text())
+    except (MlflowException, OSError, ValueError) as exc:
+        return f"its files cannot be read ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+    if not isinstance(meta, dict):
+        return f"its {META_FILE} is damaged"
+    return record_problem(version.tags or {}, meta, files, str(version.version))
 
 
 def _int_or_none(text):
@@ -63,7 +88,9 @@ def format_models(models: list[dict]) -> str:
         return "no registered models"
     lines = []
     for m in models:
-        aliases = ", ".join(f"@{a} -> v{v}" for a, v in sorted(m["aliases"].items())) or "no aliases"
+        unsound = {str(v["version"]) for v in m["versions"] if v["record"]}
+        aliases = ", ".join(f"@{a} -> v{v}" + (" (NOT AS REGISTERED)" if str(v) in unsound else "")
+                            for a, v in sorted(m["aliases"].items())) or "no aliases"
         lines.append(f"{m['name']}  ({len(m['versions'])} versions; {aliases})")
         for v in m["versions"]:
             metric = ", ".join(f"{k} {val:.4f}" if isinstance(val, float) else f"{k} {val}"
@@ -75,6 +102,8 @@ def format_models(models: list[dict]) -> str:
             if v["format"] == 1:
                 note = (f"  (pickled, migrated to v{v['migrated_to']})" if v["migrated_to"] is not None else
                         f"  (pickled: satp loads it after `satp models migrate {m['name']}`)")
+            if v["record"]:
+                note += f"  (NOT AS REGISTERED: {v['record']}; satp predict refuses it)"
             lines.append(f"  v{v['version']:<3} {alias:<11} {v['task'] or '-':<6} {metric or '-'}  data {data}  "
                          f"commit {commit}{note}")
     return "\n".join(lines)

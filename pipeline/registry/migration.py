@@ -13,8 +13,8 @@ def migrate(name: str, tracking_uri: str | None = None, echo=print) -> list[dict
     """Re-register each format-1 version of ``name`` once, weights-only (a new version tagged
     ``satp.migrated_from``; the old one gets ``satp.migrated_to``), and move the aliases it held
     to the copy. Returns ``[{"from", "to", "aliases"}, ...]``."""
-    from pipeline.registry.predict import check_reachable, resolve_tracking_uri
-    from pipeline.registry.versions import WEIGHTS_TAG
+    from pipeline.registry.addresses import check_reachable, resolve_tracking_uri
+    from pipeline.registry.record import WEIGHTS_TAG
 
     uri = resolve_tracking_uri(tracking_uri)
     check_reachable(uri)

@@ -45,12 +45,11 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from pipeline.registry.record import META_FILE, WEIGHTS_FILE  # named there: the registry's record reads them too
 from pipeline.tasks import Task, make_task
 from sat.config import SATConfig
 
 FORMAT = 2
-META_FILE = "satp_model.json"
-WEIGHTS_FILE = "weights.pt"
 LEGACY_META = f"extra_files/{META_FILE}"  # format 1: beside the pickled module of mlflow.pytorch
 #: artifact name -> file, as MLflow's pyfunc flavour lists them (MLmodel) and SATPyfunc reads them
 ARTIFACTS = {"weights": WEIGHTS_FILE, "satp_model": META_FILE}

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import os
 import tempfile
 import warnings
 from pathlib import Path
@@ -42,8 +41,6 @@ import torch
 
 from pipeline.registry import json_graphs as jg
 
-#: Short network timeouts for an http(s) tracking server (MLflow's defaults retry for minutes).
-HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 BATCH_GRAPHS = 32
 JSON_TASKS = ("ppa", "pattern", "cluster")  # the tasks whose inputs are JSON graphs (see Predictor.graphs_from_json)
 
@@ -84,43 +81,6 @@ def _ordered(index: dict[str, int]) -> list[str]:
     for key, i in index.items():
         out[i] = key
     return out
-
-
-# ----------------------------------------------------------------------------- tracking store
-def resolve_tracking_uri(tracking_uri: Optional[str] = None) -> str:
-    """``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the project's SQLite store under ``runs/``.
-
-    A SQLite store that does not exist is an error here (MLflow would create an empty one).
-    An http(s) server gets short timeouts and no retries.
-    """
-    from pipeline.config.train import default_tracking_uri
-
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
-    if uri.startswith("sqlite:"):
-        path = uri.split("sqlite:///", 1)[-1] if uri.startswith("sqlite:///") else ""
-        if not path or not Path(path).is_file():
-            raise ValueError(f"tracking store {uri}: no such SQLite file (give --tracking-uri)")
-    elif uri.startswith(("http://", "https://")):
-        for key, value in HTTP_ENV.items():
-            os.environ.setdefault(key, value)
-    return uri
-
-
-def check_reachable(uri: str) -> None:
-    """Fail fast (``OSError``, one line) when an http(s) tracking server does not answer."""
-    if not uri.startswith(("http://", "https://")):
-        return
-    import urllib.error
-    import urllib.request
-
-    timeout = float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_ENV["MLFLOW_HTTP_REQUEST_TIMEOUT"]))
-    try:
-        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=min(timeout, 10)).close()
-    except urllib.error.HTTPError:
-        return  # it answered (a server without /health, or auth): let MLflow report the details
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise OSError(f"tracking server {uri} unreachable ({reason})") from None
 
 
 # ----------------------------------------------------------------------------- predictions
@@ -373,10 +333,9 @@ def load(uri: str, tracking_uri: Optional[str] = None) -> Predictor:
     ``tracking_uri``: default ``$MLFLOW_TRACKING_URI`` or the project's SQLite store. Raises
     ``ValueError``/``OSError`` with a one-line message.
     """
-    from pipeline.registry.versions import check_model_uri, load_model
+    from pipeline.registry.addresses import check_model_uri, check_reachable, resolve_tracking_uri
+    from pipeline.registry.versions import load_model
 
-    if not isinstance(uri, str) or not uri.startswith(("models:/", "runs:/")):
-        raise ValueError(f"{uri!r}: expected a model URI such as models:/sat-code2@champion or models:/sat-code2/3")
     check_model_uri(uri)
     tracking = resolve_tracking_uri(tracking_uri)
     check_reachable(tracking)

@@ -22,6 +22,10 @@ from typing import Any, Optional
 log = logging.getLogger(__name__)
 
 RUN_KEY_TAG = "satp.run_key"
+#: Logged with every epoch: the trajectory the values belong to (0, then one more per fall-back to an
+#: older checkpoint: :meth:`RankZeroLogger.resume`), and the tag that says when and why it went back.
+SEGMENT = "segment"
+FELL_BACK_TAG = "satp.fell_back"
 
 
 def flatten(values: Any, prefix: str = "") -> dict[str, str]:
@@ -187,15 +191,37 @@ class RankZeroLogger:
                 log.warning("system metrics disabled: %s", exc)
                 self.monitor = None
 
-    def catch_up(self, history: list[dict[str, Any]]) -> None:
-        """After a resume: log the epochs of ``history`` (the checkpoint's) this run has not seen
-        (an MLflow write that failed, or a driver stopped between registration and logging)."""
-        if not history:
-            return
-        logged = self.client.get_run(self.run_id).data.metrics.get("epoch")
+    def resume(self, history: list[dict[str, Any]], epoch: int, why: str) -> int:
+        """After the workers restored the checkpoint of ``epoch`` (-1: none) with ``history``: the run's
+        segment, logged with every epoch from here on (:data:`SEGMENT`).
+
+        MLflow may hold epochs after ``epoch``: the checkpoints that followed were damaged (``why``)
+        and the run went back. Those values stay in MLflow (it deletes no metric values) and the
+        epochs trained again are logged at the same steps, so the run starts a new segment, says so
+        in :data:`FELL_BACK_TAG` (from which epoch to which, why, since when) and logs ``segment``
+        with each epoch's metrics, in the same batch (same step and timestamp): a value of
+        ``val_f1`` at step 1 belongs to the trajectory whose ``segment`` entry has its timestamp, and
+        in the UI the ``segment`` chart shows where the run went back. Otherwise the epochs of
+        ``history`` that MLflow missed (a failed write, a driver stopped before logging) are logged."""
+        segments = self.client.get_metric_history(self.run_id, SEGMENT)
+        segment = int(max(segments, key=lambda m: (m.timestamp, m.step)).value) if segments else 0
+        current = segments if segments else self.client.get_metric_history(self.run_id, "epoch")
+        logged = max((m.step for m in current if not segments or int(m.value) == segment), default=-1)
+        if logged > epoch:
+            import time
+
+            segment += 1
+            since = time.strftime("%Y-%m-%d %H:%M:%S")
+            back = f"epoch {epoch}" if epoch >= 0 else "the start"
+            epochs = f"epoch {logged}" if logged == epoch + 1 else f"epochs {epoch + 1}-{logged}"
+            self.client.set_tag(self.run_id, FELL_BACK_TAG, (
+                f"segment {segment} since {since}: went back from epoch {logged} to {back} ({why}); the values "
+                f"logged for {epochs} before then (segment {segment - 1}) are superseded")[:5000])
+            return segment
         for entry in history:
-            if logged is None or entry["epoch"] > logged:
-                log_metrics(self.client, self.run_id, entry, step=int(entry["epoch"]))
+            if entry["epoch"] > logged:
+                log_metrics(self.client, self.run_id, {**entry, SEGMENT: segment}, step=int(entry["epoch"]))
+        return segment
 
     def close(self) -> None:
         if self.monitor is not None:

@@ -33,13 +33,14 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from pipeline.registry.addresses import check_model_uri, registered_name
+from pipeline.registry.record import FILES_TAG, WEIGHTS_TAG, files_tag, record_problem
 from pipeline.registry.model_format import (FORMAT, LEGACY_META, META_FILE, PYFUNC_CODE, WEIGHTS_FILE, LoadedModel,
                                             cpu_state, read_model, weights_sha256, write_files)
 from pipeline.tasks import Task
 from sat.config import SATConfig
 
 CHAMPION = "champion"  # the alias that serves a model name: the best version by validation metric
-WEIGHTS_TAG = "satp.weights_sha256"
 PIP_REQUIREMENTS = ["torch", "torch-geometric", "pydantic", "satp"]
 
 
@@ -125,19 +126,20 @@ def register_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], ta
 
     client = MlflowClient(tracking_uri=tracking_uri)
     sha = meta["weights_sha256"]
+    meta = {**meta, "run_id": run_id}  # what the registry records of the version, stated by its files too
     if registered_model:
         held = version_holding(client, registered_model, run_id, sha)
         if held is not None:
             return _held(held, registered_model, "already registered")
     try:
-        model_uri = log_weights(state, meta, run_id, tracking_uri)
+        model_uri, digests = log_weights(state, meta, run_id, tracking_uri)
     except OSError as exc:  # a full disk under the artifact store: say where (MLflow names its temporary copy)
         store = client.get_experiment(client.get_run(run_id).info.experiment_id).artifact_location
         raise OSError(f"{store}: could not write the model's files ({exc.strerror or exc}); nothing was "
                       "registered") from None
     result: dict[str, Any] = {"model_uri": model_uri, "registered_model": None, "version": None, "registered_uri": None}
     if registered_model:
-        tags = {**tags, WEIGHTS_TAG: sha}
+        tags = {**tags, WEIGHTS_TAG: sha, FILES_TAG: digests}
         version = mlflow.register_model(model_uri, registered_model, tags={k: str(v) for k, v in tags.items()})
         first = version_holding(client, registered_model, run_id, sha)
         if first is not None and int(first.version) < int(version.version):
@@ -162,9 +164,10 @@ def version_holding(client, name: str, run_id: str, weights_sha256: str):
     return min(holding, key=lambda v: int(v.version), default=None)
 
 
-def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id: str, tracking_uri: str) -> str:
+def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id: str,
+                tracking_uri: str) -> tuple[str, str]:
     """Log the two files as a pyfunc model built from code (:mod:`pipeline.registry.model_format`) into
-    run ``run_id``; returns its model URI."""
+    run ``run_id``; returns its model URI and the files' digests (:func:`pipeline.registry.record.files_tag`)."""
     import mlflow
     import mlflow.pyfunc
 
@@ -174,26 +177,11 @@ def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id:
         code = Path(tmp) / "satp_pyfunc.py"
         code.write_text(PYFUNC_CODE)
         artifacts = write_files(state, meta, Path(tmp))
+        digests = files_tag({Path(path).name: Path(path) for path in artifacts.values()})
         with mlflow.start_run(run_id=run_id):
             info = mlflow.pyfunc.log_model(name="model", python_model=str(code), artifacts=artifacts,
                                            pip_requirements=PIP_REQUIREMENTS)
-    return info.model_uri
-
-
-def check_model_uri(uri: str) -> None:
-    """``models:/NAME`` alone names no model: MLflow reads it as a version-less URI and answers
-    that the model does not exist. Say what to write instead (one line)."""
-    name = uri[len("models:/"):] if uri.startswith("models:/") else None
-    if name and "/" not in name and "@" not in name:
-        raise ValueError(f"{uri}: name a version or an alias: models:/{name}/<version> or models:/{name}@champion "
-                         "(satp models lists them)")
-
-
-def registered_name(uri: str) -> Optional[str]:
-    """NAME of ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS`` (None for other URIs)."""
-    if not uri.startswith("models:/"):
-        return None
-    return uri[len("models:/"):].split("@")[0].split("/")[0] or None
+    return info.model_uri, digests
 
 
 def download(uri: str, tracking_uri: Optional[str] = None) -> Path:
@@ -215,10 +203,11 @@ def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
     from its weights and JSON (:func:`pipeline.registry.model_format.read_model`: tensors only, no pickle).
 
     Raises ``ValueError`` with a one-line message when the model does not exist, was not logged
-    by :func:`log_and_register`, or is a format-1 (pickled) model.
+    by :func:`log_and_register`, is a format-1 (pickled) model, or (a registered version) serves
+    other files than the registry recorded for it (:mod:`pipeline.registry.record`).
     """
     check_model_uri(uri)
-
+    version = registered_version(uri, tracking_uri)
     local = download(uri, tracking_uri)
     if (local / LEGACY_META).is_file():
         raise ValueError(f"{uri}: a format-1 satp model (a pickled module, which satp no longer loads); "
@@ -226,7 +215,30 @@ def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
     files = local / "artifacts"  # where MLflow's pyfunc flavour puts a model's artifacts
     if not (files / META_FILE).is_file() or not (files / WEIGHTS_FILE).is_file():
         raise ValueError(f"{uri}: not a satp model (no artifacts/{META_FILE} and artifacts/{WEIGHTS_FILE})")
-    return read_model(files / WEIGHTS_FILE, files / META_FILE, uri)
+    loaded = read_model(files / WEIGHTS_FILE, files / META_FILE, uri)  # the files against each other
+    if version is not None:  # and against the registry's record of the version
+        problem = record_problem(version.tags or {}, loaded.info, files, str(version.version))
+        if problem:
+            raise ValueError(f"{uri}: {problem}; it is not served: re-register the version from its run's checkpoint")
+    return loaded
+
+
+def registered_version(uri: str, tracking_uri: Optional[str] = None):
+    """The registry's entry of ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS`` (None for other
+    URIs); a one-line ``ValueError`` when there is none."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    if registered_name(uri) is None:
+        return None
+    client = MlflowClient(tracking_uri=tracking_uri)
+    rest = uri[len("models:/"):]
+    try:
+        if "@" in rest:
+            return client.get_model_version_by_alias(*rest.split("@", 1))
+        return client.get_model_version(*rest.split("/", 1))
+    except MlflowException as exc:
+        raise ValueError(f"{uri}: {str(exc).splitlines()[0]}") from None
 
 
 def finite_float(v: Any) -> Optional[float]:

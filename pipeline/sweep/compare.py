@@ -40,11 +40,12 @@ from typing import Any, Optional
 
 from pipeline.registry import tracking
 from pipeline.config import JobConfig
+from pipeline.config.names import check_names
 from pipeline.console import plural
 from pipeline.sweep.mlflow_logging import SWEEP_KEY_TAG, TRIAL_TAG, SweepLogger, open_parent_run
 from pipeline.sweep.space import apply_config, resolve_paths, task_metric, validate_raw
 from pipeline.sweep.summary import saved_states, summarize
-from pipeline.sweep.trials import SweepContext, fit_trials, report_callback, trial_job, trial_trainable
+from pipeline.sweep.trials import SweepContext, fit_trials, hold_sweep, report_callback, trial_job, trial_trainable
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ def variant_jobs(job: JobConfig, raw: Optional[dict] = None) -> dict[str, JobCon
     :func:`base_dict`); a one-line error names a variant that gives an invalid job."""
     if job.compare is None:
         raise ValueError(f"job {job.name!r} has no compare: section")
+    check_names(job)  # compare.name is a folder: before anything is written under it
     raw = base_dict(job) if raw is None else raw
     seed = job.compare.seeds[0]
     return {name: validate_raw(apply_config(raw, {**overrides, SEED: seed}), f"compare.variants.{name}")
@@ -101,14 +103,18 @@ def param_space(job: JobConfig, raw: dict) -> dict[str, Any]:
 
 def _trial(config: dict[str, Any], ctx: SweepContext) -> None:
     """A Tune trial: one full Ray Train run of a variant with a seed."""
+    import time
+
     import ray.tune
 
+    started = time.time()  # the trial's start-up counts from here (its process may have started long before)
     from pipeline.train.driver import train_job
 
     trial_id = ray.tune.get_context().get_trial_id()
     overrides = {k: v for k, v in config.items() if k != VARIANT}
     job = trial_job(ctx, overrides, trial_id)
-    train_job(job, shard_dir=ctx.shard_dirs[config[VARIANT]], register=False, callbacks=[report_callback()])
+    train_job(job, shard_dir=ctx.shard_dirs[config[VARIANT]], register=False, callbacks=[report_callback()],
+              started_at=started)
 
 
 # ----------------------------------------------------------------------------- results
@@ -321,7 +327,7 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
 
     import preprocessing
     from pipeline.train.preflight import preflight
-    from pipeline.registry.predict import check_reachable
+    from pipeline.registry.addresses import check_reachable
     from pipeline.train.plan import resolve_job
     from pipeline.config.train import runs_dir
     from preprocessing.config import config_hash
@@ -341,111 +347,110 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     name = cmp.name or f"{job.name}-compare-{digest[:8]}"
     storage = Path(cmp.storage_path or runs_dir() / "tune").expanduser().resolve()
     sweep_dir = storage / name
-    check_digest(sweep_dir, digest, named=cmp.name is not None, record=False)  # before Ray; written after the checks
-    tracking_uri = job.mlflow.tracking_uri
-    check_reachable(tracking_uri)
+    with hold_sweep(sweep_dir, name, "satp compare", "compare.name"):  # one writer per comparison
+        check_digest(sweep_dir, digest, named=cmp.name is not None, record=False)  # before Ray; written after the checks
+        tracking_uri = job.mlflow.tracking_uri
+        check_reachable(tracking_uri)
 
-    workers = max(j.resources.max_workers * j.resources.cpus_per_worker for j in jobs.values())
-    preflight({f"compare.variants.{vname}": vjob for vname, vjob in jobs.items()}, address=address,
-              num_workers=max(j.resources.max_workers for j in jobs.values()), extra_cpus=cmp.trial_cpus,
-              ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
-    check_digest(sweep_dir, digest, named=cmp.name is not None)
+        workers = max(j.resources.max_workers * j.resources.cpus_per_worker for j in jobs.values())
+        preflight({f"compare.variants.{vname}": vjob for vname, vjob in jobs.items()}, address=address,
+                  num_workers=max(j.resources.max_workers for j in jobs.values()), extra_cpus=cmp.trial_cpus,
+                  ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+        check_digest(sweep_dir, digest, named=cmp.name is not None)
 
-    # every distinct preprocessing once, here; then each variant's model size
-    built: dict[str, str] = {}
-    shard_dirs: dict[str, str] = {}
-    for vname, v in variant_jobs(job, base).items():  # paths resolved
-        key = config_hash(v.data, v.transform, v.shards) + str(Path(v.shards.root))
-        if key not in built:
-            built[key] = str(Path(preprocessing.preprocess(v.data, v.transform, v.shards, address=address)).resolve())
-            log.info("shards for %s: %s", vname, built[key])
-        shard_dirs[vname] = built[key]
-    parameters = {vname: count_parameters(vjob, shard_dirs[vname]) for vname, vjob in jobs.items()}
+        # every distinct preprocessing once, here; then each variant's model size
+        built: dict[str, str] = {}
+        shard_dirs: dict[str, str] = {}
+        for vname, v in variant_jobs(job, base).items():  # paths resolved
+            key = config_hash(v.data, v.transform, v.shards) + str(Path(v.shards.root))
+            if key not in built:
+                built[key] = str(Path(preprocessing.preprocess(v.data, v.transform, v.shards, address=address)).resolve())
+                log.info("shards for %s: %s", vname, built[key])
+            shard_dirs[vname] = built[key]
+        parameters = {vname: count_parameters(vjob, shard_dirs[vname]) for vname, vjob in jobs.items()}
 
-    ctx = SweepContext(name=name, base=base, shard_dirs=shard_dirs, data_keys=[], train_storage=str(sweep_dir / "train"),
-                       max_epochs=job.train.epochs)
+        ctx = SweepContext(name=name, base=base, shard_dirs=shard_dirs, data_keys=[], train_storage=str(sweep_dir / "train"),
+                           max_epochs=job.train.epochs)
 
-    # MLflow: experiment and parent run before any trial starts (one writer: this process)
-    client = tracking.client(tracking_uri)
-    exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)
-    sweep_key = str(sweep_dir)
-    parent_id = open_parent_run(client, exp_id, sweep_key, KIND, name, {**base, "compare": cmp.model_dump(mode="json")},
-                                tags={DIGEST_TAG: digest})
+        # MLflow: experiment and parent run before any trial starts (one writer: this process)
+        client = tracking.client(tracking_uri)
+        exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)
+        sweep_key = str(sweep_dir)
+        parent_id = open_parent_run(client, exp_id, sweep_key, KIND, name, {**base, "compare": cmp.model_dump(mode="json")},
+                                    tags={DIGEST_TAG: digest})
 
-    cluster = ray.cluster_resources()
-    need = workers + cmp.trial_cpus
-    cap = max(1, int(cluster.get("CPU", 0) // need)) if need > 0 else 1
-    concurrent = min(cap, cmp.max_concurrent_trials or cap)
-    trials_total = len(cmp.variants) * len(cmp.seeds)
-    log.info("comparison %s: %s x %s = %s of %s, at most %d at once", name, plural(len(cmp.variants), "variant"),
-             plural(len(cmp.seeds), "seed"), plural(trials_total, "trial"), plural(job.train.epochs, "epoch"), concurrent)
+        cluster = ray.cluster_resources()
+        need = workers + cmp.trial_cpus
+        cap = max(1, int(cluster.get("CPU", 0) // need)) if need > 0 else 1
+        concurrent = min(cap, cmp.max_concurrent_trials or cap)
+        trials_total = len(cmp.variants) * len(cmp.seeds)
+        log.info("comparison %s: %s x %s = %s of %s, at most %d at once", name, plural(len(cmp.variants), "variant"),
+                 plural(len(cmp.seeds), "seed"), plural(trials_total, "trial"), plural(job.train.epochs, "epoch"), concurrent)
 
-    trainable = trial_trainable(_trial, ctx, cmp.trial_cpus)
-    metric = f"val_{m}"
+        trainable = trial_trainable(_trial, ctx, cmp.trial_cpus)
+        metric = f"val_{m}"
 
-    def new_tuner():
-        return tune.Tuner(
-            trainable,
-            param_space=param_space(job, base),
-            tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=1,
-                                        search_alg=BasicVariantGenerator(max_concurrent=concurrent)),
-            run_config=tune.RunConfig(
-                name=name, storage_path=str(storage),
-                failure_config=tune.FailureConfig(max_failures=cmp.max_failures),
-                callbacks=[SweepLogger(tracking_uri, exp_id, parent_id, sweep_key, ctx, job.train.epochs)],
-                verbose=verbose,
-            ),
-        )
+        def new_tuner():
+            return tune.Tuner(
+                trainable,
+                param_space=param_space(job, base),
+                tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=1,
+                                            search_alg=BasicVariantGenerator(max_concurrent=concurrent)),
+                run_config=tune.RunConfig(
+                    name=name, storage_path=str(storage),
+                    failure_config=tune.FailureConfig(max_failures=cmp.max_failures),
+                    callbacks=[SweepLogger(tracking_uri, exp_id, parent_id, sweep_key, ctx, job.train.epochs)],
+                    verbose=verbose,
+                ),
+            )
 
-    results, resumed = fit_trials(sweep_dir, trainable, new_tuner, client, parent_id)
+        results, resumed = fit_trials(sweep_dir, trainable, new_tuner, client, parent_id)
 
-    summaries = summarize(results, metric, mode, metric, job.train.epochs, saved_states(sweep_dir))
-    trials = trial_results(results, summaries, m)
-    for t in trials:
-        found = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, TRIAL_TAG: t.trial_id})
-        if found is not None:
-            t.run_id = found.info.run_id
-            client.set_tag(t.run_id, "mlflow.runName", f"{t.variant}-seed{t.seed}")
-            client.set_tag(t.run_id, "satp.variant", t.variant)
-    outcome = CompareOutcome(name=name, path=str(sweep_dir), metric=m, epochs=job.train.epochs,
-                             variants=summarize_variants(job, trials, parameters), trials=trials,
-                             parent_run_id=parent_id, tracking_uri=tracking_uri, resumed=resumed,
-                             seconds=time.time() - start,
-                             interrupted=any(t.status == "interrupted" for t in trials))
+        summaries = summarize(results, metric, mode, metric, job.train.epochs, saved_states(sweep_dir))
+        trials = trial_results(results, summaries, m)
+        for t in trials:
+            found = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, TRIAL_TAG: t.trial_id})
+            if found is not None:
+                t.run_id = found.info.run_id
+                client.set_tag(t.run_id, "mlflow.runName", f"{t.variant}-seed{t.seed}")
+                client.set_tag(t.run_id, "satp.variant", t.variant)
+        outcome = CompareOutcome(name=name, path=str(sweep_dir), metric=m, epochs=job.train.epochs,
+                                 variants=summarize_variants(job, trials, parameters), trials=trials,
+                                 parent_run_id=parent_id, tracking_uri=tracking_uri, resumed=resumed,
+                                 seconds=time.time() - start,
+                                 interrupted=any(t.status == "interrupted" for t in trials))
 
-    from mlflow.entities import Metric
+        from mlflow.entities import Metric
 
-    now = int(time.time() * 1000)
-    values: dict[str, float] = {}
-    for v in outcome.variants:
-        for split, (mean, std) in (("test", v.test_mean_std), ("val", v.val_mean_std)):
-            values[f"{v.name}.{split}_{m}_mean"] = mean
-            values[f"{v.name}.{split}_{m}_std"] = std
-    client.log_batch(parent_id, metrics=[Metric(k, float(v), now, 0) for k, v in values.items() if math.isfinite(v)])
-    table = format_table(outcome)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "compare.md").write_text(f"# {name}\n\n{table}\n")
-        client.log_artifact(parent_id, str(Path(tmp) / "compare.md"))
-        png = Path(tmp) / "compare.png"
-        plot_compare(outcome, png)
-        client.log_artifact(parent_id, str(png), artifact_path="plots")
-        rows = [dataclasses.asdict(t) for t in trials]
-        (Path(tmp) / "trials.json").write_text(json.dumps(rows, indent=1, default=str))
-        client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
-    if outcome.interrupted:
-        client.set_tag(parent_id, "satp.interrupted", "true")
-        client.set_terminated(parent_id, status="KILLED")
-    else:
-        failed = all(t.status != "finished" for t in trials)
-        client.set_terminated(parent_id, status="FAILED" if failed else "FINISHED")
-    return outcome
+        now = int(time.time() * 1000)
+        values: dict[str, float] = {}
+        for v in outcome.variants:
+            for split, (mean, std) in (("test", v.test_mean_std), ("val", v.val_mean_std)):
+                values[f"{v.name}.{split}_{m}_mean"] = mean
+                values[f"{v.name}.{split}_{m}_std"] = std
+        client.log_batch(parent_id, metrics=[Metric(k, float(v), now, 0) for k, v in values.items() if math.isfinite(v)])
+        table = format_table(outcome)
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "compare.md").write_text(f"# {name}\n\n{table}\n")
+            client.log_artifact(parent_id, str(Path(tmp) / "compare.md"))
+            png = Path(tmp) / "compare.png"
+            plot_compare(outcome, png)
+            client.log_artifact(parent_id, str(png), artifact_path="plots")
+            rows = [dataclasses.asdict(t) for t in trials]
+            (Path(tmp) / "trials.json").write_text(json.dumps(rows, indent=1, default=str))
+            client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
+        if outcome.interrupted:
+            client.set_tag(parent_id, "satp.interrupted", "true")
+            client.set_terminated(parent_id, status="KILLED")
+        else:
+            failed = all(t.status != "finished" for t in trials)
+            client.set_terminated(parent_id, status="FAILED" if failed else "FINISHED")
+        return outcome
 
 
 def format_outcome(outcome: CompareOutcome) -> str:
     lines = [f"comparison {outcome.name}{' (resumed)' if outcome.resumed else ''}: "
              f"{plural(len(outcome.variants), 'variant')}, {plural(len(outcome.trials), 'trial')}, "
              f"{outcome.seconds:.0f} s", "", format_table(outcome), ""]
-    if outcome.interrupted:
-        lines.append(f"interrupted: rerun the same command to resume the comparison ({outcome.path})")
     lines.append(f"MLflow parent run {outcome.parent_run_id} ({outcome.tracking_uri}): compare.md, plots/compare.png")
     return "\n".join(lines)

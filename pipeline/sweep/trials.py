@@ -1,13 +1,14 @@
 """The trials of a sweep on the cluster: what each one needs (:class:`SweepContext`), its job, the
-Tune trainable, fitting or resuming the ``Tuner``, and releasing the placement groups of stopped
-trials (Ray keeps them until the job ends)."""
+Tune trainable, the sweep's one writer (:func:`hold_sweep`), fitting or resuming the ``Tuner``, and
+releasing the placement groups of stopped trials (Ray keeps them until the job ends)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from pipeline.config import JobConfig
 from pipeline.sweep.space import apply_config, validate_raw
@@ -63,6 +64,34 @@ def trial_trainable(trial_fn, ctx: SweepContext, trial_cpus: float):
 
     resources = {"cpu": trial_cpus} if trial_cpus > 0 else {"cpu": 0, "memory": 2**20}
     return tune.with_resources(tune.with_parameters(trial_fn, ctx=ctx), resources)
+
+
+@contextlib.contextmanager
+def hold_sweep(sweep_dir: Path, name: str, command: str, key: str) -> Iterator[None]:
+    """Hold the sweep's lease while the block runs: one writer per sweep folder, as per run
+    (:class:`pipeline.train.lease.RunLease`, ``<sweep_dir>/satp-lease.json``). Two sweeps of one
+    name would share Tune's state and the trials' runs, and take each other's trial leases; the
+    second is refused at once, in one line naming the holder (``key``: the job key to change), and
+    a sweep whose holder died is taken over with one warning line. The folders the lease created
+    are removed again if the sweep wrote nothing into them (its pre-flight failed)."""
+    from pipeline.train.lease import RunLease
+    from runtime.interrupts import deferred
+
+    created, node = [], Path(sweep_dir).absolute()
+    while not node.exists() and node != node.parent:
+        created.append(node)
+        node = node.parent
+    lease = RunLease(sweep_dir, name, command=command, kind="sweep", key=key).acquire()
+    try:
+        yield
+    finally:
+        with deferred():
+            lease.release()
+            for folder in created:  # deepest first; one that holds anything stays
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
 
 
 class _NoRestoreHint(logging.Filter):

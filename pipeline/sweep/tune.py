@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.config import JobConfig
+from pipeline.config.names import check_names
 from pipeline.config.tune import TuneConfig, split_key
 from pipeline.console import plural
 from pipeline.registry import tracking
@@ -46,21 +47,25 @@ from pipeline.sweep.mlflow_logging import (SWEEP_KEY_TAG, TRIAL_TAG, SweepLogger
 from pipeline.sweep.registration import REGISTERED_TAG, register_best
 from pipeline.sweep.space import apply_config, base_job_dict, data_variants, resolve_paths, space_jobs, task_metric, variant_key
 from pipeline.sweep.summary import SweepOutcome, plot_sweep, saved_states, summarize
-from pipeline.sweep.trials import TIME_ATTR, SweepContext, fit_trials, report_callback, trial_job, trial_trainable
+from pipeline.sweep.trials import (TIME_ATTR, SweepContext, fit_trials, hold_sweep, report_callback, trial_job,
+                                   trial_trainable)
 
 log = logging.getLogger(__name__)
 
 
 def _trial(config: dict[str, Any], ctx: SweepContext) -> None:
     """A Tune trial: one full Ray Train run of the job with ``config`` applied."""
+    import time
+
     import ray.tune
 
+    started = time.time()  # the trial's start-up counts from here (its process may have started long before)
     from pipeline.train.driver import train_job
 
     trial_id = ray.tune.get_context().get_trial_id()
     job = trial_job(ctx, config, trial_id)
     shard_dir = ctx.shard_dirs[variant_key(config, ctx.data_keys)]
-    train_job(job, shard_dir=shard_dir, register=False, callbacks=[report_callback()])
+    train_job(job, shard_dir=shard_dir, register=False, callbacks=[report_callback()], started_at=started)
 
 
 def concurrency_cap(job: JobConfig, tune_cfg: TuneConfig, cluster: dict[str, float]) -> int:
@@ -96,6 +101,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     start = time.time()
     if job.tune is None:
         raise ValueError(f"job {job.name!r} has no tune: section")
+    check_names(job)  # tune.name is a folder: before anything is written under it
     tune_cfg = job.tune
     task_name, m, task_mode = task_metric(job)
     metric = tune_cfg.metric or f"val_{m}"
@@ -114,144 +120,145 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     name = tune_cfg.name or f"{job.name}-sweep"
     storage = Path(tune_cfg.storage_path or runs_dir() / "tune").expanduser().resolve()
     sweep_dir = storage / name
-    tracking_uri = job.mlflow.tracking_uri
-    from pipeline.registry.predict import check_reachable
+    with hold_sweep(sweep_dir, name, "satp tune", "tune.name"):  # one writer per sweep, like a run
+        tracking_uri = job.mlflow.tracking_uri
+        from pipeline.registry.addresses import check_reachable
 
-    check_reachable(tracking_uri)  # fail fast, before any preprocessing or trial
-    cwd = Path.cwd()
-    base = resolve_paths(base_job_dict(job), cwd)
-    base["mlflow"]["enabled"] = False
+        check_reachable(tracking_uri)  # fail fast, before any preprocessing or trial
+        cwd = Path.cwd()
+        base = resolve_paths(base_job_dict(job), cwd)
+        base["mlflow"]["enabled"] = False
 
-    # the pre-flight of satp train, for every variant of the space: config, data roots, the Ray
-    # address (connected here), the cluster against one trial's request (its largest worker count)
-    from pipeline.train.preflight import preflight
+        # the pre-flight of satp train, for every variant of the space: config, data roots, the Ray
+        # address (connected here), the cluster against one trial's request (its largest worker count)
+        from pipeline.train.preflight import preflight
 
-    preflight(space, address=address, num_workers=max_workers(job, tune_cfg), extra_cpus=tune_cfg.trial_cpus,
-              ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+        preflight(space, address=address, num_workers=max_workers(job, tune_cfg), extra_cpus=tune_cfg.trial_cpus,
+                  ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
 
-    # preprocessing variants, built once here
-    import preprocessing
-    from preprocessing.config import DataConfig, ShardConfig, TransformConfig
+        # preprocessing variants, built once here
+        import preprocessing
+        from preprocessing.config import DataConfig, ShardConfig, TransformConfig
 
-    variants = data_variants(job)
-    data_keys = sorted(variants[0]) if variants else []
-    shard_dirs: dict[str, str] = {}
-    for variant in variants:
-        raw = apply_config(base, variant)
-        out = preprocessing.preprocess(DataConfig.model_validate(raw["data"]), TransformConfig.model_validate(raw["transform"]),
-                                       ShardConfig.model_validate(raw["shards"]), address=address)
-        shard_dirs[variant_key(variant, data_keys)] = str(Path(out).resolve())
-        log.info("shards for %s: %s", variant or "the job", out)
+        variants = data_variants(job)
+        data_keys = sorted(variants[0]) if variants else []
+        shard_dirs: dict[str, str] = {}
+        for variant in variants:
+            raw = apply_config(base, variant)
+            out = preprocessing.preprocess(DataConfig.model_validate(raw["data"]), TransformConfig.model_validate(raw["transform"]),
+                                           ShardConfig.model_validate(raw["shards"]), address=address)
+            shard_dirs[variant_key(variant, data_keys)] = str(Path(out).resolve())
+            log.info("shards for %s: %s", variant or "the job", out)
 
-    ctx = SweepContext(name=name, base=base, shard_dirs=shard_dirs, data_keys=data_keys,
-                       train_storage=str(sweep_dir / "train"), max_epochs=max_epochs)
+        ctx = SweepContext(name=name, base=base, shard_dirs=shard_dirs, data_keys=data_keys,
+                           train_storage=str(sweep_dir / "train"), max_epochs=max_epochs)
 
-    # MLflow: experiment and parent run before any trial starts (one writer: this process)
-    client = tracking.client(tracking_uri)
-    exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)
-    sweep_key = str(sweep_dir)
-    parent_id = open_parent_run(client, exp_id, sweep_key, "sweep", name, {**base, "tune": job.tune.model_dump(mode="json")})
+        # MLflow: experiment and parent run before any trial starts (one writer: this process)
+        client = tracking.client(tracking_uri)
+        exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)
+        sweep_key = str(sweep_dir)
+        parent_id = open_parent_run(client, exp_id, sweep_key, "sweep", name, {**base, "tune": job.tune.model_dump(mode="json")})
 
-    cluster = ray.cluster_resources()
-    cap = concurrency_cap(job, tune_cfg, cluster)
-    concurrent = min(cap, tune_cfg.max_concurrent_trials or cap)
-    log.info("sweep %s: %d samples, at most %d trials at once (cluster %s)", name, tune_cfg.num_samples,
-             concurrent, {k: cluster.get(k) for k in ("CPU", "GPU") if k in cluster})
+        cluster = ray.cluster_resources()
+        cap = concurrency_cap(job, tune_cfg, cluster)
+        concurrent = min(cap, tune_cfg.max_concurrent_trials or cap)
+        log.info("sweep %s: %d samples, at most %d trials at once (cluster %s)", name, tune_cfg.num_samples,
+                 concurrent, {k: cluster.get(k) for k in ("CPU", "GPU") if k in cluster})
 
-    trainable = trial_trainable(_trial, ctx, tune_cfg.trial_cpus)
+        trainable = trial_trainable(_trial, ctx, tune_cfg.trial_cpus)
 
-    def new_tuner():
-        param_space = {key: dist.to_tune() for key, dist in tune_cfg.space.items()}
-        scheduler = ASHAScheduler(time_attr=TIME_ATTR, max_t=max_epochs, grace_period=tune_cfg.asha.grace_period,
-                                  reduction_factor=tune_cfg.asha.reduction_factor, brackets=tune_cfg.asha.brackets)
-        return tune.Tuner(
-            trainable,
-            param_space=param_space,
-            tune_config=tune.TuneConfig(
-                metric=metric, mode=mode, scheduler=scheduler, num_samples=tune_cfg.num_samples,
-                # the searcher caps concurrency (Tune ignores max_concurrent_trials with a generator)
-                search_alg=BasicVariantGenerator(random_state=tune_cfg.seed, max_concurrent=concurrent),
-            ),
-            run_config=tune.RunConfig(
-                name=name, storage_path=str(storage),
-                failure_config=tune.FailureConfig(max_failures=tune_cfg.max_failures),
-                callbacks=[SweepLogger(tracking_uri, exp_id, parent_id, sweep_key, ctx, max_epochs)],
-                verbose=verbose,
-            ),
-        )
+        def new_tuner():
+            param_space = {key: dist.to_tune() for key, dist in tune_cfg.space.items()}
+            scheduler = ASHAScheduler(time_attr=TIME_ATTR, max_t=max_epochs, grace_period=tune_cfg.asha.grace_period,
+                                      reduction_factor=tune_cfg.asha.reduction_factor, brackets=tune_cfg.asha.brackets)
+            return tune.Tuner(
+                trainable,
+                param_space=param_space,
+                tune_config=tune.TuneConfig(
+                    metric=metric, mode=mode, scheduler=scheduler, num_samples=tune_cfg.num_samples,
+                    # the searcher caps concurrency (Tune ignores max_concurrent_trials with a generator)
+                    search_alg=BasicVariantGenerator(random_state=tune_cfg.seed, max_concurrent=concurrent),
+                ),
+                run_config=tune.RunConfig(
+                    name=name, storage_path=str(storage),
+                    failure_config=tune.FailureConfig(max_failures=tune_cfg.max_failures),
+                    callbacks=[SweepLogger(tracking_uri, exp_id, parent_id, sweep_key, ctx, max_epochs)],
+                    verbose=verbose,
+                ),
+            )
 
-    results, resumed = fit_trials(sweep_dir, trainable, new_tuner, client, parent_id)
+        results, resumed = fit_trials(sweep_dir, trainable, new_tuner, client, parent_id)
 
-    trials = summarize(results, metric, mode, val_metric, max_epochs, saved_states(sweep_dir))
-    for t in trials:
-        found = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, TRIAL_TAG: t.trial_id})
-        t.run_id = found.info.run_id if found is not None else None
-        t.config = {**t.config, "__shard_dir__": shard_dirs[variant_key(t.config, data_keys)],
-                    "__job__": trial_job(ctx, {k: v for k, v in t.config.items() if not k.startswith("__")},
-                                         t.trial_id).model_dump(mode="json")}
-    for t in trials:
-        if t.run_id and t.checkpoint_path:
-            catch_up_metrics(client, t.run_id, t.checkpoint_path)
-    if any(t.status == "interrupted" for t in trials):
-        client.set_tag(parent_id, "satp.interrupted", "true")
-        client.set_terminated(parent_id, status="KILLED")
-        return SweepOutcome(name=name, path=str(sweep_dir), metric=metric, mode=mode, trials=trials, best=None,
-                            parent_run_id=parent_id, tracking_uri=tracking_uri, registered=None, resumed=resumed,
-                            seconds=time.time() - start, interrupted=True)
-    ok = [t for t in trials if t.status != "error" and t.best is not None]
-    best = None
-    for t in ok:
-        if best is None or better(t.best, best.best, mode):
-            best = t
+        trials = summarize(results, metric, mode, val_metric, max_epochs, saved_states(sweep_dir))
+        for t in trials:
+            found = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, TRIAL_TAG: t.trial_id})
+            t.run_id = found.info.run_id if found is not None else None
+            t.config = {**t.config, "__shard_dir__": shard_dirs[variant_key(t.config, data_keys)],
+                        "__job__": trial_job(ctx, {k: v for k, v in t.config.items() if not k.startswith("__")},
+                                             t.trial_id).model_dump(mode="json")}
+        for t in trials:
+            if t.run_id and t.checkpoint_path:
+                catch_up_metrics(client, t.run_id, t.checkpoint_path)
+        if any(t.status == "interrupted" for t in trials):
+            client.set_tag(parent_id, "satp.interrupted", "true")
+            client.set_terminated(parent_id, status="KILLED")
+            return SweepOutcome(name=name, path=str(sweep_dir), metric=metric, mode=mode, trials=trials, best=None,
+                                parent_run_id=parent_id, tracking_uri=tracking_uri, registered=None, resumed=resumed,
+                                seconds=time.time() - start, interrupted=True)
+        ok = [t for t in trials if t.status != "error" and t.best is not None]
+        best = None
+        for t in ok:
+            if best is None or better(t.best, best.best, mode):
+                best = t
 
-    with tempfile.TemporaryDirectory() as tmp:
-        png = Path(tmp) / "sweep_val_curves.png"
-        plot_sweep(trials, val_metric, png, title=f"{name}: {val_metric} per trial ({plural(len(trials), 'trial')})")
-        client.log_artifact(parent_id, str(png), artifact_path="plots")
-        table = [{k: v for k, v in dataclasses.asdict(t).items() if k not in ("curve",)} | {
-            "config": {k: v for k, v in t.config.items() if not k.startswith("__")}} for t in trials]
-        (Path(tmp) / "trials.json").write_text(json.dumps(table, indent=1, default=str))
-        client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
+        with tempfile.TemporaryDirectory() as tmp:
+            png = Path(tmp) / "sweep_val_curves.png"
+            plot_sweep(trials, val_metric, png, title=f"{name}: {val_metric} per trial ({plural(len(trials), 'trial')})")
+            client.log_artifact(parent_id, str(png), artifact_path="plots")
+            table = [{k: v for k, v in dataclasses.asdict(t).items() if k not in ("curve",)} | {
+                "config": {k: v for k, v in t.config.items() if not k.startswith("__")}} for t in trials]
+            (Path(tmp) / "trials.json").write_text(json.dumps(table, indent=1, default=str))
+            client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
 
-    summary = {"trials": len(trials), "trials_early_stopped": sum(t.status == "early_stopped" for t in trials),
-               "trials_failed": sum(t.status == "error" for t in trials)}
-    if best is not None:
-        summary[f"best_{metric}"] = best.best
-        if best.best_val is not None:
-            summary[f"best_val_{m}"] = best.best_val
-        if best.best_test is not None:
-            summary[f"best_test_{m}"] = best.best_test
-    from mlflow.entities import Metric
+        summary = {"trials": len(trials), "trials_early_stopped": sum(t.status == "early_stopped" for t in trials),
+                   "trials_failed": sum(t.status == "error" for t in trials)}
+        if best is not None:
+            summary[f"best_{metric}"] = best.best
+            if best.best_val is not None:
+                summary[f"best_val_{m}"] = best.best_val
+            if best.best_test is not None:
+                summary[f"best_test_{m}"] = best.best_test
+        from mlflow.entities import Metric
 
-    now = int(time.time() * 1000)
-    client.log_batch(parent_id, metrics=[Metric(k, float(v), now, 0) for k, v in summary.items()])
+        now = int(time.time() * 1000)
+        client.log_batch(parent_id, metrics=[Metric(k, float(v), now, 0) for k, v in summary.items()])
 
-    registered = None
-    if best is None:
-        client.set_terminated(parent_id, status="FAILED")
-        errors = [str(r.error).strip().splitlines() for r in results if r.error is not None]
-        first = next((e[-1] for e in errors if e), "")
-        raise ValueError(f"sweep {name}: no trial reported {metric}" + (f" (last line of the first error: {first})" if first else ""))
-    client.set_tag(parent_id, "satp.best_trial", best.trial_id)
-    if best.run_id:
-        client.set_tag(parent_id, "satp.best_run_id", best.run_id)
-    if tune_cfg.register_best:
-        done = client.get_run(parent_id).data.tags.get(REGISTERED_TAG)
-        name_reg = job.mlflow.registered_model or f"sat-{task_name}"
-        if done and done.split("/")[0] == best.trial_id:  # a rerun of a finished sweep: registered already
-            version = int(done.split("/")[1])
-            registered = {"registered_model": name_reg, "version": version,
-                          "registered_uri": f"models:/{name_reg}/{version}", "champion": None,
-                          "reason": "registered by an earlier run of this sweep"}
-        else:
-            registered = register_best(job, best, task_metric_name=m, mode=task_mode, tracking_uri=tracking_uri,
-                                       alias=tune_cfg.champion_alias, sweep_name=name, parent_run_id=parent_id)
-            client.set_tag(parent_id, REGISTERED_TAG, f"{best.trial_id}/{registered['version']}")
-            client.set_tag(parent_id, "satp.registered_uri", registered["registered_uri"])
-    client.set_terminated(parent_id, status="FINISHED")
-    return SweepOutcome(name=name, path=str(sweep_dir), metric=metric, mode=mode, trials=trials, best=best,
-                        parent_run_id=parent_id, tracking_uri=tracking_uri, registered=registered, resumed=resumed,
-                        seconds=time.time() - start)
+        registered = None
+        if best is None:
+            client.set_terminated(parent_id, status="FAILED")
+            errors = [str(r.error).strip().splitlines() for r in results if r.error is not None]
+            first = next((e[-1] for e in errors if e), "")
+            raise ValueError(f"sweep {name}: no trial reported {metric}" + (f" (last line of the first error: {first})" if first else ""))
+        client.set_tag(parent_id, "satp.best_trial", best.trial_id)
+        if best.run_id:
+            client.set_tag(parent_id, "satp.best_run_id", best.run_id)
+        if tune_cfg.register_best:
+            done = client.get_run(parent_id).data.tags.get(REGISTERED_TAG)
+            name_reg = job.mlflow.registered_model or f"sat-{task_name}"
+            if done and done.split("/")[0] == best.trial_id:  # a rerun of a finished sweep: registered already
+                version = int(done.split("/")[1])
+                registered = {"registered_model": name_reg, "version": version,
+                              "registered_uri": f"models:/{name_reg}/{version}", "champion": None,
+                              "reason": "registered by an earlier run of this sweep"}
+            else:
+                registered = register_best(job, best, task_metric_name=m, mode=task_mode, tracking_uri=tracking_uri,
+                                           alias=tune_cfg.champion_alias, sweep_name=name, parent_run_id=parent_id)
+                client.set_tag(parent_id, REGISTERED_TAG, f"{best.trial_id}/{registered['version']}")
+                client.set_tag(parent_id, "satp.registered_uri", registered["registered_uri"])
+        client.set_terminated(parent_id, status="FINISHED")
+        return SweepOutcome(name=name, path=str(sweep_dir), metric=metric, mode=mode, trials=trials, best=best,
+                            parent_run_id=parent_id, tracking_uri=tracking_uri, registered=registered, resumed=resumed,
+                            seconds=time.time() - start)
 
 
 def format_outcome(outcome: SweepOutcome) -> str:
@@ -261,8 +268,6 @@ def format_outcome(outcome: SweepOutcome) -> str:
         shown = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in t.config.items() if not k.startswith("__")}
         best = "-" if t.best is None else f"{t.best:.4f}"
         lines.append(f"  {t.trial_id:<14} {t.status:<14} epochs {t.epochs:<3} best {outcome.metric} {best}  {shown}")
-    if outcome.interrupted:
-        lines.append(f"interrupted: rerun the same command to resume the sweep ({outcome.path})")
     if outcome.best is not None:
         lines.append(f"best trial {outcome.best.trial_id}: {outcome.metric} {outcome.best.best:.4f}")
     reg = outcome.registered

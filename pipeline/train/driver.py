@@ -100,6 +100,7 @@ def train_job(
     callbacks: Optional[list] = None,
     fault: Optional[dict] = None,
     restart: bool = False,
+    started_at: Optional[float] = None,
 ) -> TrainOutcome:
     """Train ``job`` on Ray Train (+ DeepSpeed) and register the best model; return the outcome.
 
@@ -117,6 +118,8 @@ def train_job(
             ``$SATP_TEST_FAULT``, for tests that run the ``satp`` command).
         restart: start the run name over when it holds a checkpoint of another configuration
             (or of this one): its checkpoints are deleted, its MLflow run is detached from it.
+        started_at: wall-clock time the run's start-up counts from (default: when this process
+            started; a sweep's trial, which runs in a process started earlier, gives its own start).
 
     A rerun with the same ``train.run_name`` and ``train.storage_path`` resumes from the
     last checkpoint and logs into the same MLflow run, if the configuration is the same
@@ -125,11 +128,12 @@ def train_job(
     from pipeline.train.lease import WAIT_S
 
     return train_plan(JobPlan.resolve(job, address=address, restart=restart), shard_dir=shard_dir, register=register,
-                      callbacks=callbacks, fault=fault, lease_wait_s=WAIT_S)
+                      callbacks=callbacks, fault=fault, lease_wait_s=WAIT_S, started_at=started_at)
 
 
 def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, register: bool = True,
-               callbacks: Optional[list] = None, fault: Optional[dict] = None, lease_wait_s: float = 0.0) -> TrainOutcome:
+               callbacks: Optional[list] = None, fault: Optional[dict] = None, lease_wait_s: float = 0.0,
+               started_at: Optional[float] = None) -> TrainOutcome:
     """:func:`train_job` of a job resolved into ``plan`` (``satp train`` builds it at the edge), under
     the run's lease (:mod:`pipeline.train.lease`): another command holding it is an error (a
     one-line :class:`~pipeline.train.lease.LeaseHeld`) unless it expires within ``lease_wait_s``."""
@@ -138,20 +142,22 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
 
     lease = RunLease(plan.run_dir, plan.job.train.run_name).acquire(lease_wait_s)
     try:
-        return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault)
+        return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault,
+                                  started_at=started_at)
     finally:
         with deferred():
             lease.release()
 
 
 def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], register: bool, callbacks: Optional[list],
-                       fault: Optional[dict]) -> TrainOutcome:
+                       fault: Optional[dict], started_at: Optional[float]) -> TrainOutcome:
     from pipeline import pyg_templates
     from pipeline.registry.versions import git_commit
     from pipeline.train.preflight import connect_and_check, early_checks
 
     pyg_templates.install()
-    marks = {"command": startup.process_started(), "plan": startup.now()}  # start-up events (pipeline.train.startup)
+    # start-up events (pipeline.train.startup)
+    marks = {"command": started_at or startup.process_started(), "plan": startup.now()}
     job, train = plan.job, plan.job.train
     if not plan.early_checked:
         early_checks([job], address=plan.address, task=False)  # the task was resolved with the plan
@@ -168,6 +174,8 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
     connect_and_check([job], address=plan.address)
     marks["ray"] = startup.now()
     setup = plan.attach_shards(Path(shard_dir) if shard_dir is not None else prepare_data(job, plan.address))
+    setup.damaged = rerun.named_damage()  # said once here: the workers do not say it again
+    _say_padding_cost(plan)
     marks["shards"] = startup.now()
     setup.startup = marks
     setup.fault = fault if fault is not None else _fault_from_environment()
@@ -212,11 +220,21 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
                 mlflow_run.close_failed(plan, previous_status, exc)
         raise
     if job.mlflow.enabled and setup.run_id:
-        from pipeline.registry.tracking import close_run
-
-        mlflow_run.tag_stopping(plan, state)
-        close_run(job.mlflow.tracking_uri, setup.run_id, "FINISHED")
+        mlflow_run.close_finished(plan, state)
     return _outcome(plan, state, checkpoint_path, registered, result=result)
+
+
+def _say_padding_cost(plan: JobPlan) -> None:
+    """One warning line when ``train.step`` pads batches for CPU workers at a cost (:mod:`pipeline.train.step_cost`)."""
+    import sys
+
+    from pipeline.train.loader import open_split
+    from pipeline.train.step_cost import padding_cost
+    from sat.config import SATConfig
+
+    line = padding_cost(plan.job, SATConfig.from_dict(plan.setup.model_config), open_split(plan.setup.shard_dir, "train"))
+    if line:
+        print(f"satp: warning: {line}", file=sys.stderr, flush=True)
 
 
 def _outcome(plan: JobPlan, state: dict, checkpoint_path: str, registered: Optional[dict], **extra) -> TrainOutcome:
@@ -298,14 +316,10 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
     resources = {"CPU": res.cpus_per_worker}
     if res.use_gpu:
         resources["GPU"] = res.gpus_per_worker
-    env_vars = {
-        "OUTDATED_IGNORE": "1",
-        "DS_ACCELERATOR": "cuda" if res.use_gpu else "cpu",
-        "OMP_NUM_THREADS": str(res.torch_threads or max(1, int(res.cpus_per_worker))),
-    }
+    setup.process_env = {"OMP_NUM_THREADS": str(res.torch_threads or max(1, int(res.cpus_per_worker)))}
     for key in ("RAY_COLOR_PREFIX", "TQDM_DISABLE"):  # what this command's console asks for
         if os.environ.get(key):
-            env_vars[key] = os.environ[key]
+            setup.process_env[key] = os.environ[key]
     callbacks = list(callbacks or [])
     if job.mlflow.enabled and setup.run_id:
         from pipeline.train.epoch_logger import RegisteredEpochLogger
@@ -328,7 +342,7 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
             failure_config=FailureConfig(max_failures=train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=train.checkpoints_to_keep),
             callbacks=callbacks,
-            worker_runtime_env={"env_vars": env_vars},
+            worker_runtime_env=worker_runtime_env(job),
         ),
     )
     count = f"{res.min_workers} to {res.max_workers}" if res.elastic else str(res.num_workers)
@@ -343,6 +357,19 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
     if result.checkpoint is None:
         raise RuntimeError("training finished without a checkpoint")
     return result
+
+
+def worker_runtime_env(job: JobConfig) -> dict:
+    """The Train workers' runtime environment: the training modules imported when a process starts
+    (:func:`runtime.worker_pool.training_env`), and only the variables that must be set before a
+    process imports them and that the cluster's workers lack (DeepSpeed reads ``DS_ACCELERATOR`` on
+    import). Anything more would put the workers in an environment of their own, where no warm
+    process fits; what can be set later goes to :attr:`WorkerSetup.process_env` instead."""
+    from runtime.ray_cluster import missing_worker_env
+    from runtime.worker_pool import training_env
+
+    needed = {"OUTDATED_IGNORE": "1", "DS_ACCELERATOR": "cuda" if job.resources.use_gpu else "cpu"}
+    return training_env(missing_worker_env(needed))
 
 
 def _storage_full(job: JobConfig, full: dict) -> OSError:
@@ -382,18 +409,15 @@ def worker_main(config: dict) -> Optional[dict]:
     returns ``{"storage_full": ...}`` when a checkpoint did not fit on its disk (see below), else None.
 
     * PyG's generated modules stay in memory (:mod:`pipeline.pyg_templates`).
-    * DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce op
-      (``deepspeed_shm_comm``, 30-60 s with a C++ compiler, cached in ``~/.cache/torch_extensions``)
-      when it sets up communication. The op serves only ``inference_all_reduce`` (DeepSpeed
-      inference); training all-reduces go through ``torch.distributed`` (gloo), the installed
-      implementation. So it is marked unavailable and nothing is compiled.
+    * DeepSpeed compiles none of its ops (:func:`pipeline.train.engine.skip_deepspeed_jit_ops`).
     * Ray Train logs every report with its metrics ("Reporting training result ...") and
       rank 0 prints the same epoch's metrics: Ray's line is dropped (warnings stay).
     """
     from pipeline import pyg_templates
 
+    setup = config["setup"]
+    os.environ.update(setup.process_env or {})
     pyg_templates.install()
-    skip_deepspeed_jit_ops()
     try:
         from ray.train.v2._internal.execution import context as train_context
 
@@ -408,15 +432,3 @@ def worker_main(config: dict) -> Optional[dict]:
         # times on the same full disk): rank 0's value reaches the driver (Result.return_value)
         return {"storage_full": full.details}
     return None
-
-
-def skip_deepspeed_jit_ops() -> None:
-    """Mark DeepSpeed's CPU shared-memory communication op unavailable (see :func:`worker_main`)."""
-    if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
-        return
-    try:
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    except (ImportError, AttributeError, TypeError):
-        pass

@@ -134,13 +134,33 @@ def clips_outside_deepspeed(train: TrainConfig, precision: str) -> bool:
     return train.zero_stage == 0 and precision != "fp16"
 
 
+def skip_deepspeed_jit_ops() -> None:
+    """Mark DeepSpeed's CPU shared-memory communication op unavailable.
+
+    DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce op (``deepspeed_shm_comm``,
+    30-60 s with a C++ compiler, cached in ``~/.cache/torch_extensions``) when it sets up
+    communication. The op serves only ``inference_all_reduce`` (DeepSpeed inference); training
+    all-reduces go through ``torch.distributed`` (gloo), the installed implementation. So it is
+    marked unavailable and nothing is compiled."""
+    if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
+        return
+    try:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except (ImportError, AttributeError, TypeError):
+        pass
+
+
 def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, steps_per_epoch: int, world_size: int,
                  compile_model: bool = False):
     """``deepspeed.initialize`` with AdamW and the job's lr schedule (:func:`lr_schedule`); returns the engine.
     ``compile_model``: DeepSpeed's ``engine.compile`` (``torch.compile`` of the module in place, for
-    fixed shapes: ``dynamic=False``; it compiles on the first call of each kind of batch)."""
+    fixed shapes: ``dynamic=False``; it compiles on the first call of each kind of batch). DeepSpeed
+    compiles none of its ops (:func:`skip_deepspeed_jit_ops`)."""
     import deepspeed
 
+    skip_deepspeed_jit_ops()
     if "RANK" not in os.environ:
         raise RuntimeError("DeepSpeed needs RANK/WORLD_SIZE/MASTER_ADDR (run inside a Ray Train worker)")
     on_cuda = next(model.parameters()).is_cuda or os.environ.get("DS_ACCELERATOR") == "cuda"

@@ -8,7 +8,7 @@ checkpoint before, and re-runs the epoch. Had rank 0 logged that epoch itself, M
 twice (once for the lost attempt). The controller calls its report callbacks only after the
 checkpoint manager has registered the report, so logging here writes each epoch that the run keeps,
 once. What a failed write misses, the next resume catches up from the checkpoint's history
-(:meth:`pipeline.registry.tracking.RankZeroLogger.catch_up`).
+(:meth:`pipeline.registry.tracking.RankZeroLogger.resume`).
 """
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from typing import Any, Optional
 
 from ray.train import UserCallback
 
-from pipeline.train import checkpoint as ckpt
-from pipeline.train.reporting import STEP_KEYS
 from pipeline.registry import tracking
 
 log = logging.getLogger(__name__)
@@ -43,6 +41,11 @@ class RegisteredEpochLogger(UserCallback):
         return self._client
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint: Optional[Any]) -> None:
+        # imported here, not with the module: the controller loads this class when it starts, and
+        # the checkpoint and reporting modules bring torch (seconds of a new controller's start on 2 cores)
+        from pipeline.train import checkpoint as ckpt
+        from pipeline.train.reporting import STEP_KEYS
+
         values = metrics[0] if metrics else {}
         steps = values.get("step_losses") or []
         try:

@@ -1,4 +1,5 @@
-"""The run lease: one command at a time per run name (``train.storage_path`` + ``train.run_name``).
+"""The run lease: one command at a time per run name (``train.storage_path`` + ``train.run_name``),
+and per sweep (``tune.storage_path`` + ``tune.name``: :mod:`pipeline.sweep.trials`).
 
 Two commands training one run name at once write into one checkpoint folder and one MLflow run:
 each deletes the other's checkpoints as "never registered", epochs are logged twice, and one of
@@ -251,9 +252,12 @@ def _one_line(exc: OSError, path: Path, doing: str) -> OSError:
 class RunLease:
     """The lease of one run folder, held by this process while the command runs (a context manager)."""
 
-    def __init__(self, run_dir: str | Path, run_name: str, command: str = "satp train") -> None:
+    def __init__(self, run_dir: str | Path, run_name: str, command: str = "satp train", kind: str = "run",
+                 key: str = "train.run_name") -> None:
+        """``kind`` / ``key``: what the folder is and the job key that names it, for the messages (a
+        sweep's folder: ``"sweep"``, ``"tune.name"``)."""
         self.path = lease_path(run_dir)
-        self.run_name, self.command = run_name, command
+        self.run_name, self.command, self.kind, self.key = run_name, command, kind, key
         self.holder: Optional[Holder] = None
         self.lost: Optional[str] = None  # why this holder no longer holds it (see _refresh)
         self._stop = threading.Event()
@@ -307,10 +311,10 @@ class RunLease:
             expires = ("it is released when that command ends, or when it no longer runs" if holder is not None
                        and holder.machine == this_machine() else
                        f"it expires {EXPIRES_S:.0f} s after its holder's last heartbeat")
-            return (f"{self.path}: run {self.run_name!r} is held by {who}; {expires}: wait for it, or pick another "
-                    f"train.run_name")
+            return (f"{self.path}: {self.kind} {self.run_name!r} is held by {who}; {expires}: wait for it, or pick "
+                    f"another {self.key}")
         if _take_over(self.path, seen):
-            _say(f"{self.path}: the lease of run {self.run_name!r} held by {who} has expired ({why}): taken over")
+            _say(f"{self.path}: the lease of {self.kind} {self.run_name!r} held by {who} has expired ({why}): taken over")
         return None
 
     def _start_heartbeat(self) -> None:
@@ -342,7 +346,7 @@ class RunLease:
             on_file = None
         if on_file is not None and on_file.token != self.holder.token:
             self.lost = f"it is now held by {on_file.describe()}"
-            _say(f"{self.path}: this command no longer holds the lease of run {self.run_name!r} ({self.lost})")
+            _say(f"{self.path}: this command no longer holds the lease of {self.kind} {self.run_name!r} ({self.lost})")
             return False
         self.holder = dataclasses.replace(self.holder, heartbeat=time.time())
         try:

@@ -29,6 +29,7 @@ from sat.config import SATConfig
 log = logging.getLogger(__name__)
 
 FULL = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota, is full
+LAST_ATTEMPT = "satp.last_attempt"  # how the last attempt to continue a FINISHED run ended (close_failed)
 
 
 def check_tracking_store(plan: JobPlan, previous) -> None:
@@ -158,7 +159,7 @@ def close_failed(plan: JobPlan, previous_status: Optional[str], exc: BaseExcepti
             first = f"interrupted ({first or 'SIGINT'})"
         if previous_status == "FINISHED":
             client = tracking.client(uri)
-            client.set_tag(run_id, "satp.last_attempt", f"failed {time.strftime('%Y-%m-%d %H:%M:%S')}: {first}"[:500])
+            client.set_tag(run_id, LAST_ATTEMPT, f"failed {time.strftime('%Y-%m-%d %H:%M:%S')}: {first}"[:500])
             tracking.close_run(uri, run_id, "FINISHED")
         else:
             tracking.close_run(uri, run_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
@@ -166,14 +167,19 @@ def close_failed(plan: JobPlan, previous_status: Optional[str], exc: BaseExcepti
         pass
 
 
-def tag_stopping(plan: JobPlan, state: dict) -> None:
-    """The MLflow run's tags: its target and why it stopped early (``satp.stopped``), if it did."""
+def close_finished(plan: JobPlan, state: dict) -> None:
+    """A fit that succeeded: the MLflow run's tags (its target, why it stopped early if it did, and a
+    ``satp.last_attempt`` that said an earlier continuation failed now says this one finished), then
+    the run FINISHED."""
     client = tracking.client(plan.job.mlflow.tracking_uri)
     run_id, target = plan.setup.run_id, plan.job.train.target
     if target is not None:
         client.set_tag(run_id, "satp.target", f"{target.metric} {target.value:g}")
     if state.get("stopped"):
         client.set_tag(run_id, "satp.stopped", str(state["stopped"])[:500])
+    if LAST_ATTEMPT in client.get_run(run_id).data.tags:
+        client.set_tag(run_id, LAST_ATTEMPT, f"finished {time.strftime('%Y-%m-%d %H:%M:%S')} (epoch {state['epoch']})")
+    tracking.close_run(plan.job.mlflow.tracking_uri, run_id, "FINISHED")
 
 
 def manifest_hash(manifest: dict) -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config import JobConfig
+from pipeline.config.names import check_names
 from pipeline.config.train import default_tracking_uri, runs_dir
 from pipeline.tasks import TASK_CLASSES, Task, make_task, task_name_for
 from pipeline.train import stopping
@@ -67,7 +68,9 @@ class JobPlan:
     def resolve(cls, job: JobConfig, *, address: Optional[str] = None, restart: bool = False,
                 early_checked: bool = False) -> "JobPlan":
         """The plan of ``job`` before any data exists; raises a one-line ``ValueError`` on an unknown
-        task or a target its task does not report."""
+        task or a target its task does not report, or a name that cannot be a folder or an MLflow name
+        (:mod:`pipeline.config.names`: checked before the run's lease is written under the run name)."""
+        check_names(job)
         job = resolve_job(job)
         task_name = task_name_for(job.train.task, getattr(getattr(job, "data", None), "name", None))
         stopping.check_target(job.train.target, TASK_CLASSES[task_name].metric)

@@ -6,15 +6,17 @@ found later costs minutes: Ray starts (~10 s), data are preprocessed, an MLflow 
 workers start (20-30 s each try), the model fails in every worker's forward pass and the worker
 group is retried ``max_failures`` times. In the order of cost:
 
-1. :func:`check_config`: the job alone (no data, no Ray, no torch): precision against the
-   hardware asked for, the warm-up against the epochs, the worker counts against ZeRO
-   (:func:`worker_count_problem`), the model against the features the shards
-   will hold (``extractor: subgraph`` needs ``transform.k_hops > 0``, ``pe: rwpe`` needs
+1. :func:`check_config`: the job alone (no data, no Ray, no torch): the names that become paths
+   or MLflow names (:mod:`pipeline.config.names`), precision against the hardware asked for, the
+   warm-up against the epochs, the worker counts against ZeRO (:func:`worker_count_problem`), the
+   model against the features the shards will hold (``extractor: subgraph`` needs
+   ``transform.k_hops > 0``, ``pe: rwpe`` needs
    ``transform.rwpe_steps == model.pe_dim``, ``pe: lap`` needs ``transform.lap_pe_dim ==
    model.pe_dim``), the task.
 2. :func:`check_data_root`: ``data.root`` is a directory or can be created (tried:
    :func:`check_writable_dir`; ``/proc/nope`` fails here, not after Ray started); a dataset folder
-   that exists looks complete; one that is absent can be built (``pycode``: its source
+   that exists looks complete, and its raw values lie in their ranges (:func:`check_raw_values`); one
+   that is absent can be built (``pycode``: its source
    directories exist; ``ogb``: the download address answers within seconds).
    :func:`check_output_dirs`: ``shards.root`` can be created, ``train.storage_path`` written.
 3. the Ray address answers as a Ray cluster within ~10 s (:func:`runtime.ray_cluster.probe`), else
@@ -48,6 +50,9 @@ from typing import Any, Iterable, Mapping, Optional
 log = logging.getLogger(__name__)
 
 DOWNLOAD_PROBE_S = 10.0
+#: Raw files (gzip, as stored) up to this size have their values checked in the pre-flight (~20 MB/s
+#: on a busy 2-core machine: seconds); larger ones by their conversion, on Ray, in parallel.
+RAW_CHECK_BYTES = 64 << 20
 
 
 # ----------------------------------------------------------------------------- the job alone
@@ -71,12 +76,16 @@ def feature_problem(model, subgraphs: bool, rwpe: int, lap_pe: int, where: str) 
 def check_config(job, task: bool = True) -> None:
     """Step 1 (see the module docstring); raises ``ValueError`` with one line. ``task=False``
     leaves out the task check, the one that imports torch."""
+    from pipeline.config.names import check_names
+
+    check_names(job)  # run name, MLflow names: before anything is written under them
     train, res = job.train, job.resources
     if train.precision == "fp16" and not res.use_gpu:
         raise ValueError("train.precision: fp16 is not supported on CPU (DeepSpeed rejects it); use bf16 or fp32")
     if train.step == "captured" and not res.use_gpu:
         raise ValueError("train.step: 'captured' replays CUDA graphs and needs GPU workers (resources.use_gpu: true); "
-                         "on CPU use 'compiled' or 'static'")
+                         "on CPU use 'eager' (the default): 'static' and 'compiled' pad every batch to a fixed capacity, "
+                         "which costs a CPU more than the kernel launches they save on a GPU")
     if train.warmup_epochs > train.epochs:
         raise ValueError(f"train.warmup_epochs ({train.warmup_epochs}) exceeds train.epochs ({train.epochs})")
     problem = worker_count_problem(job)
@@ -231,6 +240,7 @@ def check_data_root(data) -> None:
         if not (folder / "RELEASE_v1.txt").is_file():
             raise ValueError(f"data.root: {folder}: RELEASE_v1.txt missing, not a complete OGB dataset folder "
                              "(delete it to rebuild)")
+        check_raw_values(folder, data.name)
         return
     check_writable_dir("data.root", root)  # the dataset is built into it
     if data.source == "pycode":
@@ -243,6 +253,24 @@ def check_data_root(data) -> None:
         if problem:
             raise ValueError(f"data.root: {folder} is absent and data.source is 'ogb', but its download {url} "
                              f"does not answer ({problem}); put OGB's raw layout there, or pick an offline data.source")
+
+
+def check_raw_values(folder: Path, name: str) -> None:
+    """Every raw value of the dataset in ``folder`` in its range, its line counts and splits
+    (:func:`preprocessing.conversion.check_values`, one line naming the file, line, graph and field),
+    unless its columnar store was converted from these very files (checked then) or the raw files
+    are over :data:`RAW_CHECK_BYTES` (the conversion checks them, one Ray task per file). A value
+    out of range otherwise surfaced a minute later, after Ray had started."""
+    from preprocessing.columnar import raw_fingerprint, required_files, store_is_current
+
+    files = [folder / rel for rel in required_files(name)]
+    if not all(f.is_file() for f in files) or sum(f.stat().st_size for f in files) > RAW_CHECK_BYTES:
+        return  # a missing file is named by the conversion; a large dataset is checked there, in parallel
+    if store_is_current(folder, raw_fingerprint(folder, name)):
+        return
+    from preprocessing.conversion import check_values
+
+    check_values(folder, name)
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -310,6 +338,7 @@ def check_resources(job, num_workers: Optional[int] = None, extra_cpus: float = 
     if slots >= workers and cpus_ok:
         if res.elastic or job.train.micro_batches_per_step % res.num_workers:
             log.info("%s; the cluster holds %d now", describe_counts(job), slots)
+        _say_if_waiting(workers, need, extra_cpus, address)
         return
     where = f"the Ray cluster at {address}" if address else "this machine (a local Ray cluster)"
     hint = ("set resources.use_gpu: false, " if res.use_gpu and total.get("GPU", 0.0) < need.get("GPU", 0.0) else "")
@@ -320,6 +349,22 @@ def check_resources(job, num_workers: Optional[int] = None, extra_cpus: float = 
         f"{_describe(total) or 'nothing'} on {len(nodes)} node(s), room for {slots} such worker(s); "
         f"{hint}lower resources.num_workers or the per-worker resources, or use a bigger cluster "
         f"(an autoscaling one: resources.wait_for_nodes: true)")
+
+
+def _say_if_waiting(workers: int, need: dict[str, float], extra_cpus: float, address: Optional[str]) -> None:
+    """On a cluster that other runs share (the satp cluster, a named one): one warning line when
+    what the job asks for is not free now, since Ray then queues its workers until it is."""
+    if not _ray_connected():
+        return
+    import ray
+
+    free = ray.available_resources()
+    short = {k: workers * v + (extra_cpus if k == "CPU" else 0.0) for k, v in need.items()
+             if free.get(k, 0.0) + 1e-9 < workers * v + (extra_cpus if k == "CPU" else 0.0)}
+    if short:
+        held = ", ".join(f"{free.get(k, 0.0):g} of the {k} free, {v:g} needed" for k, v in short.items())
+        print(f"satp: warning: the Ray cluster{f' at {address}' if address else ''} is busy with other runs "
+              f"({held}): this run waits until they end", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- the one entry point
@@ -386,18 +431,23 @@ def preflight(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = No
     ``num_workers`` / ``extra_cpus``: what one unit of work needs when it is not the job's own
     request (a sweep: its largest swept worker count, plus the Tune trial's CPUs). ``ray_env``:
     environment variables of a new Ray connection (see :func:`runtime.ray_cluster.connect`).
+    Sweeps and comparisons run many Train runs: a local cluster started here keeps its worker
+    processes warm for them (:mod:`runtime.worker_pool`).
     """
     jobs = jobs if isinstance(jobs, Mapping) else list(jobs)
     early_checks(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus)
-    connect_and_check(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus, ray_env=ray_env)
+    connect_and_check(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus, ray_env=ray_env,
+                      keep_warm=True)
 
 
 def connect_and_check(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None,
-                      num_workers: Optional[int] = None, extra_cpus: float = 0.0, ray_env: Optional[dict] = None) -> None:
-    """Step 5: connect to Ray (a new local cluster without an address), then check its resources
-    against the first job's request."""
+                      num_workers: Optional[int] = None, extra_cpus: float = 0.0, ray_env: Optional[dict] = None,
+                      keep_warm: bool = False) -> None:
+    """Step 5: connect to Ray (the satp cluster, or a new local one without an address, its
+    worker processes for the first job's run started ahead), then check its resources against
+    the first job's request."""
     from runtime.ray_cluster import connect, resolve_address
 
     jobs = list(jobs.values()) if isinstance(jobs, Mapping) else list(jobs)
-    connect(address, env_vars=ray_env)
+    connect(address, env_vars=ray_env, warm_workers=num_workers or jobs[0].resources.max_workers, keep_warm=keep_warm)
     check_resources(jobs[0], num_workers=num_workers, extra_cpus=extra_cpus, address=resolve_address(address))

@@ -167,7 +167,14 @@ def _progress(checkpoint: Path) -> tuple[int, int]:
         return -1, -1
 
 
-_named: set[str] = set()  # damaged checkpoints this process has named already (one line each)
+#: damaged checkpoints named already, in this process or (:func:`resume_point`) by the driver: what
+#: failed -> which checkpoint (one warning line each, once per run, not once per process)
+_named: dict[str, str] = {}
+
+
+def named_damage() -> dict[str, str]:
+    """The damaged checkpoints named so far (what failed -> ``the checkpoint of epoch N (NAME)``)."""
+    return dict(_named)
 
 
 def latest_checkpoint(run_dir: str | Path, warn: bool = True) -> Optional[Path]:
@@ -197,19 +204,21 @@ def latest_checkpoint(run_dir: str | Path, warn: bool = True) -> Optional[Path]:
                else "no intact checkpoint is left: the run starts from its first epoch")
     for path, problem in damaged if warn else []:
         if problem not in _named:
-            _named.add(problem)
             what = f"epoch {_epoch(path)}" if _epoch(path) >= 0 else "epoch unknown"
+            _named[problem] = f"the checkpoint of {what} ({path.name})"
             print(f"satp: warning: {problem}; checkpoint {path.name} ({what}) is damaged and not resumed from; "
                   f"{instead}", file=sys.stderr, flush=True)
     return chosen
 
 
-def resume_point(candidates: list[Path], run_dir: str | Path) -> Optional[Path]:
+def resume_point(candidates: list[Path], run_dir: str | Path, named: Optional[dict[str, str]] = None) -> Optional[Path]:
     """The checkpoint the workers restore: the newest of ``candidates`` (Ray Train's registered one
     first, the driver's ``resume_from``; a tie goes to the first), if it verifies, else the run's
-    newest intact one (:func:`latest_checkpoint`, which names what is damaged); None: none is intact."""
+    newest intact one (:func:`latest_checkpoint`, which names what is damaged, except what the driver
+    named already: ``named``, its :func:`named_damage`); None: none is intact."""
     from pipeline.train import checkpoint as ckpt
 
+    _named.update(named or {})
     newest = max(candidates, key=_progress)
     return newest if ckpt.verify(newest) is None else latest_checkpoint(run_dir)
 

@@ -62,14 +62,29 @@ def breakdown(marks: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def warm(marks: dict[str, float]) -> Optional[bool]:
+    """Whether the rank-0 worker ran in a process started before the workers were asked for (a
+    warm one: :mod:`runtime.worker_pool`); None when the events are missing."""
+    if "worker_process" not in marks or "fit" not in marks:
+        return None
+    return marks["worker_process"] < marks["fit"]
+
+
 def metrics(marks: dict[str, float]) -> dict[str, float]:
-    """:func:`breakdown` as the run's MLflow metrics: ``startup_<phase>_s``."""
-    return {f"startup_{phase}_s": seconds for phase, seconds in breakdown(marks).items()}
+    """:func:`breakdown` as the run's MLflow metrics: ``startup_<phase>_s``, and ``startup_warm_worker``
+    (1: :func:`warm`)."""
+    out = {f"startup_{phase}_s": seconds for phase, seconds in breakdown(marks).items()}
+    if warm(marks) is not None:
+        out["startup_warm_worker"] = float(warm(marks))
+    return out
 
 
 def describe(marks: dict[str, float]) -> str:
-    """One line: ``start-up 21.4 s to the first step: imports 3.1 s, ray 5.0 s, ...``."""
+    """One line: ``start-up 21.4 s to the first step: imports 3.1 s, ray 5.0 s, ... (warm worker
+    process)``."""
     parts = breakdown(marks)
     total = parts.pop("to_first_step", None)
     head = f"start-up {total:.1f} s to the first step" if total is not None else "start-up"
-    return head + ": " + ", ".join(f"{phase.replace('_', ' ')} {seconds:.1f} s" for phase, seconds in parts.items())
+    line = head + ": " + ", ".join(f"{phase.replace('_', ' ')} {seconds:.1f} s" for phase, seconds in parts.items())
+    state = warm(marks)
+    return line if state is None else f"{line} ({'warm' if state else 'new'} worker process)"

@@ -88,6 +88,8 @@ class WorkerSetup:
     provenance: Optional[dict] = None  # config hash + git commits, recorded in every checkpoint (pipeline.train.rerun)
     resume_from: Optional[str] = None  # a complete checkpoint newer than Ray's record (pipeline.train.rerun)
     startup: Optional[dict] = None  # the driver's start-up events, wall-clock (pipeline.train.startup)
+    process_env: Optional[dict] = None  # environment variables the worker sets when it starts (threads, console)
+    damaged: Optional[dict] = None  # checkpoints the driver named damaged (pipeline.train.rerun.named_damage)
 
 
 def worker_loop(config: dict) -> None:
@@ -237,12 +239,15 @@ class WorkerRun:
         self.previous_note = elastic.read_note(run_dir) if self.rank == 0 else None
         self.note = elastic.ProgressNote(run_dir, command, self.world) if self.rank == 0 else None
 
-        self.logger = None
+        self.logger, self.segment = None, 0
         if self.rank == 0 and setup.run_id and setup.tracking_uri:
             from pipeline.registry.tracking import RankZeroLogger
+            from pipeline.train.rerun import named_damage
 
             self.logger = RankZeroLogger(setup.tracking_uri, setup.run_id, job.mlflow.log_system_metrics)
-            self.logger.catch_up(self.state["history"])
+            damage = "; ".join(f"{where}: {problem}" for problem, where in named_damage().items())
+            self.segment = self.logger.resume(self.state["history"], self.state["epoch"],
+                                              damage or "the checkpoints after it are missing")
             self.logger.client.set_tag(setup.run_id, "satp.precision", self.precision)
             self.logger.client.set_tag(setup.run_id, "satp.world_size", str(self.world))
             self.logger.client.set_tag(setup.run_id, "satp.step", train.step)
@@ -267,7 +272,7 @@ class WorkerRun:
         if not candidates:
             return
         run_dir = Path(ray.train.get_context().get_storage().experiment_fs_path)
-        chosen = rerun.resume_point(candidates, run_dir) if self.rank == 0 else None
+        chosen = rerun.resume_point(candidates, run_dir, self.setup.damaged) if self.rank == 0 else None
         directory = broadcast_from_rank_zero(str(chosen) if chosen is not None else None)
         if directory is None:
             return
@@ -449,6 +454,8 @@ class WorkerRun:
         self._count_elapsed()
         metrics["elapsed_s"] = state["elapsed_s"]
         stopped = None
+        if self.logger is not None:  # which trajectory the epoch's values belong to (tracking.RankZeroLogger.resume)
+            metrics["segment"] = self.segment
         if self.rank == 0:
             metrics[f"constant_{metric}"] = state["constant"]
             metrics[f"best_val_{metric}"] = state["best"]["val"]

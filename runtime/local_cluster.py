@@ -1,0 +1,388 @@
+"""``satp cluster``: one local Ray cluster that outlives commands and keeps worker processes warm.
+
+A satp command without ``--address`` used to start a Ray cluster of its own and stop it at the end:
+~10 s of Ray's processes starting, then ~20 s of new worker processes importing torch, PyG and
+DeepSpeed, every time. ``satp cluster start`` starts a head node once (``ray start --head``, its
+dashboard and addresses on 127.0.0.1, token authentication as Ray sets it), with every worker
+process importing the training modules when it starts (:mod:`runtime.worker_pool`), and leaves a
+keeper process beside it that prestarts idle worker processes of the kinds a run takes. Every satp
+command on this machine then finds it (:func:`for_command`) and runs there; ``--address`` still
+names any other cluster.
+
+The cluster is described by a record, ``$SATP_HOME/cluster.json`` (default ``~/.satp``): addresses,
+its private temporary folder (Ray's sessions and sockets, and ``TMPDIR`` of its processes), the
+processes to stop, and the Python environment it runs (:func:`environment`). A command uses the
+cluster only when it runs the same Python environment: the interpreter and the versions of the
+packages its warm processes imported. satp's own modules are not imported ahead (an edited checkout
+is what the next run imports). A record whose cluster is gone (stopped by hand, killed, the machine
+restarted) is cleaned up by the next command, which says so in one line and starts its own.
+``satp cluster stop`` stops exactly this cluster's processes (never ``ray stop``, which stops every
+Ray cluster on the machine) and removes its folder.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from runtime import worker_pool
+
+#: packages whose versions are part of the environment a warm process runs (what it imported ahead)
+ENVIRONMENT_PACKAGES = ("torch", "torch_geometric", "deepspeed", "ray", "mlflow", "numpy", "pyarrow")
+START_TIMEOUT_S = 120.0
+
+
+def satp_home() -> Path:
+    return Path(os.environ.get("SATP_HOME") or Path.home() / ".satp").expanduser()
+
+
+def record_path() -> Path:
+    return satp_home() / "cluster.json"
+
+
+def environment() -> dict[str, str]:
+    """The Python environment of this process: interpreter and package versions."""
+    from importlib import metadata
+
+    found = {"python": os.path.realpath(sys.executable)}
+    for name in ENVIRONMENT_PACKAGES:
+        try:
+            found[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            found[name] = "absent"
+    return found
+
+
+@dataclasses.dataclass
+class ClusterRecord:
+    """What ``satp cluster start`` wrote: how to reach the cluster, and how to stop it."""
+
+    address: str  # the GCS, host:port
+    dashboard: Optional[str]  # http://127.0.0.1:port, or None
+    temp_dir: str
+    raylet_address: str  # host:node manager port (the worker pool's RPCs)
+    raylet_pid: int
+    keeper_pid: Optional[int]
+    cpus: float
+    gpus: float
+    workers: int  # Train workers the pool is kept warm for (a run's default)
+    worker_env: dict[str, str]  # what the cluster's workers have in their environment
+    environment: dict[str, str]
+    auth_mode: str  # Ray's RAY_AUTH_MODE of the cluster
+    started: float
+    owner_pid: Optional[int] = None  # the process the cluster lives for (a test session), if not for good
+
+    def save(self, path: Optional[Path] = None) -> None:
+        path = path or record_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Optional[Path] = None) -> Optional["ClusterRecord"]:
+        path = path or record_path()
+        try:
+            raw = json.loads(path.read_text())
+            return cls(**raw)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: not a satp cluster record ({exc}); remove it (satp cluster stop)") from None
+
+    def alive(self) -> bool:
+        """The head's raylet runs and its GCS accepts connections (and its owner, if it has one, runs)."""
+        import psutil
+
+        if self.owner_pid is not None and not psutil.pid_exists(self.owner_pid):
+            return False
+        try:
+            if psutil.Process(self.raylet_pid).status() == psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            return False
+        host, port = self.address.rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                return True
+        except OSError:
+            return False
+
+    def environment_difference(self) -> Optional[str]:
+        """None when this process runs the cluster's Python environment, else what differs."""
+        mine = environment()
+        diffs = [f"{k} {self.environment.get(k)} (this command: {v})" for k, v in mine.items()
+                 if self.environment.get(k) != v]
+        return "; ".join(diffs) or None
+
+    def connect_env(self) -> dict[str, str]:
+        """What a client process needs in its environment to connect (Ray reads it at ray.init)."""
+        return {"RAY_AUTH_MODE": self.auth_mode} if self.auth_mode == "token" else {}
+
+    def pool(self) -> worker_pool.WorkerPool:
+        """The cluster's worker pool, for this process (which then speaks the cluster's authentication)."""
+        os.environ.update(self.connect_env())
+        return worker_pool.WorkerPool(self.raylet_address, self.raylet_pid, self.address)
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def cluster_env(use_gpu: bool, api_server: str) -> dict[str, str]:
+    """The environment of a satp cluster's processes (inherited by every worker the raylet starts):
+    its workers import :data:`runtime.worker_pool.PRELOAD_MODULES` (the heavy training modules only
+    the processes that run training: :func:`runtime.worker_pool.training_env`);
+    ``RAY_prestart_worker_first_driver`` off (the pool decides what to prestart). No variable that
+    runtime environments set (Ray Train's and Tune's): a worker's kind is what its environment adds
+    to this one (:mod:`runtime.worker_pool`).
+
+    ``api_server``: the dashboard whose State API Ray Train's placement-group cleaner asks (it
+    otherwise resolves "the" cluster of the machine, and with several clusters on one machine may
+    ask another one whether our controller is alive, get "no", and remove our placement group);
+    without a dashboard an unreachable address, where its queries fail and it only warns."""
+    return {
+        "OUTDATED_IGNORE": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "DS_ACCELERATOR": "cuda" if use_gpu else "cpu",
+        "RAY_prestart_worker_first_driver": "0",
+        "RAY_API_SERVER_ADDRESS": api_server,
+        **worker_pool.preload_setting(worker_pool.PRELOAD_MODULES),
+    }
+
+
+def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, workers: Optional[int] = None,
+          dashboard: bool = True, wait: bool = True, progress=None, owner_pid: Optional[int] = None) -> ClusterRecord:
+    """Start the satp cluster (see the module docstring); raise a one-line ``ValueError`` when one
+    runs already. ``wait``: return once the default pool's processes are warm. ``owner_pid``: the
+    cluster counts as gone once that process has ended (the next command stops what it left)."""
+    existing = ClusterRecord.load()
+    if existing is not None and existing.alive():
+        raise ValueError(f"a satp cluster runs already at {existing.address} (record {record_path()}); "
+                         "satp cluster stop stops it")
+    if existing is not None:
+        stop(existing)
+    cpus = int(num_cpus if num_cpus is not None else os.cpu_count() or 1)
+    gpus = int(num_gpus if num_gpus is not None else _gpus_on_this_machine())
+    workers = int(workers or (gpus or cpus))
+    temp = tempfile.mkdtemp(prefix="satpc-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    (Path(temp) / "tmp").mkdir()
+    gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = _free_ports(9)
+    worker_env = cluster_env(use_gpu=gpus > 0, api_server=f"http://127.0.0.1:{dash if dashboard else 9}")
+    env = dict(os.environ, **worker_env, TMPDIR=str(Path(temp) / "tmp"))
+    env.pop("RAY_ADDRESS", None)
+    auth_mode = env.get("RAY_AUTH_MODE") or "token"
+    env["RAY_AUTH_MODE"] = auth_mode
+    ray_bin = Path(sys.executable).with_name("ray")
+    cmd = [str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+           f"--num-cpus={cpus}", f"--num-gpus={gpus}", f"--temp-dir={temp}", "--disable-usage-stats",
+           f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
+           f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+           f"--runtime-env-agent-port={rt_env}", f"--node-manager-port={nm}", f"--object-manager-port={om}"]
+    cmd += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"] if dashboard else ["--include-dashboard=false"]
+    log_path = Path(temp) / "ray-start.log"
+    with open(log_path, "w") as log_file:
+        done = subprocess.run(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                              timeout=START_TIMEOUT_S)
+    raylet = _raylet_of(temp)
+    if done.returncode != 0 or raylet is None:
+        tail = log_path.read_text()[-600:].strip().splitlines()
+        stop_processes(temp)
+        shutil.rmtree(temp, ignore_errors=True)
+        raise ValueError(f"ray start failed (status {done.returncode}): {tail[-1] if tail else 'no output'}")
+    record = ClusterRecord(
+        address=f"127.0.0.1:{gcs}", dashboard=f"http://127.0.0.1:{dash}" if dashboard else None, temp_dir=temp,
+        raylet_address=f"127.0.0.1:{nm}", raylet_pid=raylet, keeper_pid=None, cpus=float(cpus), gpus=float(gpus),
+        workers=workers, worker_env=worker_env, environment=environment(), auth_mode=auth_mode, started=time.time(),
+        owner_pid=owner_pid)
+    keeper_log = open(Path(temp) / "satp-worker-pool.log", "w")
+    keeper = subprocess.Popen(
+        [sys.executable, "-m", "runtime.worker_pool", "--raylet-address", record.raylet_address,
+         "--raylet-pid", str(raylet), "--gcs-address", record.address, "--workers", str(workers)],
+        env=dict(env, PYTHONPATH=os.pathsep.join(p for p in (_project_root(), env.get("PYTHONPATH")) if p)),
+        stdout=keeper_log, stderr=subprocess.STDOUT, start_new_session=True, cwd=temp)
+    keeper_log.close()
+    record.keeper_pid = keeper.pid
+    record.save()
+    if wait:
+        wait_warm(record, progress=progress)
+    return record
+
+
+def _project_root() -> str:
+    return str(Path(__file__).resolve().parents[1])
+
+
+def _gpus_on_this_machine() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def _raylet_of(temp: str) -> Optional[int]:
+    for proc in processes_of(temp):
+        try:
+            if proc.name() == "raylet":
+                return proc.pid
+        except Exception:
+            continue
+    return None
+
+
+def wait_warm(record: ClusterRecord, timeout_s: float = START_TIMEOUT_S, progress=None) -> dict:
+    """Wait until the pool holds its default processes, each done importing (idle on the CPU for
+    half a second); return the census ``{kind: count}`` of available processes."""
+    import psutil
+
+    pool = record.pool()
+    targets = worker_pool.default_targets(record.workers)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        available, _ = pool.census()
+        ready = all(available.get(kind, 0) >= count for kind, count in targets.items())
+        if ready:
+            idle = [p for p in psutil.Process(record.raylet_pid).children() if _title_of(p) == "ray::IDLE"]
+            before = {p.pid: _cpu(p) for p in idle}
+            time.sleep(0.5)
+            if all(_cpu(p) == before[p.pid] for p in idle):
+                return dict(available)
+        if progress is not None:
+            progress(sum(min(available.get(k, 0), n) for k, n in targets.items()), sum(targets.values()))
+        if time.monotonic() > deadline:
+            return dict(available)
+        time.sleep(0.5)
+
+
+def _title_of(proc) -> str:
+    try:
+        return proc.cmdline()[0]
+    except Exception:
+        return ""
+
+
+def _cpu(proc) -> float:
+    try:
+        times = proc.cpu_times()
+        return times.user + times.system
+    except Exception:
+        return -1.0
+
+
+def processes_of(temp: str) -> list:
+    """The processes of the cluster in ``temp``: those naming it on their command line (GCS,
+    raylet, dashboard, ``ray start``'s own) or in ``TMPDIR``, and all their descendants (workers)."""
+    import psutil
+
+    roots = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.pid == os.getpid():
+                continue
+            tmpdir = worker_pool.process_environ(proc.pid).get("TMPDIR", "")
+            if any(temp in part for part in proc.info["cmdline"] or ()) or tmpdir == temp or \
+                    tmpdir.startswith(temp + os.sep):
+                roots.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    found = {p.pid: p for p in roots}
+    for proc in roots:
+        try:
+            for child in proc.children(recursive=True):
+                found.setdefault(child.pid, child)
+        except psutil.NoSuchProcess:
+            continue
+    return list(found.values())
+
+
+def stop_processes(temp: str, grace_s: float = 8.0) -> int:
+    """SIGTERM the cluster's processes, SIGKILL what is left after ``grace_s``; return how many."""
+    import psutil
+
+    procs = processes_of(temp)
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for proc in procs:
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        _, procs = psutil.wait_procs(procs, timeout=wait)
+        procs += [p for p in processes_of(temp) if p not in procs]  # started meanwhile (a worker)
+        if not procs:
+            break
+    return len(procs)
+
+
+def stop(record: Optional[ClusterRecord] = None) -> Optional[ClusterRecord]:
+    """Stop the satp cluster: its keeper, every process of its folder, the folder, the record.
+    Returns the record stopped (None: there was none). Raises ``ValueError`` when processes stay."""
+    record = record or ClusterRecord.load()
+    if record is None:
+        return None
+    left = stop_processes(record.temp_dir)
+    if left:
+        raise ValueError(f"satp cluster stop: {left} process(es) of {record.temp_dir} did not end; "
+                         "stop them by hand (they carry that folder)")
+    shutil.rmtree(record.temp_dir, ignore_errors=True)
+    current = ClusterRecord.load()
+    if current is not None and current.temp_dir == record.temp_dir:
+        record_path().unlink(missing_ok=True)
+    return record
+
+
+def adopt_client_settings() -> None:
+    """Set what this process needs to be a client of the satp cluster, before Ray is imported (Ray
+    reads ``RAY_AUTH_MODE`` once, when it loads): commands call this first. A value the user set
+    stays; without a record nothing changes."""
+    try:
+        record = ClusterRecord.load()
+    except ValueError:
+        return
+    if record is not None:
+        for key, value in record.connect_env().items():
+            os.environ.setdefault(key, value)
+
+
+def for_command(warn) -> Optional[ClusterRecord]:
+    """The satp cluster a command without ``--address`` should use, or None (it starts its own).
+
+    ``warn(line)`` is told, in one line, about a record whose cluster is gone (its leftovers are
+    removed here) or that runs another Python environment (left running: ``satp cluster stop``)."""
+    try:
+        record = ClusterRecord.load()
+    except ValueError as exc:
+        warn(f"{exc}; this command starts its own local Ray")
+        return None
+    if record is None:
+        return None
+    if not record.alive():
+        stop(record)
+        warn(f"the satp cluster of {record_path()} (started {time.ctime(record.started)}) is gone; its "
+             f"leftovers were removed and this command starts its own local Ray (satp cluster start: a warm one)")
+        return None
+    difference = record.environment_difference()
+    if difference:
+        warn(f"the satp cluster at {record.address} runs another Python environment ({difference}): not used, this "
+             f"command starts its own local Ray (satp cluster stop, then satp cluster start from this environment)")
+        return None
+    return record

@@ -1,0 +1,425 @@
+"""Warm Ray worker processes: started before a run asks for them, their imports already done.
+
+A Ray Train run asks Ray for several processes at once: Train's controller with its clean-up and
+synchronization actors, and one worker per rank; a sweep adds a Tune trial actor per trial. Each
+new Python process then imports what it runs: torch, PyG, DeepSpeed and Ray Train take ~10 s of
+CPU on 2 cores, before the process does anything. Ray can start worker processes ahead of a request
+(the raylet's ``PrestartWorkers`` call), and can import modules in every worker it starts
+(``RAY_preload_python_modules``, a setting of the raylet) or in the workers of one runtime
+environment (its setup hook, an environment variable of that environment).
+
+Ray hands an idle process only to a task or actor of the same runtime environment: its text is
+what Ray compares, and a child actor inherits (merges) its parent's. So the processes of one run
+come in a few *kinds* (:class:`Kind`), each an environment: Train's controller and its helper
+actors carry Ray's ``RAY_WARN_BLOCKING_GET_INSIDE_ASYNC``, satp's Train workers add the training
+setup hook (:func:`training_env`: they import :data:`TRAINING_MODULES` when they start), a Tune
+trial's carry Tune's ``PL_DISABLE_FORK`` too (and a sweep gives its whole job the hook, since its
+trials run a training driver each). Every worker of satp's clusters imports the light
+:data:`PRELOAD_MODULES`; only the kinds that train pay for the heavy ones. A process's kind is
+read from ``/proc`` (the environment variables it has beyond its raylet's), so a pool serves the
+local node (the machine of ``satp cluster``); how Ray wrote each kind's environment is read from
+the cluster's actor table (:func:`serialized`).
+
+:class:`WorkerPool` counts the raylet's idle processes of each kind (started, not yet handed to a
+job) and prestarts what is missing; :func:`keep_warm` does so every second, in the process that
+``satp cluster start`` leaves beside its cluster (``python -m runtime.worker_pool``), until the
+raylet is gone. How many of a kind it keeps: the most that were in use at once within the last
+:data:`USAGE_WINDOW_S` (so the second trial of a sweep finds what the first one used), at least
+what one ``satp train`` run of the cluster's size needs (:func:`default_targets`). Prestarted
+processes are kept alive (``keep_alive_duration_secs``) so that Ray's idle-worker killer leaves
+them; no process is prestarted while less than :data:`MIN_FREE_MEMORY` is free. It also ends the
+placement-group cleaners that interrupted runs leave behind (:meth:`WorkerPool.end_orphaned_cleaners`).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import logging
+import os
+import sys
+import time
+from typing import Iterable, Optional
+
+log = logging.getLogger(__name__)
+
+#: Ray's environment variable for a worker's setup hook ("module.function", run before the worker
+#: takes work); ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+SETUP_HOOK_VAR = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+#: what Ray Train sets on its controller (and so on every actor the controller starts)
+CONTROLLER_VAR = ("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
+#: modules a satp training process needs (torch, PyG, DeepSpeed, Ray Train and through them numpy,
+#: pyarrow, pandas, MLflow), imported by :func:`training_env`'s processes when they start; satp's
+#: own modules are not among them: a worker imports those from the checkout when it runs (~0.2 s),
+#: so an edited checkout never runs stale code in a warm process
+TRAINING_MODULES = ("ray.train.torch", "torch_geometric", "deepspeed", "runtime.ray_logs")
+#: what every worker process of satp's clusters imports when it starts (the raylet's
+#: ``RAY_preload_python_modules``): what a Train controller and its helper actors run, and
+#: :mod:`runtime.ray_logs`, which quiets Ray Train's console noise where it is logged
+PRELOAD_MODULES = ("ray.train", "runtime.ray_logs")
+USAGE_WINDOW_S = 600.0
+CLEANER_CHECK_ROUNDS = 10  # keep_warm's rounds between looks for orphaned placement-group cleaners
+MIN_FREE_MEMORY = 2 << 30
+KEEP_ALIVE_S = 24 * 3600
+#: variables the raylet sets in every worker process it starts (seen in /proc): not part of a kind
+_PER_PROCESS_VARS = frozenset({"RAY_RAYLET_PID", "RAY_JOB_ID", "SPT_NOENV"})
+
+
+def import_training_modules() -> None:
+    """The setup hook of :func:`training_env`: import :data:`TRAINING_MODULES` in a new worker."""
+    import importlib
+
+    for name in TRAINING_MODULES:
+        importlib.import_module(name)
+
+
+def training_env(extra: Optional[dict[str, str]] = None) -> dict:
+    """The runtime environment of satp's Train workers: :data:`TRAINING_MODULES` imported when the
+    process starts (before the run needs it: a prestarted one has them), plus ``extra`` variables."""
+    return {"env_vars": {SETUP_HOOK_VAR: "runtime.worker_pool.import_training_modules", **(extra or {})}}
+
+
+def preload_setting(modules: Iterable[str]) -> dict[str, str]:
+    """The raylet's environment that makes every worker it starts import ``modules``."""
+    return {"RAY_preload_python_modules": ",".join(modules)}
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Kind:
+    """The environment variables a worker process has beyond its raylet's (its runtime environment)."""
+
+    env: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, env_vars: dict[str, str]) -> "Kind":
+        return cls(tuple(sorted(env_vars.items())))
+
+    def describe(self) -> str:
+        names = {SETUP_HOOK_VAR: "training", CONTROLLER_VAR[0]: "train-controller", "PL_DISABLE_FORK": "tune-trial"}
+        return "+".join(names.get(k, f"{k}={v}") for k, v in self.env) or "plain"
+
+
+#: what a driver on a local cluster sets in its environment, and Ray Train so passes on to every
+#: actor of a run: Train's preemption watcher (one more actor per run) watches nodes being drained,
+#: which a local cluster's never are
+LOCAL_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+def serialized(kind: Kind, merged: bool) -> str:
+    """``kind``'s runtime environment as Ray writes it, which is what Ray compares (the text, not its
+    meaning): Ray's Python side for an actor a driver creates (``json.dumps`` with sorted keys),
+    Ray's C++ side, compact, for one whose creator has an environment of its own, merged into it
+    (a Train worker under its controller)."""
+    import json
+
+    text = {"env_vars": dict(kind.env)}
+    return json.dumps(text, sort_keys=True, separators=(",", ":") if merged else None)
+
+
+def train_run_kinds(extra: Optional[dict[str, str]] = None) -> tuple[Kind, Kind]:
+    """(controller kind, worker kind) of a ``satp train`` run on a local cluster whose workers get
+    :func:`training_env`."""
+    controller = {**LOCAL_TRAIN_ENV, **dict([CONTROLLER_VAR])}
+    return Kind.of(controller), Kind.of({**controller, **training_env(extra)["env_vars"]})
+
+
+def default_targets(workers: int) -> dict[Kind, int]:
+    """What one ``satp train`` run with ``workers`` workers takes from the pool: its controller,
+    placement-group cleaner and synchronization actor, and the workers."""
+    controller, worker = train_run_kinds()
+    return {controller: 3, worker: workers}
+
+
+def default_serializations() -> dict[Kind, str]:
+    """How a ``satp train`` run's kinds are written (:func:`serialized`): the controller (and the
+    actors it starts without an environment of their own, which inherit its text) by the driver's
+    Ray, the workers merged under the controller."""
+    controller, worker = train_run_kinds()
+    return {controller: serialized(controller, merged=False), worker: serialized(worker, merged=True)}
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
+def _title(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class WorkerPool:
+    """The worker processes of one raylet on this machine: counted by kind, prestarted on request.
+
+    ``raylet_address``: its ``host:node_manager_port``; ``raylet_pid``: its process (the workers are
+    its children)."""
+
+    def __init__(self, raylet_address: str, raylet_pid: int, gcs_address: str) -> None:
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray.core.generated import node_manager_pb2_grpc
+
+        self.raylet_pid, self.gcs_address = raylet_pid, gcs_address
+        self._base = process_environ(raylet_pid)
+        self._stub = node_manager_pb2_grpc.NodeManagerServiceStub(init_grpc_channel(raylet_address))
+        self._actors = None  # Ray's global state accessor, made on first use
+        #: each kind's runtime environment as Ray wrote it for the processes in use (learned, since
+        #: Ray compares the text: see serialized), starting from a satp train run's
+        self.serializations: dict[Kind, str] = default_serializations()
+        self.starting = 0  # processes started and not yet registered, at the last census
+        #: how many processes the raylet starts at once (its maximum_startup_concurrency, = its CPUs):
+        #: a prestart request beyond that is dropped, not queued
+        self.starts_at_once = max(1, int(float(process_environ(raylet_pid).get("RAY_worker_maximum_startup_concurrency", 0))
+                                         or _raylet_cpus(raylet_pid)))
+
+    def alive(self) -> bool:
+        import psutil
+
+        try:
+            return psutil.Process(self.raylet_pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def kind_of(self, pid: int) -> Kind:
+        extra = {k: v for k, v in process_environ(pid).items()
+                 if self._base.get(k) != v and k not in _PER_PROCESS_VARS}
+        return Kind.of(extra)
+
+    def census(self) -> tuple[collections.Counter, collections.Counter]:
+        """``(available, busy)`` per kind: idle processes not bound to any job, or starting (not yet
+        registered; also counted in :attr:`starting`), and processes running a task or actor."""
+        import psutil
+        from ray.core.generated import node_manager_pb2
+
+        reply = self._stub.GetNodeStats(node_manager_pb2.GetNodeStatsRequest(include_memory_info=False), timeout=10)
+        unassigned = {w.pid for w in reply.core_workers_stats
+                      if w.worker_type == 0 and set(w.job_id) <= {0xFF} and set(w.actor_id) <= {0xFF}}
+        registered = {w.pid for w in reply.core_workers_stats}
+        available, busy = collections.Counter(), collections.Counter()
+        try:
+            children = psutil.Process(self.raylet_pid).children()
+        except psutil.NoSuchProcess:
+            return available, busy
+        busy_pids = {}
+        self.starting = 0
+        for child in children:
+            title = _title(child.pid)
+            if title.startswith("ray::") and title.endswith("Agent"):
+                continue  # the dashboard's and the runtime environments' agents
+            if child.pid in unassigned:
+                available[self.kind_of(child.pid)] += 1
+            elif child.pid not in registered and "default_worker.py" in " ".join(_safe_cmdline(child)):
+                available[self.kind_of(child.pid)] += 1
+                self.starting += 1
+            elif title.startswith("ray::") and title != "ray::IDLE":
+                kind = busy_pids[child.pid] = self.kind_of(child.pid)
+                busy[kind] += 1
+        if any(kind not in self.serializations for kind in busy_pids.values()):
+            self._learn_serializations(busy_pids)
+        return available, busy
+
+    def _state(self):
+        """Ray's accessor of the cluster's tables (GCS), made on first use."""
+        if self._actors is None:
+            from ray._private.state import GlobalState
+            from ray._raylet import GcsClientOptions
+
+            state = GlobalState()
+            state._initialize_global_state(GcsClientOptions.create(self.gcs_address, None, allow_cluster_id_nil=True,
+                                                                   fetch_cluster_id_if_nil=False))
+            self._actors = state._connect_and_get_accessor()
+        return self._actors
+
+    def _alive_actors(self) -> list:
+        from ray.core.generated import gcs_pb2
+
+        actors = (gcs_pb2.ActorTableData.FromString(raw) for raw in self._state().get_actor_table(None, None))
+        return [a for a in actors if a.state == gcs_pb2.ActorTableData.ALIVE]
+
+    def _learn_serializations(self, busy_pids: dict[int, Kind]) -> None:
+        """Read how Ray wrote the runtime environments of the actors in use (GCS's actor table)."""
+        for actor in self._alive_actors():
+            kind = busy_pids.get(actor.pid)
+            if kind is not None and kind not in self.serializations:
+                self.serializations[kind] = actor.serialized_runtime_env
+
+    def end_orphaned_cleaners(self) -> int:
+        """End Ray Train's placement-group cleaners whose run's driver has gone; return how many.
+
+        Each Train run starts a detached ``PlacementGroupCleaner`` that asks the State API (the
+        dashboard) whether the run's controller lives, and exits once it does not. A run that ends
+        normally stops it; one whose driver was interrupted or killed leaves it asking, and
+        without a dashboard it never learns the answer: a process (~200 MB, polling) per such run,
+        for as long as the cluster lives. Its job's placement groups went with the job."""
+        import signal
+
+        from ray.core.generated import gcs_pb2
+
+        dead_jobs = {gcs_pb2.JobTableData.FromString(raw).job_id
+                     for raw in self._state().get_job_table(skip_submission_job_info_field=True,
+                                                            skip_is_running_tasks_field=True)
+                     if gcs_pb2.JobTableData.FromString(raw).is_dead}
+        ended = 0
+        for actor in self._alive_actors():
+            if actor.class_name == "PlacementGroupCleaner" and actor.job_id in dead_jobs and \
+                    _is_child(actor.pid, self.raylet_pid):
+                try:
+                    os.kill(actor.pid, signal.SIGTERM)
+                    ended += 1
+                except OSError:
+                    pass
+        return ended
+
+    def prestart(self, kind: Kind, count: int, keep_alive_s: int = KEEP_ALIVE_S) -> None:
+        from ray.core.generated import common_pb2, node_manager_pb2
+
+        request = node_manager_pb2.PrestartWorkersRequest(language=common_pb2.Language.PYTHON, num_workers=count,
+                                                          keep_alive_duration_secs=keep_alive_s)
+        if kind.env:
+            request.runtime_env_info.serialized_runtime_env = self.serializations.get(kind) or serialized(kind, False)
+        self._stub.PrestartWorkers(request, timeout=10)
+
+    def top_up(self, targets: dict[Kind, int], available: Optional[collections.Counter] = None) -> dict[Kind, int]:
+        """Prestart what ``targets`` lacks beyond the available processes, as many as the raylet starts
+        at once (call again for the rest); return what was asked for."""
+        import psutil
+
+        if available is None:
+            available = self.census()[0]
+        started, room = {}, self.starts_at_once - self.starting
+        # the training kinds first: their processes take longest to be ready
+        for kind, target in sorted(targets.items(), key=lambda item: (SETUP_HOOK_VAR not in dict(item[0].env), item[0])):
+            missing = min(target - available.get(kind, 0), room)
+            if missing <= 0:
+                continue
+            room -= missing
+            if psutil.virtual_memory().available < MIN_FREE_MEMORY:
+                log.warning("worker pool: less than %d GiB free: no %s process prestarted", MIN_FREE_MEMORY >> 30,
+                            kind.describe())
+                break
+            self.prestart(kind, missing)
+            started[kind] = missing
+        return started
+
+
+def _is_child(pid: int, parent: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).ppid() == parent
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _raylet_cpus(raylet_pid: int) -> int:
+    """The CPUs a raylet was started with (its ``--num_prestart_python_workers``, which Ray sets to them)."""
+    try:
+        with open(f"/proc/{raylet_pid}/cmdline", "rb") as f:
+            args = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return 1
+    for arg in args:
+        if arg.startswith("--num_prestart_python_workers="):
+            return int(arg.split("=", 1)[1] or 1)
+    return 1
+
+
+def _safe_cmdline(process) -> list[str]:
+    try:
+        return process.cmdline()
+    except Exception:  # gone, or not ours to read
+        return []
+
+
+class UsageMemory:
+    """The most processes of each kind in use at once within the last ``window_s`` seconds."""
+
+    def __init__(self, window_s: float = USAGE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: collections.deque = collections.deque()
+
+    def add(self, busy: collections.Counter, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._samples.append((now, dict(busy)))
+        while self._samples and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+
+    def peaks(self) -> dict[Kind, int]:
+        peaks: dict[Kind, int] = {}
+        for _, counts in self._samples:
+            for kind, count in counts.items():
+                peaks[kind] = max(peaks.get(kind, 0), count)
+        return peaks
+
+
+class Requests:
+    """Prestarts asked for and not yet seen: for ``ttl_s`` seconds a kind counts as holding what was
+    asked for, and is not asked for again (the raylet starts a process at once or not at all)."""
+
+    def __init__(self, ttl_s: float = 5.0) -> None:
+        self.ttl_s = ttl_s
+        self._expected: dict[Kind, tuple[int, float]] = {}  # kind -> (processes expected, deadline)
+
+    def add(self, kind: Kind, seen: int, count: int, now: float) -> None:
+        self._expected[kind] = (seen + count, now + self.ttl_s)
+
+    def counted(self, available: collections.Counter, now: float) -> collections.Counter:
+        counted = collections.Counter(available)
+        for kind, (expected, deadline) in list(self._expected.items()):
+            if available.get(kind, 0) >= expected or now > deadline:
+                del self._expected[kind]
+            else:
+                counted[kind] = expected
+        return counted
+
+
+def keep_warm(pool: WorkerPool, defaults: dict[Kind, int], interval_s: float = 1.0,
+              max_per_kind: int = 16, once: bool = False) -> None:
+    """Top the pool up every ``interval_s`` until the raylet is gone (see the module docstring);
+    ``once``: until it has held ``defaults`` once (a command's own cluster, for its one run)."""
+    usage, requests = UsageMemory(), Requests()
+    rounds = 0
+    while pool.alive():
+        try:
+            if rounds % CLEANER_CHECK_ROUNDS == 0 and pool.end_orphaned_cleaners():
+                log.info("ended Ray Train's placement-group cleaners of runs whose driver has gone")
+            rounds += 1
+            available, busy = pool.census()
+            now = time.monotonic()
+            usage.add(busy, now)
+            targets = dict(defaults)
+            for kind, peak in usage.peaks().items():
+                targets[kind] = min(max_per_kind, max(targets.get(kind, 0), peak))
+            if once and all(available.get(kind, 0) >= count for kind, count in defaults.items()):
+                return
+            counted = requests.counted(available, now)
+            for kind, count in pool.top_up(targets, counted).items():
+                requests.add(kind, counted.get(kind, 0), count, now)
+                log.info("prestarted %d %s worker process(es)", count, kind.describe())
+        except Exception as exc:  # the raylet going away mid-call, a slow answer: try again
+            if not pool.alive():
+                break
+            log.debug("worker pool: %s", exc)
+        time.sleep(interval_s)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="keep a local raylet's warm worker processes topped up")
+    parser.add_argument("--raylet-address", required=True, help="host:node_manager_port")
+    parser.add_argument("--raylet-pid", type=int, required=True)
+    parser.add_argument("--gcs-address", required=True, help="host:port")
+    parser.add_argument("--workers", type=int, required=True, help="Train workers of one run (the default pool)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    keep_warm(WorkerPool(args.raylet_address, args.raylet_pid, args.gcs_address), default_targets(args.workers))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

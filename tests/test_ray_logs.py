@@ -1,0 +1,99 @@
+"""Ray Train's console noise off the console (issue 37, item 12; runtime/ray_logs.py).
+
+Successful runs under load printed Ray Train's controller warning "Failed to send resource request ...
+it's safe to ignore this error" with a whole ``GetTimeoutError`` traceback: its request to Ray's
+autoscaling coordinator waits 5 s. Here Ray's own client (``TrainAutoscalingCoordinatorClient``) sends
+its request, in a Ray actor of a real job on the session's satp cluster, to a coordinator actor that
+answers after 30 s, with the controller's console logging as Ray Train configures it; the driver prints
+what its workers log. The cluster's worker processes imported ``runtime.ray_logs`` when they started
+(``RAY_preload_python_modules``), so the traceback does not reach the console, and the same warning
+about any other error still does; with the filters taken off in the actor, the traceback shows (the
+defect). The placement-group cleaner's every-second warning without a dashboard is lowered too.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DONE = "satp-test: the controller has logged"
+
+DRIVER = textwrap.dedent('''
+    import logging, sys, time
+    import ray
+
+    keep_filters = sys.argv[2] == "as-started"
+    ray.init(address=sys.argv[1], log_to_driver=True)
+
+    @ray.remote(num_cpus=0)
+    class SlowCoordinator:
+        def request_resources(self, **request):
+            time.sleep(10)  # longer than the 5 s the client waits
+
+    @ray.remote(num_cpus=0)
+    class Controller:
+        def run(self, coordinator):
+            from ray._private.log import PlainRayHandler
+            from ray.train import ScalingConfig
+            from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
+                TrainAutoscalingCoordinatorClient)
+            from ray.train.v2._internal.logging.logging import TrainLogLevelFilter
+
+            console = PlainRayHandler()  # the controller's console, as Ray Train's LoggingManager sets it
+            console.addFilter(TrainLogLevelFilter("INFO"))
+            train_log = logging.getLogger("ray.train")
+            train_log.handlers, train_log.propagate = [console], False
+            train_log.setLevel(logging.DEBUG)
+            client_log = logging.getLogger(TrainAutoscalingCoordinatorClient.__module__)
+            assert client_log.filters, "the worker did not import runtime.ray_logs when it started"
+            if not keep_filters:
+                client_log.filters.clear()
+            cleaner_log = logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner")
+            cleaner_log.warning("Failed to query Ray Train Controller actor state. State API may be temporarily "
+                                "unavailable. Continuing to monitor.")
+            client = TrainAutoscalingCoordinatorClient("train-test")
+            client.__dict__["_autoscaling_coordinator"] = coordinator  # Ray's coordinator, answering late
+            client.send_resource_request(ScalingConfig(num_workers=1), 1)  # waits 5 s, then logs
+            try:
+                raise ValueError("not a timeout")
+            except ValueError:
+                logging.getLogger(client.__module__).warning("Failed to send resource request (other)", exc_info=True)
+            print("DONE", file=sys.stderr, flush=True)
+
+    ray.get(Controller.remote().run.remote(SlowCoordinator.remote()))
+    time.sleep(600)  # prints the actors' output until the test has read it
+''').replace('"DONE"', repr(DONE))
+
+
+def _console(address: str, mode: str) -> str:
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, address, mode], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines, deadline = [], time.monotonic() + 240
+    try:
+        for line in driver.stdout:
+            lines.append(line)
+            if DONE in line or time.monotonic() > deadline:
+                break
+    finally:
+        driver.kill()
+        driver.wait()
+    text = "".join(lines)
+    assert DONE in text, text[-3000:]
+    return text
+
+
+@pytest.mark.ray
+def test_the_coordinators_timeout_stays_off_the_console_and_other_errors_do_not(ray_cluster):
+    address = ray_cluster.get_runtime_context().gcs_address
+    without = _console(address, "filters-removed")
+    assert "Failed to send resource request for train-test" in without and "GetTimeoutError" in without, without
+    shown = _console(address, "as-started")
+    assert "train-test" not in shown and "GetTimeoutError" not in shown, shown
+    assert "Failed to query Ray Train Controller actor state" not in shown, shown
+    assert "Failed to send resource request (other)" in shown and "ValueError: not a timeout" in shown, shown

@@ -1,0 +1,204 @@
+"""``satp cluster``: a local Ray cluster kept warm (runtime/local_cluster.py, runtime/worker_pool.py).
+
+The lifecycle runs for real in a ``SATP_HOME`` of its own (``satp cluster start``, two ``satp train``
+commands at once on it, ``status``, a second ``start``, a cluster killed under its record, ``stop``);
+the pool's bookkeeping and the clean-up of what killed commands left are checked below it.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from runtime import local_cluster, ray_cluster, worker_pool
+from tests.test_train_ray import tiny_job_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- below Ray
+def test_training_modules_leave_satp_to_the_run():
+    """A warm process imports torch, PyG and DeepSpeed ahead, never satp's own modules: an edited
+    checkout is what the next run imports."""
+    code = ("import sys, runtime.worker_pool as w; w.import_training_modules(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pipeline', 'sat', 'preprocessing')), "
+            "all(m in sys.modules for m in ('torch', 'torch_geometric', 'deepspeed', 'ray.train')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "True"]
+
+
+def test_kinds_are_written_as_ray_writes_them():
+    from ray.runtime_env import RuntimeEnv
+
+    controller, worker = worker_pool.train_run_kinds()
+    assert dict(worker.env)[worker_pool.SETUP_HOOK_VAR] == "runtime.worker_pool.import_training_modules"
+    assert set(dict(controller.env).items()) < set(dict(worker.env).items())  # a worker merges its controller's
+    # a driver's actor: Ray's Python side; one merged under its creator's environment: compact
+    assert worker_pool.serialized(controller, merged=False) == RuntimeEnv(env_vars=dict(controller.env)).serialize()
+    compact = worker_pool.serialized(worker, merged=True)
+    assert " " not in compact and json.loads(compact) == {"env_vars": dict(worker.env)}
+
+
+def test_a_request_counts_until_its_processes_show_or_it_expires():
+    kind = worker_pool.Kind.of({"A": "1"})
+    requests = worker_pool.Requests(ttl_s=5.0)
+    requests.add(kind, seen=1, count=2, now=100.0)
+    assert requests.counted(collections.Counter({kind: 1}), now=101.0)[kind] == 3  # not asked again
+    assert requests.counted(collections.Counter({kind: 3}), now=102.0)[kind] == 3  # seen: forgotten
+    requests.add(kind, seen=0, count=2, now=200.0)
+    assert requests.counted(collections.Counter(), now=206.0)[kind] == 0  # dropped by the raylet: asked again
+
+
+def test_usage_keeps_the_most_in_use_at_once_within_its_window():
+    a, b = worker_pool.Kind.of({"A": "1"}), worker_pool.Kind.of({"B": "1"})
+    usage = worker_pool.UsageMemory(window_s=60.0)
+    usage.add(collections.Counter({a: 3}), now=0.0)
+    usage.add(collections.Counter({a: 1, b: 2}), now=30.0)
+    assert usage.peaks() == {a: 3, b: 2}
+    usage.add(collections.Counter(), now=75.0)
+    assert usage.peaks() == {a: 1, b: 2}
+
+
+def test_what_a_killed_command_left_is_removed_and_a_live_ones_folder_kept(tmp_path):
+    """A command killed with SIGKILL leaves its local cluster's private folder and, possibly, Ray
+    processes carrying it (a Train worker still writing a checkpoint): the next command stops those
+    processes and removes the folder; a running command's folder is left alone."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    tmp = Path(tempfile.gettempdir())
+    left = Path(tempfile.mkdtemp(prefix=f"{ray_cluster.ORPHAN_PREFIX}{gone.pid}-", dir=tmp))
+    live = Path(tempfile.mkdtemp(prefix=f"{ray_cluster.ORPHAN_PREFIX}{os.getpid()}-", dir=tmp))
+    straggler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                 env=dict(os.environ, TMPDIR=str(left)))
+    try:
+        removed = ray_cluster.sweep_orphans()
+        assert str(left) in removed and not left.exists()
+        assert not psutil.pid_exists(straggler.pid)  # stopped (and reaped by the sweep, its parent here)
+        assert live.is_dir() and str(live) not in removed
+    finally:
+        straggler.kill()
+        live.rmdir()
+
+
+def test_the_workers_get_only_the_environment_their_cluster_lacks(monkeypatch):
+    needed = {"DS_ACCELERATOR": "cpu", "OUTDATED_IGNORE": "1"}
+    monkeypatch.setattr(ray_cluster, "_worker_env", {"DS_ACCELERATOR": "cpu", "OUTDATED_IGNORE": "1"})
+    assert ray_cluster.missing_worker_env(needed) == {}
+    monkeypatch.setattr(ray_cluster, "_worker_env", {"DS_ACCELERATOR": "cuda"})
+    assert ray_cluster.missing_worker_env(needed) == needed
+    monkeypatch.setattr(ray_cluster, "_worker_env", None)  # a cluster satp did not start: all of it
+    assert ray_cluster.missing_worker_env(needed) == needed
+
+
+# ----------------------------------------------------------------------------- the real cluster
+def _env(home: Path) -> dict:
+    env = dict(os.environ, SATP_HOME=str(home), TQDM_DISABLE="1")
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def _satp(args: list[str], env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def warm_cluster(tmp_path_factory):
+    """A ``satp cluster`` of its own (1 Train worker kept warm), stopped at the end whatever happened."""
+    home = tmp_path_factory.mktemp("satp-home")
+    env = _env(home)
+    started = _satp(["cluster", "start", "--no-dashboard", "--num-cpus", "2", "--workers", "1"], env)
+    assert started.returncode == 0, started.stderr[-3000:]
+    yield home, env
+    _satp(["cluster", "stop"], env)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_two_commands_at_once_run_on_warm_workers_and_stop_leaves_nothing(warm_cluster, tiny_setting, tmp_path):
+    home, env = warm_cluster
+    base, _ = tiny_setting
+    old = dict(os.environ)
+    os.environ["SATP_HOME"] = str(home)
+    try:
+        record = local_cluster.ClusterRecord.load()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    status = _satp(["cluster", "status"], env)
+    assert status.returncode == 0 and record.address in status.stdout
+    assert "train-controller+training" in status.stdout, status.stdout
+
+    again = _satp(["cluster", "start"], env)
+    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1] == (
+        f"satp: error: a satp cluster runs already at {record.address} (record {home / 'cluster.json'}); "
+        "satp cluster stop stops it")
+
+    procs = []
+    for name in ("first", "second"):
+        values = tiny_job_dict(base, epochs=1, run_name=name, storage_path=str(tmp_path / "ray"), train_subset=200,
+                               eval_subset=60)
+        values["resources"]["num_workers"] = 1
+        values["mlflow"]["enabled"] = False
+        job = tmp_path / f"{name}.yaml"
+        job.write_text(yaml.safe_dump(values))
+        procs.append(subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", str(job), "--no-progress"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT))
+        time.sleep(2)
+    outputs = [p.communicate(timeout=900) for p in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+        assert "starting a local Ray cluster" not in err  # both ran on the satp cluster
+    lines = [line for _, err in outputs for line in err.splitlines() if "start-up" in line and "first step" in line]
+    assert len(lines) == 2 and any(line.endswith("(warm worker process)") for line in lines), lines
+
+    stopped = _satp(["cluster", "stop"], env)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert not Path(record.temp_dir).exists() and not (home / "cluster.json").exists()
+    assert local_cluster.processes_of(record.temp_dir) == []
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_cluster_gone_under_its_record_is_named_and_cleaned_up(tmp_path, monkeypatch):
+    """A satp cluster that died (here: its raylet and GCS killed, as a crash or a reboot would) is
+    named in one line by the next command, which removes what is left and starts its own; one of
+    another Python environment is named and left alone."""
+    monkeypatch.setenv("SATP_HOME", str(tmp_path))
+    record = local_cluster.start(num_cpus=1, num_gpus=0, workers=1, dashboard=False, wait=False)
+    try:
+        record.environment = dict(record.environment, torch="0.0.1")
+        record.save()
+        lines: list[str] = []
+        assert local_cluster.for_command(lines.append) is None
+        assert lines == [f"the satp cluster at {record.address} runs another Python environment (torch 0.0.1 (this "
+                         f"command: {local_cluster.environment()['torch']})): not used, this command starts its own "
+                         "local Ray (satp cluster stop, then satp cluster start from this environment)"]
+        assert record.alive()  # left running: it may be someone else's
+
+        for proc in local_cluster.processes_of(record.temp_dir):
+            if proc.name() in ("raylet", "gcs_server"):
+                proc.kill()
+        deadline = time.monotonic() + 30
+        while record.alive() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        lines.clear()
+        assert local_cluster.for_command(lines.append) is None
+        assert len(lines) == 1 and lines[0].startswith(f"the satp cluster of {tmp_path / 'cluster.json'} (started ")
+        assert lines[0].endswith("is gone; its leftovers were removed and this command starts its own local Ray "
+                                 "(satp cluster start: a warm one)")
+        assert local_cluster.ClusterRecord.load() is None and not Path(record.temp_dir).exists()
+        assert local_cluster.processes_of(record.temp_dir) == []
+    finally:
+        local_cluster.stop(record)
