@@ -25,10 +25,15 @@ job) and prestarts what is missing; :func:`keep_warm` does so every second, in t
 ``satp cluster start`` leaves beside its cluster (``python -m runtime.worker_pool``), until the
 raylet is gone. How many of a kind it keeps: the most that were in use at once within the last
 :data:`USAGE_WINDOW_S` (so the second trial of a sweep finds what the first one used), at least
-what one ``satp train`` run of the cluster's size needs (:func:`default_targets`). Prestarted
-processes are kept alive (``keep_alive_duration_secs``) so that Ray's idle-worker killer leaves
-them; no process is prestarted while less than :data:`MIN_FREE_MEMORY` is free. It also ends the
-placement-group cleaners that interrupted runs leave behind (:meth:`WorkerPool.end_orphaned_cleaners`).
+what one ``satp train`` run of the cluster's size needs (:func:`default_targets`), and never
+more than :func:`warm_limit` idle processes in all: each holds 0.2-0.6 GB, and each costs seconds
+of CPU to start, which a busy machine pays while its runs wait. Prestarted processes are kept alive
+(``keep_alive_duration_secs``) for :data:`KEEP_ALIVE_S`, so that Ray's idle-worker killer leaves them
+until a run takes them, and not for long after: a process a task takes stays bound to that task's
+job, idle and unusable to any other, until its keep-alive ends (a sweep or a test session is one
+long job). An idle cluster so restarts its warm processes every :data:`KEEP_ALIVE_S`. No process is
+prestarted while less than :data:`MIN_FREE_MEMORY` is free. It also ends the placement-group
+cleaners that interrupted runs leave behind (:meth:`WorkerPool.end_orphaned_cleaners`).
 """
 from __future__ import annotations
 
@@ -60,7 +65,7 @@ PRELOAD_MODULES = ("ray.train", "runtime.ray_logs")
 USAGE_WINDOW_S = 600.0
 CLEANER_CHECK_ROUNDS = 10  # keep_warm's rounds between looks for orphaned placement-group cleaners
 MIN_FREE_MEMORY = 2 << 30
-KEEP_ALIVE_S = 24 * 3600
+KEEP_ALIVE_S = 600
 #: variables the raylet sets in every worker process it starts (seen in /proc): not part of a kind
 _PER_PROCESS_VARS = frozenset({"RAY_RAYLET_PID", "RAY_JOB_ID", "SPT_NOENV"})
 
@@ -128,6 +133,24 @@ def default_targets(workers: int) -> dict[Kind, int]:
     placement-group cleaner and synchronization actor, and the workers."""
     controller, worker = train_run_kinds()
     return {controller: 3, worker: workers}
+
+
+def warm_limit(defaults: dict[Kind, int], starts_at_once: int) -> int:
+    """The most idle processes a pool holds: one run's (``defaults``) and one more round of starts."""
+    return sum(defaults.values()) + starts_at_once
+
+
+def within_limit(targets: dict[Kind, int], defaults: dict[Kind, int], limit: int) -> dict[Kind, int]:
+    """``targets`` cut to ``limit`` processes in all: ``defaults`` first, then the other kinds by
+    their count (the most used first)."""
+    ordered = sorted(targets.items(), key=lambda item: (item[0] not in defaults, -item[1], item[0]))
+    kept, room = {}, limit
+    for kind, count in ordered:
+        if room <= 0:
+            break
+        kept[kind] = min(count, room)
+        room -= kept[kind]
+    return kept
 
 
 def default_serializations() -> dict[Kind, str]:
@@ -285,14 +308,17 @@ class WorkerPool:
             request.runtime_env_info.serialized_runtime_env = self.serializations.get(kind) or serialized(kind, False)
         self._stub.PrestartWorkers(request, timeout=10)
 
-    def top_up(self, targets: dict[Kind, int], available: Optional[collections.Counter] = None) -> dict[Kind, int]:
+    def top_up(self, targets: dict[Kind, int], available: Optional[collections.Counter] = None,
+               most: Optional[int] = None) -> dict[Kind, int]:
         """Prestart what ``targets`` lacks beyond the available processes, as many as the raylet starts
-        at once (call again for the rest); return what was asked for."""
+        at once and at most ``most`` (call again for the rest); return what was asked for."""
         import psutil
 
         if available is None:
             available = self.census()[0]
         started, room = {}, self.starts_at_once - self.starting
+        if most is not None:
+            room = min(room, most)
         # the training kinds first: their processes take longest to be ready
         for kind, target in sorted(targets.items(), key=lambda item: (SETUP_HOOK_VAR not in dict(item[0].env), item[0])):
             missing = min(target - available.get(kind, 0), room)
@@ -380,10 +406,11 @@ class Requests:
 
 
 def keep_warm(pool: WorkerPool, defaults: dict[Kind, int], interval_s: float = 1.0,
-              max_per_kind: int = 16, once: bool = False) -> None:
+              once: bool = False) -> None:
     """Top the pool up every ``interval_s`` until the raylet is gone (see the module docstring);
     ``once``: until it has held ``defaults`` once (a command's own cluster, for its one run)."""
     usage, requests = UsageMemory(), Requests()
+    limit = warm_limit(defaults, pool.starts_at_once)
     rounds = 0
     while pool.alive():
         try:
@@ -395,11 +422,12 @@ def keep_warm(pool: WorkerPool, defaults: dict[Kind, int], interval_s: float = 1
             usage.add(busy, now)
             targets = dict(defaults)
             for kind, peak in usage.peaks().items():
-                targets[kind] = min(max_per_kind, max(targets.get(kind, 0), peak))
+                targets[kind] = max(targets.get(kind, 0), peak)
+            targets = within_limit(targets, defaults, limit)
             if once and all(available.get(kind, 0) >= count for kind, count in defaults.items()):
                 return
             counted = requests.counted(available, now)
-            for kind, count in pool.top_up(targets, counted).items():
+            for kind, count in pool.top_up(targets, counted, most=limit - sum(counted.values())).items():
                 requests.add(kind, counted.get(kind, 0), count, now)
                 log.info("prestarted %d %s worker process(es)", count, kind.describe())
         except Exception as exc:  # the raylet going away mid-call, a slow answer: try again

@@ -70,6 +70,22 @@ def test_usage_keeps_the_most_in_use_at_once_within_its_window():
     assert usage.peaks() == {a: 1, b: 2}
 
 
+def test_the_pool_holds_one_run_and_one_round_of_starts_at_most():
+    """However many kinds a long session has used (a sweep, a test session: each kind's peak in the
+    window), the pool keeps one run's processes first and tops up to its limit with the most used."""
+    defaults = worker_pool.default_targets(2)
+    limit = worker_pool.warm_limit(defaults, starts_at_once=2)
+    assert limit == 3 + 2 + 2
+    trial, plain, other = (worker_pool.Kind.of({"PL_DISABLE_FORK": "1"}), worker_pool.Kind(),
+                           worker_pool.Kind.of({"X": "1"}))
+    wanted = {**defaults, trial: 6, plain: 1, other: 3}
+    kept = worker_pool.within_limit(wanted, defaults, limit)
+    assert sum(kept.values()) == limit
+    assert all(kept[kind] == count for kind, count in defaults.items())
+    assert kept == {**defaults, trial: 2}
+    assert worker_pool.within_limit(defaults, defaults, limit) == defaults
+
+
 def test_what_a_killed_command_left_is_removed_and_a_live_ones_folder_kept(tmp_path):
     """A command killed with SIGKILL leaves its local cluster's private folder and, possibly, Ray
     processes carrying it (a Train worker still writing a checkpoint): the next command stops those
