@@ -86,14 +86,12 @@ from sat import SAT, SATConfig, SATData
 from pipeline.config.train import TrainConfig
 from pipeline.tasks import PPATask
 from pipeline.train.batching import NodeBudgetSampler
-from pipeline.train.driver import skip_deepspeed_jit_ops
 from pipeline.train.engine import build_engine, clips_outside_deepspeed
 from pipeline.train.global_batch import GlobalBatches, share
 from pipeline.train.reporting import Reports
 from pipeline.train.step import TrainStep
 
 rank, world = int(sys.argv[1]), int(sys.argv[2])
-skip_deepspeed_jit_ops()  # as a Ray Train worker does: no shared-memory op compiled (gloo reduces)
 torch.set_num_threads(1)
 gen = torch.Generator().manual_seed(0)
 def graph(n):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -191,3 +192,15 @@ def optimizer_step(engine, grad_clip: float, clip_here: bool) -> None:
 
 def current_lr(engine) -> float:
     return float(engine.optimizer.param_groups[0]["lr"])
+
+
+def keep_compile_caches(storage_path: str) -> None:
+    """Point Inductor's and Triton's caches at ``<storage_path>/.satp-compile-cache``, so that a
+    rerun or a resumed run (any run stored there: the caches are keyed by what they compiled) loads
+    the compiled kernels instead of compiling again. Storage behind a URI (``s3://...``) keeps
+    PyTorch's default caches (local to the node)."""
+    if "://" in storage_path:
+        return
+    root = Path(storage_path) / ".satp-compile-cache"
+    for variable, name in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        os.environ[variable] = str(root / name)

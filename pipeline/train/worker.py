@@ -45,7 +45,7 @@ from pipeline.train.batching import NodeBudgetSampler, subset_indices
 from pipeline.train.global_batch import GlobalBatches, Position, RankStream
 from pipeline.config import JobConfig
 from pipeline.train.capacity import describe, run_capacities
-from pipeline.train.engine import build_engine, clips_outside_deepspeed, current_lr, resolve_precision
+from pipeline.train.engine import build_engine, clips_outside_deepspeed, current_lr, keep_compile_caches, resolve_precision
 from pipeline.train.loader import BatchCollator, make_loader, open_split
 from pipeline.train.metrics import EpochMeter, broadcast_from_rank_zero, concat_gathered, gather_objects
 from pipeline.train.precise_bn import StatisticsBatches, batchnorm_layers, recompute_batchnorm_stats
@@ -489,14 +489,3 @@ class WorkerRun:
         if self.logger is not None:
             self.logger.close()
 
-
-def keep_compile_caches(storage_path: str) -> None:
-    """Point Inductor's and Triton's caches at ``<storage_path>/.satp-compile-cache``, so that a
-    rerun or a resumed run (any run stored there: the caches are keyed by what they compiled) loads
-    the compiled kernels instead of compiling again. Storage behind a URI (``s3://...``) keeps
-    PyTorch's default caches (local to the node)."""
-    if "://" in storage_path:
-        return
-    root = Path(storage_path) / ".satp-compile-cache"
-    for variable, name in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
-        os.environ[variable] = str(root / name)
