@@ -328,9 +328,21 @@ def stop_processes(temp: str, grace_s: float = 8.0) -> int:
                 pass
         _, procs = psutil.wait_procs(procs, timeout=wait)
         procs += [p for p in processes_of(temp) if p not in procs]  # started meanwhile (a worker)
+        procs = [p for p in procs if not _ended(p)]
         if not procs:
             break
     return len(procs)
+
+
+def _ended(proc) -> bool:
+    """Gone, or a zombie: ended, its status not yet collected by its parent (the keeper of a cluster
+    that a process other than ``satp cluster start`` started, a test session, until it reaps it)."""
+    import psutil
+
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def stop(record: Optional[ClusterRecord] = None) -> Optional[ClusterRecord]:

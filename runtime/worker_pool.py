@@ -32,8 +32,13 @@ of CPU to start, which a busy machine pays while its runs wait. Prestarted proce
 until a run takes them, and not for long after: a process a task takes stays bound to that task's
 job, idle and unusable to any other, until its keep-alive ends (a sweep or a test session is one
 long job). An idle cluster so restarts its warm processes every :data:`KEEP_ALIVE_S`. No process is
-prestarted while less than :data:`MIN_FREE_MEMORY` is free. It also ends the placement-group
-cleaners that interrupted runs leave behind (:meth:`WorkerPool.end_orphaned_cleaners`).
+prestarted while less than :data:`MIN_FREE_MEMORY` is free, nor while the machine's CPUs were more
+than :data:`BUSY_CPU_PERCENT` busy in the last :data:`BUSY_WINDOW_S` seconds (:class:`CpuBusy`):
+a prestart uses idle CPU, it never takes it from a run setting up or training (on 2 cores a refill
+of five processes during a run's set-up made that set-up seconds longer; on a machine with spare
+cores the pool refills while runs go on; a command's own cluster prestarts what its one run takes at
+once, ``once``). It also ends the placement-group cleaners that
+interrupted runs leave behind (:meth:`WorkerPool.end_orphaned_cleaners`).
 """
 from __future__ import annotations
 
@@ -65,6 +70,8 @@ PRELOAD_MODULES = ("ray.train", "runtime.ray_logs")
 USAGE_WINDOW_S = 600.0
 CLEANER_CHECK_ROUNDS = 10  # keep_warm's rounds between looks for orphaned placement-group cleaners
 MIN_FREE_MEMORY = 2 << 30
+BUSY_CPU_PERCENT = 60.0
+BUSY_WINDOW_S = 3.0
 KEEP_ALIVE_S = 600
 #: variables the raylet sets in every worker process it starts (seen in /proc): not part of a kind
 _PER_PROCESS_VARS = frozenset({"RAY_RAYLET_PID", "RAY_JOB_ID", "SPT_NOENV"})
@@ -405,11 +412,37 @@ class Requests:
         return counted
 
 
+class CpuBusy:
+    """Whether the machine's CPUs were busy (more than ``percent`` used) at any sample within the
+    last ``window_s`` seconds; sampled once per call of :meth:`busy` (since the call before)."""
+
+    def __init__(self, percent: float = BUSY_CPU_PERCENT, window_s: float = BUSY_WINDOW_S) -> None:
+        import psutil
+
+        self.percent, self.window_s = percent, window_s
+        self._samples: collections.deque = collections.deque()
+        psutil.cpu_percent(interval=None)  # starts the first interval
+
+    def add(self, used: float, now: float) -> None:
+        self._samples.append((now, used))
+        while self._samples and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+
+    def busy(self, now: Optional[float] = None) -> bool:
+        import psutil
+
+        self.add(psutil.cpu_percent(interval=None), time.monotonic() if now is None else now)
+        return self.was_busy()
+
+    def was_busy(self) -> bool:
+        return any(used > self.percent for _, used in self._samples)
+
+
 def keep_warm(pool: WorkerPool, defaults: dict[Kind, int], interval_s: float = 1.0,
               once: bool = False) -> None:
     """Top the pool up every ``interval_s`` until the raylet is gone (see the module docstring);
     ``once``: until it has held ``defaults`` once (a command's own cluster, for its one run)."""
-    usage, requests = UsageMemory(), Requests()
+    usage, requests, cpus = UsageMemory(), Requests(), CpuBusy()
     limit = warm_limit(defaults, pool.starts_at_once)
     rounds = 0
     while pool.alive():
@@ -426,6 +459,9 @@ def keep_warm(pool: WorkerPool, defaults: dict[Kind, int], interval_s: float = 1
             targets = within_limit(targets, defaults, limit)
             if once and all(available.get(kind, 0) >= count for kind, count in defaults.items()):
                 return
+            if cpus.busy(now) and not once:  # a command's own cluster: its run is about to take them
+                time.sleep(interval_s)
+                continue
             counted = requests.counted(available, now)
             for kind, count in pool.top_up(targets, counted, most=limit - sum(counted.values())).items():
                 requests.add(kind, counted.get(kind, 0), count, now)

@@ -86,6 +86,15 @@ def test_the_pool_holds_one_run_and_one_round_of_starts_at_most():
     assert worker_pool.within_limit(defaults, defaults, limit) == defaults
 
 
+def test_the_cpu_counts_as_busy_while_any_sample_of_its_window_was():
+    cpus = worker_pool.CpuBusy(percent=60.0, window_s=3.0)
+    cpus.add(95.0, now=0.0)
+    cpus.add(10.0, now=2.0)
+    assert cpus.was_busy()
+    cpus.add(10.0, now=3.5)  # the busy sample left the window
+    assert not cpus.was_busy()
+
+
 def test_what_a_killed_command_left_is_removed_and_a_live_ones_folder_kept(tmp_path):
     """A command killed with SIGKILL leaves its local cluster's private folder and, possibly, Ray
     processes carrying it (a Train worker still writing a checkpoint): the next command stops those
@@ -129,29 +138,17 @@ def _satp(args: list[str], env: dict, timeout: float = 600) -> subprocess.Comple
                           cwd=ROOT, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def warm_cluster(tmp_path_factory):
-    """A ``satp cluster`` of its own (1 Train worker kept warm), stopped at the end whatever happened."""
-    home = tmp_path_factory.mktemp("satp-home")
-    env = _env(home)
-    started = _satp(["cluster", "start", "--no-dashboard", "--num-cpus", "2", "--workers", "1"], env)
-    assert started.returncode == 0, started.stderr[-3000:]
-    yield home, env
-    _satp(["cluster", "stop"], env)
-
-
 @pytest.mark.ray
 @pytest.mark.slow
-def test_two_commands_at_once_run_on_warm_workers_and_stop_leaves_nothing(warm_cluster, tiny_setting, tmp_path):
-    home, env = warm_cluster
+def test_two_commands_at_once_run_on_the_warm_session_cluster(tiny_setting, tmp_path):
+    """The session's cluster is a satp cluster (conftest: ``local_cluster.start``, what ``satp cluster
+    start`` runs): ``satp cluster status`` names it and its warm kinds, a second ``start`` is refused
+    in one line, and two ``satp train`` at once both run on it, at least one on a warm process
+    (the pool is waited for first: on a busy machine it refills when it can)."""
     base, _ = tiny_setting
-    old = dict(os.environ)
-    os.environ["SATP_HOME"] = str(home)
-    try:
-        record = local_cluster.ClusterRecord.load()
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
+    home = Path(os.environ["SATP_HOME"])
+    env = _env(home)
+    record = local_cluster.ClusterRecord.load()
     status = _satp(["cluster", "status"], env)
     assert status.returncode == 0 and record.address in status.stdout
     assert "train-controller+training" in status.stdout, status.stdout
@@ -161,6 +158,7 @@ def test_two_commands_at_once_run_on_warm_workers_and_stop_leaves_nothing(warm_c
         f"satp: error: a satp cluster runs already at {record.address} (record {home / 'cluster.json'}); "
         "satp cluster stop stops it")
 
+    local_cluster.wait_warm(record)
     procs = []
     for name in ("first", "second"):
         values = tiny_job_dict(base, epochs=1, run_name=name, storage_path=str(tmp_path / "ray"), train_subset=200,
@@ -179,18 +177,14 @@ def test_two_commands_at_once_run_on_warm_workers_and_stop_leaves_nothing(warm_c
     lines = [line for _, err in outputs for line in err.splitlines() if "start-up" in line and "first step" in line]
     assert len(lines) == 2 and any(line.endswith("(warm worker process)") for line in lines), lines
 
-    stopped = _satp(["cluster", "stop"], env)
-    assert stopped.returncode == 0, stopped.stderr[-2000:]
-    assert not Path(record.temp_dir).exists() and not (home / "cluster.json").exists()
-    assert local_cluster.processes_of(record.temp_dir) == []
-
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_cluster_gone_under_its_record_is_named_and_cleaned_up(tmp_path, monkeypatch):
-    """A satp cluster that died (here: its raylet and GCS killed, as a crash or a reboot would) is
-    named in one line by the next command, which removes what is left and starts its own; one of
-    another Python environment is named and left alone."""
+def test_a_cluster_stopped_or_gone_under_its_record_leaves_nothing(tmp_path, monkeypatch):
+    """One of another Python environment is named and left alone; ``satp cluster stop`` leaves no
+    process, folder or record; a satp cluster that died (here: its raylet and GCS killed, as a crash
+    or a reboot would) is named in one line by the next command, which removes what is left and
+    starts its own."""
     monkeypatch.setenv("SATP_HOME", str(tmp_path))
     record = local_cluster.start(num_cpus=1, num_gpus=0, workers=1, dashboard=False, wait=False)
     try:
@@ -203,6 +197,13 @@ def test_a_cluster_gone_under_its_record_is_named_and_cleaned_up(tmp_path, monke
                          "local Ray (satp cluster stop, then satp cluster start from this environment)"]
         assert record.alive()  # left running: it may be someone else's
 
+        stopped = _satp(["cluster", "stop"], _env(tmp_path))
+        assert stopped.returncode == 0, stopped.stderr[-2000:]
+        assert stopped.stdout.strip() == f"stopped the satp cluster at {record.address}; removed {record.temp_dir}"
+        assert not Path(record.temp_dir).exists() and not (tmp_path / "cluster.json").exists()
+        assert local_cluster.processes_of(record.temp_dir) == []
+
+        record = local_cluster.start(num_cpus=1, num_gpus=0, workers=1, dashboard=False, wait=False)
         for proc in local_cluster.processes_of(record.temp_dir):
             if proc.name() in ("raylet", "gcs_server"):
                 proc.kill()

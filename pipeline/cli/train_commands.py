@@ -94,8 +94,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     # --address, this machine for a local cluster): seconds; train_plan runs the rest of it
     early_checks([job], address=args.address, task=False)
     _logging()
-    if args.restart or not _may_be_finished(job):
-        # Ray joined (or a local cluster started) in a thread while the driver's modules load below
+    if (args.restart or not _may_be_finished(job)) and not _held_elsewhere(job):
+        # Ray joined (or a local cluster started) in a thread while the driver's modules load below;
+        # not for a run another command holds, which is refused before Ray (the lease's line)
         from runtime.ray_cluster import connect_in_background
 
         connect_in_background(args.address, warm_workers=job.resources.max_workers)
@@ -119,12 +120,8 @@ def _may_be_finished(job) -> bool:
     Ray); read from its state alone, without verifying it: a guess that only decides whether Ray is
     joined early."""
     import json
-    from pathlib import Path
 
-    from pipeline.config.train import runs_dir
-
-    storage = Path(job.train.storage_path or runs_dir() / "ray").expanduser()
-    states = sorted((storage / (job.train.run_name or job.name)).glob("checkpoint_*/state.json"))
+    states = sorted(_run_dir(job).glob("checkpoint_*/state.json"))
     if not states:
         return False
     try:
@@ -132,6 +129,21 @@ def _may_be_finished(job) -> bool:
     except (OSError, ValueError):
         return True
     return bool(state.get("stopped")) or int(state.get("epoch", -1)) >= job.train.epochs - 1
+
+
+def _held_elsewhere(job) -> bool:
+    from pipeline.train.lease import held
+
+    return held(_run_dir(job))
+
+
+def _run_dir(job):
+    from pathlib import Path
+
+    from pipeline.config.train import runs_dir
+
+    storage = Path(job.train.storage_path or runs_dir() / "ray").expanduser()
+    return storage / (job.train.run_name or job.name)
 
 
 def kept_after_interrupt(plan) -> str:

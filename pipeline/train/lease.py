@@ -233,6 +233,16 @@ def expiry(holder: Holder, now: Optional[float] = None) -> Optional[str]:
     return None
 
 
+def held(run_dir: str | Path) -> bool:
+    """Whether another live command holds ``run_dir``'s lease now (a peek: nothing is written; the
+    lease's own :meth:`RunLease.acquire` decides)."""
+    try:
+        holder = decode(lease_path(run_dir).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return expiry(holder) is None
+
+
 def _say(line: str) -> None:
     print(f"satp: warning: {line}", file=sys.stderr, flush=True)
 
