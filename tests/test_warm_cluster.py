@@ -144,11 +144,12 @@ def test_two_commands_at_once_run_on_the_warm_session_cluster(tiny_setting, tmp_
     """The session's cluster is a satp cluster (conftest: ``local_cluster.start``, what ``satp cluster
     start`` runs): ``satp cluster status`` names it and its warm kinds, a second ``start`` is refused
     in one line, and two ``satp train`` at once both run on it, at least one on a warm process
-    (the pool is waited for first: on a busy machine it refills when it can)."""
+    (the pool is waited for first: it refills when the CPUs are idle)."""
     base, _ = tiny_setting
     home = Path(os.environ["SATP_HOME"])
     env = _env(home)
     record = local_cluster.ClusterRecord.load()
+    local_cluster.wait_warm(record)  # the pool refills on idle CPUs: the tests before may have kept them busy
     status = _satp(["cluster", "status"], env)
     assert status.returncode == 0 and record.address in status.stdout
     assert "train-controller+training" in status.stdout, status.stdout
@@ -158,7 +159,6 @@ def test_two_commands_at_once_run_on_the_warm_session_cluster(tiny_setting, tmp_
         f"satp: error: a satp cluster runs already at {record.address} (record {home / 'cluster.json'}); "
         "satp cluster stop stops it")
 
-    local_cluster.wait_warm(record)
     procs = []
     for name in ("first", "second"):
         values = tiny_job_dict(base, epochs=1, run_name=name, storage_path=str(tmp_path / "ray"), train_subset=200,
