@@ -134,7 +134,8 @@ class ClusterRecord:
         return worker_pool.WorkerPool(self.raylet_address, self.raylet_pid, self.address)
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """``n`` loopback ports free now (for a Ray node's listeners)."""
     sockets, ports = [], []
     for _ in range(n):
         s = socket.socket()
@@ -184,7 +185,7 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, worker
     workers = int(workers or (gpus or cpus))
     temp = tempfile.mkdtemp(prefix="satpc-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     (Path(temp) / "tmp").mkdir()
-    gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = _free_ports(9)
+    gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = free_ports(9)
     worker_env = cluster_env(use_gpu=gpus > 0, api_server=f"http://127.0.0.1:{dash if dashboard else 9}")
     env = dict(os.environ, **worker_env, TMPDIR=str(Path(temp) / "tmp"))
     env.pop("RAY_ADDRESS", None)

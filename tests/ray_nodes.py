@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from test_submit import _free_ports
+from runtime.local_cluster import free_ports
 
 BIN = Path(sys.executable).parent
 
@@ -55,7 +55,7 @@ class Node:
         self.log = Path(temp) / f"{'head' if head else 'node'}-{time.time_ns()}.log"
 
     def start(self) -> "Node":
-        p = _free_ports(7)
+        p = free_ports(7)
         cmd = [str(BIN / "ray"), "start", "--block", f"--num-cpus={self.cpus}", "--node-ip-address=127.0.0.1",
                f"--node-manager-port={p[0]}", f"--object-manager-port={p[1]}", f"--dashboard-agent-listen-port={p[2]}",
                f"--dashboard-agent-grpc-port={p[3]}", f"--metrics-export-port={p[4]}", f"--runtime-env-agent-port={p[5]}",
@@ -139,10 +139,10 @@ def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1) -> Iterator[dic
                 node.stop()
                 if attempt == attempts - 1:
                     raise
-                gcs = _free_ports(1)[0] if head else gcs
+                gcs = free_ports(1)[0] if head else gcs
 
     try:
-        gcs = started(True, _free_ports(1)[0], head_cpus).gcs_port
+        gcs = started(True, free_ports(1)[0], head_cpus).gcs_port
 
         def add_node() -> Node:
             return started(False, gcs, node_cpus)

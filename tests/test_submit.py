@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,22 +20,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runtime.local_cluster import free_ports
 from test_train_ray import tiny_data, tiny_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _pids_with(text: str) -> list[int]:
@@ -54,7 +42,7 @@ def _pids_with(text: str) -> list[int]:
 @pytest.fixture(scope="module")
 def job_server():
     temp = tempfile.mkdtemp(prefix="satpj", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = _free_ports(9)
+    gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = free_ports(9)
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OUTDATED_IGNORE="1",
                DS_ACCELERATOR="cpu", PATH=f"{BIN}:{os.environ.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
