@@ -149,8 +149,8 @@ def free_ports(n: int) -> list[int]:
 
 def cluster_env(use_gpu: bool, api_server: str) -> dict[str, str]:
     """The environment of a satp cluster's processes (inherited by every worker the raylet starts):
-    its workers import :data:`runtime.worker_pool.PRELOAD_MODULES` (the heavy training modules only
-    the processes that run training: :func:`runtime.worker_pool.training_env`);
+    its workers import :data:`runtime.worker_pool.PRELOAD_MODULES` (PyG, DeepSpeed and the other training
+    modules only the processes that run training: :func:`runtime.worker_pool.training_env`);
     ``RAY_prestart_worker_first_driver`` off (the pool decides what to prestart). No variable that
     runtime environments set (Ray Train's and Tune's): a worker's kind is what its environment adds
     to this one (:mod:`runtime.worker_pool`).

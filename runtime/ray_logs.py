@@ -14,10 +14,10 @@ Two warnings that Ray Train logs over and over while a run goes well:
   Controller actor state" every second of the run. (What it would clean up after an interrupted
   run, satp's worker pool ends: :meth:`runtime.worker_pool.WorkerPool.end_orphaned_cleaners`.)
 
-:func:`quiet_ray_train_noise` lowers those warnings to DEBUG, below Ray Train's console level (INFO):
-they stay in Ray Train's own log files (``logs/train/ray-train-sys-controller-*.log``), and the
-timeout warning only when its exception is a ``GetTimeoutError`` (the same warning about any other
-error keeps its level). It runs where Ray Train logs them, in the cluster's worker processes:
+:func:`quiet_ray_train_noise` lowers the timeout warning to DEBUG, below Ray Train's console level
+(INFO), when its exception is a ``GetTimeoutError`` (the same warning about any other error keeps
+its level): it stays in Ray Train's own log files (``logs/train/ray-train-sys-controller-*.log``).
+The cleaner's warning is dropped: its process has no such files. It runs where Ray Train logs them, in the cluster's worker processes:
 importing this module runs it, and the raylet of every cluster satp starts imports this module in
 each worker it starts (``RAY_preload_python_modules``: :mod:`runtime.worker_pool`); on a cluster
 satp did not start, it is the job's ``worker_process_setup_hook`` (:mod:`runtime.ray_cluster`).
@@ -51,13 +51,13 @@ CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cl
 
 
 class UnansweredStateQueries(logging.Filter):
-    """Lower the cleaner's "Failed to query Ray Train Controller actor state" warning to DEBUG."""
+    """Drop the cleaner's "Failed to query Ray Train Controller actor state" warning. The cleaner is
+    an actor of its own, whose records reach only Ray's default console handler, which has no level:
+    a record lowered to DEBUG would still be printed, every second of the run."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.WARNING and record.getMessage().startswith(
-                "Failed to query Ray Train Controller actor state"):
-            record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
-        return True
+        return not (record.levelno == logging.WARNING and record.getMessage().startswith(
+            "Failed to query Ray Train Controller actor state"))
 
 
 def quiet_ray_train_noise() -> None:

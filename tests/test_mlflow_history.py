@@ -73,7 +73,7 @@ def test_a_continuation_that_finishes_clears_the_failed_attempt(run, tmp_path):
     from pipeline.config import JobConfig
     from pipeline.train import mlflow_run
     from pipeline.train.plan import JobPlan
-    from pipeline.train.worker import WorkerSetup
+    from pipeline.train.worker_setup import WorkerSetup
     from tests.test_train_ray import tiny_job_dict
 
     uri, run_id = run

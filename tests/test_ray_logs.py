@@ -54,9 +54,6 @@ DRIVER = textwrap.dedent('''
             assert client_log.filters, "the worker did not import runtime.ray_logs when it started"
             if not keep_filters:
                 client_log.filters.clear()
-            cleaner_log = logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner")
-            cleaner_log.warning("Failed to query Ray Train Controller actor state. State API may be temporarily "
-                                "unavailable. Continuing to monitor.")
             client = TrainAutoscalingCoordinatorClient("train-test")
             client.__dict__["_autoscaling_coordinator"] = coordinator  # Ray's coordinator, answering late
             client.send_resource_request(ScalingConfig(num_workers=1), 1)  # waits 5 s, then logs
@@ -66,6 +63,16 @@ DRIVER = textwrap.dedent('''
                 logging.getLogger(client.__module__).warning("Failed to send resource request (other)", exc_info=True)
             print("DONE", file=sys.stderr, flush=True)
 
+    @ray.remote(num_cpus=0)
+    class Cleaner:  # Ray Train's placement-group cleaner: an actor of its own, Ray's default logging
+        def run(self):
+            cleaner_log = logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner")
+            if not keep_filters:
+                cleaner_log.filters.clear()
+            cleaner_log.warning("Failed to query Ray Train Controller actor state. State API may be temporarily "
+                                "unavailable. Continuing to monitor.")
+
+    ray.get(Cleaner.remote().run.remote())
     ray.get(Controller.remote().run.remote(SlowCoordinator.remote()))
     time.sleep(600)  # prints the actors' output until the test has read it
 ''').replace('"DONE"', repr(DONE))
@@ -93,6 +100,7 @@ def test_the_coordinators_timeout_stays_off_the_console_and_other_errors_do_not(
     address = ray_cluster.get_runtime_context().gcs_address
     without = _console(address, "filters-removed")
     assert "Failed to send resource request for train-test" in without and "GetTimeoutError" in without, without
+    assert "Failed to query Ray Train Controller actor state" in without, without
     shown = _console(address, "as-started")
     assert "train-test" not in shown and "GetTimeoutError" not in shown, shown
     assert "Failed to query Ray Train Controller actor state" not in shown, shown

@@ -161,7 +161,7 @@ def test_fit_gives_ray_train_the_resolved_backend(monkeypatch, tmp_path):
     rtt = pytest.importorskip("ray.train.torch")
     from pipeline.train import driver as train_mod
     from pipeline.config import load_job
-    from pipeline.train.worker import WorkerSetup
+    from pipeline.train.worker_setup import WorkerSetup
 
     seen = {}
 

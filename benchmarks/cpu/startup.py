@@ -27,11 +27,12 @@ TRIALS = 8
 LINE = re.compile(r"start-up ([0-9.]+) s to the first step: (.*)")
 
 
-def _job_file(base: Path) -> Path:
-    """pattern-local with every path under ``base``, 1 epoch, and a tune section of 8 lr trials."""
+def _job_file(base: Path, checkout: Path = ROOT) -> Path:
+    """``checkout``'s pattern-local (its own keys: an older ref may lack newer ones) with every path
+    under ``base``, 1 epoch, and a tune section of 8 lr trials."""
     import yaml
 
-    raw = yaml.safe_load(JOB.read_text())
+    raw = yaml.safe_load((checkout / JOB.relative_to(ROOT)).read_text())
     raw["data"]["root"] = str(base / "data")
     raw["shards"]["root"] = str(base / "shards")
     raw["train"].update(epochs=1, storage_path=str(base / "ray"), eval_every=1)
@@ -40,7 +41,7 @@ def _job_file(base: Path) -> Path:
                    "max_concurrent_trials": 1, "seed": 0, "storage_path": str(base / "tune"),
                    "asha": {"grace_period": 1, "reduction_factor": 2, "max_epochs": 1},
                    "space": {"train.lr": {"loguniform": [1e-4, 1e-2]}}}
-    path = base / "startup.yaml"
+    path = base / ("startup.yaml" if checkout == ROOT else "startup-before.yaml")
     path.write_text(yaml.safe_dump(raw))
     return path
 
@@ -116,7 +117,8 @@ def run() -> str:
         try:
             if before_ref:
                 before_dir = _before_checkout(before_ref, base)
-                seconds, wall, phases = _train(job, "before-cold", _env(cold_home), before_dir)
+                before_job = _job_file(base, before_dir)
+                seconds, wall, phases = _train(before_job, "before-cold", _env(cold_home), before_dir)
                 rows.append(f"| before ({before_ref}), cold | {seconds:.1f} | {wall:.1f} | {phases} |")
             seconds, wall, phases = _train(job, "cold", _env(cold_home), ROOT)
             rows.append(f"| cold (no satp cluster) | {seconds:.1f} | {wall:.1f} | {phases} |")
@@ -131,7 +133,7 @@ def run() -> str:
             _wait_warm(warm_home)
             sweep_wall, trials = _sweep(job, _env(warm_home), ROOT)
             if before_dir is not None:
-                before_wall, before_trials = _sweep(job, _env(cold_home), before_dir)
+                before_wall, before_trials = _sweep(before_job, _env(cold_home), before_dir)
         finally:
             _satp(["cluster", "stop"], _env(warm_home), ROOT)
             if before_dir is not None:

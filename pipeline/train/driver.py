@@ -49,7 +49,8 @@ from pipeline.config import JobConfig
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mlflow_run, rerun, startup
 from pipeline.train.plan import JobPlan
-from pipeline.train.worker import WorkerSetup, worker_loop
+from pipeline.train.worker import worker_loop
+from pipeline.train.worker_setup import WorkerSetup
 
 log = logging.getLogger(__name__)
 

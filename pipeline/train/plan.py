@@ -10,7 +10,7 @@ instead of again in every step that needs it:
 * :meth:`JobPlan.attach_shards` (after the data stage): the shards checked against the job (splits
   not empty, features the model reads present), the model built once to catch a bad
   configuration before any worker starts, the task object with the shards' vocabulary, and the
-  worker setup (:class:`~pipeline.train.worker.WorkerSetup`: model config, task state, precision),
+  worker setup (:class:`~pipeline.train.worker_setup.WorkerSetup`: model config, task state, precision),
   which is what the workers receive;
 * :attr:`JobPlan.decision`: what the run name already holds (:mod:`pipeline.train.rerun`), set by
   the driver before and after the data stage.
@@ -34,7 +34,8 @@ from pipeline.train import stopping
 from pipeline.train.loader import open_split
 from pipeline.train.preflight import check_shard_features
 from pipeline.train.rerun import Decision
-from pipeline.train.worker import WorkerSetup, build_model
+from pipeline.train.worker import build_model
+from pipeline.train.worker_setup import WorkerSetup
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ restart: :mod:`pipeline.train.elastic`). Then, per epoch:
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -52,6 +51,7 @@ from pipeline.train.precise_bn import StatisticsBatches, batchnorm_layers, recom
 from pipeline.train.reporting import Reports
 from pipeline.tasks import make_task
 from pipeline.train.step import TrainStep, compiles_model, evaluate
+from pipeline.train.worker_setup import WorkerSetup
 from sat.config import SATConfig
 from sat.padding import padding_of
 
@@ -70,26 +70,6 @@ def build_model(config: SATConfig) -> torch.nn.Module:
     pyg_templates.install()  # generated PyG modules stay in memory in every process that builds a model
 
     return sat.SAT(config)
-
-
-@dataclasses.dataclass
-class WorkerSetup:
-    """Everything a worker needs, resolved in the driver (plain, picklable)."""
-
-    job: JobConfig
-    shard_dir: str
-    model_config: dict
-    task_name: str
-    task_state: dict
-    precision: str
-    run_id: Optional[str]
-    tracking_uri: Optional[str]
-    fault: Optional[dict] = None
-    provenance: Optional[dict] = None  # config hash + git commits, recorded in every checkpoint (pipeline.train.rerun)
-    resume_from: Optional[str] = None  # a complete checkpoint newer than Ray's record (pipeline.train.rerun)
-    startup: Optional[dict] = None  # the driver's start-up events, wall-clock (pipeline.train.startup)
-    process_env: Optional[dict] = None  # environment variables the worker sets when it starts (threads, console)
-    damaged: Optional[dict] = None  # checkpoints the driver named damaged (pipeline.train.rerun.named_damage)
 
 
 def worker_loop(config: dict) -> None:
