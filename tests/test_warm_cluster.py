@@ -38,6 +38,24 @@ def test_training_modules_leave_satp_to_the_run():
     assert out.stdout.split() == ["[]", "True"]
 
 
+def test_a_train_runs_processes_preload_what_it_opens_and_others_do_not():
+    """What every process of a satp cluster preloads (the raylet's list, imported in order as Ray
+    does): torch for the controller's TorchConfig; MLflow's store and pyplot only in a Train run's
+    kinds (their environment has Ray Train's controller variable), none of satp's training modules."""
+    code = ("import importlib, sys, runtime.worker_pool as w\n"
+            "for name in w.PRELOAD_MODULES: importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pipeline', 'sat')), 'torch' in sys.modules, "
+            "all(m in sys.modules for m in ('mlflow.store.tracking.sqlalchemy_store', 'matplotlib.pyplot')))")
+    outs = {}
+    for kind, extra in (("plain", {}), ("controller", dict([worker_pool.CONTROLLER_VAR]))):
+        env = {k: v for k, v in os.environ.items() if k != worker_pool.CONTROLLER_VAR[0]}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                             env={**env, **extra})
+        assert out.returncode == 0, out.stderr[-2000:]
+        outs[kind] = out.stdout.split()
+    assert outs == {"plain": ["[]", "True", "False"], "controller": ["[]", "True", "True"]}
+
+
 def test_kinds_are_written_as_ray_writes_them():
     from ray.runtime_env import RuntimeEnv
 
