@@ -15,8 +15,8 @@ actors carry Ray's ``RAY_WARN_BLOCKING_GET_INSIDE_ASYNC``, satp's Train workers 
 setup hook (:func:`training_env`: they import :data:`TRAINING_MODULES` when they start), a Tune
 trial's carry Tune's ``PL_DISABLE_FORK`` too (and a sweep gives its whole job the hook, since its
 trials run a training driver each). Every worker of satp's clusters imports
-:data:`PRELOAD_MODULES` (Ray Train and torch; a Train run's kinds MLflow's store too); only the kinds
-that train pay for PyG and DeepSpeed. A process's kind is
+:data:`PRELOAD_MODULES` (Ray Train; a Train run's kinds torch and MLflow's store too); only the
+kinds that train pay for PyG and DeepSpeed. A process's kind is
 read from ``/proc`` (the environment variables it has beyond its raylet's), so a pool serves the
 local node (the machine of ``satp cluster``); how Ray wrote each kind's environment is read from
 the cluster's actor table (:func:`serialized`).
@@ -65,12 +65,13 @@ CONTROLLER_VAR = ("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
 #: so an edited checkout never runs stale code in a warm process
 TRAINING_MODULES = ("ray.train.torch", "torch_geometric", "deepspeed", "runtime.ray_logs")
 #: what every worker process of satp's clusters imports when it starts (the raylet's
-#: ``RAY_preload_python_modules``), each paid by the warm process instead of a run (measured with
-#: py-spy, 2 cores): what a Train controller and its helper actors run (the controller unpickles its
-#: ``TorchConfig``, whose module imports torch: ~3 s at the run's start); :mod:`runtime.run_imports`,
-#: which in a Train run's kinds only imports the MLflow store and pyplot they open on the run's
-#: path; and :mod:`runtime.ray_logs`, which quiets Ray Train's console noise where it is logged
-PRELOAD_MODULES = ("ray.train", "ray.train.torch", "runtime.run_imports", "runtime.ray_logs")
+#: ``RAY_preload_python_modules``): what a Train controller and its helper actors run;
+#: :mod:`runtime.run_imports`, which in a Train run's kinds only imports torch (the controller
+#: unpickles its ``TorchConfig``), MLflow's store and pyplot, which those processes open on the run's
+#: path (measured with py-spy, 2 cores: ~3 s at the start, ~1.5 s before the first step, ~3 s after
+#: the last epoch, paid by the warm process instead); and :mod:`runtime.ray_logs`, which quiets Ray
+#: Train's console noise where it is logged
+PRELOAD_MODULES = ("ray.train", "runtime.run_imports", "runtime.ray_logs")
 USAGE_WINDOW_S = 600.0
 CLEANER_CHECK_ROUNDS = 10  # keep_warm's rounds between looks for orphaned placement-group cleaners
 MIN_FREE_MEMORY = 2 << 30
