@@ -17,8 +17,8 @@ Two warnings that Ray Train logs over and over while a run goes well:
 :func:`quiet_ray_train_noise` lowers the timeout warning to DEBUG, below Ray Train's console level
 (INFO), when its exception is a ``GetTimeoutError`` (the same warning about any other error keeps
 its level): it stays in Ray Train's own log files (``logs/train/ray-train-sys-controller-*.log``).
-The cleaner's warning is dropped: its process has no such files. It runs where Ray Train logs them, in the cluster's worker processes:
-importing this module runs it, and the raylet of every cluster satp starts imports this module in
+The cleaner's warning is dropped: its process has no such files. It runs where Ray Train logs
+them, in the cluster's worker processes: importing this module runs it, and the raylet of every cluster satp starts imports this module in
 each worker it starts (``RAY_preload_python_modules``: :mod:`runtime.worker_pool`); on a cluster
 satp did not start, it is the job's ``worker_process_setup_hook`` (:mod:`runtime.ray_cluster`).
 It holds no training code: a warm process that imported it runs no stale satp code.

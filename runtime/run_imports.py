@@ -9,20 +9,17 @@ those processes open when the run needs them: torch (the controller unpickles it
 :mod:`pipeline.train.epoch_logger`, and rank 0's run logger) and pyplot (the epoch logger's
 curves). Measured with py-spy on 2 cores, pattern-local: ~3 s at the run's start, ~1.5 s before
 the first step and ~3 s after the last epoch, paid by the warm process instead. Other processes
-(a preprocessing task, Tune's, a cold run's own on-demand helpers of other kinds) import nothing
-here: on a busy machine, where the pool does not refill, they start as light as before. It holds no training code: a warm process that imported it runs no stale
-satp code.
+(a preprocessing task, a Tune trial actor) import nothing here: on a busy machine, where the pool
+does not refill, they start as light as before. It holds no training code: a warm process that
+imported it runs no stale satp code.
 """
 from __future__ import annotations
 
 import os
 
-from runtime.worker_pool import CONTROLLER_VAR
+from runtime.worker_pool import CONTROLLER_VAR, import_modules
 
 MODULES = ("ray.train.torch", "mlflow.store.tracking.sqlalchemy_store", "matplotlib.pyplot")
 
 if CONTROLLER_VAR[0] in os.environ:
-    import importlib
-
-    for _name in MODULES:
-        importlib.import_module(_name)
+    import_modules(MODULES)

@@ -82,12 +82,17 @@ KEEP_ALIVE_S = 600
 _PER_PROCESS_VARS = frozenset({"RAY_RAYLET_PID", "RAY_JOB_ID", "SPT_NOENV"})
 
 
-def import_training_modules() -> None:
-    """The setup hook of :func:`training_env`: import :data:`TRAINING_MODULES` in a new worker."""
+def import_modules(names: Iterable[str]) -> None:
+    """Import each of ``names`` (a warm process's imports ahead of its work)."""
     import importlib
 
-    for name in TRAINING_MODULES:
+    for name in names:
         importlib.import_module(name)
+
+
+def import_training_modules() -> None:
+    """The setup hook of :func:`training_env`: import :data:`TRAINING_MODULES` in a new worker."""
+    import_modules(TRAINING_MODULES)
 
 
 def training_env(extra: Optional[dict[str, str]] = None) -> dict:
