@@ -263,7 +263,8 @@ def wait_warm(record: ClusterRecord, timeout_s: float = START_TIMEOUT_S, progres
         available, _ = pool.census()
         ready = all(available.get(kind, 0) >= count for kind, count in targets.items())
         if ready:
-            idle = [p for p in psutil.Process(record.raylet_pid).children() if _title_of(p) == "ray::IDLE"]
+            idle = [p for p in psutil.Process(record.raylet_pid).children()
+                    if worker_pool.process_title(p.pid) == worker_pool.IDLE_TITLE]
             before = {p.pid: _cpu(p) for p in idle}
             time.sleep(0.5)
             if all(_cpu(p) == before[p.pid] for p in idle):
@@ -273,13 +274,6 @@ def wait_warm(record: ClusterRecord, timeout_s: float = START_TIMEOUT_S, progres
         if time.monotonic() > deadline:
             return dict(available)
         time.sleep(0.5)
-
-
-def _title_of(proc) -> str:
-    try:
-        return proc.cmdline()[0]
-    except Exception:
-        return ""
 
 
 def _cpu(proc) -> float:

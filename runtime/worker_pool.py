@@ -12,11 +12,11 @@ Ray hands an idle process only to a task or actor of the same runtime environmen
 what Ray compares, and a child actor inherits (merges) its parent's. So the processes of one run
 come in a few *kinds* (:class:`Kind`), each an environment: Train's controller and its helper
 actors carry Ray's ``RAY_WARN_BLOCKING_GET_INSIDE_ASYNC``, satp's Train workers add the training
-setup hook (:func:`training_env`: they import :data:`TRAINING_MODULES` when they start), a Tune
-trial's carry Tune's ``PL_DISABLE_FORK`` too (and a sweep gives its whole job the hook, since its
-trials run a training driver each). Every worker of satp's clusters imports
-:data:`PRELOAD_MODULES` (Ray Train; a Train run's kinds torch and MLflow's store too); only the
-kinds that train pay for PyG and DeepSpeed. A process's kind is
+setup hook (:func:`training_env`), a Tune trial's carry Tune's ``PL_DISABLE_FORK`` too (and a sweep
+gives its whole job the hook, since its trials run a training driver each). Every worker of satp's
+clusters imports :data:`PRELOAD_MODULES` (Ray Train) when it starts; a prestarted one of a Train
+run's kinds then imports torch and MLflow's store, and of the kinds that train PyG and DeepSpeed
+too, while it waits for work (:mod:`runtime.run_imports`). A process's kind is
 read from ``/proc`` (the environment variables it has beyond its raylet's), so a pool serves the
 local node (the machine of ``satp cluster``); how Ray wrote each kind's environment is read from
 the cluster's actor table (:func:`serialized`).
@@ -59,18 +59,11 @@ log = logging.getLogger(__name__)
 SETUP_HOOK_VAR = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 #: what Ray Train sets on its controller (and so on every actor the controller starts)
 CONTROLLER_VAR = ("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
-#: modules a satp training process needs (torch, PyG, DeepSpeed, Ray Train and through them numpy,
-#: pyarrow, pandas, MLflow), imported by :func:`training_env`'s processes when they start; satp's
-#: own modules are not among them: a worker imports those from the checkout when it runs (~0.2 s),
-#: so an edited checkout never runs stale code in a warm process
-TRAINING_MODULES = ("ray.train.torch", "torch_geometric", "deepspeed", "runtime.ray_logs")
 #: what every worker process of satp's clusters imports when it starts (the raylet's
 #: ``RAY_preload_python_modules``): what a Train controller and its helper actors run;
-#: :mod:`runtime.run_imports`, which in a Train run's kinds only imports torch (the controller
-#: unpickles its ``TorchConfig``), MLflow's store and pyplot, which those processes open on the run's
-#: path (measured with py-spy, 2 cores: ~3 s at the start, ~1.5 s before the first step, ~3 s after
-#: the last epoch, paid by the warm process instead); and :mod:`runtime.ray_logs`, which quiets Ray
-#: Train's console noise where it is logged
+#: :mod:`runtime.run_imports`, which in a Train run's kinds imports what the run opens on its path,
+#: once the process has waited for work a moment (a prestarted one); and :mod:`runtime.ray_logs`,
+#: which quiets Ray Train's console noise where it is logged
 PRELOAD_MODULES = ("ray.train", "runtime.run_imports", "runtime.ray_logs")
 USAGE_WINDOW_S = 600.0
 CLEANER_CHECK_ROUNDS = 10  # keep_warm's rounds between looks for orphaned placement-group cleaners
@@ -78,27 +71,15 @@ MIN_FREE_MEMORY = 2 << 30
 BUSY_CPU_PERCENT = 60.0
 BUSY_WINDOW_S = 3.0
 KEEP_ALIVE_S = 600
+IDLE_TITLE = "ray::IDLE"  # ray._private.ray_constants.WORKER_PROCESS_TYPE_IDLE_WORKER
 #: variables the raylet sets in every worker process it starts (seen in /proc): not part of a kind
 _PER_PROCESS_VARS = frozenset({"RAY_RAYLET_PID", "RAY_JOB_ID", "SPT_NOENV"})
 
 
-def import_modules(names: Iterable[str]) -> None:
-    """Import each of ``names`` (a warm process's imports ahead of its work)."""
-    import importlib
-
-    for name in names:
-        importlib.import_module(name)
-
-
-def import_training_modules() -> None:
-    """The setup hook of :func:`training_env`: import :data:`TRAINING_MODULES` in a new worker."""
-    import_modules(TRAINING_MODULES)
-
-
 def training_env(extra: Optional[dict[str, str]] = None) -> dict:
-    """The runtime environment of satp's Train workers: :data:`TRAINING_MODULES` imported when the
-    process starts (before the run needs it: a prestarted one has them), plus ``extra`` variables."""
-    return {"env_vars": {SETUP_HOOK_VAR: "runtime.worker_pool.import_training_modules", **(extra or {})}}
+    """The runtime environment of satp's Train workers: :data:`runtime.run_imports.TRAINING_MODULES`
+    imported ahead (a prestarted process has them before a run needs them), plus ``extra`` variables."""
+    return {"env_vars": {SETUP_HOOK_VAR: "runtime.run_imports.import_training_modules", **(extra or {})}}
 
 
 def preload_setting(modules: Iterable[str]) -> dict[str, str]:
@@ -187,7 +168,9 @@ def process_environ(pid: int) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
 
 
-def _title(pid: int) -> str:
+def process_title(pid: int) -> str:
+    """Process ``pid``'s title (Ray names a worker ``ray::<its actor or task>``, :data:`IDLE_TITLE` while
+    it has no work); ``""`` where it cannot be read."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().split(b"\0")[0].decode(errors="replace")
@@ -249,7 +232,7 @@ class WorkerPool:
         busy_pids = {}
         self.starting = 0
         for child in children:
-            title = _title(child.pid)
+            title = process_title(child.pid)
             if title.startswith("ray::") and title.endswith("Agent"):
                 continue  # the dashboard's and the runtime environments' agents
             if child.pid in unassigned:
@@ -257,7 +240,7 @@ class WorkerPool:
             elif child.pid not in registered and "default_worker.py" in " ".join(_safe_cmdline(child)):
                 available[self.kind_of(child.pid)] += 1
                 self.starting += 1
-            elif title.startswith("ray::") and title != "ray::IDLE":
+            elif title.startswith("ray::") and title != IDLE_TITLE:
                 kind = busy_pids[child.pid] = self.kind_of(child.pid)
                 busy[kind] += 1
         if any(kind not in self.serializations for kind in busy_pids.values()):

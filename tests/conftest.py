@@ -59,6 +59,33 @@ def ray_cluster():
         local_cluster.stop(record)
 
 
+def _ray_state() -> str:
+    """What the session's cluster holds: its free resources, live placement groups and actors."""
+    import ray
+    from ray._private import state
+
+    if not ray.is_initialized():
+        return "this process is not connected to a Ray cluster"
+    lines = [f"free {ray.available_resources()} of {ray.cluster_resources()}"]
+    lines += [f"placement group {pg_id[:8]} {pg['state']} {pg['bundles']} (job {pg.get('creator_job_id')})"
+              for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"]
+    lines += [f"actor {info['ActorClassName']} {info['State']} pid {info.get('Pid')} job {info['JobID']}"
+              for info in state.actors().values() if info["State"] != "DEAD"]
+    return "\n".join(lines)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test stopped by pytest-timeout (``timeout`` in pyproject.toml) also reports what the session's
+    Ray cluster held then: a run waiting for resources another test left taken says so."""
+    report = (yield).get_result()
+    if report.failed and "from pytest-timeout" in str(report.longrepr):
+        try:
+            report.sections.append(("Ray cluster at the timeout", _ray_state()))
+        except Exception as exc:  # the report matters more than this addition to it
+            report.sections.append(("Ray cluster at the timeout", f"unreadable: {exc!r}"))
+
+
 @pytest.fixture(scope="module")
 def tiny_setting(ray_cluster, tmp_path_factory):
     """``(folder, Ray address)``: the tiny ogbg-code2-format dataset of ``tests/test_train_ray.py`` (made

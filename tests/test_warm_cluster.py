@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_training_modules_leave_satp_to_the_run():
     """A warm process imports torch, PyG and DeepSpeed ahead, never satp's own modules: an edited
     checkout is what the next run imports."""
-    code = ("import sys, runtime.worker_pool as w; w.import_training_modules(); "
+    code = ("import sys, runtime.run_imports as r; r.import_modules(r.TRAINING_MODULES); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pipeline', 'sat', 'preprocessing')), "
             "all(m in sys.modules for m in ('torch', 'torch_geometric', 'deepspeed', 'ray.train')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
@@ -38,29 +38,39 @@ def test_training_modules_leave_satp_to_the_run():
     assert out.stdout.split() == ["[]", "True"]
 
 
-def test_a_train_runs_processes_preload_what_it_opens_and_others_do_not():
-    """What every process of a satp cluster preloads (the raylet's list, imported in order as Ray
-    does): torch (the controller's TorchConfig), MLflow's store and pyplot only in a Train run's
-    kinds (their environment has Ray Train's controller variable), none of satp's training modules."""
-    code = ("import importlib, sys, runtime.worker_pool as w\n"
+def test_only_a_prestarted_process_of_a_train_runs_kinds_imports_ahead():
+    """What every process of a satp cluster imports when it starts (the raylet's list, imported in
+    order as Ray does, then the setup hook of the kinds that train): none of satp's training modules;
+    torch, MLflow's store and pyplot (a Train run's kinds: Ray Train's controller variable), PyG and
+    DeepSpeed (the kinds that train) only in a process started ahead of any job (the nil job id the
+    raylet gives the pool's). One Ray started for a job's actor (the cleaner, the synchronization
+    actor) imports only what its actor opens."""
+    code = ("import importlib, os, sys, runtime.worker_pool as w, runtime.run_imports as r\n"
             "for name in w.PRELOAD_MODULES: importlib.import_module(name)\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pipeline', 'sat')), 'torch' in sys.modules, "
-            "all(m in sys.modules for m in ('mlflow.store.tracking.sqlalchemy_store', 'matplotlib.pyplot')))")
+            "if w.SETUP_HOOK_VAR in os.environ: r.import_training_modules()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pipeline', 'sat')), "
+            "','.join(m for m in ('torch', 'mlflow.store.tracking.sqlalchemy_store', 'matplotlib.pyplot', "
+            "'torch_geometric', 'deepspeed') if m in sys.modules) or '-')")
+    controller, worker = worker_pool.train_run_kinds()
     outs = {}
-    for kind, extra in (("plain", {}), ("controller", dict([worker_pool.CONTROLLER_VAR]))):
-        env = {k: v for k, v in os.environ.items() if k != worker_pool.CONTROLLER_VAR[0]}
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                             env={**env, **extra})
-        assert out.returncode == 0, out.stderr[-2000:]
-        outs[kind] = out.stdout.split()
-    assert outs == {"plain": ["[]", "False", "False"], "controller": ["[]", "True", "True"]}
+    for job in ("ffffffff", "01000000"):
+        for kind, extra in (("plain", {}), ("controller", dict(controller.env)), ("training", dict(worker.env))):
+            env = {k: v for k, v in os.environ.items() if k not in dict(worker.env)}
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                                 env={**env, **extra, "RAY_JOB_ID": job})
+            assert out.returncode == 0, out.stderr[-2000:]
+            outs[job, kind] = out.stdout.split()
+    run = "torch,mlflow.store.tracking.sqlalchemy_store,matplotlib.pyplot"
+    assert outs == {("ffffffff", "plain"): ["[]", "-"], ("ffffffff", "controller"): ["[]", run],
+                    ("ffffffff", "training"): ["[]", run + ",torch_geometric,deepspeed"],
+                    **{("01000000", kind): ["[]", "-"] for kind in ("plain", "controller", "training")}}
 
 
 def test_kinds_are_written_as_ray_writes_them():
     from ray.runtime_env import RuntimeEnv
 
     controller, worker = worker_pool.train_run_kinds()
-    assert dict(worker.env)[worker_pool.SETUP_HOOK_VAR] == "runtime.worker_pool.import_training_modules"
+    assert dict(worker.env)[worker_pool.SETUP_HOOK_VAR] == "runtime.run_imports.import_training_modules"
     assert set(dict(controller.env).items()) < set(dict(worker.env).items())  # a worker merges its controller's
     # a driver's actor: Ray's Python side; one merged under its creator's environment: compact
     assert worker_pool.serialized(controller, merged=False) == RuntimeEnv(env_vars=dict(controller.env)).serialize()
@@ -156,6 +166,14 @@ def _satp(args: list[str], env: dict, timeout: float = 600) -> subprocess.Comple
                           cwd=ROOT, timeout=timeout)
 
 
+def _maps(pid: int, library: str) -> bool:
+    """Whether process ``pid`` has a shared library named ``library`` loaded (what importing torch does)."""
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:  # ended meanwhile
+        return False
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_two_commands_at_once_run_on_the_warm_session_cluster(tiny_setting, tmp_path):
@@ -168,6 +186,11 @@ def test_two_commands_at_once_run_on_the_warm_session_cluster(tiny_setting, tmp_
     env = _env(home)
     record = local_cluster.ClusterRecord.load()
     local_cluster.wait_warm(record)  # the pool refills on idle CPUs: the tests before may have kept them busy
+    controller, _ = worker_pool.train_run_kinds()
+    pool = record.pool()
+    waiting = {p.pid: _maps(p.pid, "libtorch") for p in psutil.Process(record.raylet_pid).children()
+               if worker_pool.process_title(p.pid) == worker_pool.IDLE_TITLE and pool.kind_of(p.pid) == controller}
+    assert waiting and all(waiting.values()), f"the pool's controller processes imported torch ahead: {waiting}"
     status = _satp(["cluster", "status"], env)
     assert status.returncode == 0 and record.address in status.stdout
     assert "train-controller+training" in status.stdout, status.stdout
