@@ -9,7 +9,7 @@ when the run needs them: torch (the controller unpickles its ``TorchConfig``, wh
 it), MLflow's SQL store (the controller's epoch logger, :mod:`pipeline.train.epoch_logger`, and rank
 0's run logger) and pyplot (the epoch logger's curves). Measured with py-spy on 2 cores,
 pattern-local: ~3 s at the run's start, ~1.5 s before the first step and ~3 s after the last epoch,
-paid by the warm process instead. One of the kinds that train (Train's workers, every process of a
+paid by the warm process instead. A prestarted process of the kinds that train (Train's workers, every process of a
 sweep's job: :func:`runtime.worker_pool.training_env`) imports :data:`TRAINING_MODULES` too, in its
 setup hook :func:`import_training_modules`.
 

@@ -16,7 +16,7 @@ setup hook (:func:`training_env`), a Tune trial's carry Tune's ``PL_DISABLE_FORK
 gives its whole job the hook, since its trials run a training driver each). Every worker of satp's
 clusters imports :data:`PRELOAD_MODULES` (Ray Train) when it starts; a prestarted one of a Train
 run's kinds then imports torch and MLflow's store, and of the kinds that train PyG and DeepSpeed
-too, while it waits for work (:mod:`runtime.run_imports`). A process's kind is
+too (:mod:`runtime.run_imports`); one Ray starts for a job's actor imports what that actor opens. A process's kind is
 read from ``/proc`` (the environment variables it has beyond its raylet's), so a pool serves the
 local node (the machine of ``satp cluster``); how Ray wrote each kind's environment is read from
 the cluster's actor table (:func:`serialized`).
@@ -61,8 +61,8 @@ SETUP_HOOK_VAR = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 CONTROLLER_VAR = ("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
 #: what every worker process of satp's clusters imports when it starts (the raylet's
 #: ``RAY_preload_python_modules``): what a Train controller and its helper actors run;
-#: :mod:`runtime.run_imports`, which in a Train run's kinds imports what the run opens on its path,
-#: once the process has waited for work a moment (a prestarted one); and :mod:`runtime.ray_logs`,
+#: :mod:`runtime.run_imports`, which in a prestarted process of a Train run's kinds imports what the
+#: run opens on its path; and :mod:`runtime.ray_logs`,
 #: which quiets Ray Train's console noise where it is logged
 PRELOAD_MODULES = ("ray.train", "runtime.run_imports", "runtime.ray_logs")
 USAGE_WINDOW_S = 600.0
