@@ -25,7 +25,8 @@ the cluster's actor table (:func:`serialized`).
 job) and prestarts what is missing; :func:`keep_warm` does so every second, in the process that
 ``satp cluster start`` leaves beside its cluster (``python -m runtime.worker_pool``), until the
 raylet is gone. How many of a kind it keeps: the most that were in use at once within the last
-:data:`USAGE_WINDOW_S` (so the second trial of a sweep finds what the first one used), at least
+:data:`USAGE_WINDOW_S` (so the second trial of a sweep finds what the first one used; Train's helper
+actors not counted, :data:`TRAIN_HELPERS`), at least
 what one ``satp train`` run of the cluster's size needs (:func:`default_targets`), and never
 more than :func:`warm_limit` idle processes in all: each holds 0.2-0.6 GB, and each costs seconds
 of CPU to start, which a busy machine pays while its runs wait. Prestarted processes are kept alive
@@ -72,6 +73,13 @@ BUSY_CPU_PERCENT = 60.0
 BUSY_WINDOW_S = 3.0
 KEEP_ALIVE_S = 600
 IDLE_TITLE = "ray::IDLE"  # ray._private.ray_constants.WORKER_PROCESS_TYPE_IDLE_WORKER
+#: the actors a Train run's controller starts beside its workers (the cluster's autoscaling
+#: coordinator once per cluster). They share the controller's kind (in a sweep the training kind),
+#: so a prestarted process of it, which imports what the controller or a worker opens, costs one
+#: 7-10 s of CPU; started on demand (~2.5 s: Ray Train only) they are ready before the controller
+#: waits on them. Their processes are not counted as their kind's use: the pool keeps none for them
+TRAIN_HELPERS = frozenset({"PlacementGroupCleaner", "SynchronizationActor", "DatasetManager",
+                           "_AutoscalingCoordinatorActor"})
 #: variables the raylet sets in every worker process it starts (seen in /proc): not part of a kind
 _PER_PROCESS_VARS = frozenset({"RAY_RAYLET_PID", "RAY_JOB_ID", "SPT_NOENV"})
 
@@ -127,10 +135,10 @@ def train_run_kinds(extra: Optional[dict[str, str]] = None) -> tuple[Kind, Kind]
 
 
 def default_targets(workers: int) -> dict[Kind, int]:
-    """What one ``satp train`` run with ``workers`` workers takes from the pool: its controller,
-    placement-group cleaner and synchronization actor, and the workers."""
+    """What one ``satp train`` run with ``workers`` workers takes from the pool: its controller and
+    the workers (its helper actors, :data:`TRAIN_HELPERS`, start on demand)."""
     controller, worker = train_run_kinds()
-    return {controller: 3, worker: workers}
+    return {controller: 1, worker: workers}
 
 
 def warm_limit(defaults: dict[Kind, int], starts_at_once: int) -> int:
@@ -178,6 +186,11 @@ def process_title(pid: int) -> str:
         return ""
 
 
+def actor_class(title: str) -> str:
+    """The class (or task) a worker process titled ``title`` runs: ``ray::<class>[.<method>]``."""
+    return title.removeprefix("ray::").split(".", 1)[0]
+
+
 class WorkerPool:
     """The worker processes of one raylet on this machine: counted by kind, prestarted on request.
 
@@ -216,7 +229,8 @@ class WorkerPool:
 
     def census(self) -> tuple[collections.Counter, collections.Counter]:
         """``(available, busy)`` per kind: idle processes not bound to any job, or starting (not yet
-        registered; also counted in :attr:`starting`), and processes running a task or actor."""
+        registered; also counted in :attr:`starting`), and processes running a task or actor (but not
+        Train's helpers, :data:`TRAIN_HELPERS`)."""
         import psutil
         from ray.core.generated import node_manager_pb2
 
@@ -240,7 +254,7 @@ class WorkerPool:
             elif child.pid not in registered and "default_worker.py" in " ".join(_safe_cmdline(child)):
                 available[self.kind_of(child.pid)] += 1
                 self.starting += 1
-            elif title.startswith("ray::") and title != IDLE_TITLE:
+            elif title.startswith("ray::") and title != IDLE_TITLE and actor_class(title) not in TRAIN_HELPERS:
                 kind = busy_pids[child.pid] = self.kind_of(child.pid)
                 busy[kind] += 1
         if any(kind not in self.serializations for kind in busy_pids.values()):

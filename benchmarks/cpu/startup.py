@@ -38,7 +38,8 @@ def _job_file(base: Path, checkout: Path = ROOT) -> Path:
     raw["train"].update(epochs=1, storage_path=str(base / "ray"), eval_every=1)
     raw["mlflow"].update(tracking_uri=f"sqlite:///{base / 'mlflow.db'}", registered_model="sat-startup-bench")
     raw["tune"] = {"name": "startup-sweep", "num_samples": TRIALS, "metric": "val_acc", "mode": "max",
-                   "max_concurrent_trials": 1, "seed": 0, "storage_path": str(base / "tune"),
+                   "max_concurrent_trials": 1, "seed": 0,
+                   "storage_path": str(base / ("tune" if checkout == ROOT else "tune-before")),  # its own sweep
                    "asha": {"grace_period": 1, "reduction_factor": 2, "max_epochs": 1},
                    "space": {"train.lr": {"loguniform": [1e-4, 1e-2]}}}
     path = base / ("startup.yaml" if checkout == ROOT else "startup-before.yaml")
