@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from pipeline.registry import empty_store
+
 log = logging.getLogger(__name__)
 
 RUN_KEY_TAG = "satp.run_key"
@@ -42,8 +44,11 @@ def flatten(values: Any, prefix: str = "") -> dict[str, str]:
 
 
 def client(tracking_uri: str):
+    """An MLflow client of ``tracking_uri``; a SQLite store that does not exist yet starts as a copy of
+    an empty one (:mod:`pipeline.registry.empty_store`)."""
     from mlflow.tracking import MlflowClient
 
+    empty_store.seed(tracking_uri)
     return MlflowClient(tracking_uri=tracking_uri)
 
 

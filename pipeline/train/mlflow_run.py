@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from pipeline.registry import tracking
+from pipeline.registry.empty_store import database_path
 from pipeline.train.loader import open_split
 from pipeline.train.plan import JobPlan
 from pipeline.train.worker import build_model
@@ -47,7 +48,7 @@ def check_tracking_store(plan: JobPlan, previous) -> None:
 
     uri = plan.job.mlflow.tracking_uri
     run_id = previous.state.get("mlflow_run_id") if previous is not None else None
-    database = _database(uri)
+    database = database_path(uri)
     if run_id and database is not None and not database.exists():
         missing = f"the database {database} does not exist (deleted or moved?)"
     else:
@@ -69,10 +70,6 @@ def check_tracking_store(plan: JobPlan, previous) -> None:
         f"{previous.epoch}, {previous.checkpoint}) log to MLflow run {run_id}: nothing was trained or registered and "
         "the checkpoints are kept; restore the database (or point mlflow.tracking_uri at the store that has that run), "
         "or pass --restart to train the run over into this store (its checkpoints are deleted)")
-
-
-def _database(uri: str) -> Optional[Path]:
-    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
 
 
 @contextlib.contextmanager
@@ -98,7 +95,7 @@ def writing(plan: JobPlan, doing: str, outcome: str) -> Iterator[None]:
         raise error from None
     except MlflowException as exc:
         if "disk is full" in str(exc):  # SQLite: "database or disk is full"
-            error = OSError(f"{_database(uri) or f'mlflow.tracking_uri: {uri}'}: the disk is full (database or disk "
+            error = OSError(f"{database_path(uri) or f'mlflow.tracking_uri: {uri}'}: the disk is full (database or disk "
                             f"is full) while {doing}; {outcome}")
             error.errno = errno.ENOSPC
             raise error from None
