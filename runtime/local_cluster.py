@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from runtime import worker_pool
+from runtime import interrupts, worker_pool
 
 #: packages whose versions are part of the environment a warm process runs (what it imported ahead)
 ENVIRONMENT_PACKAGES = ("torch", "torch_geometric", "deepspeed", "ray", "mlflow", "numpy", "pyarrow")
@@ -198,6 +198,22 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, worker
            f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
            f"--runtime-env-agent-port={rt_env}", f"--node-manager-port={nm}", f"--object-manager-port={om}"]
     cmd += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"] if dashboard else ["--include-dashboard=false"]
+    try:
+        record = _start_recorded(cmd, env, temp, gcs, dash if dashboard else None, nm, cpus, gpus, workers, worker_env,
+                                 auth_mode, owner_pid)
+    except BaseException:  # failed, or interrupted (Ctrl-C, a timeout) before its record: nothing left running
+        with interrupts.deferred():  # a second Ctrl-C does not cut the clean-up short
+            stop_processes(temp)
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+    if wait:
+        wait_warm(record, progress=progress)
+    return record
+
+
+def _start_recorded(cmd: list[str], env: dict, temp: str, gcs: int, dash: Optional[int], nm: int, cpus: int,
+                    gpus: int, workers: int, worker_env: dict, auth_mode: str, owner_pid: Optional[int]) -> ClusterRecord:
+    """``ray start`` the head in ``temp``, start the pool's keeper beside it, save the record."""
     log_path = Path(temp) / "ray-start.log"
     with open(log_path, "w") as log_file:
         done = subprocess.run(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
@@ -205,11 +221,9 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, worker
     raylet = _raylet_of(temp)
     if done.returncode != 0 or raylet is None:
         tail = log_path.read_text()[-600:].strip().splitlines()
-        stop_processes(temp)
-        shutil.rmtree(temp, ignore_errors=True)
         raise ValueError(f"ray start failed (status {done.returncode}): {tail[-1] if tail else 'no output'}")
     record = ClusterRecord(
-        address=f"127.0.0.1:{gcs}", dashboard=f"http://127.0.0.1:{dash}" if dashboard else None, temp_dir=temp,
+        address=f"127.0.0.1:{gcs}", dashboard=f"http://127.0.0.1:{dash}" if dash is not None else None, temp_dir=temp,
         raylet_address=f"127.0.0.1:{nm}", raylet_pid=raylet, keeper_pid=None, cpus=float(cpus), gpus=float(gpus),
         workers=workers, worker_env=worker_env, environment=environment(), auth_mode=auth_mode, started=time.time(),
         owner_pid=owner_pid)
@@ -222,8 +236,6 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, worker
     keeper_log.close()
     record.keeper_pid = keeper.pid
     record.save()
-    if wait:
-        wait_warm(record, progress=progress)
     return record
 
 

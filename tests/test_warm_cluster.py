@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -237,6 +238,29 @@ def test_two_commands_at_once_run_on_the_warm_session_cluster(tiny_setting, tmp_
         assert "starting a local Ray cluster" not in err  # both ran on the satp cluster
     lines = [line for _, err in outputs for line in err.splitlines() if "start-up" in line and "first step" in line]
     assert len(lines) == 2 and any(line.endswith("(warm worker process)") for line in lines), lines
+
+
+@pytest.mark.ray
+def test_a_start_interrupted_before_its_record_leaves_nothing(tmp_path):
+    """Ctrl-C while ``ray start`` starts the head (its GCS up, no record yet): the interrupted start
+    stops what it started and removes its folder; no record is written."""
+    code = ("from runtime import local_cluster; "
+            "local_cluster.start(num_cpus=1, num_gpus=0, workers=1, dashboard=False, wait=False)")
+    before = set(Path("/tmp").glob("satpc-*"))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=_env(tmp_path), cwd=ROOT, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    folders: list[Path] = []
+    while time.monotonic() < deadline and proc.poll() is None and not any(
+            p.name() == "gcs_server" for folder in folders for p in local_cluster.processes_of(str(folder))):
+        folders = [f for f in Path("/tmp").glob("satpc-*") if f not in before]
+        time.sleep(0.1)
+    assert proc.poll() is None and len(folders) == 1, "ray start ended before its GCS was seen"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, err[-2000:]
+    assert local_cluster.processes_of(str(folders[0])) == [] and not folders[0].exists()
+    assert not (tmp_path / "cluster.json").exists()
 
 
 @pytest.mark.ray
