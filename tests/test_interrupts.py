@@ -29,6 +29,9 @@ def _satp_train(job: Path, address: str, fault: dict | None = None, timeout: flo
 
 
 def _job(base: Path, tmp_path: Path, run_name: str, **train) -> Path:
+    """The tiny job, 2 workers, on a subset of its graphs (epochs of a few steps: what is asserted is
+    the interrupt's handling, not learning)."""
+    train = {"train_subset": 300, "eval_subset": 100, **train}
     values = tiny_job_dict(base, run_name=run_name, storage_path=str(tmp_path / "ray"), **train)
     values["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     path = tmp_path / f"{run_name}.yaml"
