@@ -85,8 +85,14 @@ def test_a_damaged_template_is_made_again(home, tmp_path):
     assert _schema(tmp_path / "second.db") == _schema(tmp_path / "first.db") == _schema(template)
 
 
-def test_a_full_disk_leaves_nothing_and_mlflow_makes_the_store(home, tmp_path, small_disk):  # noqa: F811
+def test_a_full_disk_leaves_nothing_and_mlflow_makes_the_store(home, tmp_path, small_disk, monkeypatch):  # noqa: F811
     disk = small_disk.mount("256k")  # less than an empty store
     assert empty_store.seed(_uri(tmp_path / "elsewhere.db"))  # the template, on another disk
     assert not empty_store.seed(_uri(disk / "mlflow.db"))
     assert list(disk.iterdir()) == []
+    # the template's own folder full: no template, and MLflow makes the store as it always did
+    monkeypatch.setenv("SATP_HOME", str(disk))
+    assert not empty_store.seed(_uri(tmp_path / "beside.db"))
+    assert not (tmp_path / "beside.db").exists() and not empty_store.template_path().exists()
+    client = tracking.client(_uri(tmp_path / "beside.db"))
+    assert [e.name for e in client.search_experiments()] == ["Default"]
