@@ -55,9 +55,8 @@ def client(tracking_uri: str):
 def artifact_location(tracking_uri: str) -> Optional[str]:
     """Artifacts of a SQLite store live beside the database (``<dir>/mlartifacts``), not in the
     current directory (MLflow's default ``./mlruns``, a temporary copy in a Ray job)."""
-    if tracking_uri.startswith("sqlite:///"):
-        return (Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
-    return None
+    database = empty_store.database_path(tracking_uri)
+    return (database.parent / "mlartifacts").resolve().as_uri() if database is not None else None
 
 
 def ensure_experiment(mlflow_client, name: str, tracking_uri: str) -> str:
