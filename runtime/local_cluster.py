@@ -155,7 +155,8 @@ def cluster_env(use_gpu: bool, api_server: str) -> dict[str, str]:
     runtime environments set (Ray Train's and Tune's): a worker's kind is what its environment adds
     to this one (:mod:`runtime.worker_pool`).
 
-    ``api_server``: the dashboard whose State API Ray Train's placement-group cleaner asks (it
+    ``api_server``: the dashboard whose State API Ray Train's placement-group cleaner asks (in a Ray
+    Train run other than satp's, which start none; it
     otherwise resolves "the" cluster of the machine, and with several clusters on one machine may
     ask another one whether our controller is alive, get "no", and remove our placement group);
     without a dashboard an unreachable address, where its queries fail and it only warns."""

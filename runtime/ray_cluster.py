@@ -23,7 +23,8 @@ the job itself gets none on satp's clusters, and the workers only what the clust
 
 About the local cluster (see :func:`runtime.local_cluster.cluster_env` for its environment):
 
-* Ray Train V2's placement-group cleaner queries the State API of "the" cluster, resolved the
+* Ray Train V2's placement-group cleaner (of Ray Train runs other than satp's, which start none:
+  :func:`pipeline.train.driver._trainer_class`) queries the State API of "the" cluster, resolved the
   same way: with several clusters on one machine it may ask another cluster whether our
   controller is alive, get "no", and remove our placement group (killing our training).
   ``RAY_API_SERVER_ADDRESS`` in the cluster's environment pins it to our own dashboard (or, without

@@ -14,8 +14,8 @@ sweep's job: :func:`runtime.worker_pool.training_env`) imports :data:`TRAINING_M
 setup hook :func:`import_training_modules`.
 
 A process Ray starts for a job's actor or task imports none of it: it imports what its work opens.
-Train's placement-group cleaner, synchronization actor and dataset manager share the controller's
-kind (in a sweep also the training kind) and need none of these modules: importing them cost 8-11 s
+Train's synchronization actor (and, in Ray Train runs other than satp's, its placement-group cleaner
+and dataset manager) shares the controller's kind (in a sweep also the training kind) and need none of these modules: importing them cost 8-11 s
 of CPU per helper and run where the pool does not refill (a busy machine; the test suite: 930 s of
 its CPU). Nothing here is training code: a warm process runs no stale satp code.
 """

@@ -74,7 +74,8 @@ BUSY_WINDOW_S = 3.0
 KEEP_ALIVE_S = 600
 IDLE_TITLE = "ray::IDLE"  # ray._private.ray_constants.WORKER_PROCESS_TYPE_IDLE_WORKER
 #: the actors a Train run's controller starts beside its workers (the cluster's autoscaling
-#: coordinator once per cluster). They share the controller's kind (in a sweep the training kind),
+#: coordinator once per cluster; satp's runs start no cleaner and no dataset manager,
+#: :func:`pipeline.train.driver._trainer_class`, other Ray Train runs on the cluster do). They share the controller's kind (in a sweep the training kind),
 #: so a prestarted process of it, which imports what the controller or a worker opens, costs one
 #: 7-10 s of CPU; started on demand (~2.5 s: Ray Train only) they are ready before the controller
 #: waits on them. Their processes are not counted as their kind's use: the pool keeps none for them
@@ -287,7 +288,8 @@ class WorkerPool:
                 self.serializations[kind] = actor.serialized_runtime_env
 
     def end_orphaned_cleaners(self) -> int:
-        """End Ray Train's placement-group cleaners whose run's driver has gone; return how many.
+        """End Ray Train's placement-group cleaners whose run's driver has gone; return how many
+        (Ray Train runs other than satp's, which start none).
 
         Each Train run starts a detached ``PlacementGroupCleaner`` that asks the State API (the
         dashboard) whether the run's controller lives, and exits once it does not. A run that ends

@@ -37,13 +37,13 @@ def cluster():
 
 
 def _job(base: Path, tiny_base: Path, run_name: str, workers) -> Path:
-    """The tiny code2 job (test_train_ray's data, 400 training graphs: ~17 steps per epoch), fp32, 2
+    """The tiny code2 job (test_train_ray's data, 400 training graphs: 13 steps, one epoch), fp32, 2
     micro-batches per step, a checkpoint every 3 steps, evaluated at its end only; runs and MLflow
     under the cluster's shared directory."""
     from pipeline.config import JobConfig
     from preprocessing.sources import ensure_dataset
 
-    values = tiny_job_dict(tiny_base, epochs=2, run_name=run_name, max_failures=3, precision="fp32",
+    values = tiny_job_dict(tiny_base, epochs=1, run_name=run_name, max_failures=3, precision="fp32",
                            micro_batches_per_step=2, checkpoint_every_steps=EVERY, eval_every=100,
                            checkpoints_to_keep=3, log_every_steps=10, train_subset=400)
     values["train"]["storage_path"] = str(base / "ray")

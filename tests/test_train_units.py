@@ -172,8 +172,8 @@ def test_fit_gives_ray_train_the_resolved_backend(monkeypatch, tmp_path):
         seen.update(kwargs)
         raise Stop
 
-    assert issubclass(train_mod._interruptible_trainer(), rtt.TorchTrainer)
-    monkeypatch.setattr(train_mod, "_interruptible_trainer", lambda: trainer)
+    assert issubclass(train_mod._trainer_class(), rtt.TorchTrainer)
+    monkeypatch.setattr(train_mod, "_trainer_class", lambda: trainer)
     for sets, backend in ((["resources.num_workers=2", "resources.gpus_per_worker=0.5"], "gloo"), ([], "nccl"),
                           (["resources.use_gpu=false"], "gloo")):
         job = load_job("jobs/code2.yaml", sets + [f"train.storage_path={tmp_path}", "train.run_name=x",
@@ -184,3 +184,25 @@ def test_fit_gives_ray_train_the_resolved_backend(monkeypatch, tmp_path):
             train_mod._fit(job, setup, None)
         assert seen["torch_config"].backend == backend
         assert seen["scaling_config"].num_workers == job.resources.num_workers
+
+
+def test_satp_runs_start_no_dataset_manager_and_no_placement_group_cleaner(tmp_path):
+    """The controller of a satp run starts neither of Ray Train's two actors a satp run has no use for
+    (a process each), and keeps the callbacks that set the workers up; a trainer given Ray Datasets
+    keeps the callback that serves them. Ray is imported, no cluster is started."""
+    pytest.importorskip("ray.train.torch")
+    from ray.train import RunConfig, ScalingConfig
+
+    from pipeline.train import driver as train_mod
+
+    def callbacks(**datasets):
+        trainer = train_mod._trainer_class()(lambda: None, scaling_config=ScalingConfig(num_workers=1),
+                                             run_config=RunConfig(name="x", storage_path=str(tmp_path)),
+                                             datasets=datasets or None)
+        return {type(cb).__name__ for cb in trainer._create_default_callbacks()}
+
+    kept = callbacks()
+    assert {"AcceleratorSetupCallback", "BackendSetupCallback", "UserCallbackHandler"} <= kept, kept
+    assert not kept & {"DatasetsCallback", "PlacementGroupCleanerCallback"}, kept
+    # a dataset given as a function that makes it (Ray Train calls it when the workers start)
+    assert "DatasetsCallback" in callbacks(train=lambda: None)

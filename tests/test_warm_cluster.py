@@ -234,7 +234,8 @@ def test_two_commands_at_once_run_on_the_warm_session_cluster(tiny_setting, tmp_
     finally:
         done.set()
         sampler.join(timeout=30)
-    assert {"PlacementGroupCleaner", "SynchronizationActor"} <= helpers, helpers
+    assert "SynchronizationActor" in helpers, helpers
+    assert not helpers & {"PlacementGroupCleaner", "DatasetManager"}, helpers  # satp's runs need neither
     assert 0 < max(counted, default=0) <= 2, counted
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-3000:]

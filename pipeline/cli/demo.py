@@ -26,9 +26,8 @@ def run_demo(overrides: list[str] | None = None, job_path: str | Path = LOCAL_JO
         cpus = max(2, int(job.resources.max_workers * job.resources.cpus_per_worker))
         from runtime.ray_cluster import connect
 
-        # the satp cluster when one runs, else a local one: with its dashboard (on loopback) Ray
-        # Train's state queries work; without it, Train's placement-group cleaner warns every few
-        # seconds that the State API is unavailable
+        # the satp cluster when one runs, else a local one with its dashboard (on loopback), to
+        # watch the demo's run in
         connect(None, num_cpus=cpus, dashboard=True, warm_workers=job.resources.max_workers)
     outcome = train_job(job)
     m = outcome.metric

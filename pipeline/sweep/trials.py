@@ -134,10 +134,10 @@ def release_orphaned_placement_groups(with_pending: bool = False):
 
     When ASHA stops a trial, Tune ends the trial's actor, which kills its Train controller
     (an owned actor) and the Train workers, but not the workers' placement group: Ray keeps a
-    placement group until its job ends. Train V2's ``PlacementGroupCleaner`` would remove it,
-    but it polls the controller through the State API, which needs the dashboard (absent in
-    ``ray.init(include_dashboard=False)`` clusters such as the tests'), so the CPUs stay reserved
-    and the next trials wait forever. Only this job's non-detached groups are touched.
+    placement group until its job ends, so the CPUs would stay reserved and the next trials wait
+    forever. satp's runs start no Train ``PlacementGroupCleaner`` (a process per run, which polls
+    the State API and so needs a dashboard: :func:`pipeline.train.driver._trainer_class`); this
+    releases them instead. Only this job's non-detached groups are touched.
     """
     import ray
     from ray._private.state import state as global_state

@@ -330,7 +330,7 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
         callbacks.append(RegisteredEpochLogger(job.mlflow.tracking_uri, setup.run_id, TASK_CLASSES[setup.task_name].metric,
                                                target))
     setup.startup = dict(setup.startup or {}, fit=startup.now())
-    trainer = _interruptible_trainer()(
+    trainer = _trainer_class()(
         worker_main,
         train_loop_config={"setup": setup},
         torch_config=TorchConfig(backend=res.torch_backend),
@@ -387,22 +387,39 @@ def _storage_full(job: JobConfig, full: dict) -> OSError:
     return error
 
 
-def _interruptible_trainer():
-    """``TorchTrainer`` whose ``fit`` answers SIGINT as it does SIGTERM: with
-    :class:`runtime.interrupts.Interrupted`, which unwinds the driver so that it says what was
-    kept (Ray Train's own SIGINT handler aborts the run, logs the controller's tracebacks, and
-    exits with status 0). The controller and its workers are actors of this driver: they end
-    with it, when the CLI shuts Ray down; a checkpoint cut short then is never resumed from
-    (:func:`pipeline.train.checkpoint.is_complete`)."""
+def _trainer_class():
+    """Ray Train's ``TorchTrainer`` as satp's runs use it.
+
+    * ``fit`` answers SIGINT as it does SIGTERM: with :class:`runtime.interrupts.Interrupted`, which
+      unwinds the driver so that it says what was kept (Ray Train's own SIGINT handler aborts the
+      run, logs the controller's tracebacks, and exits with status 0). The controller and its
+      workers are actors of this driver: they end with it, when the CLI shuts Ray down; a
+      checkpoint cut short then is never resumed from (:func:`pipeline.train.checkpoint.is_complete`).
+    * The controller starts no actor that a satp run has no use for, each a process of its own
+      (~2.3 s of CPU to import Ray Train, ~0.2 GB) started beside the workers while they import: Ray
+      Data's ``DatasetManager`` (its ``DatasetsCallback`` starts one per worker group even without
+      datasets; satp's workers read their Arrow shards themselves) and the detached
+      ``PlacementGroupCleaner``, which removes the workers' placement group should the controller die
+      while its job goes on. Here the job is the command (Ray removes a job's placement groups when
+      it ends) or a sweep, which releases the groups of its ended trials itself
+      (:func:`pipeline.sweep.trials.release_orphaned_placement_groups`); the cleaner asked the State
+      API every second, which needs a dashboard, and outlived an interrupted run.
+    """
     from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     from runtime import interrupts
 
-    class InterruptibleTrainer(TorchTrainer):
+    class SatpTrainer(TorchTrainer):
         def _register_sigint_handler(self, controller) -> None:
             interrupts.install(keep=controller)  # the controller lives until the CLI shuts Ray down
 
-    return InterruptibleTrainer
+        def _create_default_callbacks(self) -> list:
+            unused = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
+            return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unused)]
+
+    return SatpTrainer
 
 
 def worker_main(config: dict) -> Optional[dict]:
