@@ -10,9 +10,10 @@ Two warnings that Ray Train logs over and over while a run goes well:
   traceback, which says itself that it is safe to ignore when it is transient. Nothing depends on
   the answer on a fixed-size cluster: the request only tells an autoscaler what to add.
 * Ray Train's placement-group cleaner (of a Ray Train run other than satp's, which start none)
-  asks the State API (the dashboard) every second whether the run's controller lives, and on a cluster without a dashboard logs "Failed to query Ray Train
-  Controller actor state" every second of the run. (What it would clean up after an interrupted
-  run, satp's worker pool ends: :meth:`runtime.worker_pool.WorkerPool.end_orphaned_cleaners`.)
+  asks the State API (the dashboard) every second whether the run's controller lives, and on a
+  cluster without a dashboard logs "Failed to query Ray Train Controller actor state" every second
+  of the run. (What it would clean up after an interrupted run, satp's worker pool ends:
+  :meth:`runtime.worker_pool.WorkerPool.end_orphaned_cleaners`.)
 
 :func:`quiet_ray_train_noise` lowers the timeout warning to DEBUG, below Ray Train's console level
 (INFO), when its exception is a ``GetTimeoutError`` (the same warning about any other error keeps

@@ -15,9 +15,10 @@ setup hook :func:`import_training_modules`.
 
 A process Ray starts for a job's actor or task imports none of it: it imports what its work opens.
 Train's synchronization actor (and, in Ray Train runs other than satp's, its placement-group cleaner
-and dataset manager) shares the controller's kind (in a sweep also the training kind) and need none of these modules: importing them cost 8-11 s
-of CPU per helper and run where the pool does not refill (a busy machine; the test suite: 930 s of
-its CPU). Nothing here is training code: a warm process runs no stale satp code.
+and dataset manager) shares the controller's kind (in a sweep also the training kind) and needs none
+of these modules: importing them cost 8-11 s of CPU per helper and run where the pool does not
+refill (a busy machine; the test suite: 930 s of its CPU). Nothing here is training code: a warm
+process runs no stale satp code.
 """
 from __future__ import annotations
 

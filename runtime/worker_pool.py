@@ -75,10 +75,11 @@ KEEP_ALIVE_S = 600
 IDLE_TITLE = "ray::IDLE"  # ray._private.ray_constants.WORKER_PROCESS_TYPE_IDLE_WORKER
 #: the actors a Train run's controller starts beside its workers (the cluster's autoscaling
 #: coordinator once per cluster; satp's runs start no cleaner and no dataset manager,
-#: :func:`pipeline.train.driver._trainer_class`, other Ray Train runs on the cluster do). They share the controller's kind (in a sweep the training kind),
-#: so a prestarted process of it, which imports what the controller or a worker opens, costs one
-#: 7-10 s of CPU; started on demand (~2.5 s: Ray Train only) they are ready before the controller
-#: waits on them. Their processes are not counted as their kind's use: the pool keeps none for them
+#: :func:`pipeline.train.driver._trainer_class`, other Ray Train runs on the cluster do). They
+#: share the controller's kind (in a sweep the training kind), so a prestarted process of it,
+#: which imports what the controller or a worker opens, costs one 7-10 s of CPU; started on
+#: demand (~2.5 s: Ray Train only) they are ready before the controller waits on them. Their
+#: processes are not counted as their kind's use: the pool keeps none for them
 TRAIN_HELPERS = frozenset({"PlacementGroupCleaner", "SynchronizationActor", "DatasetManager",
                            "_AutoscalingCoordinatorActor"})
 #: variables the raylet sets in every worker process it starts (seen in /proc): not part of a kind
