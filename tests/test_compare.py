@@ -1,10 +1,12 @@
 """``satp compare`` end to end on the session's local Ray (2 CPUs), MLflow on SQLite: 2 variants x 2 seeds
 of a tiny PATTERN job (1 epoch each), one Tune grid, one MLflow parent run with a child run per trial,
-per-variant mean and standard deviation, a table and a plot logged. Also what the driver does before
+per-variant mean and standard deviation, a table and a plot logged; two trials at a time, the last two
+in the first two's processes. Also what the driver does before
 the trials: a variant's pre-flight error names the variant, and the models it builds to count their
 parameters leave no generated PyG module in the temporary directory."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -32,11 +34,12 @@ def comparison(ray_cluster, tmp_path_factory):
     raw["model"].update(hidden_dim=16, num_layers=1)
     raw["resources"] = {"num_workers": 1, "cpus_per_worker": 0.5}
     raw["mlflow"]["experiment"] = "compare-tiny"
-    raw["compare"] = {"name": "cmp", "storage_path": str(tmp / "tune"), "seeds": [0, 1], "max_concurrent_trials": 4,
+    # two trials at once: the last two run in the first two's processes (Tune's actor reuse)
+    raw["compare"] = {"name": "cmp", "storage_path": str(tmp / "tune"), "seeds": [0, 1], "max_concurrent_trials": 2,
                       "variants": {"gcn": {"model.architecture": "gnn", "model.pe": "none", "model.pe_dim": 0},
                                    "sat": {}}}
     job = JobConfig.model_validate(raw)
-    return {"outcome": run_compare(job, verbose=0), "uri": job.mlflow.tracking_uri}
+    return {"outcome": run_compare(job, verbose=0), "uri": job.mlflow.tracking_uri, "tune": tmp / "tune" / "cmp"}
 
 
 @pytest.mark.ray
@@ -56,6 +59,16 @@ def test_every_variant_trains_with_every_seed(comparison):
     assert gcn.parameters < sat.parameters  # no attention, no FFN
     table = out.table()
     assert "| gcn |" in table and "| sat | (the job) |" in table and "4 trials, 1 epoch each" in table
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_last_two_trials_ran_in_the_first_two_trials_processes(comparison):
+    """Tune's results name the process of every trial (``pid``): two, for four trials."""
+    pids = {trial.name: {json.loads(line)["pid"] for line in (trial / "result.json").read_text().splitlines()}
+            for trial in comparison["tune"].iterdir() if (trial / "result.json").is_file()}
+    assert len(pids) == 4 and all(len(p) == 1 for p in pids.values()), pids
+    assert len(set.union(*pids.values())) == 2, pids
 
 
 @pytest.mark.ray

@@ -38,6 +38,25 @@ def test_an_elastic_minimum_the_cluster_never_holds_is_one_line_and_a_smaller_on
     check_resources(_job("resources.num_workers=[2, 4]", "train.micro_batches_per_step=4"), nodes=node)
 
 
+def test_an_elastic_fit_gives_ray_train_a_shorter_wait_for_a_new_worker_group(monkeypatch):
+    """Ray Train's own propagation (what its controller and workers get from the driver's environment)
+    carries the elastic wait while the fit starts, and only then; a fixed run keeps Train's default."""
+    from ray.train.v2._internal.constants import get_env_vars_to_propagate
+
+    from pipeline.train.driver import ELASTIC_GROUP_START_TIMEOUT_S, GROUP_START_TIMEOUT_VAR, _group_start_timeout
+
+    monkeypatch.delenv(GROUP_START_TIMEOUT_VAR, raising=False)
+    with _group_start_timeout(elastic=True):
+        assert float(get_env_vars_to_propagate()[GROUP_START_TIMEOUT_VAR]) == ELASTIC_GROUP_START_TIMEOUT_S < 60
+    with _group_start_timeout(elastic=False):
+        assert GROUP_START_TIMEOUT_VAR not in get_env_vars_to_propagate()
+    assert GROUP_START_TIMEOUT_VAR not in get_env_vars_to_propagate()
+    monkeypatch.setenv(GROUP_START_TIMEOUT_VAR, "40")  # the user's value stays
+    with _group_start_timeout(elastic=True):
+        assert get_env_vars_to_propagate()[GROUP_START_TIMEOUT_VAR] == "40"
+    assert get_env_vars_to_propagate()[GROUP_START_TIMEOUT_VAR] == "40"
+
+
 def test_the_configuration_hash_keeps_the_global_batch_and_drops_the_worker_count():
     def digest(*sets):
         return config_hash(weights_config(_job(*sets), {"config_hash": "c", "source": {"fingerprint": "f"}}, "code2"))

@@ -394,8 +394,13 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
             return tune.Tuner(
                 trainable,
                 param_space=param_space(job, base),
+                # every trial asks for the same resources and runs to its end (no scheduler stops one):
+                # a trial's process, its driver's imports done (torch, PyG, DeepSpeed, satp: ~7 s of
+                # CPU on 2 cores), goes on to the next trial. Not in `satp tune`: a trial ASHA stops is
+                # still inside its fit, and Tune would fail the next trial on its actor
                 tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=1,
-                                            search_alg=BasicVariantGenerator(max_concurrent=concurrent)),
+                                            search_alg=BasicVariantGenerator(max_concurrent=concurrent),
+                                            reuse_actors=True),
                 run_config=tune.RunConfig(
                     name=name, storage_path=str(storage),
                     failure_config=tune.FailureConfig(max_failures=cmp.max_failures),

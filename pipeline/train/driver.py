@@ -38,6 +38,7 @@ sound.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -349,7 +350,8 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
     count = f"{res.min_workers} to {res.max_workers}" if res.elastic else str(res.num_workers)
     log.info("starting %s Ray Train worker(s) (%s each; collectives: %s)", count,
              ", ".join(f"{v:g} {k}" for k, v in resources.items()), res.torch_backend)
-    result = trainer.fit()
+    with _group_start_timeout(res.elastic):
+        result = trainer.fit()
     if getattr(result, "error", None) is not None:
         raise result.error
     full = (getattr(result, "return_value", None) or {}).get("storage_full")
@@ -358,6 +360,34 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
     if result.checkpoint is None:
         raise RuntimeError("training finished without a checkpoint")
     return result
+
+
+#: Ray Train's setting (read by its controller, passed on from the driver's environment): how long a
+#: new worker group waits for its placement group before the controller tries again
+GROUP_START_TIMEOUT_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+#: its value in elastic runs (Train's default: 60 s). Ray Train's elastic policy sizes a new group by
+#: the resources it last saw, which count a lost node's CPUs for a while after the node is marked dead:
+#: the group that replaces a lost node's first asks for the old size and waits out this timeout, then
+#: the next attempt takes what the cluster holds (seen in tests/test_elastic.py: 78 s from the node's
+#: loss to the first step, 60 of them this wait). A placement group of resources that exist is ready
+#: in well under a second; an elastic policy only asks for what it saw free.
+ELASTIC_GROUP_START_TIMEOUT_S = 15.0
+
+
+@contextlib.contextmanager
+def _group_start_timeout(elastic: bool):
+    """While an elastic run's ``fit`` starts its controller: :data:`GROUP_START_TIMEOUT_VAR` at
+    :data:`ELASTIC_GROUP_START_TIMEOUT_S` in this process's environment, which Ray Train passes on to
+    the controller (and its workers; their runtime environment so differs from a fixed-size run's, and
+    the warm pool keeps processes of it once an elastic run used them). A value the user set stays."""
+    if not elastic or GROUP_START_TIMEOUT_VAR in os.environ:
+        yield
+        return
+    os.environ[GROUP_START_TIMEOUT_VAR] = f"{ELASTIC_GROUP_START_TIMEOUT_S:g}"
+    try:
+        yield
+    finally:
+        os.environ.pop(GROUP_START_TIMEOUT_VAR, None)
 
 
 def worker_runtime_env(job: JobConfig) -> dict:
