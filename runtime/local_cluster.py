@@ -80,6 +80,7 @@ class ClusterRecord:
     auth_mode: str  # Ray's RAY_AUTH_MODE of the cluster
     started: float
     owner_pid: Optional[int] = None  # the process the cluster lives for (a test session), if not for good
+    driver_socket: Optional[str] = None  # its warm driver's socket (pipeline.cli.warm_driver), if it runs one
 
     def save(self, path: Optional[Path] = None) -> None:
         path = path or record_path()

@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
     adopt_client_settings()  # the satp cluster's authentication, before anything imports Ray
     args = build_parser().parse_args(argv)
+    forked = _in_warm_driver(args, sys.argv[1:] if argv is None else list(argv))
+    if forked is not None:
+        return forked
     from pipeline import console
 
     console.setup(progress=not getattr(args, "no_progress", False))
@@ -59,6 +62,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as exc:
         return _interrupted(exc)
+
+
+def _in_warm_driver(args: argparse.Namespace, argv: list[str]):
+    """The exit status of ``satp train`` (no ``--address``) run by the satp cluster's warm driver
+    (:mod:`pipeline.cli.warm_driver`), or None: this process runs the command."""
+    if args.command != "train" or getattr(args, "address", None):
+        return None
+    from runtime.local_cluster import ClusterRecord
+
+    try:
+        record = ClusterRecord.load()
+    except ValueError:
+        return None  # the command says so itself
+    if record is None or not record.driver_socket or not record.alive():
+        return None
+    from pipeline.cli.warm_driver import run_command
+
+    return run_command(record.driver_socket, argv, lambda line: print(f"satp: warning: {line}", file=sys.stderr, flush=True))
 
 
 def _interrupted(exc: KeyboardInterrupt) -> int:

@@ -1,0 +1,257 @@
+"""A warm driver beside the satp cluster: ``satp train`` forked from a process that imported it all.
+
+On a warm cluster a ``satp train`` command spends most of its start-up in its own process: ~11 s of
+CPU on 2 cores importing satp's driver, torch, PyG, MLflow's stores and Ray Train before it asks
+for anything (benchmarks/RESULTS.md, 2026-11-29 05:34). ``satp cluster start --warm-driver`` leaves
+a process beside the cluster (``python -m pipeline.cli.warm_driver``, :func:`start`) that imports all
+that once, then listens on a Unix socket in the cluster's private folder (mode 0600; ``satp cluster
+stop`` ends it with the cluster's other processes). A ``satp train`` without
+``--address`` (:func:`run_command`) hands it its arguments, working directory, environment and
+standard streams (their file descriptors, ``SCM_RIGHTS``); the driver forks a runner for the
+connection, which forks the command: a process of its own that runs ``satp`` as the command would
+have, its output on the command's streams. The command's process waits and forwards SIGINT, SIGTERM
+and SIGHUP to it, and ends as it ended (its status, or the signal that ended it); should the
+command's process itself die (SIGKILL), the runner kills the forked command at once.
+
+What is reused is checked (:func:`identity`): the interpreter, satp's code (every ``.py`` file of its
+packages: path, size and modification time, read when the driver started) and the environment
+variables modules read when they are imported (:data:`IMPORT_TIME_PREFIXES`). A command that
+differs runs in its own process, as without the warm driver, after one line saying what differs.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+SOCKET_NAME = "warm-driver.sock"
+#: prefixes of the environment variables read when a module is imported (Ray's settings, DeepSpeed's
+#: accelerator, torch's and Triton's, MLflow's, ogb's version check): a command whose values differ
+#: from the warm driver's is not forked from it (the import path is the command's own: see _command)
+IMPORT_TIME_PREFIXES = ("RAY_", "DS_", "TORCH", "TRITON", "OMP_", "MKL_", "CUDA", "MLFLOW_", "OUTDATED")
+#: of those, variables read only when Ray starts or prints (the command's own values apply): satp's
+#: console sets the first in every command whose output is not a terminal
+READ_LATER = frozenset({"RAY_COLOR_PREFIX", "RAY_ADDRESS"})
+#: satp's packages, whose code the warm driver imported
+PACKAGES = ("pipeline", "sat", "runtime", "preprocessing")
+#: what the warm driver imports before it listens (the modules a ``satp train`` process loads)
+MODULES = ("pipeline.cli", "pipeline.cli.train_commands", "pipeline.train.driver", "pipeline.train.mlflow_run",
+           "pipeline.train.preflight", "pipeline.registry.versions", "mlflow.tracking",
+           "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
+           "ray.train.torch", "preprocessing")
+ROOT = Path(__file__).resolve().parents[2]
+_CHILD_VAR = "SATP_FORKED_BY_WARM_DRIVER"  # set in a forked command: it never asks the driver again
+
+
+def code_fingerprint(root: Path = ROOT) -> str:
+    """A digest of satp's code in ``root``: every ``.py`` file of :data:`PACKAGES`, its path, size and
+    modification time (an edited file changes it)."""
+    digest = hashlib.sha256(str(root).encode())
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            stat = path.stat()
+            digest.update(f"{path.relative_to(root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def identity(env: Optional[dict] = None) -> dict:
+    """What a forked command shares with the warm driver and must be the command's own."""
+    env = os.environ if env is None else env
+    return {"python": os.path.realpath(sys.executable), "code": code_fingerprint(),
+            "env": {k: v for k, v in sorted(env.items()) if k.startswith(IMPORT_TIME_PREFIXES) and k not in READ_LATER}}
+
+
+def difference(mine: dict, theirs: dict) -> Optional[str]:
+    """What differs between two identities (None: nothing), in a few words."""
+    if mine["python"] != theirs["python"]:
+        return f"another interpreter ({theirs['python']})"
+    if mine["code"] != theirs["code"]:
+        return "satp's code changed since it started"
+    keys = sorted(k for k in set(mine["env"]) | set(theirs["env"]) if mine["env"].get(k) != theirs["env"].get(k))
+    if keys:
+        return f"another {', '.join(keys)} in the environment"
+    return None
+
+
+def start(record, env: dict, wait: bool = True) -> None:
+    """Start the warm driver of the satp cluster of ``record`` in its folder, with ``env`` (that of
+    the commands it will fork); record its socket. ``wait``: until it listens."""
+    import subprocess
+    import time
+
+    folder = Path(record.temp_dir)
+    socket_path, log_path = folder / SOCKET_NAME, folder / "satp-warm-driver.log"
+    env = dict(env, TMPDIR=str(folder / "tmp"),  # TMPDIR: a process of the cluster's folder
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p))
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "pipeline.cli.warm_driver", "--socket", str(socket_path)],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
+    record.driver_socket = str(socket_path)
+    record.save()
+    deadline = time.monotonic() + 300
+    while wait and not socket_path.exists():
+        if server.poll() is not None or time.monotonic() > deadline:
+            tail = log_path.read_text().strip().splitlines()
+            raise ValueError(f"the warm driver did not start listening on {socket_path} "
+                             f"({tail[-1] if tail else 'no output'}; its log: {log_path})")
+        time.sleep(0.2)
+
+
+# ----------------------------------------------------------------------------- the command's side
+def run_command(socket_path: str, argv: list[str], warn) -> Optional[int]:
+    """Run ``satp argv`` in a process forked by the warm driver at ``socket_path``; return its exit
+    status (a signal that ended it ends this process the same way). None: the driver is not there,
+    or refused (``warn(line)`` says why): the caller runs the command itself."""
+    if os.environ.get(_CHILD_VAR):
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(socket_path)
+    except OSError:
+        conn.close()
+        return None
+    with conn:
+        request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": sys.path,
+                   "identity": identity()}
+        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+        lines = conn.makefile("r")
+        reply = json.loads(lines.readline() or "{}")
+        if "pid" not in reply:
+            warn(f"the satp cluster's warm driver did not run this command ({reply.get('refused', 'no reply')}); "
+                 "it runs in its own process")
+            return None
+        pid = reply["pid"]
+
+        def forward(signum, frame):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, forward)
+        ended = json.loads(lines.readline() or '{"status": null}')
+    status = ended.get("status")
+    if status is None:
+        raise OSError(f"{socket_path}: the warm driver ended before the command it ran (pid {pid})")
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    return os.waitstatus_to_exitcode(status)
+
+
+# ----------------------------------------------------------------------------- the driver's side
+def serve(socket_path: str) -> None:
+    """Import :data:`MODULES`, then fork a runner per connection (:func:`_run`) until SIGTERM."""
+    import importlib
+
+    from runtime.local_cluster import adopt_client_settings
+
+    adopt_client_settings()  # Ray reads its authentication once, when imported
+    mine = identity()
+    for name in MODULES:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    Path(socket_path).unlink(missing_ok=True)
+    old_mask = os.umask(0o177)  # the socket: this user only
+    try:
+        listener.bind(socket_path)
+    finally:
+        os.umask(old_mask)
+    listener.listen(8)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # runners are reaped by the kernel
+    print(f"warm driver pid {os.getpid()} on {socket_path}", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            code = 1
+            try:
+                _run(conn, mine)
+                code = 0
+            finally:
+                os._exit(code)
+        conn.close()
+
+
+def _run(conn: socket.socket, mine: dict) -> None:
+    """The runner of one connection: check the request, fork the command, report how it ended."""
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    while not message.endswith(b"\n"):
+        more = conn.recv(1 << 20)
+        if not more:
+            return
+        message += more
+    request = json.loads(message)
+    why = difference(mine, request["identity"])
+    if why is not None or len(fds) != 3:
+        conn.sendall(json.dumps({"refused": why or "no standard streams"}).encode() + b"\n")
+        return
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        _command(request, fds)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    ended = os.pidfd_open(pid)
+    while True:
+        readable, _, _ = select.select([conn, ended], [], [])
+        if ended in readable:
+            _, status = os.waitpid(pid, 0)
+            conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+            return
+        if not conn.recv(1):  # the command's process is gone: so is the command
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+
+
+def _command(request: dict, fds: list[int]) -> None:
+    """The forked command: the caller's streams, directory, environment and import path, then ``satp``."""
+    import tempfile
+
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"], **{_CHILD_VAR: "1"})
+    sys.path[:] = request["path"]
+    tempfile.tempdir = None  # read from the command's TMPDIR again
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    sys.argv = ["satp", *request["argv"]]
+    code = 1
+    try:
+        runpy.run_module("pipeline.cli", run_name="__main__", alter_sys=True)  # python -m pipeline.cli: exits
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    except BaseException:  # noqa: BLE001 - said as the command's own process would say it
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.cli.warm_driver", description=__doc__.splitlines()[0])
+    parser.add_argument("--socket", required=True)
+    serve(parser.parse_args().socket)
+
+
+if __name__ == "__main__":
+    main()
