@@ -55,6 +55,17 @@ def _command(warm_driver, argv: list[str], cwd: Path, fault: dict | None = None,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _signalled_run(warm_driver, tiny_setting, tmp_path: Path, run_name: str, signal_name: str):
+    """``(command, its stderr)``: the tiny job (3 epochs) on the session cluster, forked by the warm
+    driver; after epoch 0's checkpoint the run sends ``signal_name`` to the command's process."""
+    base, address = tiny_setting
+    job = _job(base, tmp_path, run_name, epochs=3)
+    fault = {"signal": signal_name, "epoch": 0, "marker": str(tmp_path / "fired")}
+    command = _command(warm_driver, ["train", str(job), "--address", address, "--no-progress"], tmp_path, fault)
+    _, err = command.communicate(timeout=600)
+    return command, err
+
+
 def _forked(warm_driver) -> list[int]:
     """The warm driver's descendants: a runner and its command per command under way."""
     import psutil
@@ -98,11 +109,7 @@ def test_a_command_with_other_import_time_settings_runs_in_its_own_process(warm_
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_signal_to_the_command_reaches_the_forked_run_and_ends_the_command_as_it(warm_driver, tiny_setting, tmp_path):
-    base, address = tiny_setting
-    job = _job(base, tmp_path, "wd-term", epochs=3)
-    fault = {"signal": "SIGTERM", "epoch": 0, "marker": str(tmp_path / "fired")}
-    stopped = _command(warm_driver, ["train", str(job), "--address", address, "--no-progress"], tmp_path, fault)
-    out, err = stopped.communicate(timeout=600)
+    stopped, err = _signalled_run(warm_driver, tiny_setting, tmp_path, "wd-term", "SIGTERM")
     assert stopped.returncode == 143, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("satp: interrupted (SIGTERM): run wd-term kept its checkpoint of epoch 0"), last
@@ -115,11 +122,7 @@ def test_a_signal_to_the_command_reaches_the_forked_run_and_ends_the_command_as_
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_killed_command_takes_its_forked_run_with_it(warm_driver, tiny_setting, tmp_path):
-    base, address = tiny_setting
-    job = _job(base, tmp_path, "wd-kill", epochs=3)
-    fault = {"signal": "SIGKILL", "epoch": 0, "marker": str(tmp_path / "fired")}
-    killed = _command(warm_driver, ["train", str(job), "--address", address, "--no-progress"], tmp_path, fault)
-    out, err = killed.communicate(timeout=600)
+    killed, err = _signalled_run(warm_driver, tiny_setting, tmp_path, "wd-kill", "SIGKILL")
     assert killed.returncode == -signal.SIGKILL, err[-3000:]
     # the run's lease names the process that ran it: the forked command, SIGKILLed by its runner
     holder = json.loads((tmp_path / "ray" / "wd-kill" / "satp-lease.json").read_text())["pid"]
