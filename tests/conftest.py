@@ -34,13 +34,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+#: the lines of the session cluster's warm-driver log, kept for the summary
+WARM_DRIVER_LOG = pytest.StashKey[list]()
+
+
 @pytest.fixture(scope="session")
-def ray_cluster():
-    """One warm satp cluster for the whole test session (``satp cluster start``'s, with the session
-    as its owner: what a killed session left is stopped by the next one), which every ``satp``
-    command the tests run finds through ``SATP_HOME``; this process is one of its drivers."""
+def ray_cluster(request):
+    """One warm satp cluster for the whole test session (``satp cluster start --warm-driver``'s, with
+    the session as its owner: what a killed session left is stopped by the next one), which every
+    ``satp`` command the tests run finds through ``SATP_HOME``; this process is one of its drivers.
+    Its warm driver forks the tests' ``satp train`` commands on it (those that name its address too),
+    as it would a user's; the session's summary counts them (:func:`pytest_terminal_summary`)."""
     import ray
 
+    from pipeline.cli import warm_driver
     from runtime import local_cluster
     from runtime.ray_cluster import connect
 
@@ -49,13 +56,19 @@ def ray_cluster():
     if ours:
         if record is not None:
             local_cluster.stop(record)
+        command_env = dict(os.environ)  # before this process joins Ray: what the tests' commands have
         record = local_cluster.start(num_cpus=2, num_gpus=0, workers=2, dashboard=False, wait=False,
                                      owner_pid=os.getpid())
+        # not waited for: a command that comes before it listens runs in its own process
+        warm_driver.start(record, command_env, wait=False)
     if not ray.is_initialized():
         connect(record.address, log_to_driver=False)
     yield ray
     ray.shutdown()
     if ours:
+        log = Path(record.temp_dir) / warm_driver.LOG_NAME
+        if log.exists():  # read before stop removes the cluster's folder
+            request.config.stash[WARM_DRIVER_LOG] = log.read_text().splitlines()
         local_cluster.stop(record)
 
 
@@ -84,6 +97,20 @@ def pytest_runtest_makereport(item, call):
             report.sections.append(("Ray cluster at the timeout", _ray_state()))
         except Exception as exc:  # the report matters more than this addition to it
             report.sections.append(("Ray cluster at the timeout", f"unreadable: {exc!r}"))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """How many of the session's ``satp train`` commands its cluster's warm driver forked, and the
+    reasons it gave for those it refused (each of those ran in its own process, after a warning)."""
+    lines = config.stash.get(WARM_DRIVER_LOG, None)
+    if lines is None:
+        return
+    forked = sum(line.startswith("forked pid") for line in lines)
+    refused = [line for line in lines if line.startswith("refused:")]
+    terminalreporter.write_line(f"the session cluster's warm driver: {forked} satp train commands forked, "
+                                f"{len(refused)} refused")
+    for line in refused:
+        terminalreporter.write_line(f"  {line}")
 
 
 @pytest.fixture(scope="module")

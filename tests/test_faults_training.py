@@ -487,7 +487,9 @@ def test_a_second_command_of_one_run_name_is_refused_naming_the_holder(tiny_sett
     drained = Drain(first)
     try:
         _wait_for(lease.exists, "lease file of the first command", proc=first)
-        first.send_signal(signal.SIGSTOP)  # it holds the lease for as long as the second command takes
+        # stopped (Ctrl-Z's signal: a command forked by the session's warm driver stops with it), it
+        # holds the lease for as long as the second command takes
+        first.send_signal(signal.SIGTSTP)
         try:
             started = time.monotonic()
             second = _satp_train(job, address, timeout=300)
@@ -643,11 +645,14 @@ def test_more_ctrl_c_while_the_first_is_handled_keep_status_130_and_tear_the_clu
     try:
         # its own process group, signalled as a whole: what Ctrl-C in a terminal does (the local
         # cluster's processes, children of the command, get the signal too)
+        # SATP_HOME without a record: not the session's satp cluster, a local Ray of the command's own
         proc = subprocess.Popen(_command(job, None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=_env(TMPDIR=str(private)), cwd=ROOT, start_new_session=True)
+                                env=_env(TMPDIR=str(private), SATP_HOME=str(tmp_path / "home")), cwd=ROOT,
+                                start_new_session=True)
         drained = Drain(proc)
         run_dir = tmp_path / "ray" / "taps"
         _wait_for(lambda: any(run_dir.glob("checkpoint_*/rank_0.json")), "first checkpoint", timeout=400, proc=proc)
+        assert set(_processes_under(private)) - {proc.pid}, "the command runs no Ray cluster of its own"
         os.killpg(proc.pid, signal.SIGINT)
         # the second 0.35 s later, then one every 0.35 s until the command has exited: one of them
         # lands in each phase of its shutdown, whatever the machine's speed

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,14 +57,27 @@ def _command(warm_driver, argv: list[str], cwd: Path, fault: dict | None = None,
 
 
 def _signalled_run(warm_driver, tiny_setting, tmp_path: Path, run_name: str, signal_name: str):
-    """``(command, its stderr)``: the tiny job (3 epochs) on the session cluster, forked by the warm
-    driver; after epoch 0's checkpoint the run sends ``signal_name`` to the command's process."""
+    """``(command, its stderr, the warm driver's descendants seen meanwhile)``: the tiny job (3 epochs)
+    on the session cluster, forked by the warm driver; after epoch 0's checkpoint the run sends
+    ``signal_name`` to the command's process."""
     base, address = tiny_setting
     job = _job(base, tmp_path, run_name, epochs=3)
     fault = {"signal": signal_name, "epoch": 0, "marker": str(tmp_path / "fired")}
     command = _command(warm_driver, ["train", str(job), "--address", address, "--no-progress"], tmp_path, fault)
-    _, err = command.communicate(timeout=600)
-    return command, err
+    seen, done = set(), threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            seen.update(_forked(warm_driver))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        _, err = command.communicate(timeout=600)
+    finally:
+        done.set()
+        watcher.join()
+    return command, err, seen
 
 
 def _forked(warm_driver) -> list[int]:
@@ -109,7 +123,7 @@ def test_a_command_with_other_import_time_settings_runs_in_its_own_process(warm_
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_signal_to_the_command_reaches_the_forked_run_and_ends_the_command_as_it(warm_driver, tiny_setting, tmp_path):
-    stopped, err = _signalled_run(warm_driver, tiny_setting, tmp_path, "wd-term", "SIGTERM")
+    stopped, err, _ = _signalled_run(warm_driver, tiny_setting, tmp_path, "wd-term", "SIGTERM")
     assert stopped.returncode == 143, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("satp: interrupted (SIGTERM): run wd-term kept its checkpoint of epoch 0"), last
@@ -122,12 +136,127 @@ def test_a_signal_to_the_command_reaches_the_forked_run_and_ends_the_command_as_
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_killed_command_takes_its_forked_run_with_it(warm_driver, tiny_setting, tmp_path):
-    killed, err = _signalled_run(warm_driver, tiny_setting, tmp_path, "wd-kill", "SIGKILL")
+    killed, err, forked = _signalled_run(warm_driver, tiny_setting, tmp_path, "wd-kill", "SIGKILL")
     assert killed.returncode == -signal.SIGKILL, err[-3000:]
-    # the run's lease names the process that ran it: the forked command, SIGKILLed by its runner
-    holder = json.loads((tmp_path / "ray" / "wd-kill" / "satp-lease.json").read_text())["pid"]
-    assert holder != killed.pid
+    # the run's lease names the command's own process (the one a user started, and sees in ps)
+    assert json.loads((tmp_path / "ray" / "wd-kill" / "satp-lease.json").read_text())["pid"] == killed.pid
+    assert len(forked) == 2, forked  # its runner and the forked command, SIGKILLed by the runner
     deadline = time.monotonic() + 30
-    while (_running(holder) or _forked(warm_driver)) and time.monotonic() < deadline:
+    while any(map(_running, forked)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _running(holder) and not _forked(warm_driver)
+    assert not any(map(_running, forked)) and not _forked(warm_driver)
+
+
+def test_an_address_names_the_satp_cluster_on_any_address_of_this_machine():
+    from runtime.local_cluster import ClusterRecord
+
+    record = ClusterRecord(address="127.0.0.1:6390", dashboard=None, temp_dir="/nonexistent", raylet_address="127.0.0.1:1",
+                           raylet_pid=1, keeper_pid=None, cpus=1.0, gpus=0.0, workers=1, worker_env={}, environment={},
+                           auth_mode="token", started=0.0)
+    assert record.named_by("127.0.0.1:6390") and record.named_by("localhost:6390")
+    assert not record.named_by("127.0.0.1:6391")  # another cluster of this machine
+    assert not record.named_by("198.51.100.7:6390")  # not this machine (TEST-NET-2)
+    assert not record.named_by("ray://127.0.0.1:6390")  # Ray Client: another kind of driver
+
+
+@pytest.mark.ray
+def test_a_command_naming_the_session_cluster_is_forked_by_its_warm_driver_a_library_call_is_not(ray_cluster, tmp_path):
+    """The session's satp cluster runs a warm driver (conftest), as ``satp cluster start --warm-driver``
+    does: a ``satp train`` process that names the cluster by the address Ray gives it (the machine's
+    network address, not the record's 127.0.0.1) is forked by it; ``main(argv)`` called as a library
+    function runs in the caller's process."""
+    from pipeline.cli import main
+    from pipeline.cli.warm_driver import LOG_NAME
+    from runtime.local_cluster import ClusterRecord
+
+    record = ClusterRecord.load()
+    deadline = time.monotonic() + 300
+    while not Path(record.driver_socket).exists():  # started with the cluster, not waited for
+        assert time.monotonic() < deadline, "the session cluster's warm driver does not listen"
+        time.sleep(0.5)
+    address = ray_cluster.get_runtime_context().gcs_address
+    command = tmp_path / "command.yaml"
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", str(command), "--address", address],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"satp: error: {command}: job file not found"]
+    log = (Path(record.temp_dir) / LOG_NAME).read_text()
+    assert any(line.startswith("forked pid") and line.endswith(f": satp train {command} --address {address}")
+               for line in log.splitlines()), log
+    library = tmp_path / "library.yaml"
+    assert main(["train", str(library), "--address", address]) == 2
+    assert str(library) not in (Path(record.temp_dir) / LOG_NAME).read_text()
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ctrl_z_stops_the_forked_run_with_the_command_and_fg_continues_both(warm_driver, tiny_setting, tmp_path):
+    import psutil
+
+    base, address = tiny_setting
+    job = _job(base, tmp_path, "wd-stop", epochs=3)
+    command = _command(warm_driver, ["train", str(job), "--address", address, "--no-progress"], tmp_path)
+    try:
+        lease = tmp_path / "ray" / "wd-stop" / "satp-lease.json"
+        deadline = time.monotonic() + 300
+        while not lease.exists():  # the forked run holds its lease: it runs
+            assert command.poll() is None and time.monotonic() < deadline, command.communicate()[1][-3000:]
+            time.sleep(0.2)
+        (forked,) = [p.pid for runner in psutil.Process(warm_driver["server"].pid).children() for p in runner.children()]
+        command.send_signal(signal.SIGTSTP)
+        deadline = time.monotonic() + 30
+        while {_state(command.pid), _state(forked)} != {"T"} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (_state(command.pid), _state(forked)) == ("T", "T")
+        command.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while "T" in (_state(command.pid), _state(forked)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "T" not in (_state(command.pid), _state(forked))
+    finally:
+        command.send_signal(signal.SIGTERM)
+        _, err = command.communicate(timeout=300)
+    assert command.returncode == 143, err[-3000:]
+
+
+def test_an_edited_checkout_runs_in_its_own_process_once_then_the_driver_imports_it_again(tmp_path):
+    """satp's code edited under a running warm driver: the next command runs in its own process (one
+    line says why), the driver starts over in its own process id (``exec``) importing the edited
+    code, and the command after it is forked again."""
+    import shutil
+
+    checkout = tmp_path / "checkout"
+    for package in ("pipeline", "sat", "runtime", "preprocessing"):
+        shutil.copytree(ROOT / package, checkout / package, ignore=shutil.ignore_patterns("__pycache__"))
+    socket_path, log = tmp_path / "wd.sock", tmp_path / "wd.log"
+    env = {**os.environ, "SATP_TEST_FAULT": "", "PYTHONPATH": str(checkout)}
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "pipeline.cli.warm_driver", "--socket", str(socket_path)],
+                                  cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def listening(times: int) -> None:
+            deadline = time.monotonic() + 300
+            while log.read_text().count(f"warm driver pid {server.pid} on") < times or not socket_path.exists():
+                assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+
+        def command() -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-c", CLIENT, str(socket_path), "train", "missing.yaml"], cwd=checkout,
+                                  env=env, capture_output=True, text=True, timeout=120)
+
+        listening(1)
+        assert command().returncode == 2  # forked: the job file's error, from the forked command
+        edited = checkout / "pipeline" / "cli" / "args.py"
+        os.utime(edited, ns=(edited.stat().st_atime_ns, edited.stat().st_mtime_ns + 1))
+        apart = command()
+        assert apart.returncode == 99 and "satp's code changed since it started" in apart.stderr, apart.stderr
+        listening(2)
+        assert command().returncode == 2, log.read_text()[-3000:]
+        assert [line.split()[0] for line in log.read_text().splitlines()
+                if line.startswith(("forked", "refused"))] == ["forked", "refused:", "forked"], log.read_text()
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)

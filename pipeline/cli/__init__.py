@@ -38,14 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's PyPI version check
-    from runtime.local_cluster import adopt_client_settings
+    from runtime.command import set_command_environment
 
-    adopt_client_settings()  # the satp cluster's authentication, before anything imports Ray
+    set_command_environment()
     args = build_parser().parse_args(argv)
-    forked = _in_warm_driver(args, sys.argv[1:] if argv is None else list(argv))
-    if forked is not None:
-        return forked
+    if argv is None:  # the process's own command (a library call of main runs in the caller's process)
+        forked = _in_warm_driver(args, sys.argv[1:])
+        if forked is not None:
+            return forked
     from pipeline import console
 
     console.setup(progress=not getattr(args, "no_progress", False))
@@ -65,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _in_warm_driver(args: argparse.Namespace, argv: list[str]):
-    """The exit status of ``satp train`` (no ``--address``) run by the satp cluster's warm driver
-    (:mod:`pipeline.cli.warm_driver`), or None: this process runs the command."""
-    if args.command != "train" or getattr(args, "address", None):
+    """The exit status of ``satp train`` on the satp cluster (no ``--address``, or the cluster's own)
+    run by its warm driver (:mod:`pipeline.cli.warm_driver`), or None: this process runs the command."""
+    if args.command != "train":
         return None
     from runtime.local_cluster import ClusterRecord
 
@@ -77,6 +77,8 @@ def _in_warm_driver(args: argparse.Namespace, argv: list[str]):
         return None  # the command says so itself
     if record is None or not record.driver_socket or not record.alive():
         return None
+    if getattr(args, "address", None) is not None and not record.named_by(args.address):
+        return None  # another cluster's command
     from pipeline.cli.warm_driver import run_command
 
     return run_command(record.driver_socket, argv, lambda line: print(f"satp: warning: {line}", file=sys.stderr, flush=True))

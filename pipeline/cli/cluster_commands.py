@@ -19,9 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--no-dashboard", action="store_true",
                        help="no dashboard (saves ~0.9 GiB; satp submit and ray job submit need it)")
     start.add_argument("--no-wait", action="store_true", help="return once Ray runs, before the workers are warm")
-    start.add_argument("--warm-driver", action="store_true",
+    start.add_argument("--warm-driver", action=argparse.BooleanOptionalAction, default=True,
                        help="also a process that imported satp's driver, from which satp train commands are forked "
-                            "(pipeline/cli/warm_driver.py: ~10 s less to a warm run's first step on 2 cores)")
+                            "(default; pipeline/cli/warm_driver.py: ~10 s less to a warm run's first step on 2 cores)")
     start.set_defaults(func=cmd_start)
     status = verbs.add_parser("status", help="where it runs and its warm worker processes")
     status.set_defaults(func=cmd_status)

@@ -9,14 +9,18 @@ stop`` ends it with the cluster's other processes). A ``satp train`` without
 ``--address`` (:func:`run_command`) hands it its arguments, working directory, environment and
 standard streams (their file descriptors, ``SCM_RIGHTS``); the driver forks a runner for the
 connection, which forks the command: a process of its own that runs ``satp`` as the command would
-have, its output on the command's streams. The command's process waits and forwards SIGINT, SIGTERM
-and SIGHUP to it, and ends as it ended (its status, or the signal that ended it); should the
-command's process itself die (SIGKILL), the runner kills the forked command at once.
+have, its output on the command's streams. The command's process waits and forwards SIGINT, SIGTERM,
+SIGHUP and SIGCONT to it (Ctrl-Z's SIGTSTP stops it, then the command's process), and ends as it
+ended (its status, or the signal that ended it); should the command's process itself die (SIGKILL),
+the runner kills the forked command at once. The run's lease and its start-up name and time the
+command's process, the one the user started (:mod:`runtime.command`).
 
 What is reused is checked (:func:`identity`): the interpreter, satp's code (every ``.py`` file of its
 packages: path, size and modification time, read when the driver started) and the environment
 variables modules read when they are imported (:data:`IMPORT_TIME_PREFIXES`). A command that
-differs runs in its own process, as without the warm driver, after one line saying what differs.
+differs runs in its own process, as without the warm driver, after one line saying what differs;
+where satp's code changed, the driver then starts over (``exec``), importing the edited code, and
+the commands after it are forked again.
 """
 from __future__ import annotations
 
@@ -32,14 +36,23 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from runtime.command import COMMAND_PID_VAR, forked_for_a_command, set_command_environment
+
 SOCKET_NAME = "warm-driver.sock"
+LOG_NAME = "satp-warm-driver.log"  # beside it: a line per command, forked or refused (and why)
 #: prefixes of the environment variables read when a module is imported (Ray's settings, DeepSpeed's
 #: accelerator, torch's and Triton's, MLflow's, ogb's version check): a command whose values differ
 #: from the warm driver's is not forked from it (the import path is the command's own: see _command)
 IMPORT_TIME_PREFIXES = ("RAY_", "DS_", "TORCH", "TRITON", "OMP_", "MKL_", "CUDA", "MLFLOW_", "OUTDATED")
-#: of those, variables read only when Ray starts or prints (the command's own values apply): satp's
-#: console sets the first in every command whose output is not a terminal
-READ_LATER = frozenset({"RAY_COLOR_PREFIX", "RAY_ADDRESS"})
+#: of those, variables read only when used (the command's own values apply): when Ray starts or
+#: prints (satp's console sets RAY_COLOR_PREFIX in every command whose output is not a terminal);
+#: when a Train run starts (a driver of a local cluster sets the preemption watcher's,
+#: runtime.worker_pool.LOCAL_TRAIN_ENV, an elastic run the group's start timeout, both passed on to
+#: Train's controller); when Inductor or Triton compile (satp points their caches at the run's
+#: storage: pipeline.train.engine.keep_compile_caches); when an MLflow client is made
+READ_LATER = frozenset({"RAY_COLOR_PREFIX", "RAY_ADDRESS", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
+                        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                        "MLFLOW_TRACKING_URI"})
 #: satp's packages, whose code the warm driver imported
 PACKAGES = ("pipeline", "sat", "runtime", "preprocessing")
 #: what the warm driver imports before it listens (the modules a ``satp train`` process loads)
@@ -48,7 +61,6 @@ MODULES = ("pipeline.cli", "pipeline.cli.train_commands", "pipeline.train.driver
            "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
            "ray.train.torch", "preprocessing")
 ROOT = Path(__file__).resolve().parents[2]
-_CHILD_VAR = "SATP_FORKED_BY_WARM_DRIVER"  # set in a forked command: it never asks the driver again
 
 
 def code_fingerprint(root: Path = ROOT) -> str:
@@ -88,7 +100,7 @@ def start(record, env: dict, wait: bool = True) -> None:
     import time
 
     folder = Path(record.temp_dir)
-    socket_path, log_path = folder / SOCKET_NAME, folder / "satp-warm-driver.log"
+    socket_path, log_path = folder / SOCKET_NAME, folder / LOG_NAME
     env = dict(env, TMPDIR=str(folder / "tmp"),  # TMPDIR: a process of the cluster's folder
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p))
     with open(log_path, "w") as log:
@@ -110,7 +122,7 @@ def run_command(socket_path: str, argv: list[str], warn) -> Optional[int]:
     """Run ``satp argv`` in a process forked by the warm driver at ``socket_path``; return its exit
     status (a signal that ended it ends this process the same way). None: the driver is not there,
     or refused (``warn(line)`` says why): the caller runs the command itself."""
-    if os.environ.get(_CHILD_VAR):
+    if forked_for_a_command():  # a forked command never asks the driver again
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -120,7 +132,7 @@ def run_command(socket_path: str, argv: list[str], warn) -> Optional[int]:
         return None
     with conn:
         request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": sys.path,
-                   "identity": identity()}
+                   "identity": identity(), "pid": os.getpid()}
         socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
         lines = conn.makefile("r")
         reply = json.loads(lines.readline() or "{}")
@@ -136,15 +148,23 @@ def run_command(socket_path: str, argv: list[str], warn) -> Optional[int]:
             except ProcessLookupError:
                 pass
 
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        def stop(signum, frame):  # Ctrl-Z: the command stops, then this process, as one job
+            forward(signal.SIGSTOP, frame)
+            signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTSTP)
+            signal.signal(signal.SIGTSTP, stop)  # continued (SIGCONT, forwarded too)
+
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT):
             signal.signal(signum, forward)
+        signal.signal(signal.SIGTSTP, stop)
         ended = json.loads(lines.readline() or '{"status": null}')
     status = ended.get("status")
     if status is None:
         raise OSError(f"{socket_path}: the warm driver ended before the command it ran (pid {pid})")
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
-        signal.signal(signum, signal.SIG_DFL)
+        if signum != signal.SIGKILL:  # its handler cannot be set, nor needs to be
+            signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     return os.waitstatus_to_exitcode(status)
 
@@ -154,9 +174,7 @@ def serve(socket_path: str) -> None:
     """Import :data:`MODULES`, then fork a runner per connection (:func:`_run`) until SIGTERM."""
     import importlib
 
-    from runtime.local_cluster import adopt_client_settings
-
-    adopt_client_settings()  # Ray reads its authentication once, when imported
+    set_command_environment()  # as a command's process does first (Ray reads its authentication once)
     mine = identity()
     for name in MODULES:
         importlib.import_module(name)
@@ -182,6 +200,11 @@ def serve(socket_path: str) -> None:
             finally:
                 os._exit(code)
         conn.close()
+        if code_fingerprint() != mine["code"]:  # satp was edited (its runner refused the command)
+            print("satp's code changed since the warm driver started: it imports it again", flush=True)
+            listener.close()
+            Path(socket_path).unlink(missing_ok=True)  # meanwhile commands run in their own processes
+            os.execv(sys.executable, [sys.executable, "-m", "pipeline.cli.warm_driver", "--socket", socket_path])
 
 
 def _run(conn: socket.socket, mine: dict) -> None:
@@ -194,7 +217,9 @@ def _run(conn: socket.socket, mine: dict) -> None:
         message += more
     request = json.loads(message)
     why = difference(mine, request["identity"])
+    command = " ".join(["satp", *request["argv"]])
     if why is not None or len(fds) != 3:
+        print(f"refused: {command} ({why or 'no standard streams'})", flush=True)  # to the log
         conn.sendall(json.dumps({"refused": why or "no standard streams"}).encode() + b"\n")
         return
     pid = os.fork()
@@ -204,6 +229,7 @@ def _run(conn: socket.socket, mine: dict) -> None:
     for fd in fds:
         os.close(fd)
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    print(f"forked pid {pid}: {command}", flush=True)
     ended = os.pidfd_open(pid)
     while True:
         readable, _, _ = select.select([conn, ended], [], [])
@@ -226,7 +252,7 @@ def _command(request: dict, fds: list[int]) -> None:
         os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(request["env"], **{_CHILD_VAR: "1"})
+    os.environ.update(request["env"], **{COMMAND_PID_VAR: str(request["pid"])})
     sys.path[:] = request["path"]
     tempfile.tempdir = None  # read from the command's TMPDIR again
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -241,6 +267,20 @@ def _command(request: dict, fds: list[int]) -> None:
         import traceback
 
         traceback.print_exc()
+    finally:
+        _exit(code)
+
+
+def _exit(code: int) -> None:
+    """End the forked command as the interpreter ends a process (its threads joined, then its exit
+    handlers: Ray's shutdown, MLflow's end of run, satp's clean-up), then ``_exit``: what lies below
+    it in this process's stack is the warm driver's."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # what Py_FinalizeEx does first (no public equivalent)
+        atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

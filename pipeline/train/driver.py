@@ -52,6 +52,7 @@ from pipeline.train import mlflow_run, rerun, startup
 from pipeline.train.plan import JobPlan
 from pipeline.train.worker import worker_loop
 from pipeline.train.worker_setup import WorkerSetup
+from runtime.command import command_pid
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
 
     pyg_templates.install()
     # start-up events (pipeline.train.startup)
-    marks = {"command": started_at or startup.process_started(), "plan": startup.now()}
+    marks = {"command": started_at or startup.process_started(command_pid()), "plan": startup.now()}
     job, train = plan.job, plan.job.train
     if not plan.early_checked:
         early_checks([job], address=plan.address, task=False)  # the task was resolved with the plan

@@ -50,6 +50,8 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
+from runtime.command import command_pid
+
 log = logging.getLogger(__name__)
 
 LEASE_FILE = "satp-lease.json"
@@ -284,8 +286,9 @@ class RunLease:
         _sweep(self.path)
         while True:
             now = time.time()
-            mine = Holder(host=socket.gethostname(), machine=this_machine(), pid=os.getpid(),
-                          pid_started=process_started(os.getpid()), started=now, heartbeat=now,
+            pid = command_pid()  # the process the user started (the warm driver's caller, if it ran it)
+            mine = Holder(host=socket.gethostname(), machine=this_machine(), pid=pid,
+                          pid_started=process_started(pid), started=now, heartbeat=now,
                           token=uuid.uuid4().hex, command=self.command)
             try:
                 if _create(self.path, encode(mine)):
