@@ -52,6 +52,23 @@ def _command(job: Path, address: str | None, *more: str) -> list[str]:
             *(["--address", address] if address else [])]
 
 
+def _stop(command: subprocess.Popen) -> None:
+    """Stop a running ``satp`` command as Ctrl-Z does (``SIGTSTP``): a command forked by the session
+    cluster's warm driver stops with its process (whose handler stops both); one in its own process
+    whose process group is orphaned (no shell's job, as under make or CI) discards the signal, and
+    gets ``SIGSTOP`` instead."""
+    command.send_signal(signal.SIGTSTP)
+    deadline = time.monotonic() + 10
+    while _process_state(command.pid) != "T" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _process_state(command.pid) != "T":
+        command.send_signal(signal.SIGSTOP)
+
+
+def _process_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def _satp_train(job: Path, address: str | None, *more: str, timeout: float = 600, **env) -> subprocess.CompletedProcess:
     return subprocess.run(_command(job, address, *more), capture_output=True, text=True, timeout=timeout,
                           env=_env(**env), cwd=ROOT)
@@ -487,9 +504,7 @@ def test_a_second_command_of_one_run_name_is_refused_naming_the_holder(tiny_sett
     drained = Drain(first)
     try:
         _wait_for(lease.exists, "lease file of the first command", proc=first)
-        # stopped (Ctrl-Z's signal: a command forked by the session's warm driver stops with it), it
-        # holds the lease for as long as the second command takes
-        first.send_signal(signal.SIGTSTP)
+        _stop(first)  # it holds the lease for as long as the second command takes
         try:
             started = time.monotonic()
             second = _satp_train(job, address, timeout=300)

@@ -102,6 +102,7 @@ def test_code_and_import_time_settings_decide_whether_a_command_is_forked(tmp_pa
     assert difference(mine, identity({"RAY_AUTH_MODE": "token", "DS_ACCELERATOR": "cuda"})) == \
         "another DS_ACCELERATOR in the environment"
     assert difference(mine, dict(mine, code="edited")) == "satp's code changed since it started"
+    assert difference(mine, dict(mine, root="/elsewhere", code="other")) == "satp's code of another folder (/elsewhere)"
 
 
 def test_a_forked_command_has_the_callers_directory_streams_and_status(warm_driver, tmp_path):
@@ -217,6 +218,7 @@ def test_ctrl_z_stops_the_forked_run_with_the_command_and_fg_continues_both(warm
             time.sleep(0.2)
         assert "T" not in (_state(command.pid), _state(forked))
     finally:
+        command.send_signal(signal.SIGCONT)  # whatever the assertions found stopped goes on, to its end
         command.send_signal(signal.SIGTERM)
         _, err = command.communicate(timeout=300)
     assert command.returncode == 143, err[-3000:]

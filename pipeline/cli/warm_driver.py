@@ -49,10 +49,11 @@ IMPORT_TIME_PREFIXES = ("RAY_", "DS_", "TORCH", "TRITON", "OMP_", "MKL_", "CUDA"
 #: when a Train run starts (a driver of a local cluster sets the preemption watcher's,
 #: runtime.worker_pool.LOCAL_TRAIN_ENV, an elastic run the group's start timeout, both passed on to
 #: Train's controller); when Inductor or Triton compile (satp points their caches at the run's
-#: storage: pipeline.train.engine.keep_compile_caches); when an MLflow client is made
+#: storage: pipeline.train.engine.keep_compile_caches); when an MLflow client is made, or sends a
+#: request (satp sets its retries and timeout: pipeline.registry.addresses.HTTP_ENV)
 READ_LATER = frozenset({"RAY_COLOR_PREFIX", "RAY_ADDRESS", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
                         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
-                        "MLFLOW_TRACKING_URI"})
+                        "MLFLOW_TRACKING_URI", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"})
 #: satp's packages, whose code the warm driver imported
 PACKAGES = ("pipeline", "sat", "runtime", "preprocessing")
 #: what the warm driver imports before it listens (the modules a ``satp train`` process loads)
@@ -77,7 +78,7 @@ def code_fingerprint(root: Path = ROOT) -> str:
 def identity(env: Optional[dict] = None) -> dict:
     """What a forked command shares with the warm driver and must be the command's own."""
     env = os.environ if env is None else env
-    return {"python": os.path.realpath(sys.executable), "code": code_fingerprint(),
+    return {"python": os.path.realpath(sys.executable), "root": str(ROOT), "code": code_fingerprint(),
             "env": {k: v for k, v in sorted(env.items()) if k.startswith(IMPORT_TIME_PREFIXES) and k not in READ_LATER}}
 
 
@@ -85,6 +86,8 @@ def difference(mine: dict, theirs: dict) -> Optional[str]:
     """What differs between two identities (None: nothing), in a few words."""
     if mine["python"] != theirs["python"]:
         return f"another interpreter ({theirs['python']})"
+    if mine["root"] != theirs["root"]:
+        return f"satp's code of another folder ({theirs['root']})"
     if mine["code"] != theirs["code"]:
         return "satp's code changed since it started"
     keys = sorted(k for k in set(mine["env"]) | set(theirs["env"]) if mine["env"].get(k) != theirs["env"].get(k))
@@ -150,9 +153,9 @@ def run_command(socket_path: str, argv: list[str], warn) -> Optional[int]:
 
         def stop(signum, frame):  # Ctrl-Z: the command stops, then this process, as one job
             forward(signal.SIGSTOP, frame)
-            signal.signal(signal.SIGTSTP, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTSTP)
-            signal.signal(signal.SIGTSTP, stop)  # continued (SIGCONT, forwarded too)
+            # SIGSTOP: a SIGTSTP of this process's own would be discarded in an orphaned process group
+            # (no shell's job), leaving the command stopped behind a process that runs on
+            os.kill(os.getpid(), signal.SIGSTOP)  # continued by SIGCONT, forwarded too
 
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT):
             signal.signal(signum, forward)
