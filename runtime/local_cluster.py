@@ -122,11 +122,12 @@ class ClusterRecord:
         """Whether ``address`` (``host:port``) names this cluster's GCS: its port, on an address of
         this machine (Ray itself may name the head by the machine's network address, not 127.0.0.1)."""
         host, _, port = address.rpartition(":")
+        host = host.strip("[]")  # an IPv6 address in brackets
         if port != self.address.rpartition(":")[2] or not host:
             return False
         try:  # binding succeeds only on this machine's own addresses
-            with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as probe:
-                probe.bind((host.strip("[]"), 0))
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.bind((host, 0))
         except (OSError, UnicodeError):
             return False
         return True

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.test_interrupts import _process_state
 from tests.test_train_ray import tiny_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,10 +64,6 @@ def _stop(command: subprocess.Popen) -> None:
         time.sleep(0.1)
     if _process_state(command.pid) != "T":
         command.send_signal(signal.SIGSTOP)
-
-
-def _process_state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def _satp_train(job: Path, address: str | None, *more: str, timeout: float = 600, **env) -> subprocess.CompletedProcess:

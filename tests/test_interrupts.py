@@ -102,10 +102,15 @@ def test_sigterm_ends_with_one_line_no_stack_dump_and_no_workers_left(tiny_setti
     assert not [pid for pid in pids if _running(pid)]
 
 
+def _process_state(pid: int) -> str:
+    """Process ``pid``'s state letter from ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def _running(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie (exited, waiting for its parent to reap it)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = _process_state(pid)
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state != "Z"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_interrupts import _job, _running
+from tests.test_interrupts import _job, _process_state, _running
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the command's process: run_command with its own pid as the signal hook's target (a fault that
@@ -188,10 +188,6 @@ def test_a_command_naming_the_session_cluster_is_forked_by_its_warm_driver_a_lib
     assert str(library) not in (Path(record.temp_dir) / LOG_NAME).read_text()
 
 
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_ctrl_z_stops_the_forked_run_with_the_command_and_fg_continues_both(warm_driver, tiny_setting, tmp_path):
@@ -209,14 +205,14 @@ def test_ctrl_z_stops_the_forked_run_with_the_command_and_fg_continues_both(warm
         (forked,) = [p.pid for runner in psutil.Process(warm_driver["server"].pid).children() for p in runner.children()]
         command.send_signal(signal.SIGTSTP)
         deadline = time.monotonic() + 30
-        while {_state(command.pid), _state(forked)} != {"T"} and time.monotonic() < deadline:
+        while {_process_state(command.pid), _process_state(forked)} != {"T"} and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert (_state(command.pid), _state(forked)) == ("T", "T")
+        assert (_process_state(command.pid), _process_state(forked)) == ("T", "T")
         command.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 30
-        while "T" in (_state(command.pid), _state(forked)) and time.monotonic() < deadline:
+        while "T" in (_process_state(command.pid), _process_state(forked)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert "T" not in (_state(command.pid), _state(forked))
+        assert "T" not in (_process_state(command.pid), _process_state(forked))
     finally:
         command.send_signal(signal.SIGCONT)  # whatever the assertions found stopped goes on, to its end
         command.send_signal(signal.SIGTERM)
