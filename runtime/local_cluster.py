@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from runtime import interrupts, worker_pool
+from runtime import forked_workers, interrupts, worker_pool
 
 #: packages whose versions are part of the environment a warm process runs (what it imported ahead)
 ENVIRONMENT_PACKAGES = ("torch", "torch_geometric", "deepspeed", "ray", "mlflow", "numpy", "pyarrow")
@@ -162,7 +162,7 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def cluster_env(use_gpu: bool, api_server: str) -> dict[str, str]:
+def cluster_env(use_gpu: bool, api_server: str, fork_socket: Optional[str] = None) -> dict[str, str]:
     """The environment of a satp cluster's processes (inherited by every worker the raylet starts):
     its workers import :data:`runtime.worker_pool.PRELOAD_MODULES` (PyG, DeepSpeed and the other training
     modules only the processes that run training: :func:`runtime.worker_pool.training_env`);
@@ -174,7 +174,10 @@ def cluster_env(use_gpu: bool, api_server: str) -> dict[str, str]:
     Train run other than satp's, which start none; it
     otherwise resolves "the" cluster of the machine, and with several clusters on one machine may
     ask another one whether our controller is alive, get "no", and remove our placement group);
-    without a dashboard an unreachable address, where its queries fail and it only warns."""
+    without a dashboard an unreachable address, where its queries fail and it only warns.
+
+    ``fork_socket``: the cluster's worker fork server (:mod:`runtime.forked_workers`), named to every
+    process of the cluster, whose Train workers it then forks (:func:`runtime.ray_cluster.worker_fork_socket`)."""
     return {
         "OUTDATED_IGNORE": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -182,6 +185,7 @@ def cluster_env(use_gpu: bool, api_server: str) -> dict[str, str]:
         "RAY_prestart_worker_first_driver": "0",
         "RAY_API_SERVER_ADDRESS": api_server,
         **worker_pool.preload_setting(worker_pool.PRELOAD_MODULES),
+        **({forked_workers.SOCKET_VAR: fork_socket} if fork_socket else {}),
     }
 
 
@@ -202,7 +206,10 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, worker
     temp = tempfile.mkdtemp(prefix="satpc-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     (Path(temp) / "tmp").mkdir()
     gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = free_ports(9)
-    worker_env = cluster_env(use_gpu=gpus > 0, api_server=f"http://127.0.0.1:{dash if dashboard else 9}")
+    # a CPU-only cluster forks its Train workers (a process that initialised CUDA cannot fork one that uses it)
+    fork_socket = None if gpus else str(Path(temp) / forked_workers.SOCKET_NAME)
+    worker_env = cluster_env(use_gpu=gpus > 0, api_server=f"http://127.0.0.1:{dash if dashboard else 9}",
+                             fork_socket=fork_socket)
     env = dict(os.environ, **worker_env, TMPDIR=str(Path(temp) / "tmp"))
     env.pop("RAY_ADDRESS", None)
     auth_mode = env.get("RAY_AUTH_MODE") or "token"
@@ -243,16 +250,25 @@ def _start_recorded(cmd: list[str], env: dict, temp: str, gcs: int, dash: Option
         raylet_address=f"127.0.0.1:{nm}", raylet_pid=raylet, keeper_pid=None, cpus=float(cpus), gpus=float(gpus),
         workers=workers, worker_env=worker_env, environment=environment(), auth_mode=auth_mode, started=time.time(),
         owner_pid=owner_pid)
-    keeper_log = open(Path(temp) / "satp-worker-pool.log", "w")
-    keeper = subprocess.Popen(
+    satp_env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (_project_root(), env.get("PYTHONPATH")) if p))
+    fork_socket = worker_env.get(forked_workers.SOCKET_VAR)
+    if fork_socket:
+        _start_logged([sys.executable, "-m", "runtime.forked_workers", "--serve", fork_socket], satp_env,
+                      Path(temp) / forked_workers.LOG_NAME)
+    keeper = _start_logged(
         [sys.executable, "-m", "runtime.worker_pool", "--raylet-address", record.raylet_address,
-         "--raylet-pid", str(raylet), "--gcs-address", record.address, "--workers", str(workers)],
-        env=dict(env, PYTHONPATH=os.pathsep.join(p for p in (_project_root(), env.get("PYTHONPATH")) if p)),
-        stdout=keeper_log, stderr=subprocess.STDOUT, start_new_session=True, cwd=temp)
-    keeper_log.close()
+         "--raylet-pid", str(raylet), "--gcs-address", record.address, "--workers", str(workers)]
+        + (["--forked-workers"] if fork_socket else []), satp_env, Path(temp) / "satp-worker-pool.log")
     record.keeper_pid = keeper.pid
     record.save()
     return record
+
+
+def _start_logged(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    """Start one of the cluster's own processes beside it, in a session of its own, logging to ``log_path``."""
+    with open(log_path, "w") as log_file:
+        return subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=log_path.parent)
 
 
 def _project_root() -> str:
@@ -285,7 +301,7 @@ def wait_warm(record: ClusterRecord, timeout_s: float = START_TIMEOUT_S, progres
     import psutil
 
     pool = record.pool()
-    targets = worker_pool.default_targets(record.workers)
+    targets = worker_pool.default_targets(record.workers, forked=forked_workers.SOCKET_VAR in record.worker_env)
     deadline = time.monotonic() + timeout_s
     while True:
         available, _ = pool.census()

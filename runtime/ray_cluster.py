@@ -279,7 +279,7 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
         missing = missing_worker_env(env_vars or {})
         runtime_env = {"env_vars": missing} if missing else {}
         if keep_warm:
-            runtime_env.setdefault("env_vars", {}).update(sweep_job_env()["env_vars"])
+            runtime_env.update(sweep_job_env(runtime_env.get("env_vars")))
         elif record is None:  # its workers did not import runtime.ray_logs ahead: the job's hook does
             runtime_env["worker_process_setup_hook"] = "runtime.ray_logs.quiet_ray_train_noise"
         kwargs = {"runtime_env": runtime_env} if runtime_env else {}
@@ -295,13 +295,19 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
     return True
 
 
-def sweep_job_env() -> dict:
-    """The runtime environment of a sweep's job: every process of it (its Tune trials too, which run
-    a training driver each; Ray gives a job's environment to all its tasks and actors) imports the
-    training modules when it starts, so that trials after the first find such processes warm."""
+def sweep_job_env(extra: Optional[dict[str, str]] = None) -> dict:
+    """The runtime environment of a sweep's job (``extra`` variables added): every process of it (its
+    Tune trials too, which run a training driver each; Ray gives a job's environment to all its tasks
+    and actors) imports the training modules when it starts, so that trials after the first find
+    such processes warm; on a satp cluster with a worker fork server every process of it is forked
+    (:mod:`runtime.forked_workers`): a trial's actor and Train controller too, not only its workers,
+    which the pool of a machine kept busy by one trial after another would not have warm."""
+    from runtime import forked_workers
     from runtime.worker_pool import training_env
 
-    return training_env()
+    env = training_env(extra)
+    fork_socket = worker_fork_socket()
+    return {**env, "py_executable": forked_workers.executable(fork_socket)} if fork_socket else env
 
 
 def _local_train_env() -> None:
@@ -342,6 +348,16 @@ def missing_worker_env(needed: dict[str, str]) -> dict[str, str]:
     else:
         return dict(needed)
     return {k: v for k, v in needed.items() if have.get(k) != v}
+
+
+def worker_fork_socket() -> Optional[str]:
+    """The worker fork server of the connected satp cluster (:mod:`runtime.forked_workers`), or None:
+    named in the environment of the cluster's processes (:data:`runtime.forked_workers.SOCKET_VAR`),
+    which a driver of it read from its record and a Ray worker of it (a sweep's trial) has itself."""
+    from runtime.forked_workers import SOCKET_VAR
+
+    have = _worker_env if _worker_env is not None else os.environ if _in_ray_worker() else {}
+    return have.get(SOCKET_VAR)
 
 
 def _in_ray_worker() -> bool:

@@ -1,46 +1,44 @@
 """Warm Ray worker processes: started before a run asks for them, their imports already done.
 
 A Ray Train run asks Ray for several processes at once: Train's controller with its clean-up and
-synchronization actors, and one worker per rank; a sweep adds a Tune trial actor per trial. Each
-new Python process then imports what it runs: torch, PyG, DeepSpeed and Ray Train take ~10 s of
-CPU on 2 cores, before the process does anything. Ray can start worker processes ahead of a request
-(the raylet's ``PrestartWorkers`` call), and can import modules in every worker it starts
-(``RAY_preload_python_modules``, a setting of the raylet) or in the workers of one runtime
-environment (its setup hook, an environment variable of that environment).
+synchronization actors, and one worker per rank; a sweep adds a Tune trial actor per trial. Each new
+Python process then imports what it runs: torch, PyG, DeepSpeed and Ray Train take ~10 s of CPU on 2
+cores, before the process does anything. Ray can start worker processes ahead of a request (the raylet's
+``PrestartWorkers`` call), and can import modules in every worker it starts
+(``RAY_preload_python_modules``, a setting of the raylet) or in the workers of one runtime environment
+(its setup hook, an environment variable of that environment).
 
-Ray hands an idle process only to a task or actor of the same runtime environment: its text is
-what Ray compares, and a child actor inherits (merges) its parent's. So the processes of one run
-come in a few *kinds* (:class:`Kind`), each an environment: Train's controller and its helper
-actors carry Ray's ``RAY_WARN_BLOCKING_GET_INSIDE_ASYNC``, satp's Train workers add the training
-setup hook (:func:`training_env`), a Tune trial's carry Tune's ``PL_DISABLE_FORK`` too (and a sweep
-gives its whole job the hook, since its trials run a training driver each). Every worker of satp's
-clusters imports :data:`PRELOAD_MODULES` (Ray Train) when it starts; a prestarted one of a Train
-run's kinds then imports torch and MLflow's store, and of the kinds that train PyG and DeepSpeed
-too (:mod:`runtime.run_imports`); one Ray starts for a job's actor imports what that actor opens. A process's kind is
-read from ``/proc`` (the environment variables it has beyond its raylet's), so a pool serves the
-local node (the machine of ``satp cluster``); how Ray wrote each kind's environment is read from
-the cluster's actor table (:func:`serialized`).
+Ray hands an idle process only to a task or actor of the same runtime environment: its text is what Ray
+compares, and a child actor inherits (merges) its parent's. So the processes of one run come in a few
+*kinds* (:class:`Kind`), each an environment: Train's controller and its helper actors carry Ray's
+``RAY_WARN_BLOCKING_GET_INSIDE_ASYNC``, satp's Train workers add the training setup hook
+(:func:`training_env`), a Tune trial's carry Tune's ``PL_DISABLE_FORK`` too (and a sweep gives its whole
+job the hook, since its trials run a training driver each). Every worker of satp's clusters imports
+:data:`PRELOAD_MODULES` (Ray Train) when it starts; a prestarted one of a Train run's kinds then imports
+torch and MLflow's store, and of the kinds that train PyG and DeepSpeed too (:mod:`runtime.run_imports`);
+one Ray starts for a job's actor imports what that actor opens. A process's kind is read from ``/proc``
+(the environment variables it has beyond its raylet's), so a pool serves the local node (the machine of
+``satp cluster``); how Ray wrote each kind's environment is read from the cluster's actor table
+(:func:`serialized`).
 
-:class:`WorkerPool` counts the raylet's idle processes of each kind (started, not yet handed to a
-job) and prestarts what is missing; :func:`keep_warm` does so every second, in the process that
-``satp cluster start`` leaves beside its cluster (``python -m runtime.worker_pool``), until the
-raylet is gone. How many of a kind it keeps: the most that were in use at once within the last
-:data:`USAGE_WINDOW_S` (so the second trial of a sweep finds what the first one used; Train's helper
-actors not counted, :data:`TRAIN_HELPERS`), at least
-what one ``satp train`` run of the cluster's size needs (:func:`default_targets`), and never
-more than :func:`warm_limit` idle processes in all: each holds 0.2-0.6 GB, and each costs seconds
-of CPU to start, which a busy machine pays while its runs wait. Prestarted processes are kept alive
-(``keep_alive_duration_secs``) for :data:`KEEP_ALIVE_S`, so that Ray's idle-worker killer leaves them
-until a run takes them, and not for long after: a process a task takes stays bound to that task's
-job, idle and unusable to any other, until its keep-alive ends (a sweep or a test session is one
-long job). An idle cluster so restarts its warm processes every :data:`KEEP_ALIVE_S`. No process is
-prestarted while less than :data:`MIN_FREE_MEMORY` is free, nor while the machine's CPUs were more
-than :data:`BUSY_CPU_PERCENT` busy in the last :data:`BUSY_WINDOW_S` seconds (:class:`CpuBusy`):
-a prestart uses idle CPU, it never takes it from a run setting up or training (on 2 cores a refill
-of five processes during a run's set-up made that set-up seconds longer; on a machine with spare
-cores the pool refills while runs go on; a command's own cluster prestarts what its one run takes at
-once, ``once``). It also ends the placement-group cleaners that
-interrupted runs leave behind (:meth:`WorkerPool.end_orphaned_cleaners`).
+:class:`WorkerPool` counts the raylet's idle processes of each kind (started, not yet handed to a job)
+and prestarts what is missing; :func:`keep_warm` does so every second, in the process that ``satp cluster
+start`` leaves beside its cluster (``python -m runtime.worker_pool``), until the raylet is gone. How many
+of a kind it keeps: the most that were in use at once within the last :data:`USAGE_WINDOW_S` (so the
+second trial of a sweep finds what the first one used; Train's helper actors not counted,
+:data:`TRAIN_HELPERS`), at least what one ``satp train`` run of the cluster's size needs
+(:func:`default_targets`), and never more than :func:`warm_limit` idle processes in all: each holds
+0.2-0.6 GB, and each costs seconds of CPU to start, which a busy machine pays while its runs wait.
+Prestarted processes are kept alive (``keep_alive_duration_secs``) for :data:`KEEP_ALIVE_S`, so that
+Ray's idle-worker killer leaves them until a run takes them, and not for long after: a process a task
+takes stays bound to that task's job, idle and unusable to any other, until its keep-alive ends (a sweep
+or a test session is one long job). An idle cluster so restarts its warm processes every
+:data:`KEEP_ALIVE_S`. No process is prestarted while less than :data:`MIN_FREE_MEMORY` is free, nor while
+the machine's CPUs were more than :data:`BUSY_CPU_PERCENT` busy in the last :data:`BUSY_WINDOW_S` seconds
+(:class:`CpuBusy`): a prestart uses idle CPU, it never takes it from a run setting up or training (on 2
+cores a refill of five processes during a run's set-up made that set-up seconds longer; on a machine with
+spare cores the pool refills while runs go on; a command's own cluster prestarts what its one run takes
+at once, ``once``). It also ends the placement-group cleaners that interrupted runs leave behind.
 """
 from __future__ import annotations
 
@@ -53,6 +51,8 @@ import sys
 import time
 from typing import Iterable, Optional
 
+from runtime import forked_workers
+
 log = logging.getLogger(__name__)
 
 #: Ray's environment variable for a worker's setup hook ("module.function", run before the worker
@@ -61,10 +61,8 @@ SETUP_HOOK_VAR = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 #: what Ray Train sets on its controller (and so on every actor the controller starts)
 CONTROLLER_VAR = ("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
 #: what every worker process of satp's clusters imports when it starts (the raylet's
-#: ``RAY_preload_python_modules``): what a Train controller and its helper actors run;
-#: :mod:`runtime.run_imports`, which in a prestarted process of a Train run's kinds imports what the
-#: run opens on its path; and :mod:`runtime.ray_logs`,
-#: which quiets Ray Train's console noise where it is logged
+#: ``RAY_preload_python_modules``): what a Train controller and its helper actors run; :mod:`runtime.run_imports`
+#: (a prestarted process of a Train run's kinds imports what the run opens on its path); :mod:`runtime.ray_logs`
 PRELOAD_MODULES = ("ray.train", "runtime.run_imports", "runtime.ray_logs")
 USAGE_WINDOW_S = 600.0
 CLEANER_CHECK_ROUNDS = 10  # keep_warm's rounds between looks for orphaned placement-group cleaners
@@ -73,13 +71,12 @@ BUSY_CPU_PERCENT = 60.0
 BUSY_WINDOW_S = 3.0
 KEEP_ALIVE_S = 600
 IDLE_TITLE = "ray::IDLE"  # ray._private.ray_constants.WORKER_PROCESS_TYPE_IDLE_WORKER
-#: the actors a Train run's controller starts beside its workers (the cluster's autoscaling
-#: coordinator once per cluster; satp's runs start no cleaner and no dataset manager,
-#: :func:`pipeline.train.driver._trainer_class`, other Ray Train runs on the cluster do). They
-#: share the controller's kind (in a sweep the training kind), so a prestarted process of it,
-#: which imports what the controller or a worker opens, costs one 7-10 s of CPU; started on
-#: demand (~2.5 s: Ray Train only) they are ready before the controller waits on them. Their
-#: processes are not counted as their kind's use: the pool keeps none for them
+#: the actors a Train run's controller starts beside its workers (the cluster's autoscaling coordinator once per
+#: cluster; satp's runs start no cleaner and no dataset manager, :func:`pipeline.train.driver._trainer_class`,
+#: other Ray Train runs on the cluster do). They share the controller's kind (in a sweep the training kind), so a
+#: prestarted process of it, which imports what the controller or a worker opens, costs one 7-10 s of CPU; started
+#: on demand (~2.5 s: Ray Train only) they are ready before the controller waits on them. Their processes are not
+#: counted as their kind's use: the pool keeps none for them
 TRAIN_HELPERS = frozenset({"PlacementGroupCleaner", "SynchronizationActor", "DatasetManager",
                            "_AutoscalingCoordinatorActor"})
 #: variables the raylet sets in every worker process it starts (seen in /proc): not part of a kind
@@ -136,11 +133,11 @@ def train_run_kinds(extra: Optional[dict[str, str]] = None) -> tuple[Kind, Kind]
     return Kind.of(controller), Kind.of({**controller, **training_env(extra)["env_vars"]})
 
 
-def default_targets(workers: int) -> dict[Kind, int]:
-    """What one ``satp train`` run with ``workers`` workers takes from the pool: its controller and
-    the workers (its helper actors, :data:`TRAIN_HELPERS`, start on demand)."""
+def default_targets(workers: int, forked: bool = False) -> dict[Kind, int]:
+    """What one ``satp train`` run with ``workers`` workers takes from the pool: its controller and the workers (its
+    helper actors, :data:`TRAIN_HELPERS`, start on demand); ``forked``: the cluster's fork server starts the workers."""
     controller, worker = train_run_kinds()
-    return {controller: 1, worker: workers}
+    return {controller: 1} if forked else {controller: 1, worker: workers}
 
 
 def warm_limit(defaults: dict[Kind, int], starts_at_once: int) -> int:
@@ -251,6 +248,8 @@ class WorkerPool:
             title = process_title(child.pid)
             if title.startswith("ray::") and title.endswith("Agent"):
                 continue  # the dashboard's and the runtime environments' agents
+            if forked_workers.CLIENT in _safe_cmdline(child):
+                continue  # a forked worker's client: the worker is the fork server's, never idle here
             if child.pid in unassigned:
                 available[self.kind_of(child.pid)] += 1
             elif child.pid not in registered and "default_worker.py" in " ".join(_safe_cmdline(child)):
@@ -489,9 +488,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--raylet-pid", type=int, required=True)
     parser.add_argument("--gcs-address", required=True, help="host:port")
     parser.add_argument("--workers", type=int, required=True, help="Train workers of one run (the default pool)")
+    parser.add_argument("--forked-workers", action="store_true", help="the cluster's fork server starts Train workers")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    keep_warm(WorkerPool(args.raylet_address, args.raylet_pid, args.gcs_address), default_targets(args.workers))
+    keep_warm(WorkerPool(args.raylet_address, args.raylet_pid, args.gcs_address),
+              default_targets(args.workers, forked=args.forked_workers))
     return 0
 
 

@@ -34,8 +34,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-#: the lines of the session cluster's warm-driver log, kept for the summary
+#: the lines of the session cluster's warm-driver and worker-fork logs, kept for the summary
 WARM_DRIVER_LOG = pytest.StashKey[list]()
+WORKER_FORK_LOG = pytest.StashKey[list]()
 
 
 @pytest.fixture(scope="session")
@@ -44,11 +45,12 @@ def ray_cluster(request):
     the session as its owner: what a killed session left is stopped by the next one), which every
     ``satp`` command the tests run finds through ``SATP_HOME``; this process is one of its drivers.
     Its warm driver forks the tests' ``satp train`` commands on it (those that name its address too),
-    as it would a user's; the session's summary counts them (:func:`pytest_terminal_summary`)."""
+    as it would a user's, and its fork server the runs' Ray Train workers (:mod:`runtime.forked_workers`);
+    the session's summary counts both (:func:`pytest_terminal_summary`)."""
     import ray
 
     from pipeline.cli import warm_driver
-    from runtime import local_cluster
+    from runtime import forked_workers, local_cluster
     from runtime.ray_cluster import connect
 
     record = local_cluster.ClusterRecord.load()
@@ -66,9 +68,10 @@ def ray_cluster(request):
     yield ray
     ray.shutdown()
     if ours:
-        log = Path(record.temp_dir) / warm_driver.LOG_NAME
-        if log.exists():  # read before stop removes the cluster's folder
-            request.config.stash[WARM_DRIVER_LOG] = log.read_text().splitlines()
+        for key, name in ((WARM_DRIVER_LOG, warm_driver.LOG_NAME), (WORKER_FORK_LOG, forked_workers.LOG_NAME)):
+            log = Path(record.temp_dir) / name
+            if log.exists():  # read before stop removes the cluster's folder
+                request.config.stash[key] = log.read_text().splitlines()
         local_cluster.stop(record)
 
 
@@ -100,17 +103,19 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """How many of the session's ``satp train`` commands its cluster's warm driver forked, and the
-    reasons it gave for those it refused (each of those ran in its own process, after a warning)."""
-    lines = config.stash.get(WARM_DRIVER_LOG, None)
-    if lines is None:
-        return
-    forked = sum(line.startswith("forked pid") for line in lines)
-    refused = [line for line in lines if line.startswith("refused:")]
-    terminalreporter.write_line(f"the session cluster's warm driver: {forked} satp train commands forked, "
-                                f"{len(refused)} refused")
-    for line in refused:
-        terminalreporter.write_line(f"  {line}")
+    """How many of the session's ``satp train`` commands its cluster's warm driver forked, and how
+    many Train workers its fork server forked, with the reasons each gave for what it refused (that
+    ran in a process of its own: a command after a warning, a worker as Ray starts one)."""
+    for key, what in ((WARM_DRIVER_LOG, "warm driver: {} satp train commands forked"),
+                      (WORKER_FORK_LOG, "worker fork server: {} Ray worker processes forked")):
+        lines = config.stash.get(key, None)
+        if lines is None:
+            continue
+        refused = [line for line in lines if line.startswith("refused")]
+        forked = sum(line.startswith("forked") for line in lines)
+        terminalreporter.write_line(f"the session cluster's {what.format(forked)}, {len(refused)} refused")
+        for line in sorted(set(refused)):
+            terminalreporter.write_line(f"  {line} (x{refused.count(line)})")
 
 
 @pytest.fixture(scope="module")

@@ -50,3 +50,11 @@ def test_a_worker_process_started_before_the_fit_is_a_warm_one():
     marks = _marks()
     del marks["fit"]
     assert startup.warm(marks) is None and "startup_warm_worker" not in startup.metrics(marks)
+
+
+def test_a_forked_worker_process_is_named_so_and_counted():
+    marks = _marks(**{startup.FORKED_FROM: 50.0})  # its server imported long before; the process is new
+    assert startup.breakdown(marks) == startup.breakdown(_marks())  # not a phase's event
+    assert startup.describe(marks).endswith("(forked worker process)")
+    assert startup.metrics(marks)["startup_forked_worker"] == 1.0
+    assert startup.metrics(_marks())["startup_forked_worker"] == 0.0

@@ -21,7 +21,7 @@ import psutil
 import pytest
 import yaml
 
-from runtime import local_cluster, ray_cluster, worker_pool
+from runtime import forked_workers, local_cluster, ray_cluster, worker_pool
 from tests.test_train_ray import tiny_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,6 +156,28 @@ def test_the_workers_get_only_the_environment_their_cluster_lacks(monkeypatch):
     assert ray_cluster.missing_worker_env(needed) == needed
 
 
+def test_a_cpu_clusters_train_workers_are_forked_by_its_fork_server_and_not_kept_warm(monkeypatch, tmp_path):
+    """A satp cluster names its fork server to its processes; a run's driver then gives its Train
+    workers the server's client as their Python, unless they train on GPUs; the pool keeps no worker
+    process of theirs (their runtime environment is another one), only the controller's."""
+    from pipeline.config import JobConfig
+    from pipeline.train.driver import worker_runtime_env
+
+    sock = str(tmp_path / "worker-fork.sock")
+    env = local_cluster.cluster_env(use_gpu=False, api_server="http://127.0.0.1:9", fork_socket=sock)
+    assert env[forked_workers.SOCKET_VAR] == sock
+    assert forked_workers.SOCKET_VAR not in local_cluster.cluster_env(use_gpu=True, api_server="http://127.0.0.1:9")
+    job = JobConfig.model_validate(tiny_job_dict(tmp_path, epochs=1))
+    monkeypatch.setattr(ray_cluster, "_worker_env", env)
+    assert worker_runtime_env(job)["py_executable"].split()[-2:] == ["--client", sock]
+    gpu = JobConfig.model_validate({**tiny_job_dict(tmp_path, epochs=1), "resources": {"use_gpu": True}})
+    assert "py_executable" not in worker_runtime_env(gpu)
+    monkeypatch.setattr(ray_cluster, "_worker_env", {k: v for k, v in env.items() if k != forked_workers.SOCKET_VAR})
+    assert "py_executable" not in worker_runtime_env(job)
+    controller, _ = worker_pool.train_run_kinds()
+    assert worker_pool.default_targets(2, forked=True) == {controller: 1}
+
+
 # ----------------------------------------------------------------------------- the real cluster
 def _env(home: Path) -> dict:
     env = dict(os.environ, SATP_HOME=str(home), TQDM_DISABLE="1")
@@ -181,9 +203,9 @@ def _maps(pid: int, library: str) -> bool:
 def test_two_commands_at_once_run_on_the_warm_session_cluster(tiny_setting, tmp_path):
     """The session's cluster is a satp cluster (conftest: ``local_cluster.start``, what ``satp cluster
     start`` runs): ``satp cluster status`` names it and its warm kinds, a second ``start`` is refused
-    in one line, and two ``satp train`` at once both run on it, at least one on a warm process
-    (the pool is waited for first: it refills when the CPUs are idle), and the pool counts their
-    controllers, not Train's helper actors, as their kind's use."""
+    in one line, and two ``satp train`` at once both run on it, their Train workers forked by the
+    cluster's fork server, and the pool counts their controllers, not Train's helper actors, as their
+    kind's use."""
     base, _ = tiny_setting
     home = Path(os.environ["SATP_HOME"])
     env = _env(home)
@@ -199,7 +221,8 @@ def test_two_commands_at_once_run_on_the_warm_session_cluster(tiny_setting, tmp_
     assert waiting and all(waiting.values()), f"the pool's controller processes imported torch ahead: {waiting}"
     status = _satp(["cluster", "status"], env)
     assert status.returncode == 0 and record.address in status.stdout
-    assert "train-controller+training" in status.stdout, status.stdout
+    assert "Train workers forked from its fork server" in status.stdout, status.stdout
+    assert "train-controller warm" in status.stdout, status.stdout  # the kind the pool keeps warm
 
     again = _satp(["cluster", "start"], env)
     assert again.returncode == 2 and again.stderr.strip().splitlines()[-1] == (
@@ -241,7 +264,8 @@ def test_two_commands_at_once_run_on_the_warm_session_cluster(tiny_setting, tmp_
         assert proc.returncode == 0, err[-3000:]
         assert "starting a local Ray cluster" not in err  # both ran on the satp cluster
     lines = [line for _, err in outputs for line in err.splitlines() if "start-up" in line and "first step" in line]
-    assert len(lines) == 2 and any(line.endswith("(warm worker process)") for line in lines), lines
+    # the session cluster has no GPU: its fork server forked both runs' Train workers
+    assert len(lines) == 2 and all(line.endswith("(forked worker process)") for line in lines), lines
 
 
 @pytest.mark.ray

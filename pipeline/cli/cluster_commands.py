@@ -86,7 +86,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def _describe(record) -> str:
+    from runtime.forked_workers import SOCKET_VAR
+
     dashboard = f", dashboard {record.dashboard}" if record.dashboard else ""
-    return (f"satp cluster at {record.address}{dashboard}: {record.cpus:g} CPU, {record.gpus:g} GPU, kept warm for "
-            f"{record.workers} Train worker(s); folder {record.temp_dir}"
+    fork_socket = record.worker_env.get(SOCKET_VAR)
+    workers = (f"Train workers forked from its fork server ({fork_socket})" if fork_socket else
+               f"kept warm for {record.workers} Train worker(s)")
+    return (f"satp cluster at {record.address}{dashboard}: {record.cpus:g} CPU, {record.gpus:g} GPU, {workers}; "
+            f"folder {record.temp_dir}"
             + (f"; satp train forked from its warm driver ({record.driver_socket})" if record.driver_socket else ""))

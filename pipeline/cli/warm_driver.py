@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import runpy
-import select
-import signal
 import socket
 import sys
 from pathlib import Path
 from typing import Optional
 
+from runtime import forking
 from runtime.command import COMMAND_PID_VAR, forked_for_a_command, set_command_environment
 
 SOCKET_NAME = "warm-driver.sock"
@@ -127,49 +125,17 @@ def run_command(socket_path: str, argv: list[str], warn) -> Optional[int]:
     or refused (``warn(line)`` says why): the caller runs the command itself."""
     if forked_for_a_command():  # a forked command never asks the driver again
         return None
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(socket_path)
-    except OSError:
-        conn.close()
+    asked = forking.request(socket_path, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ),
+                                          "path": sys.path, "identity": identity(), "pid": os.getpid()})
+    if asked is None:
         return None
-    with conn:
-        request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": sys.path,
-                   "identity": identity(), "pid": os.getpid()}
-        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
-        lines = conn.makefile("r")
-        reply = json.loads(lines.readline() or "{}")
-        if "pid" not in reply:
-            warn(f"the satp cluster's warm driver did not run this command ({reply.get('refused', 'no reply')}); "
-                 "it runs in its own process")
-            return None
-        pid = reply["pid"]
-
-        def forward(signum, frame):
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-
-        def stop(signum, frame):  # Ctrl-Z: the command stops, then this process, as one job
-            forward(signal.SIGSTOP, frame)
-            # SIGSTOP: a SIGTSTP of this process's own would be discarded in an orphaned process group
-            # (no shell's job), leaving the command stopped behind a process that runs on
-            os.kill(os.getpid(), signal.SIGSTOP)  # continued by SIGCONT, forwarded too
-
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT):
-            signal.signal(signum, forward)
-        signal.signal(signal.SIGTSTP, stop)
-        ended = json.loads(lines.readline() or '{"status": null}')
-    status = ended.get("status")
-    if status is None:
-        raise OSError(f"{socket_path}: the warm driver ended before the command it ran (pid {pid})")
-    if os.WIFSIGNALED(status):
-        signum = os.WTERMSIG(status)
-        if signum != signal.SIGKILL:  # its handler cannot be set, nor needs to be
-            signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-    return os.waitstatus_to_exitcode(status)
+    conn, lines, reply = asked
+    if "pid" not in reply:
+        conn.close()
+        warn(f"the satp cluster's warm driver did not run this command ({reply.get('refused', 'no reply')}); "
+             "it runs in its own process")
+        return None
+    return forking.follow(socket_path, conn, lines, reply["pid"])
 
 
 # ----------------------------------------------------------------------------- the driver's side
@@ -181,28 +147,10 @@ def serve(socket_path: str) -> None:
     mine = identity()
     for name in MODULES:
         importlib.import_module(name)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    Path(socket_path).unlink(missing_ok=True)
-    old_mask = os.umask(0o177)  # the socket: this user only
-    try:
-        listener.bind(socket_path)
-    finally:
-        os.umask(old_mask)
-    listener.listen(8)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # runners are reaped by the kernel
+    listener = forking.listen(socket_path)
     print(f"warm driver pid {os.getpid()} on {socket_path}", flush=True)
     while True:
-        conn, _ = listener.accept()
-        if os.fork() == 0:
-            listener.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            code = 1
-            try:
-                _run(conn, mine)
-                code = 0
-            finally:
-                os._exit(code)
-        conn.close()
+        forking.accept_forking(listener, lambda conn: _run(conn, mine))
         if code_fingerprint() != mine["code"]:  # satp was edited (its runner refused the command)
             print("satp's code changed since the warm driver started: it imports it again", flush=True)
             listener.close()
@@ -212,82 +160,40 @@ def serve(socket_path: str) -> None:
 
 def _run(conn: socket.socket, mine: dict) -> None:
     """The runner of one connection: check the request, fork the command, report how it ended."""
-    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    while not message.endswith(b"\n"):
-        more = conn.recv(1 << 20)
-        if not more:
-            return
-        message += more
-    request = json.loads(message)
+    request, fds = forking.receive(conn)
+    if not request:
+        return
     why = difference(mine, request["identity"])
     command = " ".join(["satp", *request["argv"]])
     if why is not None or len(fds) != 3:
         print(f"refused: {command} ({why or 'no standard streams'})", flush=True)  # to the log
-        conn.sendall(json.dumps({"refused": why or "no standard streams"}).encode() + b"\n")
+        forking.refuse(conn, why or "no standard streams")
         return
-    pid = os.fork()
-    if pid == 0:
-        conn.close()
-        _command(request, fds)
-    for fd in fds:
-        os.close(fd)
-    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-    print(f"forked pid {pid}: {command}", flush=True)
-    ended = os.pidfd_open(pid)
-    while True:
-        readable, _, _ = select.select([conn, ended], [], [])
-        if ended in readable:
-            _, status = os.waitpid(pid, 0)
-            conn.sendall(json.dumps({"status": status}).encode() + b"\n")
-            return
-        if not conn.recv(1):  # the command's process is gone: so is the command
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return
+    forking.fork_and_report(conn, fds, lambda: _command(request),
+                            lambda pid: print(f"forked pid {pid}: {command}", flush=True))
 
 
-def _command(request: dict, fds: list[int]) -> None:
-    """The forked command: the caller's streams, directory, environment and import path, then ``satp``."""
+def _command(request: dict) -> None:
+    """The forked command: the caller's directory, environment and import path, then ``satp``."""
     import tempfile
 
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"], **{COMMAND_PID_VAR: str(request["pid"])})
     sys.path[:] = request["path"]
     tempfile.tempdir = None  # read from the command's TMPDIR again
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_DFL)
     sys.argv = ["satp", *request["argv"]]
     code = 1
     try:
         runpy.run_module("pipeline.cli", run_name="__main__", alter_sys=True)  # python -m pipeline.cli: exits
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        code = forking.exit_code(exc)
     except BaseException:  # noqa: BLE001 - said as the command's own process would say it
         import traceback
 
         traceback.print_exc()
     finally:
-        _exit(code)
-
-
-def _exit(code: int) -> None:
-    """End the forked command as the interpreter ends a process (its threads joined, then its exit
-    handlers: Ray's shutdown, MLflow's end of run, satp's clean-up), then ``_exit``: what lies below
-    it in this process's stack is the warm driver's."""
-    import atexit
-    import threading
-
-    try:
-        threading._shutdown()  # what Py_FinalizeEx does first (no public equivalent)
-        atexit._run_exitfuncs()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        forking.exit_as_interpreter(code)
 
 
 def main() -> None:

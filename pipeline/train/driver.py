@@ -396,12 +396,16 @@ def worker_runtime_env(job: JobConfig) -> dict:
     (:func:`runtime.worker_pool.training_env`), and only the variables that must be set before a
     process imports them and that the cluster's workers lack (DeepSpeed reads ``DS_ACCELERATOR`` on
     import). Anything more would put the workers in an environment of their own, where no warm
-    process fits; what can be set later goes to :attr:`WorkerSetup.process_env` instead."""
-    from runtime.ray_cluster import missing_worker_env
+    process fits; what can be set later goes to :attr:`WorkerSetup.process_env` instead. On a
+    satp cluster with a worker fork server, the workers are forked by it (:mod:`runtime.forked_workers`)."""
+    from runtime import forked_workers
+    from runtime.ray_cluster import missing_worker_env, worker_fork_socket
     from runtime.worker_pool import training_env
 
     needed = {"OUTDATED_IGNORE": "1", "DS_ACCELERATOR": "cuda" if job.resources.use_gpu else "cpu"}
-    return training_env(missing_worker_env(needed))
+    env = training_env(missing_worker_env(needed))
+    fork_socket = None if job.resources.use_gpu else worker_fork_socket()
+    return {**env, "py_executable": forked_workers.executable(fork_socket)} if fork_socket else env
 
 
 def _storage_full(job: JobConfig, full: dict) -> OSError:

@@ -62,6 +62,11 @@ def breakdown(marks: dict[str, float]) -> dict[str, float]:
     return out
 
 
+#: not a phase's event: when the process the rank-0 worker was forked from had imported torch, PyG
+#: and DeepSpeed (:mod:`runtime.forked_workers`), in a forked worker's marks only
+FORKED_FROM = "forked_from"
+
+
 def warm(marks: dict[str, float]) -> Optional[bool]:
     """Whether the rank-0 worker ran in a process started before the workers were asked for (a
     warm one: :mod:`runtime.worker_pool`); None when the events are missing."""
@@ -71,11 +76,12 @@ def warm(marks: dict[str, float]) -> Optional[bool]:
 
 
 def metrics(marks: dict[str, float]) -> dict[str, float]:
-    """:func:`breakdown` as the run's MLflow metrics: ``startup_<phase>_s``, and ``startup_warm_worker``
-    (1: :func:`warm`)."""
+    """:func:`breakdown` as the run's MLflow metrics: ``startup_<phase>_s``, ``startup_warm_worker``
+    (1: :func:`warm`) and ``startup_forked_worker`` (1: forked, :data:`FORKED_FROM`)."""
     out = {f"startup_{phase}_s": seconds for phase, seconds in breakdown(marks).items()}
     if warm(marks) is not None:
         out["startup_warm_worker"] = float(warm(marks))
+        out["startup_forked_worker"] = float(FORKED_FROM in marks)
     return out
 
 
@@ -87,4 +93,6 @@ def describe(marks: dict[str, float]) -> str:
     head = f"start-up {total:.1f} s to the first step" if total is not None else "start-up"
     line = head + ": " + ", ".join(f"{phase.replace('_', ' ')} {seconds:.1f} s" for phase, seconds in parts.items())
     state = warm(marks)
-    return line if state is None else f"{line} ({'warm' if state else 'new'} worker process)"
+    if state is None:
+        return line
+    return f"{line} ({'warm' if state else 'forked' if FORKED_FROM in marks else 'new'} worker process)"
