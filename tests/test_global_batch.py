@@ -134,6 +134,10 @@ for k in map(int, sys.argv[3].split(",")):  # one engine per global batch, on th
     [[_, step_loss]] = reports.step_losses()
     results.append({"k": k, "error": float((seen["grad"] - expected).abs().max()), "scale": float(expected.abs().max()),
                     "loss": step_loss, "expected_loss": float(loss.detach()), "share": len(mine)})
+# every rank done with its collectives, then the group ended, before any process exits: a rank that
+# left with gloo's threads still running ended in std::terminate (status -6, seen once in a suite)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
 print("RESULT " + json.dumps(results))
 '''
 
