@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Optional
 
+from runtime import forking
+
 #: the server's socket in a satp cluster's folder, and its log beside it
 SOCKET_NAME = "worker-fork.sock"
 LOG_NAME = "satp-worker-fork.log"
@@ -74,8 +76,6 @@ def difference(mine: dict, theirs: dict):
 # ----------------------------------------------------------------------------- the worker's side
 def client(socket_path: str, argv: list[str]) -> None:
     """Run Ray's worker ``argv`` (``default_worker.py ARGS``) forked by the server, else here."""
-    from runtime import forking
-
     path = [os.path.dirname(os.path.abspath(argv[0])), *sys.path[1:]]  # as `python default_worker.py`
     asked = forking.request(socket_path, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": path,
                                           "identity": identity()})
@@ -92,23 +92,19 @@ def serve(socket_path: str) -> None:
     """Import :data:`MODULES`, then fork a runner per connection until SIGTERM."""
     import importlib
 
-    from runtime import forking
-
     mine = identity()
     for name in MODULES:
         importlib.import_module(name)
-    mine["imported"] = time.time()
+    imported = time.time()
     if "ray" in sys.modules:  # its core would keep this process's job id in every worker
         raise SystemExit(f"{', '.join(MODULES)} imported Ray: no worker can be forked from this process")
     listener = forking.listen(socket_path)
     print(f"worker fork server pid {os.getpid()} on {socket_path}", flush=True)
     while True:
-        forking.accept_forking(listener, lambda conn: _run(conn, mine))
+        forking.accept_forking(listener, lambda conn: _run(conn, mine, imported))
 
 
-def _run(conn, mine: dict) -> None:
-    from runtime import forking
-
+def _run(conn, mine: dict, imported: float) -> None:
     request, fds = forking.receive(conn)
     if not request:
         return
@@ -117,7 +113,7 @@ def _run(conn, mine: dict) -> None:
         print(f"refused ({why}): a worker started by the raylet instead", flush=True)
         forking.refuse(conn, why)
         return
-    forking.fork_and_report(conn, fds, lambda: _worker(request, mine["imported"]),
+    forking.fork_and_report(conn, fds, lambda: _worker(request, imported),
                             lambda pid: print(f"forked worker pid {pid}", flush=True))
 
 
@@ -125,8 +121,6 @@ def _worker(request: dict, imported: float) -> None:
     """The forked worker: the client's directory, environment and import path, then Ray's worker."""
     import runpy
     import tempfile
-
-    from runtime import forking
 
     os.setpgid(0, 0)  # a process group of its own, as the raylet gives its workers: it ends the group with the worker
     os.chdir(request["cwd"])

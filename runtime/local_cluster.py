@@ -177,7 +177,7 @@ def cluster_env(use_gpu: bool, api_server: str, fork_socket: Optional[str] = Non
     without a dashboard an unreachable address, where its queries fail and it only warns.
 
     ``fork_socket``: the cluster's worker fork server (:mod:`runtime.forked_workers`), named to every
-    process of the cluster, whose Train workers it then forks (:func:`runtime.ray_cluster.worker_fork_socket`)."""
+    process of the cluster, whose Train workers it then forks (:func:`runtime.ray_cluster.forked`)."""
     return {
         "OUTDATED_IGNORE": "1",
         "RAY_USAGE_STATS_ENABLED": "0",

@@ -302,12 +302,9 @@ def sweep_job_env(extra: Optional[dict[str, str]] = None) -> dict:
     such processes warm; on a satp cluster with a worker fork server every process of it is forked
     (:mod:`runtime.forked_workers`): a trial's actor and Train controller too, not only its workers,
     which the pool of a machine kept busy by one trial after another would not have warm."""
-    from runtime import forked_workers
     from runtime.worker_pool import training_env
 
-    env = training_env(extra)
-    fork_socket = worker_fork_socket()
-    return {**env, "py_executable": forked_workers.executable(fork_socket)} if fork_socket else env
+    return forked(training_env(extra))
 
 
 def _local_train_env() -> None:
@@ -341,23 +338,30 @@ def missing_worker_env(needed: dict[str, str]) -> dict[str, str]:
     already, i.e. what a task or actor must be given in its runtime env. Processes of a satp
     cluster (or of the local cluster started here) have what it was started with; inside a Ray
     worker, what this process has; a cluster satp did not start gets all of it."""
-    if _worker_env is not None:
-        have = _worker_env
-    elif _in_ray_worker():
-        have = os.environ
-    else:
+    have = _known_worker_env()
+    if have is None:
         return dict(needed)
     return {k: v for k, v in needed.items() if have.get(k) != v}
 
 
-def worker_fork_socket() -> Optional[str]:
-    """The worker fork server of the connected satp cluster (:mod:`runtime.forked_workers`), or None:
-    named in the environment of the cluster's processes (:data:`runtime.forked_workers.SOCKET_VAR`),
-    which a driver of it read from its record and a Ray worker of it (a sweep's trial) has itself."""
-    from runtime.forked_workers import SOCKET_VAR
+def forked(env: dict, gpu: bool = False) -> dict:
+    """The runtime environment ``env``, its processes forked by the connected satp cluster's worker
+    fork server (:mod:`runtime.forked_workers`) when it has one, and ``gpu`` is not asked for (a
+    process that initialised CUDA cannot fork one that uses it). The server is named in the
+    environment of the cluster's processes (:data:`runtime.forked_workers.SOCKET_VAR`), which a
+    driver of it read from its record and a Ray worker of it (a sweep's trial) has itself."""
+    from runtime import forked_workers
 
-    have = _worker_env if _worker_env is not None else os.environ if _in_ray_worker() else {}
-    return have.get(SOCKET_VAR)
+    fork_socket = None if gpu else (_known_worker_env() or {}).get(forked_workers.SOCKET_VAR)
+    return {**env, "py_executable": forked_workers.executable(fork_socket)} if fork_socket else env
+
+
+def _known_worker_env():
+    """The environment the connected cluster's worker processes have, where known (a satp cluster's,
+    the local one started here, or inside a Ray worker this process's own), else None."""
+    if _worker_env is not None:
+        return _worker_env
+    return os.environ if _in_ray_worker() else None
 
 
 def _in_ray_worker() -> bool:

@@ -398,14 +398,11 @@ def worker_runtime_env(job: JobConfig) -> dict:
     import). Anything more would put the workers in an environment of their own, where no warm
     process fits; what can be set later goes to :attr:`WorkerSetup.process_env` instead. On a
     satp cluster with a worker fork server, the workers are forked by it (:mod:`runtime.forked_workers`)."""
-    from runtime import forked_workers
-    from runtime.ray_cluster import missing_worker_env, worker_fork_socket
+    from runtime.ray_cluster import forked, missing_worker_env
     from runtime.worker_pool import training_env
 
     needed = {"OUTDATED_IGNORE": "1", "DS_ACCELERATOR": "cuda" if job.resources.use_gpu else "cpu"}
-    env = training_env(missing_worker_env(needed))
-    fork_socket = None if job.resources.use_gpu else worker_fork_socket()
-    return {**env, "py_executable": forked_workers.executable(fork_socket)} if fork_socket else env
+    return forked(training_env(missing_worker_env(needed)), gpu=job.resources.use_gpu)
 
 
 def _storage_full(job: JobConfig, full: dict) -> OSError:
