@@ -230,7 +230,10 @@ def test_an_edited_checkout_runs_in_its_own_process_once_then_the_driver_imports
     for package in ("pipeline", "sat", "runtime", "preprocessing"):
         shutil.copytree(ROOT / package, checkout / package, ignore=shutil.ignore_patterns("__pycache__"))
     socket_path, log = tmp_path / "wd.sock", tmp_path / "wd.log"
+    # a shell's environment: importing Ray set RAY_CLIENT_MODE in this process's (and a driver started
+    # over with the environment its imports had changed refused every command after it)
     env = {**os.environ, "SATP_TEST_FAULT": "", "PYTHONPATH": str(checkout)}
+    env.pop("RAY_CLIENT_MODE", None)
     with open(log, "w") as out:
         server = subprocess.Popen([sys.executable, "-m", "pipeline.cli.warm_driver", "--socket", str(socket_path)],
                                   cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

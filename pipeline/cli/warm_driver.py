@@ -143,6 +143,7 @@ def serve(socket_path: str) -> None:
     """Import :data:`MODULES`, then fork a runner per connection (:func:`_run`) until SIGTERM."""
     import importlib
 
+    started_env = dict(os.environ)  # what it starts over with: importing Ray or MLflow adds to os.environ
     set_command_environment()  # as a command's process does first (Ray reads its authentication once)
     mine = identity()
     for name in MODULES:
@@ -155,7 +156,8 @@ def serve(socket_path: str) -> None:
             print("satp's code changed since the warm driver started: it imports it again", flush=True)
             listener.close()
             Path(socket_path).unlink(missing_ok=True)  # meanwhile commands run in their own processes
-            os.execv(sys.executable, [sys.executable, "-m", "pipeline.cli.warm_driver", "--socket", socket_path])
+            os.execve(sys.executable, [sys.executable, "-m", "pipeline.cli.warm_driver", "--socket", socket_path],
+                      started_env)
 
 
 def _run(conn: socket.socket, mine: dict) -> None:
