@@ -12,7 +12,9 @@ where Ray would run ``python default_worker.py ARGS``, the client hands ``defaul
 its environment, directory, import path and standard streams to the server (:mod:`runtime.forking`),
 which forks a process that runs Ray's worker from there. The worker registers with the raylet under
 its own pid (the one Ray's kills reach); the client waits for it, forwarding signals, and ends as it
-ended; should the client die (the raylet ended it), the worker is killed with it.
+ended; should the client die (the raylet ended it), the worker is killed with it. The server's log
+names each worker with its client (:func:`forked_pids`). The nodes of a cluster satp did not start
+can run a server each, at the path their environment and the driver's name (docs/scale.md).
 
 What is shared is checked (:func:`identity`): the interpreter, and the environment variables that
 torch, PyG and DeepSpeed read when imported (:data:`IMPORT_TIME_PREFIXES`). A worker whose values
@@ -78,7 +80,7 @@ def client(socket_path: str, argv: list[str]) -> None:
     """Run Ray's worker ``argv`` (``default_worker.py ARGS``) forked by the server, else here."""
     path = [os.path.dirname(os.path.abspath(argv[0])), *sys.path[1:]]  # as `python default_worker.py`
     asked = forking.request(socket_path, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": path,
-                                          "identity": identity()})
+                                          "identity": identity(), "client": os.getpid()})
     if asked is not None:
         conn, lines, reply = asked
         if "pid" in reply:
@@ -114,7 +116,18 @@ def _run(conn, mine: dict, imported: float) -> None:
         forking.refuse(conn, why)
         return
     forking.fork_and_report(conn, fds, lambda: _worker(request, imported),
-                            lambda pid: print(f"forked worker pid {pid}", flush=True))
+                            lambda pid: print(f"forked worker pid {pid} for client pid {request.get('client')}", flush=True))
+
+
+def forked_pids(log_path) -> dict[int, int]:
+    """``{client pid: worker pid}`` of the workers the server logging to ``log_path`` forked (the
+    raylet's child is the client; the process that runs Ray's worker is the server's)."""
+    try:
+        lines = open(log_path).read().splitlines()
+    except OSError:
+        return {}
+    found = (line.split() for line in lines if line.startswith("forked worker pid "))
+    return {int(words[-1]): int(words[3]) for words in found if words[-1].isdigit()}
 
 
 def _worker(request: dict, imported: float) -> None:

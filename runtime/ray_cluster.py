@@ -345,14 +345,17 @@ def missing_worker_env(needed: dict[str, str]) -> dict[str, str]:
 
 
 def forked(env: dict, gpu: bool = False) -> dict:
-    """The runtime environment ``env``, its processes forked by the connected satp cluster's worker
-    fork server (:mod:`runtime.forked_workers`) when it has one, and ``gpu`` is not asked for (a
-    process that initialised CUDA cannot fork one that uses it). The server is named in the
-    environment of the cluster's processes (:data:`runtime.forked_workers.SOCKET_VAR`), which a
-    driver of it read from its record and a Ray worker of it (a sweep's trial) has itself."""
+    """The runtime environment ``env``, its processes forked by the connected cluster's worker fork
+    server (:mod:`runtime.forked_workers`) when it has one, and ``gpu`` is not asked for (a process
+    that initialised CUDA cannot fork one that uses it). The server is named in the environment of
+    the cluster's processes (:data:`runtime.forked_workers.SOCKET_VAR`), which a driver of a satp
+    cluster read from its record and a Ray worker (a sweep's trial) has itself; a driver of a cluster
+    satp did not start takes its own environment's (the nodes run fork servers at that path, and a
+    job's driver that ``ray job submit`` started has the node's environment: docs/scale.md)."""
     from runtime import forked_workers
 
-    fork_socket = None if gpu else (_known_worker_env() or {}).get(forked_workers.SOCKET_VAR)
+    known = _known_worker_env()
+    fork_socket = None if gpu else (os.environ if known is None else known).get(forked_workers.SOCKET_VAR)
     return {**env, "py_executable": forked_workers.executable(fork_socket)} if fork_socket else env
 
 

@@ -46,7 +46,10 @@ def ray_cluster(request):
     ``satp`` command the tests run finds through ``SATP_HOME``; this process is one of its drivers.
     Its warm driver forks the tests' ``satp train`` commands on it (those that name its address too),
     as it would a user's, and its fork server the runs' Ray Train workers (:mod:`runtime.forked_workers`);
-    the session's summary counts both (:func:`pytest_terminal_summary`)."""
+    the session's summary counts both (:func:`pytest_terminal_summary`). This process joins as a sweep's
+    driver does (``keep_warm``): one job that runs many trainings, one after another, on a machine kept
+    too busy for the pool to refill, so every process of its job (the in-process runs' Train controllers,
+    the in-process sweeps' trial actors) is forked too."""
     import ray
 
     from pipeline.cli import warm_driver
@@ -64,7 +67,7 @@ def ray_cluster(request):
         # not waited for: a command that comes before it listens runs in its own process
         warm_driver.start(record, command_env, wait=False)
     if not ray.is_initialized():
-        connect(record.address, log_to_driver=False)
+        connect(record.address, log_to_driver=False, keep_warm=True)
     yield ray
     ray.shutdown()
     if ours:

@@ -5,7 +5,9 @@ storage: one machine's file system is what every node sees; on a real cluster ``
 ``train.storage_path`` and the MLflow store are shared storage). A node is "lost" the hard way:
 SIGKILL to its ``ray start``, raylet and agents (its process group) and to every worker its raylet
 started (Ray gives each worker a process group of its own). Ray's node health check is tightened
-(1 s x 3) so that a node's death is declared in seconds. Only the processes these helpers started are
+(1 s x 3) so that a node's death is declared in seconds. The nodes' Train workers are forked from one
+fork server (:mod:`runtime.forked_workers`), which the nodes' and the commands' environment name, as
+docs/scale.md has a cluster satp did not start do it; a lost node's forked workers die with it. Only the processes these helpers started are
 ever stopped (never ``ray stop``, which would stop every Ray cluster on the machine).
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from runtime import forked_workers
 from runtime.local_cluster import free_ports
 
 BIN = Path(sys.executable).parent
@@ -78,12 +81,14 @@ class Node:
             time.sleep(0.3)
 
     def pids(self) -> list[int]:
-        """The node's processes: its process group, and the workers its raylet started."""
+        """The node's processes: its process group, the workers its raylet started, and those forked
+        for them (a forked worker's client is the raylet's child, the worker the fork server's)."""
         procs = _all_procs()
         group = [pid for pid, (pgid, _, _) in procs.items() if pgid == self.proc.pid]
         raylets = {pid for pid in group if procs[pid][2].endswith("raylet")}
         workers = [pid for pid, (_, ppid, _) in procs.items() if ppid in raylets and pid not in group]
-        return group + workers
+        forked = forked_workers.forked_pids(Path(self.temp) / forked_workers.LOG_NAME)
+        return group + workers + [forked[pid] for pid in workers if forked.get(pid) in procs]
 
     def running(self, prefix: str) -> bool:
         """Whether one of the node's workers runs a task or actor whose title starts with ``prefix``."""
@@ -123,10 +128,15 @@ def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1) -> Iterator[dic
     ``add_node()`` starts one more node of ``node_cpus`` CPUs and returns it once it runs, and
     ``base`` is the nodes' shared temporary directory. Every node is stopped at the end."""
     temp = tempfile.mkdtemp(prefix="satpn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    fork_socket = str(Path(temp) / forked_workers.SOCKET_NAME)
     env = dict(env, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OUTDATED_IGNORE="1", DS_ACCELERATOR="cpu",
-               PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}", **{forked_workers.SOCKET_VAR: fork_socket})
     env.pop("RAY_ADDRESS", None)
     nodes: list[Node] = []
+    # one fork server for the nodes of this machine (docs/scale.md); the commands' environment names it
+    with open(Path(temp) / forked_workers.LOG_NAME, "w") as log:
+        fork_server = subprocess.Popen([sys.executable, "-m", "runtime.forked_workers", "--serve", fork_socket],
+                                       env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def started(head: bool, gcs: int, cpus: int, attempts: int = 3) -> Node:
         for attempt in range(attempts):
@@ -151,6 +161,8 @@ def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1) -> Iterator[dic
     finally:
         for node in reversed(nodes):
             node.stop()
+        os.killpg(fork_server.pid, signal.SIGTERM)
+        fork_server.wait(timeout=30)
         shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -120,6 +120,8 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_when_one_joins(cluster, tmp_path
     assert elastic.wait(timeout=900) == 0, log.read_text()[-4000:]
     text = log.read_text()
     assert "registered model: models:/sat-elastic/" in text
+    # every group's workers forked from the fork server the command's environment names (ray_nodes)
+    assert "(forked worker process)" in text and "start-up" in text
     # a group Train sized by the lost node's CPUs waits the elastic run's timeout, not Train's 60 s
     assert "timed out after 60.0 seconds" not in text
 

@@ -81,7 +81,8 @@ def test_a_worker_is_forked_with_the_clients_arguments_environment_and_status(fo
     assert seen["cwd"] == str(script.parent.parent) and seen["path0"] == str(script.parent)  # as `python script`
     assert seen["pgid"] == seen["pid"]  # its own group, as the raylet gives its workers (it ends it with them)
     assert seen["ppid"] != proc.pid and float(seen["forked_from"]) < time.time()
-    assert f"forked worker pid {seen['pid']}" in log.read_text().splitlines()
+    assert f"forked worker pid {seen['pid']} for client pid {proc.pid}" in log.read_text().splitlines()
+    assert forked_workers.forked_pids(log)[proc.pid] == seen["pid"]  # the client's worker, read from the log
 
 
 def test_a_signal_to_the_client_ends_the_worker_and_a_killed_client_takes_it_along(fork_server):
