@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runtime import forked_workers
 from runtime.local_cluster import free_ports
 from test_train_ray import tiny_data, tiny_job_dict
 
@@ -43,9 +44,12 @@ def _pids_with(text: str) -> list[int]:
 def job_server():
     temp = tempfile.mkdtemp(prefix="satpj", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = free_ports(9)
+    fork_socket = str(Path(temp) / forked_workers.SOCKET_NAME)  # the node's fork server (docs/scale.md)
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OUTDATED_IGNORE="1",
-               DS_ACCELERATOR="cpu", PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+               DS_ACCELERATOR="cpu", PATH=f"{BIN}:{os.environ.get('PATH', '')}", **{forked_workers.SOCKET_VAR: fork_socket})
     env.pop("RAY_ADDRESS", None)
+    subprocess.Popen([sys.executable, "-m", "runtime.forked_workers", "--serve", fork_socket], env=env, cwd=ROOT,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--node-ip-address=127.0.0.1",
            "--dashboard-host=127.0.0.1", f"--port={gcs}", f"--dashboard-port={dash}",
            f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
@@ -133,6 +137,8 @@ def test_ray_job_submit_and_satp_submit_run_the_job_yaml(job_server, shards, tmp
     assert "registered model: models:/sat-via-cli/1" in out_cli
     assert "registered model: models:/sat-via-satp/1" in out_wrapped  # logs were streamed
     assert "SUCCEEDED" in out_wrapped
+    # the job's driver has the node's environment, which names the node's fork server
+    assert "(forked worker process)" in out_cli and "(forked worker process)" in out_wrapped
     assert len(_versions(cli_dir, "sat-via-cli")) == 1 and len(_versions(wrap_dir, "sat-via-satp")) == 1
 
 
