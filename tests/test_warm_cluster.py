@@ -174,6 +174,11 @@ def test_a_cpu_clusters_train_workers_are_forked_by_its_fork_server_and_not_kept
     assert "py_executable" not in worker_runtime_env(gpu)
     monkeypatch.setattr(ray_cluster, "_worker_env", {k: v for k, v in env.items() if k != forked_workers.SOCKET_VAR})
     assert "py_executable" not in worker_runtime_env(job)
+    # a cluster satp did not start: the server its driver's environment names (docs/scale.md)
+    monkeypatch.setattr(ray_cluster, "_worker_env", None)
+    monkeypatch.setenv(forked_workers.SOCKET_VAR, sock)
+    assert worker_runtime_env(job)["py_executable"].split()[-2:] == ["--client", sock]
+    assert "py_executable" not in worker_runtime_env(gpu)
     controller, _ = worker_pool.train_run_kinds()
     assert worker_pool.default_targets(2, forked=True) == {controller: 1}
 
