@@ -115,15 +115,18 @@ def _run(conn, mine: dict, imported: float) -> None:
         print(f"refused ({why}): a worker started by the raylet instead", flush=True)
         forking.refuse(conn, why)
         return
+    said = f"for client pid {request.get('client')}"
     forking.fork_and_report(conn, fds, lambda: _worker(request, imported),
-                            lambda pid: print(f"forked worker pid {pid} for client pid {request.get('client')}", flush=True))
+                            lambda pid: print(f"forked worker pid {pid} {said}", flush=True))
 
 
 def forked_pids(log_path) -> dict[int, int]:
     """``{client pid: worker pid}`` of the workers the server logging to ``log_path`` forked (the
     raylet's child is the client; the process that runs Ray's worker is the server's)."""
+    from pathlib import Path
+
     try:
-        lines = open(log_path).read().splitlines()
+        lines = Path(log_path).read_text().splitlines()
     except OSError:
         return {}
     found = (line.split() for line in lines if line.startswith("forked worker pid "))

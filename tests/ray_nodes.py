@@ -7,8 +7,9 @@ SIGKILL to its ``ray start``, raylet and agents (its process group) and to every
 started (Ray gives each worker a process group of its own). Ray's node health check is tightened
 (1 s x 3) so that a node's death is declared in seconds. The nodes' Train workers are forked from one
 fork server (:mod:`runtime.forked_workers`), which the nodes' and the commands' environment name, as
-docs/scale.md has a cluster satp did not start do it; a lost node's forked workers die with it. Only the processes these helpers started are
-ever stopped (never ``ray stop``, which would stop every Ray cluster on the machine).
+docs/scale.md has a cluster satp did not start do it; a lost node's forked workers die with it. Only
+the processes these helpers started are ever stopped (never ``ray stop``, which would stop every Ray
+cluster on the machine).
 """
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ def job_server():
     gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = free_ports(9)
     fork_socket = str(Path(temp) / forked_workers.SOCKET_NAME)  # the node's fork server (docs/scale.md)
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OUTDATED_IGNORE="1",
-               DS_ACCELERATOR="cpu", PATH=f"{BIN}:{os.environ.get('PATH', '')}", **{forked_workers.SOCKET_VAR: fork_socket})
+               DS_ACCELERATOR="cpu", PATH=f"{BIN}:{os.environ.get('PATH', '')}",
+               **{forked_workers.SOCKET_VAR: fork_socket})
     env.pop("RAY_ADDRESS", None)
     subprocess.Popen([sys.executable, "-m", "runtime.forked_workers", "--serve", fork_socket], env=env, cwd=ROOT,
                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
