@@ -101,3 +101,17 @@ def test_counts_agree_with_their_nouns():
     from pipeline.console import plural
 
     assert [plural(n, "epoch") for n in (0, 1, 2)] == ["0 epochs", "1 epoch", "2 epochs"]
+
+
+def test_a_reader_that_has_gone_ends_the_command_quietly_as_sigpipe_would(tmp_path):
+    """``satp cluster status | head -1``: the pipe's reader has gone before the command writes; it ends
+    with 141 (128 + SIGPIPE, as a shell reports) and says nothing (no error line, no traceback)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "pipeline.cli", "cluster", "status"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120,
+                              env=dict(os.environ, SATP_HOME=str(tmp_path / "home")))
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and done.stderr == "", (done.returncode, done.stderr[-2000:])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     install()  # SIGTERM too unwinds (Ray's own handling is put back after it starts: see there)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader has gone (`satp cluster status | head -1`): nothing to say to it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return 128 + signal.SIGPIPE  # what a shell reports for a process its pipe's reader ended
     except (ValueError, OSError) as exc:
         if os.environ.get("SATP_DEBUG"):
             raise
