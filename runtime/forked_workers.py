@@ -61,18 +61,8 @@ def executable(socket_path: str) -> str:
 
 
 def identity(env=None) -> dict:
-    """What a forked worker shares with the server and must be the worker's own."""
-    env = os.environ if env is None else env
-    return {"python": os.path.realpath(sys.executable),
-            "env": {k: v for k, v in sorted(env.items()) if k.startswith(IMPORT_TIME_PREFIXES)}}
-
-
-def difference(mine: dict, theirs: dict):
-    """What differs between two identities (None: nothing), in a few words."""
-    if mine["python"] != theirs["python"]:
-        return f"another interpreter ({theirs['python']})"
-    keys = sorted(k for k in set(mine["env"]) | set(theirs["env"]) if mine["env"].get(k) != theirs["env"].get(k))
-    return f"another {', '.join(keys)} in the environment" if keys else None
+    """What a forked worker shares with the server and must be the worker's own (:func:`runtime.forking.identity`)."""
+    return forking.identity(os.environ if env is None else env, IMPORT_TIME_PREFIXES)
 
 
 # ----------------------------------------------------------------------------- the worker's side
@@ -110,7 +100,7 @@ def _run(conn, mine: dict, imported: float) -> None:
     request, fds = forking.receive(conn)
     if not request:
         return
-    why = difference(mine, request["identity"]) or (None if len(fds) == 3 else "no standard streams")
+    why = forking.difference(mine, request["identity"]) or (None if len(fds) == 3 else "no standard streams")
     if why is not None:
         print(f"refused ({why}): a worker started by the raylet instead", flush=True)
         forking.refuse(conn, why)

@@ -10,6 +10,7 @@ the process, answers ``{"pid": N}`` (or ``{"refused": why}``), then ``{"status":
 ended. The caller waits, forwarding signals to the forked process, and ends as it ended; should the
 caller die, the runner kills the forked process at once (the connection closed).
 
+Both check what the forked process shares with the server (:func:`identity`, :func:`difference`).
 Standard library only: the caller's side runs in processes that import nothing else first.
 """
 from __future__ import annotations
@@ -24,6 +25,27 @@ from typing import Callable, Optional
 
 #: signals the caller passes on to the forked process (Ctrl-Z's SIGTSTP is handled apart: see follow)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT)
+
+
+# ----------------------------------------------------------------------------- what must be the same
+def identity(env, prefixes: tuple[str, ...], read_later=frozenset()) -> dict:
+    """What a process forked from this one shares with it and must be the caller's own: the
+    interpreter, and the variables of ``env`` whose names start with ``prefixes`` (those read when
+    the shared modules were imported; ``read_later``: of those, the ones read only when used)."""
+    return {"python": os.path.realpath(sys.executable),
+            "env": {k: v for k, v in sorted(env.items()) if k.startswith(prefixes) and k not in read_later}}
+
+
+def difference(mine: dict, theirs: dict, *entries: tuple[str, str]) -> Optional[str]:
+    """What differs between two identities (None: nothing), in a few words: the interpreter, then
+    each of ``entries`` (``(key, what to say, with {} for their value)``), then the variables."""
+    if mine["python"] != theirs["python"]:
+        return f"another interpreter ({theirs['python']})"
+    for key, says in entries:
+        if mine[key] != theirs[key]:
+            return says.format(theirs[key])
+    keys = sorted(k for k in set(mine["env"]) | set(theirs["env"]) if mine["env"].get(k) != theirs["env"].get(k))
+    return f"another {', '.join(keys)} in the environment" if keys else None
 
 
 # ----------------------------------------------------------------------------- the caller's side

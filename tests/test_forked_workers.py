@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import forked_workers
+from runtime import forked_workers, forking
 from tests.test_interrupts import _running
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,10 +62,10 @@ def _client(fork_server, *args: str, sock=None, **env: str) -> subprocess.Popen:
 def test_identities_differ_by_interpreter_or_import_time_variables():
     mine = forked_workers.identity({"DS_ACCELERATOR": "cpu", "RAY_JOB_ID": "01000000", "HOME": "/root"})
     assert mine["env"] == {"DS_ACCELERATOR": "cpu"}  # Ray's and the rest are the worker's own, read later
-    assert forked_workers.difference(mine, forked_workers.identity({"DS_ACCELERATOR": "cpu", "HOME": "/x"})) is None
+    assert forking.difference(mine, forked_workers.identity({"DS_ACCELERATOR": "cpu", "HOME": "/x"})) is None
     theirs = forked_workers.identity({"DS_ACCELERATOR": "cuda", "OMP_NUM_THREADS": "1"})
-    assert forked_workers.difference(mine, theirs) == "another DS_ACCELERATOR, OMP_NUM_THREADS in the environment"
-    assert forked_workers.difference(mine, dict(mine, python="/other/python")) == "another interpreter (/other/python)"
+    assert forking.difference(mine, theirs) == "another DS_ACCELERATOR, OMP_NUM_THREADS in the environment"
+    assert forking.difference(mine, dict(mine, python="/other/python")) == "another interpreter (/other/python)"
     assert forked_workers.executable("/tmp/s.sock").split() == [sys.executable, "-m", "runtime.forked_workers",
                                                                 "--client", "/tmp/s.sock"]
 

@@ -74,24 +74,16 @@ def code_fingerprint(root: Path = ROOT) -> str:
 
 
 def identity(env: Optional[dict] = None) -> dict:
-    """What a forked command shares with the warm driver and must be the command's own."""
+    """What a forked command shares with the warm driver and must be the command's own: the
+    interpreter and import-time variables (:func:`runtime.forking.identity`), satp's folder and code."""
     env = os.environ if env is None else env
-    return {"python": os.path.realpath(sys.executable), "root": str(ROOT), "code": code_fingerprint(),
-            "env": {k: v for k, v in sorted(env.items()) if k.startswith(IMPORT_TIME_PREFIXES) and k not in READ_LATER}}
+    return {**forking.identity(env, IMPORT_TIME_PREFIXES, READ_LATER), "root": str(ROOT), "code": code_fingerprint()}
 
 
 def difference(mine: dict, theirs: dict) -> Optional[str]:
     """What differs between two identities (None: nothing), in a few words."""
-    if mine["python"] != theirs["python"]:
-        return f"another interpreter ({theirs['python']})"
-    if mine["root"] != theirs["root"]:
-        return f"satp's code of another folder ({theirs['root']})"
-    if mine["code"] != theirs["code"]:
-        return "satp's code changed since it started"
-    keys = sorted(k for k in set(mine["env"]) | set(theirs["env"]) if mine["env"].get(k) != theirs["env"].get(k))
-    if keys:
-        return f"another {', '.join(keys)} in the environment"
-    return None
+    return forking.difference(mine, theirs, ("root", "satp's code of another folder ({})"),
+                              ("code", "satp's code changed since it started"))
 
 
 def start(record, env: dict, wait: bool = True) -> None:
