@@ -1,11 +1,11 @@
 """Ctrl-C and SIGTERM in satp's commands: an exception that unwinds, so the command can say what
 it kept and shut Ray down, instead of dying where the signal landed.
 
-``ray.init`` installs its own SIGTERM handling in the driver: a Python handler that exits, and
-the C++ core worker's failure-signal handler, which prints a stack dump first. Ray Train's
-``fit`` installs a SIGINT handler that aborts the run and then exits with status 0. So every
-place that starts or joins Ray calls :func:`install` after it, which puts :func:`_raise` back on
-both signals.
+``ray.init`` installs its own SIGTERM handling in the driver: a Python handler that exits (and
+the C++ core worker's failure-signal handler, which satp turns off in its drivers:
+:func:`runtime.ray_cluster.connect`). Ray Train's ``fit`` installs a SIGINT handler that aborts
+the run and then exits with status 0. So every place that starts or joins Ray calls
+:func:`install` after it, which puts :func:`_raise` back on both signals.
 
 The CLI turns :class:`Interrupted` (or a plain ``KeyboardInterrupt``) into one line and the
 conventional status: 130 for SIGINT, 143 for SIGTERM.
@@ -18,6 +18,12 @@ of the cluster's private temporary folder at exit. So clean-up on the way out ru
 its interrupt it calls :func:`ending`: from then until the process exits, signals are ignored.
 The status is the first signal's (:func:`as_interrupted`). A command that must end at once takes
 SIGKILL, or Ctrl-\\ (SIGQUIT).
+
+Python runs a signal's handler between any two bytecodes, also inside a finalizer (a weakref's
+callback, a ``__del__``, which Ray's and torch's objects have many of), where an exception is
+printed as "Exception ignored" and dropped: the interrupt would be lost and the command run on.
+:func:`install` also hooks :data:`sys.unraisablehook` so that such a dropped :class:`Interrupted`
+arrives again, once the finalizer has returned.
 """
 from __future__ import annotations
 
@@ -75,6 +81,31 @@ def install(keep: Any = None) -> None:
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _raise)
+    if sys.unraisablehook is not _arrive_again:
+        global _unraisablehook
+        _unraisablehook, sys.unraisablehook = sys.unraisablehook, _arrive_again
+
+
+_unraisablehook = sys.unraisablehook  # the hook _arrive_again passes everything else on to
+
+
+def _arrive_again(unraisable: Any) -> None:
+    """An :class:`Interrupted` that a finalizer dropped (Python passes it here, the message empty):
+    its signal is sent to the main thread again after a moment, from a thread (a handler run from
+    here would still be inside the finalizer, and dropped again; one still running by then drops
+    it once more, and so on); a wait in the main thread ends, and the handler installed for the
+    signal runs, as the first time. Anything else, and what an exit handler dropped (the command
+    is ending), goes on as before."""
+    if isinstance(unraisable.exc_value, Interrupted) and unraisable.err_msg is None:
+        again = threading.Timer(_ARRIVE_AGAIN_S, signal.pthread_kill,
+                                (threading.main_thread().ident, unraisable.exc_value.signum))
+        again.daemon = True
+        again.start()
+        return
+    _unraisablehook(unraisable)
+
+
+_ARRIVE_AGAIN_S = 0.05
 
 
 def _stop_printing_cluster_logs() -> None:

@@ -257,8 +257,6 @@ def connect(address: Optional[str] = None, env_vars: Optional[dict] = None, log_
 
 def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bool, warm_workers: int,
              keep_warm: bool, **local) -> bool:
-    import ray
-
     from runtime import local_cluster
 
     global _worker_env
@@ -284,7 +282,7 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
             runtime_env["worker_process_setup_hook"] = "runtime.ray_logs.quiet_ray_train_noise"
         kwargs = {"runtime_env": runtime_env} if runtime_env else {}
         try:
-            ray.init(address=target, log_to_driver=log_to_driver, **kwargs)
+            _ray_init(address=target, log_to_driver=log_to_driver, **kwargs)
         except ConnectionError as exc:
             _worker_env = None
             raise ValueError(f"cannot connect to the Ray cluster at {target}: {str(exc).splitlines()[0]}") from None
@@ -293,6 +291,36 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
     init_local_ray(env_vars=env_vars, log_to_driver=log_to_driver, warm_workers=warm_workers, keep_warm=keep_warm,
                    **local)
     return True
+
+
+def _ray_init(**kwargs) -> None:
+    """``ray.init(**kwargs)``, with SIGINT and SIGTERM left to :mod:`runtime.interrupts` (whose
+    handlers :func:`connect` installs right after it):
+
+    * the driver's core worker installs no failure-signal handler. Ray's takes SIGTERM too, until
+      satp's handler replaces it: a SIGTERM meanwhile (while the command connects) printed a stack
+      dump of every thread, and the alarm that handler sets aborted the command three seconds later
+      (status -6) in the middle of its clean-up. Python's fault handler prints a crash's stacks.
+    * ``ray.init``'s own SIGTERM handler, set while it connects, exits with the signal's number: the
+      command was interrupted, as satp's handler would have said.
+    """
+    import faulthandler
+    import signal
+
+    import ray
+    from ray._private import ray_constants
+
+    from runtime.interrupts import Interrupted
+
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True  # read when the core worker starts
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
+    try:
+        ray.init(**kwargs)
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM:
+            raise
+        raise Interrupted(signal.SIGTERM) from None
 
 
 def sweep_job_env(extra: Optional[dict[str, str]] = None) -> dict:
@@ -426,8 +454,6 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_
     while this process prepares the run (:mod:`runtime.worker_pool`). ``keep_warm`` (a sweep):
     every process of the job imports those (:func:`sweep_job_env`), and the pool is kept topped up
     from a thread of this process."""
-    import ray
-
     from runtime import local_cluster, worker_pool
 
     global _worker_env
@@ -454,7 +480,7 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_
     os.environ["TMPDIR"] = _private_tmpdir()  # inherited by the processes ray.init starts
     auth_log.setLevel(logging.ERROR)
     try:
-        ray.init(**kwargs)
+        _ray_init(**kwargs)
     finally:
         auth_log.setLevel(level)
         for key, value in saved.items():

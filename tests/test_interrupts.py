@@ -114,3 +114,59 @@ def _running(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state != "Z"
+
+
+#: connects to the cluster at argv[1]; the SIGTERM arrives as Ray has started in the process (its
+#: core worker runs) and ray.init's own handler is still in place, before satp's replaces it
+SIGTERM_WHILE_CONNECTING = """
+import os, signal, sys, time
+import ray
+from runtime import interrupts, ray_cluster
+init = ray.init
+def init_then_sigterm(**kwargs):
+    init(**kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+ray.init = init_then_sigterm
+try:
+    ray_cluster.connect(sys.argv[1])
+except interrupts.Interrupted as exc:
+    time.sleep(5)  # an abort 3 s after the signal (the alarm of Ray's failure-signal handler) would end it here
+    print(exc.signal_name)
+    sys.exit(exc.exit_code)
+"""
+
+
+def test_a_sigterm_while_connecting_is_an_interrupt_without_stack_dump_or_abort(tiny_setting):
+    _, address = tiny_setting
+    done = subprocess.run([sys.executable, "-c", SIGTERM_WHILE_CONNECTING, address], capture_output=True, text=True,
+                          timeout=300)
+    assert (done.returncode, done.stdout) == (143, "SIGTERM\n"), done.stderr[-3000:]
+    assert "SIGTERM received" not in done.stderr, done.stderr[-3000:]
+
+
+#: a SIGTERM whose handler runs inside a finalizer (a weakref's callback), where Python drops what it raises
+SIGTERM_IN_A_FINALIZER = """
+import os, signal, time, weakref
+from runtime import interrupts
+interrupts.install()
+class Held:
+    pass
+held = Held()
+def callback(_):
+    os.kill(os.getpid(), signal.SIGTERM)
+    sum(range(1000))  # the handler has run by now (between two bytecodes)
+reference = weakref.ref(held, callback)
+try:
+    del held
+    time.sleep(30)
+    print("not interrupted")
+except interrupts.Interrupted as exc:
+    print("interrupted:", exc.signal_name)
+"""
+
+
+def test_an_interrupt_a_finalizer_dropped_arrives_again():
+    done = subprocess.run([sys.executable, "-c", SIGTERM_IN_A_FINALIZER], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout == "interrupted: SIGTERM\n" and "Exception ignored" not in done.stderr, done.stderr
