@@ -67,7 +67,7 @@ def test_a_web_server_address_is_one_line_without_rays_warning(web_server, tmp_p
 
 @pytest.mark.ray
 def test_a_ray_cluster_passes_the_http2_check(ray_cluster):
-    from runtime.ray_cluster import _grpc_problem, probe
+    from runtime.ray_address import _grpc_problem, probe
 
     address = ray_cluster.get_runtime_context().gcs_address
     host, port = address.rsplit(":", 1)

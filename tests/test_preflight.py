@@ -137,7 +137,7 @@ def test_download_probe_reports_a_dead_address():
 def test_unreachable_address_fails_within_seconds():
     """Refused, unroutable (or answered by something that is not Ray), and a listener that never
     answers: each is a one-line error within the probe's ~10 s, never ray.init's minute of retries."""
-    from runtime.ray_cluster import probe
+    from runtime.ray_address import probe
 
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))

@@ -73,7 +73,7 @@ def _preprocess(args: argparse.Namespace) -> int:
 
     from pipeline.config import load_job
     from pipeline.train.preflight import check_data_root, check_writable_dir
-    from runtime.ray_cluster import probe, resolve_address
+    from runtime.ray_address import probe, resolve_address
 
     job = load_job(args.job, args.overrides)
     target = resolve_address(args.address)

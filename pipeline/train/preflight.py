@@ -19,7 +19,7 @@ group is retried ``max_failures`` times. In the order of cost:
    that is absent can be built (``pycode``: its source
    directories exist; ``ogb``: the download address answers within seconds).
    :func:`check_output_dirs`: ``shards.root`` can be created, ``train.storage_path`` written.
-3. the Ray address answers as a Ray cluster within ~10 s (:func:`runtime.ray_cluster.probe`), else
+3. the Ray address answers as a Ray cluster within ~10 s (:func:`runtime.ray_address.probe`), else
    a one-line error; without an address, this machine holds the job's workers (a local cluster
    would); steps 1-3 are :func:`early_checks`, which ``satp train`` also runs right after reading
    the job, before it imports torch and Ray;
@@ -395,7 +395,7 @@ def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] =
 
     ``jobs``: a list, or a mapping from a name to the job (``compare.variants.sub2``): a problem of
     one job's own settings (steps 1 and 2's output directories) then starts with its name."""
-    from runtime.ray_cluster import probe, resolve_address
+    from runtime.ray_address import probe, resolve_address
 
     named = jobs.items() if isinstance(jobs, Mapping) else [(None, job) for job in jobs]
     seen = set()
