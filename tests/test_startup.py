@@ -58,3 +58,27 @@ def test_a_forked_worker_process_is_named_so_and_counted():
     assert startup.describe(marks).endswith("(forked worker process)")
     assert startup.metrics(marks)["startup_forked_worker"] == 1.0
     assert startup.metrics(_marks())["startup_forked_worker"] == 0.0
+
+
+def test_a_forked_worker_stamped_before_the_fit_is_still_a_forked_one():
+    # forked on request, so never a warm process, whatever the stamps say (two clocks, one rounding)
+    marks = _marks(worker_process=90.0, **{startup.FORKED_FROM: 50.0})
+    assert startup.warm(marks) is False
+    assert startup.describe(marks).endswith("(forked worker process)")
+    assert startup.metrics(marks)["startup_warm_worker"] == 0.0
+
+
+def test_a_process_start_is_stamped_to_the_clock_tick():
+    # psutil's create_time adds the boot time in whole seconds: up to a second early, which made a worker
+    # forked right after the fit look started before it
+    import subprocess
+    import sys
+
+    before = startup.now()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    after = startup.now()
+    try:
+        assert before - 0.02 <= startup.process_started(child.pid) <= after + 0.02
+    finally:
+        child.kill()
+        child.wait()
