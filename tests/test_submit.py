@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,24 +19,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ray_nodes import NO_DRAIN
 from runtime import forked_workers
-from runtime.local_cluster import free_ports
+from runtime.local_cluster import free_ports, stop_processes
 from test_train_ray import tiny_data, tiny_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def _pids_with(text: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +35,7 @@ def job_server():
     fork_socket = str(Path(temp) / forked_workers.SOCKET_NAME)  # the node's fork server (docs/scale.md)
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OUTDATED_IGNORE="1",
                DS_ACCELERATOR="cpu", PATH=f"{BIN}:{os.environ.get('PATH', '')}",
-               **{forked_workers.SOCKET_VAR: fork_socket})
+               **{forked_workers.SOCKET_VAR: fork_socket}, **NO_DRAIN)
     env.pop("RAY_ADDRESS", None)
     subprocess.Popen([sys.executable, "-m", "runtime.forked_workers", "--serve", fork_socket], env=env, cwd=ROOT,
                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
@@ -72,19 +60,8 @@ def job_server():
                 time.sleep(1)
         yield address, env
     finally:
-        for sig, wait in ((signal.SIGTERM, 8), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            end = time.time() + wait
-            while time.time() < end and (proc.poll() is None or _pids_with(temp)):
-                time.sleep(0.5)
-            for pid in _pids_with(temp):  # processes of this cluster only (they carry its temp dir)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        stop_processes(temp)  # as satp cluster stop does: Ray's monitor and raylet first (all at once: ~10 s)
+        proc.wait(timeout=30)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
 
