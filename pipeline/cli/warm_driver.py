@@ -44,12 +44,13 @@ LOG_NAME = "satp-warm-driver.log"  # beside it: a line per command, forked or re
 IMPORT_TIME_PREFIXES = ("RAY_", "DS_", "TORCH", "TRITON", "OMP_", "MKL_", "CUDA", "MLFLOW_", "OUTDATED")
 #: of those, variables read only when used (the command's own values apply): when Ray starts or
 #: prints (satp's console sets RAY_COLOR_PREFIX in every command whose output is not a terminal);
-#: when a Train run starts (a driver of a local cluster sets the preemption watcher's,
-#: runtime.worker_pool.LOCAL_TRAIN_ENV, an elastic run the group's start timeout, both passed on to
+#: when a Train run starts (a driver of a local cluster sets the preemption watcher's and the health
+#: check's, runtime.worker_pool.LOCAL_TRAIN_ENV, an elastic run the group's start timeout, passed on to
 #: Train's controller); when Inductor or Triton compile (satp points their caches at the run's
 #: storage: pipeline.train.engine.keep_compile_caches); when an MLflow client is made, or sends a
 #: request (satp sets its retries and timeout: pipeline.registry.addresses.HTTP_ENV)
 READ_LATER = frozenset({"RAY_COLOR_PREFIX", "RAY_ADDRESS", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
+                        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
                         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
                         "MLFLOW_TRACKING_URI", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"})
 #: satp's packages, whose code the warm driver imported
