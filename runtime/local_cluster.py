@@ -355,12 +355,15 @@ def processes_of(temp: str) -> list:
     return list(found.values())
 
 
+#: Ray's autoscaler monitor: on SIGTERM it reports its end to the drivers through GCS, and waits on a GCS
+#: that has gone until it is killed
+MONITOR = "autoscaler/_private/monitor.py"
 #: what of a cluster gets SIGTERM first, each once the one before has ended (a program's path ends so):
 #: ``ray start --block``'s process (it stops its node in Ray's order itself, after draining it: Ray's
-#: ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``), Ray's autoscaler monitor (it ignores a SIGTERM once GCS has
-#: gone), the raylet (SIGTERMed together with GCS it waited ~10 s, and GCS longer, for the kill after the
-#: grace: a stop took 8 s). In this order the stop of a satp cluster takes <1 s
-STOP_FIRST = ("bin/ray", "autoscaler/_private/monitor.py", "raylet/raylet")
+#: ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``), the monitor (SIGKILL once GCS has gone), the raylet (SIGTERMed
+#: together with GCS it waited ~10 s, and GCS longer, for the kill after the grace: a stop took 8 s).
+#: In this order the stop of a satp cluster takes <1 s
+STOP_FIRST = ("bin/ray", MONITOR, "raylet/raylet")
 
 
 def stop_processes(temp: str, grace_s: float = 8.0) -> int:
@@ -374,14 +377,19 @@ def stop_processes(temp: str, grace_s: float = 8.0) -> int:
 def stop_in_order(procs: list, grace_s: float = 8.0) -> list:
     """SIGTERM ``procs`` (psutil processes; :data:`STOP_FIRST` first, each waited for up to ``grace_s``),
     then SIGKILL what is left after ``grace_s``; return the processes still running."""
+    gcs_alive = any(_runs(p, "gcs/gcs_server") and not _ended(p) for p in procs)
     for program in STOP_FIRST:
-        _signal_and_wait([p for p in procs if any(part.endswith(program) for part in worker_pool.process_cmdline(p))],
-                         signal.SIGTERM, grace_s)
+        sig = signal.SIGKILL if program == MONITOR and not gcs_alive else signal.SIGTERM
+        _signal_and_wait([p for p in procs if _runs(p, program)], sig, grace_s)
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         procs = _signal_and_wait(procs, sig, wait)
         if not procs:
             break
     return procs
+
+
+def _runs(proc, program: str) -> bool:
+    return any(part.endswith(program) for part in worker_pool.process_cmdline(proc))
 
 
 def _signal_and_wait(procs: list, sig: int, timeout_s: float) -> list:

@@ -29,12 +29,15 @@ import psutil
 
 from runtime import forked_workers
 from runtime.local_cluster import free_ports, stop_in_order
+from runtime.worker_pool import LOCAL_TRAIN_ENV
 
 BIN = Path(sys.executable).parent
 #: ``ray start --block`` drains its node on SIGTERM (for Ray Serve) for up to 30 s before it stops it: a
 #: node's stop waited for that, or for the kill 8 s later; read when Ray is imported, so every process of
 #: the cluster and its commands has it (the fork server forks only for equal import-time settings)
 NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+#: Train's controller polls its workers as on satp's own local clusters (a run's end, a lost worker seen sooner)
+HEALTH_CHECK = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": LOCAL_TRAIN_ENV["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]}
 
 
 def _proc(pid: int) -> tuple[int, int, str]:
@@ -133,7 +136,8 @@ def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1) -> Iterator[dic
     temp = tempfile.mkdtemp(prefix="satpn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     fork_socket = str(Path(temp) / forked_workers.SOCKET_NAME)
     env = dict(env, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OUTDATED_IGNORE="1", DS_ACCELERATOR="cpu",
-               PATH=f"{BIN}:{os.environ.get('PATH', '')}", **{forked_workers.SOCKET_VAR: fork_socket}, **NO_DRAIN)
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}", **{forked_workers.SOCKET_VAR: fork_socket}, **NO_DRAIN,
+               **HEALTH_CHECK)
     env.pop("RAY_ADDRESS", None)
     nodes: list[Node] = []
     # one fork server for the nodes of this machine (docs/scale.md); the commands' environment names it
