@@ -257,7 +257,7 @@ def _start_recorded(cmd: list[str], env: dict, temp: str, gcs: int, dash: Option
         _start_logged([sys.executable, "-m", "runtime.forked_workers", "--serve", fork_socket], satp_env,
                       Path(temp) / forked_workers.LOG_NAME)
     keeper = _start_logged(
-        [sys.executable, "-m", "runtime.worker_pool", "--raylet-address", record.raylet_address,
+        [sys.executable, "-m", "runtime.pool_keeper", "--raylet-address", record.raylet_address,
          "--raylet-pid", str(raylet), "--gcs-address", record.address, "--workers", str(workers)]
         + (["--forked-workers"] if fork_socket else []), satp_env, Path(temp) / "satp-worker-pool.log")
     record.keeper_pid = keeper.pid

@@ -403,7 +403,7 @@ def _warm_up(targets: dict, keep: bool) -> None:
     import psutil
     import ray
 
-    from runtime import worker_pool
+    from runtime import pool_keeper, worker_pool
 
     node = next(n for n in ray.nodes() if n.get("Alive"))
     raylet = next((p.pid for p in psutil.Process().children(recursive=True) if p.name() == "raylet"), None)
@@ -411,5 +411,5 @@ def _warm_up(targets: dict, keep: bool) -> None:
         return
     pool = worker_pool.WorkerPool(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}", raylet,
                                   ray.get_runtime_context().gcs_address)
-    threading.Thread(target=worker_pool.keep_warm, args=(pool, targets), kwargs={"once": not keep},
+    threading.Thread(target=pool_keeper.keep_warm, args=(pool, targets), kwargs={"once": not keep},
                      name="satp-worker-pool", daemon=True).start()

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from runtime import forked_workers, local_cluster, ray_cluster, worker_pool
+from runtime import forked_workers, local_cluster, pool_keeper, ray_cluster, worker_pool
 from tests.test_train_ray import tiny_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def test_kinds_are_written_as_ray_writes_them():
 
 def test_a_request_counts_until_its_processes_show_or_it_expires():
     kind = worker_pool.Kind.of({"A": "1"})
-    requests = worker_pool.Requests(ttl_s=5.0)
+    requests = pool_keeper.Requests(ttl_s=5.0)
     requests.add(kind, seen=1, count=2, now=100.0)
     assert requests.counted(collections.Counter({kind: 1}), now=101.0)[kind] == 3  # not asked again
     assert requests.counted(collections.Counter({kind: 3}), now=102.0)[kind] == 3  # seen: forgotten
@@ -93,7 +93,7 @@ def test_a_request_counts_until_its_processes_show_or_it_expires():
 
 def test_usage_keeps_the_most_in_use_at_once_within_its_window():
     a, b = worker_pool.Kind.of({"A": "1"}), worker_pool.Kind.of({"B": "1"})
-    usage = worker_pool.UsageMemory(window_s=60.0)
+    usage = pool_keeper.UsageMemory(window_s=60.0)
     usage.add(collections.Counter({a: 3}), now=0.0)
     usage.add(collections.Counter({a: 1, b: 2}), now=30.0)
     assert usage.peaks() == {a: 3, b: 2}
@@ -105,20 +105,52 @@ def test_the_pool_holds_one_run_and_one_round_of_starts_at_most():
     """However many kinds a long session has used (a sweep, a test session: each kind's peak in the
     window), the pool keeps one run's processes first and tops up to its limit with the most used."""
     defaults = worker_pool.default_targets(2)
-    limit = worker_pool.warm_limit(defaults, starts_at_once=2)
+    limit = pool_keeper.warm_limit(defaults, starts_at_once=2)
     assert limit == 1 + 2 + 2
     trial, plain, other = (worker_pool.Kind.of({"PL_DISABLE_FORK": "1"}), worker_pool.Kind(),
                            worker_pool.Kind.of({"X": "1"}))
     wanted = {**defaults, trial: 6, plain: 1, other: 3}
-    kept = worker_pool.within_limit(wanted, defaults, limit)
+    kept = pool_keeper.within_limit(wanted, defaults, limit)
     assert sum(kept.values()) == limit
     assert all(kept[kind] == count for kind, count in defaults.items())
     assert kept == {**defaults, trial: 2}
-    assert worker_pool.within_limit(defaults, defaults, limit) == defaults
+    assert pool_keeper.within_limit(defaults, defaults, limit) == defaults
+
+
+def test_the_defaults_are_prestarted_when_idle_processes_of_other_kinds_fill_the_limit():
+    """Ray keeps idle processes of a finished job's kinds (as many as its CPUs) for good: counted
+    against the limit, they held a test's warm controller back for minutes (the suite's two-commands
+    test waited 5 x 120 s). The keeper's one round against a raylet whose idle processes are all such."""
+    controller, _ = worker_pool.train_run_kinds()
+    stray = worker_pool.Kind.of({"__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR": "a.finished.jobs.hook"})
+
+    class RayletWithStrays:  # the census a raylet gives then; what the keeper asks of it, recorded
+        starts_at_once = 2
+
+        def __init__(self) -> None:
+            self.rounds, self.asked = 0, []
+
+        def alive(self) -> bool:
+            self.rounds += 1
+            return self.rounds == 1
+
+        def end_orphaned_cleaners(self) -> int:
+            return 0
+
+        def census(self):
+            return collections.Counter({stray: 3}), collections.Counter()
+
+        def top_up(self, targets, available, most):
+            self.asked.append((dict(targets), most))
+            return {}
+
+    raylet = RayletWithStrays()
+    pool_keeper.keep_warm(raylet, {controller: 1}, interval_s=0.0, once=True)  # once: whatever the CPUs do
+    assert raylet.asked == [({controller: 1}, 1)]
 
 
 def test_the_cpu_counts_as_busy_while_any_sample_of_its_window_was():
-    cpus = worker_pool.CpuBusy(percent=60.0, window_s=3.0)
+    cpus = pool_keeper.CpuBusy(percent=60.0, window_s=3.0)
     cpus.add(95.0, now=0.0)
     cpus.add(10.0, now=2.0)
     assert cpus.was_busy()
