@@ -212,7 +212,8 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, worker
     worker_env = cluster_env(use_gpu=gpus > 0, api_server=f"http://127.0.0.1:{dash if dashboard else 9}",
                              fork_socket=fork_socket)
     env = dict(os.environ, **worker_env, TMPDIR=str(Path(temp) / "tmp"))
-    env.pop("RAY_ADDRESS", None)
+    for key in ("RAY_ADDRESS", *worker_pool.RUNTIME_ENV_VARS):
+        env.pop(key, None)
     auth_mode = env.get("RAY_AUTH_MODE") or "token"
     env["RAY_AUTH_MODE"] = auth_mode
     ray_bin = Path(sys.executable).with_name("ray")

@@ -375,7 +375,9 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_
     # the cluster's processes inherit this process's environment: set while ray.init starts them
     # (a job-level runtime env would put every task and actor in an environment of its own, where
     # no prestarted process fits)
-    saved = {key: os.environ.get(key) for key in ("TMPDIR", "RAY_TMPDIR", *env)}
+    saved = {key: os.environ.get(key) for key in ("TMPDIR", "RAY_TMPDIR", *env, *worker_pool.RUNTIME_ENV_VARS)}
+    for key in worker_pool.RUNTIME_ENV_VARS:
+        os.environ.pop(key, None)
     os.environ.update(env)
     os.environ["RAY_TMPDIR"] = get_default_system_temp_dir()  # Ray's own files stay where they always are
     os.environ["TMPDIR"] = _private_tmpdir()  # inherited by the processes ray.init starts

@@ -98,6 +98,12 @@ class Kind:
 LOCAL_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 
 
+#: what runtime environments set (Train's, Tune's, satp's): never in a raylet's own environment, which its
+#: workers inherit (a driver under another satp driver, a test session, has them): a process's kind is
+#: what its environment adds to the raylet's, and the kinds of a run would not be told apart
+RUNTIME_ENV_VARS = frozenset({SETUP_HOOK_VAR, CONTROLLER_VAR[0], "PL_DISABLE_FORK", *LOCAL_TRAIN_ENV})
+
+
 def serialized(kind: Kind, merged: bool) -> str:
     """``kind``'s runtime environment as Ray writes it, which is what Ray compares (the text, not its
     meaning): Ray's Python side for an actor a driver creates (``json.dumps`` with sorted keys),

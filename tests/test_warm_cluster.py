@@ -69,6 +69,37 @@ def test_only_a_prestarted_process_of_a_train_runs_kinds_imports_ahead():
                     **{("01000000", kind): ["[]", "-"] for kind in ("plain", "controller", "training")}}
 
 
+OWN_CLUSTER_UNDER_A_DRIVER = r"""
+import os, sys, threading, time, psutil, ray
+from runtime import ray_cluster, worker_pool
+
+ray_cluster.init_local_ray(num_cpus=2, warm_workers=1)
+raylet = next(p for p in psutil.Process().children(recursive=True) if p.name() == "raylet")
+keeper = next(t for t in threading.enumerate() if t.name == "satp-worker-pool")
+keeper.join(timeout=float(sys.argv[1]))
+inherited = sorted(set(worker_pool.process_environ(raylet.pid)) & worker_pool.RUNTIME_ENV_VARS)
+started = len([p for p in raylet.children() if worker_pool.process_title(p.pid) == worker_pool.IDLE_TITLE
+               or "default_worker.py" in " ".join(worker_pool.process_cmdline(p))])
+print(inherited, keeper.is_alive(), started)
+ray.shutdown()
+"""
+
+
+def test_a_commands_own_cluster_under_a_driver_that_set_the_runtime_env_variables_warms_one_run():
+    """A command started by a process that had set what runtime environments set (a satp driver, a test
+    session: Ray Train's preemption setting) gave those to its own cluster's raylet, so no worker was of
+    a run's kind: the keeper prestarted a run's processes every 5 s without end (the suite's Ctrl-C test
+    took 130 s, not 30), or never ended. The raylet now has none of them, and the keeper ends once one
+    run's processes are there, having started that many (2 at once: the raylet's CPUs)."""
+    env = {**os.environ, **worker_pool.LOCAL_TRAIN_ENV, "SATP_HOME": tempfile.mkdtemp()}
+    out = subprocess.run([sys.executable, "-c", OWN_CLUSTER_UNDER_A_DRIVER, "120"], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    inherited, keeper_alive, started = out.stdout.split()[-3:]
+    assert (inherited, keeper_alive) == ("[]", "False"), out.stdout
+    assert 1 <= int(started) <= sum(worker_pool.default_targets(1).values()), out.stdout
+
+
 def test_kinds_are_written_as_ray_writes_them():
     from ray.runtime_env import RuntimeEnv
 
