@@ -182,3 +182,22 @@ def parent_and_children(tracking_uri: str, experiment: str, kind: str, parent_ru
     assert parents[0].info.status == "FINISHED"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_run_id]
     return client, parents[0], children
+
+
+def run_one_rank(argv: list[str], env: dict, timeout: float, **kwargs):
+    """``subprocess.run`` of a one-process torch.distributed job on a free ``MASTER_PORT``, again on
+    another one where the port was taken between the look and the job's bind (``EADDRINUSE``: the
+    session's Ray processes and commands open ports all the while)."""
+    import socket
+    import subprocess
+
+    for _attempt in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.run(argv, env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              capture_output=True, text=True, timeout=timeout, **kwargs)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
+            break
+    return proc
+

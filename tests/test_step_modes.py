@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_one_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,14 +70,9 @@ print("RESULT " + json.dumps(results))
 
 
 def _run(modes: list[str], device: str, precision: str, steps: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), DS_ACCELERATOR=device, OMP_NUM_THREADS="2",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(modes), device, precision, str(steps)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", DS_ACCELERATOR=device,
+               OMP_NUM_THREADS="2", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = run_one_rank([sys.executable, "-c", SCRIPT, ",".join(modes), device, precision, str(steps)], env, 900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])

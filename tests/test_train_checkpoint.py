@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_one_rank
 
 SCRIPT = r'''
 import json, os, sys
@@ -74,13 +73,9 @@ print("RESULT " + json.dumps(out))
 
 
 def _run(mode: str, directory: Path, precision: str) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(directory), precision], env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", DS_ACCELERATOR="cpu",
+               OMP_NUM_THREADS="1")
+    proc = run_one_rank([sys.executable, "-c", SCRIPT, mode, str(directory), precision], env, 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])

@@ -8,13 +8,12 @@ memory copied without blocking, and `torch.cuda.set_sync_debug_mode("error")` ar
 would).
 """
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_one_rank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,14 +52,9 @@ print("LOSSES", [float(l) for l in losses])
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_worker_step_through_deepspeed_reads_nothing_back(precision):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), DS_ACCELERATOR="cuda",
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", DS_ACCELERATOR="cuda",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, precision], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_one_rank([sys.executable, "-c", SCRIPT, precision], env, 300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [line for line in proc.stdout.splitlines() if line.startswith("LOSSES")]
     assert losses and "nan" not in losses[-1]
