@@ -121,7 +121,7 @@ class Node:
         for pid in self.pids():
             with contextlib.suppress(psutil.NoSuchProcess):
                 procs.append(psutil.Process(pid))
-        stop_in_order(procs)  # as satp cluster stop does: the raylet before GCS (together they wait ~10 s)
+        stop_in_order(procs)  # as satp cluster stop does: `ray start`, Ray's monitor and the raylet first
         for pid in self.pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
