@@ -35,17 +35,20 @@ def process_started(pid: Optional[int] = None) -> float:
     """Wall-clock time at which process ``pid`` (default: this one) started, to the clock tick on Linux:
     now less the time since its start, both read from ``/proc`` (psutil adds the boot time in whole
     seconds, up to a second early: a worker forked half a second after the fit looked started before it)."""
+    from pipeline.train.lease import process_started as start_ticks
+
     pid = pid or os.getpid()
+    ticks = start_ticks(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
-        return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):  # not Linux
+    except OSError:
+        ticks = None
+    if ticks is None:  # not Linux
         import psutil
 
         return float(psutil.Process(pid).create_time())
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def now() -> float:
