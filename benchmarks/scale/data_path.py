@@ -208,9 +208,12 @@ class Sampler(threading.Thread):
 
 # ---------------------------------------------------------------- one timed command
 
-def _env() -> dict:
-    env = dict(os.environ, OUTDATED_IGNORE="1", RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_ADDRESS", None)  # preprocess starts its own local Ray, never someone else's
+def _env(satp_home: Path) -> dict:
+    """The commands' environment: preprocess starts its own local Ray (its processes are what the
+    sampler measures), never someone else's: no ``RAY_ADDRESS``, and a ``satp_home`` without the
+    record of a running ``satp cluster``."""
+    env = dict(os.environ, OUTDATED_IGNORE="1", RAY_USAGE_STATS_ENABLED="0", SATP_HOME=str(satp_home))
+    env.pop("RAY_ADDRESS", None)
     return env
 
 
@@ -252,7 +255,8 @@ def timed(cmd: list[str], logs: Path, name: str, sampler: Sampler | None = None,
     full = [TIME, "-v", "-o", str(time_file), *cmd] if os.access(TIME, os.X_OK) else list(cmd)
     with open(logs / f"{name}.out", "wb") as out, open(logs / f"{name}.err", "wb") as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(full, cwd=ROOT, env=_env(), stdout=out, stderr=err, start_new_session=True)
+        proc = subprocess.Popen(full, cwd=ROOT, env=_env(logs / "satp-home"), stdout=out, stderr=err,
+                                start_new_session=True)
         if sampler is not None:
             sampler.watch(proc.pid)
         killed = None
