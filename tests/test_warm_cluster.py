@@ -347,11 +347,19 @@ def test_a_start_interrupted_before_its_record_leaves_nothing(tmp_path):
     before = set(Path("/tmp").glob("satpc-*"))
     proc = subprocess.Popen([sys.executable, "-c", code], env=_env(tmp_path), cwd=ROOT, stderr=subprocess.PIPE,
                             text=True)
+
+    def its_folders() -> list[Path]:  # not those of clusters other tests start meanwhile
+        try:
+            lines = [" ".join(worker_pool.process_cmdline(p)) for p in psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+        return [f for f in Path("/tmp").glob("satpc-*") if f not in before and any(str(f) in line for line in lines)]
+
     deadline = time.monotonic() + 120
     folders: list[Path] = []
     while time.monotonic() < deadline and proc.poll() is None and not any(
             p.name() == "gcs_server" for folder in folders for p in local_cluster.processes_of(str(folder))):
-        folders = [f for f in Path("/tmp").glob("satpc-*") if f not in before]
+        folders = its_folders()
         time.sleep(0.1)
     assert proc.poll() is None and len(folders) == 1, "ray start ended before its GCS was seen"
     proc.send_signal(signal.SIGINT)
