@@ -21,10 +21,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-# Two pytest-xdist workers, a module at a time each, the longest first (tests/conftest.py: LONGEST_FIRST):
-# alone, the suite waits on processes half the time.
 test: install
-	$(PY) -m pytest -q tests -n 2 --dist loadfile --no-loadscope-reorder --durations=30
+	$(PY) -m pytest -q tests --durations=30
 
 demo: install
 	$(PY) -m pipeline.cli demo

@@ -1,4 +1,4 @@
-"""Shared fixtures. Ray-based tests share one local cluster per session (per pytest-xdist worker: see `ray_cluster`)."""
+"""Shared fixtures. Ray-based tests share one local cluster per session (see `ray_cluster`)."""
 from __future__ import annotations
 
 import hashlib
@@ -14,23 +14,16 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
-def satp_home_for_tests(worker: str = "") -> Path:
+def satp_home_for_tests() -> Path:
     """``SATP_HOME`` of this checkout's test sessions: where the session's satp cluster is recorded
     (one per checkout, so that sessions of other checkouts on the machine keep theirs; never the
     user's own ``~/.satp``). Every ``satp`` command a test runs without ``--address`` uses that
-    cluster while it runs. ``worker``: a pytest-xdist worker's (``make test`` runs two), each with a
-    session cluster of its own: two sessions' tests on one cluster would see each other's runs in
-    its resources, pool and logs."""
+    cluster while it runs."""
     root = Path(__file__).resolve().parents[1]
-    name = f"satp-tests-{hashlib.sha1(str(root).encode()).hexdigest()[:10]}"
-    return Path(tempfile.gettempdir()) / (f"{name}-{worker}" if worker else name)
+    return Path(tempfile.gettempdir()) / f"satp-tests-{hashlib.sha1(str(root).encode()).hexdigest()[:10]}"
 
 
-os.environ["SATP_HOME"] = str(satp_home_for_tests(os.environ.get("PYTEST_XDIST_WORKER", "")))
-if "PYTEST_XDIST_WORKER" in os.environ:
-    # one torch thread in each worker and the commands it runs (Ray Train's workers take theirs from the
-    # job): two workers' threads on 2 cores spin-wait on each other (a module run twice at once: 10% more CPU)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["SATP_HOME"] = str(satp_home_for_tests())
 
 import pytest
 import torch
@@ -82,43 +75,7 @@ def ray_cluster(request):
             log = Path(record.temp_dir) / name
             if log.exists():  # read before stop removes the cluster's folder
                 request.config.stash[key] = log.read_text().splitlines()
-                if hasattr(request.config, "workeroutput"):  # a pytest-xdist worker: for the summary
-                    request.config.workeroutput[name] = request.config.stash[key]
         local_cluster.stop(record)
-
-
-#: the modules that take a minute or more of 2 cores (``--durations``), longest first: under
-#: pytest-xdist (``make test``: ``--dist loadfile``, a module per worker at a time, in this order) the two
-#: workers start with them and end on short ones
-LONGEST_FIRST = ("test_faults_training.py", "test_elastic.py", "test_train_ray.py", "test_node_loss.py",
-                 "test_warm_cluster.py", "test_submit.py", "test_warm_driver.py", "test_interrupts.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    """The modules of :data:`LONGEST_FIRST` first, in its order, then the rest as collected."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Under pytest-xdist, a test marked ``quiet`` (it waits for what happens only on idle CPUs: the
-    pool's refill) runs while no other worker runs one: every test holds a shared lock on a file of
-    the session's, a quiet one an exclusive lock. A turnstile lock taken first lets a waiting quiet
-    test in before the next shared one. Fixtures' set-up and tear-down are inside the protocol."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is None:
-        yield
-        return
-    import fcntl
-
-    base = satp_home_for_tests()
-    mode = fcntl.LOCK_EX if item.get_closest_marker("quiet") else fcntl.LOCK_SH
-    with open(f"{base}.turnstile.lock", "a") as turnstile, open(f"{base}.quiet.lock", "a") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(lock, mode)
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
-        yield
 
 
 def _ray_state() -> str:
@@ -148,30 +105,18 @@ def pytest_runtest_makereport(item, call):
             report.sections.append(("Ray cluster at the timeout", f"unreadable: {exc!r}"))
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    """pytest-xdist's controller: the warm-driver and worker-fork logs of each worker's session
-    cluster, together, for :func:`pytest_terminal_summary`."""
-    from pipeline.cli import warm_driver
-    from runtime import forked_workers
-
-    for key, name in ((WARM_DRIVER_LOG, warm_driver.LOG_NAME), (WORKER_FORK_LOG, forked_workers.LOG_NAME)):
-        if name in getattr(node, "workeroutput", {}):
-            node.config.stash[key] = node.config.stash.get(key, []) + node.workeroutput[name]
-
-
 def pytest_terminal_summary(terminalreporter, config):
     """How many of the session's ``satp train`` commands its cluster's warm driver forked, and how
     many Train workers its fork server forked, with the reasons each gave for what it refused (that
     ran in a process of its own: a command after a warning, a worker as Ray starts one)."""
-    for key, what in ((WARM_DRIVER_LOG, "warm driver(s): {} satp train commands forked"),
-                      (WORKER_FORK_LOG, "worker fork server(s): {} Ray worker processes forked")):
+    for key, what in ((WARM_DRIVER_LOG, "warm driver: {} satp train commands forked"),
+                      (WORKER_FORK_LOG, "worker fork server: {} Ray worker processes forked")):
         lines = config.stash.get(key, None)
         if lines is None:
             continue
         refused = [line for line in lines if line.startswith("refused")]
         forked = sum(line.startswith("forked") for line in lines)
-        terminalreporter.write_line(f"the session's satp cluster(s), {what.format(forked)}, {len(refused)} refused")
+        terminalreporter.write_line(f"the session cluster's {what.format(forked)}, {len(refused)} refused")
         for line in sorted(set(refused)):
             terminalreporter.write_line(f"  {line} (x{refused.count(line)})")
 

@@ -85,7 +85,6 @@ ray.shutdown()
 """
 
 
-@pytest.mark.quiet  # the keeper prestarts on idle CPUs only
 def test_a_commands_own_cluster_under_a_driver_that_set_the_runtime_env_variables_warms_one_run():
     """A command started by a process that had set what runtime environments set (a satp driver, a test
     session: Ray Train's preemption setting) gave those to its own cluster's raylet, so no worker was of
@@ -270,7 +269,6 @@ def _maps(pid: int, library: str) -> bool:
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.quiet  # the pool refills on idle CPUs only
 def test_two_commands_at_once_run_on_the_warm_session_cluster(tiny_setting, tmp_path):
     """The session's cluster is a satp cluster (conftest: ``local_cluster.start``, what ``satp cluster
     start`` runs): ``satp cluster status`` names it and its warm kinds, a second ``start`` is refused
