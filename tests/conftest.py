@@ -200,4 +200,3 @@ def run_one_rank(argv: list[str], env: dict, timeout: float, **kwargs):
         if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
             break
     return proc
-

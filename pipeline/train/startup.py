@@ -12,6 +12,7 @@ timestamps do.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Optional
@@ -39,16 +40,13 @@ def process_started(pid: Optional[int] = None) -> float:
 
     pid = pid or os.getpid()
     ticks = start_ticks(pid)
-    try:
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except OSError:
-        ticks = None
-    if ticks is None:  # not Linux
-        import psutil
+    if ticks is not None:
+        with contextlib.suppress(OSError):
+            with open("/proc/uptime") as f:
+                return time.time() - (float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK"))
+    import psutil  # not Linux
 
-        return float(psutil.Process(pid).create_time())
-    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    return float(psutil.Process(pid).create_time())
 
 
 def now() -> float:
