@@ -28,12 +28,20 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT)
 
 
 # ----------------------------------------------------------------------------- what must be the same
+#: variables a module sets in its own process when it is imported, to the value it reads when they are
+#: unset: a caller that imported it (a script or notebook that imported Ray, then ran ``satp train``)
+#: carries them, and is the same to the shared modules as one that did not. Ray sets ``RAY_CLIENT_MODE=0``.
+SET_ON_IMPORT = {"RAY_CLIENT_MODE": "0"}
+
+
 def identity(env, prefixes: tuple[str, ...], read_later=frozenset()) -> dict:
     """What a process forked from this one shares with it and must be the caller's own: the
     interpreter, and the variables of ``env`` whose names start with ``prefixes`` (those read when
-    the shared modules were imported; ``read_later``: of those, the ones read only when used)."""
+    the shared modules were imported; ``read_later``: of those, the ones read only when used), but
+    not those at the value an import sets (:data:`SET_ON_IMPORT`)."""
     return {"python": os.path.realpath(sys.executable),
-            "env": {k: v for k, v in sorted(env.items()) if k.startswith(prefixes) and k not in read_later}}
+            "env": {k: v for k, v in sorted(env.items())
+                    if k.startswith(prefixes) and k not in read_later and SET_ON_IMPORT.get(k) != v}}
 
 
 def difference(mine: dict, theirs: dict, *entries: tuple[str, str]) -> Optional[str]:

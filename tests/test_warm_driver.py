@@ -4,6 +4,7 @@ satp's driver. One real warm driver process for the module; the command's side i
 cluster started with ``--warm-driver``)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -81,10 +82,16 @@ def _signalled_run(warm_driver, tiny_setting, tmp_path: Path, run_name: str, sig
 
 
 def _forked(warm_driver) -> list[int]:
-    """The warm driver's descendants: a runner and its command per command under way."""
+    """A runner and its command per command under way: the warm driver's children and theirs. Not
+    what the command starts in turn (its ``git rev-parse``, a moment long, was once seen here too)."""
     import psutil
 
-    return [p.pid for p in psutil.Process(warm_driver["server"].pid).children(recursive=True)]
+    runners = psutil.Process(warm_driver["server"].pid).children()
+    commands = []
+    for runner in runners:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            commands += runner.children()
+    return [p.pid for p in runners + commands]
 
 
 def test_code_and_import_time_settings_decide_whether_a_command_is_forked(tmp_path):
@@ -101,6 +108,10 @@ def test_code_and_import_time_settings_decide_whether_a_command_is_forked(tmp_pa
                                       "RAY_COLOR_PREFIX": "0"})) is None  # read later, or never at import
     assert difference(mine, identity({"RAY_AUTH_MODE": "token", "DS_ACCELERATOR": "cuda"})) == \
         "another DS_ACCELERATOR in the environment"
+    # a caller that imported Ray carries the RAY_CLIENT_MODE=0 its import set, which reads as unset
+    assert difference(mine, identity({"RAY_AUTH_MODE": "token", "RAY_CLIENT_MODE": "0"})) is None
+    assert difference(mine, identity({"RAY_AUTH_MODE": "token", "RAY_CLIENT_MODE": "1"})) == \
+        "another RAY_CLIENT_MODE in the environment"
     assert difference(mine, dict(mine, code="edited")) == "satp's code changed since it started"
     assert difference(mine, dict(mine, root="/elsewhere", code="other")) == "satp's code of another folder (/elsewhere)"
 
