@@ -139,3 +139,32 @@ def test_registered_epoch_logger_logs_each_reported_epoch_once(tmp_path):
 
     broken = RegisteredEpochLogger("sqlite:///" + str(tmp_path / "missing-dir" / "x.db"), run_id, "acc")
     broken.after_report(None, [{"epoch": 2, "train_loss": 0.5}], None)  # a warning, no exception
+
+
+def test_a_killed_workers_staging_folder_is_removed_by_the_next_checkpoint(tmp_path, monkeypatch):
+    """A worker killed while it wrote its part of a checkpoint leaves its local folder; the next
+    checkpoint on the machine removes the folders of processes that have ended, and only those."""
+    import subprocess
+    import tempfile
+
+    from pipeline.train.lease import process_started
+    from pipeline.train.reporting import STAGING_PREFIX, staging_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["sleep", "60"])
+    gone_started = process_started(gone.pid)
+    gone.kill()
+    gone.wait()
+    me = os.getpid()
+    folders = {"killed": tmp_path / f"{STAGING_PREFIX}{gone.pid}-{gone_started}-abc",
+               "running": tmp_path / f"{STAGING_PREFIX}{me}-{process_started(me)}-def",
+               "recycled pid": tmp_path / f"{STAGING_PREFIX}{me}-{process_started(me) - 1}-ghi",  # an earlier process
+               "unnamed": tmp_path / f"{STAGING_PREFIX}jkl"}  # of satp before the names: whose, unknown
+    for folder in folders.values():
+        folder.mkdir()
+        (folder / "model_states.pt").write_bytes(b"x" * 1024)
+    with staging_folder() as directory:
+        assert Path(directory).parent == tmp_path
+        assert Path(directory).name.startswith(f"{STAGING_PREFIX}{me}-{process_started(me)}-")
+        assert {what for what, folder in folders.items() if folder.exists()} == {"running", "unnamed"}
+    assert not Path(directory).exists()

@@ -16,6 +16,8 @@ parts are summed over the ranks once per report (one all-reduce of a vector).
 """
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -27,6 +29,25 @@ from pipeline.train import faults
 
 
 STEP_KEYS = ("step_losses", "world_size", "global_step")  # what every report adds (see Reports.write)
+#: a rank's local folder for its part of a checkpoint, before satp copies it into the run's storage:
+#: ``satp-ckpt-<pid>-<start ticks>-<random>`` in the temporary directory
+STAGING_PREFIX = "satp-ckpt-"
+
+
+def staging_folder() -> tempfile.TemporaryDirectory:
+    """A local folder for this process's part of a checkpoint, named after the process; first the
+    folders of processes that have ended are removed: a worker killed while it wrote one (SIGKILL,
+    the OOM killer, Ray's memory monitor) never removed its own, several MB each."""
+    from pipeline.train.lease import process_running, process_started
+
+    for folder in Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*-*-*"):
+        pid, _, rest = folder.name[len(STAGING_PREFIX):].partition("-")
+        started = rest.partition("-")[0]
+        if pid.isdigit() and started.isdigit() and not process_running(int(pid), int(started)):
+            shutil.rmtree(folder, ignore_errors=True)  # another user's stays: not ours to remove
+    pid = os.getpid()
+    started = process_started(pid)  # None where /proc is not: a name no later sweep matches
+    return tempfile.TemporaryDirectory(prefix=STAGING_PREFIX + (f"{pid}-{started}-" if started is not None else ""))
 
 
 class Reports:
@@ -66,7 +87,7 @@ class Reports:
         # written locally, then into the run's storage by satp (a full disk ends the run: ckpt.persist),
         # then reported to Ray Train where it lies
         storage = ray.train.get_context().get_storage()
-        with tempfile.TemporaryDirectory(prefix="satp-ckpt-") as directory:
+        with staging_folder() as directory:
             ckpt.save(directory, self.engine, state, best_weights, self.rank)
             name = ckpt.persist(directory, storage.experiment_fs_path, self.rank, epoch,
                                 after_file=faults.pause_in_checkpoint(self.fault, self.rank, state["steps"]))
