@@ -144,10 +144,11 @@ def test_registered_epoch_logger_logs_each_reported_epoch_once(tmp_path):
 def test_a_killed_workers_staging_folder_is_removed_by_the_next_checkpoint(tmp_path, monkeypatch):
     """A worker killed while it wrote its part of a checkpoint leaves its local folder; the next
     checkpoint on the machine removes the folders of processes that have ended, and only those."""
+    import hashlib
     import subprocess
     import tempfile
 
-    from pipeline.train.lease import process_started
+    from pipeline.train.lease import process_started, this_machine
     from pipeline.train.reporting import STAGING_PREFIX, staging_folder
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -155,16 +156,18 @@ def test_a_killed_workers_staging_folder_is_removed_by_the_next_checkpoint(tmp_p
     gone_started = process_started(gone.pid)
     gone.kill()
     gone.wait()
-    me = os.getpid()
-    folders = {"killed": tmp_path / f"{STAGING_PREFIX}{gone.pid}-{gone_started}-abc",
-               "running": tmp_path / f"{STAGING_PREFIX}{me}-{process_started(me)}-def",
-               "recycled pid": tmp_path / f"{STAGING_PREFIX}{me}-{process_started(me) - 1}-ghi",  # an earlier process
-               "unnamed": tmp_path / f"{STAGING_PREFIX}jkl"}  # of satp before the names: whose, unknown
+    me, machine = os.getpid(), hashlib.sha1(this_machine().encode()).hexdigest()[:10]
+    mine = f"{STAGING_PREFIX}{machine}-{me}-{process_started(me)}-"
+    folders = {"killed": tmp_path / f"{STAGING_PREFIX}{machine}-{gone.pid}-{gone_started}-abc",
+               "running": tmp_path / f"{mine}def",
+               "recycled pid": tmp_path / f"{STAGING_PREFIX}{machine}-{me}-{process_started(me) - 1}-ghi",  # an earlier one
+               "another container's": tmp_path / f"{STAGING_PREFIX}0123456789-{gone.pid}-{gone_started}-jkl",
+               "unnamed": tmp_path / f"{STAGING_PREFIX}mno"}  # of satp before the names: whose, unknown
     for folder in folders.values():
         folder.mkdir()
         (folder / "model_states.pt").write_bytes(b"x" * 1024)
     with staging_folder() as directory:
-        assert Path(directory).parent == tmp_path
-        assert Path(directory).name.startswith(f"{STAGING_PREFIX}{me}-{process_started(me)}-")
-        assert {what for what, folder in folders.items() if folder.exists()} == {"running", "unnamed"}
+        assert Path(directory).parent == tmp_path and Path(directory).name.startswith(mine)
+        assert {what for what, folder in folders.items() if folder.exists()} == \
+            {"running", "another container's", "unnamed"}
     assert not Path(directory).exists()

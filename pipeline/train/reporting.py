@@ -30,24 +30,29 @@ from pipeline.train import faults
 
 STEP_KEYS = ("step_losses", "world_size", "global_step")  # what every report adds (see Reports.write)
 #: a rank's local folder for its part of a checkpoint, before satp copies it into the run's storage:
-#: ``satp-ckpt-<pid>-<start ticks>-<random>`` in the temporary directory
+#: ``satp-ckpt-<machine>-<pid>-<start ticks>-<random>`` in the temporary directory
 STAGING_PREFIX = "satp-ckpt-"
 
 
 def staging_folder() -> tempfile.TemporaryDirectory:
     """A local folder for this process's part of a checkpoint, named after the process; first the
     folders of processes that have ended are removed: a worker killed while it wrote one (SIGKILL,
-    the OOM killer, Ray's memory monitor) never removed its own, several MB each."""
-    from pipeline.train.lease import process_running, process_started
+    the OOM killer, Ray's memory monitor) never removed its own, several MB each. Only folders of
+    processes this one can see are looked at (``<machine>``: :func:`pipeline.train.lease.this_machine`,
+    which tells containers that share a temporary directory apart)."""
+    import hashlib
 
-    for folder in Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*-*-*"):
-        pid, _, rest = folder.name[len(STAGING_PREFIX):].partition("-")
-        started = rest.partition("-")[0]
+    from pipeline.train.lease import process_running, process_started, this_machine
+
+    machine = hashlib.sha1(this_machine().encode()).hexdigest()[:10]
+    for folder in Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}{machine}-*-*-*"):
+        pid, started = folder.name[len(STAGING_PREFIX):].split("-")[1:3]
         if pid.isdigit() and started.isdigit() and not process_running(int(pid), int(started)):
             shutil.rmtree(folder, ignore_errors=True)  # another user's stays: not ours to remove
     pid = os.getpid()
     started = process_started(pid)  # None where /proc is not: a name no later sweep matches
-    return tempfile.TemporaryDirectory(prefix=STAGING_PREFIX + (f"{pid}-{started}-" if started is not None else ""))
+    return tempfile.TemporaryDirectory(
+        prefix=STAGING_PREFIX + (f"{machine}-{pid}-{started}-" if started is not None else ""))
 
 
 class Reports:
