@@ -127,16 +127,22 @@ def _preprocess(part: str, job: str, sets: list[str], clock, logs: Path, reserve
     return result, (result["tail"].strip() if result["ok"] else None)
 
 
+#: a call that only makes the part's data and shards (part ``first`` runs one while it measures steps)
+PREPARE_ONLY = os.environ.get("SATP_ACC_PREPARE_ONLY") == "1"
+
+
 def _begin(part: str):
     """A call of ``part``: its budget clock, work and log folders, ``$OUT``, the ledger with this call
-    entered, its call number, and the Ray storage and MLflow store under the work folder."""
+    entered (not a :data:`PREPARE_ONLY` one), its call number, and the Ray storage and MLflow store under
+    the work folder."""
     clock = Clock(BUDGET_S)
     work = _work_dir(part)
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(work / "runs.json")
     call = len(ledger.get("calls")) + 1
-    ledger.data["calls"][str(call)] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget_s": BUDGET_S}
+    if not PREPARE_ONLY:
+        ledger.data["calls"][str(call)] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget_s": BUDGET_S}
     return clock, work, logs, _out_dir(), ledger, call, work / "ray", f"sqlite:///{work / 'mlflow.db'}"
 
 

@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 from benchmarks.gpu.accuracy_report import (STEP_HEADER, _copy_logs, _device, _fmt, _pct, _save_plot, curve_table,
                                             step_row)
-from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, STARTUP_S, _begin, _cli, _digest,
-                                          _preprocess, history_of, run_state, time_to, train)
+from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, PREPARE_ONLY, STARTUP_S, _begin, _cli,
+                                          _digest, _preprocess, history_of, run_state, time_to, train)
 from benchmarks.gpu.measure import DRY_RUN, ROOT, measure
 
 SBM = {
@@ -107,6 +107,9 @@ def run_sbm(part: str) -> str:
     else:
         steps["preprocess"] = {"skipped": "no data"}
     save()
+    if PREPARE_ONLY:
+        return "\n".join([STEP_HEADER[0], STEP_HEADER[1], step_row(f"satp data {spec['builder']}", steps["generate"]),
+                          step_row(f"satp preprocess {spec['job']}", steps["preprocess"])])
 
     # 3. training to the target, on one GPU worker, until the target or the budget
     record = ledger.get("runs").setdefault(name, {"segments": []})

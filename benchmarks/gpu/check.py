@@ -3,6 +3,8 @@ part per run, each sized to one device session, each returning its own markdown 
 benchmarks/RESULTS.md. ``SATP_GPU_PART`` picks it (run.sh's argument):
 
 - ``perf`` (the default; this module, items 1-4 below): parity, step benchmarks, the pipeline;
+- ``first`` (:mod:`benchmarks.gpu.first`): issue 35's two questions in one session: PATTERN's step at 32
+  graphs, eager vs compiled vs captured, then ``jobs/pattern.yaml`` to val_acc 0.865 in the fastest mode;
 - ``steps`` (:mod:`benchmarks.gpu.steps`): eager vs compiled vs captured training steps (``train.step``)
   on PATTERN and code2 at two batch sizes each, step time against kernel time, and ``satp train``'s
   start-up breakdown with cold and warm compile caches;
@@ -57,7 +59,7 @@ from pathlib import Path
 
 from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _finish, _last_line, _pipeline_metrics, _run, _start, _step
 
-PARTS = ("perf", "steps", "scale", "multirank", "pattern", "cluster", "code2batch")
+PARTS = ("perf", "first", "steps", "scale", "multirank", "pattern", "cluster", "code2batch")
 PART = os.environ.get("SATP_GPU_PART") or "perf"
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S", "420"))
 SYNTHETIC_GRAPHS = 256 if DRY_RUN else 16384  # code2-shaped graphs for the k-subtree rows (cycled over epochs)
@@ -340,6 +342,10 @@ def run() -> str:
         from benchmarks.gpu import multirank as gpu_multirank
 
         return gpu_multirank.run()
+    if PART == "first":
+        from benchmarks.gpu import first as gpu_first
+
+        return gpu_first.run()
     if PART == "steps":
         from benchmarks.gpu import steps as gpu_steps
 

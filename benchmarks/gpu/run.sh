@@ -6,6 +6,10 @@
 #
 #   perf       (the default, and what the check did before it had parts) parity tests, the train-step
 #              benchmarks (code2 and ppa shapes), the real pipeline on pycode; SATP_GPU_BUDGET_S=420
+#   first      issue 35's first part: PATTERN's training step at 32 graphs per step, eager vs compiled vs
+#              captured (~2 minutes, while part pattern makes its data), then satp train jobs/pattern.yaml to
+#              val_acc 0.865 with the mode that trains the most graphs in the time left (benchmarks/gpu/first.py);
+#              SATP_GPU_BUDGET_S=480
 #   steps      eager vs compiled vs captured training steps (train.step) for PATTERN at 32 and 128 graphs per
 #              step and code2 at budgets 16384 and 131072: graphs/s, step ms, kernel ms per step; satp train's
 #              start-up breakdown, cold and warm compile caches (benchmarks/gpu/steps.py); SATP_GPU_BUDGET_S=510
@@ -44,8 +48,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PART=${1:-perf}
 case "$PART" in
-  perf | steps | scale | multirank | pattern | cluster | code2batch) ;;
-  *) echo "usage: benchmarks/gpu/run.sh [perf|steps|scale|multirank|pattern|cluster|code2batch] (got: $PART)" >&2; exit 2 ;;
+  perf | first | steps | scale | multirank | pattern | cluster | code2batch) ;;
+  *) echo "usage: benchmarks/gpu/run.sh [perf|first|steps|scale|multirank|pattern|cluster|code2batch] (got: $PART)" >&2; exit 2 ;;
 esac
 start=$(date +%s)
 PY=${PYTHON:-python3}
