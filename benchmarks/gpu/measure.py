@@ -47,8 +47,9 @@ def _step(spec: dict, timeout: float) -> dict:
         proc = _run([sys.executable, "-m", "benchmarks.gpu.step", json.dumps(spec)], timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
-    if proc.returncode != 0:
-        return {"error": _last_line(proc.stderr or proc.stdout)}
+    if proc.returncode != 0:  # the traceback's last lines: the failing call and the error (a CUDA one names its kernel)
+        lines = [line.strip() for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
+        return {"error": " / ".join(lines[-3:])[-600:]}
     return json.loads(_last_line(proc.stdout, limit=None))
 
 

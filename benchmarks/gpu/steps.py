@@ -130,7 +130,7 @@ HEADER = ["| configuration | step | graphs/s | step ms | kernel ms / step | step
 
 def _row(label: str, mode: str, r: dict) -> str:
     if "error" in r:
-        return f"| {label} | {mode} | failed: {r['error'][:200]} |" + " |" * 7
+        return f"| {label} | {mode} | failed: {r['error'][-300:].replace('|', '/')} |" + " |" * 7
     busy = r.get("gpu_busy_ms_per_step")
     ratio = f"{r['step_ms'] / busy:.2f}" if busy else "-"
     busy_text = f"{busy:.1f}" if busy is not None else "-"
