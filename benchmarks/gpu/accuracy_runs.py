@@ -17,6 +17,8 @@ from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, measure
 
 PART = os.environ.get("SATP_GPU_PART") or "pattern"
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or ((540 if PART == "code2batch" else 420) if DRY_RUN else 510))
+#: a call that only makes the part's data and shards (part ``first`` runs one while it measures steps)
+PREPARE_ONLY = os.environ.get("SATP_ACC_PREPARE_ONLY") == "1"
 GRACE_S = 20.0  # SIGINT to `satp train` at the budget's end, then this long before its process tree is killed
 END_RESERVE_S = 15.0  # for reading the checkpoints and writing the section
 STARTUP_S = 30.0 if DRY_RUN else 60.0  # `satp train` before its first step: Ray, the worker group, data, engine
@@ -125,10 +127,6 @@ def _preprocess(part: str, job: str, sets: list[str], clock, logs: Path, reserve
     result = measure(_cli("preprocess", job, "--no-progress", *_overrides(sets)),
                      max(30.0, clock.left() - reserve_s), logs / "preprocess.log")
     return result, (result["tail"].strip() if result["ok"] else None)
-
-
-#: a call that only makes the part's data and shards (part ``first`` runs one while it measures steps)
-PREPARE_ONLY = os.environ.get("SATP_ACC_PREPARE_ONLY") == "1"
 
 
 def _begin(part: str):
