@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _env, _finish
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _env, _finish, _start
 from benchmarks.gpu import steps
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or (360 if DRY_RUN else 480))
@@ -36,19 +36,6 @@ STEPS_SHARE = 0.4  # of the budget, at most, for the step rows
 TRAIN_MIN_S = 150 if DRY_RUN else 120  # less left than this: no (further) training run
 #: the accuracy part's call, its section written to the file named by argv[1]
 ACCURACY = "import sys; from benchmarks.gpu.accuracy import run; open(sys.argv[1], 'w').write(run('pattern'))"
-
-
-def pattern_graphs() -> dict[str, str]:
-    """The PATTERN graphs of the step rows (the file part ``steps`` makes and reuses)."""
-    from benchmarks.gpu.step import save_graphs
-    from benchmarks.graphs.jobs import job_graphs
-    from pipeline.config import load_job
-
-    path = steps.WORK / f"pattern-{steps.PATTERN_GRAPHS}.pt"
-    if not path.is_file():
-        graphs, _task, _config = job_graphs(load_job(ROOT / "jobs/pattern.yaml"), steps.PATTERN_GRAPHS, seed=0)
-        save_graphs(graphs, path)
-    return {"pattern": str(path)}
 
 
 def ranked(rows: dict[str, dict], left_s: float) -> list[str]:
@@ -93,12 +80,10 @@ def run() -> str:
 
     # the data and shards of part pattern, made while the step rows run
     prepared = steps.WORK / "first-prepare.md"
-    prepare_log = steps.WORK / "first-prepare.log"
-    with open(prepare_log, "w") as log:  # its own budget ends before the run's minimum: it stops itself
-        prepare = subprocess.Popen([sys.executable, "-c", ACCURACY, str(prepared)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   env=_accuracy_env(clock.left() - TRAIN_MIN_S, None, out, prepare_only=True))
-    prepare.log = prepare_log  # type: ignore[attr-defined]  # read by _finish
-    files = pattern_graphs()
+    # (its own budget ends before the run's minimum: it stops itself)
+    prepare = _start([sys.executable, "-c", ACCURACY, str(prepared)], steps.WORK / "first-prepare.log",
+                     env=_accuracy_env(clock.left() - TRAIN_MIN_S, None, out, prepare_only=True))
+    files = steps.graph_files(("pattern",))  # the file part steps makes and reuses
     steps_clock = Clock(min(BUDGET_S * STEPS_SHARE, clock.left() - TRAIN_MIN_S))
     lines = [title, "", f"Device: {torch.cuda.get_device_name() if not DRY_RUN else 'CPU (dry run, tiny sizes and model)'}, "
              f"torch {torch.__version__}; budget {BUDGET_S:.0f} s.", "",

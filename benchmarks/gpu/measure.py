@@ -53,10 +53,11 @@ def _step(spec: dict, timeout: float) -> dict:
     return json.loads(_last_line(proc.stdout, limit=None))
 
 
-def _start(cmd: list[str], log: Path) -> subprocess.Popen:
-    """``cmd`` in the background, its output to ``log`` (a pipe would block a chatty command)."""
+def _start(cmd: list[str], log: Path, env: Optional[dict] = None) -> subprocess.Popen:
+    """``cmd`` in the background (``env``: default :func:`_env`), its output to ``log`` (a pipe would
+    block a chatty command)."""
     handle = open(log, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
     proc.log = log  # type: ignore[attr-defined]
     handle.close()
     return proc

@@ -59,14 +59,17 @@ ORDER = [("PATTERN, 32 graphs/step", "eager"), ("PATTERN, 32 graphs/step", "capt
 STARTUP_AFTER = 4
 
 
-def graph_files() -> dict[str, str]:
-    """PATTERN- and code2-shaped graphs as their jobs' shards hold them (:mod:`benchmarks.graphs.jobs`)."""
+def graph_files(names: tuple[str, ...] = ("pattern", "code2")) -> dict[str, str]:
+    """PATTERN- and code2-shaped graphs (of ``names``) as their jobs' shards hold them
+    (:mod:`benchmarks.graphs.jobs`); made once in :data:`WORK`, then reused."""
     from benchmarks.gpu.step import save_graphs
     from benchmarks.graphs.jobs import job_graphs
     from pipeline.config import load_job
 
     files = {}
     for name, job, count in (("pattern", "jobs/pattern.yaml", PATTERN_GRAPHS), ("code2", "jobs/code2.yaml", CODE2_GRAPHS)):
+        if name not in names:
+            continue
         path = WORK / f"{name}-{count}.pt"
         if not path.is_file():
             graphs, _task, _config = job_graphs(load_job(ROOT / job), count, seed=0)
