@@ -15,6 +15,7 @@ Standard library only: the caller's side runs in processes that import nothing e
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -165,19 +166,25 @@ def fork_and_report(conn: socket.socket, fds: list[int], child: Callable[[], Non
         child()
     for fd in fds:
         os.close(fd)
-    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-    said(pid)
-    ended = os.pidfd_open(pid)
-    while True:
-        readable, _, _ = select.select([conn, ended], [], [])
-        if ended in readable:
-            _, status = os.waitpid(pid, 0)
-            conn.sendall(json.dumps({"status": status}).encode() + b"\n")
-            return
-        if not conn.recv(1):  # the caller is gone: so is what it asked for
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return
+    status = None
+    try:
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        said(pid)
+        ended = os.pidfd_open(pid)
+        while status is None:
+            readable, _, _ = select.select([conn, ended], [], [])
+            if ended in readable:
+                _, status = os.waitpid(pid, 0)
+            elif not conn.recv(1):
+                break
+    except (BrokenPipeError, ConnectionResetError):  # the caller died before it read the reply
+        pass
+    if status is None:  # the caller is gone: so is what it asked for
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return
+    with contextlib.suppress(OSError):  # a caller gone meanwhile has no use for it
+        conn.sendall(json.dumps({"status": status}).encode() + b"\n")
 
 
 def exit_code(exc: SystemExit) -> int:

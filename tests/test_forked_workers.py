@@ -98,6 +98,39 @@ def test_a_signal_to_the_client_ends_the_worker_and_a_killed_client_takes_it_alo
         assert not _running(seen["pid"]), f"worker {seen['pid']} outlived its client ({signum})"
 
 
+def test_a_client_gone_before_it_read_the_reply_takes_its_worker_along(fork_server):
+    """A client killed while its worker started (the runner's reply never read: the runner's write or
+    read of the socket fails) still takes the worker along, instead of leaving it running, holding
+    the client's standard streams (seen once: a suite's `communicate` waited on them for 60 s)."""
+    import socket
+
+    path, _, script, base = fork_server
+    out_read, out_write = os.pipe()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(path))
+    env = {**base, "MARKER": "m1"}
+    request = {"argv": [str(script), "sleep", "0"], "cwd": str(script.parent.parent), "env": env,
+               "path": [str(script.parent), *sys.path[1:]], "identity": forked_workers.identity(env), "client": os.getpid()}
+    socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, out_write, 2])
+    os.close(out_write)
+    conn.close()  # gone at once, the reply unread
+    # the stream ends when its last writer, the worker (it sleeps 120 s if left), has ended
+    import select
+
+    text, deadline = b"", time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if select.select([out_read], [], [], 0.5)[0]:
+            chunk = os.read(out_read, 1 << 16)
+            if not chunk:
+                break
+            text += chunk
+    else:
+        pytest.fail(f"the worker outlived its client: {text!r}")
+    os.close(out_read)
+    for line in text.decode().splitlines():  # it may have started before the kill
+        assert not _running(json.loads(line)["pid"])
+
+
 def test_a_worker_of_another_environment_or_without_a_server_starts_as_ray_starts_it(fork_server, tmp_path):
     _, log, _, _ = fork_server
     for proc in (_client(fork_server, "run", "4", DS_ACCELERATOR="cuda"),
