@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -150,16 +151,33 @@ class ClusterRecord:
         return worker_pool.WorkerPool(self.raylet_address, self.raylet_pid, self.address)
 
 
+#: the kernel's range for the local ends of outgoing connections (``net.ipv4.ip_local_port_range``)
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+#: the lowest port :func:`free_ports` hands out
+LOWEST_PORT = 10000
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` loopback ports free now (for a Ray node's listeners)."""
-    sockets, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-        ports.append(s.getsockname()[1])
-    for s in sockets:
-        s.close()
+    """``n`` distinct loopback ports free now (for a Ray node's listeners, a server's), picked at random
+    below the kernel's ephemeral range: there no outgoing connection takes one between this check and
+    the listener's bind. A port the kernel handed out (``bind(0)``) comes from that range, where the
+    gRPC clients of every Ray process on the machine take theirs: a GCS port taken in that gap failed
+    ``ray start`` ("Please check gcs_server.out", the suite under load). A kernel whose range starts at
+    or below :data:`LOWEST_PORT` hands them out."""
+    try:
+        low = int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    pick = random.SystemRandom()
+    ports: list[int] = []
+    while len(ports) < n:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", pick.randrange(LOWEST_PORT, low) if low > LOWEST_PORT else 0))
+            except OSError:  # in use: another pick
+                continue
+            if s.getsockname()[1] not in ports:
+                ports.append(s.getsockname()[1])
     return ports
 
 
@@ -184,6 +202,9 @@ def cluster_env(use_gpu: bool, api_server: str, fork_socket: Optional[str] = Non
         "RAY_USAGE_STATS_ENABLED": "0",
         "DS_ACCELERATOR": "cuda" if use_gpu else "cpu",
         "RAY_prestart_worker_first_driver": "0",
+        # Ray's log monitor looks for new log files every 0.5 s, not every 0.1 s (it does so below this
+        # many files): ~3% of a core on a cluster of hundreds of worker logs, a new worker's first lines <= 0.5 s later
+        "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
         "RAY_API_SERVER_ADDRESS": api_server,
         **worker_pool.preload_setting(worker_pool.PRELOAD_MODULES),
         **({forked_workers.SOCKET_VAR: fork_socket} if fork_socket else {}),

@@ -43,7 +43,6 @@ import atexit
 import logging
 import os
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -52,12 +51,6 @@ from typing import Optional
 from runtime.ray_address import probe, resolve_address
 
 log = logging.getLogger(__name__)
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 #: what the connected cluster's worker processes have in their environment (None: a cluster satp did
 #: not start, whose workers' environment is unknown); set by :func:`connect`, read by
@@ -360,7 +353,7 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_
     global _worker_env
     for folder in sweep_orphans():
         log.info("removed %s, left by a satp command that was killed", folder)
-    port = free_port()
+    port = local_cluster.free_ports(1)[0]
     use_gpu = (env_vars or {}).get("DS_ACCELERATOR") == "cuda"
     env = {**local_cluster.cluster_env(use_gpu=use_gpu, api_server=f"http://127.0.0.1:{port if dashboard else 9}"),
            **(env_vars or {})}

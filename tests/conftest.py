@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("OUTDATED_IGNORE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -78,6 +82,76 @@ def ray_cluster(request):
         local_cluster.stop(record)
 
 
+#: the modules ``--beside`` runs in a second pytest process, in this order (none uses the session's
+#: cluster): first those that start Ray clusters of their own and wait on them half the time, then
+#: some that compute in their own processes. On 2 cores the suite took 990 s in one process, ~850 s
+#: with these beside; six more of the kind did not make it shorter (benchmarks/RESULTS.md, 2026-12-02)
+BESIDE_MODULES = ("test_elastic.py", "test_node_loss.py", "test_submit.py", "test_edge_messages.py",
+                  "test_global_batch.py", "test_compile.py")
+#: the process running them, its output file and its test count
+BESIDE = pytest.StashKey[tuple]()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--beside", action="store_true",
+        help="run the selected tests of tests/conftest.py's BESIDE_MODULES in a second pytest process beside this "
+             "one (its failures fail the session; tests marked quiet wait until it has ended)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """With ``--beside``, the tests of :data:`BESIDE_MODULES` leave this session for a second pytest
+    process, started now with half the CPUs' torch threads (two processes' threads spinning on each
+    other's cores cost CPU)."""
+    if not config.getoption("beside") or config.option.collectonly:
+        return
+    order = {name: i for i, name in enumerate(BESIDE_MODULES)}
+    beside = sorted((item for item in items if item.path.name in order), key=lambda item: order[item.path.name])
+    shared = sorted({item.path.name for item in beside if "ray_cluster" in item.fixturenames})
+    if shared:  # two sessions on the session's cluster would each take it for theirs
+        raise pytest.UsageError(f"--beside: {', '.join(shared)}: tests that use the session's Ray cluster "
+                                "(ray_cluster); only modules that start clusters of their own can run beside")
+    if not beside:
+        return
+    items[:] = [item for item in items if item.path.name not in order]
+    config.hook.pytest_deselected(items=beside)
+    output = config._tmp_path_factory.getbasetemp() / "beside.log"
+    durations = config.getoption("durations")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--durations={durations or 0}",
+               *(item.nodeid for item in beside)]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+    with output.open("w") as out:
+        process = subprocess.Popen(command, cwd=config.rootpath, env=env, stdout=out, stderr=subprocess.STDOUT)
+    config.stash[BESIDE] = (process, output, len(beside))
+
+
+def _wait_beside(config) -> Optional[int]:
+    """The ``--beside`` process's exit status once it has ended (None: there is none)."""
+    if BESIDE not in config.stash:
+        return None
+    process = config.stash[BESIDE][0]
+    return process.wait()
+
+
+def pytest_runtest_setup(item):
+    """A test marked ``quiet`` waits for what happens on idle CPUs only (the warm pool's refill): it
+    starts once the ``--beside`` process has ended."""
+    if item.get_closest_marker("quiet"):
+        _wait_beside(item.config)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session fails when the ``--beside`` process failed (interrupted, it stops that one too)."""
+    if BESIDE not in session.config.stash:
+        return
+    process = session.config.stash[BESIDE][0]
+    if exitstatus == pytest.ExitCode.INTERRUPTED and process.poll() is None:
+        process.send_signal(signal.SIGINT)
+    if _wait_beside(session.config) != 0 and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def _ray_state() -> str:
     """What the session's cluster holds: its free resources, live placement groups and actors."""
     import ray
@@ -108,7 +182,16 @@ def pytest_runtest_makereport(item, call):
 def pytest_terminal_summary(terminalreporter, config):
     """How many of the session's ``satp train`` commands its cluster's warm driver forked, and how
     many Train workers its fork server forked, with the reasons each gave for what it refused (that
-    ran in a process of its own: a command after a warning, a worker as Ray starts one)."""
+    ran in a process of its own: a command after a warning, a worker as Ray starts one); and the
+    ``--beside`` process's outcome (its whole output when it failed)."""
+    if BESIDE in config.stash:
+        process, output, count = config.stash[BESIDE]
+        text = output.read_text()
+        last = text.strip().splitlines()[-1] if text.strip() else "(no output)"
+        terminalreporter.section(f"{count} tests beside the session (--beside), exit {process.returncode}")
+        if process.returncode != 0:
+            terminalreporter.write(text)
+        terminalreporter.write_line(f"{last} (output: {output})")
     for key, what in ((WARM_DRIVER_LOG, "warm driver: {} satp train commands forked"),
                       (WORKER_FORK_LOG, "worker fork server: {} Ray worker processes forked")):
         lines = config.stash.get(key, None)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 
 from pipeline.train.batching import NodeBudgetSampler
 from pipeline.train.global_batch import GlobalBatches, Position, RankStream, share, shares
+from runtime.local_cluster import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,12 +142,6 @@ print("RESULT " + json.dumps(results))
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_deepspeed_steps_with_the_mean_gradient_of_the_step_at_any_worker_count():
     """3 ranks (a gloo group of 3 processes), steps of 4 micro-batches (shares 2/1/1) and of 2
     (1/1/0: a rank with nothing to accumulate joins the reduction with zero gradients): DeepSpeed's
@@ -157,7 +151,7 @@ def test_deepspeed_steps_with_the_mean_gradient_of_the_step_at_any_worker_count(
     wrongly (a missing factor of the worker count, one micro-batch weighted by another's graphs) is
     off by a large part of the gradient itself."""
     world, ks = 3, (4, 2)
-    port = _free_port()
+    port = free_ports(1)[0]
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",

@@ -13,16 +13,11 @@ import pytest
 import yaml
 
 from pipeline.cli import main
+from runtime.local_cluster import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_JOB = ROOT / "jobs" / "code2-local.yaml"
 HEAVY = ("torch", "torch_geometric", "ray", "mlflow", "deepspeed", "ogb")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _job(tmp_path: Path, edit=None) -> Path:
@@ -130,7 +125,7 @@ def test_data_root_problems(tmp_path):
 def test_download_probe_reports_a_dead_address():
     from pipeline.train.preflight import _probe_download
 
-    assert _probe_download(f"http://127.0.0.1:{_free_port()}/code2.zip")  # refused: a reason, not None
+    assert _probe_download(f"http://127.0.0.1:{free_ports(1)[0]}/code2.zip")  # refused: a reason, not None
 
 
 # ----------------------------------------------------------------------------- Ray address
@@ -142,7 +137,7 @@ def test_unreachable_address_fails_within_seconds():
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(1)  # accepts connections into its backlog, says nothing
-        for address in (f"127.0.0.1:{_free_port()}", "10.255.255.1:6379", f"127.0.0.1:{silent.getsockname()[1]}"):
+        for address in (f"127.0.0.1:{free_ports(1)[0]}", "10.255.255.1:6379", f"127.0.0.1:{silent.getsockname()[1]}"):
             start = time.monotonic()
             with pytest.raises(ValueError, match="cannot reach the Ray cluster at"):
                 probe(address)
@@ -150,7 +145,7 @@ def test_unreachable_address_fails_within_seconds():
 
 
 def test_train_with_a_dead_address_is_one_line_and_starts_no_ray(tmp_path):
-    port = _free_port()
+    port = free_ports(1)[0]
     proc, seconds = _satp(["train", str(_job(tmp_path)), "--address", f"127.0.0.1:{port}"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("satp: error:")]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 
 from pipeline.train import stopping
 from pipeline.config.train import TargetConfig, TrainConfig
+from runtime.local_cluster import free_ports
 
 
 def _history(values: list[float], key: str = "val_f1") -> list[dict]:
@@ -126,17 +126,11 @@ def test_a_rerun_of_a_stopped_run_is_finished_and_a_higher_target_continues_it(s
     assert decision.action == "resume", "a target the run has not reached leaves epochs to train"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(stopped_run):
     """A real MLflow tracking server over the run's SQLite store, bound to 127.0.0.1."""
     job, _ = stopped_run
-    port = _free_port()
+    port = free_ports(1)[0]
     store = job.mlflow.tracking_uri
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store, "--host", "127.0.0.1",

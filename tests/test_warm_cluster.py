@@ -85,6 +85,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.quiet  # the keeper prestarts on idle CPUs only
 def test_a_commands_own_cluster_under_a_driver_that_set_the_runtime_env_variables_warms_one_run():
     """A command started by a process that had set what runtime environments set (a satp driver, a test
     session: Ray Train's preemption setting) gave those to its own cluster's raylet, so no worker was of
@@ -189,6 +190,23 @@ def test_the_cpu_counts_as_busy_while_any_sample_of_its_window_was():
     assert not cpus.was_busy()
 
 
+def test_free_ports_lie_below_the_ephemeral_range_where_no_outgoing_connection_takes_them(monkeypatch, tmp_path):
+    """A Ray node's ports: distinct, free, and out of the range the kernel gives outgoing connections
+    (read from /proc; one that starts too low for a pick below it leaves the choice to the kernel)."""
+    import socket
+
+    low, high = map(int, local_cluster.EPHEMERAL_PORTS.read_text().split())
+    ports = local_cluster.free_ports(9)
+    assert len(set(ports)) == 9 and all(local_cluster.LOWEST_PORT <= port < low for port in ports), (ports, low)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    too_low = tmp_path / "ip_local_port_range"
+    too_low.write_text(f"{local_cluster.LOWEST_PORT}\t{high}\n")
+    monkeypatch.setattr(local_cluster, "EPHEMERAL_PORTS", too_low)
+    assert all(low <= port <= high for port in local_cluster.free_ports(3))
+
+
 def test_what_a_killed_command_left_is_removed_and_a_live_ones_folder_kept(tmp_path):
     """A command killed with SIGKILL leaves its local cluster's private folder and, possibly, Ray
     processes carrying it (a Train worker still writing a checkpoint): the next command stops those
@@ -267,6 +285,7 @@ def _maps(pid: int, library: str) -> bool:
         return False
 
 
+@pytest.mark.quiet  # the pool refills on idle CPUs only
 @pytest.mark.ray
 @pytest.mark.slow
 def test_two_commands_at_once_run_on_the_warm_session_cluster(tiny_setting, tmp_path):
