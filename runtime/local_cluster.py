@@ -153,8 +153,9 @@ class ClusterRecord:
 
 #: the kernel's range for the local ends of outgoing connections (``net.ipv4.ip_local_port_range``)
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
-#: the lowest port :func:`free_ports` hands out
-LOWEST_PORT = 10000
+#: the lowest port :func:`free_ports` hands out: above Ray's worker ports (``--min-worker-port`` 10002 to
+#: ``--max-worker-port`` 19999 by default), which ``ray start`` refuses to see a node's port among
+LOWEST_PORT = 20000
 
 
 def free_ports(n: int) -> list[int]:

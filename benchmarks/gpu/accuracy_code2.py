@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.gpu.accuracy_report import STEP_HEADER, _copy_logs, _device, _fmt, _save_plot, curve_table, step_row
-from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, STARTUP_S, _begin, _cli, _digest,
+from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, STARTUP_S, _begin, _digest,
                                           _preprocess, history_of, run_state, time_to, train)
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _step, measure
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _step, measure, satp
 
 CPUS = min(16, os.cpu_count() or 1)
 CODE2_JOB = "jobs/code2.yaml"
@@ -96,7 +96,7 @@ def run_code2batch() -> str:
     else:
         if data_dir.exists():
             shutil.rmtree(data_dir)
-        gen = _cli("data", "pycode", "--out", str(work / "data"), *[a for d in sources for a in ("--source", d)],
+        gen = satp("data", "pycode", "--out", str(work / "data"), *[a for d in sources for a in ("--source", d)],
                    *(["--include-tests"] if TESTS else []), "--workers", str(CPUS))
         print(f"== gpu code2batch: satp data pycode over {len(sources)} packages ({clock.left():.0f} s left)", flush=True)
         steps["pycode"] = measure(gen, clock.left() * 0.45, logs / "pycode.log")

@@ -8,12 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, measure
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, measure, overrides, satp
 
 PART = os.environ.get("SATP_GPU_PART") or "pattern"
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or ((540 if PART == "code2batch" else 420) if DRY_RUN else 510))
@@ -28,14 +27,6 @@ DRY_SETS = ["resources.use_gpu=false", "resources.cpus_per_worker=1", "train.loa
 
 
 # ----------------------------------------------------------------------------- helpers
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", *args]
-
-
-def _overrides(sets: list[str]) -> list[str]:
-    return [a for s in sets for a in ("--set", s)]
-
-
 def _digest(items: list[str]) -> str:
     return hashlib.sha256("\n".join(items).encode()).hexdigest()[:8]
 
@@ -107,7 +98,7 @@ def train(job: str, sets: list[str], name: str, storage: Path, log: Path, timeou
     """``satp train job --set ...`` under :func:`measure`: stopped at ``timeout`` (SIGINT, then killed) or
     when ``stop(state)`` returns a reason; returns the measurement, the epochs' observed wall times and the
     run's state from its latest checkpoint."""
-    cmd = _cli("train", job, *_overrides(sets + [f"train.run_name={name}"])) + (["--restart"] if restart else [])
+    cmd = satp("train", job, *overrides(sets + [f"train.run_name={name}"])) + (["--restart"] if restart else [])
     watch = Watch(storage, name, stop, restart)
     print(f"   satp train {job} ({name}; timeout {timeout:.0f} s)", flush=True)
     result = measure(cmd, timeout, log, should_stop=watch, check_s=2.0, grace_s=GRACE_S)
@@ -124,7 +115,7 @@ def _preprocess(part: str, job: str, sets: list[str], clock, logs: Path, reserve
     """``satp preprocess`` of a part's job (finished shards are reused), leaving ``reserve_s`` of the
     budget for what follows; returns the step's measurement and the shard directory (None: failed)."""
     print(f"== gpu {part}: satp preprocess ({clock.left():.0f} s left)", flush=True)
-    result = measure(_cli("preprocess", job, "--no-progress", *_overrides(sets)),
+    result = measure(satp("preprocess", job, "--no-progress", *overrides(sets)),
                      max(30.0, clock.left() - reserve_s), logs / "preprocess.log")
     return result, (result["tail"].strip() if result["ok"] else None)
 

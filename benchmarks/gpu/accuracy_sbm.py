@@ -12,9 +12,9 @@ from typing import Any, Optional
 
 from benchmarks.gpu.accuracy_report import (STEP_HEADER, _copy_logs, _device, _fmt, _pct, _save_plot, curve_table,
                                             step_row)
-from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, PREPARE_ONLY, STARTUP_S, _begin, _cli,
+from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, PREPARE_ONLY, STARTUP_S, _begin,
                                           _digest, _preprocess, history_of, run_state, time_to, train)
-from benchmarks.gpu.measure import DRY_RUN, ROOT, measure
+from benchmarks.gpu.measure import DRY_RUN, ROOT, measure, satp
 
 SBM = {
     "pattern": dict(job="jobs/pattern.yaml", builder="sbm-pattern", folder="sbm_pattern", target=0.865, target_s=300,
@@ -93,7 +93,7 @@ def run_sbm(part: str) -> str:
     else:
         if data_dir.exists():
             shutil.rmtree(data_dir)
-        gen = _cli("data", spec["builder"], "--out", str(work / "data")) + (["--graphs", graphs] if DRY_RUN else [])
+        gen = satp("data", spec["builder"], "--out", str(work / "data")) + (["--graphs", graphs] if DRY_RUN else [])
         print(f"== gpu {part}: {' '.join(gen[3:])} ({clock.left():.0f} s left)", flush=True)
         steps["generate"] = measure(gen, min(240.0, clock.left() * 0.4), logs / "generate.log")
         if steps["generate"]["ok"]:

@@ -13,6 +13,8 @@ benchmarks/RESULTS.md. ``SATP_GPU_PART`` picks it (run.sh's argument):
   times, peak memory and disk of every step;
 - ``multirank`` (:mod:`benchmarks.gpu.multirank`): two Ray Train workers sharing the one GPU
   (gloo), equal batches per rank, gathered evaluation against a 1-rank one, checkpoint and resume.
+- ``tune`` (:mod:`benchmarks.gpu.tune`): a ``satp tune`` sweep whose trials share the one GPU
+  (fractional GPUs), ASHA stopping a trial, the best one registered.
 - ``pattern``, ``cluster`` (:mod:`benchmarks.gpu.accuracy`): time to accuracy of ``jobs/pattern.yaml`` /
   ``jobs/cluster.yaml`` on one GPU (the full benchmark regenerated on the machine, ``train.target`` on
   the validation accuracy, the test accuracy at the best validation epoch, the curve); a call the
@@ -59,7 +61,7 @@ from pathlib import Path
 
 from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _finish, _last_line, _pipeline_metrics, _run, _start, _step
 
-PARTS = ("perf", "first", "steps", "scale", "multirank", "pattern", "cluster", "code2batch")
+PARTS = ("perf", "first", "steps", "scale", "multirank", "tune", "pattern", "cluster", "code2batch")
 PART = os.environ.get("SATP_GPU_PART") or "perf"
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S", "420"))
 SYNTHETIC_GRAPHS = 256 if DRY_RUN else 16384  # code2-shaped graphs for the k-subtree rows (cycled over epochs)
@@ -342,6 +344,10 @@ def run() -> str:
         from benchmarks.gpu import multirank as gpu_multirank
 
         return gpu_multirank.run()
+    if PART == "tune":
+        from benchmarks.gpu import tune as gpu_tune
+
+        return gpu_tune.run()
     if PART == "first":
         from benchmarks.gpu import first as gpu_first
 

@@ -1,6 +1,6 @@
 """How the GPU check runs and measures its commands (:mod:`benchmarks.gpu.check` and its parts
-``steps``, ``scale``, ``multirank``, ``pattern``, ``cluster``, ``code2batch``): the repository root and the dry-run
-switch, the budget clock, the commands' environment, one train-step benchmark process
+``steps``, ``scale``, ``multirank``, ``tune``, ``pattern``, ``cluster``, ``code2batch``): the repository root and the dry-run
+switch, the budget clock, the commands' environment and ``satp`` command lines, one train-step benchmark process
 (:mod:`benchmarks.gpu.step`), background commands, :func:`measure` (wall time, exit status, peak
 memory of the process tree and the GPU, stopped on a timeout or when asked), disk use, and the
 per-epoch figures of a ``satp train`` run read back from MLflow (:func:`_pipeline_metrics`): what the
@@ -35,6 +35,16 @@ def _env() -> dict:
 
 def _run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=max(timeout, 1), **kw)
+
+
+def satp(*args: str) -> list[str]:
+    """A ``satp`` command line in this interpreter."""
+    return [sys.executable, "-m", "pipeline.cli", *args]
+
+
+def overrides(sets: list[str]) -> list[str]:
+    """``--set`` arguments of ``satp`` for ``KEY=VALUE`` settings."""
+    return [a for s in sets for a in ("--set", s)]
 
 
 def _last_line(text: str, limit: int | None = 300) -> str:

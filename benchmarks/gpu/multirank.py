@@ -38,17 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, measure
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, measure, overrides, satp
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 330)
 GRAPHS_PER_SPLIT = int(os.environ.get("SATP_MULTIRANK_GRAPHS") or (150 if DRY_RUN else 3000))
 WORK_DIR = Path(os.environ.get("SATP_MULTIRANK_DIR") or ROOT / "runs" / ("gpu-multirank-dry" if DRY_RUN else "gpu-multirank"))
 JOB = "jobs/code2.yaml"
 WORLD = 2
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", *args]
 
 
 def _sets(run_name: str) -> list[str]:
@@ -63,10 +59,6 @@ def _sets(run_name: str) -> list[str]:
     else:
         sets += ["resources.cpus_per_worker=6"]  # 2 x 6 of 16 cores: the step and its 4 loader workers each
     return sets
-
-
-def _overrides(sets: list[str]) -> list[str]:
-    return [a for s in sets for a in ("--set", s)]
 
 
 def split_sampler(job, dataset, shuffle: bool, rank: int, world: int):
@@ -176,11 +168,11 @@ def run() -> str:
     if data.is_dir():
         steps["pycode"] = {"ok": True, "reused": True, "seconds": 0.0, "tail": "reused", "max_rss_gb": 0.0}
     else:
-        steps["pycode"] = measure(_cli("data", "pycode", "--out", str(WORK_DIR / "data"), "--workers",
+        steps["pycode"] = measure(satp("data", "pycode", "--out", str(WORK_DIR / "data"), "--workers",
                                        str(min(16, os.cpu_count() or 1))), clock.left() * 0.3, logs / "pycode.log")
     shard_dir = None
     if steps["pycode"]["ok"]:
-        steps["preprocess"] = measure(_cli("preprocess", JOB, "--no-progress", *_overrides(sets)), clock.left() - 120,
+        steps["preprocess"] = measure(satp("preprocess", JOB, "--no-progress", *overrides(sets)), clock.left() - 120,
                                       logs / "preprocess.log")
         shard_dir = steps["preprocess"]["tail"].strip() if steps["preprocess"]["ok"] else None
     save()
@@ -193,7 +185,7 @@ def run() -> str:
             steps[key] = {"ok": False, "skipped": "time budget spent"}
             break
         print(f"   satp train {key} ({clock.left():.0f} s left)", flush=True)
-        steps[key] = measure(_cli("train", JOB, *_overrides(sets + [f"train.epochs={epochs}"])), clock.left() - 25,
+        steps[key] = measure(satp("train", JOB, *overrides(sets + [f"train.epochs={epochs}"])), clock.left() - 25,
                              logs / f"train-{epochs}.log")
         found = _latest(run_dir)
         if steps[key]["ok"] and found is not None:

@@ -20,6 +20,8 @@
 #   multirank  two Ray Train workers sharing the GPU (gloo), equal batches per rank, gathered
 #              evaluation against a 1-rank one, checkpoint, resume (benchmarks/gpu/multirank.py);
 #              SATP_GPU_BUDGET_S=330
+#   tune       a `satp tune` sweep of 4 one-worker trials sharing the GPU (0.25 each, 3 at once), ASHA
+#              stopping one, the best registered (benchmarks/gpu/tune.py); SATP_GPU_BUDGET_S=480
 #   pattern    time to accuracy of jobs/pattern.yaml on one GPU: the full PATTERN generated on the machine
 #              (`satp data sbm-pattern`), `satp preprocess`, `satp train` with train.target val_acc >= 0.865
 #              (SATP_ACC_TARGET); time to target, test acc at the best val epoch, the per-epoch curve
@@ -41,15 +43,15 @@
 #    others: gpu_PART_section.md) and the raw figures and logs there (written as the part goes).
 #
 # Budget: SATP_GPU_BUDGET_S (per part, above) for the measurements; with the kit's ~30 s of
-# installation, perf and multirank stay under 8 minutes, scale, pattern, cluster and code2batch under 10
+# installation, perf and multirank stay under 8 minutes, first and tune under 9, scale, pattern, cluster and code2batch under 10
 # (`timeout -s INT 590`).
 # SATP_GPU_DRY_RUN=1 runs a part on the CPU with tiny sizes (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PART=${1:-perf}
 case "$PART" in
-  perf | first | steps | scale | multirank | pattern | cluster | code2batch) ;;
-  *) echo "usage: benchmarks/gpu/run.sh [perf|first|steps|scale|multirank|pattern|cluster|code2batch] (got: $PART)" >&2; exit 2 ;;
+  perf | first | steps | scale | multirank | tune | pattern | cluster | code2batch) ;;
+  *) echo "usage: benchmarks/gpu/run.sh [perf|first|steps|scale|multirank|tune|pattern|cluster|code2batch] (got: $PART)" >&2; exit 2 ;;
 esac
 start=$(date +%s)
 PY=${PYTHON:-python3}

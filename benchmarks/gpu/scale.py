@@ -37,11 +37,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _pipeline_metrics, disk_gb, measure
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _pipeline_metrics, disk_gb, measure, overrides, satp
 
 FULL_GRAPHS = 158_100
 # a comma list (benchmarks/scale/data_path.py's form of the same variable) gives its largest size
@@ -61,10 +60,6 @@ DISK_PER_GRAPH = 39e3 + 152e3 + 2266 * (8 + 28)
 TRAIN_GRAPHS_PER_S, EVAL_GRAPHS_PER_S, TRAIN_FIXED_S = 1300.0, 4000.0, 80.0
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", *args]
-
-
 def _sets(graphs: int) -> list[str]:
     data = SCALE_DIR / "data"
     sets = [f"data.root={data}", "data.source=synthetic", f"data.synthetic_graphs={graphs}",
@@ -73,10 +68,6 @@ def _sets(graphs: int) -> list[str]:
         sets += ["resources.use_gpu=false", "resources.cpus_per_worker=2", "train.loader_workers=1",
                  "model.hidden_dim=32", "model.num_layers=1", "train.node_budget=4096", "train.eval_node_budget=8192"]
     return sets
-
-
-def _overrides(sets: list[str]) -> list[str]:
-    return [a for s in sets for a in ("--set", s)]
 
 
 def _row(label: str, r: dict, disk: str) -> str:
@@ -146,7 +137,7 @@ def run() -> str:
     print(f"== gpu scale: {graphs} graphs in {SCALE_DIR} ({clock.left():.0f} s left)", flush=True)
 
     # 1. the data
-    gen = _cli("data", "synthetic-ppa", "--out", str(data), "--graphs", str(graphs), "--workers", str(WORKERS))
+    gen = satp("data", "synthetic-ppa", "--out", str(data), "--graphs", str(graphs), "--workers", str(WORKERS))
     if reuse:
         steps["generate"] = {"skipped": "reused the data of an earlier call (same N)"}
     else:
@@ -161,7 +152,7 @@ def run() -> str:
     save()
 
     # 2. the shards
-    pre = _cli("preprocess", JOB, "--no-progress", *_overrides(sets))
+    pre = satp("preprocess", JOB, "--no-progress", *overrides(sets))
     shard_dir = None
     if (data / "ogbg_ppa").is_dir() and (reuse or steps["generate"].get("ok")):
         print(f"   satp preprocess ({clock.left():.0f} s left)", flush=True)
@@ -190,7 +181,7 @@ def run() -> str:
                       f"{train_subset:,} of {sizes['train']:,}, train.eval_subset={eval_subset:,} per split", ""]
         raw.update(split_sizes=sizes, train_subset=train_subset, eval_subset=eval_subset, epoch_estimate_s=estimate)
         print(f"   satp train, 1 epoch ({clock.left():.0f} s left; estimate {estimate:.0f} s)", flush=True)
-        steps["train"] = measure(_cli("train", JOB, *_overrides(train_sets)), clock.left() - 10, logs / "train.log")
+        steps["train"] = measure(satp("train", JOB, *overrides(train_sets)), clock.left() - 10, logs / "train.log")
         if steps["train"]["ok"]:
             epochs = _pipeline_metrics(tracking, run_name, "acc")
     else:
