@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Optional
 
 from runtime import forked_workers, interrupts, worker_pool
+from runtime.ports import free_ports
 
 #: packages whose versions are part of the environment a warm process runs (what it imported ahead)
 ENVIRONMENT_PACKAGES = ("torch", "torch_geometric", "deepspeed", "ray", "mlflow", "numpy", "pyarrow")
@@ -149,37 +149,6 @@ class ClusterRecord:
         """The cluster's worker pool, for this process (which then speaks the cluster's authentication)."""
         os.environ.update(self.connect_env())
         return worker_pool.WorkerPool(self.raylet_address, self.raylet_pid, self.address)
-
-
-#: the kernel's range for the local ends of outgoing connections (``net.ipv4.ip_local_port_range``)
-EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
-#: the lowest port :func:`free_ports` hands out: above Ray's worker ports (``--min-worker-port`` 10002 to
-#: ``--max-worker-port`` 19999 by default), which ``ray start`` refuses to see a node's port among
-LOWEST_PORT = 20000
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports free now (for a Ray node's listeners, a server's), picked at random
-    below the kernel's ephemeral range: there no outgoing connection takes one between this check and
-    the listener's bind. A port the kernel handed out (``bind(0)``) comes from that range, where the
-    gRPC clients of every Ray process on the machine take theirs: a GCS port taken in that gap failed
-    ``ray start`` ("Please check gcs_server.out", the suite under load). A kernel whose range starts at
-    or below :data:`LOWEST_PORT` hands them out."""
-    try:
-        low = int(EPHEMERAL_PORTS.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default
-    pick = random.SystemRandom()
-    ports: list[int] = []
-    while len(ports) < n:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", pick.randrange(LOWEST_PORT, low) if low > LOWEST_PORT else 0))
-            except OSError:  # in use: another pick
-                continue
-            if s.getsockname()[1] not in ports:
-                ports.append(s.getsockname()[1])
-    return ports
 
 
 def cluster_env(use_gpu: bool, api_server: str, fork_socket: Optional[str] = None) -> dict[str, str]:

@@ -48,6 +48,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from runtime.ports import free_ports
 from runtime.ray_address import probe, resolve_address
 
 log = logging.getLogger(__name__)
@@ -353,7 +354,7 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_
     global _worker_env
     for folder in sweep_orphans():
         log.info("removed %s, left by a satp command that was killed", folder)
-    port = local_cluster.free_ports(1)[0]
+    port = free_ports(1)[0]
     use_gpu = (env_vars or {}).get("DS_ACCELERATOR") == "cuda"
     env = {**local_cluster.cluster_env(use_gpu=use_gpu, api_server=f"http://127.0.0.1:{port if dashboard else 9}"),
            **(env_vars or {})}

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 os.environ.setdefault("OUTDATED_IGNORE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -117,8 +116,8 @@ def pytest_collection_modifyitems(config, items):
     config.hook.pytest_deselected(items=beside)
     output = config._tmp_path_factory.getbasetemp() / "beside.log"
     durations = config.getoption("durations")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--durations={durations or 0}",
-               *(item.nodeid for item in beside)]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               *([f"--durations={durations}"] if durations is not None else []), *(item.nodeid for item in beside)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
     with output.open("w") as out:
@@ -126,19 +125,11 @@ def pytest_collection_modifyitems(config, items):
     config.stash[BESIDE] = (process, output, len(beside))
 
 
-def _wait_beside(config) -> Optional[int]:
-    """The ``--beside`` process's exit status once it has ended (None: there is none)."""
-    if BESIDE not in config.stash:
-        return None
-    process = config.stash[BESIDE][0]
-    return process.wait()
-
-
 def pytest_runtest_setup(item):
     """A test marked ``quiet`` waits for what happens on idle CPUs only (the warm pool's refill): it
     starts once the ``--beside`` process has ended."""
-    if item.get_closest_marker("quiet"):
-        _wait_beside(item.config)
+    if item.get_closest_marker("quiet") and BESIDE in item.config.stash:
+        item.config.stash[BESIDE][0].wait()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -148,7 +139,7 @@ def pytest_sessionfinish(session, exitstatus):
     process = session.config.stash[BESIDE][0]
     if exitstatus == pytest.ExitCode.INTERRUPTED and process.poll() is None:
         process.send_signal(signal.SIGINT)
-    if _wait_beside(session.config) != 0 and session.exitstatus == pytest.ExitCode.OK:
+    if process.wait() != 0 and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -188,7 +179,7 @@ def pytest_terminal_summary(terminalreporter, config):
         process, output, count = config.stash[BESIDE]
         text = output.read_text()
         last = text.strip().splitlines()[-1] if text.strip() else "(no output)"
-        terminalreporter.section(f"{count} tests beside the session (--beside), exit {process.returncode}")
+        terminalreporter.section(f"the tests beside the session (--beside): {count}, exit {process.returncode}")
         if process.returncode != 0:
             terminalreporter.write(text)
         terminalreporter.write_line(f"{last} (output: {output})")

@@ -28,7 +28,8 @@ from typing import Callable, Iterator
 import psutil
 
 from runtime import forked_workers
-from runtime.local_cluster import free_ports, stop_in_order
+from runtime.local_cluster import stop_in_order
+from runtime.ports import free_ports
 from runtime.worker_pool import LOCAL_TRAIN_ENV
 
 BIN = Path(sys.executable).parent

@@ -19,7 +19,7 @@ import pytest
 
 from pipeline.train.batching import NodeBudgetSampler
 from pipeline.train.global_batch import GlobalBatches, Position, RankStream, share, shares
-from runtime.local_cluster import free_ports
+from runtime.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from pipeline.cli import main
-from runtime.local_cluster import free_ports
+from runtime.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_JOB = ROOT / "jobs" / "code2-local.yaml"

@@ -21,7 +21,8 @@ import yaml
 
 from ray_nodes import NO_DRAIN
 from runtime import forked_workers
-from runtime.local_cluster import free_ports, stop_processes
+from runtime.local_cluster import stop_processes
+from runtime.ports import free_ports
 from test_train_ray import tiny_data, tiny_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import pytest
 
 from pipeline.train import stopping
 from pipeline.config.train import TargetConfig, TrainConfig
-from runtime.local_cluster import free_ports
+from runtime.ports import free_ports
 
 
 def _history(values: list[float], key: str = "val_f1") -> list[dict]:

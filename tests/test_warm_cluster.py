@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from runtime import forked_workers, local_cluster, pool_keeper, ray_cluster, worker_pool
+from runtime import forked_workers, local_cluster, pool_keeper, ports, ray_cluster, worker_pool
 from tests.test_train_ray import tiny_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,16 +195,16 @@ def test_free_ports_lie_below_the_ephemeral_range_where_no_outgoing_connection_t
     (read from /proc; one that starts too low for a pick below it leaves the choice to the kernel)."""
     import socket
 
-    low, high = map(int, local_cluster.EPHEMERAL_PORTS.read_text().split())
-    ports = local_cluster.free_ports(9)
-    assert len(set(ports)) == 9 and all(local_cluster.LOWEST_PORT <= port < low for port in ports), (ports, low)
-    for port in ports:
+    low, high = map(int, ports.EPHEMERAL_PORTS.read_text().split())
+    picked = ports.free_ports(9)
+    assert len(set(picked)) == 9 and all(ports.LOWEST_PORT <= port < low for port in picked), (picked, low)
+    for port in picked:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
     too_low = tmp_path / "ip_local_port_range"
-    too_low.write_text(f"{local_cluster.LOWEST_PORT}\t{high}\n")
-    monkeypatch.setattr(local_cluster, "EPHEMERAL_PORTS", too_low)
-    assert all(low <= port <= high for port in local_cluster.free_ports(3))
+    too_low.write_text(f"{ports.LOWEST_PORT}\t{high}\n")
+    monkeypatch.setattr(ports, "EPHEMERAL_PORTS", too_low)
+    assert all(low <= port <= high for port in ports.free_ports(3))
 
 
 def test_what_a_killed_command_left_is_removed_and_a_live_ones_folder_kept(tmp_path):
