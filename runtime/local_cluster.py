@@ -173,7 +173,8 @@ def cluster_env(use_gpu: bool, api_server: str, fork_socket: Optional[str] = Non
         "DS_ACCELERATOR": "cuda" if use_gpu else "cpu",
         "RAY_prestart_worker_first_driver": "0",
         # Ray's log monitor looks for new log files every 0.5 s, not every 0.1 s (it does so below this
-        # many files): ~3% of a core on a cluster of hundreds of worker logs, a new worker's first lines <= 0.5 s later
+        # many files): ~3% of a core on a cluster of hundreds of worker logs; a new worker's first lines
+        # reach the driver <= 0.5 s later
         "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
         "RAY_API_SERVER_ADDRESS": api_server,
         **worker_pool.preload_setting(worker_pool.PRELOAD_MODULES),

@@ -83,8 +83,8 @@ def ray_cluster(request):
 
 #: the modules ``--beside`` runs in a second pytest process, in this order (none uses the session's
 #: cluster): first those that start Ray clusters of their own and wait on them half the time, then
-#: some that compute in their own processes. On 2 cores the suite took 990 s in one process, ~850 s
-#: with these beside; six more of the kind did not make it shorter (benchmarks/RESULTS.md, 2026-12-02)
+#: some that compute in their own processes. A fresh clone's suite on 2 cores: 990 s of pytest in one
+#: process, 745-765 s with these beside; six more of the kind did not shorten it (benchmarks/RESULTS.md)
 BESIDE_MODULES = ("test_elastic.py", "test_node_loss.py", "test_submit.py", "test_edge_messages.py",
                   "test_global_batch.py", "test_compile.py")
 #: the process running them, its output file and its test count
