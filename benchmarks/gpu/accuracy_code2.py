@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.gpu.accuracy_report import STEP_HEADER, _copy_logs, _device, _fmt, _save_plot, curve_table, step_row
+from benchmarks.gpu.accuracy_report import STEP_HEADER, _device, _fmt, _save_plot, curve_table, step_row
 from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, STARTUP_S, _begin, _digest,
                                           _preprocess, history_of, run_state, time_to, train)
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _step, measure, satp
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _step, copy_logs, measure, satp
 
 CPUS = min(16, os.cpu_count() or 1)
 CODE2_JOB = "jobs/code2.yaml"
@@ -222,7 +222,7 @@ def run_code2batch() -> str:
     text = _code2_section(title, raw, recipe_hist, default_hist, {"recipe": rec, "default": drec}, clock, work,
                           [recipe_result, default_result], job=job, budget32=budget32)
     save()
-    _copy_logs(logs, out_dir, "code2batch")
+    copy_logs(logs, out_dir, "code2batch")
     return text
 
 

@@ -75,15 +75,6 @@ def _save_plot(history: list[dict], metric: str, target: Optional[dict], path: P
         print(f"   (no plot: {exc})", flush=True)
 
 
-def _copy_logs(logs: Path, out_dir: Optional[Path], prefix: str) -> None:
-    """The logs' tails as ONE file in ``$OUT`` (the device tool brings back at most 8 files)."""
-    if out_dir is None:
-        return
-    parts = [f"===== {log.name} (last 12,000 characters)\n{log.read_text(errors='replace')[-12000:]}"
-             for log in sorted(logs.glob("*.log*"), key=lambda p: p.stat().st_mtime)]
-    (out_dir / f"gpu_{prefix}_logs.txt").write_text("\n".join(parts))
-
-
 def _device() -> str:
     import torch
 

@@ -10,11 +10,11 @@ import os
 import shutil
 from typing import Any, Optional
 
-from benchmarks.gpu.accuracy_report import (STEP_HEADER, _copy_logs, _device, _fmt, _pct, _save_plot, curve_table,
+from benchmarks.gpu.accuracy_report import (STEP_HEADER, _device, _fmt, _pct, _save_plot, curve_table,
                                             step_row)
 from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, PREPARE_ONLY, STARTUP_S, _begin,
                                           _digest, _preprocess, history_of, run_state, time_to, train)
-from benchmarks.gpu.measure import DRY_RUN, ROOT, measure, satp
+from benchmarks.gpu.measure import DRY_RUN, ROOT, copy_logs, measure, satp
 
 SBM = {
     "pattern": dict(job="jobs/pattern.yaml", builder="sbm-pattern", folder="sbm_pattern", target=0.865, target_s=300,
@@ -213,7 +213,7 @@ def run_sbm(part: str) -> str:
         _save_plot(history, "acc", {"metric": metric_key, "value": target_value}, out_dir / f"gpu_{part}_metric_vs_time.png")
     lines += ["", f"Part wall time {BUDGET_S - clock.left():.0f} s; training + evaluation in this run's history {train_s:.0f} s."]
     save()
-    _copy_logs(logs, out_dir, part)
+    copy_logs(logs, out_dir, part)
     return "\n".join(lines)
 
 

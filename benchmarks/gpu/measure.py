@@ -3,7 +3,8 @@
 switch, the budget clock, the commands' environment and ``satp`` command lines, one train-step benchmark process
 (:mod:`benchmarks.gpu.step`), background commands, :func:`measure` (wall time, exit status, peak
 memory of the process tree and the GPU, stopped on a timeout or when asked), disk use, and the
-per-epoch figures of a ``satp train`` run read back from MLflow (:func:`_pipeline_metrics`): what the
+per-epoch figures of a ``satp train`` run read back from MLflow (:func:`_pipeline_metrics`), the pycode
+data of two parts, the tables of commands and checks, the logs' bundle for ``$OUT``: what the
 parts share sits here, below all of them, so that no part imports another's module."""
 from __future__ import annotations
 
@@ -199,6 +200,46 @@ def measure(cmd: list[str], timeout: float, log: Path, sample_s: float = 1.0,
         "tail": _last_line(stdout if proc.returncode == 0 else (stderr or stdout)),
         "stdout_tail": stdout[-4000:], "stderr_tail": stderr[-4000:],
     }
+
+
+def pycode_data(work_dir: Path, timeout: float, logs: Path) -> dict:
+    """``satp data pycode`` over this machine's standard library into ``work_dir / "data"`` (the
+    ``multirank`` and ``tune`` parts' data), or the data an earlier call on this warm machine left."""
+    if (work_dir / "data" / "ogbg_code2").is_dir():
+        return {"ok": True, "reused": True, "seconds": 0.0, "tail": "reused", "max_rss_gb": 0.0}
+    return measure(satp("data", "pycode", "--out", str(work_dir / "data"), "--workers", str(min(16, os.cpu_count() or 1))),
+                   timeout, logs / "pycode.log")
+
+
+def step_lines(steps: dict[str, dict]) -> list[str]:
+    """The table of a part's commands (:func:`measure` results by name): status, wall time, memory;
+    a failed one's last line below it."""
+    lines = ["| step | status | wall s | peak RSS, largest process (GB) | peak GPU memory (GB) |", "|---|---|---|---|---|"]
+    for key, r in steps.items():
+        status = ("reused (an earlier call's data)" if r.get("reused") else "ok" if r.get("ok")
+                  else (r.get("skipped") or ("timed out" if r.get("timed_out") else "FAILED")))
+        gpu = r.get("gpu_mem_gb")
+        lines.append(f"| {key} | {status} | {r.get('seconds', 0):.0f} | {r.get('max_rss_gb', 0):.2f} "
+                     f"| {'-' if gpu is None else f'{gpu:.2f}'} |")
+        if not r.get("ok") and r.get("tail"):
+            lines += ["", f"{key}: {r['tail'][:400]}", ""]
+    return lines
+
+
+def check_lines(checks: list[tuple[str, bool, str]], after: str) -> list[str]:
+    """The table of a part's checks ``(check, passed, detail)``, then the count that passed and ``after``."""
+    lines = ["", "| check | result | detail |", "|---|---|---|"]
+    lines += [f"| {c} | {'**pass**' if ok else '**FAIL**'} | {d} |" for c, ok, d in checks]
+    return lines + ["", f"{sum(ok for _, ok, _ in checks)} of {len(checks)} checks passed; {after}."]
+
+
+def copy_logs(logs: Path, out_dir: Optional[Path], prefix: str) -> None:
+    """The logs' tails as ONE file in ``$OUT`` (the device tool brings back at most 8 files)."""
+    if out_dir is None:
+        return
+    parts = [f"===== {log.name} (last 12,000 characters)\n{log.read_text(errors='replace')[-12000:]}"
+             for log in sorted(logs.glob("*.log*"), key=lambda p: p.stat().st_mtime)]
+    (out_dir / f"gpu_{prefix}_logs.txt").write_text("\n".join(parts))
 
 
 def disk_gb(path: str | Path) -> float:

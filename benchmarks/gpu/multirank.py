@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, measure, overrides, satp
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, check_lines, measure, overrides, pycode_data, satp, step_lines
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 330)
 GRAPHS_PER_SPLIT = int(os.environ.get("SATP_MULTIRANK_GRAPHS") or (150 if DRY_RUN else 3000))
@@ -164,12 +164,7 @@ def run() -> str:
     print(f"== gpu multirank: {run_name}, backend {job.resources.torch_backend} ({clock.left():.0f} s left)", flush=True)
 
     # data (reused on a warm machine) and shards
-    data = WORK_DIR / "data" / "ogbg_code2"
-    if data.is_dir():
-        steps["pycode"] = {"ok": True, "reused": True, "seconds": 0.0, "tail": "reused", "max_rss_gb": 0.0}
-    else:
-        steps["pycode"] = measure(satp("data", "pycode", "--out", str(WORK_DIR / "data"), "--workers",
-                                       str(min(16, os.cpu_count() or 1))), clock.left() * 0.3, logs / "pycode.log")
+    steps["pycode"] = pycode_data(WORK_DIR, clock.left() * 0.3, logs)
     shard_dir = None
     if steps["pycode"]["ok"]:
         steps["preprocess"] = measure(satp("preprocess", JOB, "--no-progress", *overrides(sets)), clock.left() - 120,
@@ -197,15 +192,7 @@ def run() -> str:
                 second = snapshot
         save()
 
-    lines += ["| step | status | wall s | peak RSS, largest process (GB) | peak GPU memory (GB) |", "|---|---|---|---|---|"]
-    for key, r in steps.items():
-        status = ("reused (an earlier call's data)" if r.get("reused") else "ok" if r.get("ok")
-                  else (r.get("skipped") or ("timed out" if r.get("timed_out") else "FAILED")))
-        gpu = r.get("gpu_mem_gb")
-        lines.append(f"| {key} | {status} | {r.get('seconds', 0):.0f} | {r.get('max_rss_gb', 0):.2f} "
-                     f"| {'-' if gpu is None else f'{gpu:.2f}'} |")
-        if not r.get("ok") and r.get("tail"):
-            lines += ["", f"{key}: {r['tail'][:400]}", ""]
+    lines += step_lines(steps)
 
     checks: list[tuple[str, bool, str]] = []
     if shard_dir and first is not None:
@@ -279,10 +266,7 @@ def run() -> str:
                          f"{h['train_loss']:.3f} | {h.get(f'val_{metric}', float('nan')):.4f} | "
                          f"{h.get(f'test_{metric}', float('nan')):.4f} |")
     raw["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
-    lines += ["", "| check | result | detail |", "|---|---|---|"]
-    lines += [f"| {c} | {'**pass**' if ok else '**FAIL**'} | {d} |" for c, ok, d in checks]
-    passed = sum(ok for _, ok, _ in checks)
-    lines += ["", f"{passed} of {len(checks)} checks passed; part wall time {BUDGET_S - clock.left():.0f} s."]
+    lines += check_lines(checks, f"part wall time {BUDGET_S - clock.left():.0f} s")
     if out_dir is not None:
         for log in logs.glob("*.log*"):
             (out_dir / f"multirank-{log.name}").write_text(log.read_text()[-20000:])

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, measure, satp
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, check_lines, copy_logs, measure, pycode_data, satp, step_lines
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 480)
 GRAPHS_PER_SPLIT = int(os.environ.get("SATP_TUNE_GRAPHS") or (150 if DRY_RUN else 1500))
@@ -57,11 +57,12 @@ def sweep_job(name: str) -> dict:
     return job
 
 
-class CardSampler:
-    """The card's used memory and the processes on it, every second while it runs (NVML; nothing without it)."""
+class CardProcesses:
+    """The most processes on the card at once, sampled every second while it runs (NVML; nothing
+    without it). The card's peak memory is :func:`benchmarks.gpu.measure.measure`'s."""
 
     def __init__(self) -> None:
-        self.peak_gb, self.most_processes = 0.0, 0
+        self.most = 0
         self._stop = threading.Event()
         try:
             import pynvml
@@ -80,13 +81,12 @@ class CardSampler:
         while self._nvml is not None and not self._stop.is_set():
             nvml, handle = self._nvml
             try:
-                self.peak_gb = max(self.peak_gb, nvml.nvmlDeviceGetMemoryInfo(handle).used / 1e9)
-                self.most_processes = max(self.most_processes, len(nvml.nvmlDeviceGetComputeRunningProcesses(handle)))
+                self.most = max(self.most, len(nvml.nvmlDeviceGetComputeRunningProcesses(handle)))
             except Exception:
                 pass
             self._stop.wait(1.0)
 
-    def __enter__(self) -> "CardSampler":
+    def __enter__(self) -> "CardProcesses":
         self._thread.start()
         return self
 
@@ -162,31 +162,19 @@ def run() -> str:
              f"{EPOCHS} epochs, ASHA from epoch 1 on train_loss.", ""]
     print(f"== gpu tune: {name} ({clock.left():.0f} s left)", flush=True)
 
-    data = WORK_DIR / "data" / "ogbg_code2"
-    if data.is_dir():  # a warm machine's earlier call
-        steps["pycode"] = {"ok": True, "reused": True, "seconds": 0.0}
-    else:
-        steps["pycode"] = measure(satp("data", "pycode", "--out", str(WORK_DIR / "data"), "--workers",
-                                       str(min(16, os.cpu_count() or 1))), clock.left() * 0.3, logs / "pycode.log")
+    steps["pycode"] = pycode_data(WORK_DIR, clock.left() * 0.3, logs)
     save()
-    card = CardSampler()
+    card = CardProcesses()
     if steps["pycode"]["ok"]:
         print(f"   satp tune ({clock.left():.0f} s left)", flush=True)
         with card:
             # the command's whole time: preprocessing (its shards), the sweep, the registration
             steps["tune"] = measure(satp("tune", str(job_file), "--no-progress"), clock.left() - 20, logs / "tune.log",
                                     grace_s=15)
-        raw["card"] = {"peak_gb": card.peak_gb, "most_processes": card.most_processes, "nvml": card.available}
+        raw["card"] = {"most_processes": card.most, "nvml": card.available}
         save()
 
-    lines += ["| step | status | wall s | peak RSS, largest process (GB) | peak GPU memory (GB) |", "|---|---|---|---|---|"]
-    for key, r in steps.items():
-        status = "reused" if r.get("reused") else "ok" if r.get("ok") else ("timed out" if r.get("timed_out") else "FAILED")
-        gpu = r.get("gpu_mem_gb")
-        lines.append(f"| {key} | {status} | {r.get('seconds', 0):.0f} | {r.get('max_rss_gb', 0):.2f} "
-                     f"| {'-' if gpu is None else f'{gpu:.2f}'} |")
-        if not r.get("ok") and r.get("tail"):
-            lines += ["", f"{key}: {r['tail'][:400]}", ""]
+    lines += step_lines(steps)
 
     checks: list[tuple[str, bool, str]] = []
     tuned = steps.get("tune", {})
@@ -221,16 +209,12 @@ def run() -> str:
     else:
         checks.append(("the sweep's outcome printed (its MLflow parent run)", False, tuned.get("tail", "not run")[:300]))
     if card.available:
-        checks.append(("trials on the card together (most processes on it at once >= 2)", card.most_processes >= 2,
-                       f"{card.most_processes} processes; peak memory {card.peak_gb:.2f} GB"))
+        checks.append(("trials on the card together (most processes on it at once >= 2)", card.most >= 2,
+                       f"{card.most} processes; peak memory {tuned.get('gpu_mem_gb') or 0:.2f} GB"))
     raw["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
-    lines += ["", "| check | result | detail |", "|---|---|---|"]
-    lines += [f"| {c} | {'**pass**' if ok else '**FAIL**'} | {d} |" for c, ok, d in checks]
-    lines += ["", f"{sum(ok for _, ok, _ in checks)} of {len(checks)} checks passed; the sweep's command "
-                  f"{tuned.get('seconds', 0):.0f} s; part wall time {BUDGET_S - clock.left():.0f} s."]
-    if out_dir is not None:
-        for log in logs.glob("*.log*"):
-            (out_dir / f"tune-{log.name}").write_text(log.read_text()[-20000:])
+    lines += check_lines(checks, f"the sweep's command {tuned.get('seconds', 0):.0f} s; part wall time "
+                                 f"{BUDGET_S - clock.left():.0f} s")
+    copy_logs(logs, out_dir, "tune")
     save()
     return "\n".join(lines)
 
