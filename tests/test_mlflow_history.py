@@ -1,12 +1,12 @@
-"""A training run's MLflow history after a fall-back and after a failed continuation (issue 37, items 10
-and 11), on a real SQLite store, at the level of the code that writes it (no Ray): the end-to-end case
-is ``tests/test_faults_training.py::test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed``.
+"""A training run's MLflow history after a fall-back and after a failed continuation, on a real SQLite
+store, at the level of the code that writes it (no Ray): the end-to-end case is
+``tests/test_faults_training.py::test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed``.
 
-* 10: after resuming from an older checkpoint because the newest was damaged, the retrained epochs
+* After resuming from an older checkpoint because the newest was damaged, the retrained epochs
   were logged again at the same steps, and nothing said which of two ``val_f1`` values of epoch 1 was
   current. Now the run says that it went back (from which epoch to which, why, since when:
   ``satp.fell_back``) and every epoch's metrics carry ``segment`` in the same batch.
-* 11: ``satp.last_attempt = failed ...`` stayed on a run after a later continuation finished.
+* ``satp.last_attempt = failed ...`` stayed on a run after a later continuation finished.
 """
 from __future__ import annotations
 

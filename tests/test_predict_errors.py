@@ -209,7 +209,7 @@ GOOD_PPA = {"num_nodes": 3, "edge_index": [[0, 1], [1, 2]], "edge_attr": [[0.1] 
     (["not a graph"], "graph 0: expected an object with num_nodes and edge_index, got str"),
 ])
 def test_bad_json_graphs_name_the_file_and_the_graph(store, tmp_path, capsys, content, message):
-    """Issue 30, defect 11: random bytes and ``num_nodes: 0`` gave errors naming no file or graph, and
+    """Random bytes and ``num_nodes: 0`` gave errors naming no file or graph, and
     float node ids were cast to integers without a word."""
     import json
 

@@ -340,7 +340,7 @@ def test_pyfunc_code_of_versions_registered_before_the_moves_still_builds(stored
 
 
 def test_a_format1_pickle_that_is_not_a_module_is_one_line_and_listed_as_pickled(tmp_path, capsys):
-    """Issue 30, defects 8 and 11: migrating a format-1 version whose pickle is not a module ended in
+    """Migrating a format-1 version whose pickle is not a module ended in
     a traceback (``'int' object has no attribute 'eval'``); ``satp models`` listed such versions
     without saying that they need ``satp models migrate``."""
     from mlflow.tracking import MlflowClient
@@ -365,7 +365,7 @@ def test_a_format1_pickle_that_is_not_a_module_is_one_line_and_listed_as_pickled
 
 
 def test_a_raw_pickle_weights_file_is_refused_in_one_clean_line(tmp_path, capsys):
-    """Issue 30, defect 11: torch's warnings came first and the reason was cut off mid-word."""
+    """Torch's warnings came first and the reason was cut off mid-word."""
     from pipeline.cli import main
 
     uri, exp_id = _store(tmp_path)

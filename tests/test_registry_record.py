@@ -1,5 +1,6 @@
-"""What a registered version serves, checked against what the registry recorded for it (issue 37, items 1
-and 13), on a real SQLite MLflow store with tiny untrained models, no Ray.
+"""What a registered version serves, checked against what the registry recorded for it, on a real SQLite
+MLflow store with tiny untrained models, no Ray (the records MLflow's API cannot change:
+``tests/test_registry_trust.py``).
 
 The defect: version 2's ``weights.pt`` and ``satp_model.json`` both replaced by version 1's pair were
 served silently (``satp predict models:/NAME/2`` gave version 1's predictions, status 0) and listed as
@@ -111,18 +112,22 @@ def test_the_json_alone_edited_is_caught_by_the_files_digests(two_versions):
         load_model("models:/tiny/2", tracking_uri=uri)
 
 
-def test_a_version_registered_before_the_files_digests_is_checked_by_its_weights_tag(two_versions):
+def test_a_version_registered_before_the_files_digests_is_checked_by_its_weights_tag(store):
+    """Two such versions of one run, with the same metric: the weights' tag still tells their files apart."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.registry.record import FILES_TAG
     from pipeline.registry.versions import load_model
+    from tests.test_registry_trust import _register_as_before
 
-    uri, _ = two_versions
-    MlflowClient(uri).delete_model_version_tag("tiny", "2", FILES_TAG)
-    load_model("models:/tiny/2", tracking_uri=uri)
-    _swap(uri)
+    uri, _ = store
+    run_id = _run(uri, MlflowClient(uri).get_experiment_by_name("t").experiment_id)
+    for seed in (0, 1):
+        _register_as_before(uri, run_id, "early", seed, 0.5, files_digests=False)
+    load_model("models:/early/2", tracking_uri=uri)
+    for name in ("weights.pt", "satp_model.json"):
+        shutil.copyfile(_stored_files(uri, "early", 1) / "artifacts" / name, _stored_files(uri, "early", 2) / "artifacts" / name)
     with pytest.raises(ValueError, match=r"version 2 at registration: weights_sha256 [0-9a-f]{12} \(recorded "):
-        load_model("models:/tiny/2", tracking_uri=uri)
+        load_model("models:/early/2", tracking_uri=uri)
 
 
 def _light(argv: list[str]) -> tuple[int, str, list[str]]:

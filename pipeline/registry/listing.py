@@ -46,7 +46,7 @@ def list_models(tracking_uri: str | None = None) -> list[dict]:
                     "format": 2 if WEIGHTS_TAG in tags else 1,
                     "migrated_to": _int_or_none(tags.get("satp.migrated_to")),
                     # what differs from the registry's record (None: it serves what was registered)
-                    "record": _record(rm.name, v, uri) if WEIGHTS_TAG in tags else None,
+                    "record": _record(client, rm.name, v, uri) if WEIGHTS_TAG in tags else None,
                 })
             out.append({"name": rm.name, "aliases": aliases, "versions": versions})
     except MlflowException as exc:
@@ -54,22 +54,38 @@ def list_models(tracking_uri: str | None = None) -> list[dict]:
     return out
 
 
-def _record(name: str, version, tracking_uri: str):
-    """What ``version``'s files differ in from the registry's record of it, or None."""
+def _record(client, name: str, version, tracking_uri: str):
+    """What ``version``'s files differ in from MLflow's and the registry's record of it, or None."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from pipeline.registry.record import META_FILE, record_problem
+    from pipeline.registry.record import (META_FILE, artifacts_gone, logged_model, missing_files,
+                                          record_problem)
 
+    location = client.get_model_version_download_uri(name, version.version)
     try:  # a local store's own folder; a remote one's copy
-        files = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version.version}",
-                                                         tracking_uri=tracking_uri)) / "artifacts"
-        meta = json.loads((files / META_FILE).read_text())
-    except (MlflowException, OSError, ValueError) as exc:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version.version}",
+                                                         tracking_uri=tracking_uri))
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return artifacts_gone(version, location)
         return f"its files cannot be read ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+    if not any(local.iterdir()):
+        return artifacts_gone(version, location)
+    files = local / "artifacts"
+    missing = missing_files(files, version, location)
+    if missing:
+        return missing
+    try:
+        meta = json.loads((files / META_FILE).read_text())
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return f"its {META_FILE} is damaged ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
     if not isinstance(meta, dict):
         return f"its {META_FILE} is damaged"
-    return record_problem(version.tags or {}, meta, files, str(version.version))
+    try:
+        return record_problem(version, meta, files, logged_model(client, version))
+    except ValueError as exc:  # the logged model of the version's source
+        return str(exc)
 
 
 def _int_or_none(text):

@@ -40,8 +40,11 @@ import numpy as np
 import torch
 
 from pipeline.registry import json_graphs as jg
+from pipeline.registry.limits import Budget
 
 BATCH_GRAPHS = 32
+#: nodes of one model batch (a larger graph goes alone): what a request's deadline waits for at most
+BATCH_NODES = 8192
 JSON_TASKS = ("ppa", "pattern", "cluster")  # the tasks whose inputs are JSON graphs (see Predictor.graphs_from_json)
 
 
@@ -136,15 +139,16 @@ class Predictor:
 
     # -- graphs -> predictions
     @torch.no_grad()
-    def predict_graphs(self, graphs: Sequence[Any]) -> list:
+    def predict_graphs(self, graphs: Sequence[Any], budget: Optional[Budget] = None) -> list:
         """Per-graph predictions for ``SATData`` graphs: code2 subtoken lists, ppa class ids, and
-        for node tasks (pattern, cluster) a list of node classes per graph."""
+        for node tasks (pattern, cluster) a list of node classes per graph. ``budget``: a served
+        request's (its deadline is checked before each batch)."""
         from torch_geometric.data import Batch
 
         out: list = []
-        graphs = list(graphs)
-        for i in range(0, len(graphs), BATCH_GRAPHS):
-            chunk = graphs[i : i + BATCH_GRAPHS]
+        for chunk in _batches(list(graphs)):
+            if budget is not None:
+                budget.check_time()
             predictions = self.task.predict(self.model(Batch.from_data_list(chunk)))
             if self.task.node_level:  # one flat list over the batch's nodes -> one list per graph
                 ends = np.cumsum([g.num_nodes for g in chunk])
@@ -157,9 +161,7 @@ class Predictor:
         """The model's raw outputs (logits) for ``graphs``, concatenated over batches."""
         from torch_geometric.data import Batch
 
-        graphs = list(graphs)
-        parts = [self.model(Batch.from_data_list(graphs[i : i + BATCH_GRAPHS])) for i in range(0, len(graphs), BATCH_GRAPHS)]
-        return torch.cat(parts, 0)
+        return torch.cat([self.model(Batch.from_data_list(chunk)) for chunk in _batches(list(graphs))], 0)
 
     def predict(self, inputs: Any) -> list:
         """``inputs``: Python source text (code2: a :class:`FunctionPrediction` per function), or
@@ -170,18 +172,28 @@ class Predictor:
             inputs = [inputs]
         return self.predict_graphs(inputs)
 
-    def predict_json(self, values: list[dict], where: str) -> list:
-        """Predictions for JSON inputs (the MLflow pyfunc's, :mod:`pipeline.registry.model_format`): a code2
+    def predict_json(self, values: list[dict], where: str, budget: Optional[Budget] = None) -> list:
+        """Predictions for JSON inputs (the MLflow pyfunc's, :mod:`pipeline.registry.pyfunc`): a code2
         model takes ``{"source": text}`` (a list of function rows each, as ``satp predict --json``),
-        the others JSON graphs (:meth:`graphs_from_json`)."""
+        the others JSON graphs (:meth:`graphs_from_json`). ``budget``: a served request's caps and
+        deadline (:mod:`pipeline.registry.limits`), checked on the whole request before any graph is built."""
         if self.task_name != "code2":
-            return self.predict_graphs(self.graphs_from_json(values, where)[0])
-        rows = []
+            return self.predict_graphs(self.graphs_from_json(values, where, budget)[0], budget)
         for i, value in enumerate(values):
             if not isinstance(value.get("source"), str):
                 raise ValueError(f"{where} {i}: a code2 model takes {{'source': Python source text}}")
-            rows.append([dataclasses.asdict(p) for p in self.predict_source(value["source"], f"<{where} {i}>")])
-        return rows
+            if budget is not None:
+                budget.source(value["source"], f"{where} {i}")
+        parsed = []
+        for i, value in enumerate(values):
+            if budget is not None:
+                budget.check_time()
+            parsed.append(self._functions(value["source"], f"<{where} {i}>"))
+        if budget is not None:
+            for i, functions in enumerate(parsed):
+                for fn, nodes in functions:
+                    budget.graph(nodes, f"{where} {i}: function {fn.name} (line {fn.lineno})")
+        return [[dataclasses.asdict(p) for p in self._predict_functions(functions, budget)] for functions in parsed]
 
     # -- Python source (code2)
     def _require(self, tasks: Sequence[str], what: str) -> None:
@@ -191,8 +203,14 @@ class Predictor:
 
     def source_graphs(self, text: str, filename: str = "<source>") -> list[tuple[str, int, list[str], Any]]:
         """``(name, line, actual subtokens, SATData)`` for every function of ``text`` (source order)."""
-        from preprocessing.python_graphs import code_to_raw_graph
+        return self._function_graphs(self._functions(text, filename))
 
+    def predict_source(self, text: str, filename: str = "<source>") -> list[FunctionPrediction]:
+        return self._predict_functions(self._functions(text, filename))
+
+    def _functions(self, text: str, filename: str) -> list[tuple[ast.AST, int]]:
+        """The functions of ``text`` (source order, nested ones included, as pycode does), each with the
+        number of nodes of its graph: known before any graph is built, in one pass over the tree."""
         self._require(("code2",), "Python source")
         if "node_types" not in self._spec:
             raise ValueError(f"{self.uri}: the model does not carry its node-type tables; cannot featurise source")
@@ -204,29 +222,41 @@ class Predictor:
             raise ValueError(f"{filename}:{exc.lineno or 0}: not valid Python ({exc.msg})") from None
         except (ValueError, RecursionError) as exc:
             raise ValueError(f"{filename}: not valid Python ({str(exc).splitlines()[0]})") from None
+        order: list[ast.AST] = []
+        stack: list[ast.AST] = [tree]
+        while stack:  # pre-order
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(list(ast.iter_child_nodes(node))))
+        sizes: dict[int, int] = {}  # by id: the parser shares its Load/Store leaves, of size 1 wherever they are
+        for node in reversed(order):
+            sizes[id(node)] = 1 + sum(sizes[id(child)] for child in ast.iter_child_nodes(node))
+        # a function's graph is the Module holding it and its subtree (preprocessing.python_graphs.function_graph)
+        return [(node, 1 + sizes[id(node)]) for node in order if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+    def _function_graphs(self, functions: list[tuple[ast.AST, int]],
+                         budget: Optional[Budget] = None) -> list[tuple[str, int, list[str], Any]]:
+        from preprocessing.python_graphs import code_to_raw_graph
+
         type2idx = {t: i for i, t in enumerate(self._spec["node_types"])}
         attr2idx = {a: i for i, a in enumerate(self._spec["node_attributes"])}
-        functions = []
-        stack: list[ast.AST] = [tree]
-        while stack:  # pre-order: functions in source order, nested ones included (as pycode does)
-            node = stack.pop()
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                functions.append(node)
-            stack.extend(reversed(list(ast.iter_child_nodes(node))))
         raws = []
-        for i, fn in enumerate(functions):
+        for i, (fn, _) in enumerate(functions):
+            if budget is not None:
+                budget.check_time()
             raw = code_to_raw_graph(fn, type2idx, attr2idx)
             raw["graph_id"] = i
             raws.append(raw)
-        data = self._featurise(raws, "code2")
-        return [(fn.name, fn.lineno, list(raw["y_tokens"]), d) for fn, raw, d in zip(functions, raws, data)]
+        data = self._featurise(raws, "code2", budget)
+        return [(fn.name, fn.lineno, list(raw["y_tokens"]), d) for (fn, _), raw, d in zip(functions, raws, data)]
 
-    def predict_source(self, text: str, filename: str = "<source>") -> list[FunctionPrediction]:
-        items = self.source_graphs(text, filename)
-        preds = self.predict_graphs([d for *_, d in items]) if items else []
+    def _predict_functions(self, functions: list[tuple[ast.AST, int]],
+                           budget: Optional[Budget] = None) -> list[FunctionPrediction]:
+        items = self._function_graphs(functions, budget)
+        preds = self.predict_graphs([d for *_, d in items], budget) if items else []
         return [FunctionPrediction(name, line, actual, list(p)) for (name, line, actual, _), p in zip(items, preds)]
 
-    def _featurise(self, raws: list[dict], task: str) -> list:
+    def _featurise(self, raws: list[dict], task: str, budget: Optional[Budget] = None) -> list:
         """Raw graphs -> ``SATData`` through the training transform, the shard encoding and the
         shard reader's decoding (the exact path training data took)."""
         from preprocessing.reader import _Shard
@@ -237,7 +267,11 @@ class Predictor:
             return []
         cfg = self._transform()
         vocab_index = {w: i for i, w in enumerate(self.vocab)} if self.vocab else None
-        rows = [transform_graph(raw, task, cfg, vocab_index) for raw in raws]
+        rows = []
+        for raw in raws:
+            if budget is not None:
+                budget.check_time()
+            rows.append(transform_graph(raw, task, cfg, vocab_index))
         specs = column_specs(task, cfg)
         with tempfile.TemporaryDirectory(prefix="satp-predict-") as tmp:
             path = Path(tmp) / "input.arrow"
@@ -273,16 +307,20 @@ class Predictor:
         ids = ds.graph_ids
         return [ds[i] for i in range(len(ds))], [f"{split}[{i}] graph {int(g)}" for i, g in enumerate(ids)]
 
-    def graphs_from_json(self, values: list, where: str) -> tuple[list[Any], list[str]]:
+    def graphs_from_json(self, values: list, where: str, budget: Optional[Budget] = None) -> tuple[list[Any], list[str]]:
         """``(graphs, labels)`` of JSON graphs (``where``: the file or input named in errors). ppa:
         each ``{"edge_index": [[src...], [dst...]], "edge_attr": [[7 floats], ...], "num_nodes": N}``;
         pattern / cluster: each ``{"edge_index": [[src...], [dst...]], "x": [N node input ids],
-        "num_nodes": N}`` (undirected edges, listed once or in both directions)."""
+        "num_nodes": N}`` (undirected edges, listed once or in both directions). ``budget``: a served
+        request's caps, checked on every graph's ``num_nodes`` before any graph is built."""
         self._require(JSON_TASKS, f"{where} (JSON graphs)")
         if not values:
             raise ValueError(f"{where}: no graphs (an empty list)")
+        if budget is not None:
+            for i, g in enumerate(values):
+                budget.graph(jg.num_nodes(g, where, i), f"{where}: graph {i}")
         if self.task.node_level:
-            return self._nodes_from_json(values, where)
+            return self._nodes_from_json(values, where, budget)
         raws = []
         for i, g in enumerate(values):
             n = jg.num_nodes(g, where, i)
@@ -291,9 +329,9 @@ class Predictor:
             # the loader stores one direction per undirected edge and adds the reverse (OGB's layout)
             raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([ei, ei[::-1]], 1),
                          "edge_attr": np.concatenate([ea, ea], 0), "y": 0})
-        return self._featurise(raws, "ppa"), [f"graph {i}" for i in range(len(raws))]
+        return self._featurise(raws, "ppa", budget), [f"graph {i}" for i in range(len(raws))]
 
-    def _nodes_from_json(self, values: list, where: str) -> tuple[list[Any], list[str]]:
+    def _nodes_from_json(self, values: list, where: str, budget: Optional[Budget]) -> tuple[list[Any], list[str]]:
         """Node-task graphs (see :meth:`graphs_from_json`): the edges are made undirected and stored
         once per pair, as the SBM raw layout does, and the loader adds the reverse."""
         raws = []
@@ -305,7 +343,7 @@ class Predictor:
             pairs = pairs[pairs[:, 0] != pairs[:, 1]].T  # [2, E] with u < v, no self-loops
             raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([pairs, pairs[::-1]], 1),
                          "x": x, "node_label": np.zeros(n, dtype=np.int64)})
-        return self._featurise(raws, self.task_name), [f"graph {i}" for i in range(len(raws))]
+        return self._featurise(raws, self.task_name, budget), [f"graph {i}" for i in range(len(raws))]
 
     def predict_file(self, path: str | Path, split: str = "test") -> list:
         """A Python file (code2: :class:`FunctionPrediction` per function), or graphs from a shard
@@ -325,6 +363,20 @@ class Predictor:
             return self.predict_source(text, str(path))
         graphs, labels = self.graphs_from_file(path, split)
         return list(zip(labels, self.predict_graphs(graphs)))
+
+
+def _batches(graphs: list) -> list[list]:
+    """``graphs`` in order, as model batches of at most :data:`BATCH_GRAPHS` graphs and
+    :data:`BATCH_NODES` nodes (a larger graph alone)."""
+    batches: list[list] = []
+    nodes = 0
+    for g in graphs:
+        if not batches or len(batches[-1]) == BATCH_GRAPHS or nodes + g.num_nodes > BATCH_NODES:
+            batches.append([])
+            nodes = 0
+        batches[-1].append(g)
+        nodes += g.num_nodes
+    return batches
 
 
 def load(uri: str, tracking_uri: Optional[str] = None) -> Predictor:

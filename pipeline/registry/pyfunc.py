@@ -5,15 +5,24 @@ A registered version's ``satp_pyfunc.py`` (:data:`pipeline.registry.model_format
 artifacts are read by :func:`pipeline.registry.model_format.read_model` and served by
 :class:`pipeline.registry.predict.Predictor`. The top of the registry room: it uses the prediction
 code, nothing in the registry uses it.
+
+Served (``mlflow models serve``), a request is capped and stopped at its deadline
+(:mod:`pipeline.registry.limits`), and what it is refused for is the whole answer: status 413 (a
+cap), 400 (bad input: a missing ``source``, a syntax error, a graph that is not one) or 504 (the
+deadline), its message satp's one line, without traceback or paths (:class:`RequestRefused`).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional
 
 import mlflow.pyfunc
 import pydantic
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED, INVALID_PARAMETER_VALUE, REQUEST_LIMIT_EXCEEDED
 
+from pipeline.registry.limits import Limits, PastDeadline, TooLarge
 from pipeline.registry.model_format import read_model
 from pipeline.registry.predict import Predictor
 
@@ -30,6 +39,28 @@ class ModelInput(pydantic.BaseModel):
     x: Optional[list[int]] = None
 
 
+class RequestRefused(MlflowException):
+    """A request the model does not serve: answered ``status`` with ``line`` as the whole message.
+
+    MLflow's scoring server answers an ``MlflowException`` of the model with its
+    ``serialize_as_json()`` at ``get_http_status_code()``, any other exception with a generic 400
+    ("unexpected error while evaluating the model") and the traceback in ``stack_trace``. It first
+    prefixes the exception's ``message`` with the request's whole input ("Failed to predict data
+    '...'"), so both answers are built from the line kept here."""
+
+    CODES = {400: INVALID_PARAMETER_VALUE, 413: REQUEST_LIMIT_EXCEEDED, 504: DEADLINE_EXCEEDED}
+
+    def __init__(self, line: str, status: int) -> None:
+        super().__init__(line, error_code=self.CODES[status])
+        self.line, self.status = line, status
+
+    def get_http_status_code(self) -> int:
+        return self.status
+
+    def serialize_as_json(self) -> str:
+        return json.dumps({"error_code": self.error_code, "message": self.line})
+
+
 class SATPyfunc(mlflow.pyfunc.PythonModel):
     """``mlflow.pyfunc.load_model(uri).predict(inputs)``: one prediction per input, as
     ``satp predict --json`` gives them (code2: a list of ``{"name", "line", "actual",
@@ -38,9 +69,17 @@ class SATPyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         files = {name: Path(path) for name, path in context.artifacts.items()}
         self.predictor = Predictor(read_model(files["weights"], files["satp_model"], "pyfunc model"))
+        self.limits = Limits.from_environment()  # read once: a bad setting stops the server as it starts
 
     # the input's type hint gives MLflow the signature (and validates inputs); no output hint: the
     # output's type depends on the task, and an untyped ``list`` draws MLflow's inference message
     def predict(self, context, model_input: list[ModelInput], params: Optional[dict[str, Any]] = None):
         values = [v.model_dump(exclude_none=True) if isinstance(v, pydantic.BaseModel) else dict(v) for v in model_input]
-        return self.predictor.predict_json(values, "model input")
+        try:
+            return self.predictor.predict_json(values, "model input", self.limits.budget())
+        except TooLarge as exc:
+            raise RequestRefused(str(exc), 413) from None
+        except PastDeadline as exc:
+            raise RequestRefused(str(exc), 504) from None
+        except ValueError as exc:
+            raise RequestRefused(str(exc), 400) from None

@@ -1,16 +1,26 @@
 """What the registry recorded for a version when it was registered, checked against what it serves.
 
-A version's two files (``weights.pt``, ``satp_model.json``) lie in the artifact store, where anyone
-who can write there can replace them; checking them against each other (the weights against the
-``weights_sha256`` of the JSON beside them) does not notice a version whose pair was replaced by
-another version's: it served version 1's predictions as version 2, and ``satp models`` listed it as
-the champion. The registry's own record of the version (its tags, in the tracking store) is written
-once, at registration: the weights' sha256 (``satp.weights_sha256``), the run, task, data hash,
-commit and configuration hash, and since issue 37 the sha256 of each file's bytes
-(``satp.files_sha256``). :func:`record_problem` compares what the files say against it; loading
-(:func:`pipeline.registry.versions.load_model`) refuses a version that differs, in one line naming it
-and what differs, and ``satp models`` marks it. Only the standard library is needed (no torch):
-the listing checks every version.
+A version's two files (``weights.pt``, ``satp_model.json``) lie in the artifact store, and its tags in
+the tracking store: whoever can write there can replace the files, and through MLflow's API rewrite
+any tag, so tags and files alone can be made to agree (a version's files and tags copied from another
+version served that version's weights under this one's name, and ``satp models`` listed it as sound).
+What MLflow's API cannot change after it made them is the trust root:
+
+* the version's own fields: ``run_id`` (the run it was registered from) and ``source``
+  (``models:/<logged model id>``);
+* the logged model of that source: its ``source_run_id`` and its parameters, which MLflow writes
+  once. satp logs them before the files: the sha256 of the weights (``satp.weights_sha256``) and of
+  each file's bytes (``satp.files_sha256``).
+
+:func:`record_problem` compares the files with all of it: their ``weights_sha256`` and digests with
+the logged model's parameters (with the version's tags for versions logged before those
+parameters), the run and logged model that ``satp_model.json`` names with MLflow's fields, its
+metrics with the version's ``metric.*`` tags, and its task, data hash, commit and configuration
+hash with the tags of the same names. Loading (:func:`pipeline.registry.versions.load_model`) refuses
+a version that differs, in one line naming the version and what differs, and ``satp models`` marks
+it. A version whose artifacts are gone, or lack one of the two files, is named the same way
+(:func:`missing_files`). Only the standard library is needed here (no torch): the listing checks
+every version.
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ from typing import Any, Mapping, Optional
 #: A version's two files (:mod:`pipeline.registry.model_format`).
 META_FILE = "satp_model.json"
 WEIGHTS_FILE = "weights.pt"
-#: The registry tag with each file's sha256 (a JSON object: file name -> hex digest).
+#: The registry tag (and logged-model parameter) with each file's sha256 (a JSON object: file name -> hex digest).
 FILES_TAG = "satp.files_sha256"
 WEIGHTS_TAG = "satp.weights_sha256"
 #: ``(what, registry tag, how the file states it)`` compared when both sides hold a value.
@@ -48,17 +58,59 @@ def files_tag(paths: Mapping[str, Path]) -> str:
     return json.dumps({name: file_sha256(Path(path)) for name, path in sorted(paths.items())}, sort_keys=True)
 
 
+def metric_tag(value: float) -> str:
+    """A metric as the version's ``metric.*`` tags hold it (6 significant digits)."""
+    return f"{value:.6g}"
+
+
 def _short(value: Any) -> str:
     text = str(value)
-    return text[:12] if len(text) == 64 else text
+    return text[:12] if len(text) in (32, 64) else text  # a run id or a sha256
 
 
-def record_problem(tags: Mapping[str, str], meta: Mapping[str, Any], files: Path, version: str) -> Optional[str]:
-    """What differs between ``version``'s registry record (``tags``) and what it serves: the
-    ``satp_model.json`` it holds (``meta``) and the files in ``files`` (one clause), or None."""
-    recorded = tags.get(WEIGHTS_TAG)
+def logged_model(client, version):
+    """The logged model ``version`` was registered from (its source ``models:/<model id>``), or None
+    for a source of another kind (versions registered by MLflow 2); a one-line ``ValueError`` when
+    the source names a logged model that cannot be read."""
+    from mlflow.exceptions import MlflowException
+
+    model_id = (version.source or "").removeprefix("models:/")
+    if model_id == version.source or "/" in model_id or "@" in model_id:
+        return None
+    try:
+        return client.get_logged_model(model_id)
+    except MlflowException as exc:
+        raise ValueError(f"the logged model of version {version.version} ({version.source}) cannot be read "
+                         f"({str(exc).splitlines()[0]})") from None
+
+
+def missing_files(files: Path, version, location: str) -> Optional[str]:
+    """Which of the two files lacks in ``files`` (a version's ``artifacts/`` folder, ``location`` its
+    artifact URI), or None. ``version``: the registry's entry (None for a ``runs:/`` URI)."""
+    absent = [f"artifacts/{name}" for name in (META_FILE, WEIGHTS_FILE) if not (files / name).is_file()]
+    if not absent:
+        return None
+    registered_by_satp = version is not None and WEIGHTS_TAG in (version.tags or {})
+    if len(absent) == 2 and not registered_by_satp:
+        return f"not a satp model (no artifacts/{META_FILE} and artifacts/{WEIGHTS_FILE} at {location})"
+    which = f"version {version.version}'s" if version is not None else "its"
+    return f"{' and '.join(absent)} {'is' if len(absent) == 1 else 'are'} missing from {which} artifacts at {location}"
+
+
+def artifacts_gone(version, location: str) -> str:
+    return f"the artifacts of version {version.version} are gone (nothing at {location})"
+
+
+def record_problem(version, meta: Mapping[str, Any], files: Path, logged=None) -> Optional[str]:
+    """What differs between ``version`` (the registry's entry: its tags, ``run_id``; ``logged``: the
+    logged model of its source, :func:`logged_model`) and what it serves: the ``satp_model.json`` it
+    holds (``meta``) and the files in ``files`` (one clause), or None."""
+    tags = dict(version.tags or {})
+    params = dict(logged.params or {}) if logged is not None else {}
+    number = str(version.version)
+    recorded = params.get(WEIGHTS_TAG) or tags.get(WEIGHTS_TAG)
     if not recorded:
-        return f"the registry records no {WEIGHTS_TAG} for version {version} (it was not registered by satp)"
+        return f"the registry records no {WEIGHTS_TAG} for version {number} (it was not registered by satp)"
     differs = []
     served = meta.get("weights_sha256")
     if served != recorded:
@@ -67,15 +119,45 @@ def record_problem(tags: Mapping[str, str], meta: Mapping[str, Any], files: Path
         mine, theirs = tags.get(tag), stated(meta)
         if mine and theirs and mine != "unknown" and str(theirs) != mine:
             differs.append(f"{what} {_short(theirs)} (recorded {_short(mine)})")
+    differs += _mlflow_fields(version, meta, logged)
+    for key in (WEIGHTS_TAG, FILES_TAG):
+        if params.get(key) and tags.get(key) != params[key]:
+            differs.append(f"tag {key} changed since registration (its logged model records another)")
     try:
-        digests = json.loads(tags[FILES_TAG]) if tags.get(FILES_TAG) else {}
+        digests = json.loads(params.get(FILES_TAG) or tags.get(FILES_TAG) or "{}")
     except ValueError:
-        return f"the {FILES_TAG} tag of version {version} is damaged"
+        return f"the {FILES_TAG} record of version {number} is damaged"
     for name, digest in sorted(digests.items()):
         path = files / name
         actual = file_sha256(path) if path.is_file() else "missing"
         if actual != digest:
             differs.append(f"{name} sha256 {_short(actual)} (recorded {_short(digest)})")
+    differs += _metric_tags(tags, meta.get("metrics") or {})
     if not differs:
         return None
-    return f"not what the registry recorded for version {version} at registration: " + ", ".join(differs)
+    return f"not what the registry recorded for version {number} at registration: " + ", ".join(differs)
+
+
+def _mlflow_fields(version, meta: Mapping[str, Any], logged) -> list[str]:
+    """The run and logged model ``satp_model.json`` names against MLflow's own record of the version."""
+    differs = []
+    run = version.run_id
+    if run and meta.get("run_id") and meta["run_id"] != run:
+        differs.append(f"run_id {_short(meta['run_id'])} (MLflow's version {version.version} is of run {_short(run)})")
+    if logged is not None and run and logged.source_run_id and logged.source_run_id != run:
+        differs.append(f"logged model {logged.model_id} of run {_short(logged.source_run_id)} (MLflow's version "
+                       f"{version.version} is of run {_short(run)})")
+    if logged is not None and meta.get("model_id") and meta["model_id"] != logged.model_id:
+        differs.append(f"model_id {meta['model_id']} (MLflow's version {version.version} is of {version.source})")
+    return differs
+
+
+def _metric_tags(tags: Mapping[str, str], metrics: Mapping[str, Any]) -> list[str]:
+    """The version's ``metric.*`` tags against the metrics its ``satp_model.json`` records."""
+    differs = []
+    for key in sorted(k for k in tags if k.startswith("metric.")):
+        value = metrics.get(key.removeprefix("metric."))
+        stated = metric_tag(value) if isinstance(value, (int, float)) else "none"
+        if tags[key] != stated:
+            differs.append(f"{key} {tags[key]} (its {META_FILE} records {stated})")
+    return differs

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -50,6 +51,65 @@ def client(tracking_uri: str):
 
     empty_store.seed(tracking_uri)
     return MlflowClient(tracking_uri=tracking_uri)
+
+
+#: urllib3's words for a request whose retries all got an error status
+_ERROR_ANSWERS = re.compile(r"too many (\d{3}) error responses")
+
+
+def server_failure(tracking_uri: str, exc: BaseException) -> Optional[str]:
+    """How an http(s) tracking server failed, in a few words, when ``exc`` is such a failure: an HTTP
+    5xx answer, a connection reset or refused, no answer in time; ``"its artifact store answered HTTP
+    500"`` when the request was an artifact upload or download (the server's ``mlflow-artifacts``
+    proxy). None for any other error, and for other stores.
+
+    MLflow's REST client wraps these in an ``MlflowException`` naming the URL, with requests' and
+    urllib3's exceptions behind it; requests raises some bare (an ``OSError`` without an errno)."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return None
+    import requests
+    import urllib3
+
+    chain = _causes(exc)
+    status = next((code for code in (_status(e) for e in chain) if code is not None and code >= 500), None)
+    part = "its artifact store" if any("/mlflow-artifacts/" in str(e) for e in chain) else "it"
+    if status is not None:
+        return f"{part} answered HTTP {status}"
+    if any(isinstance(e, ConnectionResetError) for e in chain):
+        return f"the connection to {part} was reset"
+    if any(isinstance(e, ConnectionRefusedError) for e in chain):
+        return "it refused the connection"
+    if any(isinstance(e, (TimeoutError, requests.exceptions.Timeout, urllib3.exceptions.TimeoutError)) for e in chain):
+        return f"{part} did not answer in time"
+    return None
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception behind it: causes, contexts, urllib3's ``reason`` and exceptions
+    held in ``args`` (requests' ``ConnectionError(ProtocolError(..., ConnectionResetError(...)))``)."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo.extend([e.__cause__, e.__context__, getattr(e, "reason", None), *e.args])
+    return seen
+
+
+def _status(exc: BaseException) -> Optional[int]:
+    """The HTTP status an exception reports: a response's, an MlflowException's, urllib3's retries'."""
+    from mlflow.exceptions import RestException
+    from urllib3.exceptions import ResponseError
+
+    response = getattr(exc, "response", None)
+    if getattr(response, "status_code", None) is not None:
+        return int(response.status_code)
+    found = _ERROR_ANSWERS.search(str(exc)) if isinstance(exc, ResponseError) else None
+    if found:
+        return int(found.group(1))
+    return exc.get_http_status_code() if isinstance(exc, RestException) else None
 
 
 def artifact_location(tracking_uri: str) -> Optional[str]:

@@ -34,7 +34,9 @@ from typing import Any, Mapping, Optional
 import torch
 
 from pipeline.registry.addresses import check_model_uri, registered_name
-from pipeline.registry.record import FILES_TAG, WEIGHTS_TAG, files_tag, record_problem
+from pipeline.registry.record import (FILES_TAG, WEIGHTS_TAG, artifacts_gone, files_tag, logged_model, metric_tag,
+                                      missing_files, record_problem)
+from pipeline.registry.tracking import server_failure
 from pipeline.registry.model_format import (FORMAT, LEGACY_META, META_FILE, PYFUNC_CODE, WEIGHTS_FILE, LoadedModel,
                                             cpu_state, read_model, weights_sha256, write_files)
 from pipeline.tasks import Task
@@ -62,6 +64,29 @@ def git_commit(cwd: Optional[str | Path] = None) -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     return "unknown"
+
+
+def default_model_name(job, task_name: str) -> str:
+    """The registered model a job's versions go to: its ``mlflow.registered_model``, else
+    ``sat-<task>`` (made here only: training, sweeps and a sweep's rerun name the same model)."""
+    return job.mlflow.registered_model or f"sat-{task_name}"
+
+
+def register(model: torch.nn.Module, *, job, task: Task, model_config: SATConfig, best: Mapping[str, Any],
+             constant: Optional[float], run_id: str, tracking_uri: str, data_manifest_hash: str,
+             extra: dict[str, Any], provenance: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Register the best epoch's ``model`` of a training run or a sweep's best trial (run ``run_id``) as
+    a version of the job's model (:func:`default_model_name`), tagged with its best epoch's metrics
+    (``best`` = ``{"val", "test", "epoch"}``; ``constant``: the constant predictor's metric). Returns
+    :func:`log_and_register`'s result; whether the alias moves is the caller's (:func:`promote`)."""
+    metric = task.metric
+    metrics = {f"best_val_{metric}": best["val"], f"best_test_{metric}": best["test"], "best_epoch": best["epoch"],
+               f"constant_{metric}": constant}
+    return log_and_register(model, task=task, model_config=model_config, vocab=getattr(task, "vocab", None),
+                            run_id=run_id, tracking_uri=tracking_uri, registered_model=default_model_name(job, task.name),
+                            data_manifest_hash=data_manifest_hash,
+                            metrics={k: v for k, v in metrics.items() if v is not None}, extra=extra,
+                            provenance=provenance)
 
 
 def log_and_register(
@@ -110,7 +135,7 @@ def log_and_register(
         "run_id": run_id,
         **({"satp.config_hash": provenance["config_hash"]} if provenance.get("config_hash") else {}),
         **({"satp.git_commits": " ".join(commits)} if len(commits) > 1 else {}),
-        **{f"metric.{k}": f"{v:.6g}" for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
+        **{f"metric.{k}": metric_tag(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
     }
     return register_weights(state, meta, tags, run_id=run_id, tracking_uri=tracking_uri,
                             registered_model=registered_model)
@@ -134,6 +159,8 @@ def register_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], ta
     try:
         model_uri, digests = log_weights(state, meta, run_id, tracking_uri)
     except OSError as exc:  # a full disk under the artifact store: say where (MLflow names its temporary copy)
+        if server_failure(tracking_uri, exc):
+            raise  # a tracking server's failure (requests' errors are OSErrors): its callers name the server
         store = client.get_experiment(client.get_run(run_id).info.experiment_id).artifact_location
         raise OSError(f"{store}: could not write the model's files ({exc.strerror or exc}); nothing was "
                       "registered") from None
@@ -167,57 +194,84 @@ def version_holding(client, name: str, run_id: str, weights_sha256: str):
 def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id: str,
                 tracking_uri: str) -> tuple[str, str]:
     """Log the two files as a pyfunc model built from code (:mod:`pipeline.registry.model_format`) into
-    run ``run_id``; returns its model URI and the files' digests (:func:`pipeline.registry.record.files_tag`)."""
+    run ``run_id``; returns its model URI and the files' digests (:func:`pipeline.registry.record.files_tag`).
+
+    The logged model is made first, so that ``satp_model.json`` names it (``model_id``), and gets the
+    weights' and the files' sha256 as parameters, which MLflow writes once: the record of the files
+    that no later tag can rewrite (:mod:`pipeline.registry.record`)."""
     import mlflow
     import mlflow.pyfunc
-
+    from mlflow.tracking import MlflowClient
 
     mlflow.set_tracking_uri(tracking_uri)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_id=run_id):
+        logged = mlflow.initialize_logged_model(name="model", source_run_id=run_id)
         code = Path(tmp) / "satp_pyfunc.py"
         code.write_text(PYFUNC_CODE)
-        artifacts = write_files(state, meta, Path(tmp))
+        artifacts = write_files(state, {**meta, "model_id": logged.model_id}, Path(tmp))
         digests = files_tag({Path(path).name: Path(path) for path in artifacts.values()})
-        with mlflow.start_run(run_id=run_id):
-            info = mlflow.pyfunc.log_model(name="model", python_model=str(code), artifacts=artifacts,
-                                           pip_requirements=PIP_REQUIREMENTS)
+        MlflowClient(tracking_uri).log_model_params(logged.model_id, {WEIGHTS_TAG: meta["weights_sha256"],
+                                                                      FILES_TAG: digests})
+        info = mlflow.pyfunc.log_model(name="model", python_model=str(code), artifacts=artifacts,
+                                       pip_requirements=PIP_REQUIREMENTS, model_id=logged.model_id)
     return info.model_uri, digests
 
 
-def download(uri: str, tracking_uri: Optional[str] = None) -> Path:
+def download(uri: str, tracking_uri: Optional[str] = None, version=None) -> Path:
     """The model's files (a local store's own folder, else a downloaded copy); a one-line
-    ``ValueError`` when there is no such model."""
+    ``ValueError`` when there is no such model, or (``version``: its registry entry) when the
+    version's artifacts are gone."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
     try:
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri))
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri))
     except MlflowException as exc:
+        if version is not None and exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            raise ValueError(f"{uri}: {artifacts_gone(version, artifact_uri(version, tracking_uri))}") from None
         raise ValueError(f"{uri}: {str(exc).splitlines()[0]}") from None
+    if version is not None and not any(local.iterdir()):  # a remote store lists nothing where the folder was
+        raise ValueError(f"{uri}: {artifacts_gone(version, artifact_uri(version, tracking_uri))}")
+    return local
+
+
+def artifact_uri(version, tracking_uri: Optional[str] = None) -> str:
+    """Where a registered version's files lie (its source's artifact URI)."""
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri).get_model_version_download_uri(version.name, version.version)
 
 
 def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
     """Load a logged SAT model (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``, ``runs:/...``)
     from its weights and JSON (:func:`pipeline.registry.model_format.read_model`: tensors only, no pickle).
 
-    Raises ``ValueError`` with a one-line message when the model does not exist, was not logged
-    by :func:`log_and_register`, is a format-1 (pickled) model, or (a registered version) serves
-    other files than the registry recorded for it (:mod:`pipeline.registry.record`).
+    Raises ``ValueError`` with a one-line message when the model does not exist, its artifacts or one
+    of its two files are gone, it was not logged by :func:`log_and_register`, is a format-1 (pickled)
+    model, or (a registered version) serves other files than MLflow and the registry recorded for it
+    (:mod:`pipeline.registry.record`).
     """
+    from mlflow.tracking import MlflowClient
+
     check_model_uri(uri)
     version = registered_version(uri, tracking_uri)
-    local = download(uri, tracking_uri)
+    local = download(uri, tracking_uri, version)
     if (local / LEGACY_META).is_file():
         raise ValueError(f"{uri}: a format-1 satp model (a pickled module, which satp no longer loads); "
                          f"re-register it weights-only with: satp models migrate {registered_name(uri) or 'NAME'}")
     files = local / "artifacts"  # where MLflow's pyfunc flavour puts a model's artifacts
-    if not (files / META_FILE).is_file() or not (files / WEIGHTS_FILE).is_file():
-        raise ValueError(f"{uri}: not a satp model (no artifacts/{META_FILE} and artifacts/{WEIGHTS_FILE})")
+    missing = missing_files(files, version, artifact_uri(version, tracking_uri) if version is not None else uri)
+    if missing:
+        raise ValueError(f"{uri}: {missing}")
     loaded = read_model(files / WEIGHTS_FILE, files / META_FILE, uri)  # the files against each other
-    if version is not None:  # and against the registry's record of the version
-        problem = record_problem(version.tags or {}, loaded.info, files, str(version.version))
+    if version is not None:  # and against MLflow's and the registry's record of the version
+        try:
+            problem = record_problem(version, loaded.info, files, logged_model(MlflowClient(tracking_uri=tracking_uri),
+                                                                                version))
+        except ValueError as exc:
+            problem = str(exc)
         if problem:
             raise ValueError(f"{uri}: {problem}; it is not served: re-register the version from its run's checkpoint")
     return loaded

@@ -22,7 +22,7 @@ def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, 
 
     from pipeline.train import checkpoint as ckpt
     from pipeline.registry.predict import input_spec
-    from pipeline.registry.versions import log_and_register
+    from pipeline.registry.versions import register
     from pipeline.tasks import make_task
     from pipeline.train.loader import open_split
     from pipeline.train.worker import build_model
@@ -45,13 +45,6 @@ def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, 
     if shard_dir:
         vocab = open_split(shard_dir, "train").vocab
     task = make_task(task_state.pop("name"), vocab=vocab, **task_state)
-    m = task_metric_name
-    b = state["best"]
-    metrics = {f"best_val_{m}": b["val"], f"best_test_{m}": b["test"], "best_epoch": b["epoch"]}
-    if state.get("constant") is not None:
-        metrics[f"constant_{m}"] = state["constant"]
-    metrics = {k: v for k, v in metrics.items() if v is not None}
-    name = job.mlflow.registered_model or f"sat-{task.name}"
     extra = {"run_name": f"{sweep_name}-{best.trial_id}", "job": best.config.get("__job__"),
              "sweep": {"name": sweep_name, "trial_id": best.trial_id, "parent_run_id": parent_run_id}}
     if shard_dir:
@@ -60,11 +53,12 @@ def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, 
     if shard_dir:
         manifest_hash = (open_split(shard_dir, "train").manifest or {}).get("config_hash", "")
     with torch.no_grad():
-        reg = log_and_register(model, task=task, model_config=config, vocab=vocab, run_id=best.run_id,
-                               tracking_uri=tracking_uri, registered_model=name, data_manifest_hash=manifest_hash,
-                               metrics=metrics, extra=extra, provenance=state.get("provenance"))
+        reg = register(model, job=job, task=task, model_config=config, best=state["best"],
+                       constant=state.get("constant"), run_id=best.run_id, tracking_uri=tracking_uri,
+                       data_manifest_hash=manifest_hash, extra=extra, provenance=state.get("provenance"))
+    name = reg["registered_model"]
     client = tracking.client(tracking_uri)
     client.set_model_version_tag(name, str(reg["version"]), "satp.sweep", sweep_name)
-    reg.update(promote(client, name, reg["version"], metrics.get(f"best_val_{m}"), f"best_val_{m}", mode, alias,
+    reg.update(promote(client, name, reg["version"], state["best"]["val"], f"best_val_{task_metric_name}", mode, alias,
                        sweep_name))
     return reg

@@ -73,10 +73,13 @@ def check_tracking_store(plan: JobPlan, previous) -> None:
 
 
 @contextlib.contextmanager
-def writing(plan: JobPlan, doing: str, outcome: str) -> Iterator[None]:
-    """MLflow's errors while ``doing`` as one line (``outcome``: what that leaves of the run): a
-    full disk under the tracking database or its artifacts (an ``OSError`` naming the file, or the
-    artifact folder), any other error of the tracking store (a ``ValueError`` naming the URI)."""
+def writing(plan: JobPlan, doing: str, outcome: str, rerun: str = "run the same command") -> Iterator[None]:
+    """MLflow's errors while ``doing`` as one line, with the advice its cause asks for (``outcome``: what
+    that leaves of the run; ``rerun``: what to do once fixed): a full disk under the tracking database
+    or its artifacts (an ``OSError`` naming the file, or the artifact folder: free space there), a
+    tracking server that failed (a ``ValueError`` naming it and how: HTTP 5xx, a connection reset or
+    refused; check the server and its artifact store), any other error of the tracking store (a
+    ``ValueError`` naming the URI)."""
     from mlflow.exceptions import MlflowException
 
     uri = plan.job.mlflow.tracking_uri
@@ -85,31 +88,42 @@ def writing(plan: JobPlan, doing: str, outcome: str) -> Iterator[None]:
     store_log.setLevel(logging.CRITICAL)
     try:
         yield
-    except OSError as exc:
-        if exc.errno not in FULL:
-            raise
-        artifacts = tracking.artifact_location(uri)
-        where = exc.filename or (artifacts[len("file://"):] if artifacts else f"mlflow.tracking_uri: {uri}")
-        error = OSError(f"{where}: the disk is full (No space left on device) while {doing}; {outcome}")
-        error.errno = exc.errno
-        raise error from None
-    except MlflowException as exc:
+    except (OSError, MlflowException) as exc:
+        failed = tracking.server_failure(uri, exc)
+        if failed:
+            raise ValueError(f"mlflow.tracking_uri: {uri}: the tracking server failed while {doing} ({failed}); "
+                             f"{outcome}: check the server and its artifact store (the server's log says what failed), "
+                             f"then {rerun}") from None
+        if isinstance(exc, OSError):
+            if exc.errno not in FULL:
+                raise
+            artifacts = tracking.artifact_location(uri)
+            where = exc.filename or (artifacts[len("file://"):] if artifacts else f"mlflow.tracking_uri: {uri}")
+            error = OSError(f"{where}: the disk is full (No space left on device) while {doing}; {outcome}: free "
+                            f"space there and {rerun}")
+            error.errno = exc.errno
+            raise error from None
         if "disk is full" in str(exc):  # SQLite: "database or disk is full"
             error = OSError(f"{database_path(uri) or f'mlflow.tracking_uri: {uri}'}: the disk is full (database or disk "
-                            f"is full) while {doing}; {outcome}")
+                            f"is full) while {doing}; {outcome}: free space there and {rerun}")
             error.errno = errno.ENOSPC
             raise error from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise ValueError(f"mlflow.tracking_uri: {uri}: {first} (while {doing}); {outcome}") from None
+        raise ValueError(f"mlflow.tracking_uri: {uri}: {first} (while {doing}); {outcome}: fix the store and "
+                         f"{rerun}") from None
     finally:
         store_log.setLevel(level)
 
 
 def _unreadable(uri: str, exc: BaseException) -> str:
+    kept = "nothing was trained or registered and the run's checkpoints are kept"
+    failed = tracking.server_failure(uri, exc)
+    if failed:
+        return (f"mlflow.tracking_uri: {uri}: the tracking server cannot be read ({failed}); {kept}: check the server "
+                "and its database (the server's log says what failed), or point mlflow.tracking_uri at another store")
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-    return (f"mlflow.tracking_uri: {uri}: the tracking store cannot be read ({first}); nothing was trained or "
-            "registered and the run's checkpoints are kept: restore the database from a copy, or point "
-            "mlflow.tracking_uri at another store")
+    return (f"mlflow.tracking_uri: {uri}: the tracking store cannot be read ({first}); {kept}: restore the database "
+            "from a copy, or point mlflow.tracking_uri at another store")
 
 
 def open_run(plan: JobPlan, action: str) -> Optional[str]:
@@ -120,8 +134,7 @@ def open_run(plan: JobPlan, action: str) -> Optional[str]:
     gets a new MLflow run (the old one is detached from the key, see
     :func:`pipeline.registry.tracking.retire_run`). A store that cannot be written is one line
     (:func:`writing`)."""
-    with writing(plan, "opening the run's MLflow run", "nothing was trained: free space there (or fix the store) and "
-                 "run the same command"):
+    with writing(plan, "opening the run's MLflow run", "nothing was trained"):
         return _open_run(plan, action)
 
 
@@ -191,37 +204,26 @@ def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
     """Log the best epoch's weights into the run, register them, and move the champion alias to
     them only if they beat its validation metric (the same rule as sweeps)."""
     from pipeline.registry.predict import input_spec
-    from pipeline.registry.versions import log_and_register
+    from pipeline.registry.versions import default_model_name, register
 
     job, setup, task = plan.job, plan.setup, plan.task
     config = SATConfig.from_dict(setup.model_config)
     model = build_model(config)
     model.load_state_dict(best_weights)
     model.eval()
-    metric = task.metric
-    best = state["best"]
-    metrics = {f"best_val_{metric}": best["val"], f"best_test_{metric}": best["test"], "best_epoch": best["epoch"]}
-    if state.get("constant") is not None:
-        metrics[f"constant_{metric}"] = state["constant"]
-    name = job.mlflow.registered_model or f"sat-{task.name}"
-    log.info("logging the best model (epoch %s) to MLflow and registering it as %s", best["epoch"], name)
+    log.info("logging the best model (epoch %s) to MLflow and registering it as %s", state["best"]["epoch"],
+             default_model_name(job, task.name))
     _log_attention_plot(plan, model)
-    with writing(plan, f"registering the model of run {job.train.run_name!r}", "nothing was registered: free space "
-                 "there (or fix the store) and run the same command, which registers it then"):
-        registered = log_and_register(
-            model,
-            task=task,
-            model_config=config,
-            vocab=getattr(task, "vocab", None),
-            run_id=setup.run_id,
-            tracking_uri=job.mlflow.tracking_uri,
-            registered_model=name,
-            data_manifest_hash=manifest_hash(plan.manifest),
-            metrics={k: v for k, v in metrics.items() if v is not None},
+    with writing(plan, f"registering the model of run {job.train.run_name!r}", "nothing was registered",
+                 rerun="run the same command, which registers it then"):
+        registered = register(
+            model, job=job, task=task, model_config=config, best=state["best"], constant=state.get("constant"),
+            run_id=setup.run_id, tracking_uri=job.mlflow.tracking_uri, data_manifest_hash=manifest_hash(plan.manifest),
             # what prediction needs to featurise new inputs (transform, code2 node tables)
             extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json"), **input_spec(setup.shard_dir)},
             provenance=state.get("provenance") or setup.provenance,  # the configuration and code that trained them
         )
+    name = registered["registered_model"]
     if registered.get("reason"):  # these weights of this run were registered before
         log.info("%s: %s", name, registered["reason"])
     if os.environ.get("SATP_TEST_KILL_AT") == "registration":  # test hook: killed between the version and its alias

@@ -1,0 +1,114 @@
+"""What one request to a served model may ask of it: caps on its size, and a deadline.
+
+``mlflow models serve`` hands each request whole to the pyfunc model (:mod:`pipeline.registry.pyfunc`)
+in a thread, and bounds it by nothing but its answer 504 after ``MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT``
+seconds (60), while the thread works on: a valid 5.5 MB source (148,722 functions) kept a core busy
+long after the 504 and after its client had left. The model's cost per graph grows with the square of
+its nodes past a few thousand (every node attends to every node of its graph, :mod:`sat.attention`):
+one function of 15,000 statements took 19 s. So a request is refused, before any graph is built, when
+it exceeds a cap (settings: environment variables of the serving process):
+
+====================================  ==========  ================================================
+setting                               default     what
+====================================  ==========  ================================================
+``SATP_SERVE_MAX_SOURCE_BYTES``       1,000,000   bytes of Python source in one request (code2)
+``SATP_SERVE_MAX_GRAPHS``             2,000       graphs in one request (code2: one per function)
+``SATP_SERVE_MAX_GRAPH_NODES``        5,000       nodes of one graph: below it the cost per node
+                                                  stays near-constant
+``SATP_SERVE_MAX_NODES``              100,000     nodes of all graphs of one request
+====================================  ==========  ================================================
+
+The defaults are sized for one CPU core and a code2 model of ``jobs/code2.yaml`` (width 256, 4
+layers): 0.3 ms per node for graphs up to 5,000 nodes, 0.7 ms per node at 10,000; a request at the
+caps takes 15-30 s, within MLflow's 60 s. And the work stops at the deadline: the server's request
+timeout after the request came in, when MLflow has answered 504 (checked between functions and between
+batches, whose nodes are capped too: :data:`pipeline.registry.predict.BATCH_NODES`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Mapping
+
+#: field -> (setting, default)
+SETTINGS = {
+    "source_bytes": ("SATP_SERVE_MAX_SOURCE_BYTES", 1_000_000),
+    "graphs": ("SATP_SERVE_MAX_GRAPHS", 2_000),
+    "graph_nodes": ("SATP_SERVE_MAX_GRAPH_NODES", 5_000),
+    "nodes": ("SATP_SERVE_MAX_NODES", 100_000),
+}
+TIMEOUT_SETTING = "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"
+
+
+class TooLarge(ValueError):
+    """A request over a cap: its line names the cap's setting (answered 413)."""
+
+
+class PastDeadline(TimeoutError):
+    """A request still at work when its deadline passed (answered 504, as MLflow has already)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The caps of one request and its time (see the module docstring)."""
+
+    source_bytes: int
+    graphs: int
+    graph_nodes: int
+    nodes: int
+    seconds: float
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "Limits":
+        """The caps the settings give (a setting that is not a positive integer: one-line ``ValueError``)."""
+        from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
+
+        values = {}
+        for field, (setting, default) in {**SETTINGS, "seconds": (TIMEOUT_SETTING,
+                                                                   MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.default)}.items():
+            text = environ.get(setting, str(default)).strip()
+            if not text.isdigit() or int(text) < 1:
+                raise ValueError(f"{setting}={environ.get(setting)!r}: expected a positive integer")
+            values[field] = int(text)
+        return cls(**values)
+
+    def budget(self) -> "Budget":
+        """A new request's account, its deadline counted from now."""
+        return Budget(self)
+
+
+class Budget:
+    """One request's account: what it asked for so far against the caps, and its deadline."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.deadline = time.monotonic() + limits.seconds
+        self.source_bytes = self.graphs = self.nodes = 0
+
+    def source(self, text: str, where: str) -> None:
+        """Count ``text`` (one input's source) against the request's bytes of source."""
+        self.source_bytes += len(text.encode("utf-8", errors="surrogatepass"))
+        cap = self.limits.source_bytes
+        if self.source_bytes > cap:
+            raise TooLarge(f"{where}: the request holds more than {cap:,} bytes of source "
+                           f"({self.source_bytes:,} so far; {SETTINGS['source_bytes'][0]}): send fewer or smaller sources")
+
+    def graph(self, nodes: int, where: str) -> None:
+        """Count one graph of ``nodes`` nodes (``where``: which input, function or graph it is)."""
+        self.graphs += 1
+        self.nodes += nodes
+        if self.graphs > self.limits.graphs:
+            raise TooLarge(f"{where}: the request holds more than {self.limits.graphs:,} graphs "
+                           f"({SETTINGS['graphs'][0]}; code2: one per function): send fewer per request")
+        if nodes > self.limits.graph_nodes:
+            raise TooLarge(f"{where}: {nodes:,} nodes, more than the {self.limits.graph_nodes:,} of one graph "
+                           f"({SETTINGS['graph_nodes'][0]})")
+        if self.nodes > self.limits.nodes:
+            raise TooLarge(f"{where}: the request holds more than {self.limits.nodes:,} nodes "
+                           f"({self.nodes:,} so far; {SETTINGS['nodes'][0]}): send fewer or smaller graphs per request")
+
+    def check_time(self) -> None:
+        """Stop the request's work once its deadline passed."""
+        if time.monotonic() > self.deadline:
+            raise PastDeadline(f"the request ran past {self.limits.seconds:g} s ({TIMEOUT_SETTING}); its work stopped")
