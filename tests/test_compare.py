@@ -39,7 +39,8 @@ def comparison(ray_cluster, tmp_path_factory):
                       "variants": {"gcn": {"model.architecture": "gnn", "model.pe": "none", "model.pe_dim": 0},
                                    "sat": {}}}
     job = JobConfig.model_validate(raw)
-    return {"outcome": run_compare(job, verbose=0), "uri": job.mlflow.tracking_uri, "tune": tmp / "tune" / "cmp"}
+    return {"outcome": run_compare(job, verbose=0), "uri": job.mlflow.tracking_uri, "tune": tmp / "tune" / "cmp",
+            "job": job}
 
 
 @pytest.mark.ray
@@ -135,3 +136,34 @@ def test_the_driver_leaves_no_generated_pyg_module(ray_cluster, tmp_path):
     counts = yaml.safe_load(out.stdout.strip().splitlines()[-1])
     assert all(c and c > 0 for c in counts)  # the models (GCN convolutions with edge features) were built
     assert list(tmp.iterdir()) == [], [p.name for p in tmp.iterdir()]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_rerun_of_another_job_is_refused_and_restart_starts_it_over(comparison):
+    """The comparison records the job it ran: another job is one line naming what differs, before
+    anything starts; ``restart`` trains every trial again in new MLflow runs, the old ones kept."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.sweep.compare import run_compare
+
+    client = MlflowClient(comparison["uri"])
+    experiment = client.get_experiment_by_name("compare-tiny").experiment_id
+    before = {r.info.run_id for r in client.search_runs([experiment])}
+    changed = comparison["job"].model_copy(deep=True)
+    changed.train.weight_decay = 0.5
+    with pytest.raises(ValueError) as refused:
+        run_compare(changed, verbose=0)
+    line = str(refused.value)
+    assert line.startswith(f"comparison 'cmp' ({comparison['tune']}) holds a comparison of another job "
+                           "(train.weight_decay 1e-06 -> 0.5); it is not resumed with this job: pick a new "
+                           "compare.name (--set compare.name=cmp-2), or pass --restart"), line
+    assert {r.info.run_id for r in client.search_runs([experiment])} == before
+
+    again = run_compare(changed, verbose=0, restart=True)
+    assert not again.resumed and sorted(t.status for t in again.trials) == ["finished"] * 4
+    children = [r for r in client.search_runs([experiment]) if r.data.tags.get("mlflow.parentRunId") == again.parent_run_id]
+    assert len(children) == 4 and {c.data.params["train.weight_decay"] for c in children} == {"0.5"}
+    old = client.get_run(comparison["outcome"].parent_run_id)
+    assert old.data.tags["satp.retired"] == "comparison started over (--restart)"
+    assert before <= {r.info.run_id for r in client.search_runs([experiment])}  # the old runs stay

@@ -149,3 +149,51 @@ def test_cli_rejects_a_job_without_tune_section(capsys):
 
     assert main(["tune", str(ROOT / "jobs" / "code2-local.yaml")]) == 2
     assert "no tune: section" in capsys.readouterr().err
+
+
+def _record(job):
+    from pipeline.sweep.record import recorded_job
+    from pipeline.sweep.space import base_job_dict
+
+    return recorded_job(base_job_dict(job), "tune", job.tune.model_dump(mode="json"))
+
+
+def test_a_sweep_folder_resumes_only_the_job_it_recorded(tmp_path):
+    """What a rerun of a sweep folder may do (:mod:`pipeline.sweep.record`), on files alone: the same job
+    resumes; another job, or a folder that ran a sweep and records no job, is one line naming what differs
+    and the ways on; nothing ran there yet, or ``--restart``, starts."""
+    from pipeline.sweep.record import RECORD_FILE, check_rerun, start
+
+    sweep = tmp_path / "tune" / "s"
+    job = _job({"train.lr": {"grid": [1e-3, 1e-4]}}, name="s", storage_path=str(tmp_path / "tune"))
+    ran = _record(job)
+    assert "name" not in ran["tune"] and "storage_path" not in ran["tune"] and "run_name" not in ran["train"]
+    check = dict(what="sweep", name="s", key="tune.name")
+    check_rerun(sweep, ran, restart=False, **check)  # no folder yet
+    sweep.mkdir(parents=True)
+    (sweep / "satp-lease.json").write_text("{}")
+    check_rerun(sweep, ran, restart=False, **check)  # only the lease of the command starting it
+
+    (sweep / "experiment_state.json").write_text("{}")  # a sweep of an earlier satp: no record
+    with pytest.raises(ValueError, match=r"holds a sweep that records no job .*--restart"):
+        check_rerun(sweep, ran, restart=False, **check)
+
+    start(sweep, ran, restart=False)
+    assert sorted(p.name for p in sweep.iterdir()) == ["experiment_state.json", "satp-lease.json", RECORD_FILE]
+    same = _job({"train.lr": {"grid": [1e-3, 1e-4]}}, name="s")  # the folder's own keys do not count
+    check_rerun(sweep, _record(same), restart=False, **check)
+    other = _job({"train.lr": {"grid": [1e-3, 1e-4]}}, name="s", asha={"reduction_factor": 3})
+    other.train.weight_decay = 0.5
+    with pytest.raises(ValueError) as refused:
+        check_rerun(sweep, _record(other), restart=False, **check)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(
+        f"sweep 's' ({sweep}) holds a sweep of another job (train.weight_decay 1e-06 -> 0.5; "
+        "tune.asha.reduction_factor 2.0 -> 3.0); it is not resumed with this job: pick a new tune.name "
+        "(--set tune.name=s-2), or pass --restart to start it over"), line
+
+    check_rerun(sweep, _record(other), restart=True, **check)
+    start(sweep, _record(other), restart=True)  # emptied but for the lease, the new record whole
+    assert sorted(p.name for p in sweep.iterdir()) == ["satp-lease.json", RECORD_FILE]
+    check_rerun(sweep, _record(other), restart=False, **check)
+

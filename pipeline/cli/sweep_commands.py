@@ -2,30 +2,38 @@
 
 ::
 
-    satp tune JOB.yaml [--set dotted.key=value ...] [--address ADDR]
+    satp tune JOB.yaml [--set dotted.key=value ...] [--address ADDR] [--restart]
         the job's ASHA sweep (tune: section), MLflow parent + child runs, best model registered,
         alias champion moved only if it beats the current champion; a rerun resumes
 
-    satp compare JOB.yaml [--set dotted.key=value ...] [--address ADDR]
+    satp compare JOB.yaml [--set dotted.key=value ...] [--address ADDR] [--restart]
         every variant of the job's compare: section x every seed, each a full training run, at
         equal budget; MLflow parent + child runs; per-variant mean ± std of the test metric at
         the best validation epoch, a table (printed, and compare.md) and a plot; a rerun resumes
+
+A rerun of another job than the sweep ran is refused before Ray starts; ``--restart`` starts the
+sweep over (:mod:`pipeline.sweep.record`).
 """
 from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.args import add_job_arguments, run_section_command
+from pipeline.cli.args import add_job_arguments
+
+RESTART_HELP = ("start the {what} over (deletes its folder: Tune's state and its trials' Train runs; MLflow runs "
+                "and registered versions stay) when it ran another job; without it such a rerun stops before Ray starts")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="ASHA hyperparameter sweep of a job (its tune: section), logged to MLflow")
     add_job_arguments(p, "tune.num_samples=8")
+    p.add_argument("--restart", action="store_true", help=RESTART_HELP.format(what="sweep"))
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("compare", help="variants of a job x seeds at equal budget (its compare: section), "
                                        "mean ± std per variant, logged to MLflow")
     add_job_arguments(p, "compare.seeds=[0,1]")
+    p.add_argument("--restart", action="store_true", help=RESTART_HELP.format(what="comparison"))
     p.set_defaults(func=cmd_compare)
 
 
@@ -35,3 +43,61 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     return run_section_command(args, "compare", "jobs/pattern-local.yaml", "pipeline.sweep.compare:run_compare")
+
+
+def run_section_command(args, section: str, example: str, run: str) -> int:
+    """``satp tune`` / ``satp compare``: the job of ``args`` must have a ``section:`` (see
+    ``example``); run from the project directory (relative paths in jobs), as ``satp train`` does,
+    with INFO logging on stderr. ``run`` (``module:function``) runs it and returns an outcome with
+    ``interrupted``; ``format_outcome`` of the same module prints it, after Ray has shut down
+    (:func:`shut_ray_down`): the summary is the command's last output. Interrupted (Tune stops on
+    Ctrl-C and returns): :class:`runtime.interrupts.Interrupted`, which the CLI ends with its one
+    last line and status 130."""
+    import importlib
+    import logging
+    import signal
+    import sys
+    from pathlib import Path
+
+    from pipeline.config import load_job
+    from pipeline.config.names import check_names
+    from pipeline.cli.submit import enter_workdir
+
+    job_path = Path(args.job).resolve()
+    enter_workdir()
+    job = load_job(job_path, args.overrides)
+    if getattr(job, section) is None:
+        raise ValueError(f"{job_path}: no {section}: section (see {example})")
+    check_names(job)  # before the heavy imports: seconds
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    module_name, function = run.split(":")
+    module = importlib.import_module(module_name)
+    outcome = getattr(module, function)(job, address=args.address, restart=args.restart)
+    shut_ray_down()
+    print(module.format_outcome(outcome), flush=True)
+    if outcome.interrupted:  # Tune stopped on Ctrl-C: the CLI's last line says so, after the summary (pipeline.cli)
+        from runtime.interrupts import Interrupted
+
+        what = {"tune": "sweep", "compare": "comparison"}[section]
+        raise Interrupted(signal.SIGINT, kept=f"{what} {outcome.name} kept its finished trials and the unfinished "
+                                           f"ones' checkpoints in {outcome.path}: the same command resumes it")
+    return 0
+
+
+#: how long the cluster's log monitor takes to forward what a process printed (it reads the log files
+#: every 0.5 s); Ray's own exit handler waits as long before it disconnects, for the same lines
+LOG_FORWARD_S = 0.5
+
+
+def shut_ray_down() -> None:
+    """Disconnect from Ray (a local cluster started here stops with it) once the lines its processes
+    printed last have reached this one: what Ray has to say comes before the summary, and nothing of
+    Ray's (a worker's late line, gRPC's goodbye to a closed connection) comes after it."""
+    import sys
+    import time
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    time.sleep(LOG_FORWARD_S)
+    ray.shutdown()

@@ -42,8 +42,8 @@ class CompareConfig(StrictModel):
     variants: dict[str, Optional[dict[str, Any]]]  # None (an empty YAML value): the job as it is
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
     #: Comparison name (Tune experiment directory, MLflow parent run): default ``<job name>-compare-<hash>``,
-    #: the hash of the job, variants and seeds. A rerun of the same configuration resumes it; a named
-    #: comparison rerun with another configuration is an error.
+    #: the hash of the job, variants and seeds. A rerun of the same job (recorded in the comparison's
+    #: folder) resumes it; another job under the same name is refused: a new name, or ``satp compare --restart``.
     name: Optional[str] = None
     #: Tune's storage (experiment state, trials' Train checkpoints): default ``<runs>/tune``.
     storage_path: Optional[str] = None

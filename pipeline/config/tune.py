@@ -142,7 +142,8 @@ class TuneConfig(StrictModel):
     seed: Optional[int] = 0
     asha: AshaConfig = AshaConfig()
     #: Sweep name (Tune experiment directory, MLflow parent run): default ``<job name>-sweep``.
-    #: A rerun with the same name and storage path resumes the sweep.
+    #: A rerun with the same name and storage path resumes the sweep if it runs the same job (the
+    #: sweep records it in its folder); another job is refused: a new name, or ``satp tune --restart``.
     name: Optional[str] = None
     #: Tune's storage (experiment state, trials' Train checkpoints): default ``<runs>/tune``.
     storage_path: Optional[str] = None

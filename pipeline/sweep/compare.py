@@ -14,8 +14,10 @@ variant's keys and ``train.seed`` set. The machinery is that of :mod:`pipeline.s
   child run per trial (:class:`pipeline.sweep.mlflow_logging.SweepLogger`), named ``<variant>-seed<seed>``, with
   the trial's params and per-epoch metrics;
 * a rerun of the same configuration (job, variants and seeds; the default name ends in their hash)
-  resumes with ``Tuner.restore``. A named comparison rerun with another configuration is a
-  one-line error.
+  resumes with ``Tuner.restore``. The comparison records the job it runs in its folder: a rerun of
+  another job (a named comparison's, or one of the same hash with other settings of the ``compare:``
+  section) is refused before Ray starts, in one line naming what differs; ``restart`` starts it over
+  (:mod:`pipeline.sweep.record`).
 
 The result of a trial is its test metric at its best validation epoch (``best_test_<metric>``,
 what ``satp train`` reports). Per variant: the mean and the sample standard deviation over the
@@ -42,7 +44,8 @@ from pipeline.registry import tracking
 from pipeline.config import JobConfig
 from pipeline.config.names import check_names
 from pipeline.console import plural
-from pipeline.sweep.mlflow_logging import SWEEP_KEY_TAG, TRIAL_TAG, SweepLogger, open_parent_run
+from pipeline.sweep import record
+from pipeline.sweep.mlflow_logging import SWEEP_KEY_TAG, TRIAL_TAG, SweepLogger, open_parent_run, retire_sweep_runs
 from pipeline.sweep.space import apply_config, resolve_paths, task_metric, validate_raw
 from pipeline.sweep.summary import saved_states, summarize
 from pipeline.sweep.trials import SweepContext, fit_trials, hold_sweep, report_callback, trial_job, trial_trainable
@@ -51,7 +54,6 @@ log = logging.getLogger(__name__)
 
 KIND = "compare"
 DIGEST_TAG = "satp.compare_digest"
-DIGEST_FILE = "satp_compare_digest.txt"
 VARIANT = "variant"  # the trial config's key naming its variant
 SEED = "train.seed"
 
@@ -305,22 +307,10 @@ def comparison_digest(base: dict, cmp) -> str:
     return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def check_digest(sweep_dir: Path, digest: str, named: bool, record: bool = True) -> None:
-    """A rerun resumes only a comparison of the same configuration. Without ``compare.name`` the
-    default name carries the digest, so a changed job starts a new comparison. A name given
-    explicitly that already holds another configuration is a one-line error. ``record``: write the
-    digest (and the directory), once the comparison is sure to start."""
-    path = sweep_dir / DIGEST_FILE
-    if path.is_file() and path.read_text().strip() != digest:
-        hint = "choose another compare.name or delete it" if named else "delete it"
-        raise ValueError(f"comparison {sweep_dir.name}: {sweep_dir} holds a comparison of another configuration; {hint}")
-    if record:
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(digest + "\n")
-
-
-def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1) -> CompareOutcome:
-    """Run (or resume) the comparison of ``job.compare``; see the module docstring."""
+def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1,
+                restart: bool = False) -> CompareOutcome:
+    """Run (or resume) the comparison of ``job.compare``; see the module docstring. ``restart``:
+    start over a comparison that ran another job (:mod:`pipeline.sweep.record`)."""
     import ray
     from ray import tune
     from ray.tune.search.basic_variant import BasicVariantGenerator
@@ -348,7 +338,8 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     storage = Path(cmp.storage_path or runs_dir() / "tune").expanduser().resolve()
     sweep_dir = storage / name
     with hold_sweep(sweep_dir, name, "satp compare", "compare.name"):  # one writer per comparison
-        check_digest(sweep_dir, digest, named=cmp.name is not None, record=False)  # before Ray; written after the checks
+        ran = record.recorded_job(base, "compare", cmp.model_dump(mode="json"))
+        record.check_rerun(sweep_dir, ran, what="comparison", name=name, key="compare.name", restart=restart)  # before Ray
         tracking_uri = job.mlflow.tracking_uri
         check_reachable(tracking_uri)
 
@@ -356,7 +347,6 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
         preflight({f"compare.variants.{vname}": vjob for vname, vjob in jobs.items()}, address=address,
                   num_workers=max(j.resources.max_workers for j in jobs.values()), extra_cpus=cmp.trial_cpus,
                   ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
-        check_digest(sweep_dir, digest, named=cmp.name is not None)
 
         # every distinct preprocessing once, here; then each variant's model size
         built: dict[str, str] = {}
@@ -376,6 +366,9 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
         client = tracking.client(tracking_uri)
         exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)
         sweep_key = str(sweep_dir)
+        record.start(sweep_dir, ran, restart)
+        if restart:
+            retire_sweep_runs(client, exp_id, sweep_key, "comparison started over (--restart)")
         parent_id = open_parent_run(client, exp_id, sweep_key, KIND, name, {**base, "compare": cmp.model_dump(mode="json")},
                                     tags={DIGEST_TAG: digest})
 

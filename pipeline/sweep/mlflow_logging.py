@@ -47,6 +47,26 @@ def open_parent_run(client, exp_id: str, sweep_key: str, kind: str, name: str, p
     return parent.info.run_id
 
 
+def retire_sweep_runs(client, exp_id: str, sweep_key: str, why: str) -> int:
+    """Detach the MLflow runs of a sweep started over (``--restart``: its parent and child runs)
+    from its key, so that the new sweep gets new ones; they stay, with their params, metrics and
+    registered versions, tagged with why (``satp.retired``) and the key they had. Returns how many."""
+    key = sweep_key.replace("'", "\\'")
+    runs, token = [], None
+    while True:
+        page = client.search_runs([exp_id], filter_string=f"tags.`{SWEEP_KEY_TAG}` = '{key}'", page_token=token)
+        runs += page
+        token = page.token
+        if not token:
+            break
+    retired = f"{sweep_key}#retired-{int(time.time())}"
+    for run in runs:
+        client.set_tag(run.info.run_id, SWEEP_KEY_TAG, retired)
+        client.set_tag(run.info.run_id, "satp.retired_sweep_key", sweep_key)
+        client.set_tag(run.info.run_id, "satp.retired", why)
+    return len(runs)
+
+
 def catch_up_metrics(client, run_id: str, checkpoint_path: str) -> int:
     """Log the epochs of a trial's Train history (its last checkpoint's ``state.json``) that its
     MLflow run lacks: an epoch reported just before an interruption never reached the driver's
@@ -142,6 +162,8 @@ class SweepLogger(_import_tune_callback()):
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         from mlflow.entities import Metric
+
+        release_orphaned_placement_groups()  # the trial's workers run: its group is seen in use
 
         metrics = _numeric(result)
         step = int(result.get("epoch", result.get("training_iteration", 1) - 1))

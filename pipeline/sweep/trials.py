@@ -129,52 +129,71 @@ def fit_trials(sweep_dir: Path, trainable, new_tuner, client, parent_id: str):
     return results, resumed
 
 
+#: ids of this job's placement groups seen in use (something running in them): one seen entirely
+#: free afterwards has lost what ran there (see :func:`release_orphaned_placement_groups`)
+_seen_in_use: set[str] = set()
+
+
 def release_orphaned_placement_groups(with_pending: bool = False):
-    """Remove the placement groups of this job whose creating actor died; return how many.
+    """Remove this job's placement groups that were in use and are entirely free now; return how
+    many (``with_pending``: and how many are in use).
 
     When ASHA stops a trial, Tune ends the trial's actor, which kills its Train controller
     (an owned actor) and the Train workers, but not the workers' placement group: Ray keeps a
     placement group until its job ends, so the CPUs would stay reserved and the next trials wait
     forever. satp's runs start no Train ``PlacementGroupCleaner`` (a process per run, which polls
     the State API and so needs a dashboard: :func:`pipeline.train.driver._trainer_class`); this
-    releases them instead. Only this job's non-detached groups are touched.
+    releases them instead, on Ray's public API. Ray's table of placement groups
+    (``ray.util.placement_group_table``) does not say who created a group, nor whether its creator
+    lives; what is in use is public: Ray lists a group's resources as ``<resource>_group_<id>`` in
+    ``ray.cluster_resources()``, and what is free of them in ``ray.available_resources()``. A Train
+    run's group is in use from its workers' start until Ray Train removes it at the run's end (if
+    it is removed here first, in between, Ray Train's removal does nothing); a group seen in use
+    and entirely free later has lost its workers. A group never seen in use (just created, its
+    workers not started yet) is never touched. The sweep's driver looks when a trial reports (its
+    workers are running) and every few seconds (:class:`pipeline.sweep.mlflow_logging.SweepLogger`).
+    Only this job's groups, by their id: a placement group's id ends with its job's id (Ray's
+    ``PlacementGroupID.of(job_id)``).
     """
     import ray
-    from ray._private.state import state as global_state
-    from ray.core.generated import gcs_pb2
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
     if not ray.is_initialized():
         return (0, 0) if with_pending else 0
     try:
-        job_id = bytes.fromhex(ray.get_runtime_context().get_job_id())
-        table = global_state._connect_and_get_accessor().get_placement_group_table()
+        job_id = ray.get_runtime_context().get_job_id()
+        table = placement_group_table()
+        total, free = ray.cluster_resources(), ray.available_resources()
     except Exception as exc:  # best effort: never fail a sweep over housekeeping
         log.debug("placement group table unavailable: %s", exc)
         return (0, 0) if with_pending else 0
-    removed = pending = 0
-    for raw in table:
-        info = gcs_pb2.PlacementGroupTableData.FromString(raw)
-        if info.state == gcs_pb2.PlacementGroupTableData.REMOVED or info.is_detached:
+    removed = in_use = 0
+    placed = set()
+    for group_id, info in table.items():
+        if info["state"] != "CREATED" or not group_id.endswith(job_id):
             continue
-        if info.creator_job_id != job_id or not info.creator_actor_id or set(info.creator_actor_id) == {0xFF}:
-            continue  # another job's, or created by the driver (Tune's own trial groups)
-        if not info.creator_actor_dead:
-            pending += 1
+        held = {key: amount for key, amount in total.items() if key.endswith(f"_group_{group_id}")}
+        if not held:
             continue
-        try:
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(info.placement_group_id)))
-            removed += 1
-        except Exception as exc:
-            log.debug("could not remove placement group: %s", exc)
+        placed.add(group_id)
+        if any(free.get(key, 0.0) < amount for key, amount in held.items()):
+            _seen_in_use.add(group_id)
+            in_use += 1
+        elif group_id in _seen_in_use:
+            try:
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group_id)))
+                removed += 1
+            except Exception as exc:
+                log.debug("could not remove placement group %s: %s", group_id, exc)
+    _seen_in_use.intersection_update(placed)
     if removed:
         log.info("released %d placement group(s) of stopped trials", removed)
-    return (removed, pending) if with_pending else removed
+    return (removed, in_use) if with_pending else removed
 
 
 def release_after_sweep(timeout_s: float = 20.0) -> None:
-    """After ``Tuner.fit``: wait (briefly) for the last trials' Train controllers to die and
-    release their placement groups, so that the cluster's resources are free again."""
+    """After ``Tuner.fit``: wait (briefly) for the last trials' Train workers to end and release
+    their placement groups, so that the cluster's resources are free again."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         _, pending = release_orphaned_placement_groups(with_pending=True)

@@ -24,7 +24,10 @@ the Train run's callbacks, so every epoch's metrics reach Tune and ASHA).
   saying why). A worse sweep leaves the alias where it is.
 * Rerunning an interrupted sweep (same ``tune.name`` and storage path) resumes
   it with ``Tuner.restore``; unfinished trials resume their Train runs from
-  their last checkpoints, and MLflow runs are found again by their tags.
+  their last checkpoints, and MLflow runs are found again by their tags. The
+  sweep records the job it runs in its folder: a rerun of another job is
+  refused before Ray starts, and ``restart`` starts the sweep over
+  (:mod:`pipeline.sweep.record`).
 """
 from __future__ import annotations
 
@@ -41,9 +44,10 @@ from pipeline.config.names import check_names
 from pipeline.config.tune import TuneConfig, split_key
 from pipeline.console import plural
 from pipeline.registry import tracking
-from pipeline.registry.versions import better
+from pipeline.registry.versions import better, default_model_name
+from pipeline.sweep import record
 from pipeline.sweep.mlflow_logging import (SWEEP_KEY_TAG, TRIAL_TAG, SweepLogger, catch_up_metrics,
-                                           open_parent_run)
+                                           open_parent_run, retire_sweep_runs)
 from pipeline.sweep.registration import REGISTERED_TAG, register_best
 from pipeline.sweep.space import apply_config, base_job_dict, data_variants, resolve_paths, space_jobs, task_metric, variant_key
 from pipeline.sweep.summary import SweepOutcome, plot_sweep, saved_states, summarize
@@ -88,8 +92,9 @@ def max_workers(job: JobConfig, tune_cfg: TuneConfig) -> int:
     return workers
 
 
-def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1) -> SweepOutcome:
-    """Run (or resume) the ASHA sweep of ``job.tune``; see the module docstring."""
+def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1, restart: bool = False) -> SweepOutcome:
+    """Run (or resume) the ASHA sweep of ``job.tune``; see the module docstring. ``restart``: start
+    over a sweep that ran another job (:mod:`pipeline.sweep.record`)."""
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
@@ -121,13 +126,14 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     storage = Path(tune_cfg.storage_path or runs_dir() / "tune").expanduser().resolve()
     sweep_dir = storage / name
     with hold_sweep(sweep_dir, name, "satp tune", "tune.name"):  # one writer per sweep, like a run
+        base = resolve_paths(base_job_dict(job), Path.cwd())
+        base["mlflow"]["enabled"] = False
+        ran = record.recorded_job(base, "tune", tune_cfg.model_dump(mode="json"))
+        record.check_rerun(sweep_dir, ran, what="sweep", name=name, key="tune.name", restart=restart)  # before Ray
         tracking_uri = job.mlflow.tracking_uri
         from pipeline.registry.addresses import check_reachable
 
         check_reachable(tracking_uri)  # fail fast, before any preprocessing or trial
-        cwd = Path.cwd()
-        base = resolve_paths(base_job_dict(job), cwd)
-        base["mlflow"]["enabled"] = False
 
         # the pre-flight of satp train, for every variant of the space: config, data roots, the Ray
         # address (connected here), the cluster against one trial's request (its largest worker count)
@@ -157,6 +163,9 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
         client = tracking.client(tracking_uri)
         exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)
         sweep_key = str(sweep_dir)
+        record.start(sweep_dir, ran, restart)
+        if restart:
+            retire_sweep_runs(client, exp_id, sweep_key, "sweep started over (--restart)")
         parent_id = open_parent_run(client, exp_id, sweep_key, "sweep", name, {**base, "tune": job.tune.model_dump(mode="json")})
 
         cluster = ray.cluster_resources()
@@ -244,7 +253,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
             client.set_tag(parent_id, "satp.best_run_id", best.run_id)
         if tune_cfg.register_best:
             done = client.get_run(parent_id).data.tags.get(REGISTERED_TAG)
-            name_reg = job.mlflow.registered_model or f"sat-{task_name}"
+            name_reg = default_model_name(job, task_name)
             if done and done.split("/")[0] == best.trial_id:  # a rerun of a finished sweep: registered already
                 version = int(done.split("/")[1])
                 registered = {"registered_model": name_reg, "version": version,

@@ -1,0 +1,82 @@
+"""What a sweep or comparison ran, recorded in its folder, so that its reruns behave like a run's.
+
+A sweep is named by its folder (``<storage_path>/<name>``: Tune's state and its trials' Train runs).
+Rerun, Tune restores the sweep as it ran: its search space, scheduler and samples, and the finished
+trials' results; a job changed meanwhile would reach only the trials that had not finished (one
+sweep, two configurations), under MLflow params of the first. So the sweep records its job as
+resolved, with its ``tune:`` (or ``compare:``) section (:func:`recorded_job`; ``satp-sweep.json``,
+written whole or not at all when its trials are about to start), and a rerun compares, before Ray
+starts (:func:`check_rerun`):
+
+==================  ===========================================================================
+the same job        the sweep resumes (a finished one reports its result again)
+another job         nothing starts: one line naming what differs and the two ways on, a new name
+                    or ``--restart`` (:func:`start`: the folder is emptied, its trials' Train runs
+                    with it, and the sweep starts over in new MLflow runs; the old MLflow runs and
+                    registered versions stay)
+==================  ===========================================================================
+
+Not in the record: what names the folder (the section's ``name`` and ``storage_path``) and what
+each trial sets itself (``train.run_name``, ``train.storage_path``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pipeline.train.lease import LEASE_FILE
+from pipeline.train.rerun import clear_run, differences
+
+RECORD_FILE = "satp-sweep.json"
+SECTIONS = ("tune", "compare")
+
+
+def recorded_job(base: dict, section: str, settings: dict) -> dict:
+    """The job a sweep runs, as recorded: ``base`` (the job as resolved, paths absolute) with its
+    ``section``'s ``settings``, less what names the folder and what each trial sets itself."""
+    job = {key: value for key, value in base.items() if key not in SECTIONS}
+    job["train"] = {key: value for key, value in base["train"].items() if key not in ("run_name", "storage_path")}
+    job[section] = {key: value for key, value in settings.items() if key not in ("name", "storage_path")}
+    return json.loads(json.dumps(job, default=str))  # as it reads back
+
+
+def check_rerun(sweep_dir: Path, record: dict, *, what: str, name: str, key: str, restart: bool) -> None:
+    """Refuse (a one-line ``ValueError``) to resume a sweep folder that ran another job than
+    ``record``, or that records none (run by an earlier satp); ``key``: the job key naming it."""
+    sweep_dir = Path(sweep_dir)
+    if restart or not sweep_dir.is_dir():
+        return
+    try:
+        recorded = json.loads((sweep_dir / RECORD_FILE).read_text())
+    except FileNotFoundError:
+        if not any(path.name != LEASE_FILE for path in sweep_dir.iterdir()):
+            return  # nothing ran there yet
+        held = f"a {what} that records no job (run before satp recorded one)"
+    except (OSError, ValueError) as exc:
+        held = f"a {what} whose record {RECORD_FILE} is unreadable ({exc})"
+    else:
+        diffs = differences(recorded, record)
+        if not diffs:
+            return
+        shown = "; ".join(diffs[:4]) + (f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else "")
+        held = f"a {what} of another job ({shown})"
+    raise ValueError(f"{what} {name!r} ({sweep_dir}) holds {held}; it is not resumed with this job: pick a new "
+                     f"{key} (--set {key}={name}-2), or pass --restart to start it over (its folder and its trials' "
+                     f"Train runs are deleted; MLflow runs and registered versions stay)")
+
+
+def start(sweep_dir: Path, record: dict, restart: bool) -> None:
+    """Once the sweep is sure to start: with ``restart``, empty its folder (Tune's state and its
+    trials' Train runs; the lease, which this command holds, stays), then write ``record`` (whole or
+    not at all)."""
+    sweep_dir = Path(sweep_dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    if restart:
+        clear_run(sweep_dir)
+    tmp = sweep_dir / f".{RECORD_FILE}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(record, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, sweep_dir / RECORD_FILE)
