@@ -17,9 +17,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "another configuration; without it such a run stops before training")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("submit", help="submit a job YAML to a Ray cluster (Ray job submission), stream its logs")
+    p = sub.add_parser(
+        "submit", help="submit a job YAML to a Ray cluster (Ray job submission), stream its logs",
+        description="Run satp train JOB.yaml as a Ray job. Before anything is uploaded, satp train's pre-flight runs "
+                    "here: the job file, its names and model, its data where this machine sees them, and the "
+                    "cluster's nodes against the job's workers.",
+        epilog="exit status: 0 the job succeeded (with --no-wait: it was submitted); 2 refused before the upload, in "
+               "one line (a bad job, data or cluster for it, no job server: what satp train refuses with 2); when the "
+               "job failed on the cluster, its own exit status as Ray reports it (satp train's: 2 a job it refused "
+               "there, 1 an error, 130 or 143 interrupted; 128+N for a command killed by signal N); 1 when Ray "
+               "reports none (the job was stopped, or failed before its command ran: its last line says why)")
     p.add_argument("job", help="job YAML inside the working directory")
-    p.add_argument("--address", default=None, help="job server URL (default $RAY_ADDRESS or http://127.0.0.1:8265)")
+    p.add_argument("--address", default=None,
+                   help="the cluster's job server, http://HOST:PORT (default $RAY_ADDRESS, else the satp cluster of "
+                        "this machine: satp cluster status shows its job server)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--no-wait", action="store_true", help="return once submitted")
     p.add_argument("--working-dir", default=".", help="directory uploaded as the job's working dir (default .)")
