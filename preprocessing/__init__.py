@@ -9,8 +9,10 @@ Public API (used by the training pipeline)::
     path = preprocess(data, transform, shards, force=True)    # built again, swapped in when complete
     path = shard_dir(data, transform, shards)                 # the same directory, building nothing (the
                                                               # raw files' fingerprint: cached by stat)
+    uri = preprocess(data, transform, shards, storage=settings)  # shards.root s3://bucket/prefix: the URI
     ds = ShardDataset(path, "train")                          # len(ds), ds[i] -> SATData,
                                                               # ds.num_nodes, ds.manifest, ds.vocab
+    ds = ShardDataset(uri, "train", storage=settings)         # through the node's shard cache
     graphs = preprocessing.reader.featurise(raws, task, transform, vocab)  # new inputs, as in training
 
 - :mod:`preprocessing.config`: the ``data`` / ``transform`` / ``shards`` job sections.
@@ -29,8 +31,11 @@ Public API (used by the training pipeline)::
 - :mod:`preprocessing.transforms`: per-graph transforms (augment_edge, targets, RWPE, LapPE,
   k-hop subgraph indices, degree).
 - :mod:`preprocessing.shards`: the shard format (schema version 1) and manifest.
+- :mod:`preprocessing.shard_places`: a shard directory in a folder or on an object store
+  (:mod:`runtime.storage`), one set of operations for both.
 - :mod:`preprocessing.build`: the Ray-parallel build with resume.
-- :mod:`preprocessing.reader`: :class:`~preprocessing.reader.ShardDataset`.
+- :mod:`preprocessing.reader`: :class:`~preprocessing.reader.ShardDataset`, and
+  :mod:`preprocessing.shard_cache`: the node's bounded cache of the shards it reads from a store.
 """
 from preprocessing.config import DataConfig, ShardConfig, TransformConfig, config_hash
 

@@ -13,11 +13,16 @@ gets the store's folder and its graph ids, reads those graphs' rows from the mem
 writes its shard atomically and returns its size and sha256; the driver then writes the shard's
 sidecar), and writes ``manifest.json`` last. The driver holds per-graph arrays only (offsets,
 splits, the train labels for code2's vocabulary), never the dataset. On a multi-node cluster
-``data.root`` and ``shards.root`` must be shared storage. A directory whose manifest matches the
-raw files' fingerprint and whose shards all match their sha256 is returned without reading the
-dataset; ``force`` builds it again beside it and swaps it in only when complete. Ray is started
-locally (:func:`runtime.ray_cluster.connect`, stopped afterwards) unless it is already initialised,
-``address`` names a cluster, or ``RAY_ADDRESS`` is set (inside a Ray job).
+``data.root`` must be shared storage, and ``shards.root`` too unless it is a URI: then the
+directory is a prefix of an object store, which every task writes its shard to itself (given the
+driver's standard storage variables, :func:`runtime.storage.forwarded_env`), through the same
+code (:mod:`preprocessing.shard_places`: there a finished shard is checked by its sidecar and
+size, its sha256 by the readers). A directory whose manifest matches the raw files' fingerprint
+and whose shards all match is returned without reading the dataset; ``force`` builds it again
+beside it and swaps it in only when complete (on an object store, which cannot swap prefixes, in
+place: its manifest goes first, every shard is written again, the manifest comes last). Ray is
+started locally (:func:`runtime.ray_cluster.connect`, stopped afterwards) unless it is already
+initialised, ``address`` names a cluster, or ``RAY_ADDRESS`` is set (inside a Ray job).
 """
 from __future__ import annotations
 
@@ -34,34 +39,28 @@ from pathlib import Path
 import numpy as np
 
 from preprocessing.config import SPLITS, DataConfig, ShardConfig, TransformConfig, config_hash
-from preprocessing.shards import (
-    MANIFEST,
-    SCHEMA_VERSION,
-    VOCAB_FILE,
-    atomic_write_bytes,
-    atomic_write_json,
-    column_specs,
-    encode_shard,
-    sha256_file,
-    write_shard_file,
-)
+from preprocessing.shard_places import open_place
+from preprocessing.shards import MANIFEST, SCHEMA_VERSION, VOCAB_FILE, column_specs, encode_shard, json_bytes, write_shard_file
 from preprocessing.sbm import NUM_CLASSES
 from preprocessing.columnar import TASK, ColumnarStore, raw_fingerprint
 from preprocessing.conversion import build_store, convert_file
-from preprocessing.locks import writer_lock
 from preprocessing.sources import dataset_dir, ensure_dataset, iter_chunk
 from preprocessing.transforms import build_vocab, transform_graph
+from runtime.storage import StorageSettings, check, forwarded_env, is_uri
 
 
-def shard_dir(data: DataConfig, transform: TransformConfig, shards: ShardConfig, fingerprint: str | None = None) -> Path:
+def shard_dir(data: DataConfig, transform: TransformConfig, shards: ShardConfig,
+              fingerprint: str | None = None) -> Path | str:
     """The directory of a configuration's shards of the raw files that ``data`` names now:
-    ``<shards.root>/<dataset>-<config hash[:12]>-<raw fingerprint[:12]>``, so that two datasets
+    ``<shards.root>/<dataset>-<config hash[:12]>-<raw fingerprint[:12]>`` (a ``Path``; a URI when
+    ``shards.root`` is one), so that two datasets
     (another ``data.root``, raw files rebuilt) never share one. ``fingerprint``: the raw files'
     :func:`~preprocessing.columnar.raw_fingerprint` when the caller has it; else it is taken (cached
     by the files' stat signature, see there): the dataset folder must exist."""
     if fingerprint is None:
         fingerprint = raw_fingerprint(dataset_dir(data), data.name)
-    return Path(shards.root) / f"{data.name}-{config_hash(data, transform, shards)[:12]}-{fingerprint[:12]}"
+    name = f"{data.name}-{config_hash(data, transform, shards)[:12]}-{fingerprint[:12]}"
+    return f"{shards.root}/{name}" if is_uri(shards.root) else Path(shards.root) / name
 
 
 @dataclass
@@ -112,114 +111,122 @@ def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | No
     return encode_shard(*_transformed_rows(chunk, task, transform, vocab))
 
 
-def write_shard(path: str, store: str, ids: np.ndarray, task: str, transform: dict, vocab: list[str] | None) -> dict:
+def write_shard(path: str, store: str, ids: np.ndarray, task: str, transform: dict, vocab: list[str] | None,
+                storage: StorageSettings | None = None) -> dict:
     """The body of a Ray task: read graphs ``ids`` from the columnar store in folder ``store``,
-    compute their shard and write it atomically where it belongs (on a multi-node cluster
-    ``data.root`` and ``shards.root`` are shared storage); only its size and checksum travel back.
+    compute their shard and write it atomically where it belongs (``path``: on a multi-node cluster
+    shared storage, or an object's URI, reached with ``storage``); only its size and checksum
+    travel back.
 
     ``SATP_TESTING_SHARD_DELAY_S`` in the node's environment (a fault-injection test hook) makes the
     task last at least that long, so that a test can see it running on a node and kill the node."""
     started = time.monotonic()
     rows, specs = _transformed_rows(ColumnarStore(store).chunk(ids), task, transform, vocab)
     time.sleep(max(0.0, float(os.environ.get("SATP_TESTING_SHARD_DELAY_S", 0)) - (time.monotonic() - started)))
-    return write_shard_file(Path(path), rows, specs)
+    return write_shard_file(path, rows, specs, storage)
 
 
-def _shard_done(out: Path, plan: ShardPlan, key: dict) -> dict | None:
-    side, path = out / plan.sidecar, out / plan.file
-    if not side.is_file() or not path.is_file():
+def _shard_done(place, plan: ShardPlan, key: dict, present: dict[str, int | None]) -> dict | None:
+    """The sidecar of a finished shard (``present``: the directory's file sizes), None if it is not."""
+    if present[plan.sidecar] is None or present[plan.file] is None:
         return None
     try:
-        meta = json.loads(side.read_text())
+        meta = json.loads(place.read(plan.sidecar))
     except (OSError, json.JSONDecodeError):
         return None
     if any(meta.get(k) != v for k, v in key.items()) or meta.get("rows") != int(plan.ids.size):
         return None
-    if path.stat().st_size != meta.get("bytes") or sha256_file(path) != meta.get("sha256"):
+    if present[plan.file] != meta.get("bytes") or not place.digest_matches(plan.file, meta.get("sha256")):
         return None
     return meta
 
 
-def _rebuild_reason(out: Path, plan: ShardPlan, key: dict) -> str | None:
+def _rebuild_reason(place, plan: ShardPlan, key: dict, present: dict[str, int | None]) -> str | None:
     """Why a shard that :func:`_shard_done` rejected is computed again, when it had been written
     before (None: it never was); said on stderr, so that a corrupt shard is never silently rebuilt."""
-    side, path = out / plan.sidecar, out / plan.file
-    if not side.is_file():
-        return "its build was interrupted before it was recorded" if path.is_file() else None
-    if not path.is_file():
+    if present[plan.sidecar] is None:
+        return "its build was interrupted before it was recorded" if present[plan.file] is not None else None
+    if present[plan.file] is None:
         return "the file is missing"
     try:
-        meta = json.loads(side.read_text())
+        meta = json.loads(place.read(plan.sidecar))
     except (OSError, json.JSONDecodeError):
-        return f"its sidecar {side.name} is unreadable"
+        return f"its sidecar {plan.sidecar} is unreadable"
     if any(meta.get(k) != v for k, v in key.items()) or meta.get("rows") != int(plan.ids.size):
         return "it was built from other source data or settings"
-    size = path.stat().st_size
+    size = present[plan.file]
     if size != meta.get("bytes"):
         return f"{size} bytes, {meta.get('bytes')} recorded (truncated or corrupt)"
     return "its sha256 differs from the recorded one (corrupt)"
 
 
-def _read_manifest(out: Path) -> dict | None:
+def _read_manifest(place) -> dict | None:
     """The directory's manifest, None when there is none or it is unreadable (it is written again
     from the sidecars: nothing but it is lost)."""
     try:
-        manifest = json.loads((out / MANIFEST).read_text())
+        manifest = json.loads(place.read(MANIFEST))
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) else None
 
 
-def _check_owner(out: Path, chash: str) -> None:
+def _check_owner(place, chash: str) -> None:
     """A directory written by another configuration is never reused or mixed."""
     fix = "`satp preprocess JOB.yaml --force` rebuilds it"
-    manifest = _read_manifest(out)
+    manifest = _read_manifest(place)
     if manifest is not None:
         found = manifest.get("config_hash")
         if found != chash:
-            raise ValueError(f"{out}: shard directory of another configuration (config hash {found!r}, "
+            raise ValueError(f"{place.root}: shard directory of another configuration (config hash {found!r}, "
                              f"expected {chash[:12]}...); {fix}")
-    for side in sorted(out.glob("*.json")):
-        if side.name in (MANIFEST, VOCAB_FILE):
+    for side in place.names():
+        if not side.endswith(".json") or side.startswith(".") or side in (MANIFEST, VOCAB_FILE):
             continue
         try:
-            found = json.loads(side.read_text()).get("config_hash")
+            found = json.loads(place.read(side)).get("config_hash")
         except (OSError, ValueError, AttributeError):
             continue  # an unreadable sidecar only means its shard is recomputed
         if found != chash:
-            raise ValueError(f"{side}: shard of another configuration (config hash {found!r}, expected {chash[:12]}...); "
-                             f"{fix}")
+            raise ValueError(f"{place.at(side)}: shard of another configuration (config hash {found!r}, expected "
+                             f"{chash[:12]}...); {fix}")
 
 
 def preprocess(data: DataConfig, transform: TransformConfig, shards: ShardConfig, address: str | None = None,
-               progress: bool = True, force: bool = False) -> Path:
-    """Build (or resume, or just validate) the shards of a configuration; return their directory.
+               progress: bool = True, force: bool = False, storage: StorageSettings | None = None) -> Path | str:
+    """Build (or resume, or just validate) the shards of a configuration; return their directory
+    (a ``Path``, or a URI when ``shards.root`` is one: ``storage`` says how its store is reached).
 
     ``force``: build them again from scratch into a temporary sibling directory, which replaces the
-    directory only once it is complete (a failed or killed rebuild leaves the old one as it was).
+    directory only once it is complete (a failed or killed rebuild leaves the old one as it was);
+    on an object store in place, its manifest removed first.
 
     Raises:
-        ValueError: bad input (one line naming the file, graph or key), or a directory holding
-            another configuration's shards.
+        ValueError: bad input (one line naming the file, graph or key), a directory holding
+            another configuration's shards, or a store that cannot be reached or written.
     """
     chash = config_hash(data, transform, shards)
     folder = ensure_dataset(data)
     fingerprint = raw_fingerprint(folder, data.name)
-    out = shard_dir(data, transform, shards, fingerprint)
+    place = open_place(shard_dir(data, transform, shards, fingerprint), storage)
+    if not place.local:
+        check(place.root, write=False, settings=storage)  # a store that does not answer: named in seconds
     if not force:
-        if out.exists():
-            _check_owner(out, chash)
-        if (out / MANIFEST).is_file() and _complete(out, fingerprint):
-            return out  # finished and intact: nothing to read
+        if place.exists():
+            _check_owner(place, chash)
+        if _complete(place, fingerprint):
+            return place.root  # finished and intact: nothing to read
+    if not place.local:
+        check(shards.root, write=True, settings=storage)
     with _RaySession(address) as session:
         store = build_store(folder, data.name, fingerprint, run=_conversion_runner(folder, session, progress))
         # one writer per directory (a second command waits, then finds it complete)
-        with writer_lock(out.with_name(f".{out.name}.lock"), f"the shard directory {out}"):
-            if not force and (out / MANIFEST).is_file() and _complete(out, fingerprint):
-                return out
-            if not force:
-                return build_shards(store, data, transform, shards, address=address, progress=progress)
-            return _rebuild(out, store, data, transform, shards, address, progress)
+        with place.lock():
+            if not force and _complete(place, fingerprint):
+                return place.root
+            if not force or not place.local:
+                return build_shards(store, data, transform, shards, address=address, progress=progress,
+                                    storage=storage, everything=force)
+            return _rebuild(place.root, store, data, transform, shards, address, progress)
 
 
 def _rebuild(out: Path, store: ColumnarStore, data: DataConfig, transform: TransformConfig, shards: ShardConfig,
@@ -247,38 +254,41 @@ def _rebuild(out: Path, store: ColumnarStore, data: DataConfig, transform: Trans
     return out
 
 
-def _complete(out: Path, fingerprint: str) -> bool:
-    """True when ``out`` holds a manifest for ``fingerprint`` and every shard (and the vocabulary)
-    matches it."""
-    manifest = _read_manifest(out)
+def _complete(place, fingerprint: str) -> bool:
+    """True when the directory holds a manifest for ``fingerprint`` and every shard (and the
+    vocabulary) matches it."""
+    manifest = _read_manifest(place)
     if manifest is None:
         return False
     if manifest.get("schema_version") != SCHEMA_VERSION or manifest.get("source", {}).get("fingerprint") != fingerprint:
         return False
-    for entry in manifest.get("shards", []):
-        path = out / entry["file"]
-        if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
-            return False
+    entries = manifest.get("shards", [])
     vocab = manifest.get("vocab_sha256")
-    return vocab is None or ((out / VOCAB_FILE).is_file() and sha256_file(out / VOCAB_FILE) == vocab)
+    present = place.sizes([e["file"] for e in entries] + [VOCAB_FILE])
+    for entry in entries:
+        if present[entry["file"]] != entry["bytes"] or not place.digest_matches(entry["file"], entry["sha256"]):
+            return False
+    return vocab is None or (present[VOCAB_FILE] is not None and place.digest_matches(VOCAB_FILE, vocab))
 
 
 def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformConfig, shards: ShardConfig,
-                 address: str | None = None, progress: bool = True, out: Path | None = None) -> Path:
+                 address: str | None = None, progress: bool = True, out: Path | str | None = None,
+                 storage: StorageSettings | None = None, everything: bool = False) -> Path | str:
     """:func:`preprocess` on a finished :class:`~preprocessing.columnar.ColumnarStore`, into ``out``
-    (default: :func:`shard_dir` of the store's raw files)."""
+    (default: :func:`shard_dir` of the store's raw files); ``everything``: no shard is taken as
+    finished (``force`` on an object store)."""
     chash = config_hash(data, transform, shards)
-    out = shard_dir(data, transform, shards, store.fingerprint) if out is None else Path(out)
-    if out.exists():
-        _check_owner(out, chash)
+    place = open_place(shard_dir(data, transform, shards, store.fingerprint) if out is None else out, storage)
+    if place.exists():
+        _check_owner(place, chash)
     task = TASK[data.name]
-    previous = _read_manifest(out)
-    if previous is None and (out / MANIFEST).is_file():
-        print(f"satp: writing {out / MANIFEST} again: it is unreadable", file=sys.stderr, flush=True)
-    if previous is not None:
+    previous = _read_manifest(place)
+    if previous is None and place.sizes([MANIFEST])[MANIFEST] is not None:
+        print(f"satp: writing {place.at(MANIFEST)} again: it is unreadable", file=sys.stderr, flush=True)
+    if previous is not None and not everything:
         old = (previous.get("source") or {}).get("fingerprint")
         if old != store.fingerprint:  # the name holds 12 hex digits of it: a collision, or a copied directory
-            raise ValueError(f"{out}: built from other source data than {store.folder} now holds (raw fingerprint "
+            raise ValueError(f"{place.root}: built from other source data than {store.folder} now holds (raw fingerprint "
                              f"{str(old)[:16]}..., now {store.fingerprint[:16]}...); "
                              "`satp preprocess JOB.yaml --force` rebuilds it")
     plans = plan_shards(store, data, shards)
@@ -290,28 +300,35 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
         if train_ids.size == 0:
             raise ValueError(f"{store.folder}: the train split is empty, no vocabulary can be built")
         vocab = build_vocab(store.labels(train_ids), transform.vocab_size)
-    out.mkdir(parents=True, exist_ok=True)
+    place.mkdir()
     interrupted = set()
-    for orphan in out.glob(".*.tmp-*"):  # a killed run's half-written files (a shard is ~0.3 GB for ppa)
-        interrupted.add(orphan.name[1:].split(".tmp-")[0])
-        orphan.unlink(missing_ok=True)
+    for orphan in [n for n in place.names() if n.startswith(".") and ".tmp-" in n]:
+        interrupted.add(orphan[1:].split(".tmp-")[0])  # a killed run's half-written file (a ppa shard: ~0.3 GB)
+        place.delete(orphan)
     payload = None if vocab is None else (json.dumps(vocab) + "\n").encode()
-    if payload is not None and (not (out / VOCAB_FILE).is_file() or (out / VOCAB_FILE).read_bytes() != payload):
-        if (out / VOCAB_FILE).is_file():
-            print(f"satp: writing {out / VOCAB_FILE} again: it differs from the vocabulary of the train split "
-                  "(damaged)", file=sys.stderr, flush=True)
-        atomic_write_bytes(out / VOCAB_FILE, payload)
+    if payload is not None:
+        try:
+            written = place.read(VOCAB_FILE)
+        except FileNotFoundError:
+            written = None
+        if written != payload:
+            if written is not None:
+                print(f"satp: writing {place.at(VOCAB_FILE)} again: it differs from the vocabulary of the train "
+                      "split (damaged)", file=sys.stderr, flush=True)
+            place.write(VOCAB_FILE, payload)
     key = {"config_hash": chash, "fingerprint": store.fingerprint, "schema_version": SCHEMA_VERSION}
-    done = {p.file: _shard_done(out, p, key) for p in plans}
+    present = place.sizes([name for p in plans for name in (p.file, p.sidecar)])
+    done = {p.file: None if everything else _shard_done(place, p, key, present) for p in plans}
     pending = [p for p in plans if done[p.file] is None]
-    for plan in pending:
-        why = "its write was interrupted" if plan.file in interrupted else _rebuild_reason(out, plan, key)
+    for plan in [] if everything else pending:
+        why = "its write was interrupted" if plan.file in interrupted else _rebuild_reason(place, plan, key, present)
         if why:
-            print(f"satp: rebuilding shard {out / plan.file}: {why}", file=sys.stderr, flush=True)
+            print(f"satp: rebuilding shard {place.at(plan.file)}: {why}", file=sys.stderr, flush=True)
     if pending:
-        (out / MANIFEST).unlink(missing_ok=True)  # incomplete from here on
+        place.delete(MANIFEST)  # incomplete from here on
         with _RaySession(address) as session:
-            results = _run_shard_tasks(session(), pending, store, task, transform, vocab, out, shards, key, progress)
+            results = _run_shard_tasks(session(), pending, store, task, transform, vocab, place, shards, key, progress,
+                                       storage)
         done.update(results)
     specs = column_specs(task, transform)
     manifest = {
@@ -348,8 +365,8 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
         manifest["shards"].append(
             {"file": p.file, "split": p.split, "rows": meta["rows"], "bytes": meta["bytes"], "sha256": meta["sha256"]}
         )
-    atomic_write_json(out / MANIFEST, manifest)
-    return out
+    place.write(MANIFEST, json_bytes(manifest))
+    return place.root
 
 
 class _RaySession:
@@ -429,12 +446,17 @@ def _cancel(ray, refs: list, timeout_s: float = 30.0) -> None:
 
 
 def _run_shard_tasks(ray, pending: list[ShardPlan], store: ColumnarStore, task: str, transform: TransformConfig,
-                     vocab: list[str] | None, out: Path, shards: ShardConfig, key: dict,
-                     progress: bool) -> dict[str, dict]:
+                     vocab: list[str] | None, place, shards: ShardConfig, key: dict, progress: bool,
+                     storage: StorageSettings | None = None) -> dict[str, dict]:
+    from runtime.ray_cluster import missing_worker_env
+
     results: dict[str, dict] = {}
     # SPREAD: shard tasks go to every node, not first to the node holding their arguments (the
     # driver's); a task lost with its node is retried elsewhere (max_retries)
     remote = ray.remote(num_cpus=shards.cpus_per_task, max_retries=2, scheduling_strategy="SPREAD")(write_shard)
+    env = {} if place.local else missing_worker_env(forwarded_env())  # the store's endpoint and credentials
+    if env:
+        remote = remote.options(runtime_env={"env_vars": env})
     cpus = ray.cluster_resources().get("CPU", 1.0)
     # twice the slots: a queued task starts as soon as a worker is free
     limit = shards.max_in_flight or 2 * max(1, int(cpus // shards.cpus_per_task))
@@ -443,11 +465,11 @@ def _run_shard_tasks(ray, pending: list[ShardPlan], store: ColumnarStore, task: 
     in_flight: dict = {}
     queue = list(pending)
     folder = str(store.folder)
-    with _progress(int(sum(p.ids.size for p in pending)), "graph", f"preprocess {out.name}", progress) as bar:
+    with _progress(int(sum(p.ids.size for p in pending)), "graph", f"preprocess {place.name}", progress) as bar:
         def submit() -> None:
             while queue and len(in_flight) < limit:
                 plan = queue.pop(0)
-                in_flight[remote.remote(str(out / plan.file), folder, plan.ids, task, tdict, vocab_ref)] = plan
+                in_flight[remote.remote(place.at(plan.file), folder, plan.ids, task, tdict, vocab_ref, storage)] = plan
 
         while queue or in_flight:
             submit()
@@ -460,9 +482,10 @@ def _run_shard_tasks(ray, pending: list[ShardPlan], store: ColumnarStore, task: 
                 except ray.exceptions.RayTaskError as exc:
                     _cancel(ray, list(in_flight))
                     cause = str(getattr(exc, "cause", None) or exc).splitlines()[0]
-                    raise ValueError(cause if cause.startswith(str(out / plan.file)) else f"{out / plan.file}: {cause}") from None
+                    shard = place.at(plan.file)
+                    raise ValueError(cause if cause.startswith(shard) else f"{shard}: {cause}") from None
                 meta = dict(key, file=plan.file, split=plan.split, rows=int(plan.ids.size), **written)
-                atomic_write_json(out / plan.sidecar, meta)
+                place.write(plan.sidecar, json_bytes(meta))
                 results[plan.file] = meta
                 bar.update(int(plan.ids.size))
     return results

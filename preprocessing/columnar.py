@@ -179,7 +179,7 @@ def raw_fingerprint(folder: Path, name: str) -> str:
 
 def file_digest(path: Path) -> str:
     """xxh3-64 of a file's bytes (hex): a checksum for damage, not an identity (sha256 names data)."""
-    from preprocessing.shards import digest_file
+    from preprocessing.shard_places import digest_file
 
     return digest_file(path, xxhash.xxh3_64())
 

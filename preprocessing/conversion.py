@@ -137,9 +137,12 @@ def _expected_rows(spec: FileSpec, counts: _Counts) -> int | None:
 
 
 def _check_counts(folder: Path, counts: _Counts) -> None:
+    """One line per graph in both count files; when they differ, the shorter one is named (a cut file)."""
     raw = folder / "raw"
     if counts.edges.size != counts.nodes.size:
-        raise ValueError(f"{raw / 'num-edge-list.csv.gz'}: {counts.edges.size} graphs, num-node-list has {counts.nodes.size}")
+        files = sorted([(counts.nodes.size, "num-node-list.csv.gz"), (counts.edges.size, "num-edge-list.csv.gz")])
+        (short, name), (full, other) = files
+        raise ValueError(f"{raw / name}: {short} lines, {other} has {full} (one per graph): truncated?")
     if counts.nodes.size == 0:
         raise ValueError(f"{raw}: the dataset has no graphs")
 

@@ -335,6 +335,9 @@ def build_pycode(out: str | Path, sources: list[str | Path] | None = None, inclu
         items = source_items(src, include_tests)
     workers = workers or default_workers()
     where = ", ".join(map(str, src))
+    modules = len({group for _, _, group in items})
+    if items and modules < 3:  # known from the file names: before minutes of parsing
+        raise ValueError(f"{where}: found {modules} top-level module(s); the project split needs at least 3")
     with tempfile.TemporaryDirectory(prefix="satp-pycode-") as spill_dir:
         parts, per_file, failed = _parse_to_parts(items, workers, Path(spill_dir))
         return _write_corpus(out, force, items, parts, per_file, failed, where, include_tests or environment)
@@ -360,7 +363,8 @@ def _write_corpus(out: str | Path, force: bool, items: list[tuple[Path, Path, st
         if n:
             sizes[group] += n
     if len(sizes) < 3:
-        raise ValueError(f"{where}: found {len(sizes)} top-level module(s); the project split needs at least 3")
+        raise ValueError(f"{where}: found {len(sizes)} top-level module(s) with function definitions; the project "
+                         "split needs at least 3")
     group_split = assign_groups(dict(sizes), (0.8, 0.1, 0.1))
     codes = {"train": 0, "valid": 1, "test": 2}
     split_of = np.repeat(np.array([codes[group_split[g]] if n else 0 for (_, _, g), n in zip(items, per_file)],

@@ -21,8 +21,15 @@
   manifest; a shard's sha256 is verified when the shard is first opened for items (``verify=True``,
   the default; :meth:`verify_all` checks them all now), the vocabulary's when it is first read. A
   bad shard or vocabulary raises ``ValueError`` naming it.
-- Picklable and cheap to re-open (pickling keeps only the path, split and ``verify``), so Ray
-  workers construct it from the path.
+- Picklable and cheap to re-open (pickling keeps only the path, split, ``verify`` and
+  ``storage``), so Ray workers construct it from the path.
+- A shard directory on an object store (``shard_dir`` a URI, ``storage`` the job's settings,
+  :mod:`runtime.storage`): the manifest and vocabulary are read into memory, and every shard is
+  read through the node's local cache (:mod:`preprocessing.shard_cache`): reading a shard starts
+  downloading the next few of the split (read-ahead), each shard is mapped from the cache as a
+  local one is, and its sha256 is always checked on its first read in a process. A split that
+  does not fit the cache, a shard missing or corrupt on the store (fetched twice) raise
+  ``ValueError`` naming it.
 
 :func:`featurise` turns raw graphs (e.g. the functions of a new Python file, through
 :func:`preprocessing.python_graphs.code_to_raw_graph`) into ``SATData`` exactly as training data were
@@ -33,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +48,10 @@ import pyarrow as pa
 import torch
 from torch_geometric.data import Batch
 
+from preprocessing.shard_cache import READ_AHEAD, ShardCache, fetcher
+from preprocessing.shard_places import open_place
 from preprocessing.shards import read_manifest, sha256_file
+from runtime.storage import StorageSettings
 from sat.data import SATData
 
 _TORCH = {"int64": torch.long, "float32": torch.float32}
@@ -55,12 +66,14 @@ _INCREMENTED_BY = {
 
 
 class _Shard:
-    """One memory-mapped shard: zero-copy numpy views of every list column."""
+    """One memory-mapped shard: zero-copy numpy views of every list column. ``source``: its bytes
+    opened already (a mapped cache file, an in-memory buffer), else the file ``path`` is mapped;
+    ``holder``: kept while the shard lives (a cached shard's in-use lock)."""
 
-    def __init__(self, path: Path, specs: dict[str, dict], payload: bytes | None = None):
-        self.path = path
+    def __init__(self, path: Path | str, specs: dict[str, dict], source=None, holder=None):
+        self.path, self._holder = path, holder
         try:
-            self._mmap = pa.BufferReader(payload) if payload is not None else pa.memory_map(str(path), "r")
+            self._mmap = source if source is not None else pa.memory_map(str(path), "r")
             reader = pa.ipc.open_file(self._mmap)
             if reader.num_record_batches != 1:
                 raise ValueError("expected one record batch")
@@ -204,21 +217,30 @@ class _Rows:
 class ShardDataset(torch.utils.data.Dataset):
     """Items of one split of a shard directory (see the module docstring)."""
 
-    def __init__(self, shard_dir: str | Path, split: str, verify: bool = True):
-        self.shard_dir = Path(shard_dir)
+    def __init__(self, shard_dir: str | Path, split: str, verify: bool = True, storage: StorageSettings | None = None):
+        self._place = open_place(shard_dir, storage)
+        self.shard_dir = self._place.root  # a Path, or the URI
         self.split = split
         self.verify = verify
-        self.manifest = read_manifest(self.shard_dir)
+        self.storage = storage
+        self.manifest = read_manifest(self.shard_dir, storage)
         if split not in self.manifest["splits"]:
             raise ValueError(f"{self.shard_dir}: no split {split!r} (has {sorted(self.manifest['splits'])})")
         self._specs = self.manifest["columns"]
         self._entries = [s for s in self.manifest["shards"] if s["split"] == split]
+        sizes = self._place.sizes([e["file"] for e in self._entries])
         for entry in self._entries:
-            path = self.shard_dir / entry["file"]
-            if not path.is_file():
+            path, size = self._place.at(entry["file"]), sizes[entry["file"]]
+            if size is None:
                 raise ValueError(f"{path}: shard missing")
-            if path.stat().st_size != entry["bytes"]:
-                raise ValueError(f"{path}: corrupt shard (size {path.stat().st_size}, manifest says {entry['bytes']})")
+            if size != entry["bytes"]:
+                raise ValueError(f"{path}: corrupt shard (size {size}, manifest says {entry['bytes']})")
+        if not self._place.local:
+            self._cache = ShardCache(storage)
+            self._cache.check_room(self.shard_dir, split, sum(e["bytes"] for e in self._entries))
+            self._keep = frozenset(e["sha256"] for e in self._entries)
+            self._fetches: dict[int, object] = {}
+            self._pid = os.getpid()
         self._shards: list[_Shard | None] = [None] * len(self._entries)
         self._verified = [False] * len(self._entries)
         rows = np.array([e["rows"] for e in self._entries], dtype=np.int64)
@@ -226,12 +248,12 @@ class ShardDataset(torch.utils.data.Dataset):
         self._num_nodes: np.ndarray | None = None
         self._vocab: list[str] | None = None
 
-    # -- pickling: only the path travels
+    # -- pickling: only the path and settings travel
     def __getstate__(self):
-        return {"shard_dir": str(self.shard_dir), "split": self.split, "verify": self.verify}
+        return {"shard_dir": str(self.shard_dir), "split": self.split, "verify": self.verify, "storage": self.storage}
 
     def __setstate__(self, state):
-        self.__init__(state["shard_dir"], state["split"], state["verify"])
+        self.__init__(state["shard_dir"], state["split"], state["verify"], state.get("storage"))
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -240,10 +262,14 @@ class ShardDataset(torch.utils.data.Dataset):
         shard = self._shards[k]
         if shard is None:
             entry = self._entries[k]
-            path = self.shard_dir / entry["file"]
-            if (self.verify if verify is None else verify) and not self._verified[k]:
-                self._check(k)
-            shard = _Shard(path, self._specs)
+            path = self._place.at(entry["file"])
+            if not self._place.local:
+                shard = _Shard(path, self._specs, *self._fetched(k))
+                self._verified[k] = True  # a shard from a store: always checked on its first read
+            else:
+                if (self.verify if verify is None else verify) and not self._verified[k]:
+                    self._check(k)
+                shard = _Shard(path, self._specs)
             if shard.rows != entry["rows"]:
                 raise ValueError(f"{path}: corrupt shard ({shard.rows} rows, manifest says {entry['rows']})")
             self._shards[k] = shard
@@ -251,9 +277,31 @@ class ShardDataset(torch.utils.data.Dataset):
             self._check(k)
         return shard
 
+    def _fetched(self, k: int) -> tuple:
+        """``(memory map, holder)`` of shard ``k`` of a store, from the cache, with the next
+        :data:`~preprocessing.shard_cache.READ_AHEAD` shards of the split downloading meanwhile (a
+        forked process starts its own: its parent's download threads did not come along)."""
+        if self._pid != os.getpid():
+            self._fetches, self._pid = {}, os.getpid()
+        for j in range(k, min(len(self._entries), k + 1 + READ_AHEAD)):
+            if j not in self._fetches:
+                entry = self._entries[j]
+                self._fetches[j] = fetcher().submit(self._cache.fetch, self._place.loc.join(entry["file"]),
+                                                    entry["bytes"], entry["sha256"], self._keep)
+        job, entry = self._fetches[k], self._entries[k]
+        obj = self._place.loc.join(entry["file"])
+        downloaded = self._cache.fetch(obj, entry["bytes"], entry["sha256"], self._keep) if job.cancel() \
+            else job.result()  # not started yet: fetched here, now
+        source, holder, _ = self._cache.open(obj, entry["bytes"], entry["sha256"], not downloaded and
+                                             not self._verified[k], self._keep)
+        return source, holder
+
     def _check(self, k: int) -> None:
+        if not self._place.local:
+            self._shard(k)  # checked as it is first read
+            return
         entry = self._entries[k]
-        path = self.shard_dir / entry["file"]
+        path = self._place.at(entry["file"])
         if sha256_file(path) != entry["sha256"]:
             raise ValueError(f"{path}: corrupt shard (sha256 does not match the manifest)")
         self._verified[k] = True
@@ -357,16 +405,22 @@ class ShardDataset(torch.utils.data.Dataset):
         if name is None:
             return None
         if self._vocab is None:
-            path = self.shard_dir / name
+            path = self._place.at(name)
+
+            def damaged(why: str) -> ValueError:
+                return ValueError(f"{path}: damaged vocabulary ({why.splitlines()[0]}); `satp preprocess` writes it again")
+
             try:
-                payload = path.read_bytes()
-                expected = self.manifest.get("vocab_sha256")  # absent in directories of older satp versions
-                if expected is not None and hashlib.sha256(payload).hexdigest() != expected:
-                    raise ValueError("sha256 does not match the manifest")
+                payload = self._place.read(name)
+            except OSError as exc:  # missing or unreadable (a store's own faults are their own line)
+                raise damaged(str(exc)) from None
+            expected = self.manifest.get("vocab_sha256")  # absent in directories of older satp versions
+            if expected is not None and hashlib.sha256(payload).hexdigest() != expected:
+                raise damaged("sha256 does not match the manifest")
+            try:
                 self._vocab = json.loads(payload)
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"{path}: damaged vocabulary ({str(exc).splitlines()[0]}); "
-                                 "`satp preprocess` writes it again") from None
+            except ValueError as exc:
+                raise damaged(str(exc)) from None
         return self._vocab
 
     def __repr__(self) -> str:
@@ -388,5 +442,5 @@ def featurise(raws: list[dict], task: str, transform, vocab: list[str] | None = 
     vocab_index = {w: i for i, w in enumerate(vocab)} if vocab else None
     rows = [transform_graph(raw, task, cfg, vocab_index) for raw in raws]
     specs = column_specs(task, cfg)
-    shard = _Shard(Path("<memory>"), specs, payload=encode_shard(rows, specs))
+    shard = _Shard(Path("<memory>"), specs, pa.BufferReader(encode_shard(rows, specs)))
     return [shard.item(i) for i in range(len(rows))]

@@ -11,7 +11,9 @@ A shard directory (``<shards.root>/<dataset>-<config hash[:12]>/``) holds::
 A shard never mixes splits; shards hold ``shards.graphs_per_shard`` graphs (the last one of a
 split fewer). Every file is written under a temporary name and renamed, so a crash never leaves
 a shard that looks valid; a shard counts as finished only when its sidecar exists and its sha256
-matches.
+matches. With ``shards.root`` a URI the directory is a prefix of an object store and each file one
+upload, visible only once complete; there a finished shard's sidecar and size are checked, its
+sha256 by the reader when it first reads it (:mod:`preprocessing.shard_places`).
 
 **Rows and columns.** One row per graph. Scalar columns: ``graph_id`` (int64, index in the OGB
 dataset), ``num_nodes`` (int32), ``num_edges`` (int32). Every tensor is a ``large_list`` column of
@@ -58,17 +60,19 @@ file, split, rows, bytes, sha256), ``columns`` (see above), ``vocab_file``, ``vo
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from preprocessing.config import SBM_DATASETS
-from preprocessing.write_errors import write_error
+from preprocessing.shard_places import atomic_write_bytes, file_place, open_place, sha256_file
+from runtime.storage import StorageSettings
+
+__all__ = ["MANIFEST", "SCHEMA_VERSION", "VOCAB_FILE", "arrow_schema", "atomic_write_bytes", "atomic_write_json",
+           "column_specs", "encode_shard", "json_bytes", "read_manifest", "sha256_file", "shard_batch",
+           "write_shard_file"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -155,68 +159,38 @@ def encode_shard(rows: list[dict], specs: dict[str, dict]) -> pa.Buffer:
     return sink.getvalue()
 
 
-def write_shard_file(path: Path, rows: list[dict], specs: dict[str, dict]) -> dict:
-    """Rows -> an Arrow IPC file at ``path``, written straight to a temporary file in the same
-    directory (no second copy of the shard in memory), synced and renamed; returns its ``bytes``
-    and ``sha256``."""
-    path = Path(path)
+def write_shard_file(path: str | Path, rows: list[dict], specs: dict[str, dict],
+                     storage: StorageSettings | None = None) -> dict:
+    """Rows -> an Arrow IPC file at ``path`` (a path, or an object's URI: ``storage`` reaches its
+    store), streamed straight to its place (:meth:`~preprocessing.shard_places.FolderPlace.writer`:
+    a temporary file in the same directory, synced and renamed; or one upload), with no second copy
+    of the shard in memory; returns its ``bytes`` and ``sha256``, counted as it is written."""
+    place, name = file_place(path, storage)
     batch = shard_batch(rows, specs)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
+    with place.writer(name, "the shards finished before it are kept") as sink:
+        with pa.ipc.new_file(sink, batch.schema) as writer:
             writer.write_batch(batch)
         del batch
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        digest = sha256_file(tmp)
-        size = tmp.stat().st_size
-        os.replace(tmp, path)
-    except OSError as exc:  # Arrow's words name no file (a full disk: "Error writing bytes to file ...")
-        raise write_error(path, exc, "the shards finished before it are kept") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    return {"bytes": size, "sha256": digest}
+    return {"bytes": sink.size, "sha256": sink.digest.hexdigest()}
 
 
-def sha256_file(path: Path) -> str:
-    return digest_file(path, hashlib.sha256())
-
-
-def digest_file(path: Path, digest) -> str:
-    """``digest`` (a hashlib-style object: ``update``, ``hexdigest``) of a file's bytes, read in 4 MiB chunks."""
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def atomic_write_bytes(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` via a temporary file in the same directory and a rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:  # a full disk names the temporary file: name the one being written
-        raise write_error(path, exc, "the previous version, if any, is kept") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+def json_bytes(obj) -> bytes:
+    """The bytes of a manifest or sidecar (indented, keys sorted, a final newline)."""
+    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
 
 
 def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(path, json_bytes(obj))
 
 
-def read_manifest(shard_dir: str | Path) -> dict:
-    path = Path(shard_dir) / MANIFEST
-    if not path.is_file():
-        raise ValueError(f"{path}: no manifest: not a finished shard directory (run `satp preprocess`)")
+def read_manifest(shard_dir: str | Path, storage: StorageSettings | None = None) -> dict:
+    """The manifest of a finished shard directory (a path or a URI), checked for its schema version."""
+    place = open_place(shard_dir, storage)
+    path = place.at(MANIFEST)
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(place.read(MANIFEST))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no manifest: not a finished shard directory (run `satp preprocess`)") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: unreadable manifest ({exc})") from None
     if manifest.get("schema_version") != SCHEMA_VERSION:

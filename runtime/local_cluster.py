@@ -208,6 +208,8 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, worker
         env.pop(key, None)
     auth_mode = env.get("RAY_AUTH_MODE") or "token"
     env["RAY_AUTH_MODE"] = auth_mode
+    if auth_mode == "token":
+        private_token(env)
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            f"--num-cpus={cpus}", f"--num-gpus={gpus}", f"--temp-dir={temp}", "--disable-usage-stats",
@@ -226,6 +228,24 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, worker
     if wait:
         wait_warm(record, progress=progress)
     return record
+
+
+def private_token(env: dict) -> Path:
+    """The token Ray's token authentication reads (``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``),
+    made on first use as ``ray get-auth-token --generate`` would, readable by its owner only: ``ray start``
+    refuses to start without one."""
+    if env.get("RAY_AUTH_TOKEN"):
+        return Path()
+    path = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+    if not path.exists():
+        import secrets
+
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32))
+    path.chmod(0o600)
+    return path
 
 
 def _start_recorded(cmd: list[str], env: dict, temp: str, gcs: int, dash: Optional[int], nm: int, cpus: int,

@@ -207,6 +207,18 @@ def test_graph_without_edges(ppa_root, tmp_path):
     assert "num-edge-list.csv.gz: line 1, graph 0: edge count 0, expected at least 1" in _load_error(root, "ogbg-ppa")
 
 
+@pytest.mark.parametrize("short", ["num-node-list.csv.gz", "num-edge-list.csv.gz"])
+def test_a_cut_count_file_is_the_one_named(ppa_root, tmp_path, short):
+    """One count file cut (as a copy that stopped half way): the error names it, with both counts,
+    never the intact other one."""
+    root = _copy(ppa_root, tmp_path, "ogbg_ppa")
+    other = ({"num-node-list.csv.gz", "num-edge-list.csv.gz"} - {short}).pop()
+    _rewrite(root / "ogbg_ppa/raw" / short, lambda lines: lines[:15])
+    message = _load_error(root, "ogbg-ppa")
+    assert message.startswith(str(root / "ogbg_ppa/raw" / short) + ": 15 lines, "), message
+    assert f"{other} has 40" in message and "truncated?" in message, message
+
+
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 def test_non_finite_features(ppa_root, tmp_path, bad):
     root = _copy(ppa_root, tmp_path, "ogbg_ppa")

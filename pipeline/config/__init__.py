@@ -23,6 +23,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError, field_validator, m
 
 from pipeline.config.train import MlflowConfig, ResourcesConfig, TrainConfig
 from pipeline.config.compare import CompareConfig
+from pipeline.config.storage import StorageConfig
 from pipeline.config.tune import TuneConfig
 from preprocessing.config import DataConfig, ShardConfig, StrictModel, TransformConfig
 from sat.config import SATConfig
@@ -37,6 +38,7 @@ class JobConfig(StrictModel):
     data: DataConfig
     transform: TransformConfig = TransformConfig()
     shards: ShardConfig = ShardConfig()
+    storage: StorageConfig = StorageConfig()  # shards.root a URI: the store's endpoint, the node's cache
     train: TrainConfig = TrainConfig()
     resources: ResourcesConfig = ResourcesConfig()
     mlflow: MlflowConfig = MlflowConfig()

@@ -1,0 +1,195 @@
+"""Shards read from an object store against the same shards on local disk: the training loader alone.
+
+    python -m benchmarks.scale.object_store [--graphs N ...] [--epochs E]
+
+For each size N (``--graphs``, repeatable; default ``SATP_STORE_GRAPHS``, "1000,4000"), synthetic
+ogbg-ppa graphs (``satp data synthetic-ppa``) preprocessed with ``jobs/ppa.yaml``'s transform and
+shard size into a local directory, then copied as they are into a bucket of an S3 API server on
+loopback (``moto_server``, started here: in memory, no network, no disk). Each source is then read
+in a fresh process, as a Ray Train worker reads its split: ``pipeline.train.loader.open_split`` of
+the directory (its ``s3://`` URI, with ``AWS_ENDPOINT_URL`` naming the server and a new, empty
+cache folder), ``NodeBudgetSampler`` over the split's node counts at ``jobs/ppa.yaml``'s node budget,
+and ``ShardDataset.batch`` of every batch, ``E`` epochs (default 2). Epoch 1 counts from
+``open_split`` on: for the store, reading the manifest and downloading every shard into the cache
+(read-ahead, sha256 checked as they arrive); for the local disk, and for a second reader of the
+store on the same node (the cache filled: a restarted run, another worker), the first read's
+sha256 checks. Later epochs decode from the mapped files on all three.
+
+Peak RSS is the process's high-water mark (``VmHWM``: mapped shard pages it touched included, as
+the page cache holds them), and the peak of its private memory (``RssAnon``, sampled every 10 ms):
+what the loader itself holds, whatever the data size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks.machine import describe
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = "jobs/ppa.yaml"
+BUCKET = "satp-bench"
+MIB = 2**20
+
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def measure(source: str, epochs: int, budget: int) -> dict:
+    """One reader process's numbers (see the module docstring); run by ``--child``."""
+    import preprocessing.reader  # noqa: F401  (imported before the clock starts, as in a running worker)
+    from pipeline.train.batching import NodeBudgetSampler
+    from pipeline.train.loader import open_split
+
+    peak = {"anon": 0}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.01):
+            peak["anon"] = max(peak["anon"], _status_kib("RssAnon"))
+
+    threading.Thread(target=sample, daemon=True).start()
+    started = time.perf_counter()
+    ds = open_split(source, "train")
+    sampler = NodeBudgetSampler(ds.num_nodes, budget, seed=0)
+    rates = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        graphs = 0
+        for ids in sampler:
+            graphs += ds.batch(ids).num_graphs
+        now = time.perf_counter()
+        rates.append(graphs / (now - started))
+        started = now
+    done.set()
+    return {"rates": rates, "hwm_kib": _status_kib("VmHWM"), "anon_kib": max(peak["anon"], _status_kib("RssAnon")),
+            "graphs": len(ds)}
+
+
+def _moto(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=1).close()
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"moto_server did not start on port {port}")
+
+
+def _store_env(port: int) -> dict[str, str]:
+    return {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+
+
+def _child(source: str, epochs: int, budget: int, env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.scale.object_store", "--child", source, "--epochs",
+                          str(epochs), "--budget", str(budget)], cwd=ROOT, env={**os.environ, **env},
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_size(graphs: int, base: Path, port: int, epochs: int) -> list[dict]:
+    """Both sources' rows for ``graphs`` synthetic ppa graphs (see the module docstring)."""
+    import pyarrow.fs as pafs
+
+    from pipeline.config import load_job
+    from preprocessing import preprocess
+    from preprocessing.synthetic import build_synthetic_ppa
+
+    build_synthetic_ppa(base / "data", graphs, seed=0)
+    job = load_job(ROOT / JOB, [f"data.root={base / 'data'}", "data.source=synthetic", f"shards.root={base / 'shards'}"])
+    local = preprocess(job.data, job.transform, job.shards, progress=False)
+    uri = f"s3://{BUCKET}/ppa-{graphs}/{local.name}"
+    store = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", access_key="bench",
+                              secret_key="bench", region="us-east-1")
+    pafs.copy_files(str(local), uri.removeprefix("s3://"), destination_filesystem=store)
+    shard_bytes = sum(p.stat().st_size for p in local.glob("train-*.arrow"))
+    rows = []
+    cache = {"XDG_CACHE_HOME": str(base / "cache")}  # empty: the first s3 reader downloads every shard
+    for name, source, env in (("local disk", str(local), {}),
+                              ("s3:// (moto, loopback), cache empty", uri, {**_store_env(port), **cache}),
+                              ("s3:// (moto, loopback), cache filled", uri, {**_store_env(port), **cache})):
+        rows.append({"size": graphs, "train_mib": shard_bytes / MIB, "source": name,
+                     **_child(source, epochs, job.train.node_budget, env)})
+    return rows
+
+
+def run(sizes: list[int] | None = None, epochs: int = 2) -> str:
+    """The markdown section (see the module docstring)."""
+    import boto3
+
+    from runtime.ports import free_ports
+
+    if sizes is None:
+        sizes = [int(s) for s in os.environ.get("SATP_STORE_GRAPHS", "1000,4000").split(",") if s.strip()]
+    port = free_ports(1)[0]
+    server = _moto(port)
+    rows = []
+    try:
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1", aws_access_key_id="bench",
+                     aws_secret_access_key="bench").create_bucket(Bucket=BUCKET)
+        for n in sizes:
+            base = Path(tempfile.mkdtemp(prefix=f"satp-store-{n}-"))
+            try:
+                rows += measure_size(n, base, port, epochs)
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    head = "| graphs (train split) | train shards MiB | source | " + " | ".join(
+        f"epoch {e + 1} graphs/s" for e in range(epochs)) + " | peak RSS MiB | peak private RSS MiB |"
+    lines = [
+        "## Shards on an object store: the loader from s3:// against local disk",
+        "",
+        f"Machine: {describe()}.",
+        "",
+        f"Command: `python -m benchmarks.scale.object_store {' '.join(f'--graphs {n}' for n in sizes)} "
+        f"--epochs {epochs}` (train split of synthetic ogbg-ppa, `{JOB}`'s transform, shard size and node budget; "
+        "each source read in a fresh process; epoch 1 includes `open_split` and the first read's sha256 checks, "
+        "with an empty cache every download too).",
+        "",
+        head,
+        "|" + "---|" * (5 + epochs),
+    ]
+    for r in rows:
+        rates = " | ".join(f"{v:,.0f}" for v in r["rates"])
+        lines.append(f"| {r['size']:,} ({r['graphs']:,}) | {r['train_mib']:.0f} | {r['source']} | {rates} | "
+                     f"{r['hwm_kib'] / 1024:.0f} | {r['anon_kib'] / 1024:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale.object_store", description=__doc__.splitlines()[0])
+    parser.add_argument("--graphs", type=int, action="append", metavar="N",
+                        help="a size (repeatable; default SATP_STORE_GRAPHS or 1000,4000)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--child", metavar="SOURCE", help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args.child, args.epochs, args.budget)))
+        return 0
+    print(run(args.graphs, args.epochs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
