@@ -197,9 +197,9 @@ def pytest_terminal_summary(terminalreporter, config):
 
 @pytest.fixture(scope="module")
 def tiny_setting(ray_cluster, tmp_path_factory):
-    """``(folder, Ray address)``: the tiny ogbg-code2-format dataset of ``tests/test_train_ray.py`` (made
+    """``(folder, Ray address)``: the tiny ogbg-code2-format dataset (:func:`tests.helpers.tiny_data`, made
     once per session) and the session's cluster, for tests that run ``satp train`` commands on it."""
-    from tests.test_train_ray import tiny_data
+    from tests.helpers import tiny_data
 
     base = tmp_path_factory.getbasetemp() / "satp-tiny"
     base.mkdir(exist_ok=True)
@@ -207,70 +207,36 @@ def tiny_setting(ray_cluster, tmp_path_factory):
     return base, ray_cluster.get_runtime_context().gcs_address
 
 
-def conversion_killed_in(dataset: str, key: str, batch_rows: int = 0) -> str:
-    """Code for ``python -c CODE FOLDER``: build FOLDER's columnar store of ``dataset`` in 4 KiB blocks
-    (``batch_rows``: rows per record batch, 0 keeps the default), SIGKILLed in the third block of
-    the raw file converted into the store's ``key`` (a conversion interrupted mid-file)."""
-    rows = f"conversion.BATCH_ROWS = {batch_rows}" if batch_rows else ""
-    return f"""
-import os, signal, sys
-from preprocessing import columnar, conversion
-conversion.BLOCK_BYTES = 1 << 12
-{rows}
-parse, blocks = conversion._parse, []
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system of its own (tmpfs), to be filled: ``mount(size)`` mounts it (root only:
+    the test skips where mounting is not permitted), ``fill(leave)`` fills it up to ``leave`` bytes free."""
+    mounts = []
 
-def dies_mid_file(block, spec, path):
-    if spec.key == {key!r}:
-        blocks.append(1)
-        if len(blocks) == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-    return parse(block, spec, path)
+    class Disk:
+        path = tmp_path / "disk"
 
-conversion._parse = dies_mid_file
-folder = sys.argv[1]
-conversion.build_store(folder, {dataset!r}, columnar.raw_fingerprint(folder, {dataset!r}))
-"""
+        def mount(self, size: str) -> Path:
+            self.path.mkdir(exist_ok=True)
+            try:
+                done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(self.path)],
+                                      capture_output=True, text=True, timeout=60)
+                problem = done.stderr.strip() or f"status {done.returncode}" if done.returncode != 0 else None
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                problem = str(exc)
+            if problem is not None:
+                pytest.skip(f"a tmpfs cannot be mounted here ({problem}): a real full disk needs root (or "
+                            "CAP_SYS_ADMIN) and mount")
+            mounts.append(self.path)
+            return self.path
 
+        def fill(self, leave: int = 0) -> Path:
+            filler = self.path / "filler"
+            free = os.statvfs(self.path).f_bavail * os.statvfs(self.path).f_frsize
+            with open(filler, "ab") as f:
+                f.write(b"\0" * max(0, free - leave))
+            return filler
 
-def kept_for_backward(fn) -> list[torch.Tensor]:
-    """The distinct tensors (one per storage and dtype) autograd keeps for the backward pass while ``fn`` runs."""
-    seen = {}
-
-    def pack(t):
-        seen.setdefault((t.untyped_storage().data_ptr(), t.dtype), t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return list(seen.values())
-
-
-def parent_and_children(tracking_uri: str, experiment: str, kind: str, parent_run_id: str):
-    """The one FINISHED parent run of a sweep or comparison (``satp.kind``) and its child runs."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    parents = [r for r in runs if r.data.tags.get("satp.kind") == kind]
-    assert len(parents) == 1 and parents[0].info.run_id == parent_run_id
-    assert parents[0].info.status == "FINISHED"
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_run_id]
-    return client, parents[0], children
-
-
-def run_one_rank(argv: list[str], env: dict, timeout: float, **kwargs):
-    """``subprocess.run`` of a one-process torch.distributed job on a free ``MASTER_PORT``, again on
-    another one where the port was taken between the look and the job's bind (``EADDRINUSE``: the
-    session's Ray processes and commands open ports all the while)."""
-    import socket
-    import subprocess
-
-    for _attempt in range(3):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = subprocess.run(argv, env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                              capture_output=True, text=True, timeout=timeout, **kwargs)
-        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
-            break
-    return proc
+    yield Disk()
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -12,8 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import conversion_killed_in
-from ogb_reference import ogb_arrays
 from preprocessing import conversion
 from preprocessing.columnar import STORE_DIR, STORE_FILE, file_specs, raw_fingerprint
 from preprocessing.conversion import build_store
@@ -23,6 +21,8 @@ from preprocessing.sbm import build_sbm
 from preprocessing.sources import load_source
 from preprocessing.synthetic import build_synthetic_ppa
 from preprocessing.testing import small_python_source
+from tests.helpers import conversion_killed_in
+from tests.ogb_reference import ogb_arrays
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import parent_and_children
-from test_train_pattern import pattern_job_dict
+from tests.helpers import parent_and_children, pattern_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-from conftest import kept_for_backward
 from torch_geometric.data import Batch, Data
 from torch_geometric.utils import erdos_renyi_graph
 
@@ -18,6 +17,7 @@ from sat import edge_messages
 from sat.data import SUBGRAPH_KEYS
 from sat.edge_messages import Grouping, RootTerm, aggregate_edge_messages, message_edges, resolve_impl
 from sat.extractors import SubgraphExtractor, SubtreeExtractor
+from tests.helpers import kept_for_backward
 
 pytest.importorskip("triton")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from pipeline.registry import empty_store, tracking
-from test_faults_training import small_disk  # noqa: F401 - the fixture
 
 
 @pytest.fixture

@@ -6,13 +6,13 @@ import functools
 
 import pytest
 import torch
-from conftest import kept_for_backward
 from torch_geometric.data import Batch
 
 from benchmarks.graphs.synthetic import code2_like_graphs
 from sat import SAT, SATConfig, add_subgraph_indices
 from sat.data import SUBGRAPH_KEYS
 from sat.extractors import SubgraphExtractor, SubtreeExtractor
+from tests.helpers import kept_for_backward
 
 HIDDEN, EDGE_DIM = 16, 6
 

@@ -28,13 +28,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import conversion_killed_in
 from preprocessing import DataConfig, ShardConfig, TransformConfig, preprocess
 from preprocessing.columnar import STORE_DIR, STORE_FILE, ColumnarStore, file_specs, raw_fingerprint
 from preprocessing.conversion import build_store, convert_file
 from preprocessing.pycode import build_pycode
 from preprocessing.shards import MANIFEST, VOCAB_FILE
 from preprocessing.testing import small_python_source
+from tests.helpers import (PATTERN_GRAPHS, conversion_killed_in, new_run, register_format1,
+                           register_tiny, sqlite_store, stored_files, tiny_model)
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "ogbg-code2"
@@ -465,29 +466,24 @@ def test_shards_second_writer_waits_and_rebuilds_nothing(shards, tmp_path, ray_c
 @pytest.fixture(scope="module")
 def mlflow_store(tmp_path_factory):
     """One SQLite MLflow store for the module's cases (creating one costs seconds)."""
-    from test_registry_format import _store
-
-    return _store(tmp_path_factory.mktemp("faults-registry"))
+    return sqlite_store(tmp_path_factory.mktemp("faults-registry"))
 
 
 @pytest.fixture
 def registry(mlflow_store, request):
     """The store, a new run, and a model name of this test's own."""
-    from test_registry_format import _run
-
     uri, exp_id = mlflow_store
-    return uri, exp_id, _run(uri, exp_id), "".join(c if c.isalnum() else "-" for c in request.node.name)[:90]
+    return uri, exp_id, new_run(uri, exp_id), "".join(c if c.isalnum() else "-" for c in request.node.name)[:90]
 
 
 _KILLED_REGISTRATION = """
     import os, signal, sys
-    sys.path.insert(0, "tests")
     import mlflow
-    from test_registry_format import _register, _tiny
+    from tests.helpers import register_tiny, tiny_model
     uri, run_id, name, step = sys.argv[1:5]
     if step == "register":  # the model's files are logged; the version is not registered yet
         mlflow.register_model = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-        _register(_tiny("pattern"), uri, run_id, name)
+        register_tiny(tiny_model("pattern"), uri, run_id, name)
     else:  # satp models migrate: the copy is registered, the old version not yet tagged, the alias not moved
         from mlflow.tracking import MlflowClient
         from pipeline.registry import migration
@@ -498,7 +494,6 @@ _KILLED_REGISTRATION = """
 
 def test_registration_killed_mid_write_registers_once_on_the_rerun(registry):
     from mlflow.tracking import MlflowClient
-    from test_registry_format import _register, _tiny
 
     from pipeline.registry.versions import load_model
 
@@ -506,19 +501,18 @@ def test_registration_killed_mid_write_registers_once_on_the_rerun(registry):
     assert _script(_KILLED_REGISTRATION, uri, run_id, name, "register").wait(timeout=180) == -signal.SIGKILL
     client = MlflowClient(uri)
     assert client.search_model_versions(f"name='{name}'") == []  # killed before any version existed
-    again = _register(_tiny("pattern"), uri, run_id, name)  # the rerun (a finished run registers now)
+    again = register_tiny(tiny_model("pattern"), uri, run_id, name)  # the rerun (a finished run registers now)
     assert again["version"] == 1 and len(client.search_model_versions(f"name='{name}'")) == 1
     assert load_model(f"models:/{name}/1", tracking_uri=uri).info["weights_sha256"]
 
 
 def test_migration_killed_mid_write_makes_no_second_copy(registry):
     from mlflow.tracking import MlflowClient
-    from test_registry_format import _register_format1, _tiny
 
     from pipeline.registry.migration import migrate
 
     uri, _, run_id, name = registry
-    assert _register_format1(_tiny("pattern"), uri, run_id, name) == 1
+    assert register_format1(tiny_model("pattern"), uri, run_id, name) == 1
     client = MlflowClient(uri)
     client.set_registered_model_alias(name, "champion", "1")
     assert _script(_KILLED_REGISTRATION, uri, run_id, name, "migrate").wait(timeout=180) == -signal.SIGKILL
@@ -529,9 +523,7 @@ def test_migration_killed_mid_write_makes_no_second_copy(registry):
 
 
 def _registered_files(uri: str, name: str, version: int) -> Path:
-    from test_registry_format import _stored_files
-
-    return _stored_files(uri, name, version) / "artifacts"
+    return stored_files(uri, name, version) / "artifacts"
 
 
 def _flip_a_weight(path: Path) -> None:
@@ -559,13 +551,11 @@ REGISTRY_DAMAGE = {
 
 @pytest.mark.parametrize("damage", list(REGISTRY_DAMAGE))
 def test_registry_artifact_damaged_afterwards_is_named_and_other_versions_serve(registry, tmp_path, capsys, damage):
-    from test_registry_format import PATTERN_GRAPHS, _register, _tiny
-
     from pipeline.cli import main
 
     uri, _, run_id, name = registry
-    _register(_tiny("pattern"), uri, run_id, name)
-    _register(_tiny("pattern", seed=1), uri, run_id, name)
+    register_tiny(tiny_model("pattern"), uri, run_id, name)
+    register_tiny(tiny_model("pattern", seed=1), uri, run_id, name)
     harm, said = REGISTRY_DAMAGE[damage]
     harm(_registered_files(uri, name, 1))
     graphs = tmp_path / "graphs.json"
@@ -579,31 +569,29 @@ def test_registry_artifact_damaged_afterwards_is_named_and_other_versions_serve(
 
 def test_registration_on_a_full_disk_names_the_store_and_registers_once_there_is_room(registry, small_disk):
     from mlflow.tracking import MlflowClient
-    from test_registry_format import _register, _run, _tiny
 
     from pipeline.registry.versions import load_model
 
     uri, _, _, name = registry
     client = MlflowClient(uri)
     artifacts = (small_disk / "artifacts").as_uri()
-    run_id = _run(uri, client.create_experiment(name, artifact_location=artifacts))
+    run_id = new_run(uri, client.create_experiment(name, artifact_location=artifacts))
     filler = _fill(small_disk, leave=8192)
     with pytest.raises(OSError) as info:
-        _register(_tiny("pattern"), uri, run_id, name)
+        register_tiny(tiny_model("pattern"), uri, run_id, name)
     assert str(info.value) == (f"{artifacts}: could not write the model's files (No space left on device); "
                                "nothing was registered")
     assert client.search_model_versions(f"name='{name}'") == []
     filler.unlink()
-    assert _register(_tiny("pattern"), uri, run_id, name)["version"] == 1
+    assert register_tiny(tiny_model("pattern"), uri, run_id, name)["version"] == 1
     assert load_model(f"models:/{name}/1", tracking_uri=uri).info["format"] == 2
 
 
 _SECOND_REGISTRATION = """
     import json, sys, time
-    sys.path.insert(0, "tests")
     from pathlib import Path
     import mlflow
-    from test_registry_format import _register, _tiny
+    from tests.helpers import register_tiny, tiny_model
     uri, run_id, name, marker = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
     register = mlflow.register_model
 
@@ -614,19 +602,18 @@ _SECOND_REGISTRATION = """
         return register(*args, **kwargs)
 
     mlflow.register_model = paused
-    print(json.dumps(_register(_tiny("pattern"), uri, run_id, name)))
+    print(json.dumps(register_tiny(tiny_model("pattern"), uri, run_id, name)))
 """
 
 
 def test_a_second_registration_of_the_same_weights_leaves_one_version(registry, tmp_path):
     from mlflow.tracking import MlflowClient
-    from test_registry_format import _register, _tiny
 
     uri, _, run_id, name = registry
     marker = tmp_path / "paused"
     first = _script(_SECOND_REGISTRATION, uri, run_id, name, marker, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _wait_for(marker, first)
-    assert _register(_tiny("pattern"), uri, run_id, name)["version"] == 1  # the second writer, meanwhile
+    assert register_tiny(tiny_model("pattern"), uri, run_id, name)["version"] == 1  # the second writer, meanwhile
     marker.unlink()
     out, err = first.communicate(timeout=180)
     assert first.returncode == 0, err[-2000:]

@@ -17,37 +17,19 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.test_interrupts import _process_state
-from tests.test_train_ray import tiny_job_dict
+from tests.helpers import (Drain, checkpoint_epochs, process_state, satp_env, satp_lines, tiny_job_dict, tracebacks,
+                           wait_until)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- helpers
-def satp_lines(stderr: str, kind: str = "") -> list[str]:
-    """The ``satp:`` lines of a command's standard error (``kind``: ``error``, ``warning``, ...)."""
-    return [line for line in stderr.splitlines() if line.startswith(f"satp: {kind}")]
-
-
-def tracebacks(stderr: str) -> list[str]:
-    """Tracebacks of the ``satp`` process itself (what the cluster's actors forward starts with
-    ``(ActorName pid=...)``: e.g. Ray Train's placement-group cleaner on a machine where it finds
-    several Ray instances, which says nothing about the command)."""
-    return [line for line in stderr.splitlines() if line.startswith("Traceback")]
-
-
-def _env(**extra) -> dict:
-    return {**os.environ, "OUTDATED_IGNORE": "1", "DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0",
-            "SATP_TEST_FAULT": "", **extra}
-
-
 def _command(job: Path, address: str | None, *more: str) -> list[str]:
     return [sys.executable, "-m", "pipeline.cli", "train", str(job), "--no-progress", *more,
             *(["--address", address] if address else [])]
@@ -60,15 +42,15 @@ def _stop(command: subprocess.Popen) -> None:
     gets ``SIGSTOP`` instead."""
     command.send_signal(signal.SIGTSTP)
     deadline = time.monotonic() + 10
-    while _process_state(command.pid) != "T" and time.monotonic() < deadline:
+    while process_state(command.pid) != "T" and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _process_state(command.pid) != "T":
+    if process_state(command.pid) != "T":
         command.send_signal(signal.SIGSTOP)
 
 
 def _satp_train(job: Path, address: str | None, *more: str, timeout: float = 600, **env) -> subprocess.CompletedProcess:
     return subprocess.run(_command(job, address, *more), capture_output=True, text=True, timeout=timeout,
-                          env=_env(**env), cwd=ROOT)
+                          env=satp_env(**env), cwd=ROOT)
 
 
 def _job(base: Path, where: Path, run_name: str, storage: Path | None = None, workers: int = 1, **train) -> Path:
@@ -79,74 +61,6 @@ def _job(base: Path, where: Path, run_name: str, storage: Path | None = None, wo
     path = where / f"{run_name}.yaml"
     path.write_text(yaml.safe_dump(values))
     return path
-
-
-def _checkpoints(run_dir: Path) -> dict[str, int]:
-    return {p.name: json.loads((p / "state.json").read_text())["epoch"]
-            for p in sorted(run_dir.glob("checkpoint_*")) if (p / "state.json").is_file()}
-
-
-def _wait_for(condition, what: str, timeout: float = 300, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the command ended (status {proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout:.0f} s")
-        time.sleep(0.05)
-
-
-class Drain:
-    """A process's standard error, read as it comes (so that a long run never blocks on a full pipe)."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc, self.parts = proc, []
-        self.thread = threading.Thread(target=lambda: self.parts.extend(iter(proc.stderr.readline, "")), daemon=True)
-        self.thread.start()
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-    def finish(self, timeout: float = 600) -> str:
-        self.proc.wait(timeout=timeout)
-        self.thread.join(timeout=30)
-        return self.text
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real file system of its own (tmpfs), to be filled: ``mount(size)`` mounts it (root only:
-    the test skips where mounting is not permitted), ``fill(leave)`` fills it up to ``leave`` bytes free."""
-    mounts = []
-
-    class Disk:
-        path = tmp_path / "disk"
-
-        def mount(self, size: str) -> Path:
-            self.path.mkdir(exist_ok=True)
-            try:
-                done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(self.path)],
-                                      capture_output=True, text=True, timeout=60)
-                problem = done.stderr.strip() or f"status {done.returncode}" if done.returncode != 0 else None
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                problem = str(exc)
-            if problem is not None:
-                pytest.skip(f"a tmpfs cannot be mounted here ({problem}): a real full disk needs root (or "
-                            "CAP_SYS_ADMIN) and mount")
-            mounts.append(self.path)
-            return self.path
-
-        def fill(self, leave: int = 0) -> Path:
-            filler = self.path / "filler"
-            free = os.statvfs(self.path).f_bavail * os.statvfs(self.path).f_frsize
-            with open(filler, "ab") as f:
-                f.write(b"\0" * max(0, free - leave))
-            return filler
-
-    yield Disk()
-    for path in mounts:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 # ============================================================================= checkpoints
@@ -201,7 +115,7 @@ def test_checkpoint_killed_mid_write_is_named_and_never_resumed_from(tmp_path, c
     writer = subprocess.Popen([sys.executable, "-c", PERSIST, str(endless), str(run_dir), "1"], cwd=ROOT)
     partial = lambda: [p for p in run_dir.glob("checkpoint_*/ds/last/mp_rank_00_model_states.pt")  # noqa: E731
                        if p.stat().st_size > 1 << 20]
-    _wait_for(partial, "a model-states file half written", timeout=120, proc=writer)
+    wait_until(partial, "a model-states file half written", timeout=120, proc=writer)
     writer.send_signal(signal.SIGKILL)
     writer.wait()
     (cut,) = [p.parents[2] for p in partial()]
@@ -484,7 +398,6 @@ def test_mlflow_store_on_a_full_disk_is_one_line(tiny_setting, tmp_path, capsys,
 # ============================================================================= end to end
 
 
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_second_command_of_one_run_name_is_refused_naming_the_holder(tiny_setting, tmp_path):
@@ -497,10 +410,10 @@ def test_a_second_command_of_one_run_name_is_refused_naming_the_holder(tiny_sett
     job = _job(base, tmp_path, "twice", epochs=1)
     lease = tmp_path / "ray" / "twice" / "satp-lease.json"
     first = subprocess.Popen(_command(job, address), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=_env(), cwd=ROOT)
+                             env=satp_env(), cwd=ROOT)
     drained = Drain(first)
     try:
-        _wait_for(lease.exists, "lease file of the first command", proc=first)
+        wait_until(lease.exists, "lease file of the first command", proc=first)
         _stop(first)  # it holds the lease for as long as the second command takes
         try:
             started = time.monotonic()
@@ -547,7 +460,7 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tiny_se
     job = _job(base, tmp_path, "cut", epochs=2, checkpoints_to_keep=2)
     run_dir = tmp_path / "ray" / "cut"
     train_job(load_job(job))
-    kept = _checkpoints(run_dir)
+    kept = checkpoint_epochs(run_dir)
     assert sorted(kept.values()) == [0, 1], kept
     newest = next(run_dir / name for name, epoch in kept.items() if epoch == 1)
     target = newest / "ds" / "last" / "mp_rank_00_model_states.pt"
@@ -564,7 +477,7 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tiny_se
     assert [line for line in err.splitlines() if "satp: warning:" in line] == warnings, err[-3000:]
     assert "resuming run cut after epoch 0" in err, err[-3000:]
     assert not tracebacks(err), err[-3000:]
-    final = _checkpoints(run_dir)
+    final = checkpoint_epochs(run_dir)
     assert max(final.values()) == 2 and all(ckpt.verify(run_dir / name) is None for name, e in final.items() if e == 2)
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
@@ -659,11 +572,11 @@ def test_more_ctrl_c_while_the_first_is_handled_keep_status_130_and_tear_the_clu
         # cluster's processes, children of the command, get the signal too)
         # SATP_HOME without a record: not the session's satp cluster, a local Ray of the command's own
         proc = subprocess.Popen(_command(job, None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=_env(TMPDIR=str(private), SATP_HOME=str(tmp_path / "home")), cwd=ROOT,
+                                env=satp_env(TMPDIR=str(private), SATP_HOME=str(tmp_path / "home")), cwd=ROOT,
                                 start_new_session=True)
         drained = Drain(proc)
         run_dir = tmp_path / "ray" / "taps"
-        _wait_for(lambda: any(run_dir.glob("checkpoint_*/rank_0.json")), "first checkpoint", timeout=400, proc=proc)
+        wait_until(lambda: any(run_dir.glob("checkpoint_*/rank_0.json")), "first checkpoint", timeout=400, proc=proc)
         assert set(_processes_under(private)) - {proc.pid}, "the command runs no Ray cluster of its own"
         os.killpg(proc.pid, signal.SIGINT)
         # the second 0.35 s later, then one every 0.35 s until the command has exited: one of them
@@ -732,7 +645,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_intact_checkpoint(ti
 
     train_job(load_job(job_file(1)), register=False)
     run_dir = storage / "full"
-    (epoch0,) = _checkpoints(run_dir)
+    (epoch0,) = checkpoint_epochs(run_dir)
     size = sum(p.stat().st_size for p in (run_dir / epoch0).rglob("*") if p.is_file())
     client = MlflowClient(uri)
 
@@ -765,6 +678,6 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_intact_checkpoint(ti
     assert len(lines) == 1 and lines[0].startswith(f"satp: error: {storage}/"), err[-3000:]
     assert "disk is full" in lines[0] and "epoch 1" in lines[0] and "epoch 0" in lines[0], lines[0]
     assert "FailurePolicy" not in err and not tracebacks(err), err[-3000:]
-    assert list(_checkpoints(run_dir).values()) == [0]
+    assert list(checkpoint_epochs(run_dir).values()) == [0]
     assert {p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()} == {epoch0}
     assert ckpt.verify(run_dir / epoch0) is None

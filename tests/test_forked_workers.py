@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from runtime import forked_workers, forking
-from tests.test_interrupts import _running
+from tests.helpers import is_running
 
 ROOT = Path(__file__).resolve().parents[1]
 #: stands for Ray's default_worker.py: says what it was given and what its process holds, then
@@ -93,9 +93,9 @@ def test_a_signal_to_the_client_ends_the_worker_and_a_killed_client_takes_it_alo
         proc.communicate(timeout=60)
         assert proc.returncode == -signum
         deadline = time.monotonic() + 30  # SIGTERM: forwarded; SIGKILL: the runner sees the client gone
-        while _running(seen["pid"]) and time.monotonic() < deadline:
+        while is_running(seen["pid"]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _running(seen["pid"]), f"worker {seen['pid']} outlived its client ({signum})"
+        assert not is_running(seen["pid"]), f"worker {seen['pid']} outlived its client ({signum})"
 
 
 def test_a_client_gone_before_it_read_the_reply_takes_its_worker_along(fork_server):
@@ -128,7 +128,7 @@ def test_a_client_gone_before_it_read_the_reply_takes_its_worker_along(fork_serv
         pytest.fail(f"the worker outlived its client: {text!r}")
     os.close(out_read)
     for line in text.decode().splitlines():  # it may have started before the kill
-        assert not _running(json.loads(line)["pid"])
+        assert not is_running(json.loads(line)["pid"])
 
 
 def test_a_worker_of_another_environment_or_without_a_server_starts_as_ray_starts_it(fork_server, tmp_path):

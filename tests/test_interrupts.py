@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.test_train_ray import tiny_job_dict
+from tests.helpers import checkpoint_epochs, is_running, tiny_subset_job, tracebacks
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -28,44 +27,21 @@ def _satp_train(job: Path, address: str, fault: dict | None = None, timeout: flo
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def _job(base: Path, tmp_path: Path, run_name: str, **train) -> Path:
-    """The tiny job, 2 workers, on a subset of its graphs (epochs of a few steps: what is asserted is
-    the interrupt's handling, not learning)."""
-    train = {"train_subset": 300, "eval_subset": 100, **train}
-    values = tiny_job_dict(base, run_name=run_name, storage_path=str(tmp_path / "ray"), **train)
-    values["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    path = tmp_path / f"{run_name}.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
-def _driver_tracebacks(stderr: str) -> list[str]:
-    """Tracebacks of the ``satp`` process itself (lines the cluster's actors forward start with
-    ``(ActorName pid=...)``: e.g. Ray Train's placement-group cleaner on a machine where it finds
-    several Ray instances)."""
-    return [line for line in stderr.splitlines() if line.startswith("Traceback")]
-
-
-def _checkpoints(run_dir: Path) -> dict[str, int]:
-    return {p.name: json.loads((p / "state.json").read_text())["epoch"]
-            for p in sorted(run_dir.glob("checkpoint_*")) if (p / "state.json").is_file()}
-
-
 def test_ctrl_c_keeps_the_newest_checkpoint_and_the_rerun_resumes_from_it(tiny_setting, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from pipeline.train import rerun
 
     base, address = tiny_setting
-    job = _job(base, tmp_path, "intr", epochs=3, checkpoints_to_keep=1)
+    job = tiny_subset_job(base, tmp_path, "intr", epochs=3, checkpoints_to_keep=1)
     stopped = _satp_train(job, address, {"signal": "SIGINT", "epoch": 1, "marker": str(tmp_path / "fired")})
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     last = stopped.stderr.strip().splitlines()[-1]
     run_dir = tmp_path / "ray" / "intr"
     assert last.startswith("satp: interrupted (SIGINT): run intr kept its checkpoint of epoch 1"), last
     assert "the same command resumes after epoch 1" in last
-    assert not _driver_tracebacks(stopped.stderr), stopped.stderr[-3000:]
-    kept = _checkpoints(run_dir)
+    assert not tracebacks(stopped.stderr), stopped.stderr[-3000:]
+    kept = checkpoint_epochs(run_dir)
     assert 1 in kept.values(), kept
     registered = rerun.registered_checkpoints(run_dir)
     print("registered by Ray before the interrupt:", {n: kept.get(n) for n in registered})
@@ -74,7 +50,7 @@ def test_ctrl_c_keeps_the_newest_checkpoint_and_the_rerun_resumes_from_it(tiny_s
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming run intr after epoch 1" in resumed.stderr
     # only what Ray keeps (checkpoints_to_keep: 1), nothing of the interrupted run left behind
-    left = _checkpoints(run_dir)
+    left = checkpoint_epochs(run_dir)
     assert list(left.values()) == [2] and set(left) == set(rerun.registered_checkpoints(run_dir))
     assert {p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()} == set(left)
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -87,33 +63,19 @@ def test_sigterm_ends_with_one_line_no_stack_dump_and_no_workers_left(tiny_setti
     from ray.util.state import list_actors
 
     base, address = tiny_setting
-    job = _job(base, tmp_path, "term", epochs=3)
+    job = tiny_subset_job(base, tmp_path, "term", epochs=3)
     stopped = _satp_train(job, address, {"signal": "SIGTERM", "epoch": 0, "marker": str(tmp_path / "fired")})
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     last = stopped.stderr.strip().splitlines()[-1]
     assert last.startswith("satp: interrupted (SIGTERM): run term kept its checkpoint of epoch 0"), last
-    assert "SIGTERM received" not in stopped.stderr and not _driver_tracebacks(stopped.stderr), stopped.stderr[-3000:]
+    assert "SIGTERM received" not in stopped.stderr and not tracebacks(stopped.stderr), stopped.stderr[-3000:]
     # the driver's actors (Ray Train's controller and workers) end with it
     pids = {int(pid) for pid in re.findall(r"\((?:TrainController|RayTrainWorker) pid=(\d+)\)", stopped.stderr)}
     assert pids, "the run's actors print their pids"
     deadline = time.monotonic() + 60
-    while [pid for pid in pids if _running(pid)] and time.monotonic() < deadline:
+    while [pid for pid in pids if is_running(pid)] and time.monotonic() < deadline:
         time.sleep(1)
-    assert not [pid for pid in pids if _running(pid)]
-
-
-def _process_state(pid: int) -> str:
-    """Process ``pid``'s state letter from ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie, ...)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (exited, waiting for its parent to reap it)."""
-    try:
-        state = _process_state(pid)
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state != "Z"
+    assert not [pid for pid in pids if is_running(pid)]
 
 
 #: connects to the cluster at argv[1]; the SIGTERM arrives as Ray has started in the process (its

@@ -26,6 +26,7 @@ import yaml
 
 from pipeline.cli import main
 from preprocessing.testing import small_python_source
+from tests.helpers import tiny_data, tiny_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -210,7 +211,6 @@ def test_no_progress_silences_library_bars_and_files_get_no_colour(tmp_path):
 @pytest.mark.slow
 def test_healthy_train_run_logged_to_files(tmp_path, tmp_path_factory):
     """``satp train`` as a user runs it (its own local Ray with dashboard), stdout and stderr to files."""
-    from test_train_ray import tiny_data, tiny_job_dict
 
     base = tmp_path_factory.getbasetemp() / "satp-tiny"
     base.mkdir(exist_ok=True)

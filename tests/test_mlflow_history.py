@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_registry_format import _run, _store
+from tests.helpers import new_run, sqlite_store, tiny_job_dict
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    return _store(tmp_path_factory.mktemp("history"))  # creating a store takes seconds: one per module
+    return sqlite_store(tmp_path_factory.mktemp("history"))  # creating a store takes seconds: one per module
 
 
 @pytest.fixture
 def run(store):
     uri, exp_id = store
-    return uri, _run(uri, exp_id)
+    return uri, new_run(uri, exp_id)
 
 
 def _epoch(epoch: int, val: float) -> dict:
@@ -74,7 +74,6 @@ def test_a_continuation_that_finishes_clears_the_failed_attempt(run, tmp_path):
     from pipeline.train import mlflow_run
     from pipeline.train.plan import JobPlan
     from pipeline.train.worker_setup import WorkerSetup
-    from tests.test_train_ray import tiny_job_dict
 
     uri, run_id = run
     values = tiny_job_dict(tmp_path)

@@ -3,25 +3,14 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from sat import SAT, SATConfig, SATData, add_subgraph_indices
+from sat import SAT, SATConfig
 from sat.attention import GraphLayout, StructureAwareAttention
+from tests.helpers import random_graph
 
 # fp32 on CPU: both paths compute the same softmax in a different order of operations. They
 # usually agree to ~1e-7, but one full suite run on a 2-core AMX machine saw 3.6e-5 on outputs of
 # magnitude ~1 (SDPA's CPU kernel; not reproduced alone). A masking or cross-graph error is O(0.1).
 ATOL, RTOL = 1e-4, 1e-3
-
-
-def _graph(n, gen, with_subgraphs=False):
-    ei = torch.randint(0, n, (2, 2 * n), generator=gen)
-    data = SATData(
-        x=torch.randint(0, 6, (n, 1), generator=gen),
-        edge_index=ei,
-        edge_attr=torch.rand(2 * n, 3, generator=gen),
-        rwpe=torch.rand(n, 4, generator=gen),
-    )
-    return add_subgraph_indices(data, 2) if with_subgraphs else data
-
 
 SIZES = [1, 7, 3, 40, 12, 25, 2, 9]  # very different sizes: several dense blocks plus padding
 
@@ -95,7 +84,7 @@ def test_returned_weights_agree_and_are_row_stochastic():
 @pytest.mark.parametrize("extractor", ["subtree", "subgraph"])
 def test_full_model_dense_matches_sparse(readout, extractor):
     gen = torch.Generator().manual_seed(1)
-    batch = Batch.from_data_list([_graph(n, gen, extractor == "subgraph") for n in (4, 17, 1, 9, 30)])
+    batch = Batch.from_data_list([random_graph(n, gen, extractor == "subgraph") for n in (4, 17, 1, 9, 30)])
     base = dict(
         hidden_dim=16, num_heads=4, num_layers=2, node_in_dim=6, edge_encoder="linear", edge_in_dim=3,
         pe="rwpe", pe_dim=4, readout=readout, extractor=extractor, gnn_type="gine", num_classes=3, dropout=0.0,
@@ -130,7 +119,7 @@ def test_dense_attention_bf16_autocast_is_finite():
 def test_cls_attention_maps():
     gen = torch.Generator().manual_seed(2)
     sizes = (4, 11, 6)
-    batch = Batch.from_data_list([_graph(n, gen) for n in sizes])
+    batch = Batch.from_data_list([random_graph(n, gen) for n in sizes])
     cfg = SATConfig(hidden_dim=16, num_heads=4, num_layers=2, node_in_dim=6, readout="cls", num_classes=2)
     torch.manual_seed(0)
     model = SAT(cfg).eval()

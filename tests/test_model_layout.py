@@ -14,7 +14,7 @@ from torch_geometric.data import Batch
 from pipeline.train.loader import BatchCollator
 from sat import SAT, GraphLayout, SATConfig
 from sat.attention import StructureAwareAttention
-from test_model_attention import _graph
+from tests.helpers import random_graph
 
 SIZES = [1, 7, 3, 40, 12, 25, 2, 9]
 
@@ -23,7 +23,7 @@ def _graphs(sizes=SIZES, seed=0):
     gen = torch.Generator().manual_seed(seed)
     graphs = []
     for n in sizes:
-        data = _graph(n, gen, with_subgraphs=True)
+        data = random_graph(n, gen, with_subgraphs=True)
         data.y = torch.randint(0, 3, (1,), generator=gen)
         graphs.append(data)
     return graphs

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ray_nodes import local_cluster, wait_for
-from test_train_ray import tiny_job_dict
+from tests.helpers import tiny_job_dict
+from tests.ray_nodes import local_cluster, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,7 +26,7 @@ from preprocessing.reader import ShardDataset
 from preprocessing.shards import MANIFEST
 from preprocessing.testing import small_python_source
 from runtime.storage import StorageSettings, check, resolve, validate
-from s3_server import s3_server  # noqa: F401  (the session's server, a fixture)
+from tests.s3_server import s3_server  # noqa: F401  (the session's server, a fixture)
 
 pytestmark = pytest.mark.ray
 

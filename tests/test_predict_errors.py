@@ -9,68 +9,15 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
-NODE_TYPES = ["Module", "FunctionDef", "arguments", "arg", "Return", "Name", "Load", "Attribute", "Constant",
-              "BinOp", "Add", "Assign", "Store", "Call", "Expr", "__UNK__"]
-ATTRS = ["_mask_", "self", "x", "__UNK__", "__NONE__"]
-
-SOURCE = '''
-def get_name(self):
-    return self.name
-
-
-class Box:
-    def setValue(self, x):
-        self.value = x + 1
-
-    async def fetch_all_items(self):
-        return [i for i in self.items]
-'''
-
-
-def _log(tmp_path, name: str, task_name: str) -> str:
-    from mlflow.tracking import MlflowClient
-    from sat import SAT
-    from sat.config import SATConfig
-    from sat.data import SATData
-
-    from pipeline.registry.versions import log_and_register
-    from pipeline.tasks import make_task
-    from preprocessing.config import TransformConfig
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("t")
-    exp_id = exp.experiment_id if exp else client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
-    run_id = client.create_run(exp_id).info.run_id
-    torch.manual_seed(0)
-    if task_name == "code2":
-        vocab = ["get", "name", "set", "value", "fetch", "all", "items", "__UNK__", "__EOS__"]
-        task = make_task("code2", vocab=vocab, max_seq_len=5)
-        sample = SATData(x=torch.zeros(3, 2, dtype=torch.long), edge_index=torch.tensor([[0, 1], [1, 2]]),
-                         edge_attr=torch.tensor([[0, 0], [1, 1]]), node_depth=torch.zeros(3, dtype=torch.long))
-        spec = {"input": {"task": "code2", "transform": TransformConfig(rwpe_steps=0, k_hops=0).model_dump(mode="json"),
-                          "node_types": NODE_TYPES, "node_attributes": ATTRS}}
-    else:
-        vocab = None
-        task = make_task("ppa", num_classes=37)
-        sample = SATData(x=torch.zeros(3, 1, dtype=torch.long), edge_index=torch.tensor([[0, 1], [1, 2]]),
-                         edge_attr=torch.rand(2, 7))
-        spec = {"input": {"task": "ppa", "transform": TransformConfig(rwpe_steps=0, k_hops=0).model_dump(mode="json")}}
-    config = task.configure(SATConfig(hidden_dim=8, num_layers=1, num_heads=2, k_hops=1, dropout=0.0), sample)
-    model = SAT(config).eval()
-    log_and_register(model, task=task, model_config=config, vocab=vocab, run_id=run_id, tracking_uri=uri,
-                     registered_model=name, data_manifest_hash="abc", metrics={"best_val_x": 0.5}, extra=spec)
-    client.set_terminated(run_id)
-    return uri
+from tests.helpers import PREDICT_SOURCE, log_tiny_model
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("registry")
-    _log(tmp, "tiny-code2", "code2")
-    uri = _log(tmp, "tiny-ppa", "ppa")
+    log_tiny_model(tmp, "tiny-code2", "code2")
+    uri = log_tiny_model(tmp, "tiny-ppa", "ppa")
     from mlflow.tracking import MlflowClient
 
     MlflowClient(uri).set_registered_model_alias("tiny-code2", "champion", "1")
@@ -81,14 +28,14 @@ def test_code2_predicts_every_function_of_source_text(store):
     from pipeline.registry.predict import FunctionPrediction, load
 
     model = load("models:/tiny-code2@champion", tracking_uri=store["uri"])
-    preds = model.predict(SOURCE)
+    preds = model.predict(PREDICT_SOURCE)
     assert [p.name for p in preds] == ["get_name", "setValue", "fetch_all_items"]
     assert [p.line for p in preds] == [2, 7, 10]
     assert preds[1].actual == ["set", "value"]
     assert all(isinstance(p, FunctionPrediction) and len(p.predicted) <= 5 for p in preds)
     assert all(tok in model.vocab for p in preds for tok in p.predicted)
     # the same through graphs, and deterministic
-    graphs = [d for *_, d in model.source_graphs(SOURCE)]
+    graphs = [d for *_, d in model.source_graphs(PREDICT_SOURCE)]
     assert model.predict(graphs) == [p.predicted for p in preds]
 
 
@@ -125,7 +72,7 @@ def test_model_of_another_task(store, tmp_path):
     from pipeline.registry.predict import load
 
     source = tmp_path / "mod.py"
-    source.write_text(SOURCE)
+    source.write_text(PREDICT_SOURCE)
     with pytest.raises(ValueError, match="is a ppa model; .* needs a code2 model"):
         load("models:/tiny-ppa/1", tracking_uri=store["uri"]).predict_file(source)
     graph_file = tmp_path / "g.json"
@@ -147,7 +94,7 @@ def test_cli_errors_are_one_line_exit_2(store, tmp_path, capsys):
     from pipeline.cli import main
 
     source = tmp_path / "mod.py"
-    source.write_text(SOURCE)
+    source.write_text(PREDICT_SOURCE)
     bad = tmp_path / "broken.py"
     bad.write_text("x = (\n")
     cases = [

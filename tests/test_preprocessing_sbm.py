@@ -18,8 +18,7 @@ from preprocessing.reader import ShardDataset
 from preprocessing.sbm import RECIPES, build_sbm, expected_statistics, generate, split_sizes
 from preprocessing.sources import iter_chunk, load_source
 from preprocessing.transforms import transform_graph
-from test_preprocessing_sources import _copy as copy_dataset
-from test_preprocessing_sources import _rewrite
+from tests.helpers import copy_dataset, rewrite_gz
 
 
 @pytest.fixture(scope="module")
@@ -261,21 +260,21 @@ def test_missing_and_short_files_are_named(roots, tmp_path):
     (root / "sbm_cluster/raw/node-label.csv.gz").unlink()
     assert "node-label.csv.gz: missing" in _load_error(root)
     root = _copy(roots, tmp_path / "b")
-    _rewrite(root / "sbm_cluster/raw/node-feat.csv.gz", lambda lines: lines[:-3])
+    rewrite_gz(root / "sbm_cluster/raw/node-feat.csv.gz", lambda lines: lines[:-3])
     message = _load_error(root)
     assert "node-feat.csv.gz" in message and "expected" in message
 
 
 def test_bad_values_are_named(roots, tmp_path):
     root = _copy(roots, tmp_path)
-    _rewrite(root / "sbm_cluster/raw/node-label.csv.gz", lambda lines: lines[:3] + ["6"] + lines[4:])
+    rewrite_gz(root / "sbm_cluster/raw/node-label.csv.gz", lambda lines: lines[:3] + ["6"] + lines[4:])
     assert "node-label.csv.gz: line 4, graph 0: node class 6 outside [0, 6)" in _load_error(root)
     root = _copy(roots, tmp_path / "b")
-    _rewrite(root / "sbm_cluster/raw/edge.csv.gz", lambda lines: lines[:2] + ["1;2"] + lines[3:])
+    rewrite_gz(root / "sbm_cluster/raw/edge.csv.gz", lambda lines: lines[:2] + ["1;2"] + lines[3:])
     message = _load_error(root)
     assert "edge.csv.gz" in message and "integer" in message
     root = _copy(roots, tmp_path / "c")
-    _rewrite(root / "sbm_cluster/raw/edge.csv.gz", lambda lines: ["0,500"] + lines[1:])
+    rewrite_gz(root / "sbm_cluster/raw/edge.csv.gz", lambda lines: ["0,500"] + lines[1:])
     assert "edge.csv.gz: line 1, graph 0: edge endpoint 500 outside [0, " in _load_error(root)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import ast
 import gzip
 import hashlib
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from preprocessing.columnar import required_files
 from preprocessing.sources import load_source
 from preprocessing.synthetic import build_synthetic_ppa
 from preprocessing.testing import small_python_source
+from tests.helpers import copy_dataset, rewrite_gz
 
 
 @pytest.fixture(scope="module")
@@ -133,20 +133,6 @@ def test_synthetic_ppa_layout_and_shape(ppa_root, tmp_path):
 
 
 # ----------------------------------------------------------------------------- bad input
-def _copy(root: Path, tmp: Path, name: str) -> Path:
-    dst = tmp / "root"
-    shutil.copytree(root / name, dst / name, ignore=shutil.ignore_patterns("processed", "columnar"))
-    return dst
-
-
-def _rewrite(path: Path, edit) -> None:
-    with gzip.open(path, "rt") as fh:
-        lines = fh.read().splitlines()
-    lines = edit(lines)
-    with gzip.open(path, "wt") as fh:
-        fh.write("\n".join(lines) + ("\n" if lines else ""))
-
-
 def _load_error(root: Path, name: str) -> str:
     with pytest.raises(ValueError) as info:
         load_source(DataConfig(name=name, root=str(root)))
@@ -156,19 +142,19 @@ def _load_error(root: Path, name: str) -> str:
 
 
 def test_missing_raw_file(ppa_root, tmp_path):
-    root = _copy(ppa_root, tmp_path, "ogbg_ppa")
+    root = copy_dataset(ppa_root, tmp_path, "ogbg_ppa")
     (root / "ogbg_ppa/raw/edge-feat.csv.gz").unlink()
     assert "edge-feat.csv.gz: missing" in _load_error(root, "ogbg-ppa")
 
 
 def test_missing_release_file_does_not_prompt(ppa_root, tmp_path):
-    root = _copy(ppa_root, tmp_path, "ogbg_ppa")
+    root = copy_dataset(ppa_root, tmp_path, "ogbg_ppa")
     (root / "ogbg_ppa/RELEASE_v1.txt").unlink()
     assert "RELEASE_v1.txt missing" in _load_error(root, "ogbg-ppa")
 
 
 def test_truncated_raw_file(code2_root, tmp_path):
-    root = _copy(code2_root, tmp_path, "ogbg_code2")
+    root = copy_dataset(code2_root, tmp_path, "ogbg_code2")
     path = root / "ogbg_code2/raw/node-feat.csv.gz"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
@@ -177,33 +163,33 @@ def test_truncated_raw_file(code2_root, tmp_path):
 
 
 def test_truncated_lines_detected(code2_root, tmp_path):
-    root = _copy(code2_root, tmp_path, "ogbg_code2")
-    _rewrite(root / "ogbg_code2/raw/node_depth.csv.gz", lambda lines: lines[:-10])
+    root = copy_dataset(code2_root, tmp_path, "ogbg_code2")
+    rewrite_gz(root / "ogbg_code2/raw/node_depth.csv.gz", lambda lines: lines[:-10])
     message = _load_error(root, "ogbg-code2")
     assert "node_depth.csv.gz" in message and "expected" in message
 
 
 def test_edge_ids_out_of_range(ppa_root, tmp_path):
-    root = _copy(ppa_root, tmp_path, "ogbg_ppa")
-    _rewrite(root / "ogbg_ppa/raw/edge.csv.gz", lambda lines: ["0,100000"] + lines[1:])
+    root = copy_dataset(ppa_root, tmp_path, "ogbg_ppa")
+    rewrite_gz(root / "ogbg_ppa/raw/edge.csv.gz", lambda lines: ["0,100000"] + lines[1:])
     message = _load_error(root, "ogbg-ppa")
     assert "graph 0" in message and "outside" in message and "edge.csv.gz" in message
 
 
 def test_empty_graph(ppa_root, tmp_path):
-    root = _copy(ppa_root, tmp_path, "ogbg_ppa")
-    _rewrite(root / "ogbg_ppa/raw/num-node-list.csv.gz", lambda lines: lines[:5] + ["0"] + lines[6:])
+    root = copy_dataset(ppa_root, tmp_path, "ogbg_ppa")
+    rewrite_gz(root / "ogbg_ppa/raw/num-node-list.csv.gz", lambda lines: lines[:5] + ["0"] + lines[6:])
     assert "num-node-list.csv.gz: line 6, graph 5: node count 0, expected at least 1" in _load_error(root, "ogbg-ppa")
 
 
 def test_graph_without_edges(ppa_root, tmp_path):
-    root = _copy(ppa_root, tmp_path, "ogbg_ppa")
+    root = copy_dataset(ppa_root, tmp_path, "ogbg_ppa")
     folder = root / "ogbg_ppa/raw"
     with gzip.open(folder / "num-edge-list.csv.gz", "rt") as fh:
         first = int(fh.readline())
-    _rewrite(folder / "num-edge-list.csv.gz", lambda lines: ["0"] + lines[1:])
-    _rewrite(folder / "edge.csv.gz", lambda lines: lines[first:])
-    _rewrite(folder / "edge-feat.csv.gz", lambda lines: lines[first:])
+    rewrite_gz(folder / "num-edge-list.csv.gz", lambda lines: ["0"] + lines[1:])
+    rewrite_gz(folder / "edge.csv.gz", lambda lines: lines[first:])
+    rewrite_gz(folder / "edge-feat.csv.gz", lambda lines: lines[first:])
     assert "num-edge-list.csv.gz: line 1, graph 0: edge count 0, expected at least 1" in _load_error(root, "ogbg-ppa")
 
 
@@ -211,9 +197,9 @@ def test_graph_without_edges(ppa_root, tmp_path):
 def test_a_cut_count_file_is_the_one_named(ppa_root, tmp_path, short):
     """One count file cut (as a copy that stopped half way): the error names it, with both counts,
     never the intact other one."""
-    root = _copy(ppa_root, tmp_path, "ogbg_ppa")
+    root = copy_dataset(ppa_root, tmp_path, "ogbg_ppa")
     other = ({"num-node-list.csv.gz", "num-edge-list.csv.gz"} - {short}).pop()
-    _rewrite(root / "ogbg_ppa/raw" / short, lambda lines: lines[:15])
+    rewrite_gz(root / "ogbg_ppa/raw" / short, lambda lines: lines[:15])
     message = _load_error(root, "ogbg-ppa")
     assert message.startswith(str(root / "ogbg_ppa/raw" / short) + ": 15 lines, "), message
     assert f"{other} has 40" in message and "truncated?" in message, message
@@ -221,18 +207,18 @@ def test_a_cut_count_file_is_the_one_named(ppa_root, tmp_path, short):
 
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 def test_non_finite_features(ppa_root, tmp_path, bad):
-    root = _copy(ppa_root, tmp_path, "ogbg_ppa")
+    root = copy_dataset(ppa_root, tmp_path, "ogbg_ppa")
     with gzip.open(root / "ogbg_ppa/raw/num-edge-list.csv.gz", "rt") as fh:
         first = int(fh.readline())
-    _rewrite(root / "ogbg_ppa/raw/edge-feat.csv.gz",
+    rewrite_gz(root / "ogbg_ppa/raw/edge-feat.csv.gz",
              lambda lines: lines[: first + 3] + [",".join([bad] * 7)] + lines[first + 4 :])
     message = _load_error(root, "ogbg-ppa")
     assert f"edge-feat.csv.gz: line {first + 4}, graph 1: NaN or infinite edge feature" in message
 
 
 def test_split_ids_out_of_range(ppa_root, tmp_path):
-    root = _copy(ppa_root, tmp_path, "ogbg_ppa")
-    _rewrite(root / "ogbg_ppa/split/species/valid.csv.gz", lambda lines: lines + ["999"])
+    root = copy_dataset(ppa_root, tmp_path, "ogbg_ppa")
+    rewrite_gz(root / "ogbg_ppa/split/species/valid.csv.gz", lambda lines: lines + ["999"])
     assert "valid.csv.gz: line " in (message := _load_error(root, "ogbg-ppa")) and ": graph id 999 outside [0, 40)" in message
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.test_registry_format import _run, _store, _tiny
+from tests.helpers import new_run, sqlite_store, tiny_job_dict, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,9 +24,8 @@ def test_register_names_and_tags_the_version(tmp_path):
 
     from pipeline.config import JobConfig
     from pipeline.registry.versions import default_model_name, register
-    from tests.test_train_ray import tiny_job_dict
 
-    uri, exp_id = _store(tmp_path)
+    uri, exp_id = sqlite_store(tmp_path)
     values = tiny_job_dict(tmp_path)
     values["mlflow"].update(tracking_uri=uri, registered_model=None)
     unnamed = JobConfig.model_validate(values)
@@ -34,11 +33,11 @@ def test_register_names_and_tags_the_version(tmp_path):
     named = JobConfig.model_validate(values)
     assert (default_model_name(unnamed, "pattern"), default_model_name(named, "pattern")) == ("sat-pattern", "mine")
 
-    tiny = _tiny("pattern")
+    tiny = tiny_model("pattern")
     client = MlflowClient(uri)
     for job, name, constant in ((unnamed, "sat-pattern", 0.25), (named, "mine", None)):
         reg = register(tiny.model, job=job, task=tiny.task, model_config=tiny.config,
-                       best={"val": 0.5, "test": 0.375, "epoch": 3}, constant=constant, run_id=_run(uri, exp_id),
+                       best={"val": 0.5, "test": 0.375, "epoch": 3}, constant=constant, run_id=new_run(uri, exp_id),
                        tracking_uri=uri, data_manifest_hash="abc", extra=tiny.extra, provenance=None)
         assert (reg["registered_model"], reg["registered_uri"]) == (name, f"models:/{name}/1"), reg
         tags = client.get_model_version(name, "1").tags

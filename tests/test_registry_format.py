@@ -13,15 +13,16 @@ Tiny untrained models are logged straight to the store (as in test_predict_error
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import pickle
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import (PATTERN_GRAPHS, new_run, register_format1, register_tiny, sqlite_store, stored_files,
+                           tiny_model)
 
 SOURCE = '''
 def get_name(self):
@@ -32,11 +33,6 @@ class Box:
     def set_value(self, x):
         self.value = x + 1
 '''
-NODE_TYPES = ["Module", "FunctionDef", "arguments", "arg", "Return", "Name", "Load", "Attribute", "Constant",
-              "BinOp", "Add", "Assign", "Store", "Call", "Expr", "__UNK__"]
-ATTRS = ["_mask_", "self", "x", "__UNK__", "__NONE__"]
-PATTERN_GRAPHS = [{"num_nodes": 4, "edge_index": [[0, 1, 2], [1, 2, 3]], "x": [0, 1, 2, 0]},
-                  {"num_nodes": 3, "edge_index": [[0, 1], [1, 2]], "x": [2, 2, 1]}]
 
 
 class Planted:
@@ -47,74 +43,6 @@ class Planted:
 
     def __reduce__(self):
         return open, (self.marker, "w")
-
-
-@dataclasses.dataclass
-class Tiny:
-    model: torch.nn.Module
-    task: object
-    config: object
-    vocab: list | None
-    extra: dict
-    sample: object
-
-
-def _tiny(task_name: str, seed: int = 0) -> Tiny:
-    from pipeline.tasks import make_task
-    from preprocessing.config import TransformConfig
-    from sat import SAT
-    from sat.config import SATConfig
-    from sat.data import SATData
-
-    torch.manual_seed(seed)
-    transform = TransformConfig(rwpe_steps=0, k_hops=0).model_dump(mode="json")
-    if task_name == "code2":
-        vocab = ["get", "name", "set", "value", "__UNK__", "__EOS__"]
-        task = make_task("code2", vocab=vocab, max_seq_len=5)
-        sample = SATData(x=torch.tensor([[0, 1], [3, 2], [5, 1]]), edge_index=torch.tensor([[0, 1], [1, 2]]),
-                         edge_attr=torch.tensor([[0, 0], [1, 1]]), node_depth=torch.tensor([0, 1, 2]))
-        extra = {"input": {"task": "code2", "transform": transform, "node_types": NODE_TYPES, "node_attributes": ATTRS}}
-    else:
-        vocab = None
-        task = make_task("pattern")
-        sample = SATData(x=torch.tensor([[0], [1], [2]]), edge_index=torch.tensor([[0, 1, 1, 2], [1, 0, 2, 1]]))
-        extra = {"input": {"task": "pattern", "transform": transform}}
-    config = task.configure(SATConfig(hidden_dim=8, num_layers=1, num_heads=2, k_hops=1, dropout=0.0), sample)
-    return Tiny(SAT(config).eval(), task, config, vocab, extra, sample)
-
-
-def _store(tmp_path: Path) -> tuple[str, str]:
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("t")
-    exp_id = exp.experiment_id if exp else client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
-    return uri, exp_id
-
-
-def _run(uri: str, exp_id: str) -> str:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(uri).create_run(exp_id).info.run_id
-
-
-def _register(tiny: Tiny, uri: str, run_id: str, name: str) -> dict:
-    from pipeline.registry.versions import log_and_register
-
-    return log_and_register(tiny.model, task=tiny.task, model_config=tiny.config, vocab=tiny.vocab, run_id=run_id,
-                            tracking_uri=uri, registered_model=name, data_manifest_hash="abc",
-                            metrics={"best_val_acc": 0.5}, extra=tiny.extra,
-                            provenance={"config_hash": "cfg1", "git_commits": ["c0ffee"]})
-
-
-def _stored_files(uri: str, name: str, version: int) -> Path:
-    """The folder the store keeps the version's model files in (not a downloaded copy)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
-    model_id = client.get_model_version(name, str(version)).source.removeprefix("models:/")
-    return Path(client.get_logged_model(model_id).artifact_location.removeprefix("file://"))
 
 
 def _outputs(model, graphs) -> torch.Tensor:
@@ -134,13 +62,13 @@ def test_round_trip_predicts_as_the_logged_model(tmp_path, caplog, task_name):
     from pipeline.registry.predict import load
     from pipeline.registry.versions import load_model
 
-    uri, exp_id = _store(tmp_path)
-    tiny = _tiny(task_name)
-    run_id = _run(uri, exp_id)
+    uri, exp_id = sqlite_store(tmp_path)
+    tiny = tiny_model(task_name)
+    run_id = new_run(uri, exp_id)
     caplog.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        reg = _register(tiny, uri, run_id, "tiny")
+        reg = register_tiny(tiny, uri, run_id, "tiny")
     # no warning (format 1 drew MLflow's pickle warning on every registration), nor logged one
     assert [str(w.message) for w in caught if not issubclass(w.category, DeprecationWarning)] == []
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
@@ -174,11 +102,11 @@ def test_loading_unpickles_nothing(tmp_path, monkeypatch):
 
     from pipeline.registry.versions import load_model
 
-    uri, exp_id = _store(tmp_path)
-    tiny = _tiny("pattern")
-    reg = _register(tiny, uri, _run(uri, exp_id), "tiny")
+    uri, exp_id = sqlite_store(tmp_path)
+    tiny = tiny_model("pattern")
+    reg = register_tiny(tiny, uri, new_run(uri, exp_id), "tiny")
     marker = tmp_path / "unpickled"
-    stored = _stored_files(uri, "tiny", reg["version"])
+    stored = stored_files(uri, "tiny", reg["version"])
     # where MLflow's pickle flavours look: a pickled PythonModel, mlflow.pytorch's pickled module
     (stored / "python_model.pkl").write_bytes(cloudpickle.dumps(Planted(marker)))
     (stored / "data").mkdir()
@@ -210,8 +138,8 @@ def test_loading_unpickles_nothing(tmp_path, monkeypatch):
 def test_weights_that_are_not_the_recorded_tensors_are_refused(tmp_path):
     from pipeline.registry.versions import load_model
 
-    uri, exp_id = _store(tmp_path)
-    run_id = _run(uri, exp_id)
+    uri, exp_id = sqlite_store(tmp_path)
+    run_id = new_run(uri, exp_id)
     marker = tmp_path / "unpickled"
     cases = [
         (lambda path: path.write_bytes(pickle.dumps({"w": Planted(marker)}, protocol=2)), "is not a weights-only tensor file"),
@@ -221,8 +149,8 @@ def test_weights_that_are_not_the_recorded_tensors_are_refused(tmp_path):
          "weights.pt does not match the weights_sha256 of satp_model.json"),
     ]
     for seed, (tamper, message) in enumerate(cases):
-        reg = _register(_tiny("pattern", seed=seed), uri, run_id, "tiny")
-        tamper(_stored_files(uri, "tiny", reg["version"]) / "artifacts" / "weights.pt")
+        reg = register_tiny(tiny_model("pattern", seed=seed), uri, run_id, "tiny")
+        tamper(stored_files(uri, "tiny", reg["version"]) / "artifacts" / "weights.pt")
         with pytest.raises(ValueError, match=message) as info:
             load_model(reg["registered_uri"], tracking_uri=uri)
         assert str(info.value).startswith(reg["registered_uri"]) and "\n" not in str(info.value)
@@ -232,14 +160,14 @@ def test_weights_that_are_not_the_recorded_tensors_are_refused(tmp_path):
 def test_same_weights_of_a_run_are_registered_once(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    uri, exp_id = _store(tmp_path)
-    run_id = _run(uri, exp_id)
-    first = _register(_tiny("pattern"), uri, run_id, "tiny")
-    again = _register(_tiny("pattern"), uri, run_id, "tiny")  # the same weights, built again
+    uri, exp_id = sqlite_store(tmp_path)
+    run_id = new_run(uri, exp_id)
+    first = register_tiny(tiny_model("pattern"), uri, run_id, "tiny")
+    again = register_tiny(tiny_model("pattern"), uri, run_id, "tiny")  # the same weights, built again
     assert first["version"] == again["version"] == 1
     assert again["registered_uri"] == "models:/tiny/1" and again["reason"].startswith("weights already registered as version 1")
-    other = _register(_tiny("pattern", seed=1), uri, run_id, "tiny")
-    elsewhere = _register(_tiny("pattern"), uri, _run(uri, exp_id), "tiny")  # another run's weights: its own version
+    other = register_tiny(tiny_model("pattern", seed=1), uri, run_id, "tiny")
+    elsewhere = register_tiny(tiny_model("pattern"), uri, new_run(uri, exp_id), "tiny")  # another run's weights: its own version
     assert (other["version"], elsewhere["version"]) == (2, 3) and "reason" not in other
     client = MlflowClient(uri)
     assert sorted(int(v.version) for v in client.search_model_versions("name='tiny'")) == [1, 2, 3]
@@ -247,41 +175,18 @@ def test_same_weights_of_a_run_are_registered_once(tmp_path):
 
 
 # ----------------------------------------------------------------------------- format 1 and migrate
-def _register_format1(tiny: Tiny, uri: str, run_id: str, name: str) -> int:
-    """A version as satp logged them before format 2: the pickled module (mlflow.pytorch) and
-    ``extra_files/satp_model.json``."""
-    import mlflow
-    import mlflow.pytorch
-
-    meta = {"format": 1, "task": tiny.task.state(), "model_config": dataclasses.asdict(tiny.config),
-            "vocab": tiny.vocab, "data_manifest_hash": "abc", "git_commit": "c0ffee",
-            "metrics": {"best_val_acc": 0.5}, "provenance": {"config_hash": "cfg1", "git_commits": ["c0ffee"]},
-            **tiny.extra}
-    mlflow.set_tracking_uri(uri)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "satp_model.json"
-        path.write_text(json.dumps(meta))
-        with mlflow.start_run(run_id=run_id):
-            info = mlflow.pytorch.log_model(tiny.model, name="model", serialization_format="pickle",
-                                            extra_files=[str(path)], pip_requirements=["torch"])
-    tags = {"data_manifest_hash": "abc", "git_commit": "c0ffee", "task": tiny.task.name, "run_id": run_id,
-            "satp.config_hash": "cfg1", "metric.best_val_acc": "0.5",
-            "satp.champion_decision": "promoted to champion: no champion yet"}
-    return int(mlflow.register_model(info.model_uri, name, tags=tags).version)
-
-
 def test_format1_is_refused_and_migrated(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     from pipeline.cli import main
     from pipeline.registry.versions import load_model
 
-    uri, exp_id = _store(tmp_path)
+    uri, exp_id = sqlite_store(tmp_path)
     client = MlflowClient(uri)
-    run_id = _run(uri, exp_id)
-    tiny, other = _tiny("pattern"), _tiny("pattern", seed=1)
-    assert _register_format1(tiny, uri, run_id, "old") == 1
-    assert _register_format1(other, uri, run_id, "old") == 2
+    run_id = new_run(uri, exp_id)
+    tiny, other = tiny_model("pattern"), tiny_model("pattern", seed=1)
+    assert register_format1(tiny, uri, run_id, "old") == 1
+    assert register_format1(other, uri, run_id, "old") == 2
     client.set_registered_model_alias("old", "champion", "1")
 
     with pytest.raises(ValueError) as info:
@@ -347,11 +252,11 @@ def test_a_format1_pickle_that_is_not_a_module_is_one_line_and_listed_as_pickled
 
     from pipeline.cli import main
 
-    uri, exp_id = _store(tmp_path)
-    version = _register_format1(_tiny("pattern"), uri, _run(uri, exp_id), "old")
+    uri, exp_id = sqlite_store(tmp_path)
+    version = register_format1(tiny_model("pattern"), uri, new_run(uri, exp_id), "old")
     assert main(["models", "--tracking-uri", uri]) == 0
     assert "(pickled: satp loads it after `satp models migrate old`)" in capsys.readouterr().out
-    torch.save(5, _stored_files(uri, "old", version) / "data" / "model.pth")  # an int where the module was
+    torch.save(5, stored_files(uri, "old", version) / "data" / "model.pth")  # an int where the module was
 
     assert main(["models", "migrate", "old", "--tracking-uri", uri]) == 2
     err = capsys.readouterr().err
@@ -368,10 +273,10 @@ def test_a_raw_pickle_weights_file_is_refused_in_one_clean_line(tmp_path, capsys
     """Torch's warnings came first and the reason was cut off mid-word."""
     from pipeline.cli import main
 
-    uri, exp_id = _store(tmp_path)
-    reg = _register(_tiny("pattern"), uri, _run(uri, exp_id), "tiny")
+    uri, exp_id = sqlite_store(tmp_path)
+    reg = register_tiny(tiny_model("pattern"), uri, new_run(uri, exp_id), "tiny")
     marker = tmp_path / "unpickled"
-    (_stored_files(uri, "tiny", reg["version"]) / "artifacts" / "weights.pt").write_bytes(
+    (stored_files(uri, "tiny", reg["version"]) / "artifacts" / "weights.pt").write_bytes(
         pickle.dumps({"w": Planted(marker)}, protocol=2))
     graphs = tmp_path / "graphs.json"
     graphs.write_text(json.dumps(PATTERN_GRAPHS))

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_registry_format import PATTERN_GRAPHS, _register, _run, _store, _stored_files, _tiny
+from tests.helpers import (PATTERN_GRAPHS, new_run, register_as_before, register_tiny, sqlite_store, stored_files,
+                           tiny_model)
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "mlflow", "ray", "torch_geometric")
@@ -32,10 +33,10 @@ def store(tmp_path_factory):
     from mlflow.tracking import MlflowClient
 
     tmp = tmp_path_factory.mktemp("record")
-    uri, exp_id = _store(tmp)
-    run_id = _run(uri, exp_id)
+    uri, exp_id = sqlite_store(tmp)
+    run_id = new_run(uri, exp_id)
     for seed in (0, 1):
-        _register(_tiny("pattern", seed=seed), uri, run_id, "tiny")
+        register_tiny(tiny_model("pattern", seed=seed), uri, run_id, "tiny")
     MlflowClient(uri).set_registered_model_alias("tiny", "champion", "2")
     graphs = tmp / "graphs.json"
     graphs.write_text(json.dumps(PATTERN_GRAPHS))
@@ -49,7 +50,7 @@ def two_versions(store, tmp_path):
 
     uri, _ = store
     client = MlflowClient(uri)
-    files = _stored_files(uri, "tiny", 2) / "artifacts"
+    files = stored_files(uri, "tiny", 2) / "artifacts"
     saved, tags = tmp_path / "saved", dict(client.get_model_version("tiny", "2").tags)
     shutil.copytree(files, saved)
     yield store
@@ -61,7 +62,7 @@ def two_versions(store, tmp_path):
 
 def _swap(uri: str, files=("weights.pt", "satp_model.json")) -> None:
     """Version 2's files replaced by version 1's (what someone who can write the artifact store can do)."""
-    one, two = (_stored_files(uri, "tiny", v) / "artifacts" for v in (1, 2))
+    one, two = (stored_files(uri, "tiny", v) / "artifacts" for v in (1, 2))
     for name in files:
         shutil.copyfile(one / name, two / name)
 
@@ -103,7 +104,7 @@ def test_the_json_alone_edited_is_caught_by_the_files_digests(two_versions):
     from pipeline.registry.versions import load_model
 
     uri, _ = two_versions
-    meta_file = _stored_files(uri, "tiny", 2) / "artifacts" / META_FILE
+    meta_file = stored_files(uri, "tiny", 2) / "artifacts" / META_FILE
     meta = json.loads(meta_file.read_text())
     meta["metrics"] = {"best_val_acc": 0.99}
     meta_file.write_text(json.dumps(meta))
@@ -117,15 +118,14 @@ def test_a_version_registered_before_the_files_digests_is_checked_by_its_weights
     from mlflow.tracking import MlflowClient
 
     from pipeline.registry.versions import load_model
-    from tests.test_registry_trust import _register_as_before
 
     uri, _ = store
-    run_id = _run(uri, MlflowClient(uri).get_experiment_by_name("t").experiment_id)
+    run_id = new_run(uri, MlflowClient(uri).get_experiment_by_name("t").experiment_id)
     for seed in (0, 1):
-        _register_as_before(uri, run_id, "early", seed, 0.5, files_digests=False)
+        register_as_before(uri, run_id, "early", seed, 0.5, files_digests=False)
     load_model("models:/early/2", tracking_uri=uri)
     for name in ("weights.pt", "satp_model.json"):
-        shutil.copyfile(_stored_files(uri, "early", 1) / "artifacts" / name, _stored_files(uri, "early", 2) / "artifacts" / name)
+        shutil.copyfile(stored_files(uri, "early", 1) / "artifacts" / name, stored_files(uri, "early", 2) / "artifacts" / name)
     with pytest.raises(ValueError, match=r"version 2 at registration: weights_sha256 [0-9a-f]{12} \(recorded "):
         load_model("models:/early/2", tracking_uri=uri)
 

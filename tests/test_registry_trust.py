@@ -16,15 +16,13 @@ The defects:
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.test_registry_format import PATTERN_GRAPHS, _run, _store, _stored_files, _tiny
+from tests.helpers import PATTERN_GRAPHS, new_run, register_as_before, sqlite_store, stored_files, tiny_model
 
 #: the tags the trial copied from version 2 onto version 1
 COPIED = ("satp.weights_sha256", "satp.files_sha256", "run_id", "data_manifest_hash", "git_commit")
@@ -33,48 +31,17 @@ COPIED = ("satp.weights_sha256", "satp.files_sha256", "run_id", "data_manifest_h
 def _register(uri: str, run_id: str, name: str, seed: int, val: float) -> int:
     from pipeline.registry.versions import log_and_register
 
-    tiny = _tiny("pattern", seed=seed)
+    tiny = tiny_model("pattern", seed=seed)
     return log_and_register(tiny.model, task=tiny.task, model_config=tiny.config, vocab=None, run_id=run_id,
                             tracking_uri=uri, registered_model=name, data_manifest_hash="abc",
                             metrics={"best_val_acc": val}, extra=tiny.extra,
                             provenance={"config_hash": "cfg1", "git_commits": ["c0ffee"]})["version"]
 
 
-def _register_as_before(uri: str, run_id: str, name: str, seed: int, val: float, files_digests: bool = True) -> int:
-    """A version as satp registered them before the logged model's record: the same two files (no
-    ``model_id``), the weights' sha256, the files' digests (``files_digests``: registered after they
-    were recorded) and the identity as tags, a logged model without parameters."""
-    import mlflow
-
-    from pipeline.registry.model_format import FORMAT, PYFUNC_CODE, cpu_state, weights_sha256, write_files
-    from pipeline.registry.record import files_tag
-    from pipeline.registry.versions import PIP_REQUIREMENTS
-
-    tiny = _tiny("pattern", seed=seed)
-    state = cpu_state(tiny.model)
-    sha = weights_sha256(state)
-    meta = {"format": FORMAT, "weights_sha256": sha, "task": tiny.task.state(),
-            "model_config": dataclasses.asdict(tiny.config), "vocab": None, "data_manifest_hash": "abc",
-            "git_commit": "c0ffee", "metrics": {"best_val_acc": val}, "run_id": run_id, **tiny.extra}
-    mlflow.set_tracking_uri(uri)
-    with tempfile.TemporaryDirectory() as tmp:
-        code = Path(tmp) / "satp_pyfunc.py"
-        code.write_text(PYFUNC_CODE)
-        artifacts = write_files(state, meta, Path(tmp))
-        digests = files_tag({Path(path).name: Path(path) for path in artifacts.values()})
-        with mlflow.start_run(run_id=run_id):
-            info = mlflow.pyfunc.log_model(name="model", python_model=str(code), artifacts=artifacts,
-                                           pip_requirements=PIP_REQUIREMENTS)
-    tags = {"data_manifest_hash": "abc", "git_commit": "c0ffee", "task": "pattern", "run_id": run_id,
-            "metric.best_val_acc": f"{val:.6g}", "satp.weights_sha256": sha,
-            **({"satp.files_sha256": digests} if files_digests else {})}
-    return int(mlflow.register_model(info.model_uri, name, tags=tags).version)
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trust")
-    uri, exp_id = _store(tmp)
+    uri, exp_id = sqlite_store(tmp)
     graphs = tmp / "graphs.json"
     graphs.write_text(json.dumps(PATTERN_GRAPHS))
     return uri, exp_id, graphs
@@ -85,8 +52,8 @@ def _two_versions(store, name: str, register) -> str:
     from mlflow.tracking import MlflowClient
 
     uri, exp_id, _ = store
-    assert register(uri, _run(uri, exp_id), name, 0, 0.5) == 1
-    assert register(uri, _run(uri, exp_id), name, 1, 0.75) == 2
+    assert register(uri, new_run(uri, exp_id), name, 0, 0.5) == 1
+    assert register(uri, new_run(uri, exp_id), name, 1, 0.75) == 2
     MlflowClient(uri).set_registered_model_alias(name, "champion", "1")
     return uri
 
@@ -100,7 +67,7 @@ def _tags_and_files_of_2_onto_1(uri: str, name: str) -> None:
     for key in COPIED:
         client.set_model_version_tag(name, "1", key, two[key])
     for file in ("weights.pt", "satp_model.json"):
-        shutil.copyfile(_stored_files(uri, name, 2) / "artifacts" / file, _stored_files(uri, name, 1) / "artifacts" / file)
+        shutil.copyfile(stored_files(uri, name, 2) / "artifacts" / file, stored_files(uri, name, 1) / "artifacts" / file)
 
 
 def _refused(uri: str, model: str, graphs: Path, capsys) -> str:
@@ -147,7 +114,7 @@ def test_tags_and_files_copied_from_another_version_are_refused(store, capsys):
 def test_a_version_from_before_the_logged_models_record_is_checked_by_mlflows_fields(store, capsys):
     """No ``model_id`` in its files and no parameters on its logged model: the version's ``run_id`` and
     the metric tags still disagree with what the copied files say."""
-    uri = _two_versions(store, "before", _register_as_before)
+    uri = _two_versions(store, "before", register_as_before)
     from pipeline.registry.versions import load_model
 
     load_model("models:/before@champion", tracking_uri=uri)  # sound as registered
@@ -175,8 +142,8 @@ def test_a_missing_weights_file_or_artifact_folder_is_named(store, capsys):
     uri = _two_versions(store, "gone", _register)
     client = MlflowClient(uri)
     one, two = (client.get_model_version_download_uri("gone", v) for v in ("1", "2"))
-    (_stored_files(uri, "gone", 1) / "artifacts" / "weights.pt").unlink()
-    shutil.rmtree(_stored_files(uri, "gone", 2))
+    (stored_files(uri, "gone", 1) / "artifacts" / "weights.pt").unlink()
+    shutil.rmtree(stored_files(uri, "gone", 2))
 
     assert _refused(uri, "models:/gone@champion", store[2], capsys) == (
         f"satp: error: models:/gone@champion: artifacts/weights.pt is missing from version 1's artifacts at {one}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_train_ray import tiny_data, tiny_job_dict
+from tests.helpers import tiny_data, tiny_job_dict
 
 NAME = "sat-rerun"
 

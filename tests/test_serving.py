@@ -26,7 +26,7 @@ import urllib.request
 import pytest
 
 from tests.mlflow_servers import ROOT, cpu_seconds, launch, stop, wait
-from tests.test_predict_errors import SOURCE, _log
+from tests.helpers import PREDICT_SOURCE, log_tiny_model, tiny_model
 
 #: settings that lift the caps, for a request whose work outlasts its deadline
 UNCAPPED = {"SATP_SERVE_MAX_SOURCE_BYTES": "1000000000", "SATP_SERVE_MAX_GRAPHS": "1000000000",
@@ -44,7 +44,7 @@ def servers(tmp_path_factory):
     """``{"capped": URL, "uncapped": (process, URL)}``: the model served with the default caps, and
     without caps and a deadline of a few seconds (started together)."""
     tmp = tmp_path_factory.mktemp("serving")
-    uri = _log(tmp, "tiny-code2", "code2")
+    uri = log_tiny_model(tmp, "tiny-code2", "code2")
     model = ["models", "serve", "-m", "models:/tiny-code2/1", "--env-manager", "local"]
     capped = launch(model, tmp / "capped.log", {"MLFLOW_TRACKING_URI": uri})
     uncapped = launch(model, tmp / "uncapped.log", {"MLFLOW_TRACKING_URI": uri, **UNCAPPED,
@@ -82,7 +82,7 @@ def _refusal(url: str, inputs: list, status: int) -> str:
 
 
 def test_a_good_source_is_answered(servers):
-    status, body = _post(servers["capped"], [{"source": SOURCE}])
+    status, body = _post(servers["capped"], [{"source": PREDICT_SOURCE}])
     assert status == 200, body[:2000]
     (rows,) = json.loads(body)["predictions"]
     assert [(row["name"], row["line"]) for row in rows] == [("get_name", 2), ("setValue", 7), ("fetch_all_items", 10)]
@@ -91,7 +91,7 @@ def test_a_good_source_is_answered(servers):
 def test_bad_inputs_are_answered_with_satps_line(servers):
     url = servers["capped"]
     assert _refusal(url, [{"num_nodes": 3}], 400) == "model input 0: a code2 model takes {'source': Python source text}"
-    assert _refusal(url, [{"source": SOURCE}, {"source": "def broken(:\n    pass\n"}], 400) == (
+    assert _refusal(url, [{"source": PREDICT_SOURCE}, {"source": "def broken(:\n    pass\n"}], 400) == (
         "<model input 1>:1: not valid Python (invalid syntax)")
 
 
@@ -102,7 +102,7 @@ def test_bad_inputs_are_answered_with_satps_line(servers):
     ([{"source": _functions(1_500)}, {"source": _functions(501)}],
      "model input 1: function get_value_500 (line 1501): the request holds more than 2,000 graphs "
      "(SATP_SERVE_MAX_GRAPHS; code2: one per function): send fewer per request"),
-    ([{"source": SOURCE + _functions(1, statements=500)}],
+    ([{"source": PREDICT_SOURCE + _functions(1, statements=500)}],
      "model input 0: function get_value_0 (line 12): 6,005 nodes, more than the 5,000 of one graph "
      "(SATP_SERVE_MAX_GRAPH_NODES)"),
     ([{"source": _functions(26, statements=330)}],
@@ -147,11 +147,10 @@ def test_the_nodes_counted_before_building_are_the_graphs_nodes():
     functions and methods included."""
     from pipeline.registry.model_format import LoadedModel
     from pipeline.registry.predict import Predictor
-    from tests.test_registry_format import _tiny
 
-    tiny = _tiny("code2")
+    tiny = tiny_model("code2")
     predictor = Predictor(LoadedModel(tiny.model, tiny.task, tiny.config, tiny.vocab, tiny.extra))
-    text = SOURCE + "def outer(a):\n    def inner(b):\n        return [b for _ in a]\n    return inner\n"
+    text = PREDICT_SOURCE + "def outer(a):\n    def inner(b):\n        return [b for _ in a]\n    return inner\n"
     counted = [(fn.name, nodes) for fn, nodes in predictor._functions(text, "<t>")]
     built = [(name, data.num_nodes) for name, _, _, data in predictor.source_graphs(text)]
     assert counted == built and len(built) == 5, (counted, built)
@@ -159,7 +158,7 @@ def test_the_nodes_counted_before_building_are_the_graphs_nodes():
 
 @pytest.fixture(scope="module")
 def ppa_store(tmp_path_factory):
-    return _log(tmp_path_factory.mktemp("serving-ppa"), "tiny-ppa", "ppa")
+    return log_tiny_model(tmp_path_factory.mktemp("serving-ppa"), "tiny-ppa", "ppa")
 
 
 def _ppa_graph(nodes: int) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_train_ray import tiny_job_dict
+from tests.helpers import tiny_data, tiny_job_dict
 
 
 def _job(base, **train):
@@ -25,7 +25,6 @@ def shards(tiny_setting):
     from pipeline.train.loader import open_split
     from pipeline.train.plan import worker_setup
     from sat.config import SATConfig
-    from tests.test_train_ray import tiny_data
 
     base, _ = tiny_setting
     job = _job(base)

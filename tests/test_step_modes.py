@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_one_rank
+
+from tests.helpers import run_one_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ray_nodes import NO_DRAIN
 from runtime import forked_workers
 from runtime.local_cluster import stop_processes
 from runtime.ports import free_ports
-from test_train_ray import tiny_data, tiny_job_dict
+from tests.helpers import tiny_data, tiny_job_dict
+from tests.ray_nodes import NO_DRAIN
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -28,8 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_faults_training import Drain, _env, _wait_for, satp_lines, tracebacks
-from tests.test_train_ray import tiny_job_dict
+from tests.helpers import Drain, satp_env, satp_lines, tiny_job_dict, tracebacks, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -61,7 +60,7 @@ def _tune(job: Path, address: str, *more: str) -> list[str]:
 def _run(job: Path, address: str, *more: str) -> subprocess.CompletedProcess:
     """``satp tune``, its standard output and error in one stream, in the order written."""
     return subprocess.run(_tune(job, address, *more), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600, env=_env(PYTHONUNBUFFERED="1"), cwd=ROOT)
+                          timeout=600, env=satp_env(PYTHONUNBUFFERED="1"), cwd=ROOT)
 
 
 def _ends_with_the_summary(output: str) -> list[str]:
@@ -102,11 +101,11 @@ def killed_sweep(tiny_setting, tmp_path_factory):
     job = _sweep_job(base, where)
     sweep_dir = where / "tune" / NAME
     first = subprocess.Popen(_tune(job, address), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             env=_env(), cwd=ROOT, start_new_session=True)
+                             env=satp_env(), cwd=ROOT, start_new_session=True)
     drained = Drain(first)
     try:
         # the second trial's Train run has started (one trial at a time: the first has finished)
-        _wait_for(lambda: len([p for p in (sweep_dir / "train").glob("*") if p.is_dir()]) == 2, "the second trial",
+        wait_until(lambda: len([p for p in (sweep_dir / "train").glob("*") if p.is_dir()]) == 2, "the second trial",
                   timeout=500, proc=first)
     finally:
         os.killpg(first.pid, signal.SIGKILL)

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_faults_training import _env
-from tests.test_train_ray import tiny_job_dict
+from tests.helpers import satp_env, tiny_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = ["sweep chatty: 0 trials", "MLflow parent run - (-)"]
@@ -77,7 +76,7 @@ def test_nothing_of_rays_comes_after_the_summary(ray_cluster, tmp_path):
     proc = subprocess.run([sys.executable, "-c", COMMAND, str(tmp_path / "job.yaml"),
                            ray_cluster.get_runtime_context().gcs_address],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
-                          env=_env(PYTHONUNBUFFERED="1"), cwd=ROOT)
+                          env=satp_env(PYTHONUNBUFFERED="1"), cwd=ROOT)
     lines = proc.stdout.rstrip("\n").splitlines()
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert any("chatty line" in line for line in lines), proc.stdout[-3000:]  # Ray forwarded the actor's lines

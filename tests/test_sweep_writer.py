@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_faults_training import Drain, _env, _wait_for, satp_lines, tracebacks
-from tests.test_train_ray import tiny_job_dict
+from tests.helpers import Drain, satp_env, satp_lines, tiny_job_dict, tracebacks, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,15 +92,15 @@ def test_a_second_sweep_is_refused_and_an_interrupted_one_ends_with_its_line(tin
     job = _sweep_job(base, tmp_path)
     lease = tmp_path / "tune" / "w" / "satp-lease.json"
     first = subprocess.Popen(_tune(job, address), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=_env(), cwd=ROOT, start_new_session=True)
+                             env=satp_env(), cwd=ROOT, start_new_session=True)
     drained = Drain(first)
     try:
         # the trial's Train run holds its own lease: Tune is fitting
-        _wait_for(lambda: any((tmp_path / "tune" / "w" / "train").glob("*/satp-lease.json")), "the trial's run",
+        wait_until(lambda: any((tmp_path / "tune" / "w" / "train").glob("*/satp-lease.json")), "the trial's run",
                   timeout=400, proc=first)
         assert lease.is_file()
         started = time.monotonic()
-        second = subprocess.run(_tune(job, address), capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+        second = subprocess.run(_tune(job, address), capture_output=True, text=True, timeout=300, env=satp_env(), cwd=ROOT)
         took = time.monotonic() - started
         err = second.stderr
         assert second.returncode == 2, err[-3000:]

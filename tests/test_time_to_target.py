@@ -20,6 +20,7 @@ import pytest
 from pipeline.train import stopping
 from pipeline.config.train import TargetConfig, TrainConfig
 from runtime.ports import free_ports
+from tests.helpers import tiny_data, tiny_job
 
 
 def _history(values: list[float], key: str = "val_f1") -> list[dict]:
@@ -71,14 +72,13 @@ TARGET = 1e-6  # any validation F1 above zero: the tiny job gets there within it
 @pytest.fixture(scope="module")
 def stopped_run(ray_cluster, tmp_path_factory):
     """The tiny code2 job with 8 epochs and a target it reaches long before: trained once."""
-    from tests.test_train_ray import _job, tiny_data
 
     base = tmp_path_factory.getbasetemp() / "satp-tiny"
     base.mkdir(exist_ok=True)
     tiny_data(base)
     from pipeline.train.driver import train_job
 
-    job = _job(base, epochs=8, run_name="to-target", target={"metric": "val_f1", "value": TARGET})
+    job = tiny_job(base, epochs=8, run_name="to-target", target={"metric": "val_f1", "value": TARGET})
     started = time.monotonic()
     outcome = train_job(job)
     outcome.wall_s = time.monotonic() - started  # the whole call: start-up, preprocessing, registration

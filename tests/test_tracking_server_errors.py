@@ -18,6 +18,7 @@ import threading
 
 import pytest
 
+from tests.helpers import register_tiny, tiny_job_dict, tiny_model
 from tests.mlflow_servers import free_port, start, stop
 
 ADVICE = "check the server and its artifact store (the server's log says what failed), then run the same command"
@@ -97,7 +98,6 @@ def plan(tmp_path, monkeypatch):
     from pipeline.config import JobConfig
     from pipeline.train.plan import JobPlan
     from pipeline.train.worker_setup import WorkerSetup
-    from tests.test_train_ray import tiny_job_dict
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 
@@ -149,14 +149,13 @@ def test_registering_into_a_failing_artifact_store_names_the_server(server, plan
     from mlflow.tracking import MlflowClient
 
     from pipeline.train import mlflow_run
-    from tests.test_registry_format import _register, _tiny
 
     client = MlflowClient(server)
     run_id = client.create_run(client.create_experiment(f"reg-{tmp_path.name}")).info.run_id
     with pytest.raises(ValueError) as failed:
         with mlflow_run.writing(plan(server), "registering the model of run 'tiny'", "nothing was registered",
                                 rerun="run the same command, which registers it then"):
-            _register(_tiny("pattern"), server, run_id, "failing-store")
+            register_tiny(tiny_model("pattern"), server, run_id, "failing-store")
     assert str(failed.value) == (
         f"mlflow.tracking_uri: {server}: the tracking server failed while registering the model of run 'tiny' (its "
         "artifact store answered HTTP 500); nothing was registered: check the server and its artifact store (the "

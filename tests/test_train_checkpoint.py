@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_one_rank
+
+from tests.helpers import run_one_rank
 
 SCRIPT = r'''
 import json, os, sys

@@ -11,25 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import pattern_job_dict
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-def pattern_job_dict(root: Path, base: Path, **train) -> dict:
-    return {
-        "name": "pattern-tiny",
-        "data": {"name": "pattern", "root": str(root), "source": "sbm"},
-        "transform": {"rwpe_steps": 7, "lap_pe_dim": 0, "k_hops": 0},
-        "shards": {"root": str(base / "shards"), "graphs_per_shard": 200},
-        "model": {"hidden_dim": 32, "num_layers": 2, "num_heads": 4, "dropout": 0.0, "attention": "dense",
-                  "extractor": "subtree", "k_hops": 1, "gnn_type": "gcn", "use_edge_attr": False,
-                  "pe": "rwpe", "pe_dim": 7},
-        "train": {"task": "pattern", "epochs": 3, "warmup_epochs": 0, "scheduler": "constant", "lr": 3e-3,
-                  "node_budget": 3200, "max_graphs_per_batch": 16, "precision": "fp32", "grad_clip": 0.0,
-                  "storage_path": str(base / "ray"), "run_name": "pattern-tiny", **train},
-        "resources": {"num_workers": 1, "cpus_per_worker": 1},
-        "mlflow": {"tracking_uri": f"sqlite:///{base / 'mlflow.db'}", "experiment": "pattern-tiny",
-                   "registered_model": "sat-pattern-tiny", "log_system_metrics": False},
-    }
 
 
 @pytest.fixture(scope="module")

@@ -8,57 +8,15 @@ nothing.
 """
 from __future__ import annotations
 
-import sysconfig
-from pathlib import Path
-
 import pytest
-import yaml
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-SOURCES = [str(STDLIB / d) for d in ("asyncio", "multiprocessing", "email")]
-
-
-def tiny_job_dict(base: Path, **train) -> dict:
-    """A job on ~1,600 graphs that a 2-worker CPU run learns in a few epochs."""
-    return {
-        "name": "tiny",
-        "data": {"name": "ogbg-code2", "root": str(base / "data"), "source": "pycode", "source_dirs": SOURCES},
-        "transform": {"rwpe_steps": 0, "lap_pe_dim": 0, "k_hops": 0, "vocab_size": 5000},
-        "shards": {"root": str(base / "shards"), "graphs_per_shard": 512},
-        "model": {"hidden_dim": 32, "num_layers": 1, "num_heads": 4, "dropout": 0.0, "k_hops": 1, "gnn_type": "gcn"},
-        "train": {"task": "code2", "epochs": 3, "warmup_epochs": 0.5, "lr": 3e-3, "node_budget": 1024,
-                  "eval_node_budget": 4096, "storage_path": str(base / "ray"), "run_name": "tiny", **train},
-        "resources": {"num_workers": 2, "cpus_per_worker": 1},
-        "mlflow": {"tracking_uri": f"sqlite:///{base / 'mlflow.db'}", "experiment": "tiny",
-                   "registered_model": "sat-tiny", "log_system_metrics": False},
-    }
-
-
-def write_job(path: Path, values: dict) -> Path:
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
-def tiny_data(base: Path):
-    """Build (or reuse) the tiny dataset's shards under ``base``; return (base, shard_dir)."""
-    from pipeline.config import JobConfig
-    from preprocessing import preprocess
-
-    job = JobConfig.model_validate(tiny_job_dict(base))
-    return preprocess(job.data, job.transform, job.shards, progress=False)
-
+from tests.helpers import tiny_data, tiny_job
 
 @pytest.fixture(scope="module")
 def tiny(ray_cluster, tmp_path_factory):
     base = tmp_path_factory.getbasetemp() / "satp-tiny"
     base.mkdir(exist_ok=True)
     return base, tiny_data(base)
-
-
-def _job(base: Path, **train):
-    from pipeline.config import JobConfig
-
-    return JobConfig.model_validate(tiny_job_dict(base, **train))
 
 
 def _runs(tracking_uri: str, experiment: str = "tiny"):
@@ -79,7 +37,7 @@ def test_two_worker_deepspeed_run_learns_and_registers(tiny, tmp_path):
     from pipeline.train.loader import open_split
 
     base, shards = tiny
-    outcome = train_job(_job(base, run_name="learns", epochs=4), shard_dir=shards)
+    outcome = train_job(tiny_job(base, run_name="learns", epochs=4), shard_dir=shards)
     print([{k: round(v, 4) for k, v in h.items()} for h in outcome.history], outcome.constant)
     losses = [h["train_loss"] for h in outcome.history]
     assert [h["epoch"] for h in outcome.history] == [0, 1, 2, 3]
@@ -126,7 +84,7 @@ def test_killed_worker_resumes_from_checkpoint_in_one_mlflow_run(tiny, tmp_path)
     # epoch 0's checkpoint. Ray Train registers that checkpoint at its controller's next poll of the
     # workers (every 2 s), so the kill waits until >= 10 s into the epoch (3 s left one late poll on
     # a loaded 2-core machine between passing and retraining epoch 0)
-    outcome = train_job(_job(base, run_name="killed", epochs=2), shard_dir=shards,
+    outcome = train_job(tiny_job(base, run_name="killed", epochs=2), shard_dir=shards,
                         fault={"rank": 1, "epoch": 1, "step": 1, "seconds": 10.0, "marker": str(marker)})
     assert marker.exists()
     assert [h["epoch"] for h in outcome.history] == [0, 1]
@@ -138,7 +96,7 @@ def test_killed_worker_resumes_from_checkpoint_in_one_mlflow_run(tiny, tmp_path)
     assert [m.step for m in client.get_metric_history(same[0].info.run_id, "train_loss")] == [0, 1]
 
     # a rerun with the same run name resumes (one more epoch), still in the same MLflow run
-    again = train_job(_job(base, run_name="killed", epochs=3), shard_dir=shards, register=False)
+    again = train_job(tiny_job(base, run_name="killed", epochs=3), shard_dir=shards, register=False)
     assert [h["epoch"] for h in again.history] == [0, 1, 2]
     assert again.history[0] == outcome.history[0]
     assert again.mlflow_run_id == outcome.mlflow_run_id
@@ -151,7 +109,7 @@ def test_failed_run_registers_nothing(tiny, tmp_path):
     from pipeline.train.driver import train_job
 
     base, shards = tiny
-    job = _job(base, run_name="fails", epochs=1, max_failures=0)
+    job = tiny_job(base, run_name="fails", epochs=1, max_failures=0)
     job.mlflow.registered_model = "sat-never"
     with pytest.raises(Exception):
         train_job(job, shard_dir=shards, fault={"rank": 0, "epoch": 0, "step": 1, "marker": str(tmp_path / "m")})

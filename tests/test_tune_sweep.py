@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import parent_and_children
+from tests.helpers import parent_and_children
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

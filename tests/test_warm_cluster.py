@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from runtime import forked_workers, local_cluster, pool_keeper, ports, ray_cluster, worker_pool
-from tests.test_train_ray import tiny_job_dict
+from tests.helpers import tiny_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 

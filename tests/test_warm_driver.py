@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_interrupts import _job, _process_state, _running
+from tests.helpers import is_running, process_state, tiny_subset_job
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the command's process: run_command with its own pid as the signal hook's target (a fault that
@@ -62,7 +62,7 @@ def _signalled_run(warm_driver, tiny_setting, tmp_path: Path, run_name: str, sig
     on the session cluster, forked by the warm driver; after epoch 0's checkpoint the run sends
     ``signal_name`` to the command's process."""
     base, address = tiny_setting
-    job = _job(base, tmp_path, run_name, epochs=3)
+    job = tiny_subset_job(base, tmp_path, run_name, epochs=3)
     fault = {"signal": signal_name, "epoch": 0, "marker": str(tmp_path / "fired")}
     command = _command(warm_driver, ["train", str(job), "--address", address, "--no-progress"], tmp_path, fault)
     seen, done = set(), threading.Event()
@@ -154,9 +154,9 @@ def test_a_killed_command_takes_its_forked_run_with_it(warm_driver, tiny_setting
     assert json.loads((tmp_path / "ray" / "wd-kill" / "satp-lease.json").read_text())["pid"] == killed.pid
     assert len(forked) == 2, forked  # its runner and the forked command, SIGKILLed by the runner
     deadline = time.monotonic() + 30
-    while any(map(_running, forked)) and time.monotonic() < deadline:
+    while any(map(is_running, forked)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not any(map(_running, forked)) and not _forked(warm_driver)
+    assert not any(map(is_running, forked)) and not _forked(warm_driver)
 
 
 def test_an_address_names_the_satp_cluster_on_any_address_of_this_machine():
@@ -205,7 +205,7 @@ def test_ctrl_z_stops_the_forked_run_with_the_command_and_fg_continues_both(warm
     import psutil
 
     base, address = tiny_setting
-    job = _job(base, tmp_path, "wd-stop", epochs=3)
+    job = tiny_subset_job(base, tmp_path, "wd-stop", epochs=3)
     command = _command(warm_driver, ["train", str(job), "--address", address, "--no-progress"], tmp_path)
     try:
         lease = tmp_path / "ray" / "wd-stop" / "satp-lease.json"
@@ -216,14 +216,14 @@ def test_ctrl_z_stops_the_forked_run_with_the_command_and_fg_continues_both(warm
         (forked,) = [p.pid for runner in psutil.Process(warm_driver["server"].pid).children() for p in runner.children()]
         command.send_signal(signal.SIGTSTP)
         deadline = time.monotonic() + 30
-        while {_process_state(command.pid), _process_state(forked)} != {"T"} and time.monotonic() < deadline:
+        while {process_state(command.pid), process_state(forked)} != {"T"} and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert (_process_state(command.pid), _process_state(forked)) == ("T", "T")
+        assert (process_state(command.pid), process_state(forked)) == ("T", "T")
         command.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 30
-        while "T" in (_process_state(command.pid), _process_state(forked)) and time.monotonic() < deadline:
+        while "T" in (process_state(command.pid), process_state(forked)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert "T" not in (_process_state(command.pid), _process_state(forked))
+        assert "T" not in (process_state(command.pid), process_state(forked))
     finally:
         command.send_signal(signal.SIGCONT)  # whatever the assertions found stopped goes on, to its end
         command.send_signal(signal.SIGTERM)
