@@ -37,15 +37,17 @@ def is_running(pid: int) -> bool:
     return state != "Z"
 
 
-def wait_until(condition, what: str, timeout: float = 300, proc: subprocess.Popen | None = None) -> None:
-    """Poll ``condition()``; fail naming ``what`` when ``timeout`` passes or ``proc`` ends first."""
+def wait_until(condition, what: str, timeout: float = 300, proc: subprocess.Popen | None = None,
+               every: float = 0.05) -> None:
+    """Poll ``condition()`` every ``every`` s; fail naming ``what`` when ``timeout`` passes or ``proc``
+    ends first (a condition that scans processes polls less often: each look costs CPU)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"the command ended (status {proc.returncode}) before {what}")
         if time.monotonic() > deadline:
             raise AssertionError(f"no {what} within {timeout:.0f} s")
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 def run_one_rank(argv: list[str], env: dict, timeout: float, **kwargs):

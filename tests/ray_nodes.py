@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import psutil
 
@@ -172,14 +172,3 @@ def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1) -> Iterator[dic
         os.killpg(fork_server.pid, signal.SIGTERM)
         fork_server.wait(timeout=30)
         shutil.rmtree(temp, ignore_errors=True)
-
-
-def wait_for(proc: subprocess.Popen, until: Callable[[], bool], what: str, timeout: float = 240) -> None:
-    """Poll ``until()`` every 0.2 s; fail when ``proc`` ends first or ``timeout`` passes."""
-    deadline = time.time() + timeout
-    while not until():
-        if proc.poll() is not None:
-            raise AssertionError(f"the command ended (exit {proc.returncode}) before {what}")
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)

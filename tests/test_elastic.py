@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import tiny_job_dict
-from tests.ray_nodes import local_cluster, wait_for
+from tests.helpers import tiny_job_dict, wait_until
+from tests.ray_nodes import local_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY = 3  # train.checkpoint_every_steps
@@ -106,17 +106,17 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_when_one_joins(cluster, tmp_path
     fault = {"pause_in_checkpoint": {"rank": 1, "step": CUT, "seconds": 300}, "marker": str(marker),
              "hold": {"step": HOLD, "world_size": 1}}
     elastic = _train(_job(base, tiny_base, "elastic", [1, 2]), address, env, log, SATP_TEST_FAULT=json.dumps(fault))
-    wait_for(elastic, marker.exists, "a rank paused in the checkpoint of step 6", timeout=600)
-    wait_for(elastic, lambda: _registered(run_dir, EVERY), "the checkpoint of step 3 registered")
+    wait_until(marker.exists, "a rank paused in the checkpoint of step 6", timeout=600, proc=elastic)
+    wait_until(lambda: _registered(run_dir, EVERY), "the checkpoint of step 3 registered", proc=elastic)
     note = _note(run_dir)
     assert (note["global_step"], note["world_size"]) == (CUT, 2)
     node_b.kill()
     killed_at = time.time()
-    wait_for(elastic, lambda: _note(run_dir) == dict(_note(run_dir), world_size=1, global_step=HOLD),
-             "1 worker at step 11", timeout=600)
+    wait_until(lambda: _note(run_dir) == dict(_note(run_dir), world_size=1, global_step=HOLD),
+               "1 worker at step 11", timeout=600, proc=elastic)
     cluster["add_node"]()  # node C: the next resize check grows the run
     joined_at = time.time()
-    wait_for(elastic, lambda: _note(run_dir)["world_size"] == 2, "2 workers again", timeout=600)
+    wait_until(lambda: _note(run_dir)["world_size"] == 2, "2 workers again", timeout=600, proc=elastic)
     assert elastic.wait(timeout=900) == 0, log.read_text()[-4000:]
     text = log.read_text()
     assert "registered model: models:/sat-elastic/" in text

@@ -131,31 +131,6 @@ def _read_line_with(proc: subprocess.Popen, needle: str, timeout: float = 180) -
     raise AssertionError(f"no {needle!r} within {timeout} s")
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 8 MiB tmpfs (``mount`` needs root): what is written there beyond it fails with ENOSPC."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): no real ENOSPC")
-    try:
-        yield mount
-    finally:
-        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-
-
-def _fill(disk: Path, leave: int) -> Path:
-    """Fill ``disk`` but ``leave`` bytes; returns the filler (delete it to free the space)."""
-    filler = disk / "filler"
-    stat = os.statvfs(disk)
-    size = stat.f_bavail * stat.f_frsize - leave
-    with open(filler, "wb") as fh:
-        os.posix_fallocate(fh.fileno(), 0, size)
-    return filler
-
-
 # ============================================================================= the columnar store
 _KILLED_CONVERSION = conversion_killed_in("ogbg-code2", "x", batch_rows=512)  # node-feat spans blocks and batches
 
@@ -228,10 +203,11 @@ def test_store_damaged_afterwards_converts_only_the_damaged_file(raw, tmp_path, 
 
 
 def test_store_on_a_full_disk_names_the_file_and_resumes_once_there_is_room(raw, small_disk, capfd):
-    folder = small_disk / "data" / "ogbg_code2"
+    disk = small_disk.mount("8m")  # what is written there beyond it fails with ENOSPC
+    folder = disk / "data" / "ogbg_code2"
     shutil.copytree(raw[0], folder, ignore=shutil.ignore_patterns(STORE_DIR))
     store_bytes = sum(p.stat().st_size for p in (raw[0] / STORE_DIR).glob("*.arrow"))
-    filler = _fill(small_disk, leave=store_bytes // 3)
+    filler = small_disk.fill(leave=store_bytes // 3)
     with pytest.raises(OSError) as info:
         build_store(folder, NAME, raw_fingerprint(folder, NAME))
     message = str(info.value)
@@ -397,13 +373,14 @@ def test_shard_with_an_unreadable_sidecar_mid_build_is_rebuilt(shards, tmp_path,
 
 
 def test_shards_on_a_full_disk_name_the_file_and_resume_once_there_is_room(shards, small_disk, capfd):
+    disk = small_disk.mount("8m")  # what is written there beyond it fails with ENOSPC
     data, _, reference_dir, reference = shards
-    config = ShardConfig(root=str(small_disk / "shards"), graphs_per_shard=8)
+    config = ShardConfig(root=str(disk / "shards"), graphs_per_shard=8)
     shard_bytes = sum(len(b) for n, b in reference.items() if n.endswith(".arrow"))
-    filler = _fill(small_disk, leave=shard_bytes // 2)
+    filler = small_disk.fill(leave=shard_bytes // 2)
     with pytest.raises((ValueError, OSError)) as info:
         preprocess(data, TRANSFORM, config, progress=False)
-    out = small_disk / "shards" / reference_dir.name
+    out = disk / "shards" / reference_dir.name
     message = str(info.value)
     assert "\n" not in message and message.startswith(str(out) + "/") and "No space left on device" in message, message
     assert message.endswith(": free space there and run the same command again"), message  # issue 37, 13
@@ -568,15 +545,16 @@ def test_registry_artifact_damaged_afterwards_is_named_and_other_versions_serve(
 
 
 def test_registration_on_a_full_disk_names_the_store_and_registers_once_there_is_room(registry, small_disk):
+    disk = small_disk.mount("8m")  # what is written there beyond it fails with ENOSPC
     from mlflow.tracking import MlflowClient
 
     from pipeline.registry.versions import load_model
 
     uri, _, _, name = registry
     client = MlflowClient(uri)
-    artifacts = (small_disk / "artifacts").as_uri()
+    artifacts = (disk / "artifacts").as_uri()
     run_id = new_run(uri, client.create_experiment(name, artifact_location=artifacts))
-    filler = _fill(small_disk, leave=8192)
+    filler = small_disk.fill(leave=8192)
     with pytest.raises(OSError) as info:
         register_tiny(tiny_model("pattern"), uri, run_id, name)
     assert str(info.value) == (f"{artifacts}: could not write the model's files (No space left on device); "

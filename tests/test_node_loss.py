@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import tiny_job_dict
-from tests.ray_nodes import local_cluster, wait_for
+from tests.helpers import tiny_job_dict, wait_until
+from tests.ray_nodes import local_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_preprocess_and_training_survive_a_lost_node(cluster, tmp_path, tmp_path
     node_b = cluster["node_b"]()
     pre = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "preprocess", str(job), "--address", address],
                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-    wait_for(pre, lambda: node_b.running("ray::write_shard"), "a shard task on node B")
+    wait_until(lambda: node_b.running("ray::write_shard"), "a shard task on node B", proc=pre, every=0.2)
     node_b.kill()
     out, _ = pre.communicate(timeout=300)
     assert pre.returncode == 0, log.read_text()[-3000:]
@@ -101,8 +101,8 @@ def test_preprocess_and_training_survive_a_lost_node(cluster, tmp_path, tmp_path
             return False
         return bool(snapshot.get("latest_checkpoint_result"))
 
-    wait_for(train, lambda: node_b.running("ray::RayTrainWorker"), "a Train worker on node B")
-    wait_for(train, first_checkpoint, "the first checkpoint")
+    wait_until(lambda: node_b.running("ray::RayTrainWorker"), "a Train worker on node B", proc=train, every=0.2)
+    wait_until(first_checkpoint, "the first checkpoint", proc=train)
     assert node_b.running("ray::RayTrainWorker")
     node_b.kill()
     train.wait(timeout=400)
