@@ -19,8 +19,6 @@ from pathlib import Path
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 # ----------------------------------------------------------------------------- processes and waiting
 def process_state(pid: int) -> str:

@@ -159,10 +159,11 @@ def test_a_rerun_of_another_job_is_refused_and_restart_starts_it_over(comparison
                            "compare.name (--set compare.name=cmp-2), or pass --restart"), line
     assert {r.info.run_id for r in client.search_runs([experiment])} == before
 
+    changed.compare.seeds = [0]  # one seed of each variant: a restart trains every trial of the job it is given
     again = run_compare(changed, verbose=0, restart=True)
-    assert not again.resumed and sorted(t.status for t in again.trials) == ["finished"] * 4
+    assert not again.resumed and sorted(t.status for t in again.trials) == ["finished"] * 2
     children = [r for r in client.search_runs([experiment]) if r.data.tags.get("mlflow.parentRunId") == again.parent_run_id]
-    assert len(children) == 4 and {c.data.params["train.weight_decay"] for c in children} == {"0.5"}
+    assert len(children) == 2 and {c.data.params["train.weight_decay"] for c in children} == {"0.5"}
     old = client.get_run(comparison["outcome"].parent_run_id)
     assert old.data.tags["satp.retired"] == "comparison started over (--restart)"
     assert before <= {r.info.run_id for r in client.search_runs([experiment])}  # the old runs stay

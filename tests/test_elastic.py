@@ -37,7 +37,7 @@ def cluster():
 
 
 def _job(base: Path, tiny_base: Path, run_name: str, workers) -> Path:
-    """The tiny code2 job (test_train_ray's data, 400 training graphs: 13 steps, one epoch), fp32, 2
+    """The tiny code2 job (tests.helpers' tiny data, 400 training graphs: 13 steps, one epoch), fp32, 2
     micro-batches per step, a checkpoint every 3 steps, evaluated at its end only; runs and MLflow
     under the cluster's shared directory."""
     from pipeline.config import JobConfig

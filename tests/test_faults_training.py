@@ -5,7 +5,7 @@ afterwards, a full disk, a second writer at the same time}.
 What every case asserts: the next command detects the fault, names the file in one ``satp:``
 line, goes on from the newest intact state, and loses nothing that was intact. Most cases work
 on real files and real processes at the level of the function that writes or reads (seconds);
-a few run the real ``satp train`` command on the tiny dataset of ``test_train_ray``, against
+a few run the real ``satp train`` command on the tiny dataset of ``tests.helpers``, against
 the session's Ray cluster (``--address``), except the double Ctrl-C, which needs the command's
 own local cluster to see it torn down. docs/faults.md lists the matrix.
 """

@@ -218,7 +218,7 @@ def test_healthy_train_run_logged_to_files(tmp_path, tmp_path_factory):
                            storage_path=str(tmp_path / "ray"))
     values["resources"]["num_workers"] = 1
     values["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    tiny_data(base)  # the shards, built once per session (shared with test_train_ray)
+    tiny_data(base)  # the shards, built once per session (shared with the other tests of the tiny job)
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(values))
     tmp = Path(tempfile.mkdtemp(prefix="satpt", dir="/tmp"))  # short: Ray's sockets go below it (107 bytes)

@@ -37,7 +37,7 @@ def cluster():
 
 
 def _job(base: Path, tiny_base: Path) -> Path:
-    """The tiny code2 job (test_train_ray's raw data, 240 graphs a split), on the cluster's shared
+    """The tiny code2 job (tests.helpers' tiny raw data, 240 graphs a split), on the cluster's shared
     directory, with k-hop subgraph indices in small shards (so that the build runs long enough to
     lose a node in)."""
     from pipeline.config import JobConfig

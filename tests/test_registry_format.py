@@ -1,6 +1,6 @@
 """The registry's weights-only model format (format 2), on a real SQLite MLflow store, no Ray.
 
-Tiny untrained models are logged straight to the store (as in test_predict_errors):
+Tiny untrained models are logged straight to the store (``tests.helpers``):
 
 * round trip: log -> register -> load gives the in-memory model's outputs (code2, pattern), through
   satp's loader and through ``mlflow.pyfunc.load_model(...).predict``; registering warns nothing;

@@ -23,7 +23,7 @@ NAME = "sat-rerun"
 
 @pytest.fixture(scope="module")
 def tiny(ray_cluster, tmp_path_factory):
-    base = tmp_path_factory.getbasetemp() / "satp-tiny"  # test_train_ray's data and shards, if built
+    base = tmp_path_factory.getbasetemp() / "satp-tiny"  # the tiny job's data and shards, if built
     base.mkdir(exist_ok=True)
     return base, tiny_data(base)
 
