@@ -135,7 +135,7 @@ def tiny_job(base: Path, **train):
 
 
 def tiny_data(base: Path):
-    """Build (or reuse) the tiny dataset's shards under ``base``; return (base, shard_dir)."""
+    """Build (or reuse) the tiny dataset's shards under ``base``; return their directory."""
     from preprocessing import preprocess
 
     job = tiny_job(base)
