@@ -121,15 +121,14 @@ def _in_an_actor() -> bool:
 
 class RetryNotice(UserCallback):
     """Ray Train's controller says, in one line, each failure the run goes on after: what was lost,
-    the global step of the checkpoint the new worker group resumes from (the newest one reported
-    with ``step_key`` in its metrics, else ``start_step``, where the command started), and the retry
-    ``k of max_failures`` (the job's ``setting``); ``report`` is where the command keeps Ray's own
-    report of it. After the last retry the run ends, and the command says why."""
+    the global step of the checkpoint the new worker group resumes from (the newest one reported in
+    this fit, with ``step_key`` in its metrics; before the first, the group starts where the command
+    started it), and the retry ``k of max_failures`` (the job's ``setting``); ``report`` is where the
+    command keeps Ray's own report of it. After the last retry the run ends, and the command says why."""
 
-    def __init__(self, max_failures: int, setting: str, report: str, start_step: int = 0,
-                 step_key: str = "global_step") -> None:
+    def __init__(self, max_failures: int, setting: str, report: str, step_key: str = "global_step") -> None:
         self.max_failures, self.setting, self.report, self.step_key = max_failures, setting, report, step_key
-        self.step, self.checkpoint, self.failures = int(start_step), None, 0
+        self.step, self.checkpoint, self.failures = None, None, 0
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint: Optional[Any]) -> None:
         if checkpoint is not None and metrics and self.step_key in metrics[0]:
@@ -139,9 +138,9 @@ class RetryNotice(UserCallback):
         self.failures += 1
         if self.failures > self.max_failures:
             return
-        where = f"checkpoint {self.checkpoint}" if self.checkpoint else (
-            "the checkpoint the command resumed from" if self.step else "no checkpoint yet: from the start")
-        print(f"{MARK}warning: {lost(worker_exceptions)}: the run went on from global step {self.step} ({where}); "
+        where = (f"from global step {self.step} (checkpoint {self.checkpoint})" if self.checkpoint else
+                 "from where this command started it (no checkpoint since)")
+        print(f"{MARK}warning: {lost(worker_exceptions)}: the run went on {where}; "
               f"retry {self.failures} of {self.max_failures} ({self.setting}); Ray's report: {self.report}",
               file=sys.stderr, flush=True)
 

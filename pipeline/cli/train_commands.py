@@ -114,11 +114,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         connect_in_background(args.address, warm_workers=job.resources.max_workers)
     from pipeline.train.driver import train_plan
     from pipeline.train.plan import JobPlan
-
     from runtime.ray_logs import RetryNotice
 
     plan = JobPlan.resolve(job, address=args.address, restart=args.restart, early_checked=True)
-    notice = RetryNotice(job.train.max_failures, "train.max_failures", str(report), _start_step(plan))
+    notice = RetryNotice(job.train.max_failures, "train.max_failures", str(report))
     try:
         outcome = train_plan(plan, register=not args.no_register, callbacks=[notice])
     except KeyboardInterrupt as exc:
@@ -139,15 +138,6 @@ def _divert_ray_output(job):
 
     name = f"{job.train.run_name or job.name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     return console.divert_ray_output(runs_dir() / "logs" / name)
-
-
-def _start_step(plan) -> int:
-    """The global step the run starts from: its newest checkpoint's (a resume), else 0."""
-    from pipeline.train import rerun
-
-    train = plan.job.train
-    previous = None if plan.restart else rerun.previous_run(train.storage_path, train.run_name, warn=False)
-    return int(previous.state.get("steps") or 0) if previous is not None else 0
 
 
 def _may_be_finished(job) -> bool:
