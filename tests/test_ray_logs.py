@@ -1,4 +1,4 @@
-"""Ray Train's console noise off the console (issue 37, item 12; runtime/ray_logs.py).
+"""Ray Train's console noise off the console (runtime/ray_logs.py).
 
 Successful runs under load printed Ray Train's controller warning "Failed to send resource request ...
 it's safe to ignore this error" with a whole ``GetTimeoutError`` traceback: its request to Ray's
