@@ -13,6 +13,15 @@ tqdm are imported (Ray's log handler keeps the stream it finds at import):
 * ``--no-progress``: the bars are off on a terminal too.
 
 A variable the user set already is left as it is.
+
+``satp train`` also keeps Ray's own output off the terminal (:func:`divert_ray_output`): Ray
+forwards what its processes print to the command (each line after a prefix such as
+``(RayTrainWorker pid=12)``), and a worker lost in a run that goes on fills the terminal with Ray
+Train's report of it (tracebacks from every rank, the collective's "Connection reset by peer",
+``ActorDiedError``, the raylet's guess at the OOM killer). Those lines go to the run's log file; of
+what Ray forwards, the terminal shows only satp's own lines, which satp's code in Ray's processes
+marks (:data:`runtime.ray_logs.MARK`), and a fault the run survives is one line of its own
+(:class:`runtime.ray_logs.RetryNotice`).
 """
 from __future__ import annotations
 
@@ -20,6 +29,8 @@ import io
 import os
 import re
 import sys
+import threading
+from pathlib import Path
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -56,6 +67,102 @@ class StripAnsi(io.TextIOBase):
 
     def __getattr__(self, name: str):  # anything else (buffer, mode, name, ...) is the stream's
         return getattr(self._stream, name)
+
+
+#: the prefix of a line Ray forwards from one of its processes: ``(RayTrainWorker pid=12)``,
+#: ``(pid=12, ip=10.0.0.2)``, ``(raylet)``, ``(autoscaler +1s)``
+_RAY_PREFIX = re.compile(r"\((?:raylet|autoscaler[^)]*|[^()]*pid=[^()]*)\)(?: |$)")
+#: what starts satp's own lines (``runtime.ray_logs.MARK``, spelt here: that module imports Ray Train)
+MARK = "satp: "
+
+
+class RayReport:
+    """The file that receives Ray's lines, created with the first of them; shared by the streams."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._file, self._lock = Path(path), None, threading.Lock()
+
+    def write(self, line: str) -> None:
+        with self._lock:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("a", encoding="utf-8")
+            self._file.write(line)
+            self._file.flush()
+
+
+class WithoutRayLines(io.TextIOBase):
+    """A text stream that forwards to ``stream`` all but Ray's forwarded lines, which go to ``report``;
+    of those, satp's own (``(Name pid=N) satp: ...``) are shown too: a ``satp: warning`` or
+    ``satp: error`` line as it is, any other with Ray's prefix and without the mark. A line is held
+    until it is whole only when it starts as Ray's do, and per thread: Ray's threads print a line's
+    text and its newline in two writes, between which another thread may write."""
+
+    def __init__(self, stream, report: RayReport) -> None:
+        self._stream, self._report, self._local = stream, report, threading.local()
+
+    def write(self, text: str) -> int:
+        local = self._local
+        for piece in text.splitlines(keepends=True):
+            held, passing = getattr(local, "held", None), getattr(local, "passing", False)
+            if held is None and not passing and _ANSI.sub("", piece).startswith("("):
+                held = ""
+            if held is None:
+                self._stream.write(piece)
+                local.passing = not piece.endswith("\n")
+                continue
+            held += piece
+            local.held = None if held.endswith("\n") else held
+            if local.held is None:
+                self._route(held)
+        return len(text)
+
+    def _route(self, line: str) -> None:
+        plain = _ANSI.sub("", line)
+        prefix = _RAY_PREFIX.match(plain)
+        if prefix is None:
+            self._stream.write(line)
+            return
+        self._report.write(plain)
+        message = plain[prefix.end():]
+        if message.startswith((f"{MARK}warning", f"{MARK}error")):
+            self._stream.write(message)
+        elif message.startswith(MARK):
+            self._stream.write(line.replace(f" {MARK}", " ", 1))
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return is_terminal(self._stream)
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self):  # noqa: D401 - mirrors the wrapped stream
+        return getattr(self._stream, "encoding", "utf-8")
+
+    @property
+    def errors(self):
+        return getattr(self._stream, "errors", "strict")
+
+    def writable(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def divert_ray_output(path: Path) -> Path:
+    """Send the lines Ray forwards to this process to the file ``path`` (created with the first of
+    them), showing satp's own (:class:`WithoutRayLines`), on standard output and error; return ``path``."""
+    report = RayReport(path)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, WithoutRayLines):
+            setattr(sys, name, WithoutRayLines(stream, report))
+    return report.path
 
 
 def is_terminal(stream=None) -> bool:

@@ -22,11 +22,33 @@ The cleaner's warning is dropped: its process has no such files. It runs where R
 them, in the cluster's worker processes: importing this module runs it, and the raylet of every cluster satp starts imports this module in
 each worker it starts (``RAY_preload_python_modules``: :mod:`runtime.worker_pool`); on a cluster
 satp did not start, it is the job's ``worker_process_setup_hook`` (:mod:`runtime.ray_cluster`).
-It holds no training code: a warm process that imported it runs no stale satp code.
+It holds no training code (only Ray's logging and Train's callback interface), so a warm process
+that imported it runs no stale training code.
+
+Two more pieces keep what a user reads of a run to satp's own lines (the command sends the rest of
+what Ray forwards to the run's log file: :func:`pipeline.console.divert_ray_output`):
+
+* :func:`mark_satp_records`, run with the filters: in an actor's process (Ray Train's controller and
+  workers), the log records of satp's packages start with :data:`MARK`, by which the command tells
+  them from Ray's lines;
+* :class:`RetryNotice`, a Ray Train callback in the controller: when a worker fails or is lost and
+  Ray Train restarts the worker group, one ``satp: warning`` line says what was lost, where the run
+  went on from and which retry this is; Ray's own report of it stays in the log file.
 """
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import PurePosixPath
+from typing import Any, Optional
+
+from ray.train import UserCallback
+
+#: what starts the lines of satp's own code in Ray's processes (``satp: warning: ...`` as printed,
+#: ``satp: epoch 0: ...`` for a log record of satp's packages)
+MARK = "satp: "
+#: the packages whose log records :func:`mark_satp_records` marks
+SATP_PACKAGES = ("pipeline", "runtime", "sat", "preprocessing")
 
 #: Ray Train's loggers that log a timed-out request to the autoscaling coordinator as "safe to ignore".
 COORDINATOR_LOGGERS = (
@@ -62,11 +84,80 @@ class UnansweredStateQueries(logging.Filter):
 
 
 def quiet_ray_train_noise() -> None:
-    """Install both filters (see the module docstring); a second call adds nothing."""
+    """Install both filters and the mark of satp's records (see the module docstring); a second call
+    adds nothing."""
     for name, kind in [*((n, TransientTimeouts) for n in COORDINATOR_LOGGERS), (CLEANER_LOGGER, UnansweredStateQueries)]:
         logger = logging.getLogger(name)
         if not any(isinstance(f, kind) for f in logger.filters):
             logger.addFilter(kind())
+    mark_satp_records()
+
+
+def mark_satp_records() -> None:
+    """Make the log records of :data:`SATP_PACKAGES` start with :data:`MARK` in an actor's process.
+    Through the record factory, since Ray Train sets the handlers of a worker's root logger itself
+    when its group starts; not in a driver (no actor id), whose own lines reach the terminal as
+    they are."""
+    made = logging.getLogRecordFactory()
+    if getattr(made, "marks_satp_records", False):
+        return
+
+    def marked(*args, **kwargs) -> logging.LogRecord:
+        record = made(*args, **kwargs)
+        if (record.name.split(".")[0] in SATP_PACKAGES and isinstance(record.msg, str)
+                and not record.msg.startswith(MARK) and _in_an_actor()):
+            record.msg = MARK + record.msg
+        return record
+
+    marked.marks_satp_records = True
+    logging.setLogRecordFactory(marked)
+
+
+def _in_an_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+class RetryNotice(UserCallback):
+    """Ray Train's controller says, in one line, each failure the run goes on after: what was lost,
+    the global step of the checkpoint the new worker group resumes from (the newest one reported in
+    this fit, with ``step_key`` in its metrics; before the first, the group starts where the command
+    started it), and the retry ``k of max_failures`` (the job's ``setting``); ``report`` is where the
+    command keeps Ray's own report of it. After the last retry the run ends, and the command says why."""
+
+    def __init__(self, max_failures: int, setting: str, report: str, step_key: str = "global_step") -> None:
+        self.max_failures, self.setting, self.report, self.step_key = max_failures, setting, report, step_key
+        self.step, self.checkpoint, self.failures = None, None, 0
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint: Optional[Any]) -> None:
+        if checkpoint is not None and metrics and self.step_key in metrics[0]:
+            self.step, self.checkpoint = int(metrics[0][self.step_key]), PurePosixPath(checkpoint.path).name
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        self.failures += 1
+        if self.failures > self.max_failures:
+            return
+        where = (f"from global step {self.step} (checkpoint {self.checkpoint})" if self.checkpoint else
+                 "from where this command started it (no checkpoint since)")
+        print(f"{MARK}warning: {lost(worker_exceptions)}: the run went on {where}; "
+              f"retry {self.failures} of {self.max_failures} ({self.setting}); Ray's report: {self.report}",
+              file=sys.stderr, flush=True)
+
+
+def lost(worker_exceptions: dict[int, Exception]) -> str:
+    """What failed, from Ray Train's errors by rank: an exception the training function raised
+    reaches the controller wrapped with its traceback (Ray Train's ``UserExceptionWithTraceback``,
+    whose text is that traceback); a worker whose process or node died, as a failed health check.
+    A rank that raised because another died (its collective's peer gone) is not the cause."""
+    raised = {rank: error for rank, error in worker_exceptions.items()
+              if type(error).__name__ == "UserExceptionWithTraceback"}
+    gone = sorted(set(worker_exceptions) - set(raised))
+    if gone:
+        return f"a worker or its node was lost (rank {', '.join(map(str, gone))})"
+    rank = min(raised)
+    last = (str(raised[rank]).strip().splitlines() or ["an exception"])[-1]
+    return f"a worker failed (rank {rank}: {last.split(':')[0]})"
 
 
 quiet_ray_train_noise()  # what a worker process that imports this module ahead runs (see the module docstring)

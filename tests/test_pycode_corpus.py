@@ -185,16 +185,22 @@ def _reference_build(root: Path, src: Path) -> None:
     (folder / "RELEASE_v1.txt").write_text("satp offline build of OGB's raw layout, version 1\n")
 
 
-def test_fewer_than_three_modules_are_refused_before_any_file_is_parsed(tmp_path, monkeypatch):
+def test_fewer_than_three_modules_are_refused_before_any_file_is_parsed(tmp_path):
     """The project split needs three top-level modules; their count is known from the file names,
     so ``--source DIR`` with two is refused at once, not after parsing every file (38 s for one
-    15 MB file)."""
+    15 MB file). One of the two is a named pipe with no writer: reading it, as parsing would, never
+    returns, so the command ends (within its timeout) only if it refused before opening any file."""
+    import os
+    import subprocess
+    import sys
+
     src = tmp_path / "src"
     _write(src / "alpha" / "core.py")
-    _write(src / "beta.py")
-    parsed = []
-    monkeypatch.setattr(pycode, "_parse_file", lambda item: parsed.append(item) or ([], None))
-    with pytest.raises(ValueError) as info:
-        build_pycode(tmp_path / "out", [src], workers=1)
-    assert str(info.value) == f"{src}: found 2 top-level module(s); the project split needs at least 3"
-    assert parsed == [] and not (tmp_path / "out").exists()
+    os.mkfifo(src / "beta.py")
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "data", "pycode", "--source", str(src), "--out",
+                           str(tmp_path / "out"), "--workers", "1"], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"satp: error: {src}: found 2 top-level module(s); the project split needs at least 3"), done.stderr[-2000:]
+    assert not (tmp_path / "out" / "ogbg_code2").exists()

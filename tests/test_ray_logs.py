@@ -1,4 +1,4 @@
-"""Ray Train's console noise off the console (issue 37, item 12; runtime/ray_logs.py).
+"""Ray Train's console noise off the console (runtime/ray_logs.py).
 
 Successful runs under load printed Ray Train's controller warning "Failed to send resource request ...
 it's safe to ignore this error" with a whole ``GetTimeoutError`` traceback: its request to Ray's
@@ -110,3 +110,25 @@ def test_the_coordinators_timeout_stays_off_the_console_and_other_errors_do_not(
     assert "train-test" not in shown and "GetTimeoutError" not in shown, shown
     assert "Failed to query Ray Train Controller actor state" not in shown, shown
     assert "Failed to send resource request (other)" in shown and "ValueError: not a timeout" in shown, shown
+
+
+def test_the_retry_notice_names_the_step_the_retry_and_the_report_and_stops_after_the_last(tmp_path, capsys):
+    """Ray Train's controller calls the callback as in a run: reports (one with a checkpoint), then a
+    failure per retry. Its lines: before any checkpoint, where the command started it; then the
+    checkpoint's global step; none once ``max_failures`` is used up (the run ends; the command says why)."""
+    from ray.train import Checkpoint
+
+    from runtime.ray_logs import RetryNotice
+
+    notice = RetryNotice(2, "train.max_failures", str(tmp_path / "run.log"))
+    notice.after_exception(None, {1: RuntimeError("gone")})
+    notice.after_report(None, [{"global_step": 4, "epoch": 0}], None)  # no checkpoint: not where a retry resumes
+    notice.after_report(None, [{"global_step": 10, "epoch": 0}], Checkpoint(str(tmp_path / "checkpoint_b")))
+    notice.after_exception(None, {0: RuntimeError("gloo"), 1: RuntimeError("gone")})
+    notice.after_exception(None, {1: RuntimeError("gone")})
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "satp: warning: a worker or its node was lost (rank 1): the run went on from where this command started it "
+        f"(no checkpoint since); retry 1 of 2 (train.max_failures); Ray's report: {tmp_path / 'run.log'}",
+        "satp: warning: a worker or its node was lost (rank 0, 1): the run went on from global step 10 (checkpoint "
+        f"checkpoint_b); retry 2 of 2 (train.max_failures); Ray's report: {tmp_path / 'run.log'}"], lines

@@ -104,6 +104,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # the pre-flight's first steps before the heavy imports (the job alone, the data root, the
     # --address, this machine for a local cluster): seconds; train_plan runs the rest of it
     early_checks([job], address=args.address, task=False)
+    report = _divert_ray_output(job)
     _logging()
     if (args.restart or not _may_be_finished(job)) and not _held_elsewhere(job):
         # Ray joined (or a local cluster started) in a thread while the driver's modules load below;
@@ -113,10 +114,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         connect_in_background(args.address, warm_workers=job.resources.max_workers)
     from pipeline.train.driver import train_plan
     from pipeline.train.plan import JobPlan
+    from runtime.ray_logs import RetryNotice
 
     plan = JobPlan.resolve(job, address=args.address, restart=args.restart, early_checked=True)
+    notice = RetryNotice(job.train.max_failures, "train.max_failures", str(report))
     try:
-        outcome = train_plan(plan, register=not args.no_register)
+        outcome = train_plan(plan, register=not args.no_register, callbacks=[notice])
     except KeyboardInterrupt as exc:
         from runtime.interrupts import Interrupted, as_interrupted, ending
 
@@ -124,6 +127,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise Interrupted(as_interrupted(exc).signum, kept=kept_after_interrupt(plan)) from None
     print(summary(outcome), flush=True)
     return 0
+
+
+def _divert_ray_output(job):
+    """Ray's lines to ``runs/logs/<run>-<time>.log``, satp's on the terminal (:mod:`pipeline.console`)."""
+    import time
+
+    from pipeline import console
+    from pipeline.config.train import runs_dir
+
+    name = f"{job.train.run_name or job.name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    return console.divert_ray_output(runs_dir() / "logs" / name)
 
 
 def _may_be_finished(job) -> bool:
