@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from ray_nodes import NO_DRAIN
-from runtime import forked_workers
+from runtime import fork_server
 from runtime.local_cluster import stop_processes
 from runtime.ports import free_ports
 from test_train_ray import tiny_data, tiny_job_dict
@@ -54,12 +54,12 @@ def _wait_for_dashboard(address: str, alive, log: Path) -> None:
 def job_server():
     temp = tempfile.mkdtemp(prefix="satpj", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = free_ports(9)
-    fork_socket = str(Path(temp) / forked_workers.SOCKET_NAME)  # the node's fork server (docs/scale.md)
+    fork_socket = str(Path(temp) / fork_server.SOCKET_NAME)  # the node's fork server (docs/scale.md)
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OUTDATED_IGNORE="1",
                DS_ACCELERATOR="cpu", PATH=f"{BIN}:{os.environ.get('PATH', '')}", SATP_HOME=str(Path(temp) / "home"),
-               **{forked_workers.SOCKET_VAR: fork_socket}, **NO_DRAIN)
+               **{fork_server.SOCKET_VAR: fork_socket}, **NO_DRAIN)
     env.pop("RAY_ADDRESS", None)
-    subprocess.Popen([sys.executable, "-m", "runtime.forked_workers", "--serve", fork_socket], env=env, cwd=ROOT,
+    subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env=env, cwd=ROOT,
                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--node-ip-address=127.0.0.1",
            "--dashboard-host=127.0.0.1", f"--port={gcs}", f"--dashboard-port={dash}",
