@@ -173,8 +173,10 @@ class ClusterRecord:
         return "; ".join(diffs) or None
 
     def connect_env(self) -> dict[str, str]:
-        """What a client process needs in its environment to connect (Ray reads it at ray.init)."""
-        return {"RAY_AUTH_MODE": self.auth_mode} if self.auth_mode == "token" else {}
+        """What a client process needs in its environment to connect, before it imports Ray (which reads
+        it then): the cluster's authentication, and :data:`LOOPBACK_ENV` (else Ray takes the 127.0.0.1
+        of the address for this machine's network address, where the cluster does not listen)."""
+        return {**LOOPBACK_ENV, **({"RAY_AUTH_MODE": self.auth_mode} if self.auth_mode == "token" else {})}
 
 
 def cluster_env(use_gpu: bool, api_server: str, fork_socket: Optional[str] = None) -> dict[str, str]:
