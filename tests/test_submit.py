@@ -318,7 +318,7 @@ def test_satp_submit_finds_the_satp_cluster_by_itself(shards, tmp_path):
     env.pop("RAY_ADDRESS", None)
     job = _job_file(tmp_path / "wd", base, "found")
     start = subprocess.run([sys.executable, "-m", "pipeline.cli", "cluster", "start", "--num-cpus", "1",
-                            "--workers", "1", "--no-warm-driver", "--no-wait"],
+                            "--no-wait"],
                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     try:
         assert start.returncode == 0, start.stdout + start.stderr
