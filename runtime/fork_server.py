@@ -40,6 +40,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import MutableMapping
 from typing import Optional
 
 #: the socket in the cluster's folder, and the server's log beside it (a line per fork or refusal)
@@ -222,36 +223,31 @@ def wait_ready(socket_path: str, timeout_s: float, alive=lambda: True) -> bool:
 
 
 # ----------------------------------------------------------------------------- the server's side
-class _RecordingEnviron(dict):
-    """``os.environ`` while the server imports: remembers which variables were looked up."""
+class _RecordingEnviron(MutableMapping):
+    """``os.environ`` while the server imports: remembers which variables were looked up (a module
+    that kept a reference to it reads the live environment through it later)."""
 
     def __init__(self, environ) -> None:
-        super().__init__(environ)
         self.environ, self.read = environ, set()
 
     def __getitem__(self, key):
         self.read.add(key)
         return self.environ[key]
 
-    def get(self, key, default=None):
-        self.read.add(key)
-        return self.environ.get(key, default)
-
-    def __contains__(self, key) -> bool:
-        self.read.add(key)
-        return key in self.environ
-
     def __setitem__(self, key, value) -> None:
         self.environ[key] = value
-        super().__setitem__(key, value)
 
     def __delitem__(self, key) -> None:
         del self.environ[key]
-        super().__delitem__(key)
 
-    def setdefault(self, key, default=None):
-        self.read.add(key)
-        return self.environ.setdefault(key, default)
+    def __iter__(self):
+        return iter(self.environ)
+
+    def __len__(self) -> int:
+        return len(self.environ)
+
+    def copy(self) -> dict:
+        return dict(self.environ)
 
 
 def _import_recording_reads() -> frozenset:
