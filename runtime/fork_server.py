@@ -59,8 +59,10 @@ MODULES = ("torch", "torch_geometric", "deepspeed", "mlflow", "matplotlib.pyplot
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT)
 #: satp's packages, never kept from the server's imports in a forked process
 SATP_PACKAGES = ("runtime", "pipeline", "sat", "preprocessing")
-#: variables the imports read that a forked process reads again (tempfile's folder): not compared
-READ_AGAIN = frozenset({"TMPDIR", "TEMP", "TMP"})
+#: variables the imports read that are not compared: tempfile's folder (read again in a forked
+#: process), the shell's working folders (a forked process takes its client's) and ``$_`` (the last
+#: command's path, which means nothing to a module)
+NOT_COMPARED = frozenset({"TMPDIR", "TEMP", "TMP", "PWD", "OLDPWD", "_"})
 
 
 class PeerRefused(OSError):
@@ -252,7 +254,7 @@ class _RecordingEnviron(MutableMapping):
 
 def _import_recording_reads() -> frozenset:
     """Import :data:`MODULES`; return the environment variables they looked up (in Python) meanwhile,
-    but :data:`READ_AGAIN`."""
+    but :data:`NOT_COMPARED`."""
     import importlib
 
     environ, recording = os.environ, _RecordingEnviron(os.environ)
@@ -264,7 +266,7 @@ def _import_recording_reads() -> frozenset:
         os.environ = environ
     if "ray" in sys.modules:  # its core would keep this process's job id in every worker
         raise SystemExit(f"{', '.join(MODULES)} imported Ray: nothing can be forked from this process")
-    return frozenset(k for k in recording.read if isinstance(k, str)) - READ_AGAIN
+    return frozenset(k for k in recording.read if isinstance(k, str)) - NOT_COMPARED
 
 
 def _listen(socket_path: str) -> socket.socket:

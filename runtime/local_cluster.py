@@ -282,8 +282,8 @@ def _start_recorded(cmd: list[str], env: dict, folder: str, gcs: int, dash: Opti
                     fork_socket: Optional[str]) -> ClusterRecord:
     """Start the fork server (a CPU-only cluster) and ``ray start`` the head in ``folder``; save the record."""
     if fork_socket:  # importing meanwhile, while Ray starts
-        satp_env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (_project_root(), env.get("PYTHONPATH")) if p))
-        _start_logged([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], satp_env,
+        # the environment of Ray's workers (the forked ones are compared with it); satp's folder as its cwd
+        _start_logged([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env,
                       Path(folder) / fork_server.LOG_NAME)
     log_path = Path(folder) / "ray-start.log"
     with open(log_path, "w") as log_file:
@@ -302,10 +302,10 @@ def _start_recorded(cmd: list[str], env: dict, folder: str, gcs: int, dash: Opti
 
 
 def _start_logged(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    """Start one of the cluster's own processes beside it, in a session of its own, logging to ``log_path``."""
+    """Start the cluster's fork server beside it, in a session of its own, logging to ``log_path``."""
     with open(log_path, "w") as log_file:
         return subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=log_path.parent)
+                                cwd=_project_root())  # `-m runtime...` imports satp's checkout from there
 
 
 def _project_root() -> str:

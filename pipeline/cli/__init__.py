@@ -43,13 +43,13 @@ def main(argv: list[str] | None = None) -> int:
 
     set_command_environment()
     args = build_parser().parse_args(argv)
+    from pipeline import console
+
+    console.setup(progress=not getattr(args, "no_progress", False))  # its settings too are compared by a fork server
     if argv is None:  # the process's own command (a library call of main runs in the caller's process)
         forked = _on_fork_server(args, sys.argv[1:])
         if forked is not None:
             return forked
-    from pipeline import console
-
-    console.setup(progress=not getattr(args, "no_progress", False))
     from runtime.interrupts import install, reset
 
     reset()
