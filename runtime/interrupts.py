@@ -3,8 +3,8 @@ it kept and shut Ray down, instead of dying where the signal landed.
 
 ``ray.init`` installs its own SIGTERM handling in the driver: a Python handler that exits (and
 the C++ core worker's failure-signal handler, which satp turns off in its drivers:
-:func:`runtime.ray_cluster.connect`). Ray Train's ``fit`` installs a SIGINT handler that aborts
-the run and then exits with status 0. So every place that starts or joins Ray calls
+:func:`runtime.ray_private.disable_failure_signal_handler`). Ray Train's ``fit`` installs a
+SIGINT handler that aborts the run and then exits with status 0. So every place that starts or joins Ray calls
 :func:`install` after it, which puts :func:`_raise` back on both signals.
 
 The CLI turns :class:`Interrupted` (or a plain ``KeyboardInterrupt``) into one line and the
@@ -111,15 +111,11 @@ _ARRIVE_AGAIN_S = 0.05
 def _stop_printing_cluster_logs() -> None:
     """Stop printing the Ray cluster's forwarded logs in this driver: after an interrupt they are
     its actors going down (Ray Train's placement-group cleaner logs a traceback when the controller
-    is gone), which tells the user nothing. ``ray.shutdown`` removes the same handler."""
-    if "ray" not in sys.modules:
-        return
-    try:
-        from ray._private.worker import global_worker_stdstream_dispatcher
+    is gone), which tells the user nothing (:func:`runtime.ray_private.stop_printing_cluster_logs`)."""
+    if "ray" in sys.modules:
+        from runtime.ray_private import stop_printing_cluster_logs
 
-        global_worker_stdstream_dispatcher.remove_handler("ray_print_logs")
-    except (ImportError, AttributeError, KeyError):
-        pass
+        stop_printing_cluster_logs()
 
 
 def reset() -> None:

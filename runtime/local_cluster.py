@@ -1,23 +1,26 @@
-"""``satp cluster``: one local Ray cluster that outlives commands and keeps worker processes warm.
+"""``satp cluster``: one local Ray cluster that outlives commands, private to its user, on loopback.
 
-A satp command without ``--address`` used to start a Ray cluster of its own and stop it at the end:
-~10 s of Ray's processes starting, then ~20 s of new worker processes importing torch, PyG and
-DeepSpeed, every time. ``satp cluster start`` starts a head node once (``ray start --head``, its
-dashboard and addresses on 127.0.0.1, token authentication as Ray sets it), with every worker
-process importing the training modules when it starts (:mod:`runtime.worker_pool`), and leaves a
-keeper process beside it that prestarts idle worker processes of the kinds a run takes. Every satp
-command on this machine then finds it (:func:`for_command`) and runs there; ``--address`` still
-names any other cluster.
+A satp command without ``--address`` otherwise starts a Ray cluster of its own and stops it at the
+end: ~10 s of Ray's processes starting, then new worker processes importing torch, PyG and DeepSpeed,
+every time. ``satp cluster start`` starts a head node once (``ray start --head``) and, on a CPU-only
+machine, a fork server beside it (:mod:`runtime.fork_server`) from which every worker process of a
+satp job and every ``satp train`` command is forked, its imports done. Every satp command on this
+machine then finds it (:func:`for_command`) and runs there; ``--address`` still names any other cluster.
 
-The cluster is described by a record, ``$SATP_HOME/cluster.json`` (default ``~/.satp``): addresses,
-its private temporary folder (Ray's sessions and sockets, and ``TMPDIR`` of its processes), the
-processes to stop, and the Python environment it runs (:func:`environment`). A command uses the
-cluster only when it runs the same Python environment: the interpreter and the versions of the
-packages its warm processes imported. satp's own modules are not imported ahead (an edited checkout
-is what the next run imports). A record whose cluster is gone (stopped by hand, killed, the machine
-restarted) is cleaned up by the next command, which says so in one line and starts its own.
-``satp cluster stop`` stops exactly this cluster's processes (never ``ray stop``, which stops every
-Ray cluster on the machine) and removes its folder.
+Private to its user: everything of the cluster lies in a folder made 0700 when it is created
+(``mkdtemp``), Ray's ``--temp-dir`` inside it (Ray widens its own folders; the one above them stays
+0700), checked again after Ray starts and whenever a command uses the cluster (:func:`check_private`:
+one line and no use when widened or another user's). The record, ``$SATP_HOME/cluster.json``
+(default ``~/.satp``), is 0600 in a 0700 folder. Ray's token authentication is on (a token file
+made 0600 if missing: :func:`private_token`). On loopback: every port Ray opens is named on
+``ray start``'s command line on 127.0.0.1, and :data:`LOOPBACK_ENV` makes Ray's processes take
+127.0.0.1 as the node's address where they work it out themselves (agents, client server, metrics).
+
+A command uses the cluster only when it runs the same Python environment: the interpreter and the
+versions of the packages its fork server imported. A record whose cluster is gone (stopped by hand,
+killed, the machine restarted) is cleaned up by the next command, which says so in one line and
+starts its own. ``satp cluster stop`` stops exactly this cluster's processes (never ``ray stop``,
+which stops every Ray cluster on the machine) and removes its folder.
 """
 from __future__ import annotations
 
@@ -35,12 +38,30 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from runtime import forked_workers, interrupts, worker_pool
+from runtime import fork_server, interrupts
 from runtime.ports import free_ports
 
 #: packages whose versions are part of the environment a warm process runs (what it imported ahead)
 ENVIRONMENT_PACKAGES = ("torch", "torch_geometric", "deepspeed", "ray", "mlflow", "numpy", "pyarrow")
 START_TIMEOUT_S = 120.0
+#: read by Ray's processes when they import Ray: a node whose address is worked out (not passed on a
+#: command line: the dashboard agent, the client server, the metrics exporters) takes 127.0.0.1, as
+#: Ray does on the platforms it runs no multi-node clusters on; with it, its gRPC servers bind there too
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def check_private(record_or_folder) -> None:
+    """Raise a one-line ``ValueError`` unless the cluster's folder is this user's, mode 0700."""
+    folder = Path(getattr(record_or_folder, "folder", record_or_folder))
+    try:
+        st = folder.stat()
+    except FileNotFoundError:
+        raise ValueError(f"{folder}: the satp cluster's folder is gone; satp cluster stop removes what is left") from None
+    mode = st.st_mode & 0o777
+    if st.st_uid != os.getuid() or mode != 0o700:
+        raise ValueError(f"{folder}: the satp cluster's folder is mode {mode:o} of user id {st.st_uid}, expected 700 "
+                         f"of user id {os.getuid()}: not used (another user may have entered it); "
+                         "satp cluster stop, then satp cluster start")
 
 
 def satp_home() -> Path:
@@ -49,6 +70,14 @@ def satp_home() -> Path:
 
 def record_path() -> Path:
     return satp_home() / "cluster.json"
+
+
+def _private_home() -> Path:
+    """``$SATP_HOME``, made (or narrowed to) 0700."""
+    home = satp_home()
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    home.chmod(0o700)
+    return home
 
 
 def environment() -> dict[str, str]:
@@ -70,25 +99,27 @@ class ClusterRecord:
 
     address: str  # the GCS, host:port
     dashboard: Optional[str]  # http://127.0.0.1:port, or None
-    temp_dir: str
-    raylet_address: str  # host:node manager port (the worker pool's RPCs)
+    folder: str  # the cluster's private folder (0700): Ray's temporary folder, its fork server's socket
     raylet_pid: int
-    keeper_pid: Optional[int]
     cpus: float
     gpus: float
-    workers: int  # Train workers the pool is kept warm for (a run's default)
-    worker_env: dict[str, str]  # what the cluster's workers have in their environment
+    worker_env: dict[str, str]  # what the cluster's processes have in their environment
     environment: dict[str, str]
     auth_mode: str  # Ray's RAY_AUTH_MODE of the cluster
     started: float
     owner_pid: Optional[int] = None  # the process the cluster lives for (a test session), if not for good
-    driver_socket: Optional[str] = None  # its warm driver's socket (pipeline.cli.warm_driver), if it runs one
+    fork_socket: Optional[str] = None  # its fork server's socket (a CPU-only cluster)
 
     def save(self, path: Optional[Path] = None) -> None:
         path = path or record_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path == record_path():
+            _private_home()
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(dataclasses.asdict(self), indent=1))
         os.replace(tmp, path)
 
     @classmethod
@@ -142,51 +173,39 @@ class ClusterRecord:
         return "; ".join(diffs) or None
 
     def connect_env(self) -> dict[str, str]:
-        """What a client process needs in its environment to connect (Ray reads it at ray.init)."""
-        return {"RAY_AUTH_MODE": self.auth_mode} if self.auth_mode == "token" else {}
-
-    def pool(self) -> worker_pool.WorkerPool:
-        """The cluster's worker pool, for this process (which then speaks the cluster's authentication)."""
-        os.environ.update(self.connect_env())
-        return worker_pool.WorkerPool(self.raylet_address, self.raylet_pid, self.address)
+        """What a client process needs in its environment to connect, before it imports Ray (which reads
+        it then): the cluster's authentication, and :data:`LOOPBACK_ENV` (else Ray takes the 127.0.0.1
+        of the address for this machine's network address, where the cluster does not listen)."""
+        return {**LOOPBACK_ENV, **({"RAY_AUTH_MODE": self.auth_mode} if self.auth_mode == "token" else {})}
 
 
 def cluster_env(use_gpu: bool, api_server: str, fork_socket: Optional[str] = None) -> dict[str, str]:
-    """The environment of a satp cluster's processes (inherited by every worker the raylet starts):
-    its workers import :data:`runtime.worker_pool.PRELOAD_MODULES` (PyG, DeepSpeed and the other training
-    modules only the processes that run training: :func:`runtime.worker_pool.training_env`);
-    ``RAY_prestart_worker_first_driver`` off (the pool decides what to prestart). No variable that
-    runtime environments set (Ray Train's and Tune's): a worker's kind is what its environment adds
-    to this one (:mod:`runtime.worker_pool`).
+    """The environment of a satp cluster's processes (inherited by every worker the raylet starts).
 
     ``api_server``: the dashboard whose State API Ray Train's placement-group cleaner asks (in a Ray
-    Train run other than satp's, which start none; it
-    otherwise resolves "the" cluster of the machine, and with several clusters on one machine may
-    ask another one whether our controller is alive, get "no", and remove our placement group);
-    without a dashboard an unreachable address, where its queries fail and it only warns.
-
-    ``fork_socket``: the cluster's worker fork server (:mod:`runtime.forked_workers`), named to every
-    process of the cluster, whose Train workers it then forks (:func:`runtime.ray_cluster.forked`)."""
+    Train run other than satp's, which start none); it otherwise resolves "the" cluster of the
+    machine, and with several clusters on one machine may ask another one whether our controller is
+    alive, get "no", and remove our placement group; without a dashboard an unreachable address,
+    where its queries fail and it only warns. ``fork_socket``: the cluster's fork server, named to
+    every process of the cluster (a job's driver that ``ray job submit`` started reads it there)."""
     return {
         "OUTDATED_IGNORE": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
         "DS_ACCELERATOR": "cuda" if use_gpu else "cpu",
-        "RAY_prestart_worker_first_driver": "0",
         # Ray's log monitor looks for new log files every 0.5 s, not every 0.1 s (it does so below this
         # many files): ~3% of a core on a cluster of hundreds of worker logs; a new worker's first lines
         # reach the driver <= 0.5 s later
         "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
         "RAY_API_SERVER_ADDRESS": api_server,
-        **worker_pool.preload_setting(worker_pool.PRELOAD_MODULES),
-        **({forked_workers.SOCKET_VAR: fork_socket} if fork_socket else {}),
+        **({fork_server.SOCKET_VAR: fork_socket} if fork_socket else {}),
     }
 
 
-def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, workers: Optional[int] = None,
-          dashboard: bool = True, wait: bool = True, progress=None, owner_pid: Optional[int] = None) -> ClusterRecord:
+def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, dashboard: bool = True,
+          wait: bool = True, owner_pid: Optional[int] = None) -> ClusterRecord:
     """Start the satp cluster (see the module docstring); raise a one-line ``ValueError`` when one
-    runs already. ``wait``: return once the default pool's processes are warm. ``owner_pid``: the
-    cluster counts as gone once that process has ended (the next command stops what it left)."""
+    runs already. ``wait``: return once its fork server answers. ``owner_pid``: the cluster counts
+    as gone once that process has ended (the next command stops what it left)."""
     existing = ClusterRecord.load()
     if existing is not None and existing.alive():
         raise ValueError(f"a satp cluster runs already at {existing.address} (record {record_path()}); "
@@ -195,39 +214,49 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, worker
         stop(existing)
     cpus = int(num_cpus if num_cpus is not None else os.cpu_count() or 1)
     gpus = int(num_gpus if num_gpus is not None else _gpus_on_this_machine())
-    workers = int(workers or (gpus or cpus))
-    temp = tempfile.mkdtemp(prefix="satpc-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    (Path(temp) / "tmp").mkdir()
+    folder = tempfile.mkdtemp(prefix="satpc-", dir="/tmp")  # 0700; short: Ray's socket paths must fit 107 bytes
+    (Path(folder) / "tmp").mkdir(mode=0o700)
     gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = free_ports(9)
-    # a CPU-only cluster forks its Train workers (a process that initialised CUDA cannot fork one that uses it)
-    fork_socket = None if gpus else str(Path(temp) / forked_workers.SOCKET_NAME)
+    # a CPU-only cluster forks its processes (a process that initialised CUDA cannot fork one that uses it)
+    fork_socket = None if gpus else str(Path(folder) / fork_server.SOCKET_NAME)
     worker_env = cluster_env(use_gpu=gpus > 0, api_server=f"http://127.0.0.1:{dash if dashboard else 9}",
                              fork_socket=fork_socket)
-    env = dict(os.environ, **worker_env, TMPDIR=str(Path(temp) / "tmp"))
-    for key in ("RAY_ADDRESS", *worker_pool.RUNTIME_ENV_VARS):
-        env.pop(key, None)
+    env = dict(os.environ, **worker_env, **LOOPBACK_ENV, TMPDIR=str(Path(folder) / "tmp"))
+    env.pop("RAY_ADDRESS", None)
     auth_mode = env.get("RAY_AUTH_MODE") or "token"
     env["RAY_AUTH_MODE"] = auth_mode
     if auth_mode == "token":
         private_token(env)
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-           f"--num-cpus={cpus}", f"--num-gpus={gpus}", f"--temp-dir={temp}", "--disable-usage-stats",
+           f"--num-cpus={cpus}", f"--num-gpus={gpus}", f"--temp-dir={Path(folder) / 'ray'}", "--disable-usage-stats",
            f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
            f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
            f"--runtime-env-agent-port={rt_env}", f"--node-manager-port={nm}", f"--object-manager-port={om}"]
     cmd += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"] if dashboard else ["--include-dashboard=false"]
     try:
-        record = _start_recorded(cmd, env, temp, gcs, dash if dashboard else None, nm, cpus, gpus, workers, worker_env,
-                                 auth_mode, owner_pid)
-    except BaseException:  # failed, or interrupted (Ctrl-C, a timeout) before its record: nothing left running
+        record = _start_recorded(cmd, env, folder, gcs, dash if dashboard else None, cpus, gpus, worker_env,
+                                 auth_mode, owner_pid, fork_socket)
+        check_private(record)  # Ray started: its folder above Ray's is still its user's only
+        if wait and fork_socket and not wait_ready(record):
+            raise ValueError(f"the fork server did not answer on {fork_socket} within {START_TIMEOUT_S:g} s "
+                             f"(its log: {Path(folder) / fork_server.LOG_NAME})")
+    except BaseException:  # failed, or interrupted (Ctrl-C, a timeout): nothing left running
         with interrupts.deferred():  # a second Ctrl-C does not cut the clean-up short
-            stop_processes(temp)
-            shutil.rmtree(temp, ignore_errors=True)
+            stop_processes(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            current = ClusterRecord.load() if record_path().exists() else None
+            if current is not None and current.folder == folder:
+                record_path().unlink(missing_ok=True)
         raise
-    if wait:
-        wait_warm(record, progress=progress)
     return record
+
+
+def wait_ready(record: ClusterRecord, timeout_s: float = START_TIMEOUT_S) -> bool:
+    """Whether the cluster's fork server answers within ``timeout_s`` (True: it has none)."""
+    if not record.fork_socket:
+        return True
+    return fork_server.wait_ready(record.fork_socket, timeout_s)
 
 
 def private_token(env: dict) -> Path:
@@ -248,41 +277,35 @@ def private_token(env: dict) -> Path:
     return path
 
 
-def _start_recorded(cmd: list[str], env: dict, temp: str, gcs: int, dash: Optional[int], nm: int, cpus: int,
-                    gpus: int, workers: int, worker_env: dict, auth_mode: str, owner_pid: Optional[int]) -> ClusterRecord:
-    """``ray start`` the head in ``temp``, start the pool's keeper beside it, save the record."""
-    log_path = Path(temp) / "ray-start.log"
+def _start_recorded(cmd: list[str], env: dict, folder: str, gcs: int, dash: Optional[int], cpus: int, gpus: int,
+                    worker_env: dict, auth_mode: str, owner_pid: Optional[int],
+                    fork_socket: Optional[str]) -> ClusterRecord:
+    """Start the fork server (a CPU-only cluster) and ``ray start`` the head in ``folder``; save the record."""
+    if fork_socket:  # importing meanwhile, while Ray starts
+        # the environment of Ray's workers (the forked ones are compared with it); satp's folder as its cwd
+        _start_logged([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env,
+                      Path(folder) / fork_server.LOG_NAME)
+    log_path = Path(folder) / "ray-start.log"
     with open(log_path, "w") as log_file:
         done = subprocess.run(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                               timeout=START_TIMEOUT_S)
-    raylet = _raylet_of(temp)
+    raylet = _raylet_of(folder)
     if done.returncode != 0 or raylet is None:
         tail = log_path.read_text()[-600:].strip().splitlines()
         raise ValueError(f"ray start failed (status {done.returncode}): {tail[-1] if tail else 'no output'}")
     record = ClusterRecord(
-        address=f"127.0.0.1:{gcs}", dashboard=f"http://127.0.0.1:{dash}" if dash is not None else None, temp_dir=temp,
-        raylet_address=f"127.0.0.1:{nm}", raylet_pid=raylet, keeper_pid=None, cpus=float(cpus), gpus=float(gpus),
-        workers=workers, worker_env=worker_env, environment=environment(), auth_mode=auth_mode, started=time.time(),
-        owner_pid=owner_pid)
-    satp_env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (_project_root(), env.get("PYTHONPATH")) if p))
-    fork_socket = worker_env.get(forked_workers.SOCKET_VAR)
-    if fork_socket:
-        _start_logged([sys.executable, "-m", "runtime.forked_workers", "--serve", fork_socket], satp_env,
-                      Path(temp) / forked_workers.LOG_NAME)
-    keeper = _start_logged(
-        [sys.executable, "-m", "runtime.pool_keeper", "--raylet-address", record.raylet_address,
-         "--raylet-pid", str(raylet), "--gcs-address", record.address, "--workers", str(workers)]
-        + (["--forked-workers"] if fork_socket else []), satp_env, Path(temp) / "satp-worker-pool.log")
-    record.keeper_pid = keeper.pid
+        address=f"127.0.0.1:{gcs}", dashboard=f"http://127.0.0.1:{dash}" if dash is not None else None, folder=folder,
+        raylet_pid=raylet, cpus=float(cpus), gpus=float(gpus), worker_env=worker_env, environment=environment(),
+        auth_mode=auth_mode, started=time.time(), owner_pid=owner_pid, fork_socket=fork_socket)
     record.save()
     return record
 
 
 def _start_logged(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    """Start one of the cluster's own processes beside it, in a session of its own, logging to ``log_path``."""
+    """Start the cluster's fork server beside it, in a session of its own, logging to ``log_path``."""
     with open(log_path, "w") as log_file:
         return subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=log_path.parent)
+                                cwd=_project_root())  # `-m runtime...` imports satp's checkout from there
 
 
 def _project_root() -> str:
@@ -309,42 +332,24 @@ def _raylet_of(temp: str) -> Optional[int]:
     return None
 
 
-def wait_warm(record: ClusterRecord, timeout_s: float = START_TIMEOUT_S, progress=None) -> dict:
-    """Wait until the pool holds its default processes, each done importing (idle on the CPU for
-    half a second); return the census ``{kind: count}`` of available processes."""
-    import psutil
-
-    pool = record.pool()
-    targets = worker_pool.default_targets(record.workers, forked=forked_workers.SOCKET_VAR in record.worker_env)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        available, _ = pool.census()
-        ready = all(available.get(kind, 0) >= count for kind, count in targets.items())
-        if ready:
-            idle = [p for p in psutil.Process(record.raylet_pid).children()
-                    if worker_pool.process_title(p.pid) == worker_pool.IDLE_TITLE]
-            before = {p.pid: _cpu(p) for p in idle}
-            time.sleep(0.5)
-            if all(_cpu(p) == before[p.pid] for p in idle):
-                return dict(available)
-        if progress is not None:
-            progress(sum(min(available.get(k, 0), n) for k, n in targets.items()), sum(targets.values()))
-        if time.monotonic() > deadline:
-            return dict(available)
-        time.sleep(0.5)
-
-
-def _cpu(proc) -> float:
+def _environ(proc) -> dict:
     try:
-        times = proc.cpu_times()
-        return times.user + times.system
+        return proc.environ()
+    except Exception:  # gone, or another user's
+        return {}
+
+
+def _cmdline(proc) -> list:
+    try:
+        return proc.cmdline()
     except Exception:
-        return -1.0
+        return []
 
 
 def processes_of(temp: str) -> list:
     """The processes of the cluster in ``temp``: those naming it on their command line (GCS,
-    raylet, dashboard, ``ray start``'s own) or in ``TMPDIR``, and all their descendants (workers)."""
+    raylet, dashboard, ``ray start``'s own, the fork server) or in ``TMPDIR``, and all their
+    descendants (workers, forked processes)."""
     import psutil
 
     roots = []
@@ -352,7 +357,7 @@ def processes_of(temp: str) -> list:
         try:
             if proc.pid == os.getpid():
                 continue
-            tmpdir = worker_pool.process_environ(proc.pid).get("TMPDIR", "")
+            tmpdir = _environ(proc).get("TMPDIR", "")
             if any(temp in part for part in proc.info["cmdline"] or ()) or tmpdir == temp or \
                     tmpdir.startswith(temp + os.sep):
                 roots.append(proc)
@@ -402,7 +407,7 @@ def stop_in_order(procs: list, grace_s: float = 8.0) -> list:
 
 
 def _runs(proc, program: str) -> bool:
-    return any(part.endswith(program) for part in worker_pool.process_cmdline(proc))
+    return any(part.endswith(program) for part in _cmdline(proc))
 
 
 def _signal_and_wait(procs: list, sig: int, timeout_s: float) -> list:
@@ -428,8 +433,8 @@ def _signal_and_wait(procs: list, sig: int, timeout_s: float) -> list:
 
 
 def _ended(proc) -> bool:
-    """Gone, or a zombie: ended, its status not yet collected by its parent (the keeper of a cluster
-    that a process other than ``satp cluster start`` started, a test session, until it reaps it)."""
+    """Gone, or a zombie: ended, its status not yet collected by its parent (the fork server of a
+    cluster that a process other than ``satp cluster start`` started, a test, until it reaps it)."""
     import psutil
 
     try:
@@ -439,18 +444,19 @@ def _ended(proc) -> bool:
 
 
 def stop(record: Optional[ClusterRecord] = None) -> Optional[ClusterRecord]:
-    """Stop the satp cluster: its keeper, every process of its folder, the folder, the record.
-    Returns the record stopped (None: there was none). Raises ``ValueError`` when processes stay."""
+    """Stop the satp cluster: every process of its folder (its fork server and what it forked too),
+    the folder, the record. Returns the record stopped (None: there was none). Raises ``ValueError``
+    when processes stay."""
     record = record or ClusterRecord.load()
     if record is None:
         return None
-    left = stop_processes(record.temp_dir)
+    left = stop_processes(record.folder)
     if left:
-        raise ValueError(f"satp cluster stop: {left} process(es) of {record.temp_dir} did not end; "
+        raise ValueError(f"satp cluster stop: {left} process(es) of {record.folder} did not end; "
                          "stop them by hand (they carry that folder)")
-    shutil.rmtree(record.temp_dir, ignore_errors=True)
+    shutil.rmtree(record.folder, ignore_errors=True)
     current = ClusterRecord.load()
-    if current is not None and current.temp_dir == record.temp_dir:
+    if current is not None and current.folder == record.folder:
         record_path().unlink(missing_ok=True)
     return record
 
@@ -485,6 +491,7 @@ def for_command(warn) -> Optional[ClusterRecord]:
         warn(f"the satp cluster of {record_path()} (started {time.ctime(record.started)}) is gone; its "
              f"leftovers were removed and this command starts its own local Ray (satp cluster start: a warm one)")
         return None
+    check_private(record)
     difference = record.environment_difference()
     if difference:
         warn(f"the satp cluster at {record.address} runs another Python environment ({difference}): not used, this "

@@ -3,8 +3,7 @@
 ``ray.init`` on an address where nothing listens retries its GCS connection for a minute or more,
 printing warnings, and then fails with a traceback; :func:`probe` makes a dead address a one-line
 error instead, and so one where something else answers (a web server, a dashboard's port): it is
-told apart by its answer to HTTP/2's preface (gRPC speaks HTTP/2) before Ray's GCS client is asked,
-which would print a C++ warning of its own.
+told apart by its answer to HTTP/2's preface (gRPC speaks HTTP/2) before the GCS method is called.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
     ``address``: ``host:port`` (a GCS), ``ray://host:port`` or ``http(s)://host:port``; ``auto``
     and ``local`` are left to Ray (they name no host). First a TCP connection (refused, unroutable:
     fails here); then, for a GCS address, the port must answer HTTP/2 (:func:`_grpc_problem`) and
-    Ray's GCS client is asked for the cluster's id (a port where something else listens, such as a
+    the GCS its cluster's id (:func:`_gcs_problem`) (a port where something else listens, such as a
     web server or a proxy, or a silent listener, fails here instead of in ``ray.init``'s minute of
     retries)."""
     if address in ("auto", "local"):
@@ -55,11 +54,8 @@ _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 
 
 def _grpc_problem(host: str, port: int, timeout: float) -> Optional[str]:
     """None when ``host:port`` answers HTTP/2's connection preface with a SETTINGS frame, as Ray's
-    GCS (gRPC) does, or speaks TLS (``RAY_USE_TLS``: left to Ray); else what answered instead.
-
-    Asked before Ray's GCS client, which on anything else (a web server, a dashboard's port)
-    prints a C++ warning to the terminal from a thread of its own, around or after the one-line
-    error, and keeps the process from exiting for seconds."""
+    GCS (gRPC) does, or speaks TLS (``RAY_USE_TLS``: left to Ray); else what answered instead (a
+    web server, a dashboard's port), told apart before any gRPC call."""
     if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
         return None
     first = b""
@@ -82,29 +78,26 @@ def _grpc_problem(host: str, port: int, timeout: float) -> Optional[str]:
     return f"it answers, but not as a Ray cluster: it replied {first!r}"
 
 
+#: a method every Ray GCS answers (an empty request: its message has no required field)
+GCS_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+
+
 def _gcs_problem(address: str, timeout: float) -> Optional[str]:
-    """None when a Ray GCS answers at ``address`` within ``timeout`` (an authentication error
-    counts as an answer: ``ray.init`` then says what is missing), else what went wrong."""
-    import threading
+    """None when a Ray GCS answers at ``address`` within ``timeout`` (an authentication error counts
+    as an answer: ``ray.init`` then says what is missing), else what went wrong. Asked with gRPC's
+    generic call of :data:`GCS_METHOD` (no Ray client: it needs no connection to be set up)."""
+    import grpc
 
-    outcome: dict = {}
-
-    def ask() -> None:
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(GCS_METHOD, request_serializer=None, response_deserializer=None)
         try:
-            from ray._raylet import GcsClient
-
-            GcsClient(address=address)
-            outcome["ok"] = True
-        except Exception as exc:  # RpcError and the like: whatever answered is not a GCS
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=ask, name="satp-gcs-probe", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    error = outcome.get("error")
-    if outcome.get("ok") or (error is not None and "auth" in type(error).__name__.lower()):
-        return None
-    if error is None:
-        return f"no answer from a Ray GCS within {timeout:g} s"
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return f"it answers, but not as a Ray cluster: {first}"
+            call(b"", timeout=timeout)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                return None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"no answer from a Ray GCS within {timeout:g} s"
+            details = (exc.details() if hasattr(exc, "details") else "") or str(code)
+            return f"it answers, but not as a Ray cluster: {details.strip().splitlines()[0]}"
+    return None

@@ -7,27 +7,28 @@ new local one.
   address is first probed (:func:`runtime.ray_address.probe`, a few seconds): a dead address, or one
   where something else answers, is a one-line error, not ``ray.init``'s minute of retries.
 * Without one, the satp cluster of this machine when one runs (``satp cluster start``:
-  :mod:`runtime.local_cluster`, whose worker processes are kept warm), else :func:`init_local_ray`
+  :mod:`runtime.local_cluster`, whose processes are forked warm), else :func:`init_local_ray`
   starts a new local cluster (``address="local"``): plain ``ray.init()`` attaches to a cluster it
   finds on the machine (``/tmp/ray/ray_current_cluster`` or a running GCS), possibly someone else's.
   :func:`connect_in_background` does the same from a thread, while the command imports.
 
-The Ray Train workers' processes of a run are started ahead (:mod:`runtime.worker_pool`): every
-runtime environment the job's tasks and actors get must match a prestarted process's exactly, so
-the job itself gets none on satp's clusters, and the workers only what the cluster's processes lack
+Every process of the job imports :mod:`runtime.ray_logs` first (the job's
+``worker_process_setup_hook``); on a CPU-only satp cluster every one is forked by the cluster's fork
+server (the job's ``py_executable``: :mod:`runtime.fork_server`), which imported torch, PyG and
+DeepSpeed once. Train workers get in their runtime env only what the cluster's processes lack
 (:func:`missing_worker_env`).
 
 About the local cluster (see :func:`runtime.local_cluster.cluster_env` for its environment):
 
 * Ray Train V2's placement-group cleaner (of Ray Train runs other than satp's, which start none:
-  :func:`pipeline.train.driver._trainer_class`) queries the State API of "the" cluster, resolved the
+  :func:`runtime.ray_private.trainer_class`) queries the State API of "the" cluster, resolved the
   same way: with several clusters on one machine it may ask another cluster whether our
   controller is alive, get "no", and remove our placement group (killing our training).
   ``RAY_API_SERVER_ADDRESS`` in the cluster's environment pins it to our own dashboard (or, without
   a dashboard, to nothing: :mod:`runtime.ray_logs` keeps its every-second warning off the console).
 * Token authentication stays as Ray 2.60 sets it for a new local cluster (on, unless
   ``RAY_AUTH_MODE`` says otherwise), without the warning Ray prints about it on every start.
-* Train's preemption watcher is off (:data:`runtime.worker_pool.LOCAL_TRAIN_ENV`, set in the
+* Train's preemption watcher is off (:data:`LOCAL_TRAIN_ENV`, set in the
   driver, which Ray Train passes on to every actor of a run): it watches nodes being drained (spot
   instances); a local cluster is never drained. Its controller polls the workers every 0.5 s (Ray's
   default: 2 s), so that a run's end is seen sooner (the tests' and a sweep's many short runs).
@@ -48,10 +49,19 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from runtime import fork_server
 from runtime.ports import free_ports
 from runtime.ray_address import probe, resolve_address
 
 log = logging.getLogger(__name__)
+
+#: what a driver on a local cluster sets in its environment, and Ray Train so passes on to every
+#: actor of a run: Train's preemption watcher (one more actor per run) watches nodes being drained,
+#: which a local cluster's never are; the controller polls its workers every 0.5 s, not 2 s (a run's
+#: end and a worker's failure are seen 0.75 s sooner on average, each a cheap call on one machine)
+LOCAL_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+#: what every process of a satp job runs before it takes work
+SETUP_HOOK = "runtime.ray_logs.quiet_ray_train_noise"
 
 #: what the connected cluster's worker processes have in their environment (None: a cluster satp did
 #: not start, whose workers' environment is unknown); set by :func:`connect`, read by
@@ -120,16 +130,15 @@ def wait_for_background_connect() -> Optional[bool]:
 
 
 def connect(address: Optional[str] = None, env_vars: Optional[dict] = None, log_to_driver: bool = True,
-            warm_workers: int = 0, keep_warm: bool = False, **local) -> bool:
+            **local) -> bool:
     """Connect this process to Ray unless it is connected; return True when a local cluster was started.
 
     Without an address (and without ``$RAY_ADDRESS``) the satp cluster of this machine is used when
     one runs (:func:`runtime.local_cluster.for_command`), else a new local one starts here
-    (:func:`init_local_ray`) with ``warm_workers`` Train workers' processes started ahead (see
-    there; ``keep_warm``: kept topped up while this process runs, for sweeps' later trials).
+    (:func:`init_local_ray`).
 
     ``env_vars``: environment the job's processes need: of the connection's runtime env (a named
-    cluster; what a satp cluster's workers have already is left out, so that they stay warm) or
+    cluster; what a satp cluster's processes have already is left out) or
     added to the local cluster's; ``local``: further keyword arguments of :func:`init_local_ray`."""
     import threading
 
@@ -145,13 +154,12 @@ def connect(address: Optional[str] = None, env_vars: Optional[dict] = None, log_
     if ray.is_initialized():
         return False
     try:
-        return _connect(address, env_vars, log_to_driver, warm_workers, keep_warm, **local)
+        return _connect(address, env_vars, log_to_driver, **local)
     finally:
         interrupts.install()  # ray.init's own SIGTERM handling prints a stack dump: see there
 
 
-def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bool, warm_workers: int,
-             keep_warm: bool, **local) -> bool:
+def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bool, **local) -> bool:
     from runtime import local_cluster
 
     global _worker_env
@@ -166,26 +174,34 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
     if target:
         log.info("connecting to the %s at %s", "satp cluster" if record is not None else "Ray cluster", target)
         if record is not None:
+            local_cluster.check_private(record)
             os.environ.update(record.connect_env())
             _local_train_env()
         _worker_env = dict(record.worker_env) if record is not None else None
+        fork_socket = record.fork_socket if record is not None else os.environ.get(fork_server.SOCKET_VAR)
         missing = missing_worker_env(env_vars or {})
-        runtime_env = {"env_vars": missing} if missing else {}
-        if keep_warm:
-            runtime_env.update(sweep_job_env(runtime_env.get("env_vars")))
-        elif record is None:  # its workers did not import runtime.ray_logs ahead: the job's hook does
-            runtime_env["worker_process_setup_hook"] = "runtime.ray_logs.quiet_ray_train_noise"
-        kwargs = {"runtime_env": runtime_env} if runtime_env else {}
         try:
-            _ray_init(address=target, log_to_driver=log_to_driver, **kwargs)
+            _ray_init(address=target, log_to_driver=log_to_driver, runtime_env=job_env(missing, fork_socket))
         except ConnectionError as exc:
             _worker_env = None
             raise ValueError(f"cannot connect to the Ray cluster at {target}: {str(exc).splitlines()[0]}") from None
         return False
     log.info("starting a local Ray cluster")
-    init_local_ray(env_vars=env_vars, log_to_driver=log_to_driver, warm_workers=warm_workers, keep_warm=keep_warm,
-                   **local)
+    init_local_ray(env_vars=env_vars, log_to_driver=log_to_driver, **local)
     return True
+
+
+def job_env(env_vars: Optional[dict] = None, fork_socket: Optional[str] = None) -> dict:
+    """The runtime environment of a satp job: every process runs :data:`SETUP_HOOK` first, has
+    ``env_vars``, and is forked by the fork server at ``fork_socket`` (if any: a CPU-only satp
+    cluster's, or on a cluster satp did not start the one its nodes run, named by
+    ``$SATP_FORK_SOCKET``: docs/scale.md)."""
+    env: dict = {"worker_process_setup_hook": SETUP_HOOK}
+    if env_vars:
+        env["env_vars"] = dict(env_vars)
+    if fork_socket:
+        env["py_executable"] = fork_server.executable(fork_socket)
+    return env
 
 
 def _ray_init(**kwargs) -> None:
@@ -203,11 +219,11 @@ def _ray_init(**kwargs) -> None:
     import signal
 
     import ray
-    from ray._private import ray_constants
 
     from runtime.interrupts import Interrupted
+    from runtime.ray_private import disable_failure_signal_handler
 
-    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True  # read when the core worker starts
+    disable_failure_signal_handler()
     if not faulthandler.is_enabled():
         faulthandler.enable()
     try:
@@ -218,23 +234,9 @@ def _ray_init(**kwargs) -> None:
         raise Interrupted(signal.SIGTERM) from None
 
 
-def sweep_job_env(extra: Optional[dict[str, str]] = None) -> dict:
-    """The runtime environment of a sweep's job (``extra`` variables added): every process of it (its
-    Tune trials too, which run a training driver each; Ray gives a job's environment to all its tasks
-    and actors) imports the training modules when it starts, so that trials after the first find
-    such processes warm; on a satp cluster with a worker fork server every process of it is forked
-    (:mod:`runtime.forked_workers`): a trial's actor and Train controller too, not only its workers,
-    which the pool of a machine kept busy by one trial after another would not have warm."""
-    from runtime.worker_pool import training_env
-
-    return forked(training_env(extra))
-
-
 def _local_train_env() -> None:
     """What a driver of a local cluster's runs sets for Ray Train to pass on to every actor of a run
-    (:data:`runtime.worker_pool.LOCAL_TRAIN_ENV`); a value the user set stays."""
-    from runtime.worker_pool import LOCAL_TRAIN_ENV
-
+    (:data:`LOCAL_TRAIN_ENV`); a value the user set stays."""
     for key, value in LOCAL_TRAIN_ENV.items():
         os.environ.setdefault(key, value)
 
@@ -265,21 +267,6 @@ def missing_worker_env(needed: dict[str, str]) -> dict[str, str]:
     if have is None:
         return dict(needed)
     return {k: v for k, v in needed.items() if have.get(k) != v}
-
-
-def forked(env: dict, gpu: bool = False) -> dict:
-    """The runtime environment ``env``, its processes forked by the connected cluster's worker fork
-    server (:mod:`runtime.forked_workers`) when it has one, and ``gpu`` is not asked for (a process
-    that initialised CUDA cannot fork one that uses it). The server is named in the environment of
-    the cluster's processes (:data:`runtime.forked_workers.SOCKET_VAR`), which a driver of a satp
-    cluster read from its record and a Ray worker (a sweep's trial) has itself; a driver of a cluster
-    satp did not start takes its own environment's (the nodes run fork servers at that path, and a
-    job's driver that ``ray job submit`` started has the node's environment: docs/scale.md)."""
-    from runtime import forked_workers
-
-    known = _known_worker_env()
-    fork_socket = None if gpu else (os.environ if known is None else known).get(forked_workers.SOCKET_VAR)
-    return {**env, "py_executable": forked_workers.executable(fork_socket)} if fork_socket else env
 
 
 def _known_worker_env():
@@ -337,19 +324,12 @@ def sweep_orphans() -> list[str]:
 
 
 def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_to_driver: bool = True,
-                   env_vars: Optional[dict] = None, resources: Optional[dict] = None, warm_workers: int = 0,
-                   keep_warm: bool = False) -> None:
+                   env_vars: Optional[dict] = None, resources: Optional[dict] = None) -> None:
     """Start a new local Ray instance; see the module docstring. ``dashboard``: Ray's dashboard on
     127.0.0.1 (off by default: a command's own cluster lives as long as the command, and the
     dashboard's processes cost seconds of its start on 2 cores and ~0.9 GiB; ``satp cluster start``
-    has one).
-
-    Worker processes: every one imports Ray Train when it starts, and ``warm_workers`` Train
-    workers (with their controller's actors) are started ahead, importing torch, PyG and DeepSpeed
-    while this process prepares the run (:mod:`runtime.worker_pool`). ``keep_warm`` (a sweep):
-    every process of the job imports those (:func:`sweep_job_env`), and the pool is kept topped up
-    from a thread of this process."""
-    from runtime import local_cluster, worker_pool
+    has one)."""
+    from runtime import local_cluster
 
     global _worker_env
     for folder in sweep_orphans():
@@ -359,21 +339,16 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_
     env = {**local_cluster.cluster_env(use_gpu=use_gpu, api_server=f"http://127.0.0.1:{port if dashboard else 9}"),
            **(env_vars or {})}
     kwargs = dict(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=log_to_driver,
-                  resources=resources, runtime_env=sweep_job_env() if keep_warm else None)
+                  resources=resources, runtime_env=job_env())
     if dashboard:
         kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
     auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
     level = auth_log.level
-    from ray._common.utils import get_default_system_temp_dir
-
     # the cluster's processes inherit this process's environment: set while ray.init starts them
-    # (a job-level runtime env would put every task and actor in an environment of its own, where
-    # no prestarted process fits)
-    saved = {key: os.environ.get(key) for key in ("TMPDIR", "RAY_TMPDIR", *env, *worker_pool.RUNTIME_ENV_VARS)}
-    for key in worker_pool.RUNTIME_ENV_VARS:
-        os.environ.pop(key, None)
+    saved = {key: os.environ.get(key) for key in ("TMPDIR", "RAY_TMPDIR", *env)}
     os.environ.update(env)
-    os.environ["RAY_TMPDIR"] = get_default_system_temp_dir()  # Ray's own files stay where they always are
+    # Ray's own files stay where they always are (Ray's default on Linux), the processes' TMPDIR is private
+    os.environ["RAY_TMPDIR"] = saved["RAY_TMPDIR"] or "/tmp"
     os.environ["TMPDIR"] = _private_tmpdir()  # inherited by the processes ray.init starts
     auth_log.setLevel(logging.ERROR)
     try:
@@ -387,25 +362,3 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_
                 os.environ[key] = value
     _worker_env = env
     _local_train_env()
-    if warm_workers:
-        _warm_up(worker_pool.default_targets(warm_workers), keep_warm)
-
-
-def _warm_up(targets: dict, keep: bool) -> None:
-    """Prestart ``targets`` on this process's own raylet, from a thread (the raylet starts a few
-    processes at a time); ``keep``: keep them topped up for as long as the cluster runs."""
-    import threading
-
-    import psutil
-    import ray
-
-    from runtime import pool_keeper, worker_pool
-
-    node = next(n for n in ray.nodes() if n.get("Alive"))
-    raylet = next((p.pid for p in psutil.Process().children(recursive=True) if p.name() == "raylet"), None)
-    if raylet is None:
-        return
-    pool = worker_pool.WorkerPool(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}", raylet,
-                                  ray.get_runtime_context().gcs_address)
-    threading.Thread(target=pool_keeper.keep_warm, args=(pool, targets), kwargs={"once": not keep},
-                     name="satp-worker-pool", daemon=True).start()

@@ -2,28 +2,16 @@
 
 Two warnings that Ray Train logs over and over while a run goes well:
 
-* Ray Train V2's controller asks Ray's autoscaling coordinator (a detached actor, started by the
-  first Train run of a cluster) for the workers' resources when it starts and every 20 s, waiting
-  5 s for the answer (``ray/train/v2/_internal/execution/scaling_policy/autoscaling_coordinator_client.py``,
-  and ``elastic.py`` for elastic runs). On a busy machine the answer can take longer, mostly while
-  the actor itself starts; the controller then logs a warning with the whole ``GetTimeoutError``
-  traceback, which says itself that it is safe to ignore when it is transient. Nothing depends on
-  the answer on a fixed-size cluster: the request only tells an autoscaler what to add.
-* Ray Train's placement-group cleaner (of a Ray Train run other than satp's, which start none)
-  asks the State API (the dashboard) every second whether the run's controller lives, and on a
-  cluster without a dashboard logs "Failed to query Ray Train Controller actor state" every second
-  of the run. (What it would clean up after an interrupted run, satp's worker pool ends:
-  :meth:`runtime.worker_pool.WorkerPool.end_orphaned_cleaners`.)
+* Ray Train V2's controller asks Ray's autoscaling coordinator for the workers' resources every
+  20 s, waiting 5 s; on a busy machine the answer is late and the controller logs a whole
+  ``GetTimeoutError`` traceback that it says itself is safe to ignore.
+* Ray Train's placement-group cleaner asks the dashboard every second whether the run's controller
+  lives, and on a cluster without a dashboard logs "Failed to query Ray Train Controller actor
+  state" every second (satp's runs start no cleaner; another run's may).
 
-:func:`quiet_ray_train_noise` lowers the timeout warning to DEBUG, below Ray Train's console level
-(INFO), when its exception is a ``GetTimeoutError`` (the same warning about any other error keeps
-its level): it stays in Ray Train's own log files (``logs/train/ray-train-sys-controller-*.log``).
-The cleaner's warning is dropped: its process has no such files. It runs where Ray Train logs
-them, in the cluster's worker processes: importing this module runs it, and the raylet of every cluster satp starts imports this module in
-each worker it starts (``RAY_preload_python_modules``: :mod:`runtime.worker_pool`); on a cluster
-satp did not start, it is the job's ``worker_process_setup_hook`` (:mod:`runtime.ray_cluster`).
-It holds no training code (only Ray's logging and Train's callback interface), so a warm process
-that imported it runs no stale training code.
+:func:`quiet_ray_train_noise` lowers the first to DEBUG (it stays in Ray Train's own log files) and
+drops the second. It runs in the cluster's worker processes as the job's
+``worker_process_setup_hook`` (:mod:`runtime.ray_cluster`), and holds no training code.
 
 Two more pieces keep what a user reads of a run to satp's own lines (the command sends the rest of
 what Ray forwards to the run's log file: :func:`pipeline.console.divert_ray_output`):

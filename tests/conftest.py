@@ -12,16 +12,15 @@ from pathlib import Path
 os.environ.setdefault("OUTDATED_IGNORE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# the session's satp cluster (see ray_cluster) takes Ray's default token authentication, which a
-# client process reads when it first imports Ray: before any test module does
+# the session's cluster (see ray_cluster) takes Ray's default token authentication, which a client
+# process reads when it first imports Ray: before any test module does
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def satp_home_for_tests() -> Path:
-    """``SATP_HOME`` of this checkout's test sessions: where the session's satp cluster is recorded
-    (one per checkout, so that sessions of other checkouts on the machine keep theirs; never the
-    user's own ``~/.satp``). Every ``satp`` command a test runs without ``--address`` uses that
-    cluster while it runs."""
+    """``SATP_HOME`` of this checkout's test sessions: never the user's own ``~/.satp``, so that a satp
+    cluster the user runs is not what the tests' commands use (the warm path has tests of its own:
+    tests/test_local_cluster.py, tests/test_fork_server.py)."""
     root = Path(__file__).resolve().parents[1]
     return Path(tempfile.gettempdir()) / f"satp-tests-{hashlib.sha1(str(root).encode()).hexdigest()[:10]}"
 
@@ -37,48 +36,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-#: the lines of the session cluster's warm-driver and worker-fork logs, kept for the summary
-WARM_DRIVER_LOG = pytest.StashKey[list]()
-WORKER_FORK_LOG = pytest.StashKey[list]()
-
-
 @pytest.fixture(scope="session")
-def ray_cluster(request):
-    """One warm satp cluster for the whole test session (``satp cluster start --warm-driver``'s, with
-    the session as its owner: what a killed session left is stopped by the next one), which every
-    ``satp`` command the tests run finds through ``SATP_HOME``; this process is one of its drivers.
-    Its warm driver forks the tests' ``satp train`` commands on it (those that name its address too),
-    as it would a user's, and its fork server the runs' Ray Train workers (:mod:`runtime.forked_workers`);
-    the session's summary counts both (:func:`pytest_terminal_summary`). This process joins as a sweep's
-    driver does (``keep_warm``): one job that runs many trainings, one after another, on a machine kept
-    too busy for the pool to refill, so every process of its job (the in-process runs' Train controllers,
-    the in-process sweeps' trial actors) is forked too."""
+def ray_cluster():
+    """One local Ray cluster for the whole test session, started in this process the way a user's
+    command without ``satp cluster`` starts one (the default, cold path:
+    :func:`runtime.ray_cluster.connect` without an address). The ``satp`` commands the tests run
+    reach it through ``RAY_ADDRESS``, set here for the session."""
     import ray
 
-    from pipeline.cli import warm_driver
-    from runtime import forked_workers, local_cluster
     from runtime.ray_cluster import connect
 
-    record = local_cluster.ClusterRecord.load()
-    ours = record is None or not record.alive()  # else another session of this checkout runs it: shared
-    if ours:
-        if record is not None:
-            local_cluster.stop(record)
-        command_env = dict(os.environ)  # before this process joins Ray: what the tests' commands have
-        record = local_cluster.start(num_cpus=2, num_gpus=0, workers=2, dashboard=False, wait=False,
-                                     owner_pid=os.getpid())
-        # not waited for: a command that comes before it listens runs in its own process
-        warm_driver.start(record, command_env, wait=False)
+    os.environ.pop("RAY_ADDRESS", None)
     if not ray.is_initialized():
-        connect(record.address, log_to_driver=False, keep_warm=True)
+        connect(None, num_cpus=2, log_to_driver=False)
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     yield ray
+    os.environ.pop("RAY_ADDRESS", None)
     ray.shutdown()
-    if ours:
-        for key, name in ((WARM_DRIVER_LOG, warm_driver.LOG_NAME), (WORKER_FORK_LOG, forked_workers.LOG_NAME)):
-            log = Path(record.temp_dir) / name
-            if log.exists():  # read before stop removes the cluster's folder
-                request.config.stash[key] = log.read_text().splitlines()
-        local_cluster.stop(record)
 
 
 #: the modules ``--beside`` runs in a second pytest process, in this order (none uses the session's
@@ -171,10 +145,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """How many of the session's ``satp train`` commands its cluster's warm driver forked, and how
-    many Train workers its fork server forked, with the reasons each gave for what it refused (that
-    ran in a process of its own: a command after a warning, a worker as Ray starts one); and the
-    ``--beside`` process's outcome (its whole output when it failed)."""
+    """The ``--beside`` process's outcome (its whole output when it failed)."""
     if BESIDE in config.stash:
         process, output, count = config.stash[BESIDE]
         text = output.read_text()
@@ -183,16 +154,6 @@ def pytest_terminal_summary(terminalreporter, config):
         if process.returncode != 0:
             terminalreporter.write(text)
         terminalreporter.write_line(f"{last} (output: {output})")
-    for key, what in ((WARM_DRIVER_LOG, "warm driver: {} satp train commands forked"),
-                      (WORKER_FORK_LOG, "worker fork server: {} Ray worker processes forked")):
-        lines = config.stash.get(key, None)
-        if lines is None:
-            continue
-        refused = [line for line in lines if line.startswith("refused")]
-        forked = sum(line.startswith("forked") for line in lines)
-        terminalreporter.write_line(f"the session cluster's {what.format(forked)}, {len(refused)} refused")
-        for line in sorted(set(refused)):
-            terminalreporter.write_line(f"  {line} (x{refused.count(line)})")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ storage: one machine's file system is what every node sees; on a real cluster ``
 SIGKILL to its ``ray start``, raylet and agents (its process group) and to every worker its raylet
 started (Ray gives each worker a process group of its own). Ray's node health check is tightened
 (1 s x 3) so that a node's death is declared in seconds. The nodes' Train workers are forked from one
-fork server (:mod:`runtime.forked_workers`), which the nodes' and the commands' environment name, as
+fork server (:mod:`runtime.fork_server`), which the nodes' and the commands' environment name, as
 docs/scale.md has a cluster satp did not start do it; a lost node's forked workers die with it. Only
 the processes these helpers started are ever stopped (never ``ray stop``, which would stop every Ray
 cluster on the machine).
@@ -27,10 +27,10 @@ from typing import Iterator
 
 import psutil
 
-from runtime import forked_workers
+from runtime import fork_server
 from runtime.local_cluster import stop_in_order
 from runtime.ports import free_ports
-from runtime.worker_pool import LOCAL_TRAIN_ENV
+from runtime.ray_cluster import LOCAL_TRAIN_ENV
 
 BIN = Path(sys.executable).parent
 #: ``ray start --block`` drains its node on SIGTERM (for Ray Serve) for up to 30 s before it stops it: a
@@ -39,6 +39,16 @@ BIN = Path(sys.executable).parent
 NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 #: Train's controller polls its workers as on satp's own local clusters (a run's end, a lost worker seen sooner)
 HEALTH_CHECK = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": LOCAL_TRAIN_ENV["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]}
+
+
+def forked_pids(log_path: Path) -> dict[int, int]:
+    """``{client pid: forked pid}`` from a fork server's log (its "forked pid P for client pid C: ..." lines)."""
+    try:
+        lines = log_path.read_text().splitlines()
+    except OSError:
+        return {}
+    words = (line.split(":", 1)[0].split() for line in lines if line.startswith("forked pid "))
+    return {int(w[-1]): int(w[2]) for w in words if len(w) == 7 and w[-1].isdigit()}
 
 
 def _proc(pid: int) -> tuple[int, int, str]:
@@ -98,7 +108,7 @@ class Node:
         group = [pid for pid, (pgid, _, _) in procs.items() if pgid == self.proc.pid]
         raylets = {pid for pid in group if procs[pid][2].endswith("raylet")}
         workers = [pid for pid, (_, ppid, _) in procs.items() if ppid in raylets and pid not in group]
-        forked = forked_workers.forked_pids(Path(self.temp) / forked_workers.LOG_NAME)
+        forked = forked_pids(Path(self.temp) / fork_server.LOG_NAME)
         return group + workers + [forked[pid] for pid in workers if forked.get(pid) in procs]
 
     def running(self, prefix: str) -> bool:
@@ -135,15 +145,15 @@ def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1) -> Iterator[dic
     ``add_node()`` starts one more node of ``node_cpus`` CPUs and returns it once it runs, and
     ``base`` is the nodes' shared temporary directory. Every node is stopped at the end."""
     temp = tempfile.mkdtemp(prefix="satpn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    fork_socket = str(Path(temp) / forked_workers.SOCKET_NAME)
+    fork_socket = str(Path(temp) / fork_server.SOCKET_NAME)
     env = dict(env, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OUTDATED_IGNORE="1", DS_ACCELERATOR="cpu",
-               PATH=f"{BIN}:{os.environ.get('PATH', '')}", **{forked_workers.SOCKET_VAR: fork_socket}, **NO_DRAIN,
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}", **{fork_server.SOCKET_VAR: fork_socket}, **NO_DRAIN,
                **HEALTH_CHECK)
     env.pop("RAY_ADDRESS", None)
     nodes: list[Node] = []
     # one fork server for the nodes of this machine (docs/scale.md); the commands' environment names it
-    with open(Path(temp) / forked_workers.LOG_NAME, "w") as log:
-        fork_server = subprocess.Popen([sys.executable, "-m", "runtime.forked_workers", "--serve", fork_socket],
+    with open(Path(temp) / fork_server.LOG_NAME, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket],
                                        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def started(head: bool, gcs: int, cpus: int, attempts: int = 3) -> Node:
@@ -169,6 +179,6 @@ def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1) -> Iterator[dic
     finally:
         for node in reversed(nodes):
             node.stop()
-        os.killpg(fork_server.pid, signal.SIGTERM)
-        fork_server.wait(timeout=30)
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
         shutil.rmtree(temp, ignore_errors=True)

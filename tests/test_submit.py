@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runtime import forked_workers
+from runtime import fork_server
 from runtime.local_cluster import stop_processes
 from runtime.ports import free_ports
 from tests.helpers import tiny_data, tiny_job_dict
@@ -54,12 +54,12 @@ def _wait_for_dashboard(address: str, alive, log: Path) -> None:
 def job_server():
     temp = tempfile.mkdtemp(prefix="satpj", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = free_ports(9)
-    fork_socket = str(Path(temp) / forked_workers.SOCKET_NAME)  # the node's fork server (docs/scale.md)
+    fork_socket = str(Path(temp) / fork_server.SOCKET_NAME)  # the node's fork server (docs/scale.md)
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OUTDATED_IGNORE="1",
                DS_ACCELERATOR="cpu", PATH=f"{BIN}:{os.environ.get('PATH', '')}", SATP_HOME=str(Path(temp) / "home"),
-               **{forked_workers.SOCKET_VAR: fork_socket}, **NO_DRAIN)
+               **{fork_server.SOCKET_VAR: fork_socket}, **NO_DRAIN)
     env.pop("RAY_ADDRESS", None)
-    subprocess.Popen([sys.executable, "-m", "runtime.forked_workers", "--serve", fork_socket], env=env, cwd=ROOT,
+    subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env=env, cwd=ROOT,
                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--node-ip-address=127.0.0.1",
            "--dashboard-host=127.0.0.1", f"--port={gcs}", f"--dashboard-port={dash}",
@@ -318,7 +318,7 @@ def test_satp_submit_finds_the_satp_cluster_by_itself(shards, tmp_path):
     env.pop("RAY_ADDRESS", None)
     job = _job_file(tmp_path / "wd", base, "found")
     start = subprocess.run([sys.executable, "-m", "pipeline.cli", "cluster", "start", "--num-cpus", "1",
-                            "--workers", "1", "--no-warm-driver", "--no-wait"],
+                            "--no-wait"],
                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     try:
         assert start.returncode == 0, start.stdout + start.stderr

@@ -83,14 +83,14 @@ def _sweep(job: Path, env: dict, cwd: Path, python: str = sys.executable) -> tup
 
 
 def _wait_warm(home: Path) -> float:
-    """Seconds until the satp cluster of ``home`` holds its warm processes again (after a run)."""
+    """Seconds until the satp cluster of ``home`` answers again (its fork server, after a run)."""
     from runtime import local_cluster
 
     saved = os.environ.get("SATP_HOME")
     os.environ["SATP_HOME"] = str(home)
     try:
         started = time.monotonic()
-        local_cluster.wait_warm(local_cluster.ClusterRecord.load())
+        local_cluster.wait_ready(local_cluster.ClusterRecord.load())
         return time.monotonic() - started
     finally:
         if saved is None:

@@ -43,13 +43,13 @@ def main(argv: list[str] | None = None) -> int:
 
     set_command_environment()
     args = build_parser().parse_args(argv)
-    if argv is None:  # the process's own command (a library call of main runs in the caller's process)
-        forked = _in_warm_driver(args, sys.argv[1:])
-        if forked is not None:
-            return forked
     from pipeline import console
 
-    console.setup(progress=not getattr(args, "no_progress", False))
+    console.setup(progress=not getattr(args, "no_progress", False))  # its settings too are compared by a fork server
+    if argv is None:  # the process's own command (a library call of main runs in the caller's process)
+        forked = _on_fork_server(args, sys.argv[1:])
+        if forked is not None:
+            return forked
     from runtime.interrupts import install, reset
 
     reset()
@@ -68,24 +68,35 @@ def main(argv: list[str] | None = None) -> int:
         return _interrupted(exc)
 
 
-def _in_warm_driver(args: argparse.Namespace, argv: list[str]):
-    """The exit status of ``satp train`` on the satp cluster (no ``--address``, or the cluster's own)
-    run by its warm driver (:mod:`pipeline.cli.warm_driver`), or None: this process runs the command."""
+def _on_fork_server(args: argparse.Namespace, argv: list[str]):
+    """The exit status of ``satp train`` run by the satp cluster's fork server (:mod:`runtime.fork_server`),
+    or None: this process runs the command. Not when the command names another cluster (``--address``,
+    ``$RAY_ADDRESS``), nor in a process forked already."""
     if args.command != "train":
         return None
-    from runtime.local_cluster import ClusterRecord
+    from runtime import fork_server, local_cluster
 
+    if fork_server.forked_for() is not None:
+        return None
     try:
-        record = ClusterRecord.load()
+        record = local_cluster.ClusterRecord.load()
     except ValueError:
         return None  # the command says so itself
-    if record is None or not record.driver_socket or not record.alive():
+    if record is None or not record.fork_socket or not record.alive():
         return None
-    if getattr(args, "address", None) is not None and not record.named_by(args.address):
+    address = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")
+    if address and not record.named_by(address.split("://")[-1]):
         return None  # another cluster's command
-    from pipeline.cli.warm_driver import run_command
+    try:
+        local_cluster.check_private(record)  # a widened folder: one line, nothing sent
+    except ValueError as exc:
+        print(f"satp: error: {exc}", file=sys.stderr)
+        return 2
+    return fork_server.run_command(record.fork_socket, argv, _warn, defaults=record.worker_env)
 
-    return run_command(record.driver_socket, argv, lambda line: print(f"satp: warning: {line}", file=sys.stderr, flush=True))
+
+def _warn(line: str) -> None:
+    print(f"satp: warning: {line}", file=sys.stderr, flush=True)
 
 
 def _interrupted(exc: KeyboardInterrupt) -> int:

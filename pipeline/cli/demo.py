@@ -28,7 +28,7 @@ def run_demo(overrides: list[str] | None = None, job_path: str | Path = LOCAL_JO
 
         # the satp cluster when one runs, else a local one with its dashboard (on loopback), to
         # watch the demo's run in
-        connect(None, num_cpus=cpus, dashboard=True, warm_workers=job.resources.max_workers)
+        connect(None, num_cpus=cpus, dashboard=True)
     outcome = train_job(job)
     m = outcome.metric
     best = outcome.best

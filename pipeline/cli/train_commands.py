@@ -111,7 +111,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         # not for a run another command holds, which is refused before Ray (the lease's line)
         from runtime.ray_cluster import connect_in_background
 
-        connect_in_background(args.address, warm_workers=job.resources.max_workers)
+        connect_in_background(args.address)
     from pipeline.train.driver import train_plan
     from pipeline.train.plan import JobPlan
     from runtime.ray_logs import RetryNotice

@@ -392,17 +392,15 @@ def _group_start_timeout(elastic: bool):
 
 
 def worker_runtime_env(job: JobConfig) -> dict:
-    """The Train workers' runtime environment: the training modules imported when a process starts
-    (:func:`runtime.worker_pool.training_env`), and only the variables that must be set before a
-    process imports them and that the cluster's workers lack (DeepSpeed reads ``DS_ACCELERATOR`` on
-    import). Anything more would put the workers in an environment of their own, where no warm
-    process fits; what can be set later goes to :attr:`WorkerSetup.process_env` instead. On a
-    satp cluster with a worker fork server, the workers are forked by it (:mod:`runtime.forked_workers`)."""
-    from runtime.ray_cluster import forked, missing_worker_env
-    from runtime.worker_pool import training_env
+    """The Train workers' runtime environment: only the variables that must be set before a process
+    imports the training modules and that the cluster's workers lack (DeepSpeed reads
+    ``DS_ACCELERATOR`` on import); what can be set later goes to :attr:`WorkerSetup.process_env`. The
+    job's own runtime environment (its setup hook, a satp cluster's fork server) applies beneath it."""
+    from runtime.ray_cluster import missing_worker_env
 
     needed = {"OUTDATED_IGNORE": "1", "DS_ACCELERATOR": "cuda" if job.resources.use_gpu else "cpu"}
-    return forked(training_env(missing_worker_env(needed)), gpu=job.resources.use_gpu)
+    missing = missing_worker_env(needed)
+    return {"env_vars": missing} if missing else {}
 
 
 def _storage_full(job: JobConfig, full: dict) -> OSError:
@@ -420,38 +418,14 @@ def _storage_full(job: JobConfig, full: dict) -> OSError:
 
 
 def _trainer_class():
-    """Ray Train's ``TorchTrainer`` as satp's runs use it.
+    """Ray Train's ``TorchTrainer`` as satp's runs use it (:func:`runtime.ray_private.trainer_class`):
+    ``fit`` answers SIGINT as it does SIGTERM, with :class:`runtime.interrupts.Interrupted`, which
+    unwinds the driver so that it says what was kept. The controller and its workers are actors of
+    this driver: they end with it, when the CLI shuts Ray down; a checkpoint cut short then is never
+    resumed from (:func:`pipeline.train.checkpoint.is_complete`)."""
+    from runtime import interrupts, ray_private
 
-    * ``fit`` answers SIGINT as it does SIGTERM: with :class:`runtime.interrupts.Interrupted`, which
-      unwinds the driver so that it says what was kept (Ray Train's own SIGINT handler aborts the
-      run, logs the controller's tracebacks, and exits with status 0). The controller and its
-      workers are actors of this driver: they end with it, when the CLI shuts Ray down; a
-      checkpoint cut short then is never resumed from (:func:`pipeline.train.checkpoint.is_complete`).
-    * The controller starts no actor that a satp run has no use for, each a process of its own
-      (~2.3 s of CPU to import Ray Train, ~0.2 GB) started beside the workers while they import: Ray
-      Data's ``DatasetManager`` (its ``DatasetsCallback`` starts one per worker group even without
-      datasets; satp's workers read their Arrow shards themselves) and the detached
-      ``PlacementGroupCleaner``, which removes the workers' placement group should the controller die
-      while its job goes on. Here the job is the command (Ray removes a job's placement groups when
-      it ends) or a sweep, which releases the groups of its ended trials itself
-      (:func:`pipeline.sweep.trials.release_orphaned_placement_groups`); the cleaner asked the State
-      API every second, which needs a dashboard, and outlived an interrupted run.
-    """
-    from ray.train.torch import TorchTrainer
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-
-    from runtime import interrupts
-
-    class SatpTrainer(TorchTrainer):
-        def _register_sigint_handler(self, controller) -> None:
-            interrupts.install(keep=controller)  # the controller lives until the CLI shuts Ray down
-
-        def _create_default_callbacks(self) -> list:
-            unused = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
-            return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unused)]
-
-    return SatpTrainer
+    return ray_private.trainer_class(on_sigint=lambda controller: interrupts.install(keep=controller))
 
 
 def worker_main(config: dict) -> Optional[dict]:
@@ -468,12 +442,11 @@ def worker_main(config: dict) -> Optional[dict]:
     setup = config["setup"]
     os.environ.update(setup.process_env or {})
     pyg_templates.install()
-    try:
-        from ray.train.v2._internal.execution import context as train_context
+    import ray.train
 
-        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
-    except ImportError:
-        pass
+    # Ray Train's context logs under its file's path
+    logging.getLogger(os.path.join(os.path.dirname(ray.train.__file__), "v2", "_internal", "execution",
+                                   "context.py")).setLevel(logging.WARNING)
     try:
         worker_loop(config)
     except ckpt.StorageFull as full:

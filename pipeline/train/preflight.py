@@ -431,23 +431,19 @@ def preflight(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = No
     ``num_workers`` / ``extra_cpus``: what one unit of work needs when it is not the job's own
     request (a sweep: its largest swept worker count, plus the Tune trial's CPUs). ``ray_env``:
     environment variables of a new Ray connection (see :func:`runtime.ray_cluster.connect`).
-    Sweeps and comparisons run many Train runs: a local cluster started here keeps its worker
-    processes warm for them (:mod:`runtime.worker_pool`).
     """
     jobs = jobs if isinstance(jobs, Mapping) else list(jobs)
     early_checks(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus)
-    connect_and_check(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus, ray_env=ray_env,
-                      keep_warm=True)
+    connect_and_check(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus, ray_env=ray_env)
 
 
 def connect_and_check(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None,
-                      num_workers: Optional[int] = None, extra_cpus: float = 0.0, ray_env: Optional[dict] = None,
-                      keep_warm: bool = False) -> None:
-    """Step 5: connect to Ray (the satp cluster, or a new local one without an address, its
-    worker processes for the first job's run started ahead), then check its resources against
-    the first job's request."""
+                      num_workers: Optional[int] = None, extra_cpus: float = 0.0,
+                      ray_env: Optional[dict] = None) -> None:
+    """Step 5: connect to Ray (the satp cluster, or a new local one without an address), then check
+    its resources against the first job's request."""
     from runtime.ray_cluster import connect, resolve_address
 
     jobs = list(jobs.values()) if isinstance(jobs, Mapping) else list(jobs)
-    connect(address, env_vars=ray_env, warm_workers=num_workers or jobs[0].resources.max_workers, keep_warm=keep_warm)
+    connect(address, env_vars=ray_env)
     check_resources(jobs[0], num_workers=num_workers, extra_cpus=extra_cpus, address=resolve_address(address))

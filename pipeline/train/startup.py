@@ -74,13 +74,13 @@ def breakdown(marks: dict[str, float]) -> dict[str, float]:
 
 
 #: not a phase's event: when the process the rank-0 worker was forked from had imported torch, PyG
-#: and DeepSpeed (:mod:`runtime.forked_workers`), in a forked worker's marks only
+#: and DeepSpeed (:mod:`runtime.fork_server`), in a forked worker's marks only
 FORKED_FROM = "forked_from"
 
 
 def warm(marks: dict[str, float]) -> Optional[bool]:
     """Whether the rank-0 worker ran in a process started before the workers were asked for (a
-    warm one: :mod:`runtime.worker_pool`; a forked one never is: it is forked when asked for); None
+    warm one; a forked one never is: it is forked when asked for); None
     when the events are missing."""
     if "worker_process" not in marks or "fit" not in marks:
         return None

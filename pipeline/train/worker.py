@@ -52,7 +52,7 @@ from pipeline.train.reporting import Reports
 from pipeline.tasks import make_task
 from pipeline.train.step import TrainStep, compiles_model, evaluate
 from pipeline.train.worker_setup import WorkerSetup
-from runtime import forked_workers
+from runtime import fork_server
 from sat.config import SATConfig
 from sat.padding import padding_of
 
@@ -136,8 +136,8 @@ class WorkerRun:
         self.job = job = setup.job
         train = job.train
         self.startup = dict(setup.startup or {}, worker_process=startup.process_started(), worker=startup.now())
-        if forked_workers.forked_from() is not None:
-            self.startup[startup.FORKED_FROM] = forked_workers.forked_from()
+        if fork_server.forked_from() is not None:
+            self.startup[startup.FORKED_FROM] = fork_server.forked_from()
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         use_gpu = job.resources.use_gpu
