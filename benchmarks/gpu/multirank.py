@@ -62,10 +62,10 @@ def _sets(run_name: str) -> list[str]:
 
 
 def split_sampler(job, dataset, shuffle: bool, rank: int, world: int):
-    """The sampler a worker of rank ``rank`` builds over ``dataset`` (``pipeline.train.worker.split_sampler``
+    """The sampler a worker of rank ``rank`` builds over ``dataset`` (``pipeline.train.batching.split_sampler``
     where it exists; else the same construction, as ``pipeline.train.worker`` had it inline)."""
     try:
-        from pipeline.train.worker import split_sampler as worker_sampler
+        from pipeline.train.batching import split_sampler as worker_sampler
     except ImportError:
         worker_sampler = None
     if worker_sampler is not None:
@@ -91,7 +91,7 @@ def single_rank_eval(job, shard_dir: str, checkpoint: Path, device) -> dict:
     from pipeline.train.loader import BatchCollator, make_loader, open_split
     from pipeline.tasks import make_task
     from pipeline.train.step import evaluate
-    from pipeline.train.worker import build_model
+    from pipeline.train.engine import build_model
     from sat.config import SATConfig
 
     state = ckpt.load_state(checkpoint)
@@ -127,9 +127,10 @@ def _ds_counters(checkpoint: Path) -> dict:
 
 
 def _latest(run_dir: Path) -> Path | None:
-    from pipeline.train.rerun import latest_checkpoint
+    from pipeline.train.checkpoint import CheckpointManager
 
-    return latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    name = CheckpointManager(run_dir).newest_intact() if run_dir.is_dir() else None
+    return run_dir / name if name is not None else None
 
 
 def run() -> str:
@@ -342,7 +343,7 @@ def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
     from benchmarks.gpu.step import _job_parts
     from benchmarks.graphs.synthetic import code2_like_graphs
     from pipeline.tasks import Code2Task
-    from pipeline.train.worker import build_model
+    from pipeline.train.engine import build_model
 
     rng = np.random.default_rng(seed)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))

@@ -3,8 +3,9 @@
 A checkpoint is written at every epoch's end, every ``train.checkpoint_every_steps`` global steps and
 on a preemption notice (:mod:`pipeline.train.elastic`); each is a collective of every rank, at the
 same global steps on every rank, as Ray Train and DeepSpeed require: ``engine.save_checkpoint``,
-satp's copy into the run's storage (:func:`pipeline.train.checkpoint.persist`, all ranks succeed or
-all raise) and ``ray.train.report`` (every rank, the same number of times). The report carries, from
+satp's copy into the run's storage (:meth:`pipeline.train.checkpoint.CheckpointManager.write`, all ranks
+succeed or all raise) and the context's report (``ray.train.report`` in a Ray Train worker: every rank,
+the same number of times). The report carries, from
 rank 0, the loss of every step since the previous report (``step_losses``: ``[global step, loss]``
 pairs) and the worker count, which Ray Train's controller logs to MLflow over the global step once
 it has registered the checkpoint (:mod:`pipeline.train.epoch_logger`): steps trained again after a
@@ -56,10 +57,11 @@ def staging_folder() -> tempfile.TemporaryDirectory:
 
 
 class Reports:
-    """The checkpoints and reports of one worker (see the module docstring)."""
+    """The checkpoints and reports of one rank (see the module docstring)."""
 
-    def __init__(self, engine, rank: int, world: int, device: torch.device, fault: Optional[dict]) -> None:
-        self.engine, self.rank, self.world, self.device, self.fault = engine, rank, world, device, fault
+    def __init__(self, engine, context, checkpoints: ckpt.CheckpointManager, fault: Optional[dict]) -> None:
+        self.engine, self.context, self.checkpoints, self.fault = engine, context, checkpoints, fault
+        self.rank, self.world = context.rank, context.world
         self._steps: list[int] = []
         self._losses: list[torch.Tensor] = []
 
@@ -84,20 +86,13 @@ class Reports:
 
     def write(self, state: dict[str, Any], best_weights: Optional[dict], metrics: dict[str, Any], epoch: int) -> str:
         """Checkpoint ``state`` (and the best weights), then report ``metrics`` with it; return the
-        checkpoint's directory name. ``epoch``: the epoch being trained or just done (messages). Every
-        rank calls it."""
-        import ray.train
-
+        checkpoint's name. ``epoch``: the epoch being trained or just done (messages). Every rank calls it."""
         metrics = dict(metrics, step_losses=self.step_losses(), world_size=self.world, global_step=state["steps"])
-        # written locally, then into the run's storage by satp (a full disk ends the run: ckpt.persist),
-        # then reported to Ray Train where it lies
-        storage = ray.train.get_context().get_storage()
+        # written locally, then into the run's storage by satp (a full disk ends the run:
+        # CheckpointManager.write), then reported where it lies
         with staging_folder() as directory:
             ckpt.save(directory, self.engine, state, best_weights, self.rank)
-            name = ckpt.persist(directory, storage.experiment_fs_path, self.rank, epoch,
-                                after_file=faults.pause_in_checkpoint(self.fault, self.rank, state["steps"]))
-        checkpoint = ray.train.Checkpoint(path=str(Path(storage.experiment_fs_path) / name),
-                                          filesystem=storage.storage_filesystem)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
-                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+            name = self.checkpoints.write(directory, self.rank, epoch,
+                                          after_file=faults.pause_in_checkpoint(self.fault, self.rank, state["steps"]))
+        self.context.report(metrics, name)
         return name
