@@ -120,7 +120,7 @@ def test_a_rerun_of_a_stopped_run_is_finished_and_a_higher_target_continues_it(s
     assert again.registered["version"] == outcome.registered["version"]
     higher = job.model_copy(deep=True)
     higher.train.target.value = 0.99
-    decision = JobPlan.resolve(higher).examined().with_shards(rerun.job_shard_dir(higher)).decision()
+    decision = JobPlan.resolve(higher).examine().with_shards(rerun.job_shard_dir(higher)).decision()
     assert decision.action == "resume", "a target the run has not reached leaves epochs to train"
 
 

@@ -81,14 +81,16 @@ class RayContext(TrainContext):
 
 
 class LocalContext(TrainContext):
-    """One process, no Ray: rank 0 of 1 on ``device`` (default: the first GPU if the job uses GPUs,
-    else the CPU), the run's checkpoints in ``run_dir``; each report is kept in :attr:`reports`
+    """One process, no Ray: rank 0 of 1 on ``device`` (default the CPU; a job with
+    ``resources.use_gpu`` gives a CUDA device), the run's checkpoints in ``run_dir``; each report is kept in :attr:`reports`
     (``(metrics, checkpoint name)``) and the last one is what a new trainer in this context restores."""
 
     def __init__(self, run_dir: str | os.PathLike, device: Optional[torch.device] = None) -> None:
         self.rank, self.world = 0, 1
         self.run_dir = str(run_dir)
         self.device = device or torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.reports: list[tuple[dict[str, Any], str]] = []
         _process_group_of_one()
 

@@ -169,7 +169,7 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
     job, train = plan.job, plan.job.train
     if not plan.early_checked:
         early_checks([job], address=plan.address, task=False)  # the task was resolved with the plan
-    plan = plan.examined()  # what the run name holds, found once (the lease keeps other commands from changing it)
+    plan = plan.examine()  # what the run name holds, found once (the lease keeps other commands from changing it)
     early = plan.decision()
     if job.mlflow.enabled and not plan.restart:
         mlflow_run.check_tracking_store(plan)

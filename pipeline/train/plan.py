@@ -10,7 +10,7 @@ the stages after it:
   through it the metric and mode; a ``train.target`` is checked against that metric), the Ray
   address, whether the run name starts over, and the run's checkpoints
   (:class:`~pipeline.train.checkpoint.CheckpointManager`);
-* :meth:`JobPlan.examined` (under the run's lease): the run's newest intact checkpoint, found once;
+* :meth:`JobPlan.examine` (under the run's lease): the run's newest intact checkpoint, found once;
 * :meth:`JobPlan.with_shards` (after the data stage): the shards checked against the job (splits
   not empty, features the model reads present), the model built once to catch a bad
   configuration before any worker starts, the task object with the shards' vocabulary, and the
@@ -71,7 +71,7 @@ class JobPlan:
     address: Optional[str] = None  # Ray cluster (None: $RAY_ADDRESS, else a new local one)
     restart: bool = False  # start the run name over when it holds a checkpoint
     early_checked: bool = False  # preflight.early_checks passed (satp train runs them before its heavy imports)
-    examined: bool = False  # :attr:`previous` looked up (:meth:`examined`)
+    examined: bool = False  # :attr:`previous` looked up (:meth:`examine`)
     previous: Optional[Previous] = None  # the run's newest intact checkpoint
     setup: Optional[WorkerSetup] = None  # after with_shards
     task: Any = None  # after with_shards (a pipeline.tasks.Task with the shards' vocabulary)
@@ -116,7 +116,7 @@ class JobPlan:
     def shard_dir(self) -> Optional[str]:
         return self.setup.shard_dir if self.setup is not None else None
 
-    def examined(self) -> "JobPlan":
+    def examine(self) -> "JobPlan":
         """This plan with the run's newest intact checkpoint (:func:`pipeline.train.rerun.previous_run`,
         which names what is damaged), found once: under the run's lease nothing else changes it."""
         return dataclasses.replace(self, examined=True, previous=rerun.previous_run(self.checkpoints))
@@ -145,7 +145,7 @@ class JobPlan:
         from pipeline.registry.versions import git_commit
 
         if not self.examined:
-            raise RuntimeError("JobPlan.decision before JobPlan.examined")
+            raise RuntimeError("JobPlan.decision before JobPlan.examine")
         job, previous = self.job, self.previous
         if self.setup is not None:
             return _decide(job, rerun.weights_config(job, self.manifest, self.task_name), git_commit(), previous,
