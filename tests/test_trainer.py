@@ -3,8 +3,10 @@
 * :class:`pipeline.train.trainer.Trainer` built from a tiny PATTERN job (shards written here: transform,
   Arrow encoding, manifest) and stepped in a :class:`pipeline.train.context.LocalContext` (one process,
   real DeepSpeed on a gloo group of one): every step seen by ``on_step``, a checkpoint per epoch that
-  verifies; a second trainer resumes from the first one's last checkpoint and trains only the epoch left.
-  Each trainer runs in a process of its own (DeepSpeed initialises one process group per process).
+  verifies. The plan decides each rerun once (:meth:`pipeline.train.plan.JobPlan.decision`), as the
+  driver has it: the same job is finished, one with more epochs resumes from the last checkpoint and
+  trains only the epoch left. Each trainer runs in a process of its own (DeepSpeed initialises one
+  process group per process).
 * :class:`pipeline.train.checkpoint.CheckpointManager` on a run folder: write, list, verify (sizes and
   sha256), the newest intact one when the newest is damaged, prune what Ray never registered.
 """
@@ -127,39 +129,44 @@ TRAIN = r'''
 import json, sys
 from pipeline.config import JobConfig
 from pipeline.train.context import LocalContext
-from pipeline.train.plan import resolve_job, worker_setup
+from pipeline.train.plan import JobPlan
 from pipeline.train.trainer import Trainer
 
-shard_dir, run_dir, epochs, resume_from = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] or None
-job = resolve_job(JobConfig.model_validate({
+shard_dir, storage, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+job = JobConfig.model_validate({
     "name": "trainer-local",
-    "data": {"name": "pattern", "root": run_dir + "-data", "source": "sbm"},
+    "data": {"name": "pattern", "root": storage + "/data", "source": "sbm"},
     "transform": {"rwpe_steps": 3, "k_hops": 0},
     "model": {"hidden_dim": 16, "num_layers": 2, "num_heads": 2, "k_hops": 1, "gnn_type": "gcn",
               "use_edge_attr": False, "pe": "rwpe", "pe_dim": 3, "norm": "batch"},
     "train": {"task": "pattern", "epochs": epochs, "node_budget": 120, "max_graphs_per_batch": 8,
-              "precision": "fp32", "lr": 1e-3, "storage_path": run_dir, "log_every_steps": 1000},
+              "precision": "fp32", "lr": 1e-3, "storage_path": storage, "log_every_steps": 1000},
     "resources": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1},
     "mlflow": {"enabled": False},
-}))
-setup = worker_setup(job, shard_dir)
-setup.resume_from = resume_from
-context = LocalContext(run_dir)
-steps = []
-trainer = Trainer(setup, context, on_step=lambda t, global_step: steps.append(global_step))
-start = trainer.position.epoch
-trainer.fit()
-print("RESULT " + json.dumps({"start_epoch": start, "steps": steps, "steps_per_epoch": trainer.batches.steps_per_epoch,
-                              "reports": [[m["epoch"], m["global_step"], m.get("val_acc"), c]
-                                          for m, c in context.reports]}))
+})
+# as the driver does, without Ray: the plan decided once, then the trainer on its setup
+plan = JobPlan.resolve(job).examine().with_shards(shard_dir)
+decision = plan.decision()
+out = {"action": decision.action}
+if decision.action != "finished":
+    plan = plan.with_setup(provenance=decision.provenance,
+                           resume_from=decision.previous.name if decision.action == "resume" else None)
+    context = LocalContext(plan.run_dir)
+    steps = []
+    trainer = Trainer(plan.setup, context, on_step=lambda t, global_step: steps.append(global_step))
+    out["start_epoch"] = trainer.position.epoch
+    trainer.fit()
+    out.update(steps=steps, steps_per_epoch=trainer.batches.steps_per_epoch, run_dir=str(plan.run_dir),
+               reports=[[m["epoch"], m["global_step"], m.get("val_acc"), c] for m, c in context.reports])
+print("RESULT " + json.dumps(out))
 '''
 
 
-def _train(shards: Path, run_dir: Path, epochs: int, resume_from: str = "") -> dict:
+def _train(shards: Path, storage: Path, epochs: int) -> dict:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", OUTDATED_IGNORE="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # the trainer's LocalContext sets them (a group of one on a free port)
-    proc = subprocess.run([sys.executable, "-c", TRAIN, str(shards), str(run_dir), str(epochs), resume_from],
+    proc = subprocess.run([sys.executable, "-c", TRAIN, str(shards), str(storage), str(epochs)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
@@ -167,22 +174,41 @@ def _train(shards: Path, run_dir: Path, epochs: int, resume_from: str = "") -> d
 
 
 @pytest.mark.slow
-def test_a_trainer_is_built_and_stepped_without_ray_and_resumes_from_its_checkpoint(tmp_path):
+def test_a_trainer_is_built_and_stepped_without_ray_and_the_plan_decides_its_reruns(tmp_path):
     shards = _write_pattern_shards(tmp_path / "shards", {"train": 24, "valid": 8, "test": 8})
-    run_dir = tmp_path / "run"
-    first = _train(shards, run_dir, epochs=2)
+    storage = tmp_path / "ray"
+    first = _train(shards, storage, epochs=2)
     per_epoch = first["steps_per_epoch"]
-    assert per_epoch >= 2 and first["start_epoch"] == 0
+    assert first["action"] == "fresh" and per_epoch >= 2 and first["start_epoch"] == 0
     assert first["steps"] == list(range(1, 2 * per_epoch + 1))  # on_step after every optimizer step
     assert [r[:2] for r in first["reports"]] == [[0, per_epoch], [1, 2 * per_epoch]]
     assert all(r[2] is not None for r in first["reports"])  # evaluated every epoch
-    manager = CheckpointManager(run_dir)
+    manager = CheckpointManager(first["run_dir"])
     names = [r[3] for r in first["reports"]]
     assert sorted(manager.list()) == sorted(names) and all(manager.verify(n) is None for n in names)
     assert manager.state(names[-1])["epoch"] == 1
 
-    again = _train(shards, run_dir, epochs=3, resume_from=names[-1])  # more epochs: the run continues
-    assert again["start_epoch"] == 2
+    assert _train(shards, storage, epochs=2) == {"action": "finished"}  # nothing left to train
+    again = _train(shards, storage, epochs=3)  # more epochs: the run resumes from its last checkpoint
+    assert again["action"] == "resume" and again["start_epoch"] == 2
     assert again["steps"] == list(range(2 * per_epoch + 1, 3 * per_epoch + 1))
     assert [r[:2] for r in again["reports"]] == [[2, 3 * per_epoch]]
-    assert manager.state(again["reports"][-1][3])["history"][0]["epoch"] == 0  # the history carried on
+    assert [h["epoch"] for h in manager.state(again["reports"][-1][3])["history"]] == [0, 1, 2]
+
+
+def test_the_plan_is_read_only_and_decides_after_it_looked_at_the_run(tmp_path):
+    import dataclasses
+
+    from pipeline.config import JobConfig
+    from pipeline.train.plan import JobPlan
+
+    plan = JobPlan.resolve(JobConfig.model_validate({
+        "name": "read-only", "data": {"name": "pattern", "root": str(tmp_path / "data"), "source": "sbm"},
+        "model": {}, "train": {"task": "pattern", "storage_path": str(tmp_path / "ray")}, "mlflow": {"enabled": False}}))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.restart = True
+    with pytest.raises(RuntimeError, match="before JobPlan.examine"):
+        plan.decision()
+    examined = plan.examine()
+    assert examined.examined and not plan.examined
+    assert examined.previous is None and examined.decision() is None  # a new run: decided with its data

@@ -146,16 +146,14 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
     from pipeline.train.lease import RunLease
     from runtime.interrupts import deferred
 
-    if lease is not None:
-        return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault,
-                                  started_at=started_at)
-    lease = RunLease(plan.run_dir, plan.job.train.run_name).acquire(lease_wait_s)
+    taken = None if lease is not None else RunLease(plan.run_dir, plan.job.train.run_name).acquire(lease_wait_s)
     try:
         return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault,
                                   started_at=started_at)
     finally:
-        with deferred():
-            lease.release()
+        if taken is not None:
+            with deferred():
+                taken.release()
 
 
 def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], register: bool, callbacks: Optional[list],
