@@ -56,21 +56,19 @@ def staging_folder() -> tempfile.TemporaryDirectory:
         prefix=STAGING_PREFIX + (f"{machine}-{pid}-{started}-" if started is not None else ""))
 
 
-class Reports:
-    """The checkpoints and reports of one rank (see the module docstring)."""
+class StepLosses:
+    """The loss of every step since the last report, this rank's parts kept on the device."""
 
-    def __init__(self, engine, context, checkpoints: ckpt.CheckpointManager, fault: Optional[dict]) -> None:
-        self.engine, self.context, self.checkpoints, self.fault = engine, context, checkpoints, fault
-        self.rank, self.world = context.rank, context.world
+    def __init__(self) -> None:
         self._steps: list[int] = []
         self._losses: list[torch.Tensor] = []
 
-    def add_step(self, global_step: int, loss_part: torch.Tensor) -> None:
+    def add(self, global_step: int, loss_part: torch.Tensor) -> None:
         """This rank's part of the loss of global step ``global_step`` (a device scalar)."""
         self._steps.append(global_step)
         self._losses.append(loss_part.detach().float())
 
-    def step_losses(self) -> list[list[float]]:
+    def take(self) -> list[list[float]]:
         """``[global step, loss]`` of the steps since the last call, summed over the ranks (a
         collective: every rank calls it at the same steps)."""
         import torch.distributed as dist
@@ -84,15 +82,25 @@ class Reports:
         self._steps, self._losses = [], []
         return out
 
+
+class Reports:
+    """The checkpoints and reports of one rank (see the module docstring)."""
+
+    def __init__(self, engine, context, checkpoints: ckpt.CheckpointManager, fault: Optional[dict]) -> None:
+        self.engine, self.context, self.checkpoints, self.fault = engine, context, checkpoints, fault
+        self.losses = StepLosses()
+
     def write(self, state: dict[str, Any], best_weights: Optional[dict], metrics: dict[str, Any], epoch: int) -> str:
         """Checkpoint ``state`` (and the best weights), then report ``metrics`` with it; return the
         checkpoint's name. ``epoch``: the epoch being trained or just done (messages). Every rank calls it."""
-        metrics = dict(metrics, step_losses=self.step_losses(), world_size=self.world, global_step=state["steps"])
+        metrics = dict(metrics, step_losses=self.losses.take(), world_size=self.context.world,
+                       global_step=state["steps"])
         # written locally, then into the run's storage by satp (a full disk ends the run:
         # CheckpointManager.write), then reported where it lies
         with staging_folder() as directory:
-            ckpt.save(directory, self.engine, state, best_weights, self.rank)
-            name = self.checkpoints.write(directory, self.rank, epoch,
-                                          after_file=faults.pause_in_checkpoint(self.fault, self.rank, state["steps"]))
+            rank = self.context.rank
+            ckpt.save(directory, self.engine, state, best_weights, rank)
+            name = self.checkpoints.write(directory, rank, epoch,
+                                          after_file=faults.pause_in_checkpoint(self.fault, rank, state["steps"]))
         self.context.report(metrics, name)
         return name

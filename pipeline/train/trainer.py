@@ -254,7 +254,7 @@ class Trainer:
             self.step.finish()
             self.position = Position(epoch, step + 1)
             self.state["steps"] = global_step = epoch * steps + step + 1
-            self.reports.add_step(global_step, part)
+            self.reports.losses.add(global_step, part)
             if self.note is not None:
                 self.note.write(global_step)
             if first_epoch and step == start:
