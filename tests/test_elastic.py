@@ -90,7 +90,6 @@ def _history(base: Path, run_name: str, key: str) -> tuple[list[tuple[int, float
 @pytest.mark.slow
 def test_a_run_shrinks_on_a_lost_node_and_grows_when_one_joins(cluster, tmp_path, tmp_path_factory, capsys):
     from pipeline.train import checkpoint as ckpt
-    from pipeline.train.rerun import latest_checkpoint
 
     base, env, address = cluster["base"], cluster["env"], cluster["address"]
     tiny_base = tmp_path_factory.getbasetemp() / "satp-tiny"
@@ -126,13 +125,14 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_when_one_joins(cluster, tmp_path
     assert "timed out after 60.0 seconds" not in text
 
     # what the run kept: every step once, at the worker counts that trained it
-    state = ckpt.load_state(latest_checkpoint(run_dir))
+    manager = ckpt.CheckpointManager(run_dir)
+    state = manager.state(manager.newest_intact())
     resizes = [e for e in state["events"] if e["kind"] == "resize"]
     assert [(e["from"], e["to"]) for e in resizes] == [(2, 1), (1, 2)], state["events"]
     # the cut checkpoint (rank 1's part never completed) was never resumed from: the one before was
     assert resizes[0]["step"] == EVERY and resizes[0]["steps_lost"] == CUT - EVERY
     assert resizes[1]["step"] == 3 * EVERY and resizes[1]["steps_lost"] == HOLD - 3 * EVERY
-    problems = [ckpt.verify(p) for p in run_dir.glob("checkpoint_*") if p.is_dir()]
+    problems = [manager.verify(name) for name in manager.list()]
     assert problems == [None] * len(problems), problems  # the cut one was removed with the run's end
     losses, tags = _history(base, "elastic", "train_step_loss")
     workers, _ = _history(base, "elastic", "world_size")

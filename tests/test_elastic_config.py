@@ -81,14 +81,11 @@ def test_worker_group_events_name_the_counts_the_steps_lost_and_the_time_without
     assert resize_event(note, 2.0, 1, 6, note["time"])["kind"] == "resume"  # another command
 
 
-def test_a_preemption_notice_is_asked_for_at_the_same_steps_on_every_rank_and_taken_once(monkeypatch):
-    import ray.train
-
+def test_a_preemption_notice_is_asked_for_at_the_same_steps_on_every_rank_and_taken_once():
     from pipeline.train.elastic import PreemptionCheck
 
     asked, answers = [], iter([None, "notice", "again"])
-    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: asked.append(1) or next(answers))
-    check = PreemptionCheck(every=5)
+    check = PreemptionCheck(every=5, ask=lambda: asked.append(1) or next(answers))  # the context's question
     seen = [(step, check.notice(step)) for step in range(1, 21)]
     assert len(asked) == 2  # steps 5 and 10; after the notice no more collectives
     assert [(s, n) for s, n in seen if n] == [(10, "notice")]

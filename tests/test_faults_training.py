@@ -86,18 +86,18 @@ def _local_part(where: Path, epoch: int, files: dict[str, bytes | Path] | None =
 
 
 def _write_checkpoint(run_dir: Path, epoch: int, tmp: Path) -> Path:
-    """A checkpoint written into ``run_dir`` by satp's own writer (:func:`pipeline.train.checkpoint.persist`)."""
-    from pipeline.train import checkpoint as ckpt
+    """A checkpoint written into ``run_dir`` by satp's own writer (:meth:`pipeline.train.checkpoint.CheckpointManager.write`)."""
+    from pipeline.train.checkpoint import CheckpointManager
 
-    name = ckpt.persist(_local_part(tmp / f"local-{epoch}", epoch), run_dir, rank=0, epoch=epoch)
+    name = CheckpointManager(run_dir).write(_local_part(tmp / f"local-{epoch}", epoch), rank=0, epoch=epoch)
     time.sleep(0.01)  # names are timestamps to the microsecond
     return run_dir / name
 
 
 PERSIST = r'''
 import sys
-from pipeline.train import checkpoint as ckpt
-ckpt.persist(sys.argv[1], sys.argv[2], rank=0, epoch=int(sys.argv[3]))
+from pipeline.train.checkpoint import CheckpointManager
+CheckpointManager(sys.argv[2]).write(sys.argv[1], rank=0, epoch=int(sys.argv[3]))
 '''
 
 
@@ -105,12 +105,11 @@ def test_checkpoint_killed_mid_write_is_named_and_never_resumed_from(tmp_path, c
     """C x SIGKILL: satp's writer killed while it copies the model states (its source never ends,
     so the kill lands mid-file). The next command names the part never completed, resumes from
     the checkpoint before, and deletes the partial one (Ray never registered it)."""
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train import rerun
+    from pipeline.train.checkpoint import SNAPSHOT, CheckpointManager
 
     run_dir = tmp_path / "run"
     intact = _write_checkpoint(run_dir, 0, tmp_path)
-    (run_dir / rerun.SNAPSHOT).write_text(json.dumps({"checkpoint_results": [{"checkpoint_dir_name": intact.name}]}))
+    (run_dir / SNAPSHOT).write_text(json.dumps({"checkpoint_results": [{"checkpoint_dir_name": intact.name}]}))
     endless = _local_part(tmp_path / "local-1", 1, {"ds/last/mp_rank_00_model_states.pt": Path("/dev/zero")})
     writer = subprocess.Popen([sys.executable, "-c", PERSIST, str(endless), str(run_dir), "1"], cwd=ROOT)
     partial = lambda: [p for p in run_dir.glob("checkpoint_*/ds/last/mp_rank_00_model_states.pt")  # noqa: E731
@@ -120,13 +119,14 @@ def test_checkpoint_killed_mid_write_is_named_and_never_resumed_from(tmp_path, c
     writer.wait()
     (cut,) = [p.parents[2] for p in partial()]
     capfd.readouterr()
-    assert rerun.latest_checkpoint(run_dir) == intact
+    manager = CheckpointManager(run_dir)
+    assert manager.newest_intact() == intact.name
     (line,) = satp_lines(capfd.readouterr().err)
     assert line.startswith(f"satp: warning: {cut / 'rank_0.json'}: missing (rank 0's part was never completely "
                            "written); checkpoint"), line
     assert f"(epoch 1) is damaged and not resumed from; the run goes on from {intact.name} (epoch 0)" in line
-    assert rerun.prune_unregistered(run_dir, keep=intact) == [cut.name]
-    assert ckpt.verify(intact) is None
+    assert manager.prune(keep=intact.name) == [cut.name]
+    assert manager.verify(intact.name) is None
 
 
 @pytest.mark.parametrize("damage", ["cut short", "bit flipped"])
@@ -134,8 +134,8 @@ def test_checkpoint_damaged_afterwards_is_named_and_the_one_before_used(tmp_path
     """C x truncation / bit flip: the newest checkpoint (registered by Ray, its latest) damaged after
     it was written. The driver's choice and the workers' (Ray's registered one first) both name the
     file and take the checkpoint before; nothing intact is touched."""
-    from pipeline.train import checkpoint as ckpt
-    from pipeline.train import rerun
+    from pipeline.train.checkpoint import CheckpointManager
+    from pipeline.train.rerun import previous_run
 
     run_dir = tmp_path / "run"
     older = _write_checkpoint(run_dir, 0, tmp_path)
@@ -150,35 +150,37 @@ def test_checkpoint_damaged_afterwards_is_named_and_the_one_before_used(tmp_path
             f.seek(150_000)
             f.write(bytes([byte[0] ^ 0x01]))
     capfd.readouterr()
-    assert rerun.latest_checkpoint(run_dir) == older
-    assert rerun.resume_point([newest], run_dir) == older  # a worker handed Ray's registered one
+    manager = CheckpointManager(run_dir)
+    assert manager.newest_intact() == older.name
+    assert manager.newest_intact([newest.name]) == older.name  # a worker handed Ray's registered one
     (line,) = satp_lines(capfd.readouterr().err)  # named once, however often it is looked at
     expected = "1000 bytes where 300000 were written (cut short)" if damage == "cut short" else "sha256 mismatch"
     assert line.startswith(f"satp: warning: {target}: ") and expected in line, line
-    assert ckpt.verify(older) is None and rerun.previous_run(str(tmp_path), "run").epoch == 0
+    assert manager.verify(older.name) is None and previous_run(manager).epoch == 0
 
 
 WORKER_RESUME = r'''
 import json, sys
 from pathlib import Path
-from pipeline.train import rerun
-print(rerun.resume_point([Path(sys.argv[1])], sys.argv[2], json.loads(sys.argv[3])).name)
+from pipeline.train.checkpoint import CheckpointManager
+print(CheckpointManager(sys.argv[2], damaged=json.loads(sys.argv[3])).newest_intact([Path(sys.argv[1]).name]))
 '''
 
 
 def test_a_damaged_checkpoint_the_driver_named_is_not_named_again_by_the_workers(tmp_path, capfd):
     """Issue 37, 9: the driver names the damaged checkpoint; Ray's worker (another process) that is
     handed it as Ray's registered one takes the one before without saying it again (it said it twice)."""
-    from pipeline.train import rerun
+    from pipeline.train.checkpoint import CheckpointManager
 
     run_dir = tmp_path / "run"
     older = _write_checkpoint(run_dir, 0, tmp_path)
     newest = _write_checkpoint(run_dir, 1, tmp_path)
     os.truncate(newest / "ds" / "last" / "mp_rank_00_model_states.pt", 1000)
     capfd.readouterr()
-    assert rerun.latest_checkpoint(run_dir) == older  # the driver
+    driver = CheckpointManager(run_dir)
+    assert driver.newest_intact() == older.name  # the driver
     assert len(satp_lines(capfd.readouterr().err)) == 1
-    named = {problem: where for problem, where in rerun.named_damage().items() if str(newest) in problem}
+    named = {problem: where for problem, where in driver.damaged.items() if str(newest) in problem}
     assert list(named.values()) == [f"the checkpoint of epoch 1 ({newest.name})"], named
     for told, lines in ((named, 0), ({}, 1)):  # a worker told what the driver named; one told nothing
         worker = subprocess.run([sys.executable, "-c", WORKER_RESUME, str(newest), str(run_dir), json.dumps(told)],
@@ -191,7 +193,6 @@ def test_checkpoint_on_a_full_disk_is_removed_and_the_intact_ones_kept(tmp_path,
     """C x full disk (a real tmpfs): the writer raises :class:`StorageFull` naming the file that did
     not fit, having removed its partial checkpoint; the checkpoint before stays intact."""
     from pipeline.train import checkpoint as ckpt
-    from pipeline.train import rerun
 
     run_dir = small_disk.mount("2m") / "run"
     intact = _write_checkpoint(run_dir, 0, tmp_path)
@@ -201,7 +202,8 @@ def test_checkpoint_on_a_full_disk_is_removed_and_the_intact_ones_kept(tmp_path,
     assert full.value.details["path"].startswith(str(run_dir / "checkpoint_")), full.value.details
     assert full.value.details["epoch"] == 1
     assert sorted(p.name for p in run_dir.iterdir()) == [intact.name]
-    assert ckpt.verify(intact) is None and rerun.latest_checkpoint(run_dir) == intact
+    manager = ckpt.CheckpointManager(run_dir)
+    assert manager.verify(intact.name) is None and manager.newest_intact() == intact.name
 
 
 # ============================================================================= the run lease
@@ -478,7 +480,8 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tiny_se
     assert "resuming run cut after epoch 0" in err, err[-3000:]
     assert not tracebacks(err), err[-3000:]
     final = checkpoint_epochs(run_dir)
-    assert max(final.values()) == 2 and all(ckpt.verify(run_dir / name) is None for name, e in final.items() if e == 2)
+    assert max(final.values()) == 2 and all(ckpt.CheckpointManager(run_dir).verify(name) is None
+                                         for name, e in final.items() if e == 2)
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert run.info.status == "FINISHED"
@@ -680,4 +683,4 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_intact_checkpoint(ti
     assert "FailurePolicy" not in err and not tracebacks(err), err[-3000:]
     assert list(checkpoint_epochs(run_dir).values()) == [0]
     assert {p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()} == {epoch0}
-    assert ckpt.verify(run_dir / epoch0) is None
+    assert ckpt.CheckpointManager(run_dir).verify(epoch0) is None

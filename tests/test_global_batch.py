@@ -88,7 +88,7 @@ from pipeline.tasks import PPATask
 from pipeline.train.batching import NodeBudgetSampler
 from pipeline.train.engine import build_engine, clips_outside_deepspeed
 from pipeline.train.global_batch import GlobalBatches, share
-from pipeline.train.reporting import Reports
+from pipeline.train.reporting import StepLosses
 from pipeline.train.step import TrainStep
 
 rank, world = int(sys.argv[1]), int(sys.argv[2])
@@ -123,15 +123,15 @@ for k in map(int, sys.argv[3].split(",")):  # one engine per global batch, on th
         return step_engine(*args, **kwargs)
     engine.step = record_then_step
     step = TrainStep(engine, task, train.grad_clip, clips_outside_deepspeed(train, "fp32"))
-    reports = Reports(engine, rank, world, torch.device("cpu"), None)
+    losses = StepLosses()
     mine = share(k, rank, world)
     part = torch.zeros(())
     for index, (j, scale) in enumerate(zip(mine, plan.scales(0, 0, rank, world))):
         _, l = step.accumulate(micro[j], scale, index, len(mine))
         part += l * scale / world
     step.finish()
-    reports.add_step(1, part)
-    [[_, step_loss]] = reports.step_losses()
+    losses.add(1, part)
+    [[_, step_loss]] = losses.take()
     results.append({"k": k, "error": float((seen["grad"] - expected).abs().max()), "scale": float(expected.abs().max()),
                     "loss": step_loss, "expected_loss": float(loss.detach()), "share": len(mine)})
 # every rank done with its collectives, then the group ended, before any process exits: a rank that

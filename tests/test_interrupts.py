@@ -30,7 +30,7 @@ def _satp_train(job: Path, address: str, fault: dict | None = None, timeout: flo
 def test_ctrl_c_keeps_the_newest_checkpoint_and_the_rerun_resumes_from_it(tiny_setting, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from pipeline.train import rerun
+    from pipeline.train.checkpoint import CheckpointManager
 
     base, address = tiny_setting
     job = tiny_subset_job(base, tmp_path, "intr", epochs=3, checkpoints_to_keep=1)
@@ -43,7 +43,7 @@ def test_ctrl_c_keeps_the_newest_checkpoint_and_the_rerun_resumes_from_it(tiny_s
     assert not tracebacks(stopped.stderr), stopped.stderr[-3000:]
     kept = checkpoint_epochs(run_dir)
     assert 1 in kept.values(), kept
-    registered = rerun.registered_checkpoints(run_dir)
+    registered = CheckpointManager(run_dir).registered()
     print("registered by Ray before the interrupt:", {n: kept.get(n) for n in registered})
 
     resumed = _satp_train(job, address)
@@ -51,7 +51,7 @@ def test_ctrl_c_keeps_the_newest_checkpoint_and_the_rerun_resumes_from_it(tiny_s
     assert "resuming run intr after epoch 1" in resumed.stderr
     # only what Ray keeps (checkpoints_to_keep: 1), nothing of the interrupted run left behind
     left = checkpoint_epochs(run_dir)
-    assert list(left.values()) == [2] and set(left) == set(rerun.registered_checkpoints(run_dir))
+    assert list(left.values()) == [2] and set(left) == set(CheckpointManager(run_dir).registered())
     assert {p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()} == set(left)
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])

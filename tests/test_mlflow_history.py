@@ -10,6 +10,8 @@ store, at the level of the code that writes it (no Ray): the end-to-end case is
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.helpers import new_run, sqlite_store, tiny_job_dict
@@ -79,8 +81,9 @@ def test_a_continuation_that_finishes_clears_the_failed_attempt(run, tmp_path):
     values = tiny_job_dict(tmp_path)
     values["mlflow"]["tracking_uri"] = uri
     plan = JobPlan.resolve(JobConfig.model_validate(values))
-    plan.setup = WorkerSetup(job=plan.job, shard_dir=str(tmp_path), model_config={}, task_name="code2", task_state={},
-                             precision="fp32", run_id=run_id, tracking_uri=uri)
+    plan = dataclasses.replace(plan, setup=WorkerSetup(job=plan.job, shard_dir=str(tmp_path), model_config={},
+                                                       task_name="code2", task_state={}, precision="fp32",
+                                                       run_id=run_id, tracking_uri=uri))
     client = mlflow_run.tracking.client(uri)
     mlflow_run.close_finished(plan, {"epoch": 1})
     assert mlflow_run.LAST_ATTEMPT not in client.get_run(run_id).data.tags  # nothing to say after a plain finish

@@ -111,9 +111,10 @@ def test_preprocess_and_training_survive_a_lost_node(cluster, tmp_path, tmp_path
     assert "resumed at global step" in text  # the worker group restarted from a checkpoint
     assert "registered model: models:/sat-node-loss/1" in text
 
-    from pipeline.train.rerun import latest_checkpoint
+    from pipeline.train.checkpoint import CheckpointManager
 
-    state = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())
+    manager = CheckpointManager(run_dir)
+    state = manager.state(manager.newest_intact())
     assert [h["epoch"] for h in state["history"]] == [0, 1, 2]
     client = MlflowClient(f"sqlite:///{base / 'shared' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("tiny")

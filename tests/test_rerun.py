@@ -50,7 +50,8 @@ def test_rerun_is_explicit_and_honest(tiny, tmp_path, capsys):
 
     from pipeline.cli import main
     from pipeline.registry.versions import load_model
-    from pipeline.train.rerun import RerunConflict, latest_checkpoint
+    from pipeline.train.checkpoint import CheckpointManager
+    from pipeline.train.rerun import RerunConflict
     from pipeline.train.driver import train_job
 
     base, shards = tiny
@@ -62,7 +63,7 @@ def test_rerun_is_explicit_and_honest(tiny, tmp_path, capsys):
 
     first = train_job(_job(values), shard_dir=shards)
     assert first.trained and first.registered["version"] == 1
-    checkpoint = latest_checkpoint(run_dir)
+    checkpoint = CheckpointManager(run_dir).newest_intact()
 
     # the same job again: nothing trains, nothing is registered, the model is named
     assert main(["train", str(job_file)]) == 0
@@ -70,7 +71,7 @@ def test_rerun_is_explicit_and_honest(tiny, tmp_path, capsys):
     assert "had finished with this configuration" in out and "nothing registered again" in out
     assert f"its model: models:/{NAME}/1" in out
     assert len(client.search_model_versions(f"name='{NAME}'")) == 1
-    assert latest_checkpoint(run_dir) == checkpoint
+    assert CheckpointManager(run_dir).newest_intact() == checkpoint
     assert client.get_run(first.mlflow_run_id).info.status == "FINISHED"
 
     # another configuration: refused before Ray Train starts, one line naming what differs
@@ -81,7 +82,7 @@ def test_rerun_is_explicit_and_honest(tiny, tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("satp: error: run 'rerun'"), err
         assert differs in err[0] and "--set train.run_name=rerun-2" in err[0] and "--restart" in err[0]
         assert time.monotonic() - start < 60
-    assert latest_checkpoint(run_dir) == checkpoint
+    assert CheckpointManager(run_dir).newest_intact() == checkpoint
     assert client.get_run(first.mlflow_run_id).info.status == "FINISHED"
     assert len(client.search_model_versions(f"name='{NAME}'")) == 1
 
@@ -105,7 +106,7 @@ def test_rerun_is_explicit_and_honest(tiny, tmp_path, capsys):
     assert again.registered["version"] == 2
 
     # each version records the configuration, data hash and commit of the weights it holds
-    state = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())
+    state = json.loads((run_dir / CheckpointManager(run_dir).newest_intact() / "state.json").read_text())
     v1, v2 = load_model(f"models:/{NAME}/1", values["mlflow"]["tracking_uri"]), load_model(
         f"models:/{NAME}/2", values["mlflow"]["tracking_uri"])
     assert v1.info["job"]["train"]["lr"] == 0.003 and v2.info["job"]["train"]["lr"] == 0.01

@@ -1,12 +1,13 @@
 """Which checkpoint a rerun resumes from, and which ones it deletes (no Ray: a run directory laid
-out as Ray Train and :func:`pipeline.train.checkpoint.save` leave it after an interrupt)."""
+out as Ray Train and :func:`pipeline.train.checkpoint.save` leave it after an interrupt), as
+:class:`pipeline.train.checkpoint.CheckpointManager` sees it."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.rerun import SNAPSHOT, latest_checkpoint, prune_unregistered, registered_checkpoints
+from pipeline.train.checkpoint import SNAPSHOT, CheckpointManager
 
 
 def _checkpoint(run_dir: Path, name: str, epoch: int, world: int = 2, ranks_done: int | None = None,
@@ -37,8 +38,8 @@ def test_the_newest_complete_checkpoint_wins_over_what_ray_registered(tmp_path):
     _checkpoint(run, "checkpoint_a", 0)
     newest = _checkpoint(run, "checkpoint_b", 2)
     _register(run, "checkpoint_a")  # Ray registered epoch 0 only: interrupted before it polled again
-    assert latest_checkpoint(run) == newest
-    assert ckpt.is_complete(newest)
+    assert CheckpointManager(run).newest_intact() == newest.name
+    assert CheckpointManager(run).verify(newest.name) is None
 
 
 def test_a_partial_upload_is_never_resumed_from(tmp_path):
@@ -47,8 +48,9 @@ def test_a_partial_upload_is_never_resumed_from(tmp_path):
     half = _checkpoint(run, "checkpoint_b", 1, ranks_done=1)  # rank 1 never uploaded
     cut = _checkpoint(run, "checkpoint_c", 2, truncate=True)  # rank 1's file cut short
     _register(run, "checkpoint_a")
-    assert not ckpt.is_complete(half) and not ckpt.is_complete(cut)
-    assert latest_checkpoint(run) == registered
+    manager = CheckpointManager(run)
+    assert manager.verify(half.name) is not None and manager.verify(cut.name) is not None
+    assert manager.newest_intact() == registered.name
 
 
 def test_prune_removes_what_ray_never_registered_but_the_resume_point(tmp_path):
@@ -58,17 +60,18 @@ def test_prune_removes_what_ray_never_registered_but_the_resume_point(tmp_path):
     _checkpoint(run, "checkpoint_c", 2, ranks_done=1)
     keep = _checkpoint(run, "checkpoint_d", 3)
     _register(run, "checkpoint_a")
-    assert prune_unregistered(run, keep=keep) == ["checkpoint_b", "checkpoint_c"]
+    manager = CheckpointManager(run)
+    assert manager.prune(keep=keep.name) == ["checkpoint_b", "checkpoint_c"]
     assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoint_a", "checkpoint_d"]
     _register(run, "checkpoint_e")  # a later fit registered its own and Ray pruned checkpoint_a
     _checkpoint(run, "checkpoint_e", 4)
-    prune_unregistered(run, keep=run / "checkpoint_e")
+    manager.prune(keep="checkpoint_e")
     assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoint_e"]
-    assert registered_checkpoints(run) == ["checkpoint_e"]
+    assert manager.registered() == ["checkpoint_e"]
 
 
 def test_without_ray_s_record_nothing_is_deleted(tmp_path):
     run = tmp_path / "run"
     only = _checkpoint(run, "checkpoint_a", 0)  # interrupted before Ray registered anything
-    assert prune_unregistered(run) == []
-    assert latest_checkpoint(run) == only
+    assert CheckpointManager(run).prune() == []
+    assert CheckpointManager(run).newest_intact() == only.name

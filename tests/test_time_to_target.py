@@ -112,6 +112,7 @@ def test_a_run_stops_at_its_target_and_reports_the_time_to_it(stopped_run):
 def test_a_rerun_of_a_stopped_run_is_finished_and_a_higher_target_continues_it(stopped_run):
     from pipeline.train import rerun
     from pipeline.train.driver import train_job
+    from pipeline.train.plan import JobPlan
 
     job, outcome = stopped_run
     again = train_job(job)
@@ -119,10 +120,7 @@ def test_a_rerun_of_a_stopped_run_is_finished_and_a_higher_target_continues_it(s
     assert again.registered["version"] == outcome.registered["version"]
     higher = job.model_copy(deep=True)
     higher.train.target.value = 0.99
-    from pipeline.train.loader import open_split
-
-    decision = rerun.decide(higher, rerun.weights_config(higher, open_split(rerun.job_shard_dir(higher), "train").manifest),
-                            "commit", rerun.previous_run(higher.train.storage_path, higher.train.run_name))
+    decision = JobPlan.resolve(higher).examine().with_shards(rerun.job_shard_dir(higher)).decision()
     assert decision.action == "resume", "a target the run has not reached leaves epochs to train"
 
 

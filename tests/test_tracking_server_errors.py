@@ -95,6 +95,8 @@ def _recv(sock: socket.socket) -> bytes:
 def plan(tmp_path, monkeypatch):
     """A training run's plan, as the driver has it before it opens the MLflow run (its tracking URI set
     by each test); no retries, as satp's registry commands set them for a server."""
+    import dataclasses
+
     from pipeline.config import JobConfig
     from pipeline.train.plan import JobPlan
     from pipeline.train.worker_setup import WorkerSetup
@@ -105,10 +107,10 @@ def plan(tmp_path, monkeypatch):
         values = tiny_job_dict(tmp_path)
         values["mlflow"]["tracking_uri"] = uri
         made = JobPlan.resolve(JobConfig.model_validate(values))
-        made.setup = WorkerSetup(job=made.job, shard_dir=str(tmp_path), model_config={}, task_name="code2",
-                                 task_state={}, precision="fp32", run_id=None, tracking_uri=uri,
-                                 provenance={"config_hash": "cfg"})
-        return made
+        return dataclasses.replace(made, setup=WorkerSetup(job=made.job, shard_dir=str(tmp_path), model_config={},
+                                                           task_name="code2", task_state={}, precision="fp32",
+                                                           run_id=None, tracking_uri=uri,
+                                                           provenance={"config_hash": "cfg"}))
 
     return at
 

@@ -88,7 +88,7 @@ def _assert_statistics_recomputed(job, model, epoch: int, base: Path) -> None:
 
     from pipeline.train.loader import BatchCollator, make_loader, open_split
     from pipeline.train.precise_bn import batchnorm_layers, recompute_batchnorm_stats
-    from pipeline.train.worker import statistics_batches
+    from pipeline.train.precise_bn import statistics_batches
 
     train_ds = open_split(_shard_dir(base), "train")
     batches = statistics_batches(job, train_ds)
@@ -123,7 +123,7 @@ def test_a_pna_job_gets_the_training_graphs_in_degree_histogram(ray_cluster, sbm
     from pipeline.config import JobConfig
     from pipeline.train.loader import BatchCollator
     from pipeline.train.plan import worker_setup as plan
-    from pipeline.train.worker import build_model
+    from pipeline.train.engine import build_model
     from sat.config import SATConfig
 
     values = pattern_job_dict(sbm_root, tmp_path)

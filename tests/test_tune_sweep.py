@@ -125,7 +125,7 @@ def test_champion_is_the_best_trials_version(sweep):
 
 def _checkpoint_model(trial):
     from pipeline.train import checkpoint as ckpt
-    from pipeline.train.worker import build_model
+    from pipeline.train.engine import build_model
     from sat.config import SATConfig
 
     state = ckpt.load_state(trial.checkpoint_path)

@@ -123,7 +123,7 @@ def sampler_stats(cfg: dict, graphs: int) -> dict[str, float]:
 
     from pipeline.config import JobConfig
     from pipeline.train.loader import open_split
-    from pipeline.train.worker import split_sampler
+    from pipeline.train.batching import split_sampler
 
     job = JobConfig.model_validate(base_dict(cfg, graphs, 0))
     ds = open_split(shard_dirs(cfg)[-1], "train")

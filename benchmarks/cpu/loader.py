@@ -3,7 +3,7 @@
     python -m benchmarks.cpu.loader --shards DIR --budget N --workers W [--job JOB] [--seconds S]
 
 iterates the training loader exactly as a Ray Train worker builds it (the job's sampler and loader,
-:func:`pipeline.train.worker.split_sampler` and :func:`pipeline.train.worker.train_loader`, the model
+:func:`pipeline.train.batching.split_sampler` and :func:`pipeline.train.loader.make_loader`, the model
 configuration resolved by :func:`pipeline.train.plan.worker_setup`; the job defaults to ``jobs/<task>.yaml`` of
 the shards' task, with ``train.node_budget`` and ``train.loader_workers`` set to N and W) and prints
 graphs/s. ``--per-item`` builds the same batches as the loader did before the batch path (``ds[i]``
@@ -58,7 +58,7 @@ def _parts(shards: str | Path, budget: int, workers: int, job: str | Path | None
     from pipeline.config import load_job
     from pipeline.train.loader import BatchCollator, open_split
     from pipeline.train.plan import worker_setup as plan
-    from pipeline.train.worker import split_sampler
+    from pipeline.train.batching import split_sampler
     from sat.config import SATConfig
 
     dataset = open_split(shards, "train")
@@ -73,10 +73,11 @@ def measure(shards: str | Path, budget: int, workers: int, job: str | Path | Non
     """Graphs/s of the training loader over ``shards`` (see the module docstring)."""
     import torch
 
-    from pipeline.train.worker import train_loader
+    from pipeline.train.loader import make_loader
 
     config, dataset, sampler, collator = _parts(shards, budget, workers, job)
-    loader = train_loader(config, _PerItem(dataset) if per_item else dataset, _one_rank(sampler), collator, pin=False)
+    loader = make_loader(_PerItem(dataset) if per_item else dataset, _one_rank(sampler), collator,
+                         config.train.loader_workers, pin_memory=False)
     if workers == 0:
         torch.set_num_threads(1)  # as in a DataLoader worker process
     started = time.perf_counter()
@@ -117,13 +118,12 @@ def epoch_starts(shards: str | Path, budget: int, workers: int, step_s: float, j
     epoch over the same persistent workers. Seconds per epoch: the wait for an epoch's first batch
     and for all its batches."""
     from pipeline.train.loader import make_loader
-    from pipeline.train.worker import train_loader
 
     out = {}
     for mode in ("per-epoch iterator", "one iterator (RankStream)"):
         config, dataset, sampler, collator = _parts(shards, budget, workers, job)
         stream = mode.startswith("one")
-        loader = (train_loader(config, dataset, _one_rank(sampler), collator, pin=False) if stream
+        loader = (make_loader(dataset, _one_rank(sampler), collator, config.train.loader_workers, pin_memory=False) if stream
                   else make_loader(dataset, sampler, collator, workers, pin_memory=False))
         batches, first, total = None, 0.0, 0.0
         for epoch in range(epochs + 1):

@@ -50,10 +50,11 @@ class Ledger:
 
 
 def _previous(storage: Path, name: str):
+    from pipeline.train.checkpoint import CheckpointManager
     from pipeline.train.rerun import previous_run
 
     try:
-        return previous_run(str(storage), name)
+        return previous_run(CheckpointManager(storage / name))
     except ValueError:
         return None
 

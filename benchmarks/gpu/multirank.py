@@ -13,7 +13,7 @@ device), on small real data: ``satp data pycode`` over the machine's own standar
 3. checks, from the run's files and the pipeline's own classes:
 
    - the global batch: every micro-batch of a step dealt to one rank
-     (:class:`pipeline.train.global_batch.GlobalBatches`, over the sampler ``pipeline.train.worker`` builds);
+     (:class:`pipeline.train.global_batch.GlobalBatches`, over the trainer's :func:`pipeline.train.batching.split_sampler`);
      DeepSpeed's step counter in the checkpoint (rank 0's) equal to steps per epoch x epochs; the graphs
      the epoch reports (summed over ranks by the worker: ``graphs_per_s x epoch_seconds``) equal to the
      graphs of both ranks' shares: rank 1 ran all of its own;
@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, check_lines, measure, overrides, pycode_data, satp, step_lines
+from pipeline.train.batching import split_sampler
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 330)
 GRAPHS_PER_SPLIT = int(os.environ.get("SATP_MULTIRANK_GRAPHS") or (150 if DRY_RUN else 3000))
@@ -61,26 +62,6 @@ def _sets(run_name: str) -> list[str]:
     return sets
 
 
-def split_sampler(job, dataset, shuffle: bool, rank: int, world: int):
-    """The sampler a worker of rank ``rank`` builds over ``dataset`` (``pipeline.train.worker.split_sampler``
-    where it exists; else the same construction, as ``pipeline.train.worker`` had it inline)."""
-    try:
-        from pipeline.train.worker import split_sampler as worker_sampler
-    except ImportError:
-        worker_sampler = None
-    if worker_sampler is not None:
-        return worker_sampler(job, dataset, shuffle, rank=rank, world=world)
-    from pipeline.train.batching import NodeBudgetSampler, subset_indices
-
-    t = job.train
-    return NodeBudgetSampler(
-        np.asarray(dataset.num_nodes), t.node_budget if shuffle else (t.eval_node_budget or 2 * t.node_budget),
-        rank=rank, world_size=world, shuffle=shuffle, seed=t.seed, bucket_size=t.bucket_size,
-        max_graphs=t.max_graphs_per_batch,
-        indices=(subset_indices(len(dataset), t.train_subset, t.seed) if shuffle
-                 else subset_indices(len(dataset), t.eval_subset, job.data.seed)))
-
-
 def single_rank_eval(job, shard_dir: str, checkpoint: Path, device) -> dict:
     """The checkpoint's best weights evaluated in this process over whole valid/test splits, with the
     batches a 1-rank run cuts and the precision the workers resolved on this machine."""
@@ -91,7 +72,7 @@ def single_rank_eval(job, shard_dir: str, checkpoint: Path, device) -> dict:
     from pipeline.train.loader import BatchCollator, make_loader, open_split
     from pipeline.tasks import make_task
     from pipeline.train.step import evaluate
-    from pipeline.train.worker import build_model
+    from pipeline.train.engine import build_model
     from sat.config import SATConfig
 
     state = ckpt.load_state(checkpoint)
@@ -106,7 +87,7 @@ def single_rank_eval(job, shard_dir: str, checkpoint: Path, device) -> dict:
     out = {"precision": precision, "best_epoch": state["best"]["epoch"]}
     for split in ("valid", "test"):
         ds = open_split(shard_dir, split)
-        loader = make_loader(ds, split_sampler(job, ds, False, 0, 1), BatchCollator(config),
+        loader = make_loader(ds, split_sampler(job, ds, False), BatchCollator(config),
                              0 if DRY_RUN else 4, device.type == "cuda")
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             predictions, targets = evaluate(model, task, loader, device)
@@ -127,9 +108,10 @@ def _ds_counters(checkpoint: Path) -> dict:
 
 
 def _latest(run_dir: Path) -> Path | None:
-    from pipeline.train.rerun import latest_checkpoint
+    from pipeline.train.checkpoint import CheckpointManager
 
-    return latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    name = CheckpointManager(run_dir).newest_intact() if run_dir.is_dir() else None
+    return run_dir / name if name is not None else None
 
 
 def run() -> str:
@@ -201,7 +183,7 @@ def run() -> str:
         from pipeline.train.global_batch import GlobalBatches, share
 
         # the run's global batches, as every worker cuts them (the sequence of rank 0 of 1 is every rank's)
-        plan = GlobalBatches(split_sampler(job, train_ds, True, 0, 1), job.train.micro_batches_per_step)
+        plan = GlobalBatches(split_sampler(job, train_ds, True), job.train.micro_batches_per_step)
         steps, mine = plan.steps_per_epoch, [share(plan.micro_batches, r, WORLD) for r in range(WORLD)]
         history = (second or first)["state"]["history"]
         lines += ["", "Per rank and epoch (each rank's share of every step's micro-batches; graphs and node slots):", "",
@@ -224,7 +206,7 @@ def run() -> str:
                        f"{steps_first} vs {steps}; dp_world_size {first['deepspeed'].get('dp_world_size')}"))
         for split in ("valid", "test"):
             ds = open_split(shard_dir, split)
-            counts = [len(split_sampler(job, ds, False, r, WORLD)) for r in range(WORLD)]
+            counts = [len(split_sampler(job, ds, False, rank=r, world=WORLD)) for r in range(WORLD)]
             lines.append(f"\nEvaluation batches per rank, {split}: {' / '.join(map(str, counts))} "
                          f"({len(ds):,} graphs, gathered to rank 0)")
         if second is not None:
@@ -342,7 +324,7 @@ def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
     from benchmarks.gpu.step import _job_parts
     from benchmarks.graphs.synthetic import code2_like_graphs
     from pipeline.tasks import Code2Task
-    from pipeline.train.worker import build_model
+    from pipeline.train.engine import build_model
 
     rng = np.random.default_rng(seed)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))

@@ -96,7 +96,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from pipeline.cli.submit import enter_workdir
     from pipeline.config import load_job
+    from pipeline.train.checkpoint import CheckpointManager
+    from pipeline.train.lease import RunLease
+    from pipeline.train.plan import resolve_job, run_dir
     from pipeline.train.preflight import early_checks
+    from runtime.interrupts import deferred
 
     job_path = Path(args.job).resolve()
     enter_workdir()
@@ -106,25 +110,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     early_checks([job], address=args.address, task=False)
     report = _divert_ray_output(job)
     _logging()
-    if (args.restart or not _may_be_finished(job)) and not _held_elsewhere(job):
-        # Ray joined (or a local cluster started) in a thread while the driver's modules load below;
-        # not for a run another command holds, which is refused before Ray (the lease's line)
-        from runtime.ray_cluster import connect_in_background
-
-        connect_in_background(args.address)
-    from pipeline.train.driver import train_plan
-    from pipeline.train.plan import JobPlan
-    from runtime.ray_logs import RetryNotice
-
-    plan = JobPlan.resolve(job, address=args.address, restart=args.restart, early_checked=True)
-    notice = RetryNotice(job.train.max_failures, "train.max_failures", str(report))
+    resolved = resolve_job(job)
+    # the run's lease, held to the end: a run another command holds is refused here, before Ray
+    lease = RunLease(run_dir(resolved), resolved.train.run_name).acquire()
     try:
-        outcome = train_plan(plan, register=not args.no_register, callbacks=[notice])
+        if args.restart or not CheckpointManager(run_dir(resolved)).list():
+            # nothing to decide (a new run, or one started over): Ray joined (or a local cluster
+            # started) in a thread while the driver's modules load below; a run with checkpoints
+            # joins Ray once its plan decided that it trains (a finished one needs no Ray)
+            from runtime.ray_cluster import connect_in_background
+
+            connect_in_background(args.address)
+        from pipeline.train.driver import train_plan
+        from pipeline.train.plan import JobPlan
+        from runtime.ray_logs import RetryNotice
+
+        plan = JobPlan.resolve(job, address=args.address, restart=args.restart, early_checked=True)
+        notice = RetryNotice(job.train.max_failures, "train.max_failures", str(report))
+        outcome = train_plan(plan, register=not args.no_register, lease=lease, callbacks=[notice])
     except KeyboardInterrupt as exc:
         from runtime.interrupts import Interrupted, as_interrupted, ending
 
         ending()  # more signals from here on are ignored: the line below and Ray's shutdown run whole
-        raise Interrupted(as_interrupted(exc).signum, kept=kept_after_interrupt(plan)) from None
+        raise Interrupted(as_interrupted(exc).signum, kept=kept_after_interrupt(resolved)) from None
+    finally:
+        with deferred():
+            lease.release()
     print(summary(outcome), flush=True)
     return 0
 
@@ -140,43 +151,14 @@ def _divert_ray_output(job):
     return console.divert_ray_output(runs_dir() / "logs" / name)
 
 
-def _may_be_finished(job) -> bool:
-    """Whether the run's newest checkpoint may be its last (a rerun that trains nothing and needs no
-    Ray); read from its state alone, without verifying it: a guess that only decides whether Ray is
-    joined early."""
-    import json
+def kept_after_interrupt(job) -> str:
+    """What an interrupted ``satp train`` of ``job`` (resolved) kept, and how to go on (one line)."""
+    from pipeline.train.checkpoint import CheckpointManager
+    from pipeline.train.plan import run_dir
+    from pipeline.train.rerun import previous_run
 
-    states = sorted(_run_dir(job).glob("checkpoint_*/state.json"))
-    if not states:
-        return False
-    try:
-        state = json.loads(states[-1].read_text())
-    except (OSError, ValueError):
-        return True
-    return bool(state.get("stopped")) or int(state.get("epoch", -1)) >= job.train.epochs - 1
-
-
-def _held_elsewhere(job) -> bool:
-    from pipeline.train.lease import held
-
-    return held(_run_dir(job))
-
-
-def _run_dir(job):
-    from pathlib import Path
-
-    from pipeline.config.train import runs_dir
-
-    storage = Path(job.train.storage_path or runs_dir() / "ray").expanduser()
-    return storage / (job.train.run_name or job.name)
-
-
-def kept_after_interrupt(plan) -> str:
-    """What an interrupted ``satp train`` kept, and how to go on (one line)."""
-    from pipeline.train import rerun
-
-    train = plan.job.train
-    previous = rerun.previous_run(train.storage_path, train.run_name, warn=False)  # the rerun names what is damaged
+    train = job.train
+    previous = previous_run(CheckpointManager(run_dir(job)), warn=False)  # the rerun names what is damaged
     if previous is None:
         return (f"run {train.run_name} had written no checkpoint yet (finished shards are kept): the same command "
                 "starts it again")

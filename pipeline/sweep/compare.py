@@ -286,9 +286,9 @@ def plot_compare(outcome: CompareOutcome, path: str | Path) -> None:
 
 def count_parameters(job: JobConfig, shard_dir: str) -> Optional[int]:
     """Parameters of the variant's model, as :func:`pipeline.train.plan.worker_setup` configures it (built in the
-    driver by :func:`pipeline.train.worker.build_model`, which keeps PyG's generated modules in memory)."""
+    driver by :func:`pipeline.train.engine.build_model`, which keeps PyG's generated modules in memory)."""
     from pipeline.train.plan import worker_setup
-    from pipeline.train.worker import build_model
+    from pipeline.train.engine import build_model
     from sat.config import SATConfig
 
     try:

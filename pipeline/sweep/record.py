@@ -25,8 +25,9 @@ import json
 import os
 from pathlib import Path
 
+from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.lease import LEASE_FILE
-from pipeline.train.rerun import clear_run, differences
+from pipeline.train.rerun import differences
 
 RECORD_FILE = "satp-sweep.json"
 SECTIONS = ("tune", "compare")
@@ -73,7 +74,7 @@ def start(sweep_dir: Path, record: dict, restart: bool) -> None:
     sweep_dir = Path(sweep_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     if restart:
-        clear_run(sweep_dir)
+        CheckpointManager(sweep_dir).clear(keep=LEASE_FILE)
     tmp = sweep_dir / f".{RECORD_FILE}.tmp"
     with open(tmp, "w") as fh:
         json.dump(record, fh, indent=1, sort_keys=True)

@@ -25,7 +25,7 @@ def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, 
     from pipeline.registry.versions import register
     from pipeline.tasks import make_task
     from pipeline.train.loader import open_split
-    from pipeline.train.worker import build_model
+    from pipeline.train.engine import build_model
     from sat.config import SATConfig
 
     if not best.checkpoint_path:

@@ -161,3 +161,24 @@ def subset_indices(n: int, limit: Optional[int], seed: int) -> Optional[np.ndarr
         return None
     rng = np.random.default_rng([seed, 7919])
     return np.sort(rng.permutation(n)[:limit])
+
+
+def split_sampler(job, dataset, shuffle: bool, rank: int = 0, world: int = 1,
+                  seed: Optional[int] = None) -> NodeBudgetSampler:
+    """The node-budget batches of one rank over a split of ``job`` (a :class:`pipeline.config.JobConfig`):
+    shuffled per epoch for training (by ``train.seed``, or ``seed``), sorted by size for evaluation
+    (``train.eval_node_budget``, default twice the training budget)."""
+    train = job.train
+    return NodeBudgetSampler(
+        np.asarray(dataset.num_nodes),
+        train.node_budget if shuffle else (train.eval_node_budget or 2 * train.node_budget),
+        rank=rank,
+        world_size=world,
+        shuffle=shuffle,
+        seed=train.seed if seed is None else seed,
+        bucket_size=train.bucket_size,
+        max_graphs=train.max_graphs_per_batch,
+        # evaluation subsets do not depend on train.seed: runs of several seeds score the same graphs
+        indices=(subset_indices(len(dataset), train.train_subset, train.seed) if shuffle
+                 else subset_indices(len(dataset), train.eval_subset, job.data.seed)),
+    )

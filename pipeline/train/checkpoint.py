@@ -1,9 +1,9 @@
 """Checkpoints (at epoch ends, every ``train.checkpoint_every_steps`` steps, on a preemption notice):
 DeepSpeed engine state + the loop's state + the best weights.
 
-Layout of a checkpoint directory (each rank writes its own files into a local temporary
-directory, :func:`save`, then copies them into the run's storage, :func:`persist`; the ranks'
-parts make one directory there, which Ray Train registers once every rank has reported it)::
+Layout of a checkpoint directory (each rank writes its own files into a local folder, :func:`save`,
+then :meth:`CheckpointManager.write` copies them into the run's storage; the ranks' parts make one
+directory there, which Ray Train registers once every rank has reported it)::
 
     ds/latest, ds/<tag>/...   DeepSpeed engine: module, optimizer (per ZeRO rank), lr scheduler
     best_model.pt             rank 0: fp32 state dict of the best epoch by validation
@@ -13,44 +13,48 @@ parts make one directory there, which Ray Train registers once every rank has re
                               world size (the ranks that wrote parts), worker-group events
     rank_<r>.json             every rank, written last: its files, their sizes and sha256 digests
 
-A checkpoint is resumed from only when :func:`verify` finds it whole: every rank's list is there,
-and every file it lists has the size and the digest recorded when it was written. That catches a
-part never written (a rank killed, or the run interrupted, between the upload and Ray Train's
-registration), a file cut short (a disk error, a copy stopped half-way) and one changed since (a
-flipped bit, an overwrite). It runs before any resume: in the driver for the checkpoint a rerun
-starts from (:func:`pipeline.train.rerun.latest_checkpoint`) and in the workers for Ray Train's
-registered one (:func:`pipeline.train.rerun.resume_point`); what fails is named in one line and the
-newest intact checkpoint is used instead.
+:class:`CheckpointManager` is the one place that writes, verifies, lists, picks and prunes the
+checkpoints of a run folder, over a ``pyarrow.fs`` file system (:func:`runtime.storage.resolve`: a
+local folder or an object store alike). A checkpoint is resumed from only when
+:meth:`~CheckpointManager.verify` finds it whole: every rank's list is there, and every file it lists
+has the size and the digest recorded when it was written. That catches a part never written (a rank
+killed, or the run interrupted, between the upload and Ray Train's registration), a file cut short
+(a disk error, a copy stopped half-way) and one changed since (a flipped bit, an overwrite). What fails
+is named in one warning line, once per run, and the newest intact checkpoint is used instead.
 
-The copy into storage is satp's (:func:`persist`), not Ray Train's upload, so that a full disk ends
-the run: a worker whose upload fails is a failed worker, which Ray Train restarts ``max_failures``
-times, each attempt leaving another partial checkpoint on the disk that is full. Here every rank
-copies its part, the ranks compare outcomes, and on any failure rank 0 removes the partial
-checkpoint and all ranks raise together: :class:`StorageFull` when the disk (or a quota) is full,
-which the workers' entry turns into the end of the run (:func:`pipeline.train.driver.worker_main`),
-else the ``OSError`` (a worker failure, retried as before). The checkpoint is then reported to Ray
-Train as it lies in storage (``CheckpointUploadMode.NO_UPLOAD``).
+The copy into storage is satp's, not Ray Train's upload, so that a full disk ends the run: a worker
+whose upload fails is a failed worker, which Ray Train restarts ``max_failures`` times, each attempt
+leaving another partial checkpoint on the disk that is full. Here every rank copies its part, the
+ranks compare outcomes, and on any failure rank 0 removes the partial checkpoint and all ranks raise
+together: :class:`StorageFull` when the disk (or a quota) is full, which the workers' entry turns into
+the end of the run (:func:`pipeline.train.driver.worker_main`), else the ``OSError`` (a worker
+failure, retried as before). The checkpoint is then reported to Ray Train as it lies in storage.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
+import hashlib
 import json
 import os
-import shutil
+import re
+import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
-import torch
-
-from preprocessing.shards import sha256_file
+from runtime.storage import Location, resolve
 
 DS_DIR = "ds"
 TAG = "last"
 STATE_FILE = "state.json"
 BEST_FILE = "best_model.pt"
 RANK_FILE = "rank_{rank}.json"
+PREFIX = "checkpoint_"
+SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's record of a run's checkpoints
 FULL = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota, is full
+CHUNK = 1 << 22
 
 
 class StorageFull(Exception):
@@ -62,7 +66,9 @@ class StorageFull(Exception):
 
 
 def save(directory: str | Path, engine, state: dict[str, Any], best_state_dict: Optional[dict], rank: int) -> Path:
-    """Write this rank's part of a checkpoint into ``directory`` (a collective: every rank calls it)."""
+    """Write this rank's part of a checkpoint into the local ``directory`` (a collective: every rank calls it)."""
+    import torch
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     engine.save_checkpoint(str(directory / DS_DIR), tag=TAG,
@@ -76,99 +82,14 @@ def save(directory: str | Path, engine, state: dict[str, Any], best_state_dict: 
         tmp.write_text(json.dumps(state, indent=1, default=_jsonable))
         os.replace(tmp, directory / STATE_FILE)
     # this rank's directory holds its files only (the ranks' parts meet in storage)
-    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(open(p, "rb"))}
              for p in sorted(directory.rglob("*")) if p.is_file()}
     (directory / RANK_FILE.format(rank=rank)).write_text(json.dumps({"files": files}))
     return directory
 
 
-def checkpoint_name() -> str:
-    """A new checkpoint's directory name, as Ray Train names its own (``checkpoint_<date>_<time>``)."""
-    return f"checkpoint_{datetime.datetime.now().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
-
-
-def persist(local: str | Path, run_dir: str | Path, rank: int, epoch: int,
-            after_file: Optional[Callable[[int], None]] = None) -> str:
-    """Copy this rank's part of a checkpoint (``local``, written by :func:`save`) into a new directory
-    of the run's storage ``run_dir``; return its name. A collective: every rank calls it, and all
-    return, or all raise (see the module docstring). ``after_file``: called with the count of files
-    copied so far (a test hook: :func:`pipeline.train.faults.pause_in_checkpoint`)."""
-    from pipeline.train.metrics import broadcast_from_rank_zero, gather_objects
-
-    local = Path(local)
-    name = broadcast_from_rank_zero(checkpoint_name() if rank == 0 else None)
-    target = Path(run_dir) / name
-    problem, writing = None, target
-    try:
-        rank_file = RANK_FILE.format(rank=rank)
-        for copied, relative in enumerate([*json.loads((local / rank_file).read_text())["files"], rank_file], 1):
-            writing = target / relative  # the list last
-            writing.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(local / relative, writing)
-            if after_file is not None:
-                after_file(copied)
-    except OSError as exc:
-        problem = (exc.errno, str(writing), exc.strerror or str(exc))
-    problems = [p for p in gather_objects(problem) if p is not None]
-    if problems:
-        if rank == 0:  # every rank has stopped writing (they all reached the gather)
-            shutil.rmtree(target, ignore_errors=True)
-        full = [p for p in problems if p[0] in FULL]
-        if full:
-            raise StorageFull(full[0][1], str(target), epoch)
-        code, path, reason = problems[0]
-        raise OSError(code, f"{path}: {reason} (writing the checkpoint of epoch {epoch})")
-    return name
-
-
-def verify(directory: str | Path) -> Optional[str]:
-    """None when the checkpoint in ``directory`` is whole (see the module docstring), else what is
-    wrong, one line that starts with the file concerned. A checkpoint written before satp listed
-    the ranks' files counts by its state; one listing sizes only (before digests) by its sizes."""
-    directory = Path(directory)
-    try:
-        state = json.loads((directory / STATE_FILE).read_text())
-    except FileNotFoundError:
-        return f"{directory / STATE_FILE}: missing (rank 0's part was never completely written)"
-    except (OSError, ValueError) as exc:
-        return f"{directory / STATE_FILE}: unreadable ({exc})"
-    world = state.get("world_size") if isinstance(state, dict) else None
-    for rank in range(int(world or 0)):
-        listing = directory / RANK_FILE.format(rank=rank)
-        try:
-            files = json.loads(listing.read_text())
-            files = files["files"] if "files" in files else {name: {"size": size} for name, size in files.items()}
-        except FileNotFoundError:
-            return f"{listing}: missing (rank {rank}'s part was never completely written)"
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
-            return f"{listing}: unreadable ({exc})"
-        for name, recorded in files.items():
-            problem = _file_problem(directory / name, recorded)
-            if problem:
-                return f"{directory / name}: {problem}"
-    return None
-
-
-def _file_problem(path: Path, recorded: dict) -> Optional[str]:
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return "missing"
-    if size != recorded["size"]:
-        how = "cut short" if size < recorded["size"] else "grown"
-        return f"{size} bytes where {recorded['size']} were written ({how})"
-    if "sha256" in recorded and sha256_file(path) != recorded["sha256"]:
-        return "its content differs from what was written (sha256 mismatch: changed since)"
-    return None
-
-
-def is_complete(directory: str | Path) -> bool:
-    """Whether :func:`verify` finds the checkpoint in ``directory`` whole."""
-    return verify(directory) is None
-
-
 def load_state(directory: str | Path) -> dict[str, Any]:
-    """The loop state of a checkpoint directory; raises ``ValueError`` when it is incomplete."""
+    """The loop state of a local checkpoint directory; raises ``ValueError`` when it is incomplete."""
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise ValueError(f"{directory}: incomplete checkpoint (no {STATE_FILE})")
@@ -176,7 +97,8 @@ def load_state(directory: str | Path) -> dict[str, Any]:
 
 
 def restore(directory: str | Path, engine) -> dict[str, Any]:
-    """Load the engine state (module, optimizer, scheduler) and return the loop state."""
+    """Load the engine state (module, optimizer, scheduler) of a local checkpoint directory and
+    return the loop state."""
     state = load_state(directory)
     path, client = engine.load_checkpoint(str(Path(directory) / DS_DIR), tag=TAG)
     if path is None:
@@ -187,10 +109,266 @@ def restore(directory: str | Path, engine) -> dict[str, Any]:
 
 
 def load_best_weights(directory: str | Path) -> Optional[dict]:
+    import torch
+
     path = Path(directory) / BEST_FILE
     if not path.is_file():
         return None
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def checkpoint_name() -> str:
+    """A new checkpoint's directory name, as Ray Train names its own (``checkpoint_<date>_<time>``)."""
+    return f"{PREFIX}{datetime.datetime.now().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
+
+
+class CheckpointManager:
+    """The checkpoints of one run folder ``run`` (a path, a URI or a :class:`~runtime.storage.Location`).
+
+    ``damaged``: what was named damaged already (problem -> which checkpoint; the driver's, handed to
+    the workers), so that each damaged checkpoint is named once per run, not once per process."""
+
+    def __init__(self, run: str | os.PathLike | Location, damaged: Optional[dict[str, str]] = None) -> None:
+        self.location = run if isinstance(run, Location) else resolve(run, key="train.storage_path")
+        self.fs, self.root = self.location.fs, self.location.path.rstrip("/")
+        self.damaged: dict[str, str] = dict(damaged or {})
+
+    def path(self, name: str, *parts: str) -> str:
+        """The path of checkpoint ``name`` (or of a file in it) in the file system."""
+        return "/".join((self.root, name, *parts))
+
+    # ------------------------------------------------------------------ write
+    def write(self, local: str | Path, rank: int, epoch: int, after_file: Optional[Callable[[int], None]] = None) -> str:
+        """Copy this rank's part of a checkpoint (``local``, written by :func:`save`) into a new
+        directory of the run; return its name. A collective: every rank calls it, and all return, or
+        all raise (see the module docstring). ``after_file``: called with the count of files copied
+        so far (a test hook: :func:`pipeline.train.faults.pause_in_checkpoint`)."""
+        from pipeline.train.metrics import broadcast_from_rank_zero, gather_objects
+
+        local = Path(local)
+        name = broadcast_from_rank_zero(checkpoint_name() if rank == 0 else None)
+        problem, writing = None, self.path(name)
+        try:
+            rank_file = RANK_FILE.format(rank=rank)
+            for copied, relative in enumerate([*json.loads((local / rank_file).read_text())["files"], rank_file], 1):
+                writing = self.path(name, relative)  # the list last
+                self.fs.create_dir(writing.rsplit("/", 1)[0], recursive=True)
+                with open(local / relative, "rb") as source, self.fs.open_output_stream(writing) as out:
+                    while chunk := source.read(CHUNK):
+                        out.write(chunk)
+                if after_file is not None:
+                    after_file(copied)
+        except OSError as exc:
+            problem = (_errno(exc), writing, exc.strerror or str(exc).splitlines()[0])
+        problems = [p for p in gather_objects(problem) if p is not None]
+        if problems:
+            if rank == 0:  # every rank has stopped writing (they all reached the gather)
+                self._delete(name)
+            full = [p for p in problems if p[0] in FULL]
+            if full:
+                raise StorageFull(full[0][1], self.path(name), epoch)
+            code, path, reason = problems[0]
+            raise OSError(code, f"{path}: {reason} (writing the checkpoint of epoch {epoch})")
+        return name
+
+    # ------------------------------------------------------------------ read
+    def state(self, name: str) -> dict[str, Any]:
+        """The loop state of checkpoint ``name``; ``ValueError`` when it is missing or unreadable."""
+        try:
+            return json.loads(self._read(self.path(name, STATE_FILE)))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{self.path(name, STATE_FILE)}: unreadable ({exc})") from None
+
+    def progress(self, name: str) -> tuple[int, int]:
+        """``(last epoch done, global step)`` of a checkpoint (``(-1, -1)``: unreadable): newer is
+        larger, a checkpoint within an epoch after the one at the end of the epoch before."""
+        try:
+            state = self.state(name)
+            return int(state.get("epoch", -1)), int(state.get("steps") or 0)
+        except (ValueError, TypeError, AttributeError):
+            return -1, -1
+
+    def registered(self) -> list[str]:
+        """The checkpoint names Ray Train's record (``checkpoint_manager_snapshot.json``) lists for
+        the run: the ones it resumes from and deletes beyond ``checkpoints_to_keep``."""
+        try:
+            snapshot = json.loads(self._read(f"{self.root}/{SNAPSHOT}"))
+        except (OSError, ValueError):
+            return []
+        return [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results") or [] if r.get("checkpoint_dir_name")]
+
+    def list(self) -> list[str]:
+        """The run's checkpoint names, newest first (by epoch and global step; a registered one wins a tie)."""
+        import pyarrow.fs as pafs
+
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        except OSError:
+            return []
+        names = [i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith(PREFIX)]
+        registered = set(self.registered())
+        return sorted(names, key=lambda n: (self.progress(n), n in registered, n), reverse=True)
+
+    def verify(self, name: str) -> Optional[str]:
+        """None when checkpoint ``name`` is whole (see the module docstring), else what is wrong, one
+        line that starts with the file concerned. A checkpoint written before satp listed the ranks'
+        files counts by its state; one listing sizes only (before digests) by its sizes."""
+        state_path = self.path(name, STATE_FILE)
+        try:
+            state = json.loads(self._read(state_path))
+        except FileNotFoundError:
+            return f"{state_path}: missing (rank 0's part was never completely written)"
+        except (OSError, ValueError) as exc:
+            return f"{state_path}: unreadable ({exc})"
+        world = state.get("world_size") if isinstance(state, dict) else None
+        for rank in range(int(world or 0)):
+            listing = self.path(name, RANK_FILE.format(rank=rank))
+            try:
+                files = json.loads(self._read(listing))
+                files = files["files"] if "files" in files else {f: {"size": size} for f, size in files.items()}
+            except FileNotFoundError:
+                return f"{listing}: missing (rank {rank}'s part was never completely written)"
+            except (OSError, ValueError, TypeError, AttributeError) as exc:
+                return f"{listing}: unreadable ({exc})"
+            for relative, recorded in files.items():
+                problem = self._file_problem(self.path(name, relative), recorded)
+                if problem:
+                    return f"{self.path(name, relative)}: {problem}"
+        return None
+
+    def newest_intact(self, first: Optional[list[str]] = None, warn: bool = True) -> Optional[str]:
+        """The checkpoint to resume from: the newest of ``first`` (Ray Train's registered one, the
+        driver's choice; a tie goes to the first) if it verifies, else the run's newest intact one
+        (Ray Train resumes from the last checkpoint it registered; a run interrupted after its workers
+        wrote newer ones has those too, unregistered: they count as well, so a rerun loses no epoch).
+        One that fails is never used, and (``warn``) named in one ``satp: warning:`` line with the
+        checkpoint used instead, unless named before. None: none is intact."""
+        if first:
+            newest = max(first, key=self.progress)
+            if self.verify(newest) is None:
+                return newest
+        damaged, chosen = [], None
+        for name in self.list():
+            problem = self.verify(name)
+            if problem is None:
+                chosen = name
+                break
+            damaged.append((name, problem))
+        instead = (f"the run goes on from {chosen} (epoch {self.progress(chosen)[0]})" if chosen is not None
+                   else "no intact checkpoint is left: the run starts from its first epoch")
+        for name, problem in damaged if warn else []:
+            if problem not in self.damaged:
+                epoch = self.progress(name)[0]
+                what = f"epoch {epoch}" if epoch >= 0 else "epoch unknown"
+                self.damaged[problem] = f"the checkpoint of {what} ({name})"
+                print(f"satp: warning: {problem}; checkpoint {name} ({what}) is damaged and not resumed from; "
+                      f"{instead}", file=sys.stderr, flush=True)
+        return chosen
+
+    @contextlib.contextmanager
+    def local(self, name: str) -> Iterator[Path]:
+        """A local directory holding checkpoint ``name`` (itself on a local file system, else a
+        temporary copy), for DeepSpeed and ``torch.load``, which read local files."""
+        if self.location.local:
+            yield Path(self.path(name))
+            return
+        import pyarrow.fs as pafs
+
+        with tempfile.TemporaryDirectory(prefix="satp-restore-") as tmp:
+            pafs.copy_files(self.path(name), tmp, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
+            yield Path(tmp)
+
+    # ------------------------------------------------------------------ delete
+    def prune(self, keep: Optional[str] = None) -> list[str]:
+        """Delete the run's checkpoints that Ray's record does not list (an interrupted run's
+        uploads, complete or not), except ``keep`` (the one a rerun resumes from, until Ray registers
+        a newer one); return their names. Ray prunes only what it registered, so without this they
+        would stay for good, beyond ``train.checkpoints_to_keep``. Without Ray's record (a run of
+        another Ray, or none yet) nothing is deleted."""
+        import logging
+
+        registered = set(self.registered())
+        if not registered and not self._exists(f"{self.root}/{SNAPSHOT}"):
+            return []
+        removed = sorted(n for n in self.list() if n not in registered and n != keep)
+        for name in removed:
+            self._delete(name)
+        if removed:
+            logging.getLogger(__name__).info("removed %d checkpoint(s) of an interrupted run that Ray never "
+                                             "registered: %s", len(removed), ", ".join(removed))
+        return removed
+
+    def clear(self, keep: str) -> None:
+        """Delete everything the run folder holds (``--restart``) but the file ``keep`` (the lease).
+        A symbolic link is removed, never followed (pyarrow's local file system would follow it)."""
+        import pyarrow.fs as pafs
+
+        if self.location.local:
+            import shutil
+
+            for path in Path(self.root).iterdir() if Path(self.root).is_dir() else []:
+                if path.name == keep:
+                    continue
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            return
+        for info in self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)):
+            if info.base_name == keep:
+                continue
+            if info.type == pafs.FileType.Directory:
+                self.fs.delete_dir(info.path)
+            else:
+                self.fs.delete_file(info.path)
+
+    # ------------------------------------------------------------------ file system
+    def _read(self, path: str) -> bytes:
+        import pyarrow.fs as pafs
+
+        if self.fs.get_file_info(path).type == pafs.FileType.NotFound:
+            raise FileNotFoundError(path)
+        with self.fs.open_input_stream(path) as f:
+            return f.read()
+
+    def _exists(self, path: str) -> bool:
+        import pyarrow.fs as pafs
+
+        return self.fs.get_file_info(path).type != pafs.FileType.NotFound
+
+    def _delete(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            self.fs.delete_dir(self.path(name))
+
+    def _file_problem(self, path: str, recorded: dict) -> Optional[str]:
+        import pyarrow.fs as pafs
+
+        info = self.fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            return "missing"
+        if info.size != recorded["size"]:
+            how = "cut short" if info.size < recorded["size"] else "grown"
+            return f"{info.size} bytes where {recorded['size']} were written ({how})"
+        if "sha256" in recorded and _sha256(self.fs.open_input_stream(path)) != recorded["sha256"]:
+            return "its content differs from what was written (sha256 mismatch: changed since)"
+        return None
+
+
+def _sha256(stream) -> str:
+    """The sha256 digest of what ``stream`` holds (read in chunks, then closed)."""
+    digest = hashlib.sha256()
+    with stream:
+        while chunk := stream.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _errno(exc: OSError) -> Optional[int]:
+    """The error number of ``exc``; pyarrow's file systems may carry it in the message only."""
+    if exc.errno:
+        return exc.errno
+    found = re.search(r"errno (\d+)", str(exc), re.IGNORECASE)
+    return int(found.group(1)) if found else None
 
 
 def _jsonable(value: Any) -> Any:

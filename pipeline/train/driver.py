@@ -8,24 +8,26 @@ the costly ones:
 0. the run's lease (:mod:`pipeline.train.lease`), held to the end: a second command of the same run
    name stops here, in one line naming the one that holds it;
 1. :func:`pipeline.train.preflight.early_checks`: the job alone, its data root, the Ray address;
-   then :func:`pipeline.train.rerun.early_decision`: a run name that holds a checkpoint of another
-   configuration stops here, a finished one whose shards exist needs no Ray; a tracking store that
+   then the plan's decision (:meth:`pipeline.train.plan.JobPlan.decision`, before the data): a run
+   name that holds a checkpoint of another configuration stops here, a finished one whose shards
+   exist needs no Ray; a tracking store that
    does not know the MLflow run the run's checkpoints log to stops here too
    (:func:`pipeline.train.mlflow_run.check_tracking_store`); then
    :func:`pipeline.train.preflight.connect_and_check`: Ray connected, its resources against the
    request;
 2. :func:`prepare_data` (the preprocessing stage; reuses finished shards) and
-   :meth:`JobPlan.attach_shards <pipeline.train.plan.JobPlan.attach_shards>`: the model against
+   :meth:`JobPlan.with_shards <pipeline.train.plan.JobPlan.with_shards>`: the model against
    the shards' features, the model built once;
-3. :func:`pipeline.train.rerun.decide`: what the run name already holds. A run of
+3. the plan's decision again, on the shards: what the run name already holds. A run of
    another configuration is never resumed into; a finished run of the same
    configuration is not trained or registered again (its model is reported);
 4. the MLflow run (:mod:`pipeline.train.mlflow_run`), then a Ray Train V2
-   ``TorchTrainer`` whose workers run :func:`pipeline.train.worker.worker_loop`;
+   ``TorchTrainer`` whose workers run :func:`pipeline.train.worker.worker_loop` (a
+   :class:`~pipeline.train.trainer.Trainer` in a Ray Train context);
 5. only when the fit succeeded: the best model logged and registered, with the
    configuration hash and commits its checkpoint recorded.
 
-The workers (:mod:`pipeline.train.worker`) train, evaluate, checkpoint and report every
+The workers (:mod:`pipeline.train.trainer`) train, evaluate, checkpoint and report every
 epoch; Ray Train's controller logs each epoch to MLflow once it has registered
 the epoch's checkpoint (:mod:`pipeline.train.epoch_logger`). A retry after a worker or a node was lost
 (``FailureConfig``), and a resize of an elastic run (``resources.num_workers: [min, max]``: Ray Train's
@@ -136,26 +138,27 @@ def train_job(
 
 def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, register: bool = True,
                callbacks: Optional[list] = None, fault: Optional[dict] = None, lease_wait_s: float = 0.0,
-               started_at: Optional[float] = None) -> TrainOutcome:
+               started_at: Optional[float] = None, lease=None) -> TrainOutcome:
     """:func:`train_job` of a job resolved into ``plan`` (``satp train`` builds it at the edge), under
-    the run's lease (:mod:`pipeline.train.lease`): another command holding it is an error (a
-    one-line :class:`~pipeline.train.lease.LeaseHeld`) unless it expires within ``lease_wait_s``."""
+    the run's lease (:mod:`pipeline.train.lease`): ``lease``, the one the caller holds, else taken
+    here; another command holding it is an error (a one-line :class:`~pipeline.train.lease.LeaseHeld`)
+    unless it expires within ``lease_wait_s``."""
     from pipeline.train.lease import RunLease
     from runtime.interrupts import deferred
 
-    lease = RunLease(plan.run_dir, plan.job.train.run_name).acquire(lease_wait_s)
+    taken = None if lease is not None else RunLease(plan.run_dir, plan.job.train.run_name).acquire(lease_wait_s)
     try:
         return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault,
                                   started_at=started_at)
     finally:
-        with deferred():
-            lease.release()
+        if taken is not None:
+            with deferred():
+                taken.release()
 
 
 def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], register: bool, callbacks: Optional[list],
                        fault: Optional[dict], started_at: Optional[float]) -> TrainOutcome:
     from pipeline import pyg_templates
-    from pipeline.registry.versions import git_commit
     from pipeline.train.preflight import connect_and_check, early_checks
 
     pyg_templates.install()
@@ -164,65 +167,65 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
     job, train = plan.job, plan.job.train
     if not plan.early_checked:
         early_checks([job], address=plan.address, task=False)  # the task was resolved with the plan
-        plan.early_checked = True
-    # what the run name holds, found once (the lease keeps other commands from changing it)
-    previous = rerun.previous_run(train.storage_path, train.run_name)
-    plan.decision = rerun.early_decision(job, plan.task_name, plan.restart, previous)
+    plan = plan.examine()  # what the run name holds, found once (the lease keeps other commands from changing it)
+    early = plan.decision()
     if job.mlflow.enabled and not plan.restart:
-        mlflow_run.check_tracking_store(plan, previous)
-    if plan.decision is not None and plan.decision.action == "finished" and shard_dir is None:  # no Ray started
-        plan.attach_shards(rerun.job_shard_dir(job))
-        plan.setup.provenance = plan.decision.provenance
-        return _already_finished(plan, register)
+        mlflow_run.check_tracking_store(plan)
+    if early is not None and early.action == "finished" and shard_dir is None:  # no Ray started
+        return _already_finished(plan.with_shards(rerun.job_shard_dir(job)), early, register)
     connect_and_check([job], address=plan.address)
     marks["ray"] = startup.now()
-    setup = plan.attach_shards(Path(shard_dir) if shard_dir is not None else prepare_data(job, plan.address))
-    setup.damaged = rerun.named_damage()  # said once here: the workers do not say it again
+    plan = plan.with_shards(Path(shard_dir) if shard_dir is not None else prepare_data(job, plan.address))
     _say_padding_cost(plan)
     marks["shards"] = startup.now()
-    setup.startup = marks
-    setup.fault = fault if fault is not None else _fault_from_environment()
-    decision = plan.decision = rerun.decide(job, rerun.weights_config(job, plan.manifest, plan.task_name),
-                                            git_commit(), previous, restart=plan.restart)
-    setup.provenance = decision.provenance
+    decision = plan.decision()
     if decision.action == "finished":
-        return _already_finished(plan, register)
+        return _already_finished(plan, decision, register)
+    checkpoints = plan.checkpoints
+    resume_from = None
     if decision.action == "restart":
-        log.info("restarting run %s: deleting its checkpoints in %s", train.run_name, decision.previous.run_dir)
-        rerun.clear_run(decision.previous.run_dir)
+        log.info("restarting run %s: deleting its checkpoints in %s", train.run_name, checkpoints.root)
+        from pipeline.train.lease import LEASE_FILE
+
+        checkpoints.clear(keep=LEASE_FILE)
     elif decision.action == "resume":
-        log.info("resuming run %s after epoch %d, at global step %d (%s)", train.run_name, decision.previous.epoch,
-                 decision.previous.state.get("steps", 0), decision.previous.checkpoint)
+        previous = decision.previous
+        log.info("resuming run %s after epoch %d, at global step %d (%s)", train.run_name, previous.epoch,
+                 previous.steps, previous.checkpoint)
         # the newest complete checkpoint, which Ray may not have registered (an interrupted run)
-        setup.resume_from = str(decision.previous.checkpoint)
-        rerun.prune_unregistered(decision.previous.run_dir, keep=decision.previous.checkpoint)
+        resume_from = previous.name
+        checkpoints.prune(keep=previous.name)
+    plan = plan.with_setup(damaged=checkpoints.damaged,  # said once here: the workers do not say it again
+                           startup=marks, fault=fault if fault is not None else _fault_from_environment(),
+                           provenance=decision.provenance, resume_from=resume_from)
 
     previous_status = None
     if job.mlflow.enabled:
-        previous_status = mlflow_run.open_run(plan, decision.action)
+        plan, previous_status = mlflow_run.open_run(plan, decision.action)
     try:
-        result = _fit(job, setup, callbacks)
-        with result.checkpoint.as_directory() as directory:
-            problem = ckpt.verify(directory)  # nothing registers weights from a damaged checkpoint
-            if problem:
-                raise ValueError(problem)
+        result = _fit(job, plan.setup, callbacks)
+        name = Path(result.checkpoint.path).name
+        problem = checkpoints.verify(name)  # nothing registers weights from a damaged checkpoint
+        if problem:
+            raise ValueError(problem)
+        with checkpoints.local(name) as directory:
             state = ckpt.load_state(directory)
             best_weights = ckpt.load_best_weights(directory)
-            checkpoint_path = str(result.checkpoint.path)
-        rerun.prune_unregistered(plan.run_dir, keep=Path(checkpoint_path))
+        checkpoint_path = checkpoints.path(name)
+        checkpoints.prune(keep=name)
         if state["epoch"] != train.epochs - 1 and not state.get("stopped"):
             raise RuntimeError(f"training stopped after epoch {state['epoch']} of {train.epochs}")
         registered = None
         if job.mlflow.enabled and register and best_weights is not None:
             registered = mlflow_run.log_best_model(plan, state, best_weights)
     except BaseException as exc:
-        if job.mlflow.enabled and setup.run_id:
+        if job.mlflow.enabled and plan.setup.run_id:
             from runtime.interrupts import deferred
 
             with deferred():  # a second Ctrl-C does not leave the MLflow run RUNNING
                 mlflow_run.close_failed(plan, previous_status, exc)
         raise
-    if job.mlflow.enabled and setup.run_id:
+    if job.mlflow.enabled and plan.setup.run_id:
         mlflow_run.close_finished(plan, state)
     return _outcome(plan, state, checkpoint_path, registered, result=result)
 
@@ -265,23 +268,24 @@ def _fault_from_environment() -> Optional[dict]:
     return fault
 
 
-def _already_finished(plan: JobPlan, register: bool) -> TrainOutcome:
+def _already_finished(plan: JobPlan, decision, register: bool) -> TrainOutcome:
     """A rerun of a finished run of the same configuration: nothing trains; its registered model
     is found (registered now from its last checkpoint if an earlier attempt stopped before)."""
     from pipeline.registry import tracking
 
-    job, setup, previous = plan.job, plan.setup, plan.decision.previous
+    job, previous = plan.job, decision.previous
+    plan = plan.with_setup(provenance=decision.provenance)
     state = previous.state
-    rerun.prune_unregistered(previous.run_dir, keep=previous.checkpoint)
+    plan.checkpoints.prune(keep=previous.name)
     registered = None
     if job.mlflow.enabled:
         uri = job.mlflow.tracking_uri
         found = tracking.find_training_run(uri, job.mlflow.experiment, plan.run_key)
         client = tracking.client(uri)
-        digest = setup.provenance.get("config_hash")
+        digest = decision.provenance.get("config_hash")
         if found is not None:
-            setup.run_id = found.info.run_id
-            versions = [v for v in client.search_model_versions(f"run_id='{setup.run_id}'")
+            plan = plan.with_setup(run_id=found.info.run_id)
+            versions = [v for v in client.search_model_versions(f"run_id='{plan.setup.run_id}'")
                         if (v.tags or {}).get("satp.config_hash") == digest]
             if versions:
                 v = max(versions, key=lambda v: int(v.version))
@@ -293,17 +297,18 @@ def _already_finished(plan: JobPlan, register: bool) -> TrainOutcome:
                              job.train.run_name, v.version)
                     registered.update(mlflow_run.promote_version(plan, state, v.name, int(v.version)))
         if registered is None and register:
-            if setup.run_id is None:
-                mlflow_run.open_run(plan, "resume")
-            best_weights = ckpt.load_best_weights(previous.checkpoint)
+            if plan.setup.run_id is None:
+                plan, _ = mlflow_run.open_run(plan, "resume")
+            with plan.checkpoints.local(previous.name) as directory:
+                best_weights = ckpt.load_best_weights(directory)
             if best_weights is not None:
                 log.info("run %s finished before its model was registered: registering it now", job.train.run_name)
                 registered = mlflow_run.log_best_model(plan, state, best_weights)
-        if setup.run_id is not None and (found is None or found.info.status != "FINISHED"):
-            tracking.close_run(uri, setup.run_id, "FINISHED")
+        if plan.setup.run_id is not None and (found is None or found.info.status != "FINISHED"):
+            tracking.close_run(uri, plan.setup.run_id, "FINISHED")
     log.info("run %s finished already (epoch %d, same configuration): nothing to train", job.train.run_name,
              previous.epoch)
-    return _outcome(plan, state, str(previous.checkpoint), registered, trained=False)
+    return _outcome(plan, state, previous.checkpoint, registered, trained=False)
 
 
 def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
@@ -319,10 +324,10 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
     resources = {"CPU": res.cpus_per_worker}
     if res.use_gpu:
         resources["GPU"] = res.gpus_per_worker
-    setup.process_env = {"OMP_NUM_THREADS": str(res.torch_threads or max(1, int(res.cpus_per_worker)))}
+    process_env = {"OMP_NUM_THREADS": str(res.torch_threads or max(1, int(res.cpus_per_worker)))}
     for key in ("RAY_COLOR_PREFIX", "TQDM_DISABLE"):  # what this command's console asks for
         if os.environ.get(key):
-            setup.process_env[key] = os.environ[key]
+            process_env[key] = os.environ[key]
     callbacks = list(callbacks or [])
     if job.mlflow.enabled and setup.run_id:
         from pipeline.train.epoch_logger import RegisteredEpochLogger
@@ -331,7 +336,7 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
         target = train.target.model_dump() if train.target is not None else None
         callbacks.append(RegisteredEpochLogger(job.mlflow.tracking_uri, setup.run_id, TASK_CLASSES[setup.task_name].metric,
                                                target))
-    setup.startup = dict(setup.startup or {}, fit=startup.now())
+    setup = dataclasses.replace(setup, process_env=process_env, startup=dict(setup.startup or {}, fit=startup.now()))
     trainer = _trainer_class()(
         worker_main,
         train_loop_config={"setup": setup},
@@ -407,9 +412,10 @@ def _storage_full(job: JobConfig, full: dict) -> OSError:
     """The one-line error of a checkpoint that did not fit on its disk (see :func:`worker_main`)."""
     import errno
 
-    kept = rerun.latest_checkpoint(Path(job.train.storage_path) / job.train.run_name)
-    what = (f"the checkpoint of epoch {ckpt.load_state(kept)['epoch']} ({kept}) is kept: free space there and run the same "
-            f"command to resume after it" if kept is not None else
+    checkpoints = ckpt.CheckpointManager(Path(job.train.storage_path) / job.train.run_name)
+    kept = checkpoints.newest_intact()
+    what = (f"the checkpoint of epoch {checkpoints.state(kept)['epoch']} ({checkpoints.path(kept)}) is kept: free space "
+            f"there and run the same command to resume after it" if kept is not None else
             "no checkpoint is kept: free space there and run the same command to start the run")
     error = OSError(f"{full['path']}: the disk is full (No space left on device) while writing the checkpoint of "
                     f"epoch {full['epoch']}; the partial checkpoint was removed and the run ended (not retried); {what}")
@@ -422,7 +428,7 @@ def _trainer_class():
     ``fit`` answers SIGINT as it does SIGTERM, with :class:`runtime.interrupts.Interrupted`, which
     unwinds the driver so that it says what was kept. The controller and its workers are actors of
     this driver: they end with it, when the CLI shuts Ray down; a checkpoint cut short then is never
-    resumed from (:func:`pipeline.train.checkpoint.is_complete`)."""
+    resumed from (:meth:`pipeline.train.checkpoint.CheckpointManager.verify`)."""
     from runtime import interrupts, ray_private
 
     return ray_private.trainer_class(on_sigint=lambda controller: interrupts.install(keep=controller))

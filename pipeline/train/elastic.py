@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -97,21 +97,20 @@ def describe(event: dict[str, Any]) -> str:
 
 
 class PreemptionCheck:
-    """Asks Ray Train every ``every`` global steps whether a node of the worker group is being
+    """Asks the trainer's context every ``every`` global steps whether a node of the worker group is being
     drained (a collective: every rank asks at the same steps); :meth:`notice` says once per group
     that one is."""
 
-    def __init__(self, every: int) -> None:
-        self.every = int(every)
+    def __init__(self, every: int, ask: Callable[[], Optional[Any]]) -> None:
+        self.every, self.ask = int(every), ask
         self.noticed = False
 
     def notice(self, global_step: int) -> Optional[Any]:
-        """The ``ray.train.PreemptionInfo`` of a new notice at this step, else None."""
+        """The ``ray.train.PreemptionInfo`` of a new notice at this step (``ask``: the context's
+        :meth:`~pipeline.train.context.TrainContext.preemption_notice`), else None."""
         if self.noticed or global_step % self.every:
             return None
-        import ray.train
-
-        info = ray.train.get_preemption_info()
+        info = self.ask()
         if info is None:
             return None
         self.noticed = True

@@ -153,6 +153,17 @@ def skip_deepspeed_jit_ops() -> None:
         pass
 
 
+def build_model(config) -> torch.nn.Module:
+    """The SAT model of a :class:`sat.config.SATConfig`."""
+    import sat
+
+    from pipeline import pyg_templates
+
+    pyg_templates.install()  # generated PyG modules stay in memory in every process that builds a model
+
+    return sat.SAT(config)
+
+
 def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, steps_per_epoch: int, world_size: int,
                  compile_model: bool = False):
     """``deepspeed.initialize`` with AdamW and the job's lr schedule (:func:`lr_schedule`); returns the engine.

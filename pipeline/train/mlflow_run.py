@@ -24,7 +24,7 @@ from pipeline.registry import tracking
 from pipeline.registry.empty_store import database_path
 from pipeline.train.loader import open_split
 from pipeline.train.plan import JobPlan
-from pipeline.train.worker import build_model
+from pipeline.train.engine import build_model
 from sat.config import SATConfig
 
 log = logging.getLogger(__name__)
@@ -33,9 +33,9 @@ FULL = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota, is full
 LAST_ATTEMPT = "satp.last_attempt"  # how the last attempt to continue a FINISHED run ended (close_failed)
 
 
-def check_tracking_store(plan: JobPlan, previous) -> None:
+def check_tracking_store(plan: JobPlan) -> None:
     """Stop in one line (a ``ValueError``) when the tracking store cannot be read, or does not know
-    the MLflow run that the run's checkpoints log to (``previous``: :class:`pipeline.train.rerun.Previous`).
+    the MLflow run that the run's checkpoints log to (``plan.previous``, an examined plan's).
 
     A run's checkpoints record its MLflow run (``state.json``: ``mlflow_run_id``). A store without
     that run was deleted or replaced since: a SQLite file removed, which MLflow would silently
@@ -46,7 +46,7 @@ def check_tracking_store(plan: JobPlan, previous) -> None:
     the run), or ``--restart`` to train the run over into this store. Runs before Ray starts."""
     from mlflow.exceptions import MlflowException
 
-    uri = plan.job.mlflow.tracking_uri
+    uri, previous = plan.job.mlflow.tracking_uri, plan.previous
     run_id = previous.state.get("mlflow_run_id") if previous is not None else None
     database = database_path(uri)
     if run_id and database is not None and not database.exists():
@@ -126,8 +126,9 @@ def _unreadable(uri: str, exc: BaseException) -> str:
             "from a copy, or point mlflow.tracking_uri at another store")
 
 
-def open_run(plan: JobPlan, action: str) -> Optional[str]:
-    """Open the run's MLflow run (``plan.setup.run_id``); return its status before (None: new).
+def open_run(plan: JobPlan, action: str) -> tuple[JobPlan, Optional[str]]:
+    """Open the run's MLflow run; return the plan with it (``plan.setup.run_id``) and its status
+    before (None: new).
 
     A fresh start never logs into an MLflow run that holds another training's history: a
     restarted run name, or one whose checkpoints are gone while its MLflow run has metrics,
@@ -138,7 +139,7 @@ def open_run(plan: JobPlan, action: str) -> Optional[str]:
         return _open_run(plan, action)
 
 
-def _open_run(plan: JobPlan, action: str) -> Optional[str]:
+def _open_run(plan: JobPlan, action: str) -> tuple[JobPlan, Optional[str]]:
     import yaml
 
     job, setup = plan.job, plan.setup
@@ -154,9 +155,9 @@ def _open_run(plan: JobPlan, action: str) -> Optional[str]:
     params = job.model_dump(mode="json")
     params["model"] = setup.model_config
     params["shard_dir"] = setup.shard_dir
-    setup.run_id = tracking.open_run(uri, job.mlflow.experiment, plan.run_key, job.train.run_name, params, config_text)
-    tracking.client(uri).set_tag(setup.run_id, "satp.config_hash", setup.provenance["config_hash"])
-    return existing.info.status if existing is not None else None
+    run_id = tracking.open_run(uri, job.mlflow.experiment, plan.run_key, job.train.run_name, params, config_text)
+    tracking.client(uri).set_tag(run_id, "satp.config_hash", setup.provenance["config_hash"])
+    return plan.with_setup(run_id=run_id), existing.info.status if existing is not None else None
 
 
 def close_failed(plan: JobPlan, previous_status: Optional[str], exc: BaseException) -> None:

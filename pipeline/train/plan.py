@@ -1,47 +1,52 @@
 """A training job resolved once, at the edge: :class:`JobPlan`, which every later step reads.
 
 A job file says what to train; the driver needs more, and each piece is derived here once
-instead of again in every step that needs it:
+instead of again in every step that needs it. A plan is read-only: each stage makes the next
+plan from the one before (``dataclasses.replace``), so what a stage decided cannot change under
+the stages after it:
 
 * :meth:`JobPlan.resolve` (no data, no Ray): the defaults that depend on where the driver runs
   (run name, absolute storage path, tracking URI: :func:`resolve_job`), the task (its name, and
   through it the metric and mode; a ``train.target`` is checked against that metric), the Ray
-  address and whether the run name starts over;
-* :meth:`JobPlan.attach_shards` (after the data stage): the shards checked against the job (splits
+  address, whether the run name starts over, and the run's checkpoints
+  (:class:`~pipeline.train.checkpoint.CheckpointManager`);
+* :meth:`JobPlan.examine` (under the run's lease): the run's newest intact checkpoint, found once;
+* :meth:`JobPlan.with_shards` (after the data stage): the shards checked against the job (splits
   not empty, features the model reads present), the model built once to catch a bad
   configuration before any worker starts, the task object with the shards' vocabulary, and the
   worker setup (:class:`~pipeline.train.worker_setup.WorkerSetup`: model config, task state, precision),
   which is what the workers receive;
-* :attr:`JobPlan.decision`: what the run name already holds (:mod:`pipeline.train.rerun`), set by
-  the driver before and after the data stage.
+* :meth:`JobPlan.decision`: whether the run is finished, resumes (from which checkpoint) or starts
+  (:mod:`pipeline.train.rerun` compares the configurations): the one place that decides it.
 
 ``satp train`` builds the plan and hands it to :func:`pipeline.train.driver.train_plan`;
 :func:`pipeline.train.driver.train_job` (sweeps' trials, the demo, Python callers) builds it
-from a job.
+from a job. This module imports no more than the job's configuration: ``satp train`` reads a
+run's lease and checkpoints with it before its heavy imports.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from pipeline.config import JobConfig
 from pipeline.config.names import check_names
 from pipeline.config.train import default_tracking_uri, runs_dir
-from pipeline.tasks import TASK_CLASSES, Task, make_task, task_name_for
-from pipeline.train import stopping
-from pipeline.train.loader import open_split
-from pipeline.train.preflight import check_shard_features
-from pipeline.train.rerun import Decision
-from pipeline.train.worker import build_model
+from pipeline.train import rerun
+from pipeline.train.checkpoint import CheckpointManager
+from pipeline.train.rerun import Decision, Previous
 from pipeline.train.worker_setup import WorkerSetup
 
 log = logging.getLogger(__name__)
 
 
 def resolve_job(job: JobConfig) -> JobConfig:
-    """Fill the defaults that depend on where the driver runs (absolute paths), in a copy."""
+    """Fill the defaults that depend on where the driver runs (absolute paths), in a copy; raises a
+    one-line ``ValueError`` on a name that cannot be a folder or an MLflow name
+    (:mod:`pipeline.config.names`: checked before the run's lease is written under the run name)."""
+    check_names(job)
     job = job.model_copy(deep=True)
     train = job.train
     train.run_name = train.run_name or job.name
@@ -51,38 +56,51 @@ def resolve_job(job: JobConfig) -> JobConfig:
     return job
 
 
-@dataclasses.dataclass
+def run_dir(job: JobConfig) -> Path:
+    """The run's folder, ``<storage path>/<run name>``, of a job resolved by :func:`resolve_job`."""
+    return Path(job.train.storage_path) / job.train.run_name
+
+
+@dataclasses.dataclass(frozen=True)
 class JobPlan:
     """A job resolved for one training run (see the module docstring)."""
 
     job: JobConfig  # resolved (:func:`resolve_job`)
     task_name: str
+    checkpoints: CheckpointManager  # the run folder's
     address: Optional[str] = None  # Ray cluster (None: $RAY_ADDRESS, else a new local one)
     restart: bool = False  # start the run name over when it holds a checkpoint
     early_checked: bool = False  # preflight.early_checks passed (satp train runs them before its heavy imports)
-    setup: Optional[WorkerSetup] = None  # after attach_shards
-    task: Optional[Task] = None  # after attach_shards (the shards' vocabulary)
-    manifest: dict = dataclasses.field(default_factory=dict)  # the train split's, after attach_shards
-    decision: Optional[Decision] = None  # what the run name holds, once decided (pipeline.train.rerun)
+    examined: bool = False  # :attr:`previous` looked up (:meth:`examine`)
+    previous: Optional[Previous] = None  # the run's newest intact checkpoint
+    setup: Optional[WorkerSetup] = None  # after with_shards
+    task: Any = None  # after with_shards (a pipeline.tasks.Task with the shards' vocabulary)
+    manifest: dict = dataclasses.field(default_factory=dict)  # the train split's, after with_shards
 
     @classmethod
     def resolve(cls, job: JobConfig, *, address: Optional[str] = None, restart: bool = False,
                 early_checked: bool = False) -> "JobPlan":
         """The plan of ``job`` before any data exists; raises a one-line ``ValueError`` on an unknown
-        task or a target its task does not report, or a name that cannot be a folder or an MLflow name
-        (:mod:`pipeline.config.names`: checked before the run's lease is written under the run name)."""
-        check_names(job)
+        task or a target its task does not report, or a bad name (:func:`resolve_job`)."""
+        from pipeline.tasks import TASK_CLASSES, task_name_for
+        from pipeline.train import stopping
+
         job = resolve_job(job)
         task_name = task_name_for(job.train.task, getattr(getattr(job, "data", None), "name", None))
         stopping.check_target(job.train.target, TASK_CLASSES[task_name].metric)
-        return cls(job=job, task_name=task_name, address=address, restart=restart, early_checked=early_checked)
+        return cls(job=job, task_name=task_name, checkpoints=CheckpointManager(run_dir(job)), address=address,
+                   restart=restart, early_checked=early_checked)
 
     @property
     def metric(self) -> str:
+        from pipeline.tasks import TASK_CLASSES
+
         return TASK_CLASSES[self.task_name].metric
 
     @property
     def mode(self) -> str:
+        from pipeline.tasks import TASK_CLASSES
+
         return TASK_CLASSES[self.task_name].mode
 
     @property
@@ -92,28 +110,105 @@ class JobPlan:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.job.train.storage_path) / self.job.train.run_name
+        return run_dir(self.job)
 
     @property
     def shard_dir(self) -> Optional[str]:
         return self.setup.shard_dir if self.setup is not None else None
 
-    def attach_shards(self, shard_dir: str | Path) -> WorkerSetup:
-        """Check the job against the shards in ``shard_dir`` and fill :attr:`setup`, :attr:`task` and
+    def examine(self) -> "JobPlan":
+        """This plan with the run's newest intact checkpoint (:func:`pipeline.train.rerun.previous_run`,
+        which names what is damaged), found once: under the run's lease nothing else changes it."""
+        return dataclasses.replace(self, examined=True, previous=rerun.previous_run(self.checkpoints))
+
+    def with_shards(self, shard_dir: str | Path) -> "JobPlan":
+        """This plan checked against the shards in ``shard_dir``, with :attr:`setup`, :attr:`task` and
         :attr:`manifest`; raises a one-line ``ValueError`` before any worker starts."""
-        self.setup, self.task, self.manifest = _against_shards(self.job, self.task_name, shard_dir)
-        return self.setup
+        setup, task, manifest = _against_shards(self.job, self.task_name, shard_dir)
+        return dataclasses.replace(self, setup=setup, task=task, manifest=manifest)
+
+    def with_setup(self, **changes) -> "JobPlan":
+        """This plan with its worker setup's fields ``changes`` set (the MLflow run, the resume point)."""
+        return dataclasses.replace(self, setup=dataclasses.replace(self.setup, **changes))
+
+    def decision(self) -> Optional[Decision]:
+        """What this run does with what its run name holds (:attr:`previous`): ``fresh``, ``restart``,
+        ``resume`` (from the previous checkpoint) or ``finished`` (it has done ``train.epochs``, or
+        the job's stopping rules ended it: nothing is trained); raises
+        :class:`~pipeline.train.rerun.RerunConflict` when it holds another configuration's checkpoint.
+
+        With the shards attached (:meth:`with_shards`) it always decides. Before, the data may not
+        exist yet: a conflict raises at once, raw files that changed under the run included (their
+        fingerprint is taken here, from its cache unless they changed); when the job's shards exist
+        already for the raw files as they are, the answer is the same as after (a finished run then
+        needs no Ray at all); else None (decided after the data)."""
+        from pipeline.registry.versions import git_commit
+
+        if not self.examined:
+            raise RuntimeError("JobPlan.decision before JobPlan.examine")
+        job, previous = self.job, self.previous
+        if self.setup is not None:
+            return _decide(job, rerun.weights_config(job, self.manifest, self.task_name), git_commit(), previous,
+                           self.restart)
+        if self.restart or previous is None:
+            return None
+        import preprocessing
+        from preprocessing.columnar import raw_fingerprint
+        from preprocessing.sources import dataset_dir
+
+        folder = dataset_dir(job.data)
+        if folder.exists():
+            fingerprint = raw_fingerprint(folder, job.data.name)
+            manifest = rerun.job_manifest(job, fingerprint)
+            if manifest is not None:
+                return _decide(job, rerun.weights_config(job, manifest, self.task_name), git_commit(), previous)
+        else:  # built with the shards: everything but the raw data's fingerprint can be compared now
+            fingerprint = ((previous.provenance.get("config") or {}).get("data") or {}).get("fingerprint")
+        expected = {"config_hash": preprocessing.config_hash(job.data, job.transform, job.shards),
+                    "source": {"fingerprint": fingerprint}}
+        _decide(job, rerun.weights_config(job, expected, self.task_name), git_commit(), previous)  # raises on a conflict
+        return None
+
+
+def _decide(job, config: dict, commit: str, previous: Optional[Previous], restart: bool = False) -> Decision:
+    """:meth:`JobPlan.decision` for the weights configuration ``config`` (:func:`pipeline.train.rerun.weights_config`)."""
+    digest = rerun.config_hash(config)
+    fresh = {"config_hash": digest, "config": config, "data_settings": rerun.data_settings(job), "git_commits": [commit]}
+    if previous is None:
+        return Decision("fresh", None, fresh)
+    if restart:
+        return Decision("restart", previous, fresh)
+    recorded = previous.provenance
+    if recorded.get("config_hash") != digest:
+        if recorded.get("config") is None:
+            raise rerun.RerunConflict(rerun.conflict_message(job, previous, None))
+        diffs = rerun.config_differences(job, recorded["config"], config, recorded.get("data_settings"))
+        if diffs:
+            raise rerun.RerunConflict(rerun.conflict_message(job, previous, diffs))
+    commits = previous.commits or [commit]
+    if commits[-1] != commit:
+        commits.append(commit)
+    if previous.epoch >= job.train.epochs - 1 or rerun.stopped_by_rules(job, config["task"], previous.state):
+        return Decision("finished", previous, dict(recorded, git_commits=previous.commits or [commit]))
+    return Decision("resume", previous, dict(fresh, git_commits=commits))
 
 
 def worker_setup(job: JobConfig, shard_dir: str | Path) -> WorkerSetup:
     """The workers' setup of ``job`` on the shards in ``shard_dir`` (the model configured from their
     features), for callers that need the model without a run: a sweep's parameter count, the
-    loader benchmark."""
+    loader benchmark, a trainer stepped without Ray."""
+    from pipeline.tasks import task_name_for
+
     task_name = task_name_for(job.train.task, getattr(getattr(job, "data", None), "name", None))
     return _against_shards(job, task_name, shard_dir)[0]
 
 
-def _against_shards(job: JobConfig, task_name: str, shard_dir: str | Path) -> tuple[WorkerSetup, Task, dict]:
+def _against_shards(job: JobConfig, task_name: str, shard_dir: str | Path) -> tuple[WorkerSetup, Any, dict]:
+    from pipeline.tasks import make_task
+    from pipeline.train.engine import build_model
+    from pipeline.train.loader import open_split
+    from pipeline.train.preflight import check_shard_features
+
     train_ds = open_split(shard_dir, "train")
     if len(train_ds) == 0:
         raise ValueError(f"{shard_dir}: the train split is empty")

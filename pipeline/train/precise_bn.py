@@ -33,7 +33,9 @@ import numpy as np
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipeline.train.batching import NodeBudgetSampler
+from pipeline.train.batching import NodeBudgetSampler, split_sampler
+
+PRECISE_BN_SEED_OFFSET = 104729  # the statistics batches' seed: train.seed + this
 
 
 def batchnorm_layers(module: torch.nn.Module) -> list[_BatchNorm]:
@@ -163,3 +165,11 @@ def _average_over_ranks(layers: list[_BatchNorm]) -> None:
         for t in (bn.running_mean, bn.running_var):
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def statistics_batches(job, dataset, rank: int = 0, world: int = 1) -> StatisticsBatches:
+    """The training batches over which BatchNorm's statistics are recomputed before an evaluation
+    (``train.precise_bn_batches`` of them, shuffled with a seed apart from the training order's)."""
+    sampler = split_sampler(job, dataset, shuffle=True, rank=rank, world=world,
+                            seed=job.train.seed + PRECISE_BN_SEED_OFFSET)
+    return StatisticsBatches(sampler, job.train.precise_bn_batches)

@@ -24,7 +24,7 @@ group is retried ``max_failures`` times. In the order of cost:
    would); steps 1-3 are :func:`early_checks`, which ``satp train`` also runs right after reading
    the job, before it imports torch and Ray;
 4. a training run, between steps 3 and 5: what its run name holds
-   (:func:`pipeline.train.rerun.early_decision`): a checkpoint of another configuration, or of
+   (:meth:`pipeline.train.plan.JobPlan.decision`): a checkpoint of another configuration, or of
    raw files that changed since, stops it here, a finished run of this one whose shards exist
    needs no Ray;
 5. :func:`connect_and_check`: :func:`runtime.ray_cluster.connect` (without an address, a new local Ray starts), then
@@ -34,7 +34,7 @@ group is retried ``max_failures`` times. In the order of cost:
    GPU); this machine (a local Ray cluster) has 2 CPU, 0 GPU on 1 node(s), room for 0``). An autoscaling cluster, where
    Ray adds nodes on demand, sets ``resources.wait_for_nodes: true`` to skip this.
 
-After it, :meth:`pipeline.train.plan.JobPlan.attach_shards` checks the model against the real shards
+After it, :meth:`pipeline.train.plan.JobPlan.with_shards` checks the model against the real shards
 (:func:`check_shard_features`, from the manifest's columns) before any worker starts.
 """
 from __future__ import annotations

@@ -3,8 +3,9 @@
 A checkpoint is written at every epoch's end, every ``train.checkpoint_every_steps`` global steps and
 on a preemption notice (:mod:`pipeline.train.elastic`); each is a collective of every rank, at the
 same global steps on every rank, as Ray Train and DeepSpeed require: ``engine.save_checkpoint``,
-satp's copy into the run's storage (:func:`pipeline.train.checkpoint.persist`, all ranks succeed or
-all raise) and ``ray.train.report`` (every rank, the same number of times). The report carries, from
+satp's copy into the run's storage (:meth:`pipeline.train.checkpoint.CheckpointManager.write`, all ranks
+succeed or all raise) and the context's report (``ray.train.report`` in a Ray Train worker: every rank,
+the same number of times). The report carries, from
 rank 0, the loss of every step since the previous report (``step_losses``: ``[global step, loss]``
 pairs) and the worker count, which Ray Train's controller logs to MLflow over the global step once
 it has registered the checkpoint (:mod:`pipeline.train.epoch_logger`): steps trained again after a
@@ -55,20 +56,19 @@ def staging_folder() -> tempfile.TemporaryDirectory:
         prefix=STAGING_PREFIX + (f"{machine}-{pid}-{started}-" if started is not None else ""))
 
 
-class Reports:
-    """The checkpoints and reports of one worker (see the module docstring)."""
+class StepLosses:
+    """The loss of every step since the last report, this rank's parts kept on the device."""
 
-    def __init__(self, engine, rank: int, world: int, device: torch.device, fault: Optional[dict]) -> None:
-        self.engine, self.rank, self.world, self.device, self.fault = engine, rank, world, device, fault
+    def __init__(self) -> None:
         self._steps: list[int] = []
         self._losses: list[torch.Tensor] = []
 
-    def add_step(self, global_step: int, loss_part: torch.Tensor) -> None:
+    def add(self, global_step: int, loss_part: torch.Tensor) -> None:
         """This rank's part of the loss of global step ``global_step`` (a device scalar)."""
         self._steps.append(global_step)
         self._losses.append(loss_part.detach().float())
 
-    def step_losses(self) -> list[list[float]]:
+    def take(self) -> list[list[float]]:
         """``[global step, loss]`` of the steps since the last call, summed over the ranks (a
         collective: every rank calls it at the same steps)."""
         import torch.distributed as dist
@@ -82,22 +82,25 @@ class Reports:
         self._steps, self._losses = [], []
         return out
 
+
+class Reports:
+    """The checkpoints and reports of one rank (see the module docstring)."""
+
+    def __init__(self, engine, context, checkpoints: ckpt.CheckpointManager, fault: Optional[dict]) -> None:
+        self.engine, self.context, self.checkpoints, self.fault = engine, context, checkpoints, fault
+        self.losses = StepLosses()
+
     def write(self, state: dict[str, Any], best_weights: Optional[dict], metrics: dict[str, Any], epoch: int) -> str:
         """Checkpoint ``state`` (and the best weights), then report ``metrics`` with it; return the
-        checkpoint's directory name. ``epoch``: the epoch being trained or just done (messages). Every
-        rank calls it."""
-        import ray.train
-
-        metrics = dict(metrics, step_losses=self.step_losses(), world_size=self.world, global_step=state["steps"])
-        # written locally, then into the run's storage by satp (a full disk ends the run: ckpt.persist),
-        # then reported to Ray Train where it lies
-        storage = ray.train.get_context().get_storage()
+        checkpoint's name. ``epoch``: the epoch being trained or just done (messages). Every rank calls it."""
+        metrics = dict(metrics, step_losses=self.losses.take(), world_size=self.context.world,
+                       global_step=state["steps"])
+        # written locally, then into the run's storage by satp (a full disk ends the run:
+        # CheckpointManager.write), then reported where it lies
         with staging_folder() as directory:
-            ckpt.save(directory, self.engine, state, best_weights, self.rank)
-            name = ckpt.persist(directory, storage.experiment_fs_path, self.rank, epoch,
-                                after_file=faults.pause_in_checkpoint(self.fault, self.rank, state["steps"]))
-        checkpoint = ray.train.Checkpoint(path=str(Path(storage.experiment_fs_path) / name),
-                                          filesystem=storage.storage_filesystem)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
-                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+            rank = self.context.rank
+            ckpt.save(directory, self.engine, state, best_weights, rank)
+            name = self.checkpoints.write(directory, rank, epoch,
+                                          after_file=faults.pause_in_checkpoint(self.fault, rank, state["steps"]))
+        self.context.report(metrics, name)
         return name

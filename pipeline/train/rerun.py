@@ -5,8 +5,9 @@ the last checkpoint under that name whenever it is fitted again. That is right f
 was interrupted, and wrong for anything else: a run that finished would be "resumed" with nothing
 to train and its model registered again, and a run of another configuration would load weights
 of another shape, or, worse, of the same shape, and register them under a configuration that
-did not train them. So before Ray Train starts, :func:`decide` reads the run's latest checkpoint
-(:func:`latest_checkpoint`: no trainer needed) and compares a hash of everything that shapes the
+did not train them. So before Ray Train starts, the plan's decision
+(:meth:`pipeline.train.plan.JobPlan.decision`) reads the run's newest intact checkpoint
+(:func:`previous_run`: no trainer needed) and compares a hash of everything that shapes the
 weights (:func:`weights_config`), recorded in every checkpoint (``state.json["provenance"]``):
 
 ========================  ===============================================================
@@ -44,12 +45,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
-import sys
 from pathlib import Path
 from typing import Any, Optional
-
-log = logging.getLogger(__name__)
 
 #: ``train`` keys a resumed run may change (see the module docstring).
 RESUMABLE_TRAIN_KEYS = frozenset({
@@ -58,8 +55,6 @@ RESUMABLE_TRAIN_KEYS = frozenset({
     "target", "patience",
     "step", "capacity_sigmas",  # how a step runs, not what it computes (pipeline.train.step_modes)
 })
-SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's record of a run's checkpoints
-STATE_FILE = "state.json"
 
 
 class RerunConflict(ValueError):
@@ -143,136 +138,29 @@ def config_differences(job, recorded: dict, config: dict, recorded_data: Optiona
     return diffs
 
 
-def registered_checkpoints(run_dir: str | Path) -> list[str]:
-    """The checkpoint directory names Ray Train's record (``checkpoint_manager_snapshot.json``)
-    lists for a run: the ones it resumes from and deletes beyond ``checkpoints_to_keep``."""
-    try:
-        snapshot = json.loads((Path(run_dir) / SNAPSHOT).read_text())
-    except (OSError, ValueError):
-        return []
-    return [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results") or [] if r.get("checkpoint_dir_name")]
-
-
-def _epoch(checkpoint: Path) -> int:
-    return _progress(checkpoint)[0]
-
-
-def _progress(checkpoint: Path) -> tuple[int, int]:
-    """``(last epoch done, global step)`` of a checkpoint (``(-1, -1)``: unreadable): newer is larger,
-    a checkpoint within an epoch after the one at the end of the epoch before."""
-    try:
-        state = json.loads((checkpoint / STATE_FILE).read_text())
-        return int(state.get("epoch", -1)), int(state.get("steps") or 0)
-    except (OSError, ValueError, TypeError, AttributeError):
-        return -1, -1
-
-
-#: damaged checkpoints named already, in this process or (:func:`resume_point`) by the driver: what
-#: failed -> which checkpoint (one warning line each, once per run, not once per process)
-_named: dict[str, str] = {}
-
-
-def named_damage() -> dict[str, str]:
-    """The damaged checkpoints named so far (what failed -> ``the checkpoint of epoch N (NAME)``)."""
-    return dict(_named)
-
-
-def latest_checkpoint(run_dir: str | Path, warn: bool = True) -> Optional[Path]:
-    """The run's newest intact checkpoint on storage, by epoch and global step (no trainer needed).
-
-    Ray Train resumes from the last checkpoint it registered; a run interrupted after its
-    workers uploaded newer ones (Ray registers a report when it next polls them) has those on
-    storage too, unregistered: they count as well, so a rerun loses no epoch; a registered one
-    wins a tie. Each is verified, newest first, registered or not
-    (:func:`pipeline.train.checkpoint.verify`: every rank's part there, each file with the size
-    and digest recorded when it was written); one that fails is never used, and (``warn``) named
-    in one ``satp: warning:`` line with the checkpoint used instead."""
-    from pipeline.train import checkpoint as ckpt
-
-    run_dir = Path(run_dir)
-    registered = set(registered_checkpoints(run_dir))
-    found = sorted((p for p in run_dir.glob("checkpoint_*") if p.is_dir()),
-                   key=lambda p: (_progress(p), p.name in registered, p.name), reverse=True)
-    damaged, chosen = [], None
-    for path in found:
-        problem = ckpt.verify(path)
-        if problem is None:
-            chosen = path
-            break
-        damaged.append((path, problem))
-    instead = (f"the run goes on from {chosen.name} (epoch {_epoch(chosen)})" if chosen is not None
-               else "no intact checkpoint is left: the run starts from its first epoch")
-    for path, problem in damaged if warn else []:
-        if problem not in _named:
-            what = f"epoch {_epoch(path)}" if _epoch(path) >= 0 else "epoch unknown"
-            _named[problem] = f"the checkpoint of {what} ({path.name})"
-            print(f"satp: warning: {problem}; checkpoint {path.name} ({what}) is damaged and not resumed from; "
-                  f"{instead}", file=sys.stderr, flush=True)
-    return chosen
-
-
-def resume_point(candidates: list[Path], run_dir: str | Path, named: Optional[dict[str, str]] = None) -> Optional[Path]:
-    """The checkpoint the workers restore: the newest of ``candidates`` (Ray Train's registered one
-    first, the driver's ``resume_from``; a tie goes to the first), if it verifies, else the run's
-    newest intact one (:func:`latest_checkpoint`, which names what is damaged, except what the driver
-    named already: ``named``, its :func:`named_damage`); None: none is intact."""
-    from pipeline.train import checkpoint as ckpt
-
-    _named.update(named or {})
-    newest = max(candidates, key=_progress)
-    return newest if ckpt.verify(newest) is None else latest_checkpoint(run_dir)
-
-
-def clear_run(run_dir: str | Path) -> None:
-    """Delete what a run folder holds (``--restart``), except the run's lease, which this command holds."""
-    import shutil
-
-    from pipeline.train.lease import LEASE_FILE
-
-    for path in Path(run_dir).iterdir():
-        if path.name == LEASE_FILE:
-            continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-
-
-def prune_unregistered(run_dir: str | Path, keep: Optional[Path] = None) -> list[str]:
-    """Delete the run's checkpoint directories that Ray's record does not list (an interrupted
-    run's uploads, complete or not), except ``keep`` (the one a rerun resumes from, until Ray
-    registers a newer one); return their names. Ray prunes only what it registered, so without
-    this they would stay for good, beyond ``train.checkpoints_to_keep``."""
-    import shutil
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
-    registered = set(registered_checkpoints(run_dir))
-    if not registered and not (run_dir / SNAPSHOT).is_file():
-        return []  # no record to go by (a run of another Ray, or none yet): delete nothing
-    removed = []
-    for path in sorted(run_dir.glob("checkpoint_*")):
-        if path.is_dir() and path.name not in registered and (keep is None or path.resolve() != Path(keep).resolve()):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path.name)
-    if removed:
-        log.info("removed %d checkpoint(s) of an interrupted run that Ray never registered: %s", len(removed),
-                 ", ".join(removed))
-    return removed
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Previous:
-    """The latest checkpoint of a run name."""
+    """The newest intact checkpoint of a run name."""
 
-    run_dir: Path
-    checkpoint: Path
+    checkpoints: Any  # the run's pipeline.train.checkpoint.CheckpointManager
+    name: str
     state: dict
+
+    @property
+    def run_dir(self) -> str:
+        return self.checkpoints.root
+
+    @property
+    def checkpoint(self) -> str:
+        return self.checkpoints.path(self.name)
 
     @property
     def epoch(self) -> int:
         return int(self.state.get("epoch", -1))
+
+    @property
+    def steps(self) -> int:
+        return int(self.state.get("steps") or 0)
 
     @property
     def provenance(self) -> dict:
@@ -283,51 +171,26 @@ class Previous:
         return list(self.provenance.get("git_commits") or [])
 
 
-def previous_run(storage_path: str, run_name: str, warn: bool = True) -> Optional[Previous]:
-    """The newest intact checkpoint of a run name (:func:`latest_checkpoint`), or None."""
-    run_dir = Path(storage_path) / run_name
-    checkpoint = latest_checkpoint(run_dir, warn) if run_dir.is_dir() else None
-    if checkpoint is None:
+def previous_run(checkpoints, warn: bool = True) -> Optional[Previous]:
+    """The newest intact checkpoint of a run (``checkpoints``: its
+    :class:`~pipeline.train.checkpoint.CheckpointManager`; ``warn``: name what is damaged), or None."""
+    name = checkpoints.newest_intact(warn=warn)
+    if name is None:
         return None
     try:
-        state = json.loads((checkpoint / STATE_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{checkpoint / STATE_FILE}: unreadable ({exc}); pass --restart to start the run over") from None
-    return Previous(run_dir, checkpoint, state)
+        state = checkpoints.state(name)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; pass --restart to start the run over") from None
+    return Previous(checkpoints, name, state)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Decision:
+    """What a run does with what its run name holds (:meth:`pipeline.train.plan.JobPlan.decision`)."""
+
     action: str  # fresh | resume | finished | restart
     previous: Optional[Previous]
     provenance: dict  # what the checkpoints of this run record (see the module docstring)
-
-
-def decide(job, config: dict, commit: str, previous: Optional[Previous], restart: bool = False) -> Decision:
-    """What this job does with its run name, which holds ``previous`` (:func:`previous_run`, found
-    once per command: each verifies the checkpoint's files); raises :class:`RerunConflict` (see the
-    module docstring)."""
-    train = job.train
-    digest = config_hash(config)
-    fresh = {"config_hash": digest, "config": config, "data_settings": data_settings(job), "git_commits": [commit]}
-    if previous is None:
-        return Decision("fresh", None, fresh)
-    if restart:
-        return Decision("restart", previous, fresh)
-    recorded = previous.provenance
-    if recorded.get("config_hash") != digest:
-        if recorded.get("config") is None:
-            raise RerunConflict(conflict_message(job, previous, None))
-        diffs = config_differences(job, recorded["config"], config, recorded.get("data_settings"))
-        if diffs:
-            raise RerunConflict(conflict_message(job, previous, diffs))
-    commits = previous.commits or [commit]
-    if commits[-1] != commit:
-        commits.append(commit)
-    provenance = dict(fresh, git_commits=commits)
-    if previous.epoch >= train.epochs - 1 or stopped_by_rules(job, config["task"], previous.state):
-        return Decision("finished", previous, dict(recorded, git_commits=previous.commits or [commit]))
-    return Decision("resume", previous, provenance)
 
 
 def stopped_by_rules(job, task_name: str, state: dict) -> Optional[str]:
@@ -360,32 +223,6 @@ def job_manifest(job, fingerprint: Optional[str] = None) -> Optional[dict]:
         return json.loads((out / "manifest.json").read_text()) if out is not None else None
     except (OSError, ValueError):
         return None
-
-
-def early_decision(job, task_name: str, restart: bool, previous: Optional[Previous]) -> Optional[Decision]:
-    """:func:`decide` before any data is built or Ray is started: a conflict raises at once, raw
-    files that changed under the run included (their fingerprint is taken here, from its cache
-    unless they changed); a finished run whose shards exist needs no Ray at all. None: decide
-    after the data."""
-    if restart or previous is None:
-        return None
-    import preprocessing
-    from pipeline.registry.versions import git_commit
-    from preprocessing.columnar import raw_fingerprint
-    from preprocessing.sources import dataset_dir
-
-    folder = dataset_dir(job.data)
-    if folder.exists():
-        fingerprint = raw_fingerprint(folder, job.data.name)
-        manifest = job_manifest(job, fingerprint)
-        if manifest is not None:
-            return decide(job, weights_config(job, manifest, task_name), git_commit(), previous)
-    else:  # built with the shards: everything but the raw data's fingerprint can be compared now
-        fingerprint = ((previous.provenance.get("config") or {}).get("data") or {}).get("fingerprint")
-    expected = {"config_hash": preprocessing.config_hash(job.data, job.transform, job.shards),
-                "source": {"fingerprint": fingerprint}}
-    decide(job, weights_config(job, expected, task_name), git_commit(), previous)  # raises on a conflict
-    return None
 
 
 def conflict_message(job, previous: Previous, diffs: Optional[list[str]]) -> str:

@@ -32,7 +32,7 @@ def padding_cost(job, model_config, train_ds) -> Optional[str]:
     cost within :data:`WORTH_SAYING`)."""
     from pipeline.train.capacity import batch_totals, capacity_for, graph_sizes
     from pipeline.train.step import pads_batches
-    from pipeline.train.worker import split_sampler
+    from pipeline.train.batching import split_sampler
     from sat.layout import GraphLayout
 
     step = job.train.step

@@ -28,7 +28,7 @@ class WorkerSetup:
     tracking_uri: Optional[str]
     fault: Optional[dict] = None
     provenance: Optional[dict] = None  # config hash + git commits, recorded in every checkpoint (pipeline.train.rerun)
-    resume_from: Optional[str] = None  # a complete checkpoint newer than Ray's record (pipeline.train.rerun)
+    resume_from: Optional[str] = None  # the name of a complete checkpoint newer than Ray's record (pipeline.train.plan)
     startup: Optional[dict] = None  # the driver's start-up events, wall-clock (pipeline.train.startup)
     process_env: Optional[dict] = None  # environment variables the worker sets when it starts (threads, console)
-    damaged: Optional[dict] = None  # checkpoints the driver named damaged (pipeline.train.rerun.named_damage)
+    damaged: Optional[dict] = None  # checkpoints the driver named damaged (CheckpointManager.damaged)
