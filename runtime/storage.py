@@ -221,6 +221,14 @@ def _s3(endpoint: Optional[tuple[str, str]], region: Optional[str], quick: bool,
         retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1 if quick else ATTEMPTS), **options)
 
 
+def ray_storage(value: str, settings: Optional[StorageSettings] = None, key: str = "train.storage_path") -> dict:
+    """Ray's ``RunConfig`` arguments of a storage path: ``storage_path`` alone for a plain path; for a
+    URI the path inside its file system and ``storage_filesystem`` (Ray takes the path
+    prefix-stripped then), so that Ray reaches the store with this job's endpoint and region."""
+    loc = resolve(value, settings, key)
+    return {"storage_path": value} if loc.local else {"storage_path": loc.path, "storage_filesystem": loc.fs}
+
+
 def s3_client(settings: Optional[StorageSettings] = None):
     """A boto3 S3 client for what pyarrow cannot ask (conditional writes: a run's lease), reaching
     the store as :func:`resolve` does (endpoint, region, timeouts, retries)."""

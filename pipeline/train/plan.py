@@ -36,6 +36,7 @@ from pipeline.train.preflight import check_shard_features
 from pipeline.train.rerun import Decision
 from pipeline.train.worker import build_model
 from pipeline.train.worker_setup import WorkerSetup
+from runtime.storage import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ def resolve_job(job: JobConfig) -> JobConfig:
     job = job.model_copy(deep=True)
     train = job.train
     train.run_name = train.run_name or job.name
-    train.storage_path = str(Path(train.storage_path or runs_dir() / "ray").expanduser().resolve())
+    if not is_uri(train.storage_path or ""):  # a URI stays as written (a path would lose a slash)
+        train.storage_path = str(Path(train.storage_path or runs_dir() / "ray").expanduser().resolve())
     if job.mlflow.enabled:
         job.mlflow.tracking_uri = job.mlflow.tracking_uri or default_tracking_uri()
     return job
@@ -91,7 +93,10 @@ class JobPlan:
         return f"{self.job.train.storage_path}/{self.job.train.run_name}"
 
     @property
-    def run_dir(self) -> Path:
+    def run_dir(self) -> Path | str:
+        """The run's folder: a path, or the URI below a store's ``train.storage_path``."""
+        if is_uri(self.job.train.storage_path):
+            return self.run_key
         return Path(self.job.train.storage_path) / self.job.train.run_name
 
     @property
