@@ -221,6 +221,46 @@ def _s3(endpoint: Optional[tuple[str, str]], region: Optional[str], quick: bool,
         retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1 if quick else ATTEMPTS), **options)
 
 
+def ray_storage(value: str, settings: Optional[StorageSettings] = None, key: str = "train.storage_path") -> dict:
+    """Ray's ``RunConfig`` arguments of a storage path: ``storage_path`` alone for a plain path; for a
+    URI the path inside its file system and ``storage_filesystem`` (Ray takes the path
+    prefix-stripped then), so that Ray reaches the store with this job's endpoint and region."""
+    loc = resolve(value, settings, key)
+    return {"storage_path": value} if loc.local else {"storage_path": loc.path, "storage_filesystem": loc.fs}
+
+
+def s3_client(settings: Optional[StorageSettings] = None):
+    """A boto3 S3 client for what pyarrow cannot ask (conditional writes: a run's lease), reaching
+    the store as :func:`resolve` does (endpoint, region, timeouts, retries)."""
+    import boto3
+    from botocore.config import Config
+
+    endpoint, named = s3_endpoint(settings)
+    if endpoint:
+        endpoint_parts(endpoint, named)
+    region = (settings.region if settings is not None else None) or os.environ.get("AWS_REGION") \
+        or os.environ.get("AWS_DEFAULT_REGION")
+    config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=REQUEST_TIMEOUT_S,
+                    retries={"max_attempts": ATTEMPTS, "mode": "standard"})
+    return boto3.session.Session().client("s3", endpoint_url=endpoint, region_name=region, config=config)
+
+
+def s3_request_error(uri: str, exc: BaseException, doing: str, settings: Optional[StorageSettings] = None) -> ValueError:
+    """The one-line ``ValueError`` of a boto3 request on object ``uri`` that failed with ``exc``,
+    in :func:`storage_error`'s words (its codes are the AWS SDK's)."""
+    from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
+
+    loc = Location(uri, None, uri, s3_endpoint(settings)[0])
+    if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError)):
+        return storage_error(loc, OSError(f"AWS Error NETWORK_CONNECTION {exc}"), doing)
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        code = re.sub(r"(?<!^)(?=[A-Z])", "_", error.get("Code", "")).upper()  # NoSuchBucket -> NO_SUCH_BUCKET
+        return storage_error(loc, OSError(f"AWS Error {code} during {doing} operation: {error.get('Message', '')}"),
+                             doing)
+    return storage_error(loc, exc, doing)
+
+
 def forwarded_env() -> dict[str, str]:
     """The standard variables of :data:`STANDARD_VARIABLES` set in this process: what a Ray task or
     worker needs in its runtime env to reach the store as this driver does."""

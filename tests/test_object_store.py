@@ -92,21 +92,22 @@ def test_shards_written_to_s3_equal_the_local_ones_and_read_back_equal(built, s3
     assert cached == sorted(f"{s['sha256']}.arrow" for s in manifest["shards"])  # the shards and nothing else
 
 
-def test_a_finished_store_directory_is_validated_without_uploading(built, s3_server, monkeypatch):
-    from preprocessing import shard_places
-
-    data, _, root, remote = built
-    bucket, prefix = _key(remote)
+def test_a_finished_store_directory_is_validated_without_uploading(built, s3_server):
+    data, _, _, remote = built
     client = s3_server.client()
-    before = {o["Key"]: o["LastModified"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]}
-    writes = []
-    real = shard_places.StorePlace.writer
-    monkeypatch.setattr(shard_places.StorePlace, "writer",
-                        lambda self, name, kept: writes.append(name) or real(self, name, kept))
-    assert preprocess(data, TRANSFORM, ShardConfig(root=root, graphs_per_shard=16), progress=False) == remote
-    assert writes == []  # nothing written, not even the write check: the directory was complete
-    after = {o["Key"]: o["LastModified"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]}
-    assert after == before
+    bucket = f"satp-finished-{os.getpid()}"
+    client.create_bucket(Bucket=bucket)
+    client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})  # every write kept
+    source_bucket, source = _key(remote)
+    copy = f"shards/{remote.rsplit('/', 1)[1]}"
+    for name in _objects(s3_server, remote):
+        client.copy_object(Bucket=bucket, Key=f"{copy}/{name}", CopySource={"Bucket": source_bucket, "Key": f"{source}/{name}"})
+    root = f"s3://{bucket}/shards"
+    assert preprocess(data, TRANSFORM, ShardConfig(root=root, graphs_per_shard=16), progress=False) == f"s3://{bucket}/{copy}"
+    listed = client.list_object_versions(Bucket=bucket, Prefix="shards/")
+    assert listed.get("DeleteMarkers", []) == []  # nothing deleted, not even a write check's probe
+    versions = [v["Key"] for v in listed["Versions"]]
+    assert sorted(versions) == sorted(f"{copy}/{name}" for name in _objects(s3_server, remote))  # nothing written
 
 
 _KILLED_UPLOAD = """

@@ -15,7 +15,8 @@ and ``ShardDataset.batch`` of every batch, ``E`` epochs (default 2). Epoch 1 cou
 store on the same node (the cache filled: a restarted run, another worker), the first read's
 sha256 checks. Later epochs decode from the mapped files on all three.
 
-Peak RSS is the process's high-water mark (``VmHWM``: mapped shard pages it touched included, as
+Peak RSS is ``/usr/bin/time -v``'s maximum resident set size of the reader process, and its own
+high-water mark (``VmHWM``: mapped shard pages it touched included, as
 the page cache holds them), and the peak of its private memory (``RssAnon``, sampled every 10 ms):
 what the loader itself holds, whatever the data size.
 """
@@ -99,10 +100,14 @@ def _store_env(port: int) -> dict[str, str]:
 
 
 def _child(source: str, epochs: int, budget: int, env: dict[str, str]) -> dict:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.scale.object_store", "--child", source, "--epochs",
-                          str(epochs), "--budget", str(budget)], cwd=ROOT, env={**os.environ, **env},
+    """One reader process under ``/usr/bin/time -v``: its numbers, with time's maximum resident set size."""
+    out = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "benchmarks.scale.object_store", "--child",
+                          source, "--epochs", str(epochs), "--budget", str(budget)], cwd=ROOT, env={**os.environ, **env},
                          capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    maximum = [line for line in out.stderr.splitlines() if "Maximum resident set size (kbytes)" in line]
+    row["time_max_rss_kib"] = int(maximum[-1].rsplit(":", 1)[1])
+    return row
 
 
 def measure_size(graphs: int, base: Path, port: int, epochs: int) -> list[dict]:
@@ -155,7 +160,7 @@ def run(sizes: list[int] | None = None, epochs: int = 2) -> str:
         server.terminate()
         server.wait(timeout=30)
     head = "| graphs (train split) | train shards MiB | source | " + " | ".join(
-        f"epoch {e + 1} graphs/s" for e in range(epochs)) + " | peak RSS MiB | peak private RSS MiB |"
+        f"epoch {e + 1} graphs/s" for e in range(epochs)) + " | peak RSS MiB (time -v) | VmHWM MiB | peak private RSS MiB |"
     lines = [
         "## Shards on an object store: the loader from s3:// against local disk",
         "",
@@ -167,12 +172,12 @@ def run(sizes: list[int] | None = None, epochs: int = 2) -> str:
         "with an empty cache every download too).",
         "",
         head,
-        "|" + "---|" * (5 + epochs),
+        "|" + "---|" * (6 + epochs),
     ]
     for r in rows:
         rates = " | ".join(f"{v:,.0f}" for v in r["rates"])
         lines.append(f"| {r['size']:,} ({r['graphs']:,}) | {r['train_mib']:.0f} | {r['source']} | {rates} | "
-                     f"{r['hwm_kib'] / 1024:.0f} | {r['anon_kib'] / 1024:.0f} |")
+                     f"{r['time_max_rss_kib'] / 1024:.0f} | {r['hwm_kib'] / 1024:.0f} | {r['anon_kib'] / 1024:.0f} |")
     return "\n".join(lines) + "\n"
 
 

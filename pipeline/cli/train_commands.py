@@ -112,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _logging()
     resolved = resolve_job(job)
     # the run's lease, held to the end: a run another command holds is refused here, before Ray
-    lease = RunLease(run_dir(resolved), resolved.train.run_name).acquire()
+    lease = RunLease(run_dir(resolved), resolved.train.run_name, storage=resolved.storage.settings()).acquire()
     try:
         if args.restart or not CheckpointManager(run_dir(resolved)).list():
             # nothing to decide (a new run, or one started over): Ray joined (or a local cluster

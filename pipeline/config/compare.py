@@ -29,6 +29,7 @@ from typing import Any, Optional
 from pydantic import Field, field_validator
 
 from preprocessing.config import StrictModel
+from runtime.storage import validate
 
 #: Keys a variant may not set: what identifies or logs the run, and what fixes the budget.
 FORBIDDEN_PREFIXES = ("tune", "compare", "name", "mlflow", "data", "train.seed", "train.epochs", "train.train_subset",
@@ -52,6 +53,11 @@ class CompareConfig(StrictModel):
     trial_cpus: float = Field(0.0, ge=0)
     #: Times a trial whose Train driver died is restarted (its Train run resumes).
     max_failures: int = Field(1, ge=0)
+
+    @field_validator("storage_path")
+    @classmethod
+    def _storage_path_is_a_path_or_uri(cls, value: Optional[str]) -> Optional[str]:
+        return None if value is None else validate(value, "compare.storage_path")
 
     @field_validator("variants")
     @classmethod

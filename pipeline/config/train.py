@@ -16,6 +16,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from preprocessing.config import StrictModel
+from runtime.storage import validate
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 TaskName = Literal["code2", "ppa", "pattern", "cluster"]
@@ -97,6 +98,11 @@ class TrainConfig(StrictModel):
     # validation metric
     target: Optional[TargetConfig] = None
     patience: Optional[int] = Field(None, ge=1)
+
+    @field_validator("storage_path")
+    @classmethod
+    def _storage_path_is_a_path_or_uri(cls, value: Optional[str]) -> Optional[str]:
+        return None if value is None else validate(value, "train.storage_path")
 
     @model_validator(mode="after")
     def _warmup(self) -> "TrainConfig":

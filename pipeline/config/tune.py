@@ -39,6 +39,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from preprocessing.config import StrictModel
+from runtime.storage import validate
 
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint", "quniform", "value")
 #: Keys a sweep may not vary (they identify the run or where it is logged).
@@ -155,6 +156,11 @@ class TuneConfig(StrictModel):
     register_best: bool = True
     #: Alias moved to the new version only when it beats the current holder's validation metric.
     champion_alias: str = "champion"
+
+    @field_validator("storage_path")
+    @classmethod
+    def _storage_path_is_a_path_or_uri(cls, value: Optional[str]) -> Optional[str]:
+        return None if value is None else validate(value, "tune.storage_path")
 
     @field_validator("space")
     @classmethod

@@ -48,7 +48,8 @@ from pipeline.sweep import record
 from pipeline.sweep.mlflow_logging import SWEEP_KEY_TAG, TRIAL_TAG, SweepLogger, open_parent_run, retire_sweep_runs
 from pipeline.sweep.space import apply_config, resolve_paths, task_metric, validate_raw
 from pipeline.sweep.summary import saved_states, summarize
-from pipeline.sweep.trials import SweepContext, fit_trials, hold_sweep, report_callback, trial_job, trial_trainable
+from pipeline.sweep.trials import (SweepContext, fit_trials, hold_sweep, report_callback, sweep_storage, trial_job,
+                                   trial_trainable)
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +320,6 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     from pipeline.train.preflight import preflight
     from pipeline.registry.addresses import check_reachable
     from pipeline.train.plan import resolve_job
-    from pipeline.config.train import runs_dir
     from preprocessing.config import config_hash
 
     start = time.time()
@@ -335,7 +335,7 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     base["mlflow"]["enabled"] = False
     digest = comparison_digest(base, cmp)
     name = cmp.name or f"{job.name}-compare-{digest[:8]}"
-    storage = Path(cmp.storage_path or runs_dir() / "tune").expanduser().resolve()
+    storage = sweep_storage(cmp.storage_path, job, "compare.storage_path")
     sweep_dir = storage / name
     with hold_sweep(sweep_dir, name, "satp compare", "compare.name"):  # one writer per comparison
         ran = record.recorded_job(base, "compare", cmp.model_dump(mode="json"))

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from pipeline.config import JobConfig
 from pipeline.sweep.space import apply_config, validate_raw
@@ -64,6 +64,19 @@ def trial_trainable(trial_fn, ctx: SweepContext, trial_cpus: float):
 
     resources = {"cpu": trial_cpus} if trial_cpus > 0 else {"cpu": 0, "memory": 2**20}
     return tune.with_resources(tune.with_parameters(trial_fn, ctx=ctx), resources)
+
+
+def sweep_storage(value: Optional[str], job, key: str) -> Path:
+    """The folder that holds a sweep's folder: ``value`` (``tune.storage_path`` / ``compare.storage_path``,
+    named by ``key``), default ``<runs>/tune``. A URI is checked before anything is written
+    (:func:`pipeline.train.preflight.check_run_store`), never taken for a local folder."""
+    from pipeline.config.train import runs_dir
+    from pipeline.train.preflight import check_run_store
+    from runtime.storage import is_uri
+
+    if value and is_uri(value):
+        check_run_store(key, value, job.storage.settings())
+    return Path(value or runs_dir() / "tune").expanduser().resolve()
 
 
 @contextlib.contextmanager

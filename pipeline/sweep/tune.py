@@ -51,8 +51,8 @@ from pipeline.sweep.mlflow_logging import (SWEEP_KEY_TAG, TRIAL_TAG, SweepLogger
 from pipeline.sweep.registration import REGISTERED_TAG, register_best
 from pipeline.sweep.space import apply_config, base_job_dict, data_variants, resolve_paths, space_jobs, task_metric, variant_key
 from pipeline.sweep.summary import SweepOutcome, plot_sweep, saved_states, summarize
-from pipeline.sweep.trials import (TIME_ATTR, SweepContext, fit_trials, hold_sweep, report_callback, trial_job,
-                                   trial_trainable)
+from pipeline.sweep.trials import (TIME_ATTR, SweepContext, fit_trials, hold_sweep, report_callback, sweep_storage,
+                                   trial_job, trial_trainable)
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,6 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
     from pipeline.train.plan import resolve_job
-    from pipeline.config.train import runs_dir
 
     start = time.time()
     if job.tune is None:
@@ -123,7 +122,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     if not job.mlflow.enabled:
         raise ValueError("tune: the sweep logs to MLflow; mlflow.enabled must be true")
     name = tune_cfg.name or f"{job.name}-sweep"
-    storage = Path(tune_cfg.storage_path or runs_dir() / "tune").expanduser().resolve()
+    storage = sweep_storage(tune_cfg.storage_path, job, "tune.storage_path")
     sweep_dir = storage / name
     with hold_sweep(sweep_dir, name, "satp tune", "tune.name"):  # one writer per sweep, like a run
         base = resolve_paths(base_job_dict(job), Path.cwd())

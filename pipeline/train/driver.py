@@ -146,7 +146,8 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
     from pipeline.train.lease import RunLease
     from runtime.interrupts import deferred
 
-    taken = None if lease is not None else RunLease(plan.run_dir, plan.job.train.run_name).acquire(lease_wait_s)
+    taken = None if lease is not None else RunLease(plan.run_dir, plan.job.train.run_name,
+                                                    storage=plan.job.storage.settings()).acquire(lease_wait_s)
     try:
         return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault,
                                   started_at=started_at)
@@ -320,6 +321,8 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
+    from runtime.storage import ray_storage
+
     train, res = job.train, job.resources
     resources = {"CPU": res.cpus_per_worker}
     if res.use_gpu:
@@ -346,7 +349,7 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
                                      elastic_resize_monitor_interval_s=res.resize_check_s),
         run_config=RunConfig(
             name=train.run_name,
-            storage_path=train.storage_path,
+            **ray_storage(train.storage_path, job.storage.settings()),  # a URI: Ray's storage_filesystem
             failure_config=FailureConfig(max_failures=train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=train.checkpoints_to_keep),
             callbacks=callbacks,

@@ -29,6 +29,15 @@ lock file alone outlives a holder that was killed. The rules:
 * released (deleted, if it is still this holder's) when the command ends: normally, with an
   error, or interrupted.
 
+On an object store (``train.storage_path`` / ``tune.storage_path`` an ``s3://`` URI, no disk that
+the nodes share) the lease is the object ``<storage_path>/<run_name>/satp-lease.json``, under the
+same rules, each made atomic by a conditional request of the S3 API (:mod:`runtime.storage`):
+created with ``If-None-Match: *`` (refused if the object exists: of two commands on two nodes, one
+creates it), refreshed and released with ``If-Match: <ETag>`` of the record its holder last read or
+wrote (refused if another command replaced it meanwhile), an expired one deleted with ``If-Match``
+of the record judged expired; an unreadable object expires when it was not modified for
+:data:`EXPIRES_S`, by the store's clock.
+
 Waiting: ``satp train`` refuses at once; :func:`pipeline.train.driver.train_job` (Tune trials, the
 demo, Python callers) waits up to :data:`WAIT_S` for a lease held from another machine to expire,
 so that a trial that Tune retries on another node after its node died is not refused for the
@@ -37,7 +46,6 @@ minute its old heartbeat still looks fresh.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
@@ -50,6 +58,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
+from pipeline.train.lease_records import FileRecord, ObjectRecord, lease_error
 from runtime.command import command_pid
 
 log = logging.getLogger(__name__)
@@ -58,7 +67,6 @@ LEASE_FILE = "satp-lease.json"
 HEARTBEAT_S = 10.0
 EXPIRES_S = 60.0
 WAIT_S = EXPIRES_S + 2 * HEARTBEAT_S
-FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class LeaseHeld(ValueError):
@@ -153,75 +161,6 @@ def decode(data: bytes) -> Holder:
         raise ValueError(f"not a lease record ({type(exc).__name__})") from None
 
 
-def _write_new(path: Path, data: bytes) -> Path:
-    """``data`` in a new temporary file beside ``path`` (flushed to storage); returns its path."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp
-
-
-def _create(path: Path, data: bytes) -> bool:
-    """Create ``path`` holding ``data`` if it does not exist (atomically); whether it was created."""
-    tmp = _write_new(path, data)
-    try:
-        try:
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        except OSError:
-            if os.stat(tmp).st_nlink == 2:  # NFS: the link was made, its reply was lost
-                return True
-            raise
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _take_over(path: Path, seen: bytes) -> bool:
-    """Remove the expired lease ``path`` if it still holds ``seen``; whether it was removed."""
-    aside = path.with_name(f".{path.name}.{uuid.uuid4().hex}.expired")
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return False  # someone else took it over first
-    try:
-        if aside.read_bytes() == seen:
-            return True
-        try:  # refreshed or taken meanwhile: what was renamed is a live lease, put it back
-            os.link(aside, path)
-        except FileExistsError:
-            pass
-        return False
-    finally:
-        aside.unlink(missing_ok=True)
-
-
-def _sweep(path: Path) -> None:
-    """Remove what writers of the lease killed mid-write left beside it (a temporary record, a record
-    renamed aside), once older than the expiry: no live writer keeps one that long."""
-    for left in path.parent.glob(f".{path.name}.*"):
-        try:
-            if time.time() - left.stat().st_mtime > EXPIRES_S:
-                left.unlink()
-        except OSError:
-            pass
-
-
-def _unreadable_age(path: Path) -> float:
-    try:
-        return time.time() - path.stat().st_mtime
-    except FileNotFoundError:
-        return 0.0
-
-
 def expiry(holder: Holder, now: Optional[float] = None) -> Optional[str]:
     """Why ``holder``'s lease has expired (see the module docstring), or None while it holds."""
     now = time.time() if now is None else now
@@ -235,29 +174,32 @@ def expiry(holder: Holder, now: Optional[float] = None) -> Optional[str]:
     return None
 
 
-def held(run_dir: str | Path) -> bool:
+def held(run_dir: str | Path, storage=None) -> bool:
     """Whether another live command holds ``run_dir``'s lease now (a peek: nothing is written; the
-    lease's own :meth:`RunLease.acquire` decides)."""
+    lease's own :meth:`RunLease.acquire` decides). ``storage``: the job's store settings."""
     try:
-        holder = decode(lease_path(run_dir).read_bytes())
+        seen = lease_record(run_dir, storage).read()
+        return seen is not None and expiry(decode(seen.data)) is None
     except (OSError, ValueError):
         return False
-    return expiry(holder) is None
 
 
 def _say(line: str) -> None:
     print(f"satp: warning: {line}", file=sys.stderr, flush=True)
 
 
-def _one_line(exc: OSError, path: Path, doing: str) -> OSError:
-    """An ``OSError`` of the lease file as one line (a full disk said in words), with its errno."""
-    if exc.errno in FULL:
-        error = OSError(f"{path}: the disk is full (No space left on device) while trying to {doing}; "
-                        "free space there and run the command again")
-    else:
-        error = OSError(f"{path}: cannot {doing} ({exc.strerror or exc})")
-    error.errno = exc.errno
-    return error
+def lease_record(run_dir: str | Path, storage=None):
+    """The lease of ``run_dir``: a :class:`FileRecord`, or an :class:`ObjectRecord` of an ``s3://``
+    URI (another scheme has no conditional write here: refused in one line)."""
+    from runtime.storage import is_uri
+
+    if not is_uri(str(run_dir)):
+        return FileRecord(lease_path(run_dir))
+    uri = f"{str(run_dir).rstrip('/')}/{LEASE_FILE}"
+    if not uri.startswith("s3://"):
+        raise ValueError(f"{uri}: a run's lease needs conditional writes, which satp makes on S3 only; use an "
+                         "s3:// URI or a path of a file system every node mounts")
+    return ObjectRecord(uri, storage)
 
 
 # ----------------------------------------------------------------------------- holding it
@@ -265,10 +207,12 @@ class RunLease:
     """The lease of one run folder, held by this process while the command runs (a context manager)."""
 
     def __init__(self, run_dir: str | Path, run_name: str, command: str = "satp train", kind: str = "run",
-                 key: str = "train.run_name") -> None:
+                 key: str = "train.run_name", storage=None) -> None:
         """``kind`` / ``key``: what the folder is and the job key that names it, for the messages (a
-        sweep's folder: ``"sweep"``, ``"tune.name"``)."""
-        self.path = lease_path(run_dir)
+        sweep's folder: ``"sweep"``, ``"tune.name"``); ``storage``: the job's store settings
+        (:class:`runtime.storage.StorageSettings`) where ``run_dir`` is a URI."""
+        self.record = lease_record(run_dir, storage)
+        self.path = self.record.path  # named in every message
         self.run_name, self.command, self.kind, self.key = run_name, command, kind, key
         self.holder: Optional[Holder] = None
         self.lost: Optional[str] = None  # why this holder no longer holds it (see _refresh)
@@ -277,13 +221,10 @@ class RunLease:
 
     def acquire(self, wait_s: float = 0.0) -> "RunLease":
         """Take the lease, taking over an expired one; raise :class:`LeaseHeld` if another command
-        holds it ``wait_s`` seconds from now, an ``OSError`` (one line) if it cannot be written."""
+        holds it ``wait_s`` seconds from now, an ``OSError`` or ``ValueError`` (one line) if it cannot
+        be written."""
         deadline = time.monotonic() + wait_s
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise _one_line(exc, self.path.parent, "create the run's folder") from None
-        _sweep(self.path)
+        self.record.prepare(EXPIRES_S)
         while True:
             now = time.time()
             pid = command_pid()  # the process the user started (the warm driver's caller, if it ran it)
@@ -291,12 +232,12 @@ class RunLease:
                           pid_started=process_started(pid), started=now, heartbeat=now,
                           token=uuid.uuid4().hex, command=self.command)
             try:
-                if _create(self.path, encode(mine)):
+                if self.record.create(encode(mine)):
                     self.holder = mine
                     self._start_heartbeat()
                     return self
             except OSError as exc:
-                raise _one_line(exc, self.path, "write the run's lease") from None
+                raise lease_error(exc, self.path, "write the run's lease") from None
             refusal = self._expire_or_refuse()
             if refusal is None:
                 continue
@@ -305,19 +246,19 @@ class RunLease:
             time.sleep(min(HEARTBEAT_S / 2, max(0.05, deadline - time.monotonic())))
 
     def _expire_or_refuse(self) -> Optional[str]:
-        """Take over the lease on file if it expired (None: try again), else why it holds (one line)."""
+        """Take over the lease on record if it expired (None: try again), else why it holds (one line)."""
         try:
-            seen = self.path.read_bytes()
-        except FileNotFoundError:
-            return None  # released meanwhile
+            seen = self.record.read()
         except OSError as exc:
-            raise _one_line(exc, self.path, "read the run's lease") from None
+            raise lease_error(exc, self.path, "read the run's lease") from None
+        if seen is None:
+            return None  # released meanwhile
         try:
-            holder: Optional[Holder] = decode(seen)
+            holder: Optional[Holder] = decode(seen.data)
             why = expiry(holder)
             who = holder.describe()
         except ValueError as exc:
-            holder, age = None, _unreadable_age(self.path)
+            holder, age = None, max(0.0, time.time() - seen.modified)
             why = f"it is unreadable ({exc}) and unchanged for {age:.0f} s" if age > EXPIRES_S else None
             who = f"an unreadable lease ({exc}), modified {age:.0f} s ago"
         if why is None:
@@ -326,7 +267,7 @@ class RunLease:
                        f"it expires {EXPIRES_S:.0f} s after its holder's last heartbeat")
             return (f"{self.path}: {self.kind} {self.run_name!r} is held by {who}; {expires}: wait for it, or pick "
                     f"another {self.key}")
-        if _take_over(self.path, seen):
+        if self.record.remove_if(seen):
             _say(f"{self.path}: the lease of {self.kind} {self.run_name!r} held by {who} has expired ({why}): taken over")
         return None
 
@@ -343,18 +284,17 @@ class RunLease:
     def _refresh(self) -> bool:
         """Write a new heartbeat into the lease if it is still this holder's; whether to go on.
 
-        Every writer replaces the file whole, so a record that cannot be read was damaged where it
+        Every writer replaces the record whole, so one that cannot be read was damaged where it
         lies: it is written again, and so is a lease deleted under its holder (if no other command
-        created one meanwhile). A record of another holder means this one lost the lease."""
+        created one meanwhile). A record of another holder means this one lost the lease; a record
+        replaced between the read and the write here (an object's ``If-Match`` fails) is read again."""
         try:
-            data: Optional[bytes] = self.path.read_bytes()
-        except FileNotFoundError:
-            data = None
-        except OSError as exc:
+            seen = self.record.read()
+        except (OSError, ValueError) as exc:
             log.warning("%s: heartbeat not written (%s)", self.path, exc)
             return True
         try:
-            on_file = decode(data) if data is not None else None
+            on_file = decode(seen.data) if seen is not None else None
         except ValueError:
             on_file = None
         if on_file is not None and on_file.token != self.holder.token:
@@ -363,12 +303,10 @@ class RunLease:
             return False
         self.holder = dataclasses.replace(self.holder, heartbeat=time.time())
         try:
-            if data is None:
-                if not _create(self.path, encode(self.holder)):
-                    return self._refresh()  # another command's now: said there
-            else:
-                os.replace(_write_new(self.path, encode(self.holder)), self.path)
-        except OSError as exc:  # a full disk: the lease stays, with an older heartbeat
+            data = encode(self.holder)
+            if not (self.record.create(data) if seen is None else self.record.rewrite(seen, data)):
+                return self._refresh()  # changed meanwhile: another command's now (said there), or read again
+        except (OSError, ValueError) as exc:  # a full disk, a store that does not answer: an older heartbeat stays
             log.warning("%s: heartbeat not written (%s)", self.path, exc)
         return True
 
@@ -381,10 +319,11 @@ class RunLease:
         if self.holder is None:
             return
         try:
-            if decode(self.path.read_bytes()).token == self.holder.token:
-                self.path.unlink()
+            seen = self.record.read()
+            if seen is not None and decode(seen.data).token == self.holder.token:
+                self.record.remove_if(seen)
         except (OSError, ValueError):
-            pass  # gone, or another holder's now
+            pass  # gone, or another holder's now, or the store does not answer (it expires)
         self.holder = None
 
     def __enter__(self) -> "RunLease":

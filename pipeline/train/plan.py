@@ -38,6 +38,7 @@ from pipeline.train import rerun
 from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.rerun import Decision, Previous
 from pipeline.train.worker_setup import WorkerSetup
+from runtime.storage import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +51,18 @@ def resolve_job(job: JobConfig) -> JobConfig:
     job = job.model_copy(deep=True)
     train = job.train
     train.run_name = train.run_name or job.name
-    train.storage_path = str(Path(train.storage_path or runs_dir() / "ray").expanduser().resolve())
+    if not is_uri(train.storage_path or ""):  # a URI stays as written (a path would lose a slash)
+        train.storage_path = str(Path(train.storage_path or runs_dir() / "ray").expanduser().resolve())
     if job.mlflow.enabled:
         job.mlflow.tracking_uri = job.mlflow.tracking_uri or default_tracking_uri()
     return job
 
 
-def run_dir(job: JobConfig) -> Path:
-    """The run's folder, ``<storage path>/<run name>``, of a job resolved by :func:`resolve_job`."""
+def run_dir(job: JobConfig) -> Path | str:
+    """The run's folder, ``<storage path>/<run name>``, of a job resolved by :func:`resolve_job`: a path,
+    or a URI below a store's ``train.storage_path``."""
+    if is_uri(job.train.storage_path):
+        return f"{job.train.storage_path.rstrip('/')}/{job.train.run_name}"
     return Path(job.train.storage_path) / job.train.run_name
 
 
@@ -109,7 +114,7 @@ class JobPlan:
         return f"{self.job.train.storage_path}/{self.job.train.run_name}"
 
     @property
-    def run_dir(self) -> Path:
+    def run_dir(self) -> Path | str:
         return run_dir(self.job)
 
     @property

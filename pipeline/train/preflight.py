@@ -374,17 +374,45 @@ def _ray_connected() -> bool:
 
 
 def check_output_dirs(job) -> None:
-    """Step 2 for what a run writes: ``train.storage_path`` (unset: the runs directory's ``ray/``)
-    can be written, ``shards.root`` can be created (:func:`check_writable_dir`; one that exists may
-    be read-only: shared shards, built already)."""
+    """Step 2 for what a run reads and writes: ``shards.root`` can be created (:func:`check_writable_dir`;
+    one that exists may be read-only: shared shards, built already), or on a store
+    (:func:`runtime.storage.check`) answers, takes the credentials, holds the bucket and can be
+    listed (the build checks writing when it has shards to write); ``train.storage_path`` (unset:
+    the runs directory's ``ray/``) and ``tune.storage_path`` can be written (:func:`check_run_store`
+    where a URI)."""
     from pipeline.config.train import runs_dir
+    from runtime.storage import check, is_uri
 
-    if not Path(job.shards.root).expanduser().is_dir():
+    storage = job.storage.settings()
+    if is_uri(job.shards.root):
+        check(job.shards.root, write=False, settings=storage, key="shards.root")
+    elif not Path(job.shards.root).expanduser().is_dir():
         check_writable_dir("shards.root", job.shards.root)
-    if job.train.storage_path:
-        check_writable_dir("train.storage_path", job.train.storage_path)
-    else:
+    sweep_path = job.tune.storage_path if job.tune is not None else None
+    for key, value in (("train.storage_path", job.train.storage_path), ("tune.storage_path", sweep_path)):
+        if value and is_uri(value):
+            check_run_store(key, value, storage)
+    if not job.train.storage_path:
         check_writable_dir("train.storage_path", runs_dir() / "ray", default=" (unset: <runs dir>/ray)")
+    elif not is_uri(job.train.storage_path):
+        check_writable_dir("train.storage_path", job.train.storage_path)
+
+
+def check_run_store(key: str, uri: str, storage=None) -> None:
+    """``key`` (``train.storage_path``, ``tune.storage_path``) a URI: the store answers, takes the
+    credentials, holds the bucket and lets them write there, and can hold the run's lease (a
+    conditional write: S3 only, :mod:`pipeline.train.lease`); one ``ValueError`` line naming the URI
+    otherwise, within seconds."""
+    from runtime.storage import check
+
+    if not uri.startswith("s3://"):
+        raise ValueError(f"{key}: {uri}: a run or sweep on a store holds its one-writer lease by a conditional "
+                         "write, which satp makes on S3 only; use s3://BUCKET/PREFIX, or a path every node mounts")
+    check(uri, write=True, settings=storage, key=key)
+    # The checkpoint code still reads and writes run folders as local paths: until it goes through
+    # pyarrow.fs, a run there is refused rather than written into a local folder named after the URI.
+    raise ValueError(f"{key}: {uri}: checkpoints on an object store are not written by this version; use a path "
+                     "every node mounts (shards.root may be an s3:// URI)")
 
 
 def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None,
