@@ -1,22 +1,13 @@
 """Structure extractors phi(u, G) of SAT (Chen et al., ICML 2022, Sec. 4.1).
 
-The structure-aware attention compares nodes through ``phi(u, G)``, a
-representation of the local structure around ``u``:
+* :class:`SubtreeExtractor` (k-subtree): the output at ``u`` of ``k`` layers of a base GNN on the
+  whole graph; at most as expressive as 1-WL.
+* :class:`SubgraphExtractor` (k-subgraph): the same GNN inside the k-hop subgraph of every node
+  (precomputed indices, :class:`sat.data.SATData`), sum-pooled, concatenated with ``x_u`` and
+  projected; strictly more expressive than 1-WL (cf. Zhang & Li, Nested GNNs, 2021).
 
-* :class:`SubtreeExtractor` (the *k-subtree GNN extractor*): the output at ``u`` of
-  ``k`` layers of a base GNN run on the whole graph. It represents the k-subtree
-  rooted at ``u`` and is at most as expressive as 1-WL.
-* :class:`SubgraphExtractor` (the *k-subgraph GNN extractor*): the same GNN run
-  inside the k-hop subgraph of every node ``u`` (precomputed indices, see
-  :class:`sat.data.SATData`), sum-pooled over the subgraph's nodes, concatenated
-  with ``x_u`` and projected. It is strictly more expressive than 1-WL
-  (cf. Zhang & Li, Nested GNNs, 2021).
-
-``k = 0`` means no extractor: the plain Transformer (queries and keys from ``x``).
-
-Base GNNs (:func:`gnn_layer`): GCN, GIN, GraphSAGE, PNA, and the edge-aware
-GINE; GCN and PNA also take edge features, GCN in the form of OGB's examples
-(``relu(x_j + e_ji)`` messages with symmetric normalisation plus a root term).
+Base GNNs (:func:`gnn_layer`): GCN, GIN, GraphSAGE, PNA and GINE; GCN and PNA also take edge
+features, GCN in the form of OGB's examples (:class:`EdgeGCNConv`).
 """
 from __future__ import annotations
 
@@ -38,26 +29,20 @@ GNN_TYPES = ("gcn", "gin", "gine", "sage", "pna")
 
 
 class EdgeGCNConv(MessagePassing):
-    """GCN with edge features, as ``GCNConv`` of OGB's ``examples/graphproppred`` (mol, ppa, code2):
+    """GCN with edge features, as ``GCNConv`` of OGB's ``examples/graphproppred``:
 
         h_v = sum_{u -> v} norm_uv * relu(W x_u + E e_uv) + relu(W x_v + r) / deg_v
 
     with ``norm_uv = (deg_u deg_v)^{-1/2}``, ``deg = 1 + out-degree`` as in OGB's code.
 
-    In the k-subgraph extractor (Chen et al., ICML 2022, Sec. 4.1) the layer runs on the disjoint
-    union of the k-hop subgraphs, whose entries and edges copy nodes and edges of the graph
-    (``node_index``, ``edge_id``). The linear maps then run on the graph's ``N`` nodes and ``E``
-    edges before gathering; given also the graph's ``graph_edge_index``, the first layer (input
-    rows still ungathered) computes ``relu(W x_u + E e_uv)`` once per *graph* edge and gathers that
-    per subgraph edge, since a subgraph edge's source entry copies its graph edge's source node.
+    In the k-subgraph extractor the layer runs on the union of the k-hop subgraphs, whose entries and
+    edges copy the graph's (``node_index``, ``edge_id``): the linear maps run on the graph's nodes and
+    edges before gathering, and the first layer forms ``relu(W x_u + E e_uv)`` once per graph edge.
 
-    ``message_impl`` (:mod:`sat.edge_messages`): ``fused`` sums the messages in one Triton kernel
-    per pass, without materialising them per edge; ``auto`` does so on CUDA for the gathered
-    (k-subgraph) inputs only, where the messages are many (the k-subtree case is launch-bound, and
-    one sort per call would not pay); ``torch`` never. The fused sum includes the root term, forms
-    ``W x`` itself (again in the backward pass, instead of keeping it) and returns its dtype (bf16
-    under autocast); the torch path adds an fp32 root term under autocast, which promotes its
-    output to fp32.
+    ``message_impl`` (:mod:`sat.edge_messages`): ``fused`` sums in one Triton kernel; ``auto`` does so
+    on CUDA for the gathered (k-subgraph) inputs only, where messages are many; ``torch`` never. The
+    fused sum returns the input's dtype (bf16 under autocast); the torch path, with its fp32 root
+    term under autocast, returns fp32.
 
     Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``; with the
     gathers: x ``[N, d]``, edge_index ``[2, Es]`` (over the ``S`` entries), edge_attr
@@ -92,16 +77,12 @@ class EdgeGCNConv(MessagePassing):
         graph_edge_index: Optional[Tensor] = None,
         fused_edges: Optional[MessageEdges] = None,
     ) -> Tensor:
-        """``node_index`` / ``edge_id`` (optional) gather the rows of ``x`` / ``edge_attr`` *after*
-        the linear maps: the result equals ``forward(x[node_index], edge_index, edge_attr[edge_id])``
-        but the maps run once per node / edge instead of once per k-subgraph entry.
-
-        ``graph_edge_index`` (with both gathers) takes the per-graph-edge path; it requires
-        ``node_index[edge_index[0]] == graph_edge_index[0][edge_id]``, which the indices of
-        :class:`sat.data.SATData` satisfy by construction (also after batching and [CLS] insertion).
-
-        ``fused_edges``: :func:`gcn_message_edges` of these indices, built once and shared by
-        the layers over the same edges (otherwise built here), where the sum is fused.
+        """``node_index`` / ``edge_id`` (optional) gather the rows of ``x`` / ``edge_attr`` after the
+        linear maps: ``forward(x[node_index], edge_index, edge_attr[edge_id])``, computed once per
+        node / edge. ``graph_edge_index`` (with both gathers) takes the per-graph-edge path, which
+        needs ``node_index[edge_index[0]] == graph_edge_index[0][edge_id]`` (true of
+        :class:`sat.data.SATData`'s indices, also after batching and [CLS] insertion).
+        ``fused_edges``: :func:`gcn_message_edges` of these indices, shared by the layers over them.
         """
         edge_embedding = self.edge_encoder(edge_attr)
         num_entries = x.size(0) if node_index is None else node_index.numel()
@@ -141,13 +122,10 @@ class FixedShapeGCNConv(GCNConv):
 
         h_v = b + sum_{u -> v, u != v, and u = v once} (d_u d_v)^{-1/2} W x_u,   d_v = 1 + in-degree
 
-    ``GCNConv`` adds the *remaining* self-loops (``add_remaining_self_loops``): it drops the loops
-    already in ``edge_index`` and adds one per node, selecting edges by value, an operation whose
-    output shape depends on the data (a graph break under ``torch.compile``, not capturable as a CUDA
-    graph). Here every edge is kept and weighted 1, or 0 when it is a loop, and one loop of weight 1
-    is appended per node: the same normalised sum as ``GCNConv`` (unweighted graphs, default
-    arguments), from shapes that depend on ``N`` and ``E`` only. The padding self-loops of a
-    fixed-capacity batch (:mod:`sat.padding`) thus weigh nothing.
+    ``GCNConv`` drops the loops in ``edge_index`` by value, a data-dependent shape (a graph break
+    under ``torch.compile``). Here loops are kept with weight 0 and one loop of weight 1 is appended
+    per node: the same sum, from shapes that depend on ``N`` and ``E`` only (the padding self-loops
+    of :mod:`sat.padding` weigh nothing).
 
     Shapes: x ``[N, d]``, edge_index ``[2, E]`` -> ``[N, d]``.
     """
@@ -203,15 +181,10 @@ def gnn_layer(
     pna: Optional[PNASettings] = None,
     message_impl: MessageImpl = "auto",
 ) -> nn.Module:
-    """One base-GNN layer ``[N, d] -> [N, d]``.
+    """One base-GNN layer ``[N, d] -> [N, d]`` of ``gnn_type`` (:data:`GNN_TYPES`).
 
-    Args:
-        gnn_type: one of ``gcn, gin, gine, sage, pna``.
-        edge_dim: width of the edge features the layer takes, or ``None`` for none. Ignored by
-            ``gin`` and ``sage``; ``gine`` without edge features gets zeros (GIN with ReLU'd messages).
-        pna: PNA's settings (:class:`sat.config.PNASettings`: the training data's in-degree
-            histogram, aggregators, scalers, towers).
-        message_impl: how :class:`EdgeGCNConv` (GCN with edge features) sums its messages.
+    ``edge_dim``: the width of the edge features it takes (``None``: none; ignored by ``gin`` and
+    ``sage``); ``pna``: PNA's settings; ``message_impl``: how :class:`EdgeGCNConv` sums its messages.
     """
     if gnn_type == "gcn":
         return FixedShapeGCNConv(hidden_dim, hidden_dim) if edge_dim is None else EdgeGCNConv(hidden_dim, edge_dim,
@@ -237,8 +210,6 @@ class _GNNStack(nn.Module):
 
     def __init__(self, hidden_dim, gnn_type, k, edge_dim, concat_hops, pna, message_impl="auto"):
         super().__init__()
-        if gnn_type not in GNN_TYPES:
-            raise ValueError(f"unknown gnn_type {gnn_type!r}; expected one of {list(GNN_TYPES)}")
         if k < 1:
             raise ValueError(f"a structure extractor needs k >= 1, got {k}")
         self.gnn_type = gnn_type
@@ -265,42 +236,28 @@ class _GNNStack(nn.Module):
     ) -> Tensor:
         """Run the stack on ``(x[node_index], edge_index, edge_attr[edge_id])`` (gathers optional).
 
-        The gathers are deferred where a layer allows it (:class:`EdgeGCNConv` maps nodes and
-        edges before gathering), which saves most of the k-subgraph extractor's linear work.
-        ``graph_edge_index`` (``[2, E]``, the edges ``edge_id`` refers to, in the node ids of
-        ``x``) lets a first :class:`EdgeGCNConv` layer form its messages once per graph edge
-        instead of once per subgraph edge; later layers run on the ``S`` gathered entries.
-        ``fused_edges``: the message edges of the first and of later :class:`EdgeGCNConv` layers
-        where they sum fused (:meth:`SubgraphExtractor.fused_edges`).
+        :class:`EdgeGCNConv` layers gather after their linear maps, the first one forming its
+        messages once per edge of ``graph_edge_index`` (``[2, E]``, the edges ``edge_id`` refers to);
+        ``fused_edges``: their message edges, first and later layers
+        (:meth:`SubgraphExtractor.fused_edges`).
         """
         uses_edges = self.gnn_type == "gine" or self.edge_dim is not None
         if uses_edges and edge_attr is None and self.gnn_type != "gine":
             raise ValueError(f"the {self.gnn_type} extractor was built for edge features but got edge_attr=None")
-        gathered: list[Optional[Tensor]] = []
-
-        def entry_edge_attr(width: int, like: Tensor) -> Tensor:
-            if not gathered:
-                if edge_attr is None:  # GINE without edge features: zero edge embeddings
-                    gathered.append(like.new_zeros(edge_index.size(1), width))
-                else:
-                    gathered.append(edge_attr if edge_id is None else edge_attr.index_select(0, edge_id))
-            return gathered[0]
-
+        gathers_late = isinstance(self.convs[0], EdgeGCNConv)
+        if uses_edges and not gathers_late:  # GINE without edge features: zero edge embeddings
+            edge_attr = (x.new_zeros(edge_index.size(1), x.size(1)) if edge_attr is None
+                         else edge_attr if edge_id is None else edge_attr.index_select(0, edge_id))
         hops = [x if node_index is None else x.index_select(0, node_index)] if self.concat_hops else []
-        pending = node_index  # rows of x still to be gathered
         for depth, conv in enumerate(self.convs):
-            if isinstance(conv, EdgeGCNConv):
-                # pending is set for the first layer only, so only it takes the per-graph-edge path
+            pending = node_index if depth == 0 else None  # rows of x still to be gathered
+            if gathers_late:
                 edges = None if fused_edges is None else fused_edges[min(depth, 1)]
                 x = conv(x, edge_index, edge_attr, pending, edge_id, graph_edge_index, edges)
             else:
                 if pending is not None:
                     x = x.index_select(0, pending)
-                if uses_edges:
-                    x = conv(x, edge_index, entry_edge_attr(x.size(-1), x))
-                else:
-                    x = conv(x, edge_index)
-            pending = None
+                x = conv(x, edge_index, edge_attr) if uses_edges else conv(x, edge_index)
             x = F.relu(x)
             if self.concat_hops:
                 hops.append(x)
@@ -311,11 +268,13 @@ class _Extractor(nn.Module):
     """A k-layer base GNN followed by BatchNorm and a projection back to ``hidden_dim``; the
     k-subgraph extractor also concatenates the node's own features before them.
 
-    ``recompute_gnn``: keep none of the base GNN's activations for the backward pass and run it
-    again there (``torch.utils.checkpoint``). In the k-subgraph extractor they grow with the ``S``
-    subgraph entries (about 16 per node on code2); recomputed, the extractor keeps only per-node
-    tensors, for one more forward pass of the GNN. BatchNorm and the projection stay outside the
-    recomputed part, so running statistics are updated once per step.
+    Args: ``hidden_dim`` (``d``), ``gnn_type`` (:func:`gnn_layer`), ``k`` (GNN layers, ``>= 1``),
+    ``edge_dim`` (edge features of edge-aware GNNs, ``None``: none), ``concat_hops`` (concatenate
+    the input and every hop's output, as the authors' ``StructureExtractor``), ``pna``,
+    ``message_impl`` (:mod:`sat.edge_messages`) and ``recompute_gnn``: keep none of the base GNN's
+    activations (in the k-subgraph extractor, ``[S, d]`` per layer) and run it again in the backward
+    pass (``torch.utils.checkpoint``); BatchNorm and the projection stay outside, so running
+    statistics are updated once per step.
     """
 
     keeps_input = False
@@ -352,18 +311,7 @@ class _Extractor(nn.Module):
 
 class SubtreeExtractor(_Extractor):
     """k-subtree GNN extractor: ``phi(u, G) = GNN^(k)(G)_u`` (Sec. 4.1), then BatchNorm and a
-    linear projection (as in the authors' ``StructureExtractor``).
-
-    Args:
-        hidden_dim: ``d``.
-        gnn_type: base GNN (see :func:`gnn_layer`).
-        k: number of GNN layers (hops), ``>= 1``.
-        edge_dim: width of edge features for edge-aware GNNs, ``None`` for none.
-        concat_hops: concatenate the input and all hops' outputs before the projection.
-        pna: PNA only (:class:`sat.config.PNASettings`).
-        message_impl: how a GCN with edge features sums its messages (:mod:`sat.edge_messages`).
-        recompute_gnn: recompute the base GNN in the backward pass instead of keeping its
-            activations (see :class:`_Extractor`).
+    linear projection (as in the authors' ``StructureExtractor``); arguments as :class:`_Extractor`.
 
     Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]``, mask ``[N]`` (the
     real rows of a padded batch, for BatchNorm's statistics: :mod:`sat.norm`) -> ``[N, d]``.
@@ -378,16 +326,10 @@ class SubtreeExtractor(_Extractor):
 class SubgraphExtractor(_Extractor):
     """k-subgraph GNN extractor (Sec. 4.1): ``phi(u, G) = W [x_u || sum_{w in S_k(u)} GNN^(k)(S_k(u))_w]``.
 
-    The GNN runs on the disjoint union of all k-hop subgraphs, laid out by the precomputed
-    indices of :class:`sat.data.SATData` (``S`` entries, ``Es`` subgraph edges): node features
-    are gathered with ``subgraph_node_index``, edge features with ``subgraph_edge_id``, and the
-    entries' outputs are sum-pooled per centre via ``subgraph_indicator``. BatchNorm and a linear
-    projection follow the concatenation (authors' ``KHopStructureExtractor``).
-
-    With GCN and edge features the first layer's messages ``relu(W x_u + E e_uv)`` are formed
-    once per edge of the graph (``edge_index``) and gathered per subgraph edge with
-    ``subgraph_edge_id`` (see :class:`EdgeGCNConv`); only the normalised sum and the later layers
-    run per subgraph edge.
+    The GNN runs on the disjoint union of all k-hop subgraphs, laid out by the indices of
+    :class:`sat.data.SATData` (``S`` entries, ``Es`` subgraph edges); the entries' outputs are
+    sum-pooled per centre, then BatchNorm and a projection follow (the authors'
+    ``KHopStructureExtractor``). Arguments as :class:`_Extractor`.
 
     Shapes: x ``[N, d]``, subgraph_node_index / subgraph_indicator ``[S]``,
     subgraph_edge_index ``[2, Es]``, subgraph_edge_id ``[Es]``, edge_attr ``[E, edge_dim]``
@@ -416,15 +358,8 @@ class SubgraphExtractor(_Extractor):
             fused_edges = self.fused_edges(x, edge_attr, subgraph_node_index, subgraph_edge_index, subgraph_edge_id)
 
         def gnn_and_pool(x_: Tensor, edge_attr_: Optional[Tensor]) -> Tensor:
-            h = self.gnn(
-                x_,
-                subgraph_edge_index,
-                edge_attr_,
-                node_index=subgraph_node_index,
-                edge_id=subgraph_edge_id,
-                graph_edge_index=edge_index,
-                fused_edges=fused_edges,
-            )
+            h = self.gnn(x_, subgraph_edge_index, edge_attr_, node_index=subgraph_node_index, edge_id=subgraph_edge_id,
+                         graph_edge_index=edge_index, fused_edges=fused_edges)
             # summed in the input's precision (fp32 under autocast) whatever the GNN's output dtype
             return scatter(h.to(x_.dtype), subgraph_indicator, dim=0, dim_size=x_.size(0), reduce="sum")
 
@@ -448,24 +383,4 @@ class SubgraphExtractor(_Extractor):
         return first, first.with_sources(subgraph_edge_index[0], entries)
 
 
-def build_extractor(
-    kind: str,
-    hidden_dim: int,
-    gnn_type: str,
-    k: int,
-    edge_dim: Optional[int] = None,
-    concat_hops: bool = False,
-    pna: Optional[PNASettings] = None,
-    message_impl: MessageImpl = "auto",
-    recompute_gnn: bool = False,
-) -> Optional[nn.Module]:
-    """The extractor of ``kind`` (``subtree`` / ``subgraph``), or ``None`` for ``k = 0``."""
-    if k == 0:
-        return None
-    if kind == "subtree":
-        cls = SubtreeExtractor
-    elif kind == "subgraph":
-        cls = SubgraphExtractor
-    else:
-        raise ValueError(f"unknown extractor {kind!r}; expected 'subtree' or 'subgraph'")
-    return cls(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna, message_impl, recompute_gnn)
+EXTRACTORS = {"subtree": SubtreeExtractor, "subgraph": SubgraphExtractor}

@@ -1,30 +1,19 @@
 """Node layout of a mini-batch of graphs, shared by every layer's attention (Chen et al., ICML 2022,
 Sec. 4.1: every node attends to every node of its own graph).
 
-A PyG mini-batch is a disjoint union of ``B`` graphs whose nodes are stored graph after graph.
-:class:`GraphLayout` holds what the attention implementations need to keep graphs apart:
+A PyG mini-batch stores ``B`` graphs' nodes graph after graph. :class:`GraphLayout` holds what the
+attention implementations need to keep them apart: ``ptr`` / ``cu_seqlens`` ``[B + 1]`` (node
+offsets, long / int32), ``batch`` and ``local_index`` ``[N]`` (graph and position of every node),
+``max_nodes`` (a Python int) and dense blocks (graphs of sizes within ``bucket_ratio`` of each other
+padded into ``[G, L]`` blocks). With ``cls=True`` a [CLS] node stands in front of every graph
+(:class:`sat.heads.ClsToken`): ``real_index [N_in]`` says where the batch's own rows go,
+``cls_index [B]`` where the [CLS] nodes sit. A fixed-capacity layout (:meth:`GraphLayout.padded`,
+for :mod:`sat.padding`) has the same shapes for every batch and a ``node_mask [N]``, ``True`` on the
+rows of real graphs (BatchNorm's statistics, :mod:`sat.norm`); others have ``node_mask = None``.
 
-* ``ptr`` ``[B + 1]`` (long) and ``cu_seqlens`` ``[B + 1]`` (int32): node offsets of the graphs,
-  the second in the form FlashAttention's variable-length kernels take;
-* ``batch`` ``[N]``: graph id of every node; ``local_index`` ``[N]``: its position in its graph;
-* ``max_nodes`` (a Python int): the largest graph, the kernels' ``max_seqlen``;
-* dense blocks: graphs grouped by size (sizes within ``bucket_ratio`` of each other) into padded
-  ``[G, L]`` blocks, each given by the ids of its nodes and their flat position ``slot * L + local``;
-* with ``cls=True``, a virtual [CLS] node in front of every graph (:class:`sat.heads.ClsToken`):
-  ``real_index`` ``[N_in]`` is where the batch's own node rows go, ``cls_index`` ``[B]`` where each
-  [CLS] node sits, and every other field describes the enlarged graphs;
-* a layout of fixed capacity (:meth:`GraphLayout.padded`, for batches padded by :mod:`sat.padding`)
-  has the same shapes for every batch: ``capacity.graphs`` graph slots (the batch's graphs first,
-  then empty ones), padding graphs holding the padding rows, ``max_nodes`` the capacity's longest
-  graph (not the batch's), one dense block, and ``node_mask`` ``[N]`` (bool): ``True`` on the rows
-  of real graphs ([CLS] nodes included), what BatchNorm's statistics are taken over
-  (:mod:`sat.norm`). Unpadded layouts have ``node_mask = None``.
-
-Everything is derived from the graphs' node counts on the host. :meth:`GraphLayout.from_sizes`
-builds it without touching an accelerator, e.g. in a DataLoader worker, and :meth:`to` moves it
-(``non_blocking`` from pinned memory) with the batch, so the forward pass reads no value back
-from the device. Built from a device ``batch`` vector (:meth:`from_batch`), it copies the node
-counts to the host once.
+Everything derives from the graphs' node counts on the host: :meth:`GraphLayout.from_sizes` builds
+it without an accelerator (e.g. in a DataLoader worker) and :meth:`to` moves it with the batch, so
+the forward pass reads nothing back from the device.
 """
 from __future__ import annotations
 
@@ -66,10 +55,9 @@ def _size_runs(sizes: np.ndarray, bucket_ratio: float) -> list[np.ndarray]:
 class GraphLayout:
     """Index bookkeeping of a mini-batch of graphs; see the module docstring.
 
-    ``GraphLayout(batch, num_graphs, bucket_ratio)`` is :meth:`from_batch`.
-
     Args:
-        batch: ``[N]`` graph id of every node, sorted (PyG's ``Batch.batch``).
+        batch: ``[N]`` graph id of every node, sorted (PyG's ``Batch.batch``); its node counts are
+            copied to the host once.
         num_graphs: ``B``.
         bucket_ratio: dense attention groups graphs whose sizes differ by at most this factor
             into one padded block; ``None`` pads all graphs to the largest one.
@@ -81,11 +69,6 @@ class GraphLayout:
         if batch.device.type != "cpu":
             self.__dict__.update(self.to(batch.device).__dict__)
         self.batch = batch  # the caller's own tensor (same values)
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_batch(cls, batch: Tensor, num_graphs: int, bucket_ratio: Optional[float] = 1.5) -> "GraphLayout":
-        return cls(batch, num_graphs, bucket_ratio)
 
     @classmethod
     def from_sizes(
@@ -215,11 +198,6 @@ class GraphLayout:
         """This layout in page-locked memory (DataLoader ``pin_memory=True``), for non-blocking copies."""
         return self._map(lambda t: t.pin_memory())
 
-    @property
-    def padded_capacity(self) -> bool:
-        """Whether this is a fixed-capacity layout (:meth:`padded`)."""
-        return self.node_mask is not None
-
     def matches(self, num_input_nodes: int, cls: bool, num_graphs: Optional[int] = None) -> bool:
         """Whether this layout describes a batch of ``num_input_nodes`` node rows (and, when given,
         ``num_graphs`` graph slots), with or without [CLS] nodes."""
@@ -233,7 +211,7 @@ class GraphLayout:
         ``[G, L]``, the number of graph slots ``G`` and the padded length ``L``. Unbucketed (or
         when every graph fits one bucket) there is one block whose slot of graph ``g`` is ``g``.
         """
-        if (bucketed or self.padded_capacity) and self._groups:
+        if (bucketed or self.node_mask is not None) and self._groups:
             return self._groups
         if self._full_group is None:
             L = self.max_nodes

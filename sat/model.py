@@ -1,29 +1,20 @@
 """The Structure-Aware Transformer (Chen, O'Bray, Borgwardt, ICML 2022).
 
-:class:`SAT` stacks input encoders (:mod:`sat.encoders`), ``num_layers`` SAT encoder layers
-(:mod:`sat.layers`: structure extractor + structure-aware attention + FFN), a readout and a head
-(:mod:`sat.heads`). With ``architecture="gnn"`` the layers are :class:`sat.layers.GNNLayer` (the
-base GNN alone, the paper's baseline) and everything else stays the same. It is built from a :class:`sat.SATConfig` and runs on a PyG batch of
-:class:`sat.SATData` (``Batch.from_data_list``); a single graph without ``batch`` works too.
+:class:`SAT` stacks input encoders (:mod:`sat.encoders`), ``num_layers`` encoder layers
+(:mod:`sat.layers`; with ``architecture="gnn"`` the base GNN's), a readout and a head
+(:mod:`sat.heads`). It runs on a PyG batch of :class:`sat.SATData`, or on a single graph.
 
-Inputs read from the batch (N nodes, E edges, B graphs):
+Inputs read from the batch: ``x`` (see ``node_encoder``), ``edge_index [2, E]``, ``edge_attr``
+(edge-aware GNNs and ``edge_sum``), ``batch [N]``, ``degree [N]`` (optional; else
+:func:`sat.encodings.node_degree`), ``rwpe`` / ``lap_pe [N, pe_dim]``, ``node_depth [N]``
+(``code2_ast``) and the four ``subgraph_*`` tensors (``extractor='subgraph'``, ``k_hops >= 1``).
 
-``x`` (see ``node_encoder``), ``edge_index [2, E]``, ``edge_attr [E, *]`` (edge-aware GNNs and
-``edge_sum``), ``batch [N]``, ``degree [N]`` (optional; else :func:`sat.encodings.node_degree`),
-``rwpe`` / ``lap_pe [N, pe_dim]`` (``pe``), ``node_depth [N]`` (``code2_ast``) and the four
-``subgraph_*`` tensors (``extractor='subgraph'``, ``k_hops >= 1``).
-
-Output of ``forward``: ``[B, num_classes]`` for graph heads, ``[N, num_classes]`` for
-``node_classification``, ``[B, max_seq_len, num_classes]`` for ``code2_sequence``. With
-``return_attention=True``, ``(output, attention)`` where ``attention`` is a list with one tensor
-per layer of shape ``[B, num_heads, L, L]``: softmax weights of query (row) over key (column),
-nodes in the graph's order, ``L`` the largest graph of the batch, zero on padding. With the
-``cls`` readout each graph's [CLS] node comes first (index 0) and ``L`` counts it.
-
-A batch padded to a fixed capacity (:mod:`sat.padding`) gives one output row per graph slot (or
-node row) of the capacity: the batch's own graphs' (nodes') rows come first and equal the unpadded
-batch's; the padding rows are zeroed at each layer's input and left out of BatchNorm's statistics
-(``layout.node_mask``).
+Output: ``[B, num_classes]`` for graph heads, ``[N, num_classes]`` for ``node_classification``,
+``[B, max_seq_len, num_classes]`` for ``code2_sequence``; with ``return_attention=True`` also one
+``[B, num_heads, L, L]`` tensor per layer (:mod:`sat.attention`; with the ``cls`` readout each
+graph's [CLS] node comes first). A batch padded to a fixed capacity (:mod:`sat.padding`) gives one
+row per graph slot (or node row) of the capacity, the batch's own first, equal to the unpadded
+batch's.
 """
 from __future__ import annotations
 
@@ -75,46 +66,17 @@ class SAT(nn.Module):
         # edge features reach the model only through edge-aware base GNNs
         self.uses_edge_attr = config.uses_edge_features
         self.edge_encoder = EdgeEncoder(config) if self.uses_edge_attr else None
-        edge_dim = config.effective_edge_dim if self.uses_edge_attr else None
         if config.architecture == "gnn":
-            layers = [
-                GNNLayer(
-                    d, config.gnn_type, config.dropout, config.norm, edge_dim, config.pna_settings(),
-                    config.gnn_messages,
-                )
-                for _ in range(config.num_layers)
-            ]
+            edge_dim = config.effective_edge_dim if self.uses_edge_attr else None
+            layers = [GNNLayer(d, config.gnn_type, config.dropout, config.norm, edge_dim, config.pna_settings(),
+                               config.gnn_messages) for _ in range(config.num_layers)]
         else:
-            layers = [
-                SATLayer(
-                    d,
-                    config.num_heads,
-                    ffn_ratio=config.ffn_ratio,
-                    dropout=config.dropout,
-                    attn_dropout=config.attn_dropout,
-                    attention=config.attention,
-                    norm=config.norm,
-                    pre_norm=config.pre_norm,
-                    extractor=config.extractor,
-                    gnn_type=config.gnn_type,
-                    k_hops=config.k_hops,
-                    edge_dim=edge_dim,
-                    concat_hops=config.concat_hops,
-                    pna=config.pna_settings(),
-                    gnn_messages=config.gnn_messages,
-                    recompute_gnn=config.recompute_gnn,
-                )
-                for _ in range(config.num_layers)
-            ]
+            layers = [SATLayer(config) for _ in range(config.num_layers)]
         self.layers = nn.ModuleList(layers)
         pre_norm = config.architecture == "sat" and config.pre_norm
         self.final_norm = make_norm(config.norm, d) if pre_norm else None
         self.cls = ClsToken(d) if config.readout == "cls" else None
         self.head = Head(config.head, d, config.num_classes, config.max_seq_len)
-
-    @property
-    def needs_subgraphs(self) -> bool:
-        return self.config.needs_subgraphs
 
     def reset_parameters(self) -> None:
         for m in (self.node_encoder, self.pe_encoder, self.edge_encoder, self.final_norm, self.cls, self.head):
@@ -151,12 +113,11 @@ class SAT(nn.Module):
             num_graphs = ptr.numel() - 1 if isinstance(ptr, torch.Tensor) else None
             if layout.matches(_node_rows(batch), cls, num_graphs):
                 return layout
-        n = batch.num_nodes
         graph_index = getattr(batch, "batch", None)
-        num_graphs = 1 if graph_index is None else int(getattr(batch, "num_graphs", None) or int(graph_index.max()) + 1)
         if graph_index is None:
-            sizes = [n]
+            sizes = [batch.num_nodes]
         else:
+            num_graphs = int(getattr(batch, "num_graphs", None) or int(graph_index.max()) + 1)
             sizes = torch.bincount(graph_index.detach().cpu(), minlength=num_graphs).numpy()
         return GraphLayout.from_sizes(sizes, self.bucket_ratio, cls_token=cls).to(batch.edge_index.device)
 
@@ -185,7 +146,7 @@ class SAT(nn.Module):
         if self.pe_encoder is not None:
             x = x + self.pe_encoder(batch, graph_index, num_graphs, n)
         edge_attr = self.edge_encoder(batch.edge_attr) if self.edge_encoder is not None else None
-        subgraph = {k: getattr(batch, k).long() for k in SUBGRAPH_KEYS} if self.needs_subgraphs else None
+        subgraph = {k: getattr(batch, k).long() for k in SUBGRAPH_KEYS} if cfg.needs_subgraphs else None
 
         degree_scale = None
         if cfg.degree_scaling and self.cls is None and cfg.architecture == "sat":

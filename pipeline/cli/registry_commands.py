@@ -1,21 +1,10 @@
-"""``satp models`` and ``satp predict`` (registered by :mod:`pipeline.cli`).
-
-::
-
-    satp models [--tracking-uri URI] [--json]
-        registered models, versions, aliases, each version's metric, data hash and commit
-    satp models migrate NAME [--tracking-uri URI]
-        re-register NAME's format-1 versions (pickled modules, which satp no longer loads)
-        weights-only, as new versions; their aliases move to the copies
-    satp predict MODEL_URI INPUT [--tracking-uri URI] [--split test] [--json]
-        models:/NAME@alias or models:/NAME/VERSION; INPUT: a Python file (code2), a shard
-        directory or a JSON graph file (ppa; pattern and cluster: one class per node)
+"""``satp models`` (registered models, versions, aliases, metrics), ``satp models migrate NAME``
+(format-1 pickled versions re-registered weights-only) and ``satp predict MODEL_URI INPUT``.
 """
 from __future__ import annotations
 
 import argparse
 import json
-
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +28,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_predict)
 
 
-# ----------------------------------------------------------------------------- satp models
 def cmd_models(args: argparse.Namespace) -> int:
     from pipeline.registry.listing import format_models, list_models
 
@@ -48,7 +36,6 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- satp models migrate
 def cmd_migrate(args: argparse.Namespace) -> int:
     from pipeline.registry.migration import migrate
 
@@ -56,7 +43,6 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- satp predict
 def cmd_predict(args: argparse.Namespace) -> int:
     from pathlib import Path
 

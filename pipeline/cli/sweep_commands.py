@@ -1,18 +1,7 @@
-"""``satp tune`` and ``satp compare`` (registered by :mod:`pipeline.cli`).
-
-::
-
-    satp tune JOB.yaml [--set dotted.key=value ...] [--address ADDR] [--restart]
-        the job's ASHA sweep (tune: section), MLflow parent + child runs, best model registered,
-        alias champion moved only if it beats the current champion; a rerun resumes
-
-    satp compare JOB.yaml [--set dotted.key=value ...] [--address ADDR] [--restart]
-        every variant of the job's compare: section x every seed, each a full training run, at
-        equal budget; MLflow parent + child runs; per-variant mean ± std of the test metric at
-        the best validation epoch, a table (printed, and compare.md) and a plot; a rerun resumes
-
-A rerun of another job than the sweep ran is refused before Ray starts; ``--restart`` starts the
-sweep over (:mod:`pipeline.sweep.record`).
+"""``satp tune JOB.yaml`` (the job's ASHA sweep, best model registered, the champion alias moved only
+if it beats the current one) and ``satp compare JOB.yaml`` (every variant x seed at equal budget,
+mean ± std per variant): MLflow parent and child runs; a rerun resumes, a rerun of another job is
+refused before Ray starts unless ``--restart`` (:mod:`pipeline.sweep.record`).
 """
 from __future__ import annotations
 
