@@ -14,6 +14,7 @@ has no dataset-name branches.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections import Counter
 from typing import Any, Optional, Sequence
@@ -144,12 +145,7 @@ class Code2Task(Task):
 
     def decode_ids(self, ids: Sequence[int]) -> list[str]:
         """Subtokens of one id sequence, up to the first ``__EOS__``."""
-        out = []
-        for i in ids:
-            if int(i) == self.eos:
-                break
-            out.append(self.vocab[int(i)])
-        return out
+        return [self.vocab[int(i)] for i in itertools.takewhile(lambda i: int(i) != self.eos, ids)]
 
     def decode(self, predictions: torch.Tensor) -> list:
         return [self.decode_ids(row) for row in predictions.tolist()]
@@ -157,8 +153,7 @@ class Code2Task(Task):
     def targets(self, batch: Any) -> list:
         tokens = getattr(batch, "y_tokens", None)
         if tokens is None:  # fall back to the encoded targets
-            rows = batch.y.view(-1, self.max_seq_len)[: self.batch_size(batch)]
-            return [self.decode_ids(row) for row in rows.tolist()]
+            return self.decode(batch.y.view(-1, self.max_seq_len)[: self.batch_size(batch)])
         return [list(t) for t in tokens]
 
     def score(self, predictions: Sequence, targets: Sequence) -> float:
@@ -296,9 +291,11 @@ class SBMNodeTask(Task):
     metric = "acc"
     node_level = True
 
-    def __init__(self, num_classes: int, node_vocab: int) -> None:
-        self.num_classes = int(num_classes)
-        self.node_vocab = int(node_vocab)
+    def __init__(self) -> None:
+        from preprocessing.sbm import NODE_VOCAB, NUM_CLASSES
+
+        self.num_classes = NUM_CLASSES[self.name]
+        self.node_vocab = NODE_VOCAB[self.name]
 
     def configure(self, config: SATConfig, sample: Any) -> SATConfig:
         return dataclasses.replace(
@@ -330,21 +327,11 @@ class PatternTask(SBMNodeTask):
 
     name = "pattern"
 
-    def __init__(self) -> None:
-        from preprocessing.sbm import NODE_VOCAB, NUM_CLASSES
-
-        super().__init__(NUM_CLASSES["pattern"], NODE_VOCAB["pattern"])
-
 
 class ClusterTask(SBMNodeTask):
     """CLUSTER: the node's community (6 classes; input 1 + community on one node per community, else 0)."""
 
     name = "cluster"
-
-    def __init__(self) -> None:
-        from preprocessing.sbm import NODE_VOCAB, NUM_CLASSES
-
-        super().__init__(NUM_CLASSES["cluster"], NODE_VOCAB["cluster"])
 
 
 #: task name -> class (``train.task``, the registry's ``task.name``)

@@ -75,7 +75,8 @@ class NodeEncoder(nn.Module):
             ids = self._long_x(x, 2)
             depth = getattr(batch, "node_depth", None)
             if depth is None or depth.numel() != ids.size(0):
-                raise ValueError(f"node_encoder='code2_ast' needs node_depth of shape [N]={ids.size(0)}, got {_describe(depth)}")
+                raise ValueError(f"node_encoder='code2_ast' needs node_depth of shape [N]={ids.size(0)}, "
+                                 f"got {_describe(depth)}")
             depth = depth.view(-1).long().clamp(0, self.max_depth)
             return self.type_encoder(ids[:, 0]) + self.attribute_encoder(ids[:, 1]) + self.depth_encoder(depth)
         # constant

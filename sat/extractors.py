@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
-from torch_geometric.nn import GCNConv, GINConv, GINEConv, MessagePassing, PNAConv, SAGEConv
+from torch_geometric.nn import GCNConv, GINConv, GINEConv, PNAConv, SAGEConv
 from torch_geometric.utils import degree as pyg_degree
 from torch_geometric.utils import scatter
 
@@ -28,7 +28,7 @@ from .norm import BatchNorm
 GNN_TYPES = ("gcn", "gin", "gine", "sage", "pna")
 
 
-class EdgeGCNConv(MessagePassing):
+class EdgeGCNConv(nn.Module):
     """GCN with edge features, as ``GCNConv`` of OGB's ``examples/graphproppred``:
 
         h_v = sum_{u -> v} norm_uv * relu(W x_u + E e_uv) + relu(W x_v + r) / deg_v
@@ -50,7 +50,7 @@ class EdgeGCNConv(MessagePassing):
     """
 
     def __init__(self, hidden_dim: int, edge_dim: int, message_impl: MessageImpl = "auto"):
-        super().__init__(aggr="add")
+        super().__init__()
         self.message_impl = message_impl
         self.linear = nn.Linear(hidden_dim, hidden_dim)
         self.root_emb = nn.Embedding(1, hidden_dim)
@@ -67,16 +67,9 @@ class EdgeGCNConv(MessagePassing):
         with the k-subgraph extractor's gathers."""
         return resolve_impl(self.message_impl, device) == "fused" and (gathered or self.message_impl == "fused")
 
-    def forward(
-        self,
-        x: Tensor,
-        edge_index: Tensor,
-        edge_attr: Tensor,
-        node_index: Optional[Tensor] = None,
-        edge_id: Optional[Tensor] = None,
-        graph_edge_index: Optional[Tensor] = None,
-        fused_edges: Optional[MessageEdges] = None,
-    ) -> Tensor:
+    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Tensor, node_index: Optional[Tensor] = None,
+                edge_id: Optional[Tensor] = None, graph_edge_index: Optional[Tensor] = None,
+                fused_edges: Optional[MessageEdges] = None) -> Tensor:
         """``node_index`` / ``edge_id`` (optional) gather the rows of ``x`` / ``edge_attr`` after the
         linear maps: ``forward(x[node_index], edge_index, edge_attr[edge_id])``, computed once per
         node / edge. ``graph_edge_index`` (with both gathers) takes the per-graph-edge path, which
@@ -89,31 +82,28 @@ class EdgeGCNConv(MessagePassing):
         gathered = node_index is not None or edge_id is not None
         if self.sums_fused(x.device, gathered):
             if fused_edges is None:
-                fused_edges = gcn_message_edges(edge_index, x.size(0), edge_attr.size(0), num_entries, x.dtype, node_index,
-                                                edge_id)
+                fused_edges = gcn_message_edges(edge_index, x.size(0), edge_attr.size(0), num_entries, x.dtype,
+                                                node_index, edge_id)
             # W x is formed inside, and again in the backward pass rather than kept
-            return aggregate_edge_messages(x, edge_embedding, fused_edges, self.root_emb.weight[0], "fused", self.linear)
+            return aggregate_edge_messages(x, edge_embedding, fused_edges, self.root_emb.weight[0], "fused",
+                                           self.linear)
         x = self.linear(x)
-        col = edge_index[1]
         deg, norm = _gcn_norm(edge_index, num_entries)
-        norm, deg_col = norm.to(x.dtype), deg.view(-1, 1).to(x.dtype)
+        root = F.relu(x + self.root_emb.weight)  # per node, then gathered
         if node_index is not None and edge_id is not None and graph_edge_index is not None:
-            # relu(W x_u + E e_uv) per graph edge [E, d], gathered once: replaces the [Es, d] gathers
-            # of x_j and e_uv, their sum and ReLU, and the activations autograd keeps of them
-            edge_message = F.relu(x.index_select(0, graph_edge_index[0]) + edge_embedding)
-            message = edge_message.index_select(0, edge_id) * norm.view(-1, 1)
-            out = scatter(message, col, dim=0, dim_size=num_entries, reduce="sum")
-            root = F.relu(x + self.root_emb.weight).index_select(0, node_index)  # relu per node, then gather
-            return out + root / deg_col
+            # relu(W x_u + E e_uv) per graph edge [E, d], gathered per subgraph edge: no [Es, d] gathers
+            # of x_u and e_uv, nor the activations autograd would keep of their sum
+            message = F.relu(x.index_select(0, graph_edge_index[0]) + edge_embedding).index_select(0, edge_id)
+        else:
+            if node_index is not None:
+                x = x.index_select(0, node_index)
+            if edge_id is not None:
+                edge_embedding = edge_embedding.index_select(0, edge_id)
+            message = F.relu(x.index_select(0, edge_index[0]) + edge_embedding)
         if node_index is not None:
-            x = x.index_select(0, node_index)
-        if edge_id is not None:
-            edge_embedding = edge_embedding.index_select(0, edge_id)
-        out = self.propagate(edge_index, x=x, edge_attr=edge_embedding, norm=norm)
-        return out + F.relu(x + self.root_emb.weight) / deg_col
-
-    def message(self, x_j: Tensor, edge_attr: Tensor, norm: Tensor) -> Tensor:
-        return norm.view(-1, 1) * F.relu(x_j + edge_attr)
+            root = root.index_select(0, node_index)
+        out = scatter(message * norm.to(x.dtype).view(-1, 1), edge_index[1], dim=0, dim_size=num_entries, reduce="sum")
+        return out + root / deg.view(-1, 1).to(x.dtype)
 
 
 class FixedShapeGCNConv(GCNConv):
@@ -167,20 +157,16 @@ def gcn_message_edges(
     source = row if node_index is None else node_index.index_select(0, row)
     edge_rows = edge_id if edge_id is not None else torch.arange(row.numel(), device=row.device)
     inv_deg = deg.to(torch.promote_types(dtype, deg.dtype)).reciprocal()
-    return message_edges(source, edge_rows, col, norm, num_sources, num_edge_rows, num_entries, RootTerm(node_index, inv_deg))
+    return message_edges(source, edge_rows, col, norm, num_sources, num_edge_rows, num_entries,
+                         RootTerm(node_index, inv_deg))
 
 
 def _mlp(hidden_dim: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(hidden_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, hidden_dim))
 
 
-def gnn_layer(
-    gnn_type: str,
-    hidden_dim: int,
-    edge_dim: Optional[int] = None,
-    pna: Optional[PNASettings] = None,
-    message_impl: MessageImpl = "auto",
-) -> nn.Module:
+def gnn_layer(gnn_type: str, hidden_dim: int, edge_dim: Optional[int] = None, pna: Optional[PNASettings] = None,
+              message_impl: MessageImpl = "auto") -> nn.Module:
     """One base-GNN layer ``[N, d] -> [N, d]`` of ``gnn_type`` (:data:`GNN_TYPES`).
 
     ``edge_dim``: the width of the edge features it takes (``None``: none; ignored by ``gin`` and
@@ -192,7 +178,8 @@ def gnn_layer(
     if gnn_type == "gin":
         return GINConv(_mlp(hidden_dim), train_eps=True)
     if gnn_type == "gine":
-        return GINEConv(_mlp(hidden_dim), train_eps=True, edge_dim=edge_dim if edge_dim not in (None, hidden_dim) else None)
+        edge_dim = edge_dim if edge_dim not in (None, hidden_dim) else None  # None: edge features as wide as x
+        return GINEConv(_mlp(hidden_dim), train_eps=True, edge_dim=edge_dim)
     if gnn_type == "sage":
         return SAGEConv(hidden_dim, hidden_dim)
     if gnn_type == "pna":
@@ -224,16 +211,9 @@ class _GNNStack(nn.Module):
         for conv in self.convs:
             conv.reset_parameters()
 
-    def forward(
-        self,
-        x: Tensor,
-        edge_index: Tensor,
-        edge_attr: Optional[Tensor],
-        node_index: Optional[Tensor] = None,
-        edge_id: Optional[Tensor] = None,
-        graph_edge_index: Optional[Tensor] = None,
-        fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None,
-    ) -> Tensor:
+    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor], node_index: Optional[Tensor] = None,
+                edge_id: Optional[Tensor] = None, graph_edge_index: Optional[Tensor] = None,
+                fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None) -> Tensor:
         """Run the stack on ``(x[node_index], edge_index, edge_attr[edge_id])`` (gathers optional).
 
         :class:`EdgeGCNConv` layers gather after their linear maps, the first one forming its
@@ -279,17 +259,9 @@ class _Extractor(nn.Module):
 
     keeps_input = False
 
-    def __init__(
-        self,
-        hidden_dim: int,
-        gnn_type: str,
-        k: int,
-        edge_dim: Optional[int] = None,
-        concat_hops: bool = False,
-        pna: Optional[PNASettings] = None,
-        message_impl: MessageImpl = "auto",
-        recompute_gnn: bool = False,
-    ):
+    def __init__(self, hidden_dim: int, gnn_type: str, k: int, edge_dim: Optional[int] = None,
+                 concat_hops: bool = False, pna: Optional[PNASettings] = None, message_impl: MessageImpl = "auto",
+                 recompute_gnn: bool = False):
         super().__init__()
         self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna, message_impl)
         width = self.gnn.out_dim + (hidden_dim if self.keeps_input else 0)
@@ -338,19 +310,10 @@ class SubgraphExtractor(_Extractor):
 
     keeps_input = True
 
-    def forward(
-        self,
-        x: Tensor,
-        edge_index: Tensor,
-        edge_attr: Optional[Tensor] = None,
-        *,
-        subgraph_node_index: Tensor,
-        subgraph_indicator: Tensor,
-        subgraph_edge_index: Tensor,
-        subgraph_edge_id: Tensor,
-        fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None,
-        mask: Optional[Tensor] = None,
-    ) -> Tensor:
+    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor] = None, *, subgraph_node_index: Tensor,
+                subgraph_indicator: Tensor, subgraph_edge_index: Tensor, subgraph_edge_id: Tensor,
+                fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None,
+                mask: Optional[Tensor] = None) -> Tensor:
         """``fused_edges``: :meth:`fused_edges` of the same inputs, built once per batch for all
         extractors over it (otherwise built here, where the GCN sums fused). ``mask``: the real rows
         of a padded batch (:mod:`sat.norm`)."""

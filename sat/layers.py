@@ -59,16 +59,9 @@ class SATLayer(nn.Module):
         for m in (self.ffn[0], self.ffn[3], self.norm1, self.norm2):
             m.reset_parameters()
 
-    def forward(
-        self,
-        x: Tensor,
-        layout: GraphLayout,
-        edge_index: Tensor,
-        edge_attr: Optional[Tensor] = None,
-        subgraph: Optional[dict[str, Any]] = None,
-        degree_scale: Optional[Tensor] = None,
-        return_attention: bool = False,
-    ) -> tuple[Tensor, Optional[Tensor]]:
+    def forward(self, x: Tensor, layout: GraphLayout, edge_index: Tensor, edge_attr: Optional[Tensor] = None,
+                subgraph: Optional[dict[str, Any]] = None, degree_scale: Optional[Tensor] = None,
+                return_attention: bool = False) -> tuple[Tensor, Optional[Tensor]]:
         mask = layout.node_mask  # padded batches: BatchNorm's statistics over the real rows only
         h = normalise(self.norm1, x, mask) if self.pre_norm else x
         if self.extractor is None:
@@ -103,16 +96,8 @@ class GNNLayer(nn.Module):
     Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` or None -> ``([N, d], None)``.
     """
 
-    def __init__(
-        self,
-        hidden_dim: int,
-        gnn_type: str = "gcn",
-        dropout: float = 0.0,
-        norm: str = "batch",
-        edge_dim: Optional[int] = None,
-        pna: Optional[PNASettings] = None,
-        gnn_messages: MessageImpl = "auto",
-    ):
+    def __init__(self, hidden_dim: int, gnn_type: str = "gcn", dropout: float = 0.0, norm: str = "batch",
+                 edge_dim: Optional[int] = None, pna: Optional[PNASettings] = None, gnn_messages: MessageImpl = "auto"):
         super().__init__()
         self.gnn_type = gnn_type
         self.edge_dim = edge_dim if gnn_type in EDGE_AWARE_GNNS else None
@@ -133,16 +118,9 @@ class GNNLayer(nn.Module):
             return self.conv(x, edge_index, x.new_zeros(edge_index.size(1), x.size(1)))
         return self.conv(x, edge_index)
 
-    def forward(
-        self,
-        x: Tensor,
-        layout: Optional[GraphLayout],
-        edge_index: Tensor,
-        edge_attr: Optional[Tensor] = None,
-        subgraph: Optional[dict[str, Any]] = None,
-        degree_scale: Optional[Tensor] = None,
-        return_attention: bool = False,
-    ) -> tuple[Tensor, None]:
+    def forward(self, x: Tensor, layout: Optional[GraphLayout], edge_index: Tensor, edge_attr: Optional[Tensor] = None,
+                subgraph: Optional[dict[str, Any]] = None, degree_scale: Optional[Tensor] = None,
+                return_attention: bool = False) -> tuple[Tensor, None]:
         if return_attention:
             raise ValueError("architecture 'gnn' has no attention weights to return")
         mask = None if layout is None else layout.node_mask

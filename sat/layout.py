@@ -93,7 +93,7 @@ class GraphLayout:
         slots ``B..capacity.graphs-1`` are empty, and the padding rows (at least one) fill
         ``capacity.padding_graphs`` further slots of at most ``capacity.graph_nodes`` rows each, so
         that no graph, padding included, is longer than the static ``max_nodes``. Every tensor's
-        shape and every integer field but ``num_batch_graphs`` depend on ``capacity`` alone."""
+        shape and every integer field depend on ``capacity`` alone."""
         if isinstance(sizes, Tensor):
             sizes = sizes.detach().cpu().numpy()
         real = np.asarray(sizes, dtype=np.int64).reshape(-1)
@@ -110,7 +110,6 @@ class GraphLayout:
         layout = cls.__new__(cls)
         layout._build(slots, None, cls=cls_token)
         layout.max_nodes = longest + int(cls_token)
-        layout.num_batch_graphs = int(real.size)
         layout.node_mask = layout.batch < real.size
         L = layout.max_nodes
         layout._groups = [(torch.arange(layout.num_nodes), layout.batch * L + layout.local_index, slots.size, L)]
@@ -128,7 +127,6 @@ class GraphLayout:
         batch = np.repeat(np.arange(B, dtype=np.int64), sizes)
         local = np.arange(N, dtype=np.int64) - ptr[:-1][batch]
         self.num_graphs = int(B)
-        self.num_batch_graphs = int(B)  # graphs of the batch (on a padded layout: not its empty or padding slots)
         self.num_nodes = N
         self.num_input_nodes = int(real_sizes.sum())  # the batch's node rows: every node but the [CLS] ones
         self.node_mask: Optional[Tensor] = None  # padded layouts: the rows of the batch's graphs (see padded)

@@ -157,8 +157,8 @@ class SAT(nn.Module):
         if self.cls is not None:
             x, edge_index, subgraph = self.cls.attach(x, edge_index, subgraph, layout)
         if subgraph is not None:  # the same in every layer: built (and sorted) once per batch
-            subgraph["fused_edges"] = self.layers[0].extractor.fused_edges(
-                x, edge_attr, *(subgraph[k] for k in ("subgraph_node_index", "subgraph_edge_index", "subgraph_edge_id")))
+            indices = (subgraph[k] for k in ("subgraph_node_index", "subgraph_edge_index", "subgraph_edge_id"))
+            subgraph["fused_edges"] = self.layers[0].extractor.fused_edges(x, edge_attr, *indices)
 
         attention = []
         padding_rows = None if layout.node_mask is None else ~layout.node_mask.view(-1, 1)

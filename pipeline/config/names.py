@@ -67,7 +67,8 @@ def _names(job) -> Iterator[tuple[str, str, Optional[str]]]:
         where = f"{section}.name" if cfg.name else f"name (the default {section}.name: {value})"
         yield where, value, path_name_problem(value)
     if job.mlflow.registered_model is not None:
-        yield "mlflow.registered_model", job.mlflow.registered_model, registered_model_problem(job.mlflow.registered_model)
+        name = job.mlflow.registered_model
+        yield "mlflow.registered_model", name, registered_model_problem(name)
     yield "mlflow.experiment", job.mlflow.experiment, experiment_problem(job.mlflow.experiment)
 
 
