@@ -275,17 +275,11 @@ def accuracy_sbm(predictions: Sequence[int], targets: Sequence[int]) -> float:
 
 class SBMNodeTask(Task):
     """Node classification on PATTERN (2 classes) and CLUSTER (6 classes), as benchmarking-gnns
-    (Dwivedi et al.) and the SAT authors (``experiments/train_SBMs.py``) train and score it.
-
-    * Model: node ids ``x [N, 1]`` through ``Embedding(3 or 7, d)``, no edge features, head
-      ``node_classification``.
-    * Loss: benchmarking-gnns' class-weighted cross-entropy (the authors' ``--weight-class``): in a
-      batch of ``V`` nodes, class ``c`` with ``n_c`` nodes weighs ``(V - n_c) / V`` (absent: 0),
-      counted on the device.
-    * Metric ``acc``: :func:`accuracy_sbm` over the whole split, as the SAT authors' ``eval_epoch``
-      sums it (benchmarking-gnns averages per-batch values): it does not depend on how the split is
-      cut into batches and dealt over ranks.
-    * Constant baseline: the majority class, ``1 / num_classes`` class-averaged.
+    (Dwivedi et al.) and the SAT authors (``experiments/train_SBMs.py``) train and score it: node ids
+    through an embedding, no edge features; benchmarking-gnns' class-weighted cross-entropy (in a
+    batch of ``V`` nodes class ``c`` of ``n_c`` weighs ``(V - n_c) / V``, counted on the device);
+    :func:`accuracy_sbm` over the whole split, as the authors' ``eval_epoch`` sums it, so it does not
+    depend on how the split is cut into batches and dealt over ranks.
     """
 
     metric = "acc"

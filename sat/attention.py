@@ -2,10 +2,8 @@
 
     SA-attn(v) = sum_u  softmax_u( <W_Q phi(v, G), W_K phi(u, G)> / sqrt(d) )  W_V x_u
 
-Queries and keys come from the structure extractor's output ``phi`` (:mod:`sat.extractors`), values
-from the node features ``x``; every node attends to every node of its own graph
-(:class:`sat.layout.GraphLayout` says where each graph's nodes are). Three implementations share
-the same parameters:
+Queries and keys come from the structure extractor's output ``phi``, values from the node features
+``x``; every node attends to the nodes of its own graph. Three implementations share the parameters:
 
 * ``varlen``: FlashAttention's variable-length kernel on the packed nodes, one sequence per graph
   (torch >= 2.10, CUDA, bf16/fp16, no attention dropout);
@@ -16,9 +14,8 @@ the same parameters:
   reference of the tests), with the pair products in chunks recomputed in the backward pass, so
   memory grows with ``sum_g n_g^2 * heads`` rather than ``sum_g n_g^2 * d``.
 
-``auto`` takes ``varlen`` where it applies and ``dense`` elsewhere: the same function on every device.
-Attention weights, when requested, are ``[B, H, L, L]`` (``L`` the largest graph; row = query,
-column = key, in the graph's node order, zero on padding).
+``auto`` takes ``varlen`` where it applies, else ``dense``. Attention weights, when requested, are
+``[B, H, L, L]`` (``L`` the largest graph; row = query, column = key, zero on padding).
 """
 from __future__ import annotations
 
@@ -113,19 +110,11 @@ class _PairAggregate(torch.autograd.Function):
 
 
 class StructureAwareAttention(nn.Module):
-    """Multi-head structure-aware self-attention (Sec. 4.1).
+    """Multi-head structure-aware self-attention (Sec. 4.1): ``num_heads`` heads of ``hidden_dim /
+    num_heads``, ``dropout`` on the attention weights, ``impl`` switchable at any time (the module
+    docstring), ``bias`` of the query/key/value projections off as in the authors' code.
 
-    Args:
-        hidden_dim: ``d``, split into ``num_heads`` heads of ``d / num_heads``.
-        num_heads: ``H``.
-        dropout: dropout on the attention weights (``varlen`` has none; ``auto`` then uses ``dense``).
-        impl: ``"auto"``, ``"varlen"``, ``"dense"`` or ``"sparse"`` (same parameters; switchable
-            at any time; see the module docstring).
-        bias: bias of the query/key/value projections (off, as in the authors' code).
-
-    Shapes:
-        forward(x ``[N, d]``, x_struct ``[N, d]``, layout) -> ``([N, d], weights)`` where
-        ``weights`` is ``None`` or ``[B, H, L, L]`` (see the module docstring).
+    Shapes: forward(x ``[N, d]``, x_struct ``[N, d]``, layout) -> ``([N, d], None or [B, H, L, L])``.
     """
 
     def __init__(self, hidden_dim: int, num_heads: int, dropout: float = 0.0, impl: str = "auto", bias: bool = False):

@@ -65,12 +65,8 @@ class Grouping:
 
 class RootTerm(NamedTuple):
     """A message from every output row to itself, ``out[v] += weight[v] * relu(a[index[v]] + bias)``
-    (OGB-GCN's root term ``relu(W x_v + r) / deg_v``; the bias ``r`` is a parameter, given to
-    :func:`aggregate_edge_messages`).
-
-    Shapes: index ``[num_out]`` rows of ``a``, or ``None`` when row ``v`` of ``a`` is output row
-    ``v``; weight ``[num_out]``.
-    """
+    (OGB-GCN's root term ``relu(W x_v + r) / deg_v``; the bias goes to :func:`aggregate_edge_messages`).
+    ``index [num_out]`` (``None``: row ``v`` of ``a`` for output ``v``), ``weight [num_out]``."""
 
     index: Optional[Tensor]
     weight: Tensor
@@ -139,15 +135,12 @@ def aggregate_edge_messages(a: Tensor, b: Tensor, edges: MessageEdges, bias: Opt
     """``out[v] = sum_{j: dst[j] = v} norm[j] * relu(a[ia[j]] + b[ib[j]])`` over ``edges``, plus
     their root term with ``bias`` (see :class:`MessageEdges`).
 
-    ``linear``: the sum reads ``linear(a)`` instead of ``a``. The fused path then recomputes it in
-    the backward pass rather than keeping it: one ``[Na, d] x [d, d]`` product instead of an
-    ``[Na, d]`` activation (``a`` itself is usually kept anyway, by the ReLU before it).
+    ``linear``: the sum reads ``linear(a)``, which the fused path recomputes in the backward pass
+    rather than keeping it.
 
     Shapes: a ``[Na, d]`` (``[Na, d_in]`` with ``linear``), b ``[Nb, d]``, bias ``[d]`` ->
-    ``[num_out, d]`` in the dtype of ``a`` (of ``linear(a)``; ``b`` is cast to it; the bias is added
-    in the wider of its dtype and ``a``'s, as ``a + bias`` would be; ``fused`` sums in fp32, fp64
-    for fp64 inputs, and rounds each output once). Differentiable in ``a``, ``b``, ``bias`` and
-    ``linear``'s parameters.
+    ``[num_out, d]`` in the dtype of ``a`` (of ``linear(a)``; ``b`` is cast to it, the bias added as
+    ``a + bias`` would be; ``fused`` sums in fp32, fp64 for fp64 inputs, and rounds once).
     """
     width = a.size(-1) if linear is None else linear.out_features
     if a.dim() != 2 or b.dim() != 2 or width != b.size(1):

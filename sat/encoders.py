@@ -57,26 +57,19 @@ class NodeEncoder(nn.Module):
         if self.kind == "embedding":
             return self.embedding(self._long_x(x, 1).view(-1))  # id ranges: sat.validation
         if self.kind == "linear":
-            if x is None or not x.is_floating_point() or x.dim() != 2 or x.size(1) != self.in_dim:
-                raise ValueError(
-                    f"node_encoder='linear' expects float x of shape [N, {self.in_dim}] (model.node_in_dim), "
-                    f"got {_describe(x)}"
-                )
+            _expect(x, _has_width(x, self.in_dim) and x.is_floating_point(),
+                    f"node_encoder='linear' expects float x of shape [N, {self.in_dim}] (model.node_in_dim)")
             return self.linear(x)
         if self.kind == "edge_sum":
             ea = getattr(batch, "edge_attr", None)
-            if ea is None or ea.dim() != 2 or ea.size(1) != self.in_dim:
-                raise ValueError(
-                    f"node_encoder='edge_sum' expects edge_attr of shape [E, {self.in_dim}] (model.node_in_dim), "
-                    f"got {_describe(ea)}"
-                )
+            _expect(ea, _has_width(ea, self.in_dim),
+                    f"node_encoder='edge_sum' expects edge_attr of shape [E, {self.in_dim}] (model.node_in_dim)")
             return self.linear(incident_edge_sum(batch.edge_index, ea.float(), n))
         if self.kind == "code2_ast":
             ids = self._long_x(x, 2)
             depth = getattr(batch, "node_depth", None)
-            if depth is None or depth.numel() != ids.size(0):
-                raise ValueError(f"node_encoder='code2_ast' needs node_depth of shape [N]={ids.size(0)}, "
-                                 f"got {_describe(depth)}")
+            _expect(depth, depth is not None and depth.numel() == ids.size(0),
+                    f"node_encoder='code2_ast' needs node_depth of shape [N]={ids.size(0)}")
             depth = depth.view(-1).long().clamp(0, self.max_depth)
             return self.type_encoder(ids[:, 0]) + self.attribute_encoder(ids[:, 1]) + self.depth_encoder(depth)
         # constant
@@ -86,9 +79,8 @@ class NodeEncoder(nn.Module):
         ok = x is not None and not x.is_floating_point() and (
             (x.dim() == 2 and x.size(1) == width) or (width == 1 and x.dim() == 1)
         )
-        if not ok:
-            shape = "[N] or [N, 1]" if width == 1 else f"[N, {width}]"
-            raise ValueError(f"node_encoder={self.kind!r} expects long x of shape {shape}, got {_describe(x)}")
+        shape = "[N] or [N, 1]" if width == 1 else f"[N, {width}]"
+        _expect(x, ok, f"node_encoder={self.kind!r} expects long x of shape {shape}")
         return x.long()
 
 
@@ -115,22 +107,15 @@ class EdgeEncoder(nn.Module):
 
     def forward(self, edge_attr: Optional[Tensor]) -> Tensor:
         if self.kind == "linear":
-            ok = edge_attr is not None and edge_attr.dim() == 2 and edge_attr.size(1) == self.in_dim
-            if not ok:
-                raise ValueError(
-                    f"edge_encoder='linear' expects edge_attr of shape [E, {self.in_dim}] (model.edge_in_dim), "
-                    f"got {_describe(edge_attr)}"
-                )
+            _expect(edge_attr, _has_width(edge_attr, self.in_dim),
+                    f"edge_encoder='linear' expects edge_attr of shape [E, {self.in_dim}] (model.edge_in_dim)")
             return self.linear(edge_attr if edge_attr.is_floating_point() else edge_attr.float())
         ok = edge_attr is not None and not edge_attr.is_floating_point()
         if ok:
             ids = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
             ok = ids.dim() == 2 and ids.size(1) == self.columns
-        if not ok:
-            raise ValueError(
-                f"edge_encoder='embedding' expects long edge_attr of shape [E, {self.columns}] "
-                f"(model.edge_in_columns), got {_describe(edge_attr)}"
-            )
+        _expect(edge_attr, ok,
+                f"edge_encoder='embedding' expects long edge_attr of shape [E, {self.columns}] (model.edge_in_columns)")
         return self.embedding(ids.long() + self.offsets).sum(dim=1)
 
 
@@ -150,11 +135,8 @@ class PositionalEncoder(nn.Module):
     def forward(self, batch: Any, graph_index: Tensor, num_graphs: int, n: int) -> Tensor:
         """``n``: the batch's number of node rows."""
         pe = getattr(batch, self.attr, None)
-        if pe is None or pe.dim() != 2 or pe.size(1) != self.pe_dim or pe.size(0) != n:
-            raise ValueError(
-                f"pe={self.kind!r} expects batch.{self.attr} of shape [N={n}, {self.pe_dim}] "
-                f"(model.pe_dim), got {_describe(pe)}"
-            )
+        _expect(pe, _has_width(pe, self.pe_dim) and pe.size(0) == n,
+                f"pe={self.kind!r} expects batch.{self.attr} of shape [N={n}, {self.pe_dim}] (model.pe_dim)")
         pe = pe.to(self.linear.weight.dtype)  # fp32 (the weights' dtype) under autocast
         if self.kind == "lap" and self.training:
             sign = torch.randint(0, 2, (num_graphs, self.pe_dim), device=pe.device).float() * 2 - 1
@@ -162,7 +144,12 @@ class PositionalEncoder(nn.Module):
         return self.linear(pe)
 
 
-def _describe(t: Optional[Tensor]) -> str:
-    if t is None:
-        return "None"
-    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+def _has_width(t: Optional[Tensor], width: int) -> bool:
+    return t is not None and t.dim() == 2 and t.size(1) == width
+
+
+def _expect(t: Optional[Tensor], ok: bool, expected: str) -> None:
+    """A one-line ``ValueError`` saying what was expected and what ``t`` is, unless ``ok``."""
+    if not ok:
+        got = "None" if t is None else f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+        raise ValueError(f"{expected}, got {got}")

@@ -36,17 +36,14 @@ class EdgeGCNConv(nn.Module):
     with ``norm_uv = (deg_u deg_v)^{-1/2}``, ``deg = 1 + out-degree`` as in OGB's code.
 
     In the k-subgraph extractor the layer runs on the union of the k-hop subgraphs, whose entries and
-    edges copy the graph's (``node_index``, ``edge_id``): the linear maps run on the graph's nodes and
-    edges before gathering, and the first layer forms ``relu(W x_u + E e_uv)`` once per graph edge.
+    edges copy the graph's (``node_index [S]``, ``edge_id [Es]``): the linear maps run before the
+    gathers, and the first layer forms ``relu(W x_u + E e_uv)`` once per graph edge.
 
-    ``message_impl`` (:mod:`sat.edge_messages`): ``fused`` sums in one Triton kernel; ``auto`` does so
-    on CUDA for the gathered (k-subgraph) inputs only, where messages are many; ``torch`` never. The
-    fused sum returns the input's dtype (bf16 under autocast); the torch path, with its fp32 root
-    term under autocast, returns fp32.
+    ``message_impl`` (:mod:`sat.edge_messages`): ``fused`` sums in one Triton kernel (returning the
+    input's dtype); ``auto`` does so on CUDA for the gathered (k-subgraph) inputs only; ``torch`` never.
 
-    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``; with the
-    gathers: x ``[N, d]``, edge_index ``[2, Es]`` (over the ``S`` entries), edge_attr
-    ``[E, edge_dim]``, node_index ``[S]``, edge_id ``[Es]``, graph_edge_index ``[2, E]`` -> ``[S, d]``.
+    Shapes: x ``[N, d]``, edge_index ``[2, E]`` (``[2, Es]`` over the ``S`` entries with the gathers),
+    edge_attr ``[E, edge_dim]`` -> ``[N, d]`` (``[S, d]``).
     """
 
     def __init__(self, hidden_dim: int, edge_dim: int, message_impl: MessageImpl = "auto"):
@@ -70,13 +67,10 @@ class EdgeGCNConv(nn.Module):
     def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Tensor, node_index: Optional[Tensor] = None,
                 edge_id: Optional[Tensor] = None, graph_edge_index: Optional[Tensor] = None,
                 fused_edges: Optional[MessageEdges] = None) -> Tensor:
-        """``node_index`` / ``edge_id`` (optional) gather the rows of ``x`` / ``edge_attr`` after the
-        linear maps: ``forward(x[node_index], edge_index, edge_attr[edge_id])``, computed once per
-        node / edge. ``graph_edge_index`` (with both gathers) takes the per-graph-edge path, which
-        needs ``node_index[edge_index[0]] == graph_edge_index[0][edge_id]`` (true of
-        :class:`sat.data.SATData`'s indices, also after batching and [CLS] insertion).
-        ``fused_edges``: :func:`gcn_message_edges` of these indices, shared by the layers over them.
-        """
+        """``forward(x[node_index], edge_index, edge_attr[edge_id])``, the gathers (optional) after the
+        linear maps. ``graph_edge_index`` (with both gathers) forms messages per graph edge, which needs
+        ``node_index[edge_index[0]] == graph_edge_index[0][edge_id]`` (true of :class:`sat.data.SATData`'s
+        indices). ``fused_edges``: :func:`gcn_message_edges` of these indices, shared by the layers."""
         edge_embedding = self.edge_encoder(edge_attr)
         num_entries = x.size(0) if node_index is None else node_index.numel()
         gathered = node_index is not None or edge_id is not None
@@ -214,13 +208,9 @@ class _GNNStack(nn.Module):
     def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor], node_index: Optional[Tensor] = None,
                 edge_id: Optional[Tensor] = None, graph_edge_index: Optional[Tensor] = None,
                 fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None) -> Tensor:
-        """Run the stack on ``(x[node_index], edge_index, edge_attr[edge_id])`` (gathers optional).
-
-        :class:`EdgeGCNConv` layers gather after their linear maps, the first one forming its
-        messages once per edge of ``graph_edge_index`` (``[2, E]``, the edges ``edge_id`` refers to);
-        ``fused_edges``: their message edges, first and later layers
-        (:meth:`SubgraphExtractor.fused_edges`).
-        """
+        """Run the stack on ``(x[node_index], edge_index, edge_attr[edge_id])`` (gathers optional;
+        :class:`EdgeGCNConv` gathers after its linear maps, see its ``graph_edge_index`` and
+        ``fused_edges``)."""
         uses_edges = self.gnn_type == "gine" or self.edge_dim is not None
         if uses_edges and edge_attr is None and self.gnn_type != "gine":
             raise ValueError(f"the {self.gnn_type} extractor was built for edge features but got edge_attr=None")
@@ -314,9 +304,8 @@ class SubgraphExtractor(_Extractor):
                 subgraph_indicator: Tensor, subgraph_edge_index: Tensor, subgraph_edge_id: Tensor,
                 fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None,
                 mask: Optional[Tensor] = None) -> Tensor:
-        """``fused_edges``: :meth:`fused_edges` of the same inputs, built once per batch for all
-        extractors over it (otherwise built here, where the GCN sums fused). ``mask``: the real rows
-        of a padded batch (:mod:`sat.norm`)."""
+        """``fused_edges``: :meth:`fused_edges` of these inputs, built once per batch (else here);
+        ``mask``: the real rows of a padded batch (:mod:`sat.norm`)."""
         if fused_edges is None:
             fused_edges = self.fused_edges(x, edge_attr, subgraph_node_index, subgraph_edge_index, subgraph_edge_id)
 
@@ -333,10 +322,8 @@ class SubgraphExtractor(_Extractor):
         self, x: Tensor, edge_attr: Optional[Tensor], subgraph_node_index: Tensor, subgraph_edge_index: Tensor,
         subgraph_edge_id: Tensor,
     ) -> Optional[tuple[MessageEdges, MessageEdges]]:
-        """The message edges of the GCN layers (first: from graph nodes and edges; later: from
-        subgraph entries), sharing their sorts, where they sum fused (GCN with edge features on a
-        fused device), else ``None``. They depend on the batch only: every extractor over it can
-        take the same ones. Arguments as :meth:`forward`'s."""
+        """The message edges of the first and the later GCN layers, sharing their sorts, where they sum
+        fused, else ``None``; they depend on the batch only, so every extractor over it takes them."""
         conv = self.gnn.convs[0]
         if edge_attr is None or not isinstance(conv, EdgeGCNConv) or not conv.sums_fused(x.device, gathered=True):
             return None

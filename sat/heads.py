@@ -28,13 +28,9 @@ def pool_nodes(x: Tensor, graph_index: Tensor, num_graphs: int, reduce: str) -> 
 
 
 class ClsToken(nn.Module):
-    """A learned [CLS] node per graph, placed before the graph's nodes.
-
-    :meth:`attach` returns the node features ``[N + B, d]`` and the remapped indices: the
-    new id of real node ``i`` of graph ``g`` is ``i + g + 1`` and graph ``g``'s [CLS] node sits at
-    ``ptr[g] + g``, so nodes stay sorted by graph (:class:`sat.layout.GraphLayout` with
-    ``cls_token=True`` holds both maps). The [CLS] node has no edges; for the k-subgraph
-    extractor its subgraph is itself (one entry, no edges).
+    """A learned [CLS] node per graph, placed before the graph's nodes (real node ``i`` of graph ``g``
+    moves to ``i + g + 1``, the [CLS] node sits at ``ptr[g] + g``: the maps of a
+    :class:`sat.layout.GraphLayout` with ``cls_token=True``). It has no edges; its k-subgraph is itself.
     """
 
     def __init__(self, hidden_dim: int):

@@ -24,14 +24,11 @@ from .norm import make_norm, normalise
 
 
 class SATLayer(nn.Module):
-    """One SAT encoder layer of a model of ``config`` (:class:`sat.SATConfig`: attention, FFN, norm
-    and structure extractor; ``k_hops = 0`` for none).
+    """One SAT encoder layer of a model of ``config`` (:class:`sat.SATConfig`).
 
-    Shapes:
-        x ``[N, d]``; edge_index ``[2, E]``; edge_attr ``[E, edge_dim]`` or None; subgraph: the
-        four k-subgraph index tensors (dict; with ``fused_edges``, see
-        :meth:`sat.extractors.SubgraphExtractor.fused_edges`) or None; degree_scale ``[N]`` (``d_v^{-1/2}``) or
-        None -> ``([N, d], attention weights or None)``.
+    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` or None, subgraph (the
+    k-subgraph indices and their ``fused_edges``) or None, degree_scale ``[N]`` (``d_v^{-1/2}``) or
+    None -> ``([N, d], attention weights or None)``.
     """
 
     def __init__(self, config: SATConfig):
@@ -89,11 +86,9 @@ class GNNLayer(nn.Module):
 
         x' = dropout(x + relu(norm(conv(x))))
 
-    ``conv``: one layer of the base GNN that the extractors stack (:func:`sat.extractors.gnn_layer`),
-    with edge features where it takes them. :meth:`forward` takes :class:`SATLayer`'s arguments and
-    ignores the attention-only ones, so the model drives either kind of layer in one loop.
-
-    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` or None -> ``([N, d], None)``.
+    ``conv``: one layer of the base GNN the extractors stack (:func:`sat.extractors.gnn_layer`).
+    :meth:`forward` takes :class:`SATLayer`'s arguments, ignoring the attention-only ones, and returns
+    ``([N, d], None)``, so the model drives either kind of layer in one loop.
     """
 
     def __init__(self, hidden_dim: int, gnn_type: str = "gcn", dropout: float = 0.0, norm: str = "batch",

@@ -39,6 +39,12 @@ def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + offsets
 
 
+def _host_sizes(sizes: Union[Sequence[int], np.ndarray, Tensor]) -> np.ndarray:
+    if isinstance(sizes, Tensor):
+        sizes = sizes.detach().cpu().numpy()
+    return np.asarray(sizes, dtype=np.int64).reshape(-1)
+
+
 def _size_runs(sizes: np.ndarray, bucket_ratio: float) -> list[np.ndarray]:
     """Non-empty graphs, largest first, cut into runs whose sizes differ by at most ``bucket_ratio``."""
     order = np.argsort(-sizes, kind="stable")
@@ -53,15 +59,9 @@ def _size_runs(sizes: np.ndarray, bucket_ratio: float) -> list[np.ndarray]:
 
 
 class GraphLayout:
-    """Index bookkeeping of a mini-batch of graphs; see the module docstring.
-
-    Args:
-        batch: ``[N]`` graph id of every node, sorted (PyG's ``Batch.batch``); its node counts are
-            copied to the host once.
-        num_graphs: ``B``.
-        bucket_ratio: dense attention groups graphs whose sizes differ by at most this factor
-            into one padded block; ``None`` pads all graphs to the largest one.
-    """
+    """Index bookkeeping of a mini-batch of graphs (the module docstring), from ``batch [N]``, the
+    sorted graph id of every node (its node counts copied to the host once). ``bucket_ratio``: dense
+    attention pads graphs of sizes within this factor into one block; ``None``: one block."""
 
     def __init__(self, batch: Tensor, num_graphs: int, bucket_ratio: Optional[float] = 1.5) -> None:
         sizes = torch.bincount(batch.detach().cpu(), minlength=int(num_graphs)).numpy()
@@ -78,25 +78,19 @@ class GraphLayout:
 
         ``cls_token``: put a virtual [CLS] node in front of every graph.
         """
-        if isinstance(sizes, Tensor):
-            sizes = sizes.detach().cpu().numpy()
         layout = cls.__new__(cls)
-        layout._build(np.asarray(sizes, dtype=np.int64).reshape(-1), bucket_ratio, cls=cls_token)
+        layout._build(_host_sizes(sizes), bucket_ratio, cls=cls_token)
         return layout
 
     @classmethod
     def padded(
         cls, sizes: Union[Sequence[int], np.ndarray, Tensor], capacity: "Capacity", cls_token: bool = False
     ) -> "GraphLayout":
-        """The fixed-capacity layout of graphs with ``sizes[g]`` nodes, whose node rows are padded to
-        ``capacity.nodes`` (:func:`sat.padding.pad_batch`): graph slots ``0..B-1`` hold the graphs,
-        slots ``B..capacity.graphs-1`` are empty, and the padding rows (at least one) fill
-        ``capacity.padding_graphs`` further slots of at most ``capacity.graph_nodes`` rows each, so
-        that no graph, padding included, is longer than the static ``max_nodes``. Every tensor's
-        shape and every integer field depend on ``capacity`` alone."""
-        if isinstance(sizes, Tensor):
-            sizes = sizes.detach().cpu().numpy()
-        real = np.asarray(sizes, dtype=np.int64).reshape(-1)
+        """The fixed-capacity layout of graphs with ``sizes[g]`` nodes, padded to ``capacity.nodes`` rows
+        (:func:`sat.padding.pad_batch`): slots ``0..B-1`` hold the graphs, ``B..capacity.graphs-1`` are
+        empty, and the padding rows fill ``capacity.padding_graphs`` slots of at most
+        ``capacity.graph_nodes`` rows; every shape and integer field depends on ``capacity`` alone."""
+        real = _host_sizes(sizes)
         problems = capacity.shortfall(graphs=real.size, nodes=int(real.sum()),
                                       graph_nodes=int(real.max()) if real.size else 0)
         if problems:
@@ -116,7 +110,6 @@ class GraphLayout:
         return layout
 
     def _build(self, real_sizes: np.ndarray, bucket_ratio: Optional[float], cls: bool) -> None:
-        real_sizes = np.asarray(real_sizes, dtype=np.int64)
         if (real_sizes < 0).any():
             raise ValueError("graph sizes must be non-negative")
         sizes = real_sizes + 1 if cls else real_sizes
@@ -204,11 +197,9 @@ class GraphLayout:
 
     # ------------------------------------------------------------------ dense blocks
     def dense_groups(self, bucketed: bool = True) -> list[DenseGroup]:
-        """Padded blocks for dense attention: a list of ``(nodes, flat, G, L)``: the ids of the
-        block's nodes ``[n]``, their position ``graph_slot * L + local_index`` in the block
-        ``[G, L]``, the number of graph slots ``G`` and the padded length ``L``. Unbucketed (or
-        when every graph fits one bucket) there is one block whose slot of graph ``g`` is ``g``.
-        """
+        """Padded blocks for dense attention, ``(nodes, flat, G, L)`` each: the ids of the block's nodes
+        ``[n]``, their position ``graph_slot * L + local_index`` in the block ``[G, L]``, ``G`` and ``L``;
+        unbucketed, one block whose slot of graph ``g`` is ``g``."""
         if (bucketed or self.node_mask is not None) and self._groups:
             return self._groups
         if self._full_group is None:

@@ -4,11 +4,7 @@
 (:mod:`sat.layers`; with ``architecture="gnn"`` the base GNN's), a readout and a head
 (:mod:`sat.heads`). It runs on a PyG batch of :class:`sat.SATData`, or on a single graph.
 
-Inputs read from the batch: ``x`` (see ``node_encoder``), ``edge_index [2, E]``, ``edge_attr``
-(edge-aware GNNs and ``edge_sum``), ``batch [N]``, ``degree [N]`` (optional; else
-:func:`sat.encodings.node_degree`), ``rwpe`` / ``lap_pe [N, pe_dim]``, ``node_depth [N]``
-(``code2_ast``) and the four ``subgraph_*`` tensors (``extractor='subgraph'``, ``k_hops >= 1``).
-
+Inputs: the attributes of :class:`sat.SATData` the configuration reads (``degree`` optional).
 Output: ``[B, num_classes]`` for graph heads, ``[N, num_classes]`` for ``node_classification``,
 ``[B, max_seq_len, num_classes]`` for ``code2_sequence``; with ``return_attention=True`` also one
 ``[B, num_heads, L, L]`` tensor per layer (:mod:`sat.attention`; with the ``cls`` readout each
@@ -39,12 +35,8 @@ _NODE_ROW_KEYS = ("batch", "x", "node_depth", "rwpe", "lap_pe", "degree")  # ten
 
 
 class SAT(nn.Module):
-    """Structure-Aware Transformer.
-
-    Args:
-        config: all hyperparameters (:class:`sat.SATConfig`).
-        bucket_ratio: dense attention pads graphs in groups whose sizes differ by at most this
-            factor (``None``: one padded block for the whole batch). Only affects speed/memory.
+    """Structure-Aware Transformer of ``config`` (:class:`sat.SATConfig`); ``bucket_ratio``: dense
+    attention pads graphs in groups of sizes within this factor (``None``: one block), for speed only.
 
     Example::
 
@@ -125,12 +117,9 @@ class SAT(nn.Module):
     def forward(
         self, batch: Any, return_attention: bool = False, validate: bool = True
     ) -> Union[Tensor, tuple[Tensor, list[Tensor]]]:
-        """Run the model on a PyG batch; see the module docstring for inputs and outputs.
-
-        ``validate=False`` skips :meth:`validate`, whose value checks read tensors back to the
-        host: for batches checked already on the CPU (the training pipeline does so in its
-        data-loading workers). Without any device-to-host read and with ``batch.graph_layout``
-        built on the host, the forward pass does not synchronise with the accelerator.
+        """Run the model on a PyG batch (the module docstring). ``validate=False`` skips :meth:`validate`,
+        whose value checks read tensors back to the host: for batches checked on the CPU. With
+        ``batch.graph_layout`` built on the host, the forward pass then never syncs with the device.
         """
         if validate:
             self.validate(batch)
@@ -181,13 +170,9 @@ class SAT(nn.Module):
 
     @torch.no_grad()
     def cls_attention(self, batch: Any) -> list[Tensor]:
-        """Per graph, the last layer's attention of its [CLS] node over the graph's nodes,
-        averaged over heads: a list of ``B`` tensors ``[n_g]`` (each sums to 1 minus the
-        [CLS] node's attention to itself), for attention-map plots (Sec. 5.5).
-
-        Runs in the model's current mode (call ``model.eval()`` first for deterministic maps).
-        Requires ``readout='cls'``.
-        """
+        """Per graph, the last layer's attention of its [CLS] node over the graph's nodes, averaged over
+        heads: ``B`` tensors ``[n_g]``, for attention maps (Sec. 5.5; ``readout='cls'`` only). Runs in
+        the model's current mode (``model.eval()`` first for deterministic maps)."""
         if self.cls is None:
             raise ValueError("cls_attention needs a model with readout='cls'")
         _, attention = self.forward(batch, return_attention=True)

@@ -1,12 +1,9 @@
 """Fixed-capacity batches: a mini-batch padded to static shapes, with padding that changes nothing.
 
-A step whose tensors have the same shapes every time can be compiled once (``torch.compile(dynamic=
-False)``) and captured once as a CUDA graph (as NVIDIA's MLPerf GNN code pads its batches).
-:func:`pad_batch` pads a PyG batch of :class:`sat.data.SATData` to a :class:`Capacity`: node rows,
-edges, graph slots, the largest graph (attention's static ``max_seqlen``) and the k-subgraph indices.
-
-The padding is inert: outputs on the real graphs and nodes, the loss, every gradient and BatchNorm's
-statistics equal the unpadded batch's (``tests/test_padding.py``), because
+Static shapes let a step be compiled and captured as a CUDA graph once. :func:`pad_batch` pads a
+PyG batch of :class:`sat.data.SATData` to a :class:`Capacity` (node rows, edges, graph slots, the
+largest graph, the k-subgraph indices). The padding is inert: outputs on the real graphs and nodes,
+the loss, every gradient and BatchNorm's statistics equal the unpadded batch's, because
 
 * padding rows sit in graph slots of their own (:meth:`sat.layout.GraphLayout.padded`), so attention,
   the readouts and the [CLS] nodes never mix them with real nodes;
@@ -17,8 +14,7 @@ statistics equal the unpadded batch's (``tests/test_padding.py``), because
 * targets of padding graphs and nodes are :data:`PAD_TARGET`, the losses' ``ignore_index``, and the
   host reads only the first ``padding.graphs`` graphs / ``padding.nodes`` nodes (:class:`Padding`).
 
-A batch over its capacity is not padded (a training loop runs it eagerly). The padded batch keeps
-its own rows first and carries ``graph_layout`` (the fixed-capacity layout) and ``padding``.
+The padded batch keeps its own rows first and carries ``graph_layout`` and ``padding``.
 """
 from __future__ import annotations
 

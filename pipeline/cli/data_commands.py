@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 from pipeline.cli.args import add_job_arguments
 
@@ -18,8 +19,6 @@ def _positive_int(text: str) -> int:
 
 
 def _pycode(args: argparse.Namespace) -> int:
-    import time
-
     from preprocessing.pycode import build_pycode
 
     start = time.perf_counter()
@@ -39,8 +38,6 @@ def _synthetic_ppa(args: argparse.Namespace) -> int:
 
 
 def _sbm(args: argparse.Namespace) -> int:
-    import time
-
     from preprocessing.sbm import build_sbm, format_statistics
 
     start = time.perf_counter()
@@ -85,8 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pycode", help="ogbg-code2 from Python source (default: the standard library)",
         description="ogbg-code2 (OGB raw layout) from Python source: by default the standard library without "
         "tests; --environment: the code2-scale corpus of the standard library and every installed package "
-        "(docs/data.md). jedi, docutils, hypothesis and IPython are always left out of --environment: they are "
-        "reserved for an independent check.")
+        "(docs/data.md).")
     py.add_argument("--out", required=True, help="OGB root directory (writes OUT/ogbg_code2)")
     corpus = py.add_mutually_exclusive_group()
     corpus.add_argument("--source", action="append", metavar="DIR", help="source directory (repeatable)")

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 
+TRACKING_HELP = "MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="registered models: versions, aliases, metrics, data hash, commit")
-    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)")
+    p.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_models)
     actions = p.add_subparsers(dest="models_command", metavar="{migrate}")
@@ -21,8 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("predict", help="predict with a registered model (code2: method names of a Python file)")
     p.add_argument("model_uri", metavar="MODEL_URI", help="models:/NAME@alias or models:/NAME/VERSION")
-    p.add_argument("input", metavar="INPUT", help="a Python file (code2), a shard directory or a JSON graph file (ppa, pattern, cluster)")
-    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)")
+    p.add_argument("input", metavar="INPUT",
+                   help="a Python file (code2), a shard directory or a JSON graph file (ppa, pattern, cluster)")
+    p.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
     p.add_argument("--split", default="test", help="split to predict when INPUT is a shard directory (default test)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_predict)

@@ -8,7 +8,10 @@ overrides any key (the value parsed as YAML). Importing it loads no torch, Ray o
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any, Optional
 
@@ -102,9 +105,6 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any, where: str = "") -> No
 
 def known_keys(loc: tuple) -> list[str]:
     """The keys a job YAML accepts at the mapping ``loc`` (``()``: the sections), for suggestions."""
-    import dataclasses
-    import typing
-
     node: Any = JobConfig
     for part in loc:
         is_model = isinstance(node, type) and issubclass(node, BaseModel)
@@ -121,8 +121,6 @@ def known_keys(loc: tuple) -> list[str]:
 
 
 def _close_key(key: str, loc: tuple) -> Optional[str]:
-    import difflib
-
     close = difflib.get_close_matches(key, known_keys(loc), n=1, cutoff=0.6)
     return close[0] if close else None
 

@@ -5,11 +5,9 @@ Example (``jobs/pattern-local.yaml``)::
     compare:
       seeds: [0, 1, 2]              # every variant trains once per seed (train.seed)
       variants:                     # name -> dotted keys of the job set for that variant
-        gcn: {model.architecture: gnn, model.pe: none, model.pe_dim: 0}
         transformer: {model.k_hops: 0}
         subtree: {}                 # the job as it is
         subgraph: {model.extractor: subgraph, transform.k_hops: 1}
-      max_concurrent_trials: 2      # further capped by the cluster's resources
 
 ``satp compare JOB.yaml`` (:mod:`pipeline.sweep.compare`) trains every variant with every seed, each a
 full Ray Train run at the same budget: the keys that set it (``data``, ``train.epochs``, the subsets)

@@ -1,22 +1,12 @@
 """The ``tune:`` section of a job YAML: an ASHA sweep over dotted keys of the job.
 
-Example (``jobs/code2-sweep-local.yaml``)::
+Example (a whole one: ``jobs/code2-sweep-local.yaml``)::
 
     tune:
-      num_samples: 4              # trials (each a full Ray Train run)
-      metric: val_f1              # default: val_<task metric> (val_f1 for code2, val_acc for ppa)
-      mode: max                   # default: the task's (max for F1 and accuracy)
-      max_concurrent_trials: 2    # further capped by the cluster's resources
-      seed: 0                     # of the random search (null: not seeded)
-      asha:
-        grace_period: 1           # epochs every trial runs before it can be stopped
-        reduction_factor: 2       # keep the top 1/reduction_factor at each rung
-        max_epochs: 4             # default: train.epochs (every trial runs at most this many)
+      num_samples: 4              # trials, each a full Ray Train run
+      asha: {grace_period: 1, reduction_factor: 2}
       space:                      # dotted key into the job -> distribution
         train.lr: {loguniform: [1.0e-4, 3.0e-3]}
-        model.dropout: {choice: [0.0, 0.1, 0.2]}
-        model.gnn_type: {choice: [gcn, gin]}
-        model.num_layers: {randint: [1, 4]}        # 1..3 (upper bound exclusive, as Ray's randint)
         "transform.rwpe_steps,model.pe_dim": {choice: [8, 16]}   # one value, set at both keys
 
 Distributions (a mapping with exactly one key): ``choice: [v, ...]``, ``grid: [v, ...]`` (every
