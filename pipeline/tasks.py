@@ -128,16 +128,11 @@ class Code2Task(Task):
         edge_attr = getattr(sample, "edge_attr", None)
         columns = int(edge_attr.size(-1)) if edge_attr is not None and edge_attr.dim() == 2 else 1
         edge_vocab = int(edge_attr.max()) + 1 if edge_attr is not None and edge_attr.numel() else 2
-        return dataclasses.replace(
-            config,
-            node_encoder="code2_ast",
-            edge_encoder="embedding" if config.use_edge_attr else "none",
-            edge_in_dim=max(2, edge_vocab) if config.use_edge_attr else config.edge_in_dim,
-            edge_in_columns=columns if config.use_edge_attr else config.edge_in_columns,
-            head="code2_sequence",
-            num_classes=len(self.vocab),
-            max_seq_len=self.max_seq_len,
-        )
+        edges = dict(edge_encoder="none")
+        if config.use_edge_attr:
+            edges = dict(edge_encoder="embedding", edge_in_dim=max(2, edge_vocab), edge_in_columns=columns)
+        return dataclasses.replace(config, node_encoder="code2_ast", head="code2_sequence", num_classes=len(self.vocab),
+                                   max_seq_len=self.max_seq_len, **edges)
 
     def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
         y = batch.y.view(-1, self.max_seq_len)
@@ -224,16 +219,11 @@ class PPATask(Task):
                 node_encoder, node_in_dim = "constant", 1
         if node_encoder == "edge_sum" and edge_attr is not None:
             node_in_dim = int(edge_attr.size(-1))
-        use_edges = config.use_edge_attr and edge_attr is not None
-        return dataclasses.replace(
-            config,
-            node_encoder=node_encoder,
-            node_in_dim=node_in_dim,
-            edge_encoder="linear" if use_edges else "none",
-            edge_in_dim=int(edge_attr.size(-1)) if use_edges else config.edge_in_dim,
-            head="graph_classification",
-            num_classes=self.num_classes,
-        )
+        edges = dict(edge_encoder="none")
+        if config.use_edge_attr and edge_attr is not None:
+            edges = dict(edge_encoder="linear", edge_in_dim=int(edge_attr.size(-1)))
+        return dataclasses.replace(config, node_encoder=node_encoder, node_in_dim=node_in_dim,
+                                   head="graph_classification", num_classes=self.num_classes, **edges)
 
     def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
         return F.cross_entropy(output.float(), batch.y.view(-1).long(), ignore_index=PAD_TARGET)
@@ -292,14 +282,8 @@ class SBMNodeTask(Task):
         self.node_vocab = NODE_VOCAB[self.name]
 
     def configure(self, config: SATConfig, sample: Any) -> SATConfig:
-        return dataclasses.replace(
-            config,
-            node_encoder="embedding",
-            node_in_dim=self.node_vocab,
-            edge_encoder="none",
-            head="node_classification",
-            num_classes=self.num_classes,
-        )
+        return dataclasses.replace(config, node_encoder="embedding", node_in_dim=self.node_vocab, edge_encoder="none",
+                                   head="node_classification", num_classes=self.num_classes)
 
     def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
         y = batch.y.view(-1).long()

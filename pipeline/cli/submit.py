@@ -304,16 +304,8 @@ def runtime_env(working_dir: Path, excludes: list[str], local: bool) -> dict:
     return {"working_dir": str(working_dir), "excludes": excludes, **({"env_vars": env_vars} if env_vars else {})}
 
 
-def submit(
-    job_path: str | Path,
-    *,
-    address: Optional[str] = None,
-    overrides: Optional[list[str]] = None,
-    wait: bool = True,
-    working_dir: str | Path = ".",
-    out=sys.stdout,
-    restart: bool = False,
-) -> int:
+def submit(job_path: str | Path, *, address: Optional[str] = None, overrides: Optional[list[str]] = None,
+           wait: bool = True, working_dir: str | Path = ".", out=sys.stdout, restart: bool = False) -> int:
     """Submit ``job_path`` to the cluster at ``address`` (:func:`job_server`) once it passed the
     pre-flight; return its exit status (:func:`exit_status`; without ``wait``, 0 once submitted)."""
     overrides = list(overrides or [])
