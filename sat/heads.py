@@ -1,8 +1,8 @@
 """Readouts and prediction heads of SAT (Chen et al., ICML 2022, Sec. 4.2 and 5.5).
 
-Readouts: ``mean`` / ``sum`` pooling over each graph's nodes, or ``cls``: a virtual [CLS] node per
-graph (Jain et al., 2021) without edges, which attends to and is attended by every node of its
-graph; its attention weights give SAT's attention maps (Sec. 5.5).
+Readouts: ``mean`` / ``sum`` pooling over each graph's nodes (in :class:`sat.SAT`), or ``cls``: a
+virtual [CLS] node per graph (Jain et al., 2021) without edges, which attends to and is attended by
+every node of its graph; its attention weights give SAT's attention maps (Sec. 5.5).
 
 Heads (``SATConfig.head``): ``graph_classification`` / ``graph_regression`` (MLP ``d -> d ->
 num_classes``, ``[B, num_classes]``), ``node_classification`` (the same MLP per real node,
@@ -15,16 +15,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
-from torch_geometric.utils import scatter
 
 from .layout import GraphLayout
 
 HEADS = ("graph_classification", "graph_regression", "node_classification", "code2_sequence")
-
-
-def pool_nodes(x: Tensor, graph_index: Tensor, num_graphs: int, reduce: str) -> Tensor:
-    """Mean or sum of ``x`` ``[N, d]`` over each graph -> ``[B, d]``."""
-    return scatter(x, graph_index, dim=0, dim_size=num_graphs, reduce=reduce)
 
 
 class ClsToken(nn.Module):
@@ -73,10 +67,6 @@ class Head(nn.Module):
             self.seq = nn.ModuleList(nn.Linear(hidden_dim, num_classes) for _ in range(max_seq_len))
         else:
             self.mlp = nn.Sequential(nn.Linear(hidden_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, num_classes))
-
-    @property
-    def node_level(self) -> bool:
-        return self.kind == "node_classification"
 
     def reset_parameters(self) -> None:
         for m in self.modules():

@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
+from torch_geometric.utils import scatter
 
 from .attention import ATTENTION_IMPLS
 from .config import SATConfig
@@ -25,7 +26,7 @@ from .data import SUBGRAPH_KEYS
 from .encoders import EdgeEncoder, NodeEncoder, PositionalEncoder
 from .encodings import node_degree
 from .extractors import GNN_TYPES
-from .heads import ClsToken, Head, pool_nodes
+from .heads import ClsToken, Head
 from .layers import GNNLayer, SATLayer
 from .layout import GraphLayout
 from .norm import make_norm, normalise
@@ -160,12 +161,12 @@ class SAT(nn.Module):
         if self.final_norm is not None:
             x = normalise(self.final_norm, x, layout.node_mask)
 
-        if self.head.node_level:
+        if cfg.head == "node_classification":
             out = self.head(x if layout.real_index is None else x[layout.real_index])
         elif self.cls is not None:
             out = self.head(x[layout.cls_index])
         else:
-            out = self.head(pool_nodes(x, graph_index, num_graphs, cfg.readout))
+            out = self.head(scatter(x, graph_index, dim=0, dim_size=num_graphs, reduce=cfg.readout))  # mean or sum
         return (out, attention) if return_attention else out
 
     @torch.no_grad()
