@@ -1,11 +1,8 @@
 """sat: the Structure-Aware Transformer (Chen, O'Bray, Borgwardt, ICML 2022) as a model library.
 
 Pure torch + torch_geometric. Build a model with ``SAT(SATConfig(...))`` and run it on a PyG
-batch of :class:`SATData`; see ``docs/python_api.md``.
-
-The names below are imported on first use (module ``__getattr__``), so that ``sat.config`` (a
-plain dataclass, read by job-file validation) loads without torch and torch_geometric: the
-``satp`` command validates a job and prints its help in well under a second.
+batch of :class:`SATData`; see ``docs/python_api.md``. The names below are imported on first use,
+so that ``sat.config`` (read by job-file validation) loads without torch.
 """
 from importlib import import_module
 
@@ -29,25 +26,7 @@ _EXPORTS = {
     "validate_batch": ".validation",
 }
 
-__all__ = [
-    "SAT",
-    "SATConfig",
-    "SATData",
-    "add_subgraph_indices",
-    "k_hop_subgraph_indices",
-    "random_walk_pe",
-    "laplacian_pe",
-    "incident_edge_sum",
-    "node_degree",
-    "StructureAwareAttention",
-    "GraphLayout",
-    "Capacity",
-    "pad_batch",
-    "SubtreeExtractor",
-    "SubgraphExtractor",
-    "SATLayer",
-    "validate_batch",
-]
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):

@@ -1,45 +1,21 @@
 """Structure-aware multi-head self-attention (Chen et al., ICML 2022, Sec. 4.1, Eq. 3-4).
 
-SAT's attention is a kernel smoother whose kernel compares *subgraph
-representations* rather than node features:
-
     SA-attn(v) = sum_u  softmax_u( <W_Q phi(v, G), W_K phi(u, G)> / sqrt(d) )  W_V x_u
 
-Queries and keys come from the structure extractor's output ``phi`` (see
-:mod:`sat.extractors`), values from the node features ``x``. Every node attends
-to every node of its own graph (a mini-batch is a disjoint union of graphs, so
-attention never crosses graph boundaries; :class:`sat.layout.GraphLayout` says where
-each graph's nodes are).
+Queries and keys come from the structure extractor's output ``phi``, values from the node features
+``x``; every node attends to the nodes of its own graph. Three implementations share the parameters:
 
-Three implementations share the same parameters:
+* ``varlen``: FlashAttention's variable-length kernel on the packed nodes, one sequence per graph
+  (torch >= 2.10, CUDA, bf16/fp16, no attention dropout);
+* ``dense``: graphs padded into ``[G, L, H, D]`` blocks, grouped by size so that one large graph does
+  not pad the whole batch, fed to ``scaled_dot_product_attention`` with a mask over padded keys
+  (without cuDNN on CUDA: it plans anew for every shape, and the blocks change shape per batch);
+* ``sparse``: scatter softmax over all intra-graph node pairs, as in the authors' code (the
+  reference of the tests), with the pair products in chunks recomputed in the backward pass, so
+  memory grows with ``sum_g n_g^2 * heads`` rather than ``sum_g n_g^2 * d``.
 
-* ``varlen`` (GPU): the packed nodes go straight into FlashAttention-2's
-  variable-length kernel (:func:`torch.nn.attention.varlen.varlen_attn`, torch >= 2.10),
-  one sequence per graph, no padding, no mask, no per-shape plan. CUDA with bf16/fp16
-  inputs only, and without attention dropout (the kernel has none).
-* ``dense``: graphs are padded into ``[G, L, H, D]`` blocks (like
-  :func:`torch_geometric.utils.to_dense_batch`) and fed to
-  :func:`torch.nn.functional.scaled_dot_product_attention` with an additive
-  float mask over padded keys. Graphs are grouped by size into a few blocks so
-  that one large graph does not pad a whole batch to its size. On CUDA the cuDNN
-  backend is excluded: it builds an execution plan per exact shape (0.15-0.8 s each on
-  Hopper), and the blocks change shape with nearly every batch.
-* ``sparse``: scatter softmax over the list of all intra-graph node pairs, the
-  formulation of the authors' code. It is the reference for tests and the
-  benchmark baseline. The per-pair products (scores and weighted values) run in
-  chunks inside two small autograd functions that recompute the gathers in the
-  backward pass, so memory grows with ``sum_g n_g^2 * heads`` rather than
-  ``sum_g n_g^2 * d`` (the authors' code keeps the ``[pairs, d]`` gathers:
-  19.6 GB at the benchmark settings).
-
-``auto`` (the default) takes ``varlen`` where it applies (CUDA, bf16/fp16 inputs under
-autocast, no attention dropout in training, no attention weights requested) and ``dense``
-everywhere else, so the model computes the same function on every device: only the
-kernel differs. With ``attn_dropout > 0`` in training, ``auto`` stays on ``dense``.
-
-Attention weights, when requested, are returned densely as ``[B, H, L, L]``
-(``L`` the largest graph of the batch; row = query, column = key, both in the
-order of the graph's nodes, zero on padding).
+``auto`` takes ``varlen`` where it applies, else ``dense``. Attention weights, when requested, are
+``[B, H, L, L]`` (``L`` the largest graph; row = query, column = key, zero on padding).
 """
 from __future__ import annotations
 
@@ -80,87 +56,65 @@ def _chunk_size(width: int) -> int:
     return max(1024, (1 << 23) // max(width, 1))  # ~32 MiB of fp32 per gathered chunk
 
 
-class _PairDot(torch.autograd.Function):
-    """``s[p, h] = <a[i[p], h, :], b[j[p], h, :]>`` over a pair list, in chunks.
+def _pair_dot(x: Tensor, y: Tensor, i: Tensor, j: Tensor, dtype: torch.dtype) -> Tensor:
+    """``out[p, h] = <x[i[p], h, :], y[j[p], h, :]>``, a chunk of pairs at a time."""
+    chunk = _chunk_size(x.size(1) * x.size(2))
+    out = x.new_empty(i.numel(), x.size(1), dtype=dtype)
+    for s in range(0, i.numel(), chunk):
+        out[s : s + chunk] = (x[i[s : s + chunk]] * y[j[s : s + chunk]]).sum(-1)
+    return out
 
-    Saves only ``a``, ``b`` and the indices; the backward pass gathers again per chunk.
-    """
+
+def _pair_sum(w: Tensor, x: Tensor, i: Tensor, j: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
+    """``out[n, h, :] = sum_{p : i[p] = n} w[p, h] * x[j[p], h, :]`` (``[rows, H, D]``), a chunk at a time."""
+    chunk = _chunk_size(x.size(1) * x.size(2))
+    out = torch.zeros(rows, x.size(1), x.size(2), dtype=dtype, device=x.device)
+    for s in range(0, i.numel(), chunk):
+        pairs = slice(s, s + chunk)
+        out.index_add_(0, i[pairs], (w[pairs, :, None] * x[j[pairs]]).to(dtype))
+    return out
+
+
+class _PairDot(torch.autograd.Function):
+    """``s[p, h] = <a[i[p], h, :], b[j[p], h, :]>``; saves only ``a``, ``b`` and the indices (the
+    backward pass gathers again)."""
 
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        chunk = _chunk_size(a.size(1) * a.size(2))
-        out = a.new_empty(i.numel(), a.size(1), dtype=torch.promote_types(a.dtype, b.dtype))
-        for s in range(0, i.numel(), chunk):
-            out[s : s + chunk] = (a[i[s : s + chunk]] * b[j[s : s + chunk]]).sum(-1)
         ctx.save_for_backward(a, b, i, j)
-        ctx.chunk = chunk
-        return out
+        return _pair_dot(a, b, i, j, torch.promote_types(a.dtype, b.dtype))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         a, b, i, j = ctx.saved_tensors
-        chunk = ctx.chunk
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_a = torch.zeros(a.shape, dtype=grad.dtype, device=a.device)
-            for s in range(0, i.numel(), chunk):
-                grad_a.index_add_(0, i[s : s + chunk], grad[s : s + chunk, :, None] * b[j[s : s + chunk]])
-            grad_a = grad_a.to(a.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_b = torch.zeros(b.shape, dtype=grad.dtype, device=b.device)
-            for s in range(0, i.numel(), chunk):
-                grad_b.index_add_(0, j[s : s + chunk], grad[s : s + chunk, :, None] * a[i[s : s + chunk]])
-            grad_b = grad_b.to(b.dtype)
+        grad_a = _pair_sum(grad, b, i, j, a.size(0), grad.dtype).to(a.dtype) if ctx.needs_input_grad[0] else None
+        grad_b = _pair_sum(grad, a, j, i, b.size(0), grad.dtype).to(b.dtype) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b, None, None
 
 
 class _PairAggregate(torch.autograd.Function):
-    """``out[n, h, :] = sum_{p : i[p] = n} w[p, h] * v[j[p], h, :]``, in chunks (recomputing the
-    gathers in the backward pass)."""
+    """``out[n, h, :] = sum_{p : i[p] = n} w[p, h] * v[j[p], h, :]``, recomputing the gathers in the
+    backward pass."""
 
     @staticmethod
     def forward(ctx, w: Tensor, v: Tensor, i: Tensor, j: Tensor, num_nodes: int) -> Tensor:
-        chunk = _chunk_size(v.size(1) * v.size(2))
-        dtype = torch.promote_types(w.dtype, v.dtype)
-        out = torch.zeros(num_nodes, v.size(1), v.size(2), dtype=dtype, device=v.device)
-        for s in range(0, i.numel(), chunk):
-            out.index_add_(0, i[s : s + chunk], w[s : s + chunk, :, None].to(dtype) * v[j[s : s + chunk]].to(dtype))
         ctx.save_for_backward(w, v, i, j)
-        ctx.chunk = chunk
-        return out
+        return _pair_sum(w, v, i, j, num_nodes, torch.promote_types(w.dtype, v.dtype))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         w, v, i, j = ctx.saved_tensors
-        chunk = ctx.chunk
-        grad_w = grad_v = None
-        if ctx.needs_input_grad[0]:
-            grad_w = torch.empty(w.shape, dtype=grad.dtype, device=w.device)
-            for s in range(0, i.numel(), chunk):
-                grad_w[s : s + chunk] = (grad[i[s : s + chunk]] * v[j[s : s + chunk]]).sum(-1)
-            grad_w = grad_w.to(w.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_v = torch.zeros(v.shape, dtype=grad.dtype, device=v.device)
-            for s in range(0, i.numel(), chunk):
-                grad_v.index_add_(0, j[s : s + chunk], w[s : s + chunk, :, None].to(grad.dtype) * grad[i[s : s + chunk]])
-            grad_v = grad_v.to(v.dtype)
+        grad_w = _pair_dot(grad, v, i, j, grad.dtype).to(w.dtype) if ctx.needs_input_grad[0] else None
+        grad_v = _pair_sum(w, grad, j, i, v.size(0), grad.dtype).to(v.dtype) if ctx.needs_input_grad[1] else None
         return grad_w, grad_v, None, None, None
 
 
 class StructureAwareAttention(nn.Module):
-    """Multi-head structure-aware self-attention (Sec. 4.1).
+    """Multi-head structure-aware self-attention (Sec. 4.1): ``num_heads`` heads of ``hidden_dim /
+    num_heads``, ``dropout`` on the attention weights, ``impl`` switchable at any time (the module
+    docstring), ``bias`` of the query/key/value projections off as in the authors' code.
 
-    Args:
-        hidden_dim: ``d``, split into ``num_heads`` heads of ``d / num_heads``.
-        num_heads: ``H``.
-        dropout: dropout on the attention weights (``varlen`` has none; ``auto`` then uses ``dense``).
-        impl: ``"auto"``, ``"varlen"``, ``"dense"`` or ``"sparse"`` (same parameters; switchable
-            at any time; see the module docstring).
-        bias: bias of the query/key/value projections (off, as in the authors' code).
-
-    Shapes:
-        forward(x ``[N, d]``, x_struct ``[N, d]``, layout) -> ``([N, d], weights)`` where
-        ``weights`` is ``None`` or ``[B, H, L, L]`` (see the module docstring).
+    Shapes: forward(x ``[N, d]``, x_struct ``[N, d]``, layout) -> ``([N, d], None or [B, H, L, L])``.
     """
 
     def __init__(self, hidden_dim: int, num_heads: int, dropout: float = 0.0, impl: str = "auto", bias: bool = False):

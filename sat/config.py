@@ -24,15 +24,10 @@ PNA_SCALERS = ("identity", "amplification", "attenuation", "linear", "inverse_li
 
 @dataclass(frozen=True)
 class PNASettings:
-    """One PNA layer's settings (Corso et al., "Principal Neighbourhood Aggregation for Graph Nets",
-    NeurIPS 2020; PyG's ``PNAConv``).
+    """One PNA layer's settings (Corso et al., NeurIPS 2020; PyG's ``PNAConv``).
 
-    ``degree_histogram[d]`` is the number of training nodes of in-degree ``d``: the scalers'
-    average degree comes from it. ``towers = 0`` takes the largest of 4, 2 and 1 that divides the
-    width. The SAT authors' PATTERN / CLUSTER commands use ``pna3`` (aggregators mean, sum, max;
-    scaler identity; 1 tower; the input not divided) and ``pna2`` (the same with 4 towers and the
-    input divided among them); their ``pna`` is PyG's example (mean, min, max, std; identity,
-    amplification, attenuation; 4 towers).
+    ``degree_histogram[d]``: the number of training nodes of in-degree ``d`` (the scalers' average
+    degree). ``towers = 0`` takes the largest of 4, 2 and 1 that divides the width.
     """
 
     degree_histogram: tuple[int, ...]
@@ -51,17 +46,10 @@ class SATConfig:
 
     The paper's baselines (Tables 1 and 4) are settings of the same model:
 
-    * ``architecture="gnn"``: the base GNN alone, the "Base GNN" rows. ``num_layers`` layers of
-      :class:`sat.layers.GNNLayer`: one layer of the base GNN (``gnn_type``, the same
-      :func:`sat.extractors.gnn_layer` that SAT's extractors stack, with edge features where it
-      takes them), then ``norm``, ReLU, a residual connection and dropout, as benchmarking-gnns
-      builds its GNNs (Dwivedi et al.). There is no attention and no FFN. The encoders, PE, readout
-      and head are SAT's, so only the layers differ. ``extractor``, ``k_hops``, ``concat_hops``,
-      ``num_heads``, ``attention``, ``attn_dropout``, ``ffn_ratio``, ``pre_norm`` and
-      ``degree_scaling`` are not used. The ``cls`` readout is rejected, because a [CLS] node
-      without edges receives no messages.
-    * ``k_hops = 0`` (``architecture="sat"``): the plain Transformer, with no structure extractor.
-      With ``pe="rwpe"`` it is the "Transformer+RWPE" row.
+    * ``architecture="gnn"``: the base GNN alone ("Base GNN" rows), ``num_layers`` of
+      :class:`sat.layers.GNNLayer` with SAT's encoders, PE, readout and head; the attention, FFN and
+      extractor keys are unused, and the ``cls`` readout is refused (a [CLS] node has no edges).
+    * ``k_hops = 0``: the plain Transformer ("Transformer+RWPE" with ``pe="rwpe"``).
     * ``extractor="subtree"`` / ``"subgraph"`` with ``k_hops >= 1``: k-subtree and k-subgraph SAT.
     """
 
@@ -83,8 +71,7 @@ class SATConfig:
     gnn_type: GNNType = "gcn"
     use_edge_attr: bool = True
     concat_hops: bool = False
-    # PNA (gnn_type: pna; see PNASettings): the in-degree histogram of the training graphs (the
-    # pipeline computes it from the shards when absent), aggregators, scalers, towers (0: 4, 2 or 1)
+    # PNA (gnn_type: pna; see PNASettings); the pipeline computes the histogram from the shards when absent
     pna_degree_histogram: list[int] | None = None
     pna_aggregators: list[str] = dataclasses.field(default_factory=lambda: list(PNASettings.aggregators))
     pna_scalers: list[str] = dataclasses.field(default_factory=lambda: list(PNASettings.scalers))

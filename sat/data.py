@@ -1,11 +1,8 @@
 """Graph data with precomputed SAT indices, batched by PyG's collation.
 
-:class:`SATData` is a :class:`torch_geometric.data.Data` that also carries the
-k-hop subgraph indices consumed by the k-subgraph structure extractor
-(Chen et al., "Structure-Aware Transformer for Graph Representation Learning",
-ICML 2022, Sec. 3.1) and the absolute encodings of Sec. 3.3. Batching offsets
-the index attributes through :meth:`SATData.__inc__`, the way PyG's
-``RootedSubgraphData`` does, so a mini-batch of graphs is one disjoint union.
+:class:`SATData` is a PyG ``Data`` that also carries the k-hop subgraph indices of the k-subgraph
+extractor (Chen et al., ICML 2022, Sec. 3.1) and the absolute encodings (Sec. 3.3); batching offsets
+the index attributes (:meth:`SATData.__inc__`, as PyG's ``RootedSubgraphData``).
 
 Attributes (N nodes, E directed edges, S subgraph entries, Es subgraph edges):
 
@@ -37,12 +34,7 @@ from torch_geometric.data import Data
 
 _DENSE_TABLE_LIMIT = 1 << 22  # k_hop_subgraph_indices: N^2 of a direct position table (32 MiB)
 
-SUBGRAPH_KEYS = (
-    "subgraph_node_index",
-    "subgraph_indicator",
-    "subgraph_edge_index",
-    "subgraph_edge_id",
-)
+SUBGRAPH_KEYS = ("subgraph_node_index", "subgraph_indicator", "subgraph_edge_index", "subgraph_edge_id")
 
 
 class SATData(Data):
@@ -68,21 +60,12 @@ class SATData(Data):
 
 
 def k_hop_subgraph_indices(edge_index: torch.Tensor, num_nodes: int, k: int) -> dict[str, torch.Tensor]:
-    """Compute every node's k-hop subgraph indices at once (vectorised).
+    """Every node's k-hop subgraph indices of one graph (``edge_index [2, E]``), ``k >= 1``: a dict
+    of the four ``SUBGRAPH_KEYS`` tensors (see :class:`SATData`).
 
-    Reachability within ``k`` hops is the support of ``(A + I)^k``, taken by
-    sparse matrix products, treating edges as undirected. A directed edge
-    ``(a, b)`` belongs to the subgraph of centre ``c`` when both ``a`` and ``b``
-    are within ``k`` hops of ``c``. Cost grows with the subgraphs' total size,
-    not with ``N^2``, so large sparse graphs (trees of 10^4 nodes) are fine.
-
-    Args:
-        edge_index: ``[2, E]`` long tensor of one graph.
-        num_nodes: ``N``.
-        k: number of hops, ``k >= 1``.
-
-    Returns:
-        A dict with the four ``SUBGRAPH_KEYS`` tensors (see :class:`SATData`).
+    Reachability within ``k`` hops is the support of ``(A + I)^k`` (sparse products, edges taken as
+    undirected); a directed edge ``(a, b)`` belongs to the subgraph of centre ``c`` when both ends are
+    within ``k`` hops of ``c``. Cost grows with the subgraphs' total size, not with ``N^2``.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1 for k-hop subgraphs, got {k}")

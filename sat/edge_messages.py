@@ -1,22 +1,17 @@
 """Sum of OGB-GCN edge messages, fused into one pass per output row (Triton) or in plain torch.
 
-:class:`sat.extractors.EdgeGCNConv` sums ``norm_uv * relu(W x_u + E e_uv)`` into ``v``. In the
-k-subgraph extractor of SAT (Chen et al., ICML 2022, Sec. 4.1) there are ``Es`` subgraph edges,
-about 44 per node on code2, and torch runs that sum as a gather of ``[Es, d]`` rows, an add, a
-ReLU, a product and an atomic scatter; its backward pass is atomic index-adds into the gathered
-inputs, and autograd keeps several ``[Es, d]`` activations. :func:`aggregate_edge_messages` with
-``impl="fused"`` computes the same sum in one Triton kernel: each output row walks its own edges
-in a CSR order (a sort of the destination indices), accumulates in fp32 (fp64 for fp64 inputs)
-and is written once. The backward pass recomputes the ReLU mask and runs the same kind of
-kernel per input, over the edges sorted by that input's row. Nothing of size ``[Es, d]`` is kept
-or materialised, and no atomics are used. GCN's root term (:class:`RootTerm`) joins the same sum
-as one more edge per output row, so under autocast the layer's output is one bf16 tensor rounded
-once, instead of bf16 messages plus an fp32 root term and their fp32 sum. The edges
-(:class:`MessageEdges`) keep their sorts, and the layers summing over one batch's edges share
-them: the 8 GCN layers of SAT's code2 model sort 4 indices per batch instead of 24.
+:class:`sat.extractors.EdgeGCNConv` sums ``norm_uv * relu(W x_u + E e_uv)`` into ``v``; in SAT's
+k-subgraph extractor (Chen et al., ICML 2022, Sec. 4.1) over many subgraph edges. Torch runs it as
+gathers of ``[Es, d]`` rows and an atomic scatter, and keeps several ``[Es, d]`` activations.
+``impl="fused"`` computes the same sum in one Triton kernel: each output row walks its own edges in
+CSR order, accumulates in fp32 (fp64 for fp64 inputs) and is written once; the backward pass
+recomputes the ReLU mask with the same kind of kernel per input. Nothing of size ``[Es, d]`` is
+kept, no atomics are used, and GCN's root term (:class:`RootTerm`) joins the sum as one more edge
+per row, so the output is rounded once. The edges (:class:`MessageEdges`) keep their sorts, shared
+by the layers that sum over one batch's edges.
 
-On CUDA the kernels are compiled; CPU tensors run them only in Triton's interpreter (slow; the
-CPU tests do so). ``impl="auto"`` takes the kernel on CUDA when Triton is installed, torch otherwise.
+On CUDA the kernels are compiled; CPU tensors run them only in Triton's interpreter (the CPU tests).
+``impl="auto"`` takes the kernel on CUDA when Triton is installed, torch otherwise.
 """
 from __future__ import annotations
 
@@ -70,12 +65,8 @@ class Grouping:
 
 class RootTerm(NamedTuple):
     """A message from every output row to itself, ``out[v] += weight[v] * relu(a[index[v]] + bias)``
-    (OGB-GCN's root term ``relu(W x_v + r) / deg_v``; the bias ``r`` is a parameter, given to
-    :func:`aggregate_edge_messages`).
-
-    Shapes: index ``[num_out]`` rows of ``a``, or ``None`` when row ``v`` of ``a`` is output row
-    ``v``; weight ``[num_out]``.
-    """
+    (OGB-GCN's root term ``relu(W x_v + r) / deg_v``; the bias goes to :func:`aggregate_edge_messages`).
+    ``index [num_out]`` (``None``: row ``v`` of ``a`` for output ``v``), ``weight [num_out]``."""
 
     index: Optional[Tensor]
     weight: Tensor
@@ -86,9 +77,8 @@ class MessageEdges(NamedTuple):
     b[ib[j]])`` to output row ``dst[j]``. With a root term its ``num_out`` edges ``index[v] -> v``
     follow the ``num_edges`` others and read row ``num_b`` of ``b``, where the bias goes.
 
-    Build with :func:`message_edges`; :meth:`with_sources` gives the same edges from other rows.
-    Sums over one set of edges share its groupings, so each is sorted once (SAT's k-subgraph
-    extractors: every GCN layer of every SAT layer sums over one batch's subgraph edges).
+    Build with :func:`message_edges`; :meth:`with_sources` gives the same edges from other rows,
+    sharing the groupings, so each is sorted once per batch.
     """
 
     ia: Grouping  # rows of a
@@ -145,15 +135,12 @@ def aggregate_edge_messages(a: Tensor, b: Tensor, edges: MessageEdges, bias: Opt
     """``out[v] = sum_{j: dst[j] = v} norm[j] * relu(a[ia[j]] + b[ib[j]])`` over ``edges``, plus
     their root term with ``bias`` (see :class:`MessageEdges`).
 
-    ``linear``: the sum reads ``linear(a)`` instead of ``a``. The fused path then recomputes it in
-    the backward pass rather than keeping it: one ``[Na, d] x [d, d]`` product instead of an
-    ``[Na, d]`` activation (``a`` itself is usually kept anyway, by the ReLU before it).
+    ``linear``: the sum reads ``linear(a)``, which the fused path recomputes in the backward pass
+    rather than keeping it.
 
     Shapes: a ``[Na, d]`` (``[Na, d_in]`` with ``linear``), b ``[Nb, d]``, bias ``[d]`` ->
-    ``[num_out, d]`` in the dtype of ``a`` (of ``linear(a)``; ``b`` is cast to it; the bias is added
-    in the wider of its dtype and ``a``'s, as ``a + bias`` would be; ``fused`` sums in fp32, fp64
-    for fp64 inputs, and rounds each output once). Differentiable in ``a``, ``b``, ``bias`` and
-    ``linear``'s parameters.
+    ``[num_out, d]`` in the dtype of ``a`` (of ``linear(a)``; ``b`` is cast to it, the bias added as
+    ``a + bias`` would be; ``fused`` sums in fp32, fp64 for fp64 inputs, and rounds once).
     """
     width = a.size(-1) if linear is None else linear.out_features
     if a.dim() != 2 or b.dim() != 2 or width != b.size(1):
@@ -193,11 +180,8 @@ def _kernels():
 
 
 # Launch configurations (BLOCK_E edges per loop step, BLOCK_D columns per program, warps per
-# program) for rows with few edges (on code2: ~3.5 per subgraph entry with its root edge, ~13 per
-# graph edge) and rows with many (the first layer's gradient into graph nodes: ~60 each, root
-# edges included). Chosen on an H100, before the root edges joined, by
-# benchmarks/gpu/messages.py (benchmarks/RESULTS.md): one program per row and few warps keep
-# many short rows in flight; long rows want wide edge tiles.
+# program), chosen by benchmarks/gpu/messages.py: one program per row and few warps keep many short
+# rows in flight; long rows (the first layer's gradient into graph nodes) want wide edge tiles.
 KERNEL_CONFIGS = {"short": (1, 256, 2), "long": (32, 64, 2)}
 LONG_ROWS = 16  # mean edges per row from which the "long" configuration applies
 
@@ -223,17 +207,13 @@ def _launch(kernel_index: int, reference: Tensor, rows: int, width: int, edges: 
 
 
 class _FusedAggregate(torch.autograd.Function):
-    """The root edges read the bias as row ``Nb`` of ``b``, appended here (``b`` widened to the
-    bias's dtype where that is wider, fp32 under autocast, so that the ReLU sees ``a + bias`` as
-    torch computes it); the same kernels then add it to each output row before its one rounding,
-    and nothing of size ``[num_out, d]`` is kept for it. The bias's gradient, a sum over all
-    outputs (one very long kernel row), is a chunked torch reduction instead.
+    """The root edges read the bias as row ``Nb`` of ``b``, appended here (widened to the bias's
+    dtype where that is wider, so that the ReLU sees ``a + bias`` as torch computes it). The bias's
+    gradient, a sum over all outputs (one very long kernel row), is a chunked torch reduction.
 
     With a linear map (``weight``, ``lin_bias``), ``a = F.linear(x, weight, lin_bias)`` is formed
-    here under the caller's autocast, and formed again in the backward pass in the same dtype.
-
-    The edges stay on ``ctx`` rather than among the saved tensors: they belong to the batch, are
-    shared by every sum over its edges, and their groupings are sorted when first needed."""
+    here under the caller's autocast, and again in the backward pass in the same dtype. The edges
+    stay on ``ctx``, not among the saved tensors: they belong to the batch, shared by its sums."""
 
     @staticmethod
     def forward(ctx, x, weight, lin_bias, b, bias, edges: MessageEdges):

@@ -1,22 +1,13 @@
 """Structure extractors phi(u, G) of SAT (Chen et al., ICML 2022, Sec. 4.1).
 
-The structure-aware attention compares nodes through ``phi(u, G)``, a
-representation of the local structure around ``u``:
+* :class:`SubtreeExtractor` (k-subtree): the output at ``u`` of ``k`` layers of a base GNN on the
+  whole graph; at most as expressive as 1-WL.
+* :class:`SubgraphExtractor` (k-subgraph): the same GNN inside the k-hop subgraph of every node
+  (precomputed indices, :class:`sat.data.SATData`), sum-pooled, concatenated with ``x_u`` and
+  projected; strictly more expressive than 1-WL (cf. Zhang & Li, Nested GNNs, 2021).
 
-* :class:`SubtreeExtractor` (the *k-subtree GNN extractor*): the output at ``u`` of
-  ``k`` layers of a base GNN run on the whole graph. It represents the k-subtree
-  rooted at ``u`` and is at most as expressive as 1-WL.
-* :class:`SubgraphExtractor` (the *k-subgraph GNN extractor*): the same GNN run
-  inside the k-hop subgraph of every node ``u`` (precomputed indices, see
-  :class:`sat.data.SATData`), sum-pooled over the subgraph's nodes, concatenated
-  with ``x_u`` and projected. It is strictly more expressive than 1-WL
-  (cf. Zhang & Li, Nested GNNs, 2021).
-
-``k = 0`` means no extractor: the plain Transformer (queries and keys from ``x``).
-
-Base GNNs (:func:`gnn_layer`): GCN, GIN, GraphSAGE, PNA, and the edge-aware
-GINE; GCN and PNA also take edge features, GCN in the form of OGB's examples
-(``relu(x_j + e_ji)`` messages with symmetric normalisation plus a root term).
+Base GNNs (:func:`gnn_layer`): GCN, GIN, GraphSAGE, PNA and GINE; GCN and PNA also take edge
+features, GCN in the form of OGB's examples (:class:`EdgeGCNConv`).
 """
 from __future__ import annotations
 
@@ -26,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
-from torch_geometric.nn import GCNConv, GINConv, GINEConv, MessagePassing, PNAConv, SAGEConv
+from torch_geometric.nn import GCNConv, GINConv, GINEConv, PNAConv, SAGEConv
 from torch_geometric.utils import degree as pyg_degree
 from torch_geometric.utils import scatter
 
@@ -37,35 +28,26 @@ from .norm import BatchNorm
 GNN_TYPES = ("gcn", "gin", "gine", "sage", "pna")
 
 
-class EdgeGCNConv(MessagePassing):
-    """GCN with edge features, as ``GCNConv`` of OGB's ``examples/graphproppred`` (mol, ppa, code2):
+class EdgeGCNConv(nn.Module):
+    """GCN with edge features, as ``GCNConv`` of OGB's ``examples/graphproppred``:
 
         h_v = sum_{u -> v} norm_uv * relu(W x_u + E e_uv) + relu(W x_v + r) / deg_v
 
     with ``norm_uv = (deg_u deg_v)^{-1/2}``, ``deg = 1 + out-degree`` as in OGB's code.
 
-    In the k-subgraph extractor (Chen et al., ICML 2022, Sec. 4.1) the layer runs on the disjoint
-    union of the k-hop subgraphs, whose entries and edges copy nodes and edges of the graph
-    (``node_index``, ``edge_id``). The linear maps then run on the graph's ``N`` nodes and ``E``
-    edges before gathering; given also the graph's ``graph_edge_index``, the first layer (input
-    rows still ungathered) computes ``relu(W x_u + E e_uv)`` once per *graph* edge and gathers that
-    per subgraph edge, since a subgraph edge's source entry copies its graph edge's source node.
+    In the k-subgraph extractor the layer runs on the union of the k-hop subgraphs, whose entries and
+    edges copy the graph's (``node_index [S]``, ``edge_id [Es]``): the linear maps run before the
+    gathers, and the first layer forms ``relu(W x_u + E e_uv)`` once per graph edge.
 
-    ``message_impl`` (:mod:`sat.edge_messages`): ``fused`` sums the messages in one Triton kernel
-    per pass, without materialising them per edge; ``auto`` does so on CUDA for the gathered
-    (k-subgraph) inputs only, where the messages are many (the k-subtree case is launch-bound, and
-    one sort per call would not pay); ``torch`` never. The fused sum includes the root term, forms
-    ``W x`` itself (again in the backward pass, instead of keeping it) and returns its dtype (bf16
-    under autocast); the torch path adds an fp32 root term under autocast, which promotes its
-    output to fp32.
+    ``message_impl`` (:mod:`sat.edge_messages`): ``fused`` sums in one Triton kernel (returning the
+    input's dtype); ``auto`` does so on CUDA for the gathered (k-subgraph) inputs only; ``torch`` never.
 
-    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``; with the
-    gathers: x ``[N, d]``, edge_index ``[2, Es]`` (over the ``S`` entries), edge_attr
-    ``[E, edge_dim]``, node_index ``[S]``, edge_id ``[Es]``, graph_edge_index ``[2, E]`` -> ``[S, d]``.
+    Shapes: x ``[N, d]``, edge_index ``[2, E]`` (``[2, Es]`` over the ``S`` entries with the gathers),
+    edge_attr ``[E, edge_dim]`` -> ``[N, d]`` (``[S, d]``).
     """
 
     def __init__(self, hidden_dim: int, edge_dim: int, message_impl: MessageImpl = "auto"):
-        super().__init__(aggr="add")
+        super().__init__()
         self.message_impl = message_impl
         self.linear = nn.Linear(hidden_dim, hidden_dim)
         self.root_emb = nn.Embedding(1, hidden_dim)
@@ -82,57 +64,40 @@ class EdgeGCNConv(MessagePassing):
         with the k-subgraph extractor's gathers."""
         return resolve_impl(self.message_impl, device) == "fused" and (gathered or self.message_impl == "fused")
 
-    def forward(
-        self,
-        x: Tensor,
-        edge_index: Tensor,
-        edge_attr: Tensor,
-        node_index: Optional[Tensor] = None,
-        edge_id: Optional[Tensor] = None,
-        graph_edge_index: Optional[Tensor] = None,
-        fused_edges: Optional[MessageEdges] = None,
-    ) -> Tensor:
-        """``node_index`` / ``edge_id`` (optional) gather the rows of ``x`` / ``edge_attr`` *after*
-        the linear maps: the result equals ``forward(x[node_index], edge_index, edge_attr[edge_id])``
-        but the maps run once per node / edge instead of once per k-subgraph entry.
-
-        ``graph_edge_index`` (with both gathers) takes the per-graph-edge path; it requires
-        ``node_index[edge_index[0]] == graph_edge_index[0][edge_id]``, which the indices of
-        :class:`sat.data.SATData` satisfy by construction (also after batching and [CLS] insertion).
-
-        ``fused_edges``: :func:`gcn_message_edges` of these indices, built once and shared by
-        the layers over the same edges (otherwise built here), where the sum is fused.
-        """
+    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Tensor, node_index: Optional[Tensor] = None,
+                edge_id: Optional[Tensor] = None, graph_edge_index: Optional[Tensor] = None,
+                fused_edges: Optional[MessageEdges] = None) -> Tensor:
+        """``forward(x[node_index], edge_index, edge_attr[edge_id])``, the gathers (optional) after the
+        linear maps. ``graph_edge_index`` (with both gathers) forms messages per graph edge, which needs
+        ``node_index[edge_index[0]] == graph_edge_index[0][edge_id]`` (true of :class:`sat.data.SATData`'s
+        indices). ``fused_edges``: :func:`gcn_message_edges` of these indices, shared by the layers."""
         edge_embedding = self.edge_encoder(edge_attr)
         num_entries = x.size(0) if node_index is None else node_index.numel()
         gathered = node_index is not None or edge_id is not None
         if self.sums_fused(x.device, gathered):
             if fused_edges is None:
-                fused_edges = gcn_message_edges(edge_index, x.size(0), edge_attr.size(0), num_entries, x.dtype, node_index,
-                                                edge_id)
+                fused_edges = gcn_message_edges(edge_index, x.size(0), edge_attr.size(0), num_entries, x.dtype,
+                                                node_index, edge_id)
             # W x is formed inside, and again in the backward pass rather than kept
-            return aggregate_edge_messages(x, edge_embedding, fused_edges, self.root_emb.weight[0], "fused", self.linear)
+            return aggregate_edge_messages(x, edge_embedding, fused_edges, self.root_emb.weight[0], "fused",
+                                           self.linear)
         x = self.linear(x)
-        col = edge_index[1]
         deg, norm = _gcn_norm(edge_index, num_entries)
-        norm, deg_col = norm.to(x.dtype), deg.view(-1, 1).to(x.dtype)
+        root = F.relu(x + self.root_emb.weight)  # per node, then gathered
         if node_index is not None and edge_id is not None and graph_edge_index is not None:
-            # relu(W x_u + E e_uv) per graph edge [E, d], gathered once: replaces the [Es, d] gathers
-            # of x_j and e_uv, their sum and ReLU, and the activations autograd keeps of them
-            edge_message = F.relu(x.index_select(0, graph_edge_index[0]) + edge_embedding)
-            message = edge_message.index_select(0, edge_id) * norm.view(-1, 1)
-            out = scatter(message, col, dim=0, dim_size=num_entries, reduce="sum")
-            root = F.relu(x + self.root_emb.weight).index_select(0, node_index)  # relu per node, then gather
-            return out + root / deg_col
+            # relu(W x_u + E e_uv) per graph edge [E, d], gathered per subgraph edge: no [Es, d] gathers
+            # of x_u and e_uv, nor the activations autograd would keep of their sum
+            message = F.relu(x.index_select(0, graph_edge_index[0]) + edge_embedding).index_select(0, edge_id)
+        else:
+            if node_index is not None:
+                x = x.index_select(0, node_index)
+            if edge_id is not None:
+                edge_embedding = edge_embedding.index_select(0, edge_id)
+            message = F.relu(x.index_select(0, edge_index[0]) + edge_embedding)
         if node_index is not None:
-            x = x.index_select(0, node_index)
-        if edge_id is not None:
-            edge_embedding = edge_embedding.index_select(0, edge_id)
-        out = self.propagate(edge_index, x=x, edge_attr=edge_embedding, norm=norm)
-        return out + F.relu(x + self.root_emb.weight) / deg_col
-
-    def message(self, x_j: Tensor, edge_attr: Tensor, norm: Tensor) -> Tensor:
-        return norm.view(-1, 1) * F.relu(x_j + edge_attr)
+            root = root.index_select(0, node_index)
+        out = scatter(message * norm.to(x.dtype).view(-1, 1), edge_index[1], dim=0, dim_size=num_entries, reduce="sum")
+        return out + root / deg.view(-1, 1).to(x.dtype)
 
 
 class FixedShapeGCNConv(GCNConv):
@@ -141,13 +106,10 @@ class FixedShapeGCNConv(GCNConv):
 
         h_v = b + sum_{u -> v, u != v, and u = v once} (d_u d_v)^{-1/2} W x_u,   d_v = 1 + in-degree
 
-    ``GCNConv`` adds the *remaining* self-loops (``add_remaining_self_loops``): it drops the loops
-    already in ``edge_index`` and adds one per node, selecting edges by value, an operation whose
-    output shape depends on the data (a graph break under ``torch.compile``, not capturable as a CUDA
-    graph). Here every edge is kept and weighted 1, or 0 when it is a loop, and one loop of weight 1
-    is appended per node: the same normalised sum as ``GCNConv`` (unweighted graphs, default
-    arguments), from shapes that depend on ``N`` and ``E`` only. The padding self-loops of a
-    fixed-capacity batch (:mod:`sat.padding`) thus weigh nothing.
+    ``GCNConv`` drops the loops in ``edge_index`` by value, a data-dependent shape (a graph break
+    under ``torch.compile``). Here loops are kept with weight 0 and one loop of weight 1 is appended
+    per node: the same sum, from shapes that depend on ``N`` and ``E`` only (the padding self-loops
+    of :mod:`sat.padding` weigh nothing).
 
     Shapes: x ``[N, d]``, edge_index ``[2, E]`` -> ``[N, d]``.
     """
@@ -189,29 +151,20 @@ def gcn_message_edges(
     source = row if node_index is None else node_index.index_select(0, row)
     edge_rows = edge_id if edge_id is not None else torch.arange(row.numel(), device=row.device)
     inv_deg = deg.to(torch.promote_types(dtype, deg.dtype)).reciprocal()
-    return message_edges(source, edge_rows, col, norm, num_sources, num_edge_rows, num_entries, RootTerm(node_index, inv_deg))
+    return message_edges(source, edge_rows, col, norm, num_sources, num_edge_rows, num_entries,
+                         RootTerm(node_index, inv_deg))
 
 
 def _mlp(hidden_dim: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(hidden_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, hidden_dim))
 
 
-def gnn_layer(
-    gnn_type: str,
-    hidden_dim: int,
-    edge_dim: Optional[int] = None,
-    pna: Optional[PNASettings] = None,
-    message_impl: MessageImpl = "auto",
-) -> nn.Module:
-    """One base-GNN layer ``[N, d] -> [N, d]``.
+def gnn_layer(gnn_type: str, hidden_dim: int, edge_dim: Optional[int] = None, pna: Optional[PNASettings] = None,
+              message_impl: MessageImpl = "auto") -> nn.Module:
+    """One base-GNN layer ``[N, d] -> [N, d]`` of ``gnn_type`` (:data:`GNN_TYPES`).
 
-    Args:
-        gnn_type: one of ``gcn, gin, gine, sage, pna``.
-        edge_dim: width of the edge features the layer takes, or ``None`` for none. Ignored by
-            ``gin`` and ``sage``; ``gine`` without edge features gets zeros (GIN with ReLU'd messages).
-        pna: PNA's settings (:class:`sat.config.PNASettings`: the training data's in-degree
-            histogram, aggregators, scalers, towers).
-        message_impl: how :class:`EdgeGCNConv` (GCN with edge features) sums its messages.
+    ``edge_dim``: the width of the edge features it takes (``None``: none; ignored by ``gin`` and
+    ``sage``); ``pna``: PNA's settings; ``message_impl``: how :class:`EdgeGCNConv` sums its messages.
     """
     if gnn_type == "gcn":
         return FixedShapeGCNConv(hidden_dim, hidden_dim) if edge_dim is None else EdgeGCNConv(hidden_dim, edge_dim,
@@ -219,7 +172,8 @@ def gnn_layer(
     if gnn_type == "gin":
         return GINConv(_mlp(hidden_dim), train_eps=True)
     if gnn_type == "gine":
-        return GINEConv(_mlp(hidden_dim), train_eps=True, edge_dim=edge_dim if edge_dim not in (None, hidden_dim) else None)
+        edge_dim = edge_dim if edge_dim not in (None, hidden_dim) else None  # None: edge features as wide as x
+        return GINEConv(_mlp(hidden_dim), train_eps=True, edge_dim=edge_dim)
     if gnn_type == "sage":
         return SAGEConv(hidden_dim, hidden_dim)
     if gnn_type == "pna":
@@ -237,8 +191,6 @@ class _GNNStack(nn.Module):
 
     def __init__(self, hidden_dim, gnn_type, k, edge_dim, concat_hops, pna, message_impl="auto"):
         super().__init__()
-        if gnn_type not in GNN_TYPES:
-            raise ValueError(f"unknown gnn_type {gnn_type!r}; expected one of {list(GNN_TYPES)}")
         if k < 1:
             raise ValueError(f"a structure extractor needs k >= 1, got {k}")
         self.gnn_type = gnn_type
@@ -253,54 +205,29 @@ class _GNNStack(nn.Module):
         for conv in self.convs:
             conv.reset_parameters()
 
-    def forward(
-        self,
-        x: Tensor,
-        edge_index: Tensor,
-        edge_attr: Optional[Tensor],
-        node_index: Optional[Tensor] = None,
-        edge_id: Optional[Tensor] = None,
-        graph_edge_index: Optional[Tensor] = None,
-        fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None,
-    ) -> Tensor:
-        """Run the stack on ``(x[node_index], edge_index, edge_attr[edge_id])`` (gathers optional).
-
-        The gathers are deferred where a layer allows it (:class:`EdgeGCNConv` maps nodes and
-        edges before gathering), which saves most of the k-subgraph extractor's linear work.
-        ``graph_edge_index`` (``[2, E]``, the edges ``edge_id`` refers to, in the node ids of
-        ``x``) lets a first :class:`EdgeGCNConv` layer form its messages once per graph edge
-        instead of once per subgraph edge; later layers run on the ``S`` gathered entries.
-        ``fused_edges``: the message edges of the first and of later :class:`EdgeGCNConv` layers
-        where they sum fused (:meth:`SubgraphExtractor.fused_edges`).
-        """
+    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor], node_index: Optional[Tensor] = None,
+                edge_id: Optional[Tensor] = None, graph_edge_index: Optional[Tensor] = None,
+                fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None) -> Tensor:
+        """Run the stack on ``(x[node_index], edge_index, edge_attr[edge_id])`` (gathers optional;
+        :class:`EdgeGCNConv` gathers after its linear maps, see its ``graph_edge_index`` and
+        ``fused_edges``)."""
         uses_edges = self.gnn_type == "gine" or self.edge_dim is not None
         if uses_edges and edge_attr is None and self.gnn_type != "gine":
             raise ValueError(f"the {self.gnn_type} extractor was built for edge features but got edge_attr=None")
-        gathered: list[Optional[Tensor]] = []
-
-        def entry_edge_attr(width: int, like: Tensor) -> Tensor:
-            if not gathered:
-                if edge_attr is None:  # GINE without edge features: zero edge embeddings
-                    gathered.append(like.new_zeros(edge_index.size(1), width))
-                else:
-                    gathered.append(edge_attr if edge_id is None else edge_attr.index_select(0, edge_id))
-            return gathered[0]
-
+        gathers_late = isinstance(self.convs[0], EdgeGCNConv)
+        if uses_edges and not gathers_late:  # GINE without edge features: zero edge embeddings
+            edge_attr = (x.new_zeros(edge_index.size(1), x.size(1)) if edge_attr is None
+                         else edge_attr if edge_id is None else edge_attr.index_select(0, edge_id))
         hops = [x if node_index is None else x.index_select(0, node_index)] if self.concat_hops else []
-        pending = node_index  # rows of x still to be gathered
         for depth, conv in enumerate(self.convs):
-            if isinstance(conv, EdgeGCNConv):
-                # pending is set for the first layer only, so only it takes the per-graph-edge path
+            pending = node_index if depth == 0 else None  # rows of x still to be gathered
+            if gathers_late:
                 edges = None if fused_edges is None else fused_edges[min(depth, 1)]
                 x = conv(x, edge_index, edge_attr, pending, edge_id, graph_edge_index, edges)
             else:
                 if pending is not None:
                     x = x.index_select(0, pending)
-                if uses_edges:
-                    x = conv(x, edge_index, entry_edge_attr(x.size(-1), x))
-                else:
-                    x = conv(x, edge_index)
-            pending = None
+                x = conv(x, edge_index, edge_attr) if uses_edges else conv(x, edge_index)
             x = F.relu(x)
             if self.concat_hops:
                 hops.append(x)
@@ -311,26 +238,20 @@ class _Extractor(nn.Module):
     """A k-layer base GNN followed by BatchNorm and a projection back to ``hidden_dim``; the
     k-subgraph extractor also concatenates the node's own features before them.
 
-    ``recompute_gnn``: keep none of the base GNN's activations for the backward pass and run it
-    again there (``torch.utils.checkpoint``). In the k-subgraph extractor they grow with the ``S``
-    subgraph entries (about 16 per node on code2); recomputed, the extractor keeps only per-node
-    tensors, for one more forward pass of the GNN. BatchNorm and the projection stay outside the
-    recomputed part, so running statistics are updated once per step.
+    Args: ``hidden_dim`` (``d``), ``gnn_type`` (:func:`gnn_layer`), ``k`` (GNN layers, ``>= 1``),
+    ``edge_dim`` (edge features of edge-aware GNNs, ``None``: none), ``concat_hops`` (concatenate
+    the input and every hop's output, as the authors' ``StructureExtractor``), ``pna``,
+    ``message_impl`` (:mod:`sat.edge_messages`) and ``recompute_gnn``: keep none of the base GNN's
+    activations (in the k-subgraph extractor, ``[S, d]`` per layer) and run it again in the backward
+    pass (``torch.utils.checkpoint``); BatchNorm and the projection stay outside, so running
+    statistics are updated once per step.
     """
 
     keeps_input = False
 
-    def __init__(
-        self,
-        hidden_dim: int,
-        gnn_type: str,
-        k: int,
-        edge_dim: Optional[int] = None,
-        concat_hops: bool = False,
-        pna: Optional[PNASettings] = None,
-        message_impl: MessageImpl = "auto",
-        recompute_gnn: bool = False,
-    ):
+    def __init__(self, hidden_dim: int, gnn_type: str, k: int, edge_dim: Optional[int] = None,
+                 concat_hops: bool = False, pna: Optional[PNASettings] = None, message_impl: MessageImpl = "auto",
+                 recompute_gnn: bool = False):
         super().__init__()
         self.gnn = _GNNStack(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna, message_impl)
         width = self.gnn.out_dim + (hidden_dim if self.keeps_input else 0)
@@ -352,18 +273,7 @@ class _Extractor(nn.Module):
 
 class SubtreeExtractor(_Extractor):
     """k-subtree GNN extractor: ``phi(u, G) = GNN^(k)(G)_u`` (Sec. 4.1), then BatchNorm and a
-    linear projection (as in the authors' ``StructureExtractor``).
-
-    Args:
-        hidden_dim: ``d``.
-        gnn_type: base GNN (see :func:`gnn_layer`).
-        k: number of GNN layers (hops), ``>= 1``.
-        edge_dim: width of edge features for edge-aware GNNs, ``None`` for none.
-        concat_hops: concatenate the input and all hops' outputs before the projection.
-        pna: PNA only (:class:`sat.config.PNASettings`).
-        message_impl: how a GCN with edge features sums its messages (:mod:`sat.edge_messages`).
-        recompute_gnn: recompute the base GNN in the backward pass instead of keeping its
-            activations (see :class:`_Extractor`).
+    linear projection (as in the authors' ``StructureExtractor``); arguments as :class:`_Extractor`.
 
     Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]``, mask ``[N]`` (the
     real rows of a padded batch, for BatchNorm's statistics: :mod:`sat.norm`) -> ``[N, d]``.
@@ -378,16 +288,10 @@ class SubtreeExtractor(_Extractor):
 class SubgraphExtractor(_Extractor):
     """k-subgraph GNN extractor (Sec. 4.1): ``phi(u, G) = W [x_u || sum_{w in S_k(u)} GNN^(k)(S_k(u))_w]``.
 
-    The GNN runs on the disjoint union of all k-hop subgraphs, laid out by the precomputed
-    indices of :class:`sat.data.SATData` (``S`` entries, ``Es`` subgraph edges): node features
-    are gathered with ``subgraph_node_index``, edge features with ``subgraph_edge_id``, and the
-    entries' outputs are sum-pooled per centre via ``subgraph_indicator``. BatchNorm and a linear
-    projection follow the concatenation (authors' ``KHopStructureExtractor``).
-
-    With GCN and edge features the first layer's messages ``relu(W x_u + E e_uv)`` are formed
-    once per edge of the graph (``edge_index``) and gathered per subgraph edge with
-    ``subgraph_edge_id`` (see :class:`EdgeGCNConv`); only the normalised sum and the later layers
-    run per subgraph edge.
+    The GNN runs on the disjoint union of all k-hop subgraphs, laid out by the indices of
+    :class:`sat.data.SATData` (``S`` entries, ``Es`` subgraph edges); the entries' outputs are
+    sum-pooled per centre, then BatchNorm and a projection follow (the authors'
+    ``KHopStructureExtractor``). Arguments as :class:`_Extractor`.
 
     Shapes: x ``[N, d]``, subgraph_node_index / subgraph_indicator ``[S]``,
     subgraph_edge_index ``[2, Es]``, subgraph_edge_id ``[Es]``, edge_attr ``[E, edge_dim]``
@@ -396,35 +300,18 @@ class SubgraphExtractor(_Extractor):
 
     keeps_input = True
 
-    def forward(
-        self,
-        x: Tensor,
-        edge_index: Tensor,
-        edge_attr: Optional[Tensor] = None,
-        *,
-        subgraph_node_index: Tensor,
-        subgraph_indicator: Tensor,
-        subgraph_edge_index: Tensor,
-        subgraph_edge_id: Tensor,
-        fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None,
-        mask: Optional[Tensor] = None,
-    ) -> Tensor:
-        """``fused_edges``: :meth:`fused_edges` of the same inputs, built once per batch for all
-        extractors over it (otherwise built here, where the GCN sums fused). ``mask``: the real rows
-        of a padded batch (:mod:`sat.norm`)."""
+    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor] = None, *, subgraph_node_index: Tensor,
+                subgraph_indicator: Tensor, subgraph_edge_index: Tensor, subgraph_edge_id: Tensor,
+                fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None,
+                mask: Optional[Tensor] = None) -> Tensor:
+        """``fused_edges``: :meth:`fused_edges` of these inputs, built once per batch (else here);
+        ``mask``: the real rows of a padded batch (:mod:`sat.norm`)."""
         if fused_edges is None:
             fused_edges = self.fused_edges(x, edge_attr, subgraph_node_index, subgraph_edge_index, subgraph_edge_id)
 
         def gnn_and_pool(x_: Tensor, edge_attr_: Optional[Tensor]) -> Tensor:
-            h = self.gnn(
-                x_,
-                subgraph_edge_index,
-                edge_attr_,
-                node_index=subgraph_node_index,
-                edge_id=subgraph_edge_id,
-                graph_edge_index=edge_index,
-                fused_edges=fused_edges,
-            )
+            h = self.gnn(x_, subgraph_edge_index, edge_attr_, node_index=subgraph_node_index, edge_id=subgraph_edge_id,
+                         graph_edge_index=edge_index, fused_edges=fused_edges)
             # summed in the input's precision (fp32 under autocast) whatever the GNN's output dtype
             return scatter(h.to(x_.dtype), subgraph_indicator, dim=0, dim_size=x_.size(0), reduce="sum")
 
@@ -435,10 +322,8 @@ class SubgraphExtractor(_Extractor):
         self, x: Tensor, edge_attr: Optional[Tensor], subgraph_node_index: Tensor, subgraph_edge_index: Tensor,
         subgraph_edge_id: Tensor,
     ) -> Optional[tuple[MessageEdges, MessageEdges]]:
-        """The message edges of the GCN layers (first: from graph nodes and edges; later: from
-        subgraph entries), sharing their sorts, where they sum fused (GCN with edge features on a
-        fused device), else ``None``. They depend on the batch only: every extractor over it can
-        take the same ones. Arguments as :meth:`forward`'s."""
+        """The message edges of the first and the later GCN layers, sharing their sorts, where they sum
+        fused, else ``None``; they depend on the batch only, so every extractor over it takes them."""
         conv = self.gnn.convs[0]
         if edge_attr is None or not isinstance(conv, EdgeGCNConv) or not conv.sums_fused(x.device, gathered=True):
             return None
@@ -448,24 +333,4 @@ class SubgraphExtractor(_Extractor):
         return first, first.with_sources(subgraph_edge_index[0], entries)
 
 
-def build_extractor(
-    kind: str,
-    hidden_dim: int,
-    gnn_type: str,
-    k: int,
-    edge_dim: Optional[int] = None,
-    concat_hops: bool = False,
-    pna: Optional[PNASettings] = None,
-    message_impl: MessageImpl = "auto",
-    recompute_gnn: bool = False,
-) -> Optional[nn.Module]:
-    """The extractor of ``kind`` (``subtree`` / ``subgraph``), or ``None`` for ``k = 0``."""
-    if k == 0:
-        return None
-    if kind == "subtree":
-        cls = SubtreeExtractor
-    elif kind == "subgraph":
-        cls = SubgraphExtractor
-    else:
-        raise ValueError(f"unknown extractor {kind!r}; expected 'subtree' or 'subgraph'")
-    return cls(hidden_dim, gnn_type, k, edge_dim, concat_hops, pna, message_impl, recompute_gnn)
+EXTRACTORS = {"subtree": SubtreeExtractor, "subgraph": SubgraphExtractor}

@@ -1,20 +1,13 @@
 """Readouts and prediction heads of SAT (Chen et al., ICML 2022, Sec. 4.2 and 5.5).
 
-Readouts turn node representations into graph representations:
+Readouts: ``mean`` / ``sum`` pooling over each graph's nodes (in :class:`sat.SAT`), or ``cls``: a
+virtual [CLS] node per graph (Jain et al., 2021) without edges, which attends to and is attended by
+every node of its graph; its attention weights give SAT's attention maps (Sec. 5.5).
 
-* ``mean`` / ``sum``: pooling over each graph's nodes;
-* ``cls``: a virtual [CLS] node per graph (Jain et al., 2021), attached *without edges*: it
-  attends and is attended by every node of its graph, and its final representation is the graph
-  representation. Its attention weights over the graph's nodes give SAT's attention maps (Sec. 5.5).
-  :class:`ClsToken` inserts one such node in front of each graph's nodes and remaps the indices.
-
-Heads (``SATConfig.head``):
-
-* ``graph_classification`` / ``graph_regression``: MLP ``d -> d -> num_classes`` on the graph
-  representation, ``[B, num_classes]`` (logits / values);
-* ``node_classification``: the same MLP on every real node, ``[N, num_classes]``;
-* ``code2_sequence``: ``max_seq_len`` independent linear layers, as OGB's code2 example,
-  stacked to ``[B, max_seq_len, num_classes]`` (logits over the subtoken vocabulary).
+Heads (``SATConfig.head``): ``graph_classification`` / ``graph_regression`` (MLP ``d -> d ->
+num_classes``, ``[B, num_classes]``), ``node_classification`` (the same MLP per real node,
+``[N, num_classes]``) and ``code2_sequence`` (``max_seq_len`` linear layers, as OGB's code2 example:
+``[B, max_seq_len, num_classes]``).
 """
 from __future__ import annotations
 
@@ -22,29 +15,16 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
-from torch_geometric.utils import scatter
 
 from .layout import GraphLayout
 
-READOUTS = ("mean", "sum", "cls")
 HEADS = ("graph_classification", "graph_regression", "node_classification", "code2_sequence")
 
 
-def pool_nodes(x: Tensor, graph_index: Tensor, num_graphs: int, reduce: str) -> Tensor:
-    """Mean or sum of ``x`` ``[N, d]`` over each graph -> ``[B, d]``."""
-    if reduce not in ("mean", "sum"):
-        raise ValueError(f"unknown pooling {reduce!r}")
-    return scatter(x, graph_index, dim=0, dim_size=num_graphs, reduce=reduce)
-
-
 class ClsToken(nn.Module):
-    """A learned [CLS] node per graph, placed before the graph's nodes.
-
-    :meth:`attach` returns the node features ``[N + B, d]`` and the remapped indices: the
-    new id of real node ``i`` of graph ``g`` is ``i + g + 1`` and graph ``g``'s [CLS] node sits at
-    ``ptr[g] + g``, so nodes stay sorted by graph (:class:`sat.layout.GraphLayout` with
-    ``cls_token=True`` holds both maps). The [CLS] node has no edges; for the k-subgraph
-    extractor its subgraph is itself (one entry, no edges).
+    """A learned [CLS] node per graph, placed before the graph's nodes (real node ``i`` of graph ``g``
+    moves to ``i + g + 1``, the [CLS] node sits at ``ptr[g] + g``: the maps of a
+    :class:`sat.layout.GraphLayout` with ``cls_token=True``). It has no edges; its k-subgraph is itself.
     """
 
     def __init__(self, hidden_dim: int):
@@ -53,7 +33,7 @@ class ClsToken(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.token, std=hidden_std(self.token.size(1)))
+        nn.init.normal_(self.token, std=self.token.size(1) ** -0.5)
 
     def attach(
         self, x: Tensor, edge_index: Tensor, subgraph: Optional[dict[str, Tensor]], layout: GraphLayout
@@ -69,10 +49,6 @@ class ClsToken(nn.Module):
             subgraph["subgraph_node_index"] = torch.cat([node_pos[subgraph["subgraph_node_index"]], cls_pos])
             subgraph["subgraph_indicator"] = torch.cat([node_pos[subgraph["subgraph_indicator"]], cls_pos])
         return out, node_pos[edge_index], subgraph
-
-
-def hidden_std(dim: int) -> float:
-    return dim**-0.5
 
 
 class Head(nn.Module):
@@ -91,10 +67,6 @@ class Head(nn.Module):
             self.seq = nn.ModuleList(nn.Linear(hidden_dim, num_classes) for _ in range(max_seq_len))
         else:
             self.mlp = nn.Sequential(nn.Linear(hidden_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, num_classes))
-
-    @property
-    def node_level(self) -> bool:
-        return self.kind == "node_classification"
 
     def reset_parameters(self) -> None:
         for m in self.modules():

@@ -1,19 +1,13 @@
-"""The SAT encoder layer (Chen et al., ICML 2022, Sec. 4.2, Fig. 1).
+"""The SAT encoder layer (Chen et al., ICML 2022, Sec. 4.2, Fig. 1), and the base GNN's layer.
 
-One layer = structure extractor + structure-aware attention + skip connection
-with the degree factor + FFN, each sub-block followed (post-norm) or preceded
-(pre-norm) by a normalisation layer:
+One layer = structure extractor + structure-aware attention + skip connection with the degree
+factor + FFN, each sub-block followed (post-norm) or preceded (pre-norm) by a normalisation layer:
 
     x' = x + dropout(d_v^{-1/2} * SA-attn(v))     (degree factor optional)
     x'' = x' + dropout(W_2 dropout(relu(W_1 x')))
 
-The degree factor reduces the influence of highly connected components (after
-Mialon et al., GraphiT); it is switched off with the [CLS] readout, as in the
-paper's code. Each layer owns its structure extractor, applied to the layer's
-input (the authors' code puts it inside the attention module).
-
-:class:`GNNLayer` is the layer of the base GNN alone (``SATConfig.architecture = "gnn"``, the
-paper's "Base GNN" rows): the same base-GNN layer, with no attention and no FFN.
+The degree factor reduces the influence of highly connected components (after Mialon et al.,
+GraphiT). Each layer owns its structure extractor, applied to the layer's input.
 """
 from __future__ import annotations
 
@@ -23,67 +17,37 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import StructureAwareAttention
-from .config import EDGE_AWARE_GNNS, MessageImpl, PNASettings
-from .extractors import EdgeGCNConv, SubgraphExtractor, build_extractor, gnn_layer
+from .config import EDGE_AWARE_GNNS, MessageImpl, PNASettings, SATConfig
+from .extractors import EXTRACTORS, EdgeGCNConv, SubgraphExtractor, gnn_layer
 from .layout import GraphLayout
 from .norm import make_norm, normalise
 
 
 class SATLayer(nn.Module):
-    """One SAT encoder layer.
+    """One SAT encoder layer of a model of ``config`` (:class:`sat.SATConfig`).
 
-    Args:
-        hidden_dim, num_heads: attention width and heads.
-        ffn_ratio: FFN width = ``ffn_ratio * hidden_dim``.
-        dropout: dropout on the attention output, inside and after the FFN.
-        attn_dropout: dropout on the attention weights.
-        attention: ``auto``, ``varlen``, ``dense`` or ``sparse`` (see :mod:`sat.attention`).
-        norm: ``batch`` or ``layer``.
-        pre_norm: normalise before each sub-block instead of after.
-        extractor, gnn_type, k_hops, edge_dim, concat_hops, pna, gnn_messages,
-            recompute_gnn: the structure extractor (see :mod:`sat.extractors`); ``k_hops = 0`` for none.
-
-    Shapes:
-        x ``[N, d]``; edge_index ``[2, E]``; edge_attr ``[E, edge_dim]`` or None; subgraph: the
-        four k-subgraph index tensors (dict; with ``fused_edges``, see
-        :meth:`sat.extractors.SubgraphExtractor.fused_edges`) or None; degree_scale ``[N]`` (``d_v^{-1/2}``) or
-        None -> ``([N, d], attention weights or None)``.
+    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` or None, subgraph (the
+    k-subgraph indices and their ``fused_edges``) or None, degree_scale ``[N]`` (``d_v^{-1/2}``) or
+    None -> ``([N, d], attention weights or None)``.
     """
 
-    def __init__(
-        self,
-        hidden_dim: int,
-        num_heads: int,
-        ffn_ratio: float = 2.0,
-        dropout: float = 0.0,
-        attn_dropout: float = 0.0,
-        attention: str = "auto",
-        norm: str = "batch",
-        pre_norm: bool = False,
-        extractor: str = "subtree",
-        gnn_type: str = "gcn",
-        k_hops: int = 2,
-        edge_dim: Optional[int] = None,
-        concat_hops: bool = False,
-        pna: Optional[PNASettings] = None,
-        gnn_messages: MessageImpl = "auto",
-        recompute_gnn: bool = False,
-    ):
+    def __init__(self, config: SATConfig):
         super().__init__()
-        self.pre_norm = pre_norm
-        self.extractor = build_extractor(
-            extractor, hidden_dim, gnn_type, k_hops, edge_dim, concat_hops, pna, gnn_messages,
-            recompute_gnn,
-        )
-        self.attn = StructureAwareAttention(hidden_dim, num_heads, attn_dropout, attention)
-        ffn_dim = max(1, int(round(ffn_ratio * hidden_dim)))
-        self.ffn = nn.Sequential(
-            nn.Linear(hidden_dim, ffn_dim), nn.ReLU(), nn.Dropout(dropout), nn.Linear(ffn_dim, hidden_dim)
-        )
-        self.norm1 = make_norm(norm, hidden_dim)
-        self.norm2 = make_norm(norm, hidden_dim)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
+        d = config.hidden_dim
+        self.pre_norm = config.pre_norm
+        self.extractor = None
+        if config.k_hops > 0:
+            edge_dim = config.effective_edge_dim if config.uses_edge_features else None
+            self.extractor = EXTRACTORS[config.extractor](
+                d, config.gnn_type, config.k_hops, edge_dim, config.concat_hops, config.pna_settings(),
+                config.gnn_messages, config.recompute_gnn)
+        self.attn = StructureAwareAttention(d, config.num_heads, config.attn_dropout, config.attention)
+        ffn_dim = max(1, int(round(config.ffn_ratio * d)))
+        self.ffn = nn.Sequential(nn.Linear(d, ffn_dim), nn.ReLU(), nn.Dropout(config.dropout), nn.Linear(ffn_dim, d))
+        self.norm1 = make_norm(config.norm, d)
+        self.norm2 = make_norm(config.norm, d)
+        self.dropout1 = nn.Dropout(config.dropout)
+        self.dropout2 = nn.Dropout(config.dropout)
 
     def reset_parameters(self) -> None:
         if self.extractor is not None:
@@ -92,16 +56,9 @@ class SATLayer(nn.Module):
         for m in (self.ffn[0], self.ffn[3], self.norm1, self.norm2):
             m.reset_parameters()
 
-    def forward(
-        self,
-        x: Tensor,
-        layout: GraphLayout,
-        edge_index: Tensor,
-        edge_attr: Optional[Tensor] = None,
-        subgraph: Optional[dict[str, Any]] = None,
-        degree_scale: Optional[Tensor] = None,
-        return_attention: bool = False,
-    ) -> tuple[Tensor, Optional[Tensor]]:
+    def forward(self, x: Tensor, layout: GraphLayout, edge_index: Tensor, edge_attr: Optional[Tensor] = None,
+                subgraph: Optional[dict[str, Any]] = None, degree_scale: Optional[Tensor] = None,
+                return_attention: bool = False) -> tuple[Tensor, Optional[Tensor]]:
         mask = layout.node_mask  # padded batches: BatchNorm's statistics over the real rows only
         h = normalise(self.norm1, x, mask) if self.pre_norm else x
         if self.extractor is None:
@@ -124,34 +81,18 @@ class SATLayer(nn.Module):
 
 
 class GNNLayer(nn.Module):
-    """One layer of the base GNN alone (``SATConfig.architecture = "gnn"``), built as
-    benchmarking-gnns builds its GNN layers (Dwivedi et al., ``layers/gcn_layer.py``: conv, batch
-    norm, activation, residual, dropout):
+    """One layer of the base GNN alone (``SATConfig.architecture = "gnn"``, the paper's "Base GNN"
+    rows), as benchmarking-gnns builds its GNN layers (Dwivedi et al., ``layers/gcn_layer.py``):
 
         x' = dropout(x + relu(norm(conv(x))))
 
-    ``conv`` is one layer of the base GNN that SAT's structure extractors stack
-    (:func:`sat.extractors.gnn_layer`: GCN, GIN, GINE, GraphSAGE or PNA). Edge features go in
-    where that GNN takes them, as in the extractors; GINE without edge features gets zero edge
-    embeddings. ``norm`` is ``batch`` or ``layer``. There is no attention and no FFN.
-
-    It takes the arguments of :class:`SATLayer` and ignores the attention-only ones (``subgraph``,
-    ``degree_scale``; of ``layout`` only the padding mask is read), so the model drives either kind
-    of layer in one loop.
-
-    Shapes: x ``[N, d]``, edge_index ``[2, E]``, edge_attr ``[E, edge_dim]`` or None -> ``([N, d], None)``.
+    ``conv``: one layer of the base GNN the extractors stack (:func:`sat.extractors.gnn_layer`).
+    :meth:`forward` takes :class:`SATLayer`'s arguments, ignoring the attention-only ones, and returns
+    ``([N, d], None)``, so the model drives either kind of layer in one loop.
     """
 
-    def __init__(
-        self,
-        hidden_dim: int,
-        gnn_type: str = "gcn",
-        dropout: float = 0.0,
-        norm: str = "batch",
-        edge_dim: Optional[int] = None,
-        pna: Optional[PNASettings] = None,
-        gnn_messages: MessageImpl = "auto",
-    ):
+    def __init__(self, hidden_dim: int, gnn_type: str = "gcn", dropout: float = 0.0, norm: str = "batch",
+                 edge_dim: Optional[int] = None, pna: Optional[PNASettings] = None, gnn_messages: MessageImpl = "auto"):
         super().__init__()
         self.gnn_type = gnn_type
         self.edge_dim = edge_dim if gnn_type in EDGE_AWARE_GNNS else None
@@ -172,16 +113,9 @@ class GNNLayer(nn.Module):
             return self.conv(x, edge_index, x.new_zeros(edge_index.size(1), x.size(1)))
         return self.conv(x, edge_index)
 
-    def forward(
-        self,
-        x: Tensor,
-        layout: Optional[GraphLayout],
-        edge_index: Tensor,
-        edge_attr: Optional[Tensor] = None,
-        subgraph: Optional[dict[str, Any]] = None,
-        degree_scale: Optional[Tensor] = None,
-        return_attention: bool = False,
-    ) -> tuple[Tensor, None]:
+    def forward(self, x: Tensor, layout: Optional[GraphLayout], edge_index: Tensor, edge_attr: Optional[Tensor] = None,
+                subgraph: Optional[dict[str, Any]] = None, degree_scale: Optional[Tensor] = None,
+                return_attention: bool = False) -> tuple[Tensor, None]:
         if return_attention:
             raise ValueError("architecture 'gnn' has no attention weights to return")
         mask = None if layout is None else layout.node_mask

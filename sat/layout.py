@@ -1,30 +1,19 @@
 """Node layout of a mini-batch of graphs, shared by every layer's attention (Chen et al., ICML 2022,
 Sec. 4.1: every node attends to every node of its own graph).
 
-A PyG mini-batch is a disjoint union of ``B`` graphs whose nodes are stored graph after graph.
-:class:`GraphLayout` holds what the attention implementations need to keep graphs apart:
+A PyG mini-batch stores ``B`` graphs' nodes graph after graph. :class:`GraphLayout` holds what the
+attention implementations need to keep them apart: ``ptr`` / ``cu_seqlens`` ``[B + 1]`` (node
+offsets, long / int32), ``batch`` and ``local_index`` ``[N]`` (graph and position of every node),
+``max_nodes`` (a Python int) and dense blocks (graphs of sizes within ``bucket_ratio`` of each other
+padded into ``[G, L]`` blocks). With ``cls=True`` a [CLS] node stands in front of every graph
+(:class:`sat.heads.ClsToken`): ``real_index [N_in]`` says where the batch's own rows go,
+``cls_index [B]`` where the [CLS] nodes sit. A fixed-capacity layout (:meth:`GraphLayout.padded`,
+for :mod:`sat.padding`) has the same shapes for every batch and a ``node_mask [N]``, ``True`` on the
+rows of real graphs (BatchNorm's statistics, :mod:`sat.norm`); others have ``node_mask = None``.
 
-* ``ptr`` ``[B + 1]`` (long) and ``cu_seqlens`` ``[B + 1]`` (int32): node offsets of the graphs,
-  the second in the form FlashAttention's variable-length kernels take;
-* ``batch`` ``[N]``: graph id of every node; ``local_index`` ``[N]``: its position in its graph;
-* ``max_nodes`` (a Python int): the largest graph, the kernels' ``max_seqlen``;
-* dense blocks: graphs grouped by size (sizes within ``bucket_ratio`` of each other) into padded
-  ``[G, L]`` blocks, each given by the ids of its nodes and their flat position ``slot * L + local``;
-* with ``cls=True``, a virtual [CLS] node in front of every graph (:class:`sat.heads.ClsToken`):
-  ``real_index`` ``[N_in]`` is where the batch's own node rows go, ``cls_index`` ``[B]`` where each
-  [CLS] node sits, and every other field describes the enlarged graphs;
-* a layout of fixed capacity (:meth:`GraphLayout.padded`, for batches padded by :mod:`sat.padding`)
-  has the same shapes for every batch: ``capacity.graphs`` graph slots (the batch's graphs first,
-  then empty ones), padding graphs holding the padding rows, ``max_nodes`` the capacity's longest
-  graph (not the batch's), one dense block, and ``node_mask`` ``[N]`` (bool): ``True`` on the rows
-  of real graphs ([CLS] nodes included), what BatchNorm's statistics are taken over
-  (:mod:`sat.norm`). Unpadded layouts have ``node_mask = None``.
-
-Everything is derived from the graphs' node counts on the host. :meth:`GraphLayout.from_sizes`
-builds it without touching an accelerator, e.g. in a DataLoader worker, and :meth:`to` moves it
-(``non_blocking`` from pinned memory) with the batch, so the forward pass reads no value back
-from the device. Built from a device ``batch`` vector (:meth:`from_batch`), it copies the node
-counts to the host once.
+Everything derives from the graphs' node counts on the host: :meth:`GraphLayout.from_sizes` builds
+it without an accelerator (e.g. in a DataLoader worker) and :meth:`to` moves it with the batch, so
+the forward pass reads nothing back from the device.
 """
 from __future__ import annotations
 
@@ -50,6 +39,12 @@ def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + offsets
 
 
+def _host_sizes(sizes: Union[Sequence[int], np.ndarray, Tensor]) -> np.ndarray:
+    if isinstance(sizes, Tensor):
+        sizes = sizes.detach().cpu().numpy()
+    return np.asarray(sizes, dtype=np.int64).reshape(-1)
+
+
 def _size_runs(sizes: np.ndarray, bucket_ratio: float) -> list[np.ndarray]:
     """Non-empty graphs, largest first, cut into runs whose sizes differ by at most ``bucket_ratio``."""
     order = np.argsort(-sizes, kind="stable")
@@ -64,16 +59,9 @@ def _size_runs(sizes: np.ndarray, bucket_ratio: float) -> list[np.ndarray]:
 
 
 class GraphLayout:
-    """Index bookkeeping of a mini-batch of graphs; see the module docstring.
-
-    ``GraphLayout(batch, num_graphs, bucket_ratio)`` is :meth:`from_batch`.
-
-    Args:
-        batch: ``[N]`` graph id of every node, sorted (PyG's ``Batch.batch``).
-        num_graphs: ``B``.
-        bucket_ratio: dense attention groups graphs whose sizes differ by at most this factor
-            into one padded block; ``None`` pads all graphs to the largest one.
-    """
+    """Index bookkeeping of a mini-batch of graphs (the module docstring), from ``batch [N]``, the
+    sorted graph id of every node (its node counts copied to the host once). ``bucket_ratio``: dense
+    attention pads graphs of sizes within this factor into one block; ``None``: one block."""
 
     def __init__(self, batch: Tensor, num_graphs: int, bucket_ratio: Optional[float] = 1.5) -> None:
         sizes = torch.bincount(batch.detach().cpu(), minlength=int(num_graphs)).numpy()
@@ -81,11 +69,6 @@ class GraphLayout:
         if batch.device.type != "cpu":
             self.__dict__.update(self.to(batch.device).__dict__)
         self.batch = batch  # the caller's own tensor (same values)
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_batch(cls, batch: Tensor, num_graphs: int, bucket_ratio: Optional[float] = 1.5) -> "GraphLayout":
-        return cls(batch, num_graphs, bucket_ratio)
 
     @classmethod
     def from_sizes(
@@ -95,25 +78,19 @@ class GraphLayout:
 
         ``cls_token``: put a virtual [CLS] node in front of every graph.
         """
-        if isinstance(sizes, Tensor):
-            sizes = sizes.detach().cpu().numpy()
         layout = cls.__new__(cls)
-        layout._build(np.asarray(sizes, dtype=np.int64).reshape(-1), bucket_ratio, cls=cls_token)
+        layout._build(_host_sizes(sizes), bucket_ratio, cls=cls_token)
         return layout
 
     @classmethod
     def padded(
         cls, sizes: Union[Sequence[int], np.ndarray, Tensor], capacity: "Capacity", cls_token: bool = False
     ) -> "GraphLayout":
-        """The fixed-capacity layout of graphs with ``sizes[g]`` nodes, whose node rows are padded to
-        ``capacity.nodes`` (:func:`sat.padding.pad_batch`): graph slots ``0..B-1`` hold the graphs,
-        slots ``B..capacity.graphs-1`` are empty, and the padding rows (at least one) fill
-        ``capacity.padding_graphs`` further slots of at most ``capacity.graph_nodes`` rows each, so
-        that no graph, padding included, is longer than the static ``max_nodes``. Every tensor's
-        shape and every integer field but ``num_batch_graphs`` depend on ``capacity`` alone."""
-        if isinstance(sizes, Tensor):
-            sizes = sizes.detach().cpu().numpy()
-        real = np.asarray(sizes, dtype=np.int64).reshape(-1)
+        """The fixed-capacity layout of graphs with ``sizes[g]`` nodes, padded to ``capacity.nodes`` rows
+        (:func:`sat.padding.pad_batch`): slots ``0..B-1`` hold the graphs, ``B..capacity.graphs-1`` are
+        empty, and the padding rows fill ``capacity.padding_graphs`` slots of at most
+        ``capacity.graph_nodes`` rows; every shape and integer field depends on ``capacity`` alone."""
+        real = _host_sizes(sizes)
         problems = capacity.shortfall(graphs=real.size, nodes=int(real.sum()),
                                       graph_nodes=int(real.max()) if real.size else 0)
         if problems:
@@ -127,14 +104,12 @@ class GraphLayout:
         layout = cls.__new__(cls)
         layout._build(slots, None, cls=cls_token)
         layout.max_nodes = longest + int(cls_token)
-        layout.num_batch_graphs = int(real.size)
         layout.node_mask = layout.batch < real.size
         L = layout.max_nodes
         layout._groups = [(torch.arange(layout.num_nodes), layout.batch * L + layout.local_index, slots.size, L)]
         return layout
 
     def _build(self, real_sizes: np.ndarray, bucket_ratio: Optional[float], cls: bool) -> None:
-        real_sizes = np.asarray(real_sizes, dtype=np.int64)
         if (real_sizes < 0).any():
             raise ValueError("graph sizes must be non-negative")
         sizes = real_sizes + 1 if cls else real_sizes
@@ -145,7 +120,6 @@ class GraphLayout:
         batch = np.repeat(np.arange(B, dtype=np.int64), sizes)
         local = np.arange(N, dtype=np.int64) - ptr[:-1][batch]
         self.num_graphs = int(B)
-        self.num_batch_graphs = int(B)  # graphs of the batch (on a padded layout: not its empty or padding slots)
         self.num_nodes = N
         self.num_input_nodes = int(real_sizes.sum())  # the batch's node rows: every node but the [CLS] ones
         self.node_mask: Optional[Tensor] = None  # padded layouts: the rows of the batch's graphs (see padded)
@@ -215,11 +189,6 @@ class GraphLayout:
         """This layout in page-locked memory (DataLoader ``pin_memory=True``), for non-blocking copies."""
         return self._map(lambda t: t.pin_memory())
 
-    @property
-    def padded_capacity(self) -> bool:
-        """Whether this is a fixed-capacity layout (:meth:`padded`)."""
-        return self.node_mask is not None
-
     def matches(self, num_input_nodes: int, cls: bool, num_graphs: Optional[int] = None) -> bool:
         """Whether this layout describes a batch of ``num_input_nodes`` node rows (and, when given,
         ``num_graphs`` graph slots), with or without [CLS] nodes."""
@@ -228,12 +197,10 @@ class GraphLayout:
 
     # ------------------------------------------------------------------ dense blocks
     def dense_groups(self, bucketed: bool = True) -> list[DenseGroup]:
-        """Padded blocks for dense attention: a list of ``(nodes, flat, G, L)``: the ids of the
-        block's nodes ``[n]``, their position ``graph_slot * L + local_index`` in the block
-        ``[G, L]``, the number of graph slots ``G`` and the padded length ``L``. Unbucketed (or
-        when every graph fits one bucket) there is one block whose slot of graph ``g`` is ``g``.
-        """
-        if (bucketed or self.padded_capacity) and self._groups:
+        """Padded blocks for dense attention, ``(nodes, flat, G, L)`` each: the ids of the block's nodes
+        ``[n]``, their position ``graph_slot * L + local_index`` in the block ``[G, L]``, ``G`` and ``L``;
+        unbucketed, one block whose slot of graph ``g`` is ``g``."""
+        if (bucketed or self.node_mask is not None) and self._groups:
             return self._groups
         if self._full_group is None:
             L = self.max_nodes

@@ -1,29 +1,16 @@
 """The Structure-Aware Transformer (Chen, O'Bray, Borgwardt, ICML 2022).
 
-:class:`SAT` stacks input encoders (:mod:`sat.encoders`), ``num_layers`` SAT encoder layers
-(:mod:`sat.layers`: structure extractor + structure-aware attention + FFN), a readout and a head
-(:mod:`sat.heads`). With ``architecture="gnn"`` the layers are :class:`sat.layers.GNNLayer` (the
-base GNN alone, the paper's baseline) and everything else stays the same. It is built from a :class:`sat.SATConfig` and runs on a PyG batch of
-:class:`sat.SATData` (``Batch.from_data_list``); a single graph without ``batch`` works too.
+:class:`SAT` stacks input encoders (:mod:`sat.encoders`), ``num_layers`` encoder layers
+(:mod:`sat.layers`; with ``architecture="gnn"`` the base GNN's), a readout and a head
+(:mod:`sat.heads`). It runs on a PyG batch of :class:`sat.SATData`, or on a single graph.
 
-Inputs read from the batch (N nodes, E edges, B graphs):
-
-``x`` (see ``node_encoder``), ``edge_index [2, E]``, ``edge_attr [E, *]`` (edge-aware GNNs and
-``edge_sum``), ``batch [N]``, ``degree [N]`` (optional; else :func:`sat.encodings.node_degree`),
-``rwpe`` / ``lap_pe [N, pe_dim]`` (``pe``), ``node_depth [N]`` (``code2_ast``) and the four
-``subgraph_*`` tensors (``extractor='subgraph'``, ``k_hops >= 1``).
-
-Output of ``forward``: ``[B, num_classes]`` for graph heads, ``[N, num_classes]`` for
-``node_classification``, ``[B, max_seq_len, num_classes]`` for ``code2_sequence``. With
-``return_attention=True``, ``(output, attention)`` where ``attention`` is a list with one tensor
-per layer of shape ``[B, num_heads, L, L]``: softmax weights of query (row) over key (column),
-nodes in the graph's order, ``L`` the largest graph of the batch, zero on padding. With the
-``cls`` readout each graph's [CLS] node comes first (index 0) and ``L`` counts it.
-
-A batch padded to a fixed capacity (:mod:`sat.padding`) gives one output row per graph slot (or
-node row) of the capacity: the batch's own graphs' (nodes') rows come first and equal the unpadded
-batch's; the padding rows are zeroed at each layer's input and left out of BatchNorm's statistics
-(``layout.node_mask``).
+Inputs: the attributes of :class:`sat.SATData` the configuration reads (``degree`` optional).
+Output: ``[B, num_classes]`` for graph heads, ``[N, num_classes]`` for ``node_classification``,
+``[B, max_seq_len, num_classes]`` for ``code2_sequence``; with ``return_attention=True`` also one
+``[B, num_heads, L, L]`` tensor per layer (:mod:`sat.attention`; with the ``cls`` readout each
+graph's [CLS] node comes first). A batch padded to a fixed capacity (:mod:`sat.padding`) gives one
+row per graph slot (or node row) of the capacity, the batch's own first, equal to the unpadded
+batch's.
 """
 from __future__ import annotations
 
@@ -31,6 +18,7 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
+from torch_geometric.utils import scatter
 
 from .attention import ATTENTION_IMPLS
 from .config import SATConfig
@@ -38,7 +26,7 @@ from .data import SUBGRAPH_KEYS
 from .encoders import EdgeEncoder, NodeEncoder, PositionalEncoder
 from .encodings import node_degree
 from .extractors import GNN_TYPES
-from .heads import ClsToken, Head, pool_nodes
+from .heads import ClsToken, Head
 from .layers import GNNLayer, SATLayer
 from .layout import GraphLayout
 from .norm import make_norm, normalise
@@ -48,12 +36,8 @@ _NODE_ROW_KEYS = ("batch", "x", "node_depth", "rwpe", "lap_pe", "degree")  # ten
 
 
 class SAT(nn.Module):
-    """Structure-Aware Transformer.
-
-    Args:
-        config: all hyperparameters (:class:`sat.SATConfig`).
-        bucket_ratio: dense attention pads graphs in groups whose sizes differ by at most this
-            factor (``None``: one padded block for the whole batch). Only affects speed/memory.
+    """Structure-Aware Transformer of ``config`` (:class:`sat.SATConfig`); ``bucket_ratio``: dense
+    attention pads graphs in groups of sizes within this factor (``None``: one block), for speed only.
 
     Example::
 
@@ -75,46 +59,17 @@ class SAT(nn.Module):
         # edge features reach the model only through edge-aware base GNNs
         self.uses_edge_attr = config.uses_edge_features
         self.edge_encoder = EdgeEncoder(config) if self.uses_edge_attr else None
-        edge_dim = config.effective_edge_dim if self.uses_edge_attr else None
         if config.architecture == "gnn":
-            layers = [
-                GNNLayer(
-                    d, config.gnn_type, config.dropout, config.norm, edge_dim, config.pna_settings(),
-                    config.gnn_messages,
-                )
-                for _ in range(config.num_layers)
-            ]
+            edge_dim = config.effective_edge_dim if self.uses_edge_attr else None
+            layers = [GNNLayer(d, config.gnn_type, config.dropout, config.norm, edge_dim, config.pna_settings(),
+                               config.gnn_messages) for _ in range(config.num_layers)]
         else:
-            layers = [
-                SATLayer(
-                    d,
-                    config.num_heads,
-                    ffn_ratio=config.ffn_ratio,
-                    dropout=config.dropout,
-                    attn_dropout=config.attn_dropout,
-                    attention=config.attention,
-                    norm=config.norm,
-                    pre_norm=config.pre_norm,
-                    extractor=config.extractor,
-                    gnn_type=config.gnn_type,
-                    k_hops=config.k_hops,
-                    edge_dim=edge_dim,
-                    concat_hops=config.concat_hops,
-                    pna=config.pna_settings(),
-                    gnn_messages=config.gnn_messages,
-                    recompute_gnn=config.recompute_gnn,
-                )
-                for _ in range(config.num_layers)
-            ]
+            layers = [SATLayer(config) for _ in range(config.num_layers)]
         self.layers = nn.ModuleList(layers)
         pre_norm = config.architecture == "sat" and config.pre_norm
         self.final_norm = make_norm(config.norm, d) if pre_norm else None
         self.cls = ClsToken(d) if config.readout == "cls" else None
         self.head = Head(config.head, d, config.num_classes, config.max_seq_len)
-
-    @property
-    def needs_subgraphs(self) -> bool:
-        return self.config.needs_subgraphs
 
     def reset_parameters(self) -> None:
         for m in (self.node_encoder, self.pe_encoder, self.edge_encoder, self.final_norm, self.cls, self.head):
@@ -151,12 +106,11 @@ class SAT(nn.Module):
             num_graphs = ptr.numel() - 1 if isinstance(ptr, torch.Tensor) else None
             if layout.matches(_node_rows(batch), cls, num_graphs):
                 return layout
-        n = batch.num_nodes
         graph_index = getattr(batch, "batch", None)
-        num_graphs = 1 if graph_index is None else int(getattr(batch, "num_graphs", None) or int(graph_index.max()) + 1)
         if graph_index is None:
-            sizes = [n]
+            sizes = [batch.num_nodes]
         else:
+            num_graphs = int(getattr(batch, "num_graphs", None) or int(graph_index.max()) + 1)
             sizes = torch.bincount(graph_index.detach().cpu(), minlength=num_graphs).numpy()
         return GraphLayout.from_sizes(sizes, self.bucket_ratio, cls_token=cls).to(batch.edge_index.device)
 
@@ -164,12 +118,9 @@ class SAT(nn.Module):
     def forward(
         self, batch: Any, return_attention: bool = False, validate: bool = True
     ) -> Union[Tensor, tuple[Tensor, list[Tensor]]]:
-        """Run the model on a PyG batch; see the module docstring for inputs and outputs.
-
-        ``validate=False`` skips :meth:`validate`, whose value checks read tensors back to the
-        host: for batches checked already on the CPU (the training pipeline does so in its
-        data-loading workers). Without any device-to-host read and with ``batch.graph_layout``
-        built on the host, the forward pass does not synchronise with the accelerator.
+        """Run the model on a PyG batch (the module docstring). ``validate=False`` skips :meth:`validate`,
+        whose value checks read tensors back to the host: for batches checked on the CPU. With
+        ``batch.graph_layout`` built on the host, the forward pass then never syncs with the device.
         """
         if validate:
             self.validate(batch)
@@ -185,7 +136,7 @@ class SAT(nn.Module):
         if self.pe_encoder is not None:
             x = x + self.pe_encoder(batch, graph_index, num_graphs, n)
         edge_attr = self.edge_encoder(batch.edge_attr) if self.edge_encoder is not None else None
-        subgraph = {k: getattr(batch, k).long() for k in SUBGRAPH_KEYS} if self.needs_subgraphs else None
+        subgraph = {k: getattr(batch, k).long() for k in SUBGRAPH_KEYS} if cfg.needs_subgraphs else None
 
         degree_scale = None
         if cfg.degree_scaling and self.cls is None and cfg.architecture == "sat":
@@ -196,8 +147,8 @@ class SAT(nn.Module):
         if self.cls is not None:
             x, edge_index, subgraph = self.cls.attach(x, edge_index, subgraph, layout)
         if subgraph is not None:  # the same in every layer: built (and sorted) once per batch
-            subgraph["fused_edges"] = self.layers[0].extractor.fused_edges(
-                x, edge_attr, *(subgraph[k] for k in ("subgraph_node_index", "subgraph_edge_index", "subgraph_edge_id")))
+            indices = (subgraph[k] for k in ("subgraph_node_index", "subgraph_edge_index", "subgraph_edge_id"))
+            subgraph["fused_edges"] = self.layers[0].extractor.fused_edges(x, edge_attr, *indices)
 
         attention = []
         padding_rows = None if layout.node_mask is None else ~layout.node_mask.view(-1, 1)
@@ -210,23 +161,19 @@ class SAT(nn.Module):
         if self.final_norm is not None:
             x = normalise(self.final_norm, x, layout.node_mask)
 
-        if self.head.node_level:
+        if cfg.head == "node_classification":
             out = self.head(x if layout.real_index is None else x[layout.real_index])
         elif self.cls is not None:
             out = self.head(x[layout.cls_index])
         else:
-            out = self.head(pool_nodes(x, graph_index, num_graphs, cfg.readout))
+            out = self.head(scatter(x, graph_index, dim=0, dim_size=num_graphs, reduce=cfg.readout))  # mean or sum
         return (out, attention) if return_attention else out
 
     @torch.no_grad()
     def cls_attention(self, batch: Any) -> list[Tensor]:
-        """Per graph, the last layer's attention of its [CLS] node over the graph's nodes,
-        averaged over heads: a list of ``B`` tensors ``[n_g]`` (each sums to 1 minus the
-        [CLS] node's attention to itself), for attention-map plots (Sec. 5.5).
-
-        Runs in the model's current mode (call ``model.eval()`` first for deterministic maps).
-        Requires ``readout='cls'``.
-        """
+        """Per graph, the last layer's attention of its [CLS] node over the graph's nodes, averaged over
+        heads: ``B`` tensors ``[n_g]``, for attention maps (Sec. 5.5; ``readout='cls'`` only). Runs in
+        the model's current mode (``model.eval()`` first for deterministic maps)."""
         if self.cls is None:
             raise ValueError("cls_attention needs a model with readout='cls'")
         _, attention = self.forward(batch, return_attention=True)

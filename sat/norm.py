@@ -1,17 +1,11 @@
 """Normalisation layers of SAT that ignore the padding rows of a fixed-capacity batch.
 
-SAT normalises node representations with BatchNorm after its attention and FFN blocks and inside
-its structure extractors (Chen et al., ICML 2022, Sec. 4.2; the authors' code). A batch padded to a
-fixed capacity (:mod:`sat.padding`) holds rows that are not nodes of any graph; BatchNorm must
-neither normalise the real nodes with statistics that include them nor fold them into its running
-averages. :class:`BatchNorm` takes the batch's ``node_mask`` (``True`` on real rows) and computes
-its statistics over the real rows only: the same mean, variance, output and gradients as PyTorch's
-``BatchNorm1d`` over the unpadded rows, and the same running-average updates (exponential, or the
-cumulative average when ``momentum is None``, which :mod:`pipeline.train.precise_bn` uses).
-Padding rows are normalised with the same statistics; what they hold never reaches a real row.
-
-Without a mask, or in evaluation mode with running statistics, it *is* ``BatchNorm1d``
-(same parameters and buffers, same state-dict keys).
+SAT normalises with BatchNorm after its attention and FFN blocks and inside its structure extractors
+(Chen et al., ICML 2022, Sec. 4.2). A batch padded to a fixed capacity (:mod:`sat.padding`) holds rows
+of no graph: :class:`BatchNorm` takes the batch's ``node_mask`` (``True`` on real rows) and computes
+its statistics and running averages over the real rows only, equal to ``BatchNorm1d``'s over the
+unpadded rows (exponential, or cumulative when ``momentum is None``). Without a mask, or in
+evaluation with running statistics, it *is* ``BatchNorm1d`` (same parameters and state-dict keys).
 
 Shapes: ``x`` ``[N, C]``, ``mask`` ``[N]`` (bool) or ``None`` -> ``[N, C]``.
 """

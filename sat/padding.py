@@ -1,31 +1,20 @@
 """Fixed-capacity batches: a mini-batch padded to static shapes, with padding that changes nothing.
 
-A training step whose tensors have the same shapes every time can be compiled once
-(``torch.compile(dynamic=False)``) and captured once as a CUDA graph, then replayed for every batch:
-the host issues one graph launch instead of thousands of kernels (NVIDIA's MLPerf GNN code pads its
-batches the same way). :func:`pad_batch` pads a PyG batch of :class:`sat.data.SATData` to a
-:class:`Capacity`: ``nodes`` node rows, ``edges`` edges, ``graphs`` graph slots, graphs of at most
-``graph_nodes`` nodes (attention's static ``max_seqlen``), ``subgraph_entries`` and
-``subgraph_edges`` (the k-subgraph extractor's indices).
+Static shapes let a step be compiled and captured as a CUDA graph once. :func:`pad_batch` pads a
+PyG batch of :class:`sat.data.SATData` to a :class:`Capacity` (node rows, edges, graph slots, the
+largest graph, the k-subgraph indices). The padding is inert: outputs on the real graphs and nodes,
+the loss, every gradient and BatchNorm's statistics equal the unpadded batch's, because
 
-The padding is inert: the model's output on the real graphs and nodes, its loss, every gradient,
-and BatchNorm's batch statistics and running averages equal those of the unpadded batch
-(``tests/test_padding.py``, fp64). That holds because
-
-* padding rows sit in graph slots of their own (:meth:`sat.layout.GraphLayout.padded`), so attention
-  (within a graph), the readouts (per graph slot) and the [CLS] nodes never mix them with real nodes;
+* padding rows sit in graph slots of their own (:meth:`sat.layout.GraphLayout.padded`), so attention,
+  the readouts and the [CLS] nodes never mix them with real nodes;
 * padding edges, subgraph entries and subgraph edges join padding rows (or entries) only, dealt
-  round-robin over them so that no padding row collects many messages, and the model zeroes the
-  padding rows at every layer's input (:class:`sat.SAT`), so their values stay small and finite (a
-  non-finite padding value would turn a weight gradient into NaN through ``0 * inf``);
-* BatchNorm takes its statistics over the real rows only (:mod:`sat.norm`, ``layout.node_mask``);
-* targets of padding graphs and nodes are :data:`PAD_TARGET`, PyTorch's ``ignore_index``: the
-  cross-entropy losses skip them, and the host reads predictions and targets of the first
-  ``padding.graphs`` graphs / ``padding.nodes`` nodes only (:class:`Padding`).
+  round-robin, and the model zeroes the padding rows at every layer's input (:class:`sat.SAT`), so
+  they stay finite (a non-finite one would turn a weight gradient into NaN through ``0 * inf``);
+* BatchNorm takes its statistics over the real rows only (:mod:`sat.norm`);
+* targets of padding graphs and nodes are :data:`PAD_TARGET`, the losses' ``ignore_index``, and the
+  host reads only the first ``padding.graphs`` graphs / ``padding.nodes`` nodes (:class:`Padding`).
 
-A batch that exceeds its capacity is not padded; a training loop runs it as it is (eagerly).
-The padded batch keeps the batch's own rows first (nodes, edges, graphs, in order) and carries
-``graph_layout`` (the fixed-capacity :class:`~sat.layout.GraphLayout`) and ``padding``.
+The padded batch keeps its own rows first and carries ``graph_layout`` and ``padding``.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Input checks of a SAT batch against a model configuration: one-line ``ValueError`` for unusable input.
 
-:func:`validate_batch` checks the *values* a model would otherwise index with (node ids of
-``edge_index`` and of the k-subgraph indices, vocabulary ids of the embeddings, the graph order
-of ``batch``). Reading values back is a host synchronisation on an accelerator, so a training
-pipeline runs it on the CPU batch, in its data-loading workers, and calls the model with
-``validate=False``; :meth:`sat.SAT.forward` runs it by default. Shape and dtype checks need no
-values and stay in the modules that read the tensors (:mod:`sat.encoders`).
+:func:`validate_batch` checks the values a model would index with (node ids, vocabulary ids, the
+graph order of ``batch``). Reading values back syncs with an accelerator, so a training pipeline
+runs it on the CPU batch in its data-loading workers and calls the model with ``validate=False``.
+Shape and dtype checks need no values and stay in the modules that read the tensors.
 """
 from __future__ import annotations
 

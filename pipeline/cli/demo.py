@@ -1,10 +1,6 @@
-"""``satp demo`` (= ``make demo``): the main job end to end on this machine, on CPU.
-
-Builds the offline Python-source dataset (the running interpreter's standard
-library in ogbg-code2's raw layout), preprocesses it into Arrow shards, trains
-``jobs/code2-local.yaml`` on a local Ray with 2 CPU workers and DeepSpeed,
-registers the best model in the local MLflow (SQLite under ``runs/``), and
-prints the test F1 next to the best constant predictor's and the model's URI.
+"""``satp demo`` (= ``make demo``): ``jobs/code2-local.yaml`` end to end on this machine's CPUs (the
+standard library as ogbg-code2, Arrow shards, Ray Train + DeepSpeed, the local MLflow), printing the
+test F1 beside the best constant predictor's and the registered model's URI.
 """
 from __future__ import annotations
 

@@ -1,26 +1,17 @@
-"""``satp models`` and ``satp predict`` (registered by :mod:`pipeline.cli`).
-
-::
-
-    satp models [--tracking-uri URI] [--json]
-        registered models, versions, aliases, each version's metric, data hash and commit
-    satp models migrate NAME [--tracking-uri URI]
-        re-register NAME's format-1 versions (pickled modules, which satp no longer loads)
-        weights-only, as new versions; their aliases move to the copies
-    satp predict MODEL_URI INPUT [--tracking-uri URI] [--split test] [--json]
-        models:/NAME@alias or models:/NAME/VERSION; INPUT: a Python file (code2), a shard
-        directory or a JSON graph file (ppa; pattern and cluster: one class per node)
+"""``satp models`` (registered models, versions, aliases, metrics), ``satp models migrate NAME``
+(format-1 pickled versions re-registered weights-only) and ``satp predict MODEL_URI INPUT``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 
+TRACKING_HELP = "MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="registered models: versions, aliases, metrics, data hash, commit")
-    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)")
+    p.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_models)
     actions = p.add_subparsers(dest="models_command", metavar="{migrate}")
@@ -32,14 +23,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("predict", help="predict with a registered model (code2: method names of a Python file)")
     p.add_argument("model_uri", metavar="MODEL_URI", help="models:/NAME@alias or models:/NAME/VERSION")
-    p.add_argument("input", metavar="INPUT", help="a Python file (code2), a shard directory or a JSON graph file (ppa, pattern, cluster)")
-    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)")
+    p.add_argument("input", metavar="INPUT",
+                   help="a Python file (code2), a shard directory or a JSON graph file (ppa, pattern, cluster)")
+    p.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
     p.add_argument("--split", default="test", help="split to predict when INPUT is a shard directory (default test)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_predict)
 
 
-# ----------------------------------------------------------------------------- satp models
 def cmd_models(args: argparse.Namespace) -> int:
     from pipeline.registry.listing import format_models, list_models
 
@@ -48,7 +39,6 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- satp models migrate
 def cmd_migrate(args: argparse.Namespace) -> int:
     from pipeline.registry.migration import migrate
 
@@ -56,7 +46,6 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- satp predict
 def cmd_predict(args: argparse.Namespace) -> int:
     from pathlib import Path
 

@@ -1,28 +1,16 @@
 """``satp submit JOB.yaml``: run a job on a Ray cluster through Ray's job-submission client.
 
-Ray's CLI has no form that takes a job YAML; its ``ray job submit`` runs the command after ``--``.
-This wraps :class:`ray.job_submission.JobSubmissionClient` for the one-argument form, whose
-entrypoint is ``python -m pipeline.cli train JOB.yaml`` (the same command the documented
-``ray job submit`` line runs). Logs are streamed; the exit status is the job's (:func:`exit_status`).
+Ray's CLI has no form that takes a job YAML (``ray job submit`` runs the command after ``--``); this
+wraps :class:`ray.job_submission.JobSubmissionClient` with the entrypoint ``python -m pipeline.cli
+train JOB.yaml``, streams the logs and exits with the job's status (:func:`exit_status`). The
+cluster: ``--address``, else ``$RAY_ADDRESS``, else this machine's satp cluster (:func:`job_server`).
 
-The cluster (:func:`job_server`): ``--address``, else ``$RAY_ADDRESS``, else the satp cluster of
-this machine (``satp cluster start``: its job server is on a port of its own), named in one line.
-
-Before anything is uploaded, ``satp train``'s pre-flight: the job alone and its data and output
-folders where this machine sees them (:func:`preflight`), then the cluster's nodes against the
-job's workers (:func:`check_cluster`). A job refused here exits 2 with one line, as ``satp train``
-would refuse it on the cluster 12-17 s later.
-
-For a cluster on this machine (a loopback address), the job's relative paths (data, shards, runs)
-resolve against the local project directory: the entrypoint gets ``SATP_WORKDIR`` (see :func:`enter_workdir`).
-
-What is uploaded (:func:`upload_files`) follows Ray's documented rules for a local ``working_dir``:
-the runtime environment's ``excludes`` (:data:`EXCLUDES`, and the job's own data and output folders
-inside it: :func:`job_excludes`) and the ``.gitignore`` and ``.rayignore`` files of its directories,
-all in gitignore syntax (:class:`IgnoreRules`). Ray's job server takes at most :data:`UPLOAD_LIMIT`
-in one upload and answers a larger one with a 413 traceback after zipping it;
-:func:`check_upload_size` sums the same files first (Ray stores them unzipped) and refuses in one
-line saying how big, what is biggest and how to leave it out.
+Before anything is uploaded it runs ``satp train``'s pre-flight (:func:`preflight`,
+:func:`check_cluster`) and sums what Ray would upload by its documented rules for a local
+``working_dir`` (``excludes`` and the ``.gitignore`` / ``.rayignore`` files, gitignore syntax:
+:class:`IgnoreRules`), refusing in one line what Ray's job server would refuse after zipping it
+(:func:`check_upload_size`). For a cluster on this machine the job's relative paths resolve against
+the local project directory (``SATP_WORKDIR``, :func:`enter_workdir`).
 """
 from __future__ import annotations
 
@@ -39,13 +27,11 @@ from urllib.parse import urlparse
 
 from pipeline.config import load_job
 
-#: what Ray's job server takes in one upload: its HTTP server's request limit, a constant of Ray's (100 MiB in
-#: Ray 2.60). Ray's runtime-environment reference gave a local ``working_dir`` "at most 100 MiB"; later editions
-#: give 500 MiB, the limit of ``ray.init``'s own upload, which does not pass the job server.
+#: what Ray's job server takes in one upload: its HTTP server's request limit (a constant of Ray's; ``ray.init``'s
+#: own upload, which does not pass the job server, takes more)
 UPLOAD_LIMIT = 100 * 2**20
-#: never uploaded (gitignore syntax, at any depth): Ray's documented default excludes (``.git``, ``.venv``,
-#: ``venv``, ``__pycache__``; Ray's own are off while satp uploads: :func:`rays_default_excludes_off`),
-#: caches, wheels, the project's data and run folders; :func:`job_excludes` adds the job's own folders
+#: never uploaded (gitignore syntax, at any depth): Ray's documented default excludes (off while satp uploads:
+#: :func:`rays_default_excludes_off`), caches, wheels, the project's data and run folders
 EXCLUDES = [".git", ".venv", "venv", "__pycache__", "runs", "data", "mlruns", "*.db", ".pytest_cache", "*.egg-info",
             ".whl"]
 #: the ignore files Ray reads in every directory it uploads (``RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1``: not .gitignore)
@@ -83,7 +69,6 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-# ----------------------------------------------------------------------------- the cluster
 def job_server(address: Optional[str], out) -> str:
     """The job server to submit to: ``address``, else ``$RAY_ADDRESS``, else the satp cluster's on this
     machine (one line to ``out`` says so); a one-line ``ValueError`` when there is none."""
@@ -108,11 +93,9 @@ def job_server(address: Optional[str], out) -> str:
 
 def preflight(job, working_dir: Path, local: bool) -> None:
     """``satp train``'s checks before Ray (:mod:`pipeline.train.preflight`), here before the upload; a
-    one-line ``ValueError``. The job alone (names, the model against the features its shards will hold,
-    the task), then its data and output folders where this machine sees them: for a cluster on this
-    machine all of them, relative paths against ``working_dir`` as the job resolves them; for another
-    cluster, which has a file system of its own, a dataset folder at an absolute ``data.root`` that
-    exists here too (shared storage): complete, its raw values in range."""
+    one-line ``ValueError``. The job alone, then its folders where this machine sees them: for a cluster
+    on this machine all of them (relative to ``working_dir``); for another, a dataset at an absolute
+    ``data.root`` that exists here too (shared storage)."""
     from pipeline.train.preflight import check_config, check_data_root, check_output_dirs
     from preprocessing.sources import dataset_dir
 
@@ -141,10 +124,9 @@ def check_cluster(job, address: str) -> None:
 
 
 def exit_status(info) -> tuple[int, str]:
-    """The exit status for a job that ended (its ``ray.job_submission.JobDetails``) and what the last line
-    adds: 0 when it SUCCEEDED; when it FAILED, its command's own exit status as Ray reports it (``satp
-    train``'s; 128 + N for a command killed by signal N); else 1 (a job STOPPED, or one that failed before
-    its command ran: Ray's message says why)."""
+    """The exit status for a job that ended (its ``JobDetails``) and what the last line adds: 0 when it
+    SUCCEEDED; when it FAILED, its command's exit status (128 + N for one killed by signal N); else 1
+    (STOPPED, or failed before its command ran: Ray's message says why)."""
     from ray.job_submission import JobStatus
 
     if info.status == JobStatus.SUCCEEDED:
@@ -157,7 +139,6 @@ def exit_status(info) -> tuple[int, str]:
     return 1, f": {message[0]}" if message else ""
 
 
-# ----------------------------------------------------------------------------- what is uploaded
 def job_excludes(job, working_dir: Path) -> list[str]:
     """The job's data and output folders that lie inside ``working_dir``, as anchored excludes: a
     job's data travel through shared storage (or stay on this machine), never in its upload."""
@@ -248,10 +229,9 @@ class IgnoreRules:
 def upload_files(working_dir: Path, excludes: list[str]) -> dict[str, int]:
     """The files Ray uploads of ``working_dir`` with ``excludes``: their paths (relative to it) and sizes.
 
-    A path is left out when one source leaves it out, as Ray combines them: ``excludes`` (relative to
-    ``working_dir``), and the ignore files (:data:`IGNORE_FILES`) of its directory and of every directory
-    above it, each relative to its own directory; a directory left out is not entered. Links are
-    followed: Ray uploads what they point to."""
+    A path is left out when one source leaves it out, as Ray combines them: ``excludes``, or the ignore
+    files (:data:`IGNORE_FILES`) of any directory above it, each relative to its own directory; a
+    directory left out is not entered. Links are followed, as Ray does."""
     names = IGNORE_FILES if os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1" else (".rayignore",)
     files: dict[str, int] = {}
 
@@ -299,8 +279,7 @@ def check_upload_size(working_dir: Path, excludes: list[str]) -> int:
 @contextlib.contextmanager
 def rays_default_excludes_off() -> Iterator[None]:
     """Ray's default excludes off while it packs the upload (``RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES``
-    empty, as Ray documents): :data:`EXCLUDES` names them, and with its own Ray warns of each such folder
-    of the working directory that it leaves it out, a line the user can do nothing about."""
+    empty, as Ray documents): :data:`EXCLUDES` names them, and with its own Ray warns of each one found."""
     name = "RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES"
     saved = os.environ.get(name)
     os.environ[name] = ""
@@ -314,9 +293,8 @@ def rays_default_excludes_off() -> Iterator[None]:
 
 
 def runtime_env(working_dir: Path, excludes: list[str], local: bool) -> dict:
-    """The job's runtime environment: the upload, and in the job's environment only what it reads of satp's:
-    ``SATP_WORKDIR`` for a cluster on this machine, ``SATP_GIT_COMMIT`` (the commit its run records; the
-    upload holds no ``.git``) when the working directory is a git checkout."""
+    """The job's runtime environment: the upload, ``SATP_WORKDIR`` for a cluster on this machine, and
+    ``SATP_GIT_COMMIT`` (the commit its run records; the upload holds no ``.git``) in a git checkout."""
     from pipeline.registry.versions import git_commit
 
     env_vars = {"SATP_WORKDIR": str(working_dir)} if local else {}
@@ -326,17 +304,8 @@ def runtime_env(working_dir: Path, excludes: list[str], local: bool) -> dict:
     return {"working_dir": str(working_dir), "excludes": excludes, **({"env_vars": env_vars} if env_vars else {})}
 
 
-# ----------------------------------------------------------------------------- the command
-def submit(
-    job_path: str | Path,
-    *,
-    address: Optional[str] = None,
-    overrides: Optional[list[str]] = None,
-    wait: bool = True,
-    working_dir: str | Path = ".",
-    out=sys.stdout,
-    restart: bool = False,
-) -> int:
+def submit(job_path: str | Path, *, address: Optional[str] = None, overrides: Optional[list[str]] = None,
+           wait: bool = True, working_dir: str | Path = ".", out=sys.stdout, restart: bool = False) -> int:
     """Submit ``job_path`` to the cluster at ``address`` (:func:`job_server`) once it passed the
     pre-flight; return its exit status (:func:`exit_status`; without ``wait``, 0 once submitted)."""
     overrides = list(overrides or [])

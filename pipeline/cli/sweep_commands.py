@@ -1,18 +1,7 @@
-"""``satp tune`` and ``satp compare`` (registered by :mod:`pipeline.cli`).
-
-::
-
-    satp tune JOB.yaml [--set dotted.key=value ...] [--address ADDR] [--restart]
-        the job's ASHA sweep (tune: section), MLflow parent + child runs, best model registered,
-        alias champion moved only if it beats the current champion; a rerun resumes
-
-    satp compare JOB.yaml [--set dotted.key=value ...] [--address ADDR] [--restart]
-        every variant of the job's compare: section x every seed, each a full training run, at
-        equal budget; MLflow parent + child runs; per-variant mean ± std of the test metric at
-        the best validation epoch, a table (printed, and compare.md) and a plot; a rerun resumes
-
-A rerun of another job than the sweep ran is refused before Ray starts; ``--restart`` starts the
-sweep over (:mod:`pipeline.sweep.record`).
+"""``satp tune JOB.yaml`` (the job's ASHA sweep, best model registered, the champion alias moved only
+if it beats the current one) and ``satp compare JOB.yaml`` (every variant x seed at equal budget,
+mean ± std per variant): MLflow parent and child runs; a rerun resumes, a rerun of another job is
+refused before Ray starts unless ``--restart`` (:mod:`pipeline.sweep.record`).
 """
 from __future__ import annotations
 
@@ -46,13 +35,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def run_section_command(args, section: str, example: str, run: str) -> int:
-    """``satp tune`` / ``satp compare``: the job of ``args`` must have a ``section:`` (see
-    ``example``); run from the project directory (relative paths in jobs), as ``satp train`` does,
-    with INFO logging on stderr. ``run`` (``module:function``) runs it and returns an outcome with
-    ``interrupted``; ``format_outcome`` of the same module prints it, after Ray has shut down
-    (:func:`shut_ray_down`): the summary is the command's last output. Interrupted (Tune stops on
-    Ctrl-C and returns): :class:`runtime.interrupts.Interrupted`, which the CLI ends with its one
-    last line and status 130."""
+    """``satp tune`` / ``satp compare``: the job of ``args`` must have a ``section:`` (see ``example``);
+    run from the project directory with INFO logging on stderr. ``run`` (``module:function``) returns
+    an outcome, printed by that module's ``format_outcome`` after Ray has shut down, as the command's
+    last output; one Tune stopped on Ctrl-C raises :class:`runtime.interrupts.Interrupted` (status 130)."""
     import importlib
     import logging
     import signal
@@ -84,15 +70,13 @@ def run_section_command(args, section: str, example: str, run: str) -> int:
     return 0
 
 
-#: how long the cluster's log monitor takes to forward what a process printed (it reads the log files
-#: every 0.5 s); Ray's own exit handler waits as long before it disconnects, for the same lines
+#: how long the cluster's log monitor takes to forward what a process printed (as Ray's exit handler waits)
 LOG_FORWARD_S = 0.5
 
 
 def shut_ray_down() -> None:
     """Disconnect from Ray (a local cluster started here stops with it) once the lines its processes
-    printed last have reached this one: what Ray has to say comes before the summary, and nothing of
-    Ray's (a worker's late line, gRPC's goodbye to a closed connection) comes after it."""
+    printed last have reached this one, so that nothing of Ray's comes after the summary."""
     import sys
     import time
 

@@ -1,20 +1,17 @@
 """Job files: one YAML per job, validated into typed sections at the edge.
 
-A job YAML has the sections ``data``, ``transform``, ``shards`` (preprocessing),
-``model`` (:class:`sat.SATConfig`), ``train``, ``resources``, ``mlflow`` and the
-optional ``tune`` (an ASHA sweep) and ``compare`` (variants x seeds, see
-:mod:`pipeline.config.compare`). Unknown or mistyped keys are rejected with a
-one-line error that names the file and the dotted key. ``--set dotted.key=value`` overrides
-any key; the value is parsed as YAML (``--set train.lr=3e-4``).
-
-Shared by every room of :mod:`pipeline` (the CLI reads a job, training and sweeps run it, the
-registry records it), so it lies below all of them, with each section's schema in its own module:
-:mod:`~pipeline.config.train` (``train``, ``resources``, ``mlflow``), :mod:`~pipeline.config.tune`,
-:mod:`~pipeline.config.compare`. Importing it loads no torch, Ray or MLflow.
+Sections: ``data``, ``transform``, ``shards`` (preprocessing), ``model`` (:class:`sat.SATConfig`),
+``storage``, ``train``, ``resources``, ``mlflow`` (:mod:`~pipeline.config.train`) and the optional
+``tune`` (:mod:`~pipeline.config.tune`) and ``compare`` (:mod:`~pipeline.config.compare`). Unknown or
+mistyped keys are one-line errors naming the file and the dotted key; ``--set dotted.key=value``
+overrides any key (the value parsed as YAML). Importing it loads no torch, Ray or MLflow.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any, Optional
 
@@ -108,18 +105,13 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any, where: str = "") -> No
 
 def known_keys(loc: tuple) -> list[str]:
     """The keys a job YAML accepts at the mapping ``loc`` (``()``: the sections), for suggestions."""
-    import dataclasses
-    import typing
-
     node: Any = JobConfig
     for part in loc:
-        if isinstance(node, type) and issubclass(node, BaseModel):
-            field = node.model_fields.get(str(part))
-            node = field.annotation if field is not None else None
-        elif dataclasses.is_dataclass(node):
-            node = None
-        args = [a for a in typing.get_args(node) if a is not type(None)] if node is not None else []
-        if args and not (isinstance(node, type)):
+        is_model = isinstance(node, type) and issubclass(node, BaseModel)
+        field = node.model_fields.get(str(part)) if is_model else None
+        node = field.annotation if field is not None else None
+        args = [a for a in typing.get_args(node) if a is not type(None)]
+        if args and not isinstance(node, type):
             node = args[0]  # Optional[X] -> X
     if isinstance(node, type) and issubclass(node, BaseModel):
         return list(node.model_fields)
@@ -129,8 +121,6 @@ def known_keys(loc: tuple) -> list[str]:
 
 
 def _close_key(key: str, loc: tuple) -> Optional[str]:
-    import difflib
-
     close = difflib.get_close_matches(key, known_keys(loc), n=1, cutoff=0.6)
     return close[0] if close else None
 
@@ -162,9 +152,8 @@ def format_validation_error(source: str, error: ValidationError) -> str:
 
 def yaml_error(path: Path, exc: Exception) -> str:
     """``job.yaml:14:3: not valid YAML: expected ',' or '}', but got ':' (while parsing a flow
-    mapping opened at line 12, column 8)``: line and column (1-based, as editors count) where
-    PyYAML noticed the problem, and where the construct it was reading began, which is where an
-    unclosed bracket or quote is (PyYAML notices it only lines later)."""
+    mapping opened at line 12, column 8)``: where PyYAML noticed the problem (1-based), and where the
+    construct it was reading began, which is where an unclosed bracket or quote is."""
     mark = getattr(exc, "problem_mark", None)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
     problem = getattr(exc, "problem", None) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

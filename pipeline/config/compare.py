@@ -5,21 +5,14 @@ Example (``jobs/pattern-local.yaml``)::
     compare:
       seeds: [0, 1, 2]              # every variant trains once per seed (train.seed)
       variants:                     # name -> dotted keys of the job set for that variant
-        gcn: {model.architecture: gnn, model.pe: none, model.pe_dim: 0}
         transformer: {model.k_hops: 0}
         subtree: {}                 # the job as it is
         subgraph: {model.extractor: subgraph, transform.k_hops: 1}
-      max_concurrent_trials: 2      # further capped by the cluster's resources
 
-``satp compare JOB.yaml`` (:mod:`pipeline.sweep.compare`) trains every variant with every seed, each
-trial being a full Ray Train run of the job. Every trial gets the same budget: the same data and
-the same number of epochs. The keys that set the budget (``data``, ``train.epochs``,
-``train.train_subset``, ``train.eval_subset``) and the seed cannot be varied. Keys under
-``transform`` and ``shards`` may differ (e.g. subgraph indices for the k-subgraph variant). Each
-distinct preprocessing is built once, before the trials start.
-
-Every variant is checked against the job's own validation before anything starts: a bad key or
-value is a one-line error naming ``compare.variants.<name>``.
+``satp compare JOB.yaml`` (:mod:`pipeline.sweep.compare`) trains every variant with every seed, each a
+full Ray Train run at the same budget: the keys that set it (``data``, ``train.epochs``, the subsets)
+and the seed cannot be varied; ``transform`` and ``shards`` may (each distinct preprocessing is built
+once, before the trials). Every variant is validated as a job before anything starts.
 """
 from __future__ import annotations
 
@@ -42,9 +35,8 @@ class CompareConfig(StrictModel):
 
     variants: dict[str, Optional[dict[str, Any]]]  # None (an empty YAML value): the job as it is
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
-    #: Comparison name (Tune experiment directory, MLflow parent run): default ``<job name>-compare-<hash>``,
-    #: the hash of the job, variants and seeds. A rerun of the same job (recorded in the comparison's
-    #: folder) resumes it; another job under the same name is refused: a new name, or ``satp compare --restart``.
+    #: Comparison name (Tune experiment directory, MLflow parent run): default ``<job name>-compare-<hash>``.
+    #: A rerun of the same job resumes it; another job under the same name is refused (``--restart``).
     name: Optional[str] = None
     #: Tune's storage (experiment state, trials' Train checkpoints): default ``<runs>/tune``.
     storage_path: Optional[str] = None

@@ -1,16 +1,11 @@
 """Names that become paths or registry entries, checked before anything starts.
 
-A run name is a folder under ``train.storage_path`` (checkpoints, the run lease), a sweep's or
-comparison's name a folder under its storage path (Tune's state, the trials' runs): a job file
-from someone else with ``train.run_name: ../../elsewhere`` would write wherever the user can. So
-such a name must be a relative path in normal form that stays inside its folder (``x/y`` nests
-inside it; ``../x``, ``/x``, ``x/../y``, ``x/`` are refused).
-
-The MLflow names follow MLflow's own rules (``mlflow.utils.validation``: ``_validate_model_name``,
-``_validate_experiment_name``), written out here so that the pre-flight needs no MLflow import
-(seconds on a busy machine); ``tests/test_names.py`` holds them against MLflow's functions. A
-registered model name that MLflow refuses would otherwise fail at registration, after training.
-Nothing here imports more than the standard library.
+A run name is a folder under ``train.storage_path``, a sweep's or comparison's name one under its
+storage path: a job file with ``train.run_name: ../../elsewhere`` would write wherever the user can.
+So such a name must be a relative path in normal form inside its folder (``x/y`` nests; ``../x``,
+``/x``, ``x/../y``, ``x/`` are refused). The MLflow names follow MLflow's rules
+(``mlflow.utils.validation``), written out here so that the pre-flight imports no MLflow;
+``tests/test_names.py`` holds them against MLflow's functions.
 """
 from __future__ import annotations
 
@@ -72,7 +67,8 @@ def _names(job) -> Iterator[tuple[str, str, Optional[str]]]:
         where = f"{section}.name" if cfg.name else f"name (the default {section}.name: {value})"
         yield where, value, path_name_problem(value)
     if job.mlflow.registered_model is not None:
-        yield "mlflow.registered_model", job.mlflow.registered_model, registered_model_problem(job.mlflow.registered_model)
+        name = job.mlflow.registered_model
+        yield "mlflow.registered_model", name, registered_model_problem(name)
     yield "mlflow.experiment", job.mlflow.experiment, experiment_problem(job.mlflow.experiment)
 
 

@@ -1,11 +1,8 @@
 """Job sections owned by training: ``train``, ``resources`` and ``mlflow``.
 
-Each section is a strict pydantic model (unknown keys are errors) with the
-defaults of a small local run; ``jobs/*.yaml`` set the paper's values. Paths
-that default to the project's run directory (``runs/`` under the current
-directory, or ``$SATP_RUNS_DIR``) are resolved to absolute paths by
-:func:`resolve_paths` in the driver, before anything reaches a Ray worker
-(a worker's or a Ray job's working directory is a temporary copy).
+Strict pydantic models with the defaults of a small local run (``jobs/*.yaml`` set the paper's
+values). Paths that default to the run directory (:func:`runs_dir`) are made absolute by the driver
+before anything reaches a Ray worker, whose working directory is a temporary copy.
 """
 from __future__ import annotations
 
@@ -46,14 +43,12 @@ class TrainConfig(StrictModel):
     # lr * sqrt(warmup / step), the schedule of Vaswani et al. scaled to peak at lr (the SAT authors'
     # train_SBMs.py / train_zinc.py)
     scheduler: Literal["cosine", "constant", "inverse_sqrt"] = "cosine"
-    # batching: a batch holds graphs of similar size up to `node_budget` padded nodes
-    # (graphs x largest graph), so dense attention wastes little; a graph larger than
-    # the budget gets a batch of its own (never dropped)
+    # a batch holds graphs of similar size up to `node_budget` padded nodes (graphs x largest graph);
+    # a larger graph gets a batch of its own (never dropped)
     node_budget: int = Field(4000, ge=1)
-    # the global batch (pipeline.train.global_batch): an optimizer step is this many node-budget
-    # micro-batches of one sequence that depends on train.seed and the epoch only, dealt to the workers
-    # (each accumulates its share); steps per epoch and the lr schedule do not depend on the worker
-    # count. Unset: the job's resources.num_workers (the max of a range), resolved when the job is read
+    # an optimizer step is this many micro-batches of a sequence fixed by train.seed and the epoch, dealt
+    # to the workers (pipeline.train.global_batch), so steps and the lr schedule do not depend on the
+    # worker count. Unset: resources.num_workers (the max of a range), resolved when the job is read
     micro_batches_per_step: Optional[int] = Field(None, ge=1)
     max_graphs_per_batch: Optional[int] = Field(None, ge=1)
     eval_node_budget: Optional[int] = Field(None, ge=1)  # default: 2 x node_budget
@@ -62,22 +57,18 @@ class TrainConfig(StrictModel):
     train_subset: Optional[int] = Field(None, ge=1)  # first N graphs of a seeded permutation
     eval_subset: Optional[int] = Field(None, ge=1)  # the same, seeded by data.seed (not by train.seed)
     seed: int = 0
-    # the training and evaluation step (pipeline.train.step_modes; docs/gpu.md "Step cost"):
-    #   eager: batches as they come (any shape), every operator dispatched from Python;
-    #   static: batches padded to fixed capacities (sat.padding), eager kernels;
-    #   compiled: static, and the model compiled once for those shapes (torch.compile through DeepSpeed);
-    #   captured: compiled, and forward + loss + backward captured once as a CUDA graph and replayed
-    #   (GPU workers only). A batch over capacity runs eagerly and is counted (overflow_batches).
+    # the step (pipeline.train.step_modes): eager (batches as they come); static (padded to fixed
+    # capacities, sat.padding); compiled (static, and torch.compile'd once); captured (compiled, and
+    # captured as a CUDA graph; GPU only). A batch over capacity runs eagerly (overflow_batches).
     step: Literal["eager", "static", "compiled", "captured"] = "eager"
-    # capacities: mean + this many standard deviations of the first epoch's batches (nodes, edges,
-    # graphs, largest graph, subgraph entries and edges), at most their largest (NVIDIA's MLPerf GNN: 5)
+    # capacities: mean + this many standard deviations of the first epoch's batch sizes, at most their largest
     capacity_sigmas: float = Field(5.0, ge=0)
     # DeepSpeed
     precision: Precision = "auto"  # auto: bf16 where supported, else fp16 on GPU, fp32 on CPU
     zero_stage: Literal[0, 1, 2] = 0
     grad_clip: float = Field(1.0, ge=0)  # 0 disables
-    # evaluation: BatchNorm's running statistics recomputed before each evaluation over this many
-    # random training batches, dropout off (pipeline.train.precise_bn); 0: the moving average of training
+    # BatchNorm's statistics recomputed before each evaluation over this many training batches
+    # (pipeline.train.precise_bn); 0: the moving average of training
     precise_bn_batches: int = Field(0, ge=0)
     # bookkeeping
     eval_every: int = Field(1, ge=1)
@@ -85,17 +76,14 @@ class TrainConfig(StrictModel):
     run_name: Optional[str] = None  # default: the job's name; a rerun with the same name resumes
     storage_path: Optional[str] = None  # default: <runs>/ray
     checkpoints_to_keep: int = Field(2, ge=1)
-    # a checkpoint every this many optimizer steps as well as at every epoch's end (None: epoch ends
-    # only); a resumed or resized run continues from the newest one, at the same global step
+    # a checkpoint every this many optimizer steps as well as at every epoch's end (None: epoch ends only)
     checkpoint_every_steps: Optional[int] = Field(None, ge=1)
     # every this many steps the workers ask Ray Train whether a node of theirs is being drained for
-    # preemption (ray.train.get_preemption_info: a collective through Ray, ~ms); if so, they write a
-    # checkpoint at once, once per notice
+    # preemption; if so, they write a checkpoint at once
     preemption_check_steps: int = Field(10, ge=1)
     max_failures: int = Field(2, ge=0)  # worker-group restarts from the last checkpoint
-    # stopping before `epochs` (pipeline.train.stopping): at a quality target (its wall-clock, steps and
-    # epochs are reported as time to target), or after `patience` evaluations without a better
-    # validation metric
+    # stopping before `epochs` (pipeline.train.stopping): at a quality target (reported as time to
+    # target), or after `patience` evaluations without a better validation metric
     target: Optional[TargetConfig] = None
     patience: Optional[int] = Field(None, ge=1)
 
@@ -115,25 +103,21 @@ class TrainConfig(StrictModel):
 class ResourcesConfig(StrictModel):
     """Ray Train workers: one DeepSpeed rank each."""
 
-    # a count, or [min, max]: an elastic run (Ray Train's ScalingConfig(num_workers=(min, max))) that
-    # starts once min workers fit, continues with fewer (>= min) when a node is lost, and grows when
-    # nodes join, checked every resize_check_s seconds (docs/scale.md, "Elastic runs")
+    # a count, or [min, max]: an elastic run that starts once min workers fit, continues with fewer
+    # when a node is lost and grows when nodes join, checked every resize_check_s (docs/scale.md)
     num_workers: Union[int, tuple[int, int]] = 2
     resize_check_s: float = Field(60.0, gt=0)
     use_gpu: bool = False
     cpus_per_worker: float = Field(1, gt=0)
     gpus_per_worker: float = Field(1, ge=0)
     torch_threads: Optional[int] = Field(None, ge=1)  # default: cpus_per_worker
-    # PACK: workers on as few nodes as possible; SPREAD: across nodes where they fit (a lost node
-    # then takes fewer workers with it). Either way a lost node's workers restart where room is.
+    # PACK: workers on as few nodes as possible; SPREAD: across nodes (a lost node takes fewer along)
     placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
     # false: fail before anything starts when the cluster's nodes cannot hold the workers;
     # true: an autoscaling cluster, where Ray adds the nodes the workers ask for
     wait_for_nodes: bool = False
-    # torch.distributed backend between the workers (DeepSpeed's gradient all-reduce, the metric
-    # and evaluation gathers): auto = nccl for GPU workers that each hold whole GPUs, gloo for CPU
-    # workers and for GPU workers that may share a device (gpus_per_worker below 1 with several
-    # workers: NCCL refuses two ranks on one GPU). gloo moves CUDA tensors through host memory.
+    # torch.distributed backend between the workers: auto = nccl for GPU workers that each hold whole
+    # GPUs, gloo for CPU workers and GPU workers that may share a device (NCCL refuses two ranks on one)
     collective_backend: Literal["auto", "nccl", "gloo"] = "auto"
 
     @field_validator("num_workers", mode="before")

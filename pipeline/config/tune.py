@@ -1,36 +1,20 @@
 """The ``tune:`` section of a job YAML: an ASHA sweep over dotted keys of the job.
 
-Example (``jobs/code2-sweep-local.yaml``)::
+Example (a whole one: ``jobs/code2-sweep-local.yaml``)::
 
     tune:
-      num_samples: 4              # trials (each a full Ray Train run)
-      metric: val_f1              # default: val_<task metric> (val_f1 for code2, val_acc for ppa)
-      mode: max                   # default: the task's (max for F1 and accuracy)
-      max_concurrent_trials: 2    # further capped by the cluster's resources
-      seed: 0                     # of the random search (null: not seeded)
-      asha:
-        grace_period: 1           # epochs every trial runs before it can be stopped
-        reduction_factor: 2       # keep the top 1/reduction_factor at each rung
-        max_epochs: 4             # default: train.epochs (every trial runs at most this many)
+      num_samples: 4              # trials, each a full Ray Train run
+      asha: {grace_period: 1, reduction_factor: 2}
       space:                      # dotted key into the job -> distribution
         train.lr: {loguniform: [1.0e-4, 3.0e-3]}
-        model.dropout: {choice: [0.0, 0.1, 0.2]}
-        model.gnn_type: {choice: [gcn, gin]}
-        model.num_layers: {randint: [1, 4]}        # 1..3 (upper bound exclusive, as Ray's randint)
         "transform.rwpe_steps,model.pe_dim": {choice: [8, 16]}   # one value, set at both keys
 
-Distributions (each a mapping with exactly one key): ``choice: [v, ...]``,
-``grid: [v, ...]`` (every value, times ``num_samples``), ``uniform: [lo, hi]``,
-``loguniform: [lo, hi]``, ``randint: [lo, hi]`` (``hi`` exclusive),
-``quniform: [lo, hi, q]``, or ``value: v`` (a constant). A key may list several
-dotted keys separated by commas: the sampled value is set at each of them (for
-settings that must agree, e.g. RWPE steps in the transform and the model's PE
-width). Keys under ``data``, ``transform`` and ``shards`` change the
-preprocessed shards: they must be ``choice``/``grid``/``value`` so that every
-variant is built once, in the driver, before the trials start.
-
-Every sampled value is checked against the job's own validation before the sweep
-starts (a bad key or value is a one-line error naming ``tune.space.<key>``).
+Distributions (a mapping with exactly one key): ``choice: [v, ...]``, ``grid: [v, ...]`` (every
+value, times ``num_samples``), ``uniform`` / ``loguniform: [lo, hi]``, ``randint: [lo, hi]`` (``hi``
+exclusive), ``quniform: [lo, hi, q]`` or ``value: v``. A key listing several dotted keys (commas)
+sets the sampled value at each. Keys under ``data``, ``transform`` and ``shards`` change the shards:
+they take ``choice``/``grid``/``value``, so that every variant is built once, before the trials.
+Every sampled value is validated as a job before the sweep starts.
 """
 from __future__ import annotations
 
@@ -104,23 +88,16 @@ class Distribution(StrictModel):
         return [float(v) for v in getattr(self, kind)[:2]]
 
     def to_tune(self):
-        """The Ray Tune search-space object."""
+        """The Ray Tune search-space object (``tune.choice``, ``tune.grid_search``, ... of the values)."""
         from ray import tune
 
         kind = self.kind
-        if kind == "choice":
-            return tune.choice(self.choice)
-        if kind == "grid":
-            return tune.grid_search(self.grid)
-        if kind == "uniform":
-            return tune.uniform(*self.uniform)
-        if kind == "loguniform":
-            return tune.loguniform(*self.loguniform)
-        if kind == "randint":
-            return tune.randint(*self.randint)
-        if kind == "quniform":
-            return tune.quniform(*self.quniform)
-        return self.value
+        if kind == "value":
+            return self.value
+        values = getattr(self, kind)
+        if kind in ("choice", "grid"):
+            return tune.choice(values) if kind == "choice" else tune.grid_search(values)
+        return getattr(tune, kind)(*values)
 
 
 class AshaConfig(StrictModel):
@@ -143,8 +120,7 @@ class TuneConfig(StrictModel):
     seed: Optional[int] = 0
     asha: AshaConfig = AshaConfig()
     #: Sweep name (Tune experiment directory, MLflow parent run): default ``<job name>-sweep``.
-    #: A rerun with the same name and storage path resumes the sweep if it runs the same job (the
-    #: sweep records it in its folder); another job is refused: a new name, or ``satp tune --restart``.
+    #: A rerun of the same job resumes the sweep; another job under the same name is refused (``--restart``).
     name: Optional[str] = None
     #: Tune's storage (experiment state, trials' Train checkpoints): default ``<runs>/tune``.
     storage_path: Optional[str] = None
