@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import yaml
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 # ----------------------------------------------------------------------------- processes and waiting
 def process_state(pid: int) -> str:
@@ -140,6 +142,33 @@ def tiny_data(base: Path):
 
     job = tiny_job(base)
     return preprocess(job.data, job.transform, job.shards, progress=False)
+
+
+def write_job(path: Path, values: dict) -> Path:
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def train_command(job: Path, address: str | None, *more: str) -> list[str]:
+    """``satp train JOB --no-progress`` as a test runs it (``--address`` when given)."""
+    import sys
+
+    return [sys.executable, "-m", "pipeline.cli", "train", str(job), "--no-progress", *more,
+            *(["--address", address] if address else [])]
+
+
+def run_satp_train(job: Path, address: str | None, *more: str, timeout: float = 600, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(train_command(job, address, *more), capture_output=True, text=True, timeout=timeout,
+                          env=satp_env(**env), cwd=ROOT)
+
+
+def fault_job(base: Path, where: Path, run_name: str, storage: Path | None = None, workers: int = 1, **train) -> Path:
+    """A tiny job on 300 training graphs, its runs and MLflow store in ``where``."""
+    train = {"train_subset": 300, "eval_subset": 100, **train}
+    values = tiny_job_dict(base, run_name=run_name, storage_path=str(storage or where / "ray"), **train)
+    values["resources"]["num_workers"] = workers
+    values["mlflow"] |= {"tracking_uri": f"sqlite:///{where / 'mlflow.db'}", "registered_model": f"sat-{run_name}"}
+    return write_job(where / f"{run_name}.yaml", values)
 
 
 def tiny_subset_job(base: Path, tmp_path: Path, run_name: str, **train) -> Path:

@@ -23,18 +23,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import (Drain, checkpoint_epochs, process_state, satp_env, satp_lines, tiny_job_dict, tracebacks,
-                           wait_until)
+from tests.helpers import (Drain, checkpoint_epochs, fault_job, process_state, run_satp_train, satp_env, satp_lines,
+                           tiny_job_dict, tracebacks, train_command, wait_until)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- helpers
-def _command(job: Path, address: str | None, *more: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", "train", str(job), "--no-progress", *more,
-            *(["--address", address] if address else [])]
-
-
 def _stop(command: subprocess.Popen) -> None:
     """Stop a running ``satp`` command as Ctrl-Z does (``SIGTSTP``): a command forked by the session
     cluster's warm driver stops with its process (whose handler stops both); one in its own process
@@ -46,21 +41,6 @@ def _stop(command: subprocess.Popen) -> None:
         time.sleep(0.1)
     if process_state(command.pid) != "T":
         command.send_signal(signal.SIGSTOP)
-
-
-def _satp_train(job: Path, address: str | None, *more: str, timeout: float = 600, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(job, address, *more), capture_output=True, text=True, timeout=timeout,
-                          env=satp_env(**env), cwd=ROOT)
-
-
-def _job(base: Path, where: Path, run_name: str, storage: Path | None = None, workers: int = 1, **train) -> Path:
-    train = {"train_subset": 300, "eval_subset": 100, **train}
-    values = tiny_job_dict(base, run_name=run_name, storage_path=str(storage or where / "ray"), **train)
-    values["resources"]["num_workers"] = workers
-    values["mlflow"] |= {"tracking_uri": f"sqlite:///{where / 'mlflow.db'}", "registered_model": f"sat-{run_name}"}
-    path = where / f"{run_name}.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return path
 
 
 # ============================================================================= checkpoints
@@ -358,7 +338,7 @@ def test_mlflow_store_damaged_is_one_line_before_ray(tiny_setting, tmp_path, cap
     from pipeline.cli import main
 
     base, address = tiny_setting
-    job = _job(base, tmp_path, "store", epochs=1)
+    job = fault_job(base, tmp_path, "store", epochs=1)
     database = tmp_path / "mlflow.db"
     MlflowClient(f"sqlite:///{database}").create_experiment("tiny")
     data = bytearray(database.read_bytes())
@@ -384,7 +364,7 @@ def test_mlflow_store_on_a_full_disk_is_one_line(tiny_setting, tmp_path, capsys,
 
     base, address = tiny_setting
     disk = small_disk.mount("8m")
-    job = _job(base, tmp_path, "store-full", epochs=1)
+    job = fault_job(base, tmp_path, "store-full", epochs=1)
     values = yaml.safe_load(job.read_text())
     values["mlflow"]["tracking_uri"] = f"sqlite:///{disk / 'mlflow.db'}"
     job.write_text(yaml.safe_dump(values))
@@ -409,9 +389,9 @@ def test_a_second_command_of_one_run_name_is_refused_naming_the_holder(tiny_sett
     from mlflow.tracking import MlflowClient
 
     base, address = tiny_setting
-    job = _job(base, tmp_path, "twice", epochs=1)
+    job = fault_job(base, tmp_path, "twice", epochs=1)
     lease = tmp_path / "ray" / "twice" / "satp-lease.json"
-    first = subprocess.Popen(_command(job, address), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    first = subprocess.Popen(train_command(job, address), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=satp_env(), cwd=ROOT)
     drained = Drain(first)
     try:
@@ -419,7 +399,7 @@ def test_a_second_command_of_one_run_name_is_refused_naming_the_holder(tiny_sett
         _stop(first)  # it holds the lease for as long as the second command takes
         try:
             started = time.monotonic()
-            second = _satp_train(job, address, timeout=300)
+            second = run_satp_train(job, address, timeout=300)
             took = time.monotonic() - started
         finally:
             first.send_signal(signal.SIGCONT)
@@ -459,7 +439,7 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tiny_se
     from pipeline.train.driver import train_job
 
     base, address = tiny_setting
-    job = _job(base, tmp_path, "cut", epochs=2, checkpoints_to_keep=2)
+    job = fault_job(base, tmp_path, "cut", epochs=2, checkpoints_to_keep=2)
     run_dir = tmp_path / "ray" / "cut"
     train_job(load_job(job))
     kept = checkpoint_epochs(run_dir)
@@ -468,8 +448,8 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tiny_se
     target = newest / "ds" / "last" / "mp_rank_00_model_states.pt"
     os.truncate(target, target.stat().st_size // 2)
 
-    more = _job(base, tmp_path, "cut", epochs=3, checkpoints_to_keep=2)
-    again = _satp_train(more, address)
+    more = fault_job(base, tmp_path, "cut", epochs=3, checkpoints_to_keep=2)
+    again = run_satp_train(more, address)
     err = again.stderr
     assert again.returncode == 0, err[-3000:]
     warnings = satp_lines(err, "warning:")
@@ -496,7 +476,7 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tiny_se
     # the tracking store deleted under the run's checkpoints
     database = tmp_path / "mlflow.db"
     shutil.move(database, tmp_path / "mlflow.db.saved")
-    lost = _satp_train(more, address)
+    lost = run_satp_train(more, address)
     err = lost.stderr
     assert lost.returncode == 2, err[-3000:]
     (line,) = satp_lines(err)
@@ -504,7 +484,7 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tiny_se
     assert run.info.run_id in line and "--restart" in line, line
     assert not database.exists() and "Created version" not in err and not tracebacks(err)
     shutil.move(tmp_path / "mlflow.db.saved", database)
-    found = _satp_train(more, address)
+    found = run_satp_train(more, address)
     assert found.returncode == 0, found.stderr[-3000:]
     assert "had finished with this configuration" in found.stdout, found.stdout
 
@@ -568,13 +548,13 @@ def test_more_ctrl_c_while_the_first_is_handled_keep_status_130_and_tear_the_clu
     shutting down, the interpreter exiting): status 130 all the same, one ``satp: interrupted``
     line, the private temporary folder removed and none of the cluster's processes left."""
     base, _ = tiny_setting
-    job = _job(base, tmp_path, "taps", epochs=50)
+    job = fault_job(base, tmp_path, "taps", epochs=50)
     private = Path(tempfile.mkdtemp(prefix="sig", dir="/tmp"))  # short: Ray's socket paths live under it
     try:
         # its own process group, signalled as a whole: what Ctrl-C in a terminal does (the local
         # cluster's processes, children of the command, get the signal too)
         # SATP_HOME without a record: not the session's satp cluster, a local Ray of the command's own
-        proc = subprocess.Popen(_command(job, None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        proc = subprocess.Popen(train_command(job, None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=satp_env(TMPDIR=str(private), SATP_HOME=str(tmp_path / "home")), cwd=ROOT,
                                 start_new_session=True)
         drained = Drain(proc)
@@ -640,7 +620,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_intact_checkpoint(ti
     uri = f"sqlite:///{storage / 'mlflow.db'}"
 
     def job_file(epochs: int) -> Path:
-        path = _job(base, tmp_path, "full", storage=storage, workers=2, epochs=epochs)
+        path = fault_job(base, tmp_path, "full", storage=storage, workers=2, epochs=epochs)
         values = yaml.safe_load(path.read_text())
         values["mlflow"]["tracking_uri"] = uri
         path.write_text(yaml.safe_dump(values))
@@ -653,7 +633,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_intact_checkpoint(ti
     client = MlflowClient(uri)
 
     filler = small_disk.fill(leave=200_000)  # room for the lease and the database's journal, not the model
-    unregistered = _satp_train(job_file(1), address)
+    unregistered = run_satp_train(job_file(1), address)
     err = unregistered.stderr
     assert unregistered.returncode != 0, err[-3000:]
     (line,) = satp_lines(err)
@@ -662,18 +642,18 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_intact_checkpoint(ti
     assert not client.search_model_versions("name='sat-full'")
     filler.unlink()
 
-    killed = _satp_train(job_file(1), address, SATP_TEST_KILL_AT="registration")
+    killed = run_satp_train(job_file(1), address, SATP_TEST_KILL_AT="registration")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     (version,) = client.search_model_versions("name='sat-full'")
     assert "satp.champion_decision" not in version.tags
-    finished = _satp_train(job_file(1), address)
+    finished = run_satp_train(job_file(1), address)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert "its model: models:/sat-full/1" in finished.stdout, finished.stdout
     assert len(client.search_model_versions("name='sat-full'")) == 1
     assert str(client.get_model_version_by_alias("sat-full", "champion").version) == "1"
 
     filler = small_disk.fill(leave=size // 2)
-    stopped = _satp_train(job_file(3), address)
+    stopped = run_satp_train(job_file(3), address)
     err = stopped.stderr
     assert stopped.returncode != 0, err[-3000:]
     assert "resuming run full after epoch 0" in err, err[-3000:]

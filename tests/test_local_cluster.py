@@ -79,7 +79,7 @@ def test_a_widened_folder_is_refused_in_one_line(cluster, tmp_path):
 
 
 def test_a_satp_train_is_forked_by_the_fork_server_and_trains(cluster, tmp_path):
-    from tests.test_train_ray import tiny_job_dict, write_job
+    from tests.helpers import tiny_job_dict, write_job
 
     job = write_job(tmp_path / "job.yaml", tiny_job_dict(tmp_path, epochs=1, run_name="forked"))
     prepared = _satp(cluster, "preprocess", str(job), "--no-progress", cwd=tmp_path)

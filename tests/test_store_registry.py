@@ -15,7 +15,7 @@ import pytest
 
 from s3_server import s3_server  # noqa: F401  (the session's server, a fixture)
 from tests.mlflow_servers import ROOT, start, stop
-from tests.test_predict_errors import SOURCE
+from tests.helpers import PREDICT_SOURCE as SOURCE
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def _register(url: str) -> None:
     from sat import SAT
     from sat.config import SATConfig
     from sat.data import SATData
-    from tests.test_predict_errors import ATTRS, NODE_TYPES
+    from tests.helpers import ATTRS, NODE_TYPES
 
     client = MlflowClient(url)
     experiment = client.create_experiment("store")  # artifact location: the server's (mlflow-artifacts:/)

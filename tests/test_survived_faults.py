@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_faults_training import _job, _satp_train, satp_lines
+from tests.helpers import fault_job, run_satp_train, satp_lines
 
 RAY_NOISE = ("Traceback", "ActorDiedError", "Connection reset", "Connection closed", "(raylet)",
              "(TrainController pid=", "OOM killer")
@@ -29,12 +29,12 @@ RAY_NOISE = ("Traceback", "ActorDiedError", "Connection reset", "Connection clos
 @pytest.mark.slow
 def test_a_lost_worker_is_one_line_and_rays_report_is_in_the_log_file(tiny_setting, tmp_path):
     base, address = tiny_setting
-    job = _job(base, tmp_path, "survives", workers=2, epochs=2, max_failures=2)
+    job = fault_job(base, tmp_path, "survives", workers=2, epochs=2, max_failures=2)
     marker = tmp_path / "killed"
     # rank 1 SIGKILLs itself at step 1 of epoch 1, >= 10 s into the epoch (epoch 0's checkpoint is
     # registered by then: tests/test_train_ray.py)
     fault = {"rank": 1, "epoch": 1, "step": 1, "seconds": 10.0, "marker": str(marker)}
-    done = _satp_train(job, address, SATP_TEST_FAULT=json.dumps(fault), SATP_RUNS_DIR=str(tmp_path / "runs"))
+    done = run_satp_train(job, address, SATP_TEST_FAULT=json.dumps(fault), SATP_RUNS_DIR=str(tmp_path / "runs"))
     output = done.stdout + done.stderr
     assert done.returncode == 0, done.stderr[-4000:]
     assert marker.exists(), "the worker was not killed"
