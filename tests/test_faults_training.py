@@ -554,9 +554,11 @@ def test_more_ctrl_c_while_the_first_is_handled_keep_status_130_and_tear_the_clu
         # its own process group, signalled as a whole: what Ctrl-C in a terminal does (the local
         # cluster's processes, children of the command, get the signal too)
         # SATP_HOME without a record: not the session's satp cluster, a local Ray of the command's own
+        # and no $RAY_ADDRESS (the session's cluster, set for the other tests' commands)
+        env = satp_env(TMPDIR=str(private), SATP_HOME=str(tmp_path / "home"))
+        env.pop("RAY_ADDRESS", None)
         proc = subprocess.Popen(train_command(job, None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=satp_env(TMPDIR=str(private), SATP_HOME=str(tmp_path / "home")), cwd=ROOT,
-                                start_new_session=True)
+                                env=env, cwd=ROOT, start_new_session=True)
         drained = Drain(proc)
         run_dir = tmp_path / "ray" / "taps"
         wait_until(lambda: any(run_dir.glob("checkpoint_*/rank_0.json")), "first checkpoint", timeout=400, proc=proc)

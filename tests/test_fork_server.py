@@ -25,6 +25,14 @@ AS_ROOT_ONLY = pytest.mark.skipif(
     reason="needs a second local user: run as root (the other side runs as uid 65534 with /usr/bin/python3)")
 
 
+def _gone(pid: int) -> bool:
+    """True once ``pid`` has exited (reaped, or a zombie waiting for its parent)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _wait(until, what: str, timeout: float = 120.0):
     deadline = time.monotonic() + timeout
     while not (found := until()):
@@ -118,8 +126,7 @@ def test_a_client_gone_before_it_read_the_reply_takes_its_process_along(server, 
                             stdin=subprocess.DEVNULL, capture_output=True)
     assert client.returncode == 0, client.stderr
     forked = _wait(lambda: _forked_pid(server["log"], str(script)), "the fork's log line")
-    _wait(lambda: not psutil.pid_exists(forked) or psutil.Process(forked).status() == psutil.STATUS_ZOMBIE,
-          f"the forked process {forked} to be killed with its client", timeout=30)
+    _wait(lambda: _gone(forked), f"the forked process {forked} to be killed with its client", timeout=30)
     assert f"killed pid {forked}: its client went first" in server["log"].read_text()
 
 

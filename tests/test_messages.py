@@ -62,8 +62,9 @@ def test_pycode_names_skipped_files_and_every_file_failing(tmp_path, capsys):
     bad.mkdir()
     (bad / "a.py").write_text("x = (\n")
     (bad / "b.py").write_text("def g(:\n")
+    (bad / "c.py").write_text("class :\n")
     line = _error(capsys, ["data", "pycode", "--out", str(tmp_path / "e"), "--source", str(bad)])
-    assert "none of the 2 Python file(s) parses" in line and "a.py:" in line
+    assert "none of the 3 Python file(s) parses" in line and "a.py:" in line
     assert not (tmp_path / "e").exists()
 
 

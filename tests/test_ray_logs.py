@@ -3,10 +3,10 @@
 Successful runs under load printed Ray Train's controller warning "Failed to send resource request ...
 it's safe to ignore this error" with a whole ``GetTimeoutError`` traceback: its request to Ray's
 autoscaling coordinator waits 5 s. Here Ray's own client (``TrainAutoscalingCoordinatorClient``) sends
-its request, in a Ray actor of a real job on the session's satp cluster, to a coordinator actor that
+its request, in a Ray actor of a real job on the session's cluster, to a coordinator actor that
 answers after 30 s, with the controller's console logging as Ray Train configures it; the driver prints
-what its workers log. The cluster's worker processes imported ``runtime.ray_logs`` when they started
-(``RAY_preload_python_modules``), so the traceback does not reach the console, and the same warning
+what its workers log. The job's worker processes ran ``runtime.ray_logs`` when they started (the
+job's ``worker_process_setup_hook``, as every satp job's), so the traceback does not reach the console, and the same warning
 about any other error still does; with the filters taken off in the actor, the traceback shows (the
 defect). The placement-group cleaner's every-second warning without a dashboard is lowered too.
 """
@@ -29,7 +29,9 @@ DRIVER = textwrap.dedent('''
     import ray
 
     keep_filters = sys.argv[2] == "as-started"
-    ray.init(address=sys.argv[1], log_to_driver=True)
+    from runtime.ray_cluster import job_env
+
+    ray.init(address=sys.argv[1], log_to_driver=True, runtime_env=job_env())  # a satp job's hook
 
     @ray.remote(num_cpus=0)
     class SlowCoordinator:
@@ -51,7 +53,7 @@ DRIVER = textwrap.dedent('''
             train_log.handlers, train_log.propagate = [console], False
             train_log.setLevel(logging.DEBUG)
             client_log = logging.getLogger(TrainAutoscalingCoordinatorClient.__module__)
-            assert client_log.filters, "the worker did not import runtime.ray_logs when it started"
+            assert client_log.filters, "the worker did not run the job's setup hook (runtime.ray_logs) when it started"
             if not keep_filters:
                 client_log.filters.clear()
             client = TrainAutoscalingCoordinatorClient("train-test")
