@@ -33,7 +33,7 @@ def test_a_yaml_error_names_where_the_bracket_opened(tmp_path, capsys):
     ("!!str 3", "the value carries the YAML tag !!str"),
 ])
 def test_a_set_value_that_is_not_plain_yaml_is_one_line(value, says, capsys):
-    """Issue 37, 6: ``--set`` values go through YAML as a job file's do; one that does not parse, or that
+    """``--set`` values go through YAML as a job file's do; one that does not parse, or that
     carries a tag, is one ``satp: error: --set KEY=VALUE: ...`` line, status 2 (was: a traceback)."""
     assert main(["train", str(ROOT / "jobs" / "code2-local.yaml"), "--set", f"train.lr={value}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -1,4 +1,4 @@
-"""Faults at every data and registry write (issue 30): each of {killed mid-write (SIGKILL), damaged
+"""Faults at every data and registry write: each of {killed mid-write (SIGKILL), damaged
 afterwards (truncated, bit-flipped), disk full (a real ENOSPC on a small tmpfs), a second writer at
 the same time} against each write where it makes sense: the columnar raw store, the Arrow shards,
 the registry's artifacts and model versions.
@@ -383,7 +383,7 @@ def test_shards_on_a_full_disk_name_the_file_and_resume_once_there_is_room(shard
     out = disk / "shards" / reference_dir.name
     message = str(info.value)
     assert "\n" not in message and message.startswith(str(out) + "/") and "No space left on device" in message, message
-    assert message.endswith(": free space there and run the same command again"), message  # issue 37, 13
+    assert message.endswith(": free space there and run the same command again"), message
     assert "Error writing bytes" not in message and message.count(str(out)) == 1, message  # satp's words, not Arrow's
     assert not (out / MANIFEST).exists() and not list(out.glob(".*.tmp-*"))
     finished = _stamps(out, "*.arrow")

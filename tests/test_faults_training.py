@@ -1,4 +1,4 @@
-"""Faults at the training run's writes (issue 30): checkpoints, the run lease, the MLflow run and
+"""Faults at the training run's writes: checkpoints, the run lease, the MLflow run and
 the model registration, each under {killed mid-write (SIGKILL), cut short or bit-flipped
 afterwards, a full disk, a second writer at the same time}.
 
@@ -148,7 +148,7 @@ print(CheckpointManager(sys.argv[2], damaged=json.loads(sys.argv[3])).newest_int
 
 
 def test_a_damaged_checkpoint_the_driver_named_is_not_named_again_by_the_workers(tmp_path, capfd):
-    """Issue 37, 9: the driver names the damaged checkpoint; Ray's worker (another process) that is
+    """the driver names the damaged checkpoint; Ray's worker (another process) that is
     handed it as Ray's registered one takes the one before without saying it again (it said it twice)."""
     from pipeline.train.checkpoint import CheckpointManager
 
@@ -383,7 +383,7 @@ def test_mlflow_store_on_a_full_disk_is_one_line(tiny_setting, tmp_path, capsys,
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_second_command_of_one_run_name_is_refused_naming_the_holder(tiny_setting, tmp_path):
-    """Issue 30, 2: two ``satp train`` of one run name at once. The second stops before Ray starts, in
+    """two ``satp train`` of one run name at once. The second stops before Ray starts, in
     one line naming the first (host, pid, since when), status 2; the first trains on, untouched,
     and releases the lease when it ends."""
     from mlflow.tracking import MlflowClient
@@ -424,7 +424,7 @@ def test_a_second_command_of_one_run_name_is_refused_naming_the_holder(tiny_sett
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tiny_setting, tmp_path):
-    """Issue 30, 1 and 9. The newest checkpoint's model states cut short: the rerun with more
+    """The newest checkpoint's model states cut short: the rerun with more
     epochs names the file in one warning line and resumes from the checkpoint before it (which
     Ray had registered as its latest: the worker verifies it too), with no traceback. Then the
     MLflow database deleted: the next command refuses in one line naming the tracking URI and the
@@ -455,7 +455,7 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tiny_se
     warnings = satp_lines(err, "warning:")
     assert len(warnings) == 1 and warnings[0].startswith(f"satp: warning: {target}: "), warnings
     assert "epoch 1" in warnings[0] and "cut short" in warnings[0], warnings[0]
-    # said once, by the driver: the worker that verifies Ray's registered checkpoint does not repeat it (issue 37, 9)
+    # said once, by the driver: the worker that verifies Ray's registered checkpoint does not repeat it
     assert [line for line in err.splitlines() if "satp: warning:" in line] == warnings, err[-3000:]
     assert "resuming run cut after epoch 0" in err, err[-3000:]
     assert not tracebacks(err), err[-3000:]
@@ -466,7 +466,7 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tiny_se
     (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert run.info.status == "FINISHED"
     assert {m.step for m in client.get_metric_history(run.info.run_id, "val_f1")} == {0, 1, 2}
-    # the run says it went back, and each value names its trajectory (issue 37, 10)
+    # the run says it went back, and each value names its trajectory
     went_back = run.data.tags["satp.fell_back"]
     assert "went back from epoch 1 to epoch 0 (the checkpoint of epoch 1 (" in went_back and "cut short" in went_back
     segment = {(m.step, m.timestamp): m.value for m in client.get_metric_history(run.info.run_id, "segment")}
@@ -511,7 +511,7 @@ except KeyboardInterrupt as exc:
 
 
 def test_signals_while_a_command_ends_wait_or_are_ignored_and_the_status_is_the_first():
-    """Issue 30, 5, each phase for certain: a signal inside a clean-up waits for its end, then
+    """Each phase for certain: a signal inside a clean-up waits for its end, then
     interrupts; once the command ends, SIGTERM and a SIGINT during the exit clean-up change nothing:
     the clean-up at exit runs, one line, status 130 (the first signal's)."""
     done = subprocess.run([sys.executable, "-c", SIGNALS_WHILE_ENDING], capture_output=True, text=True, timeout=120,
@@ -543,7 +543,7 @@ def _processes_under(prefix: Path) -> dict[int, str]:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_more_ctrl_c_while_the_first_is_handled_keep_status_130_and_tear_the_cluster_down(tiny_setting, tmp_path):
-    """Issue 30, 5: Ctrl-C to ``satp train`` on its own local Ray cluster, then again every 0.35 s
+    """Ctrl-C to ``satp train`` on its own local Ray cluster, then again every 0.35 s
     while the command handles the first (Ray Train aborting, the command saying what it kept, Ray
     shutting down, the interpreter exiting): status 130 all the same, one ``satp: interrupted``
     line, the private temporary folder removed and none of the cluster's processes left."""
@@ -601,7 +601,7 @@ def test_more_ctrl_c_while_the_first_is_handled_keep_status_130_and_tear_the_clu
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_intact_checkpoint(tiny_setting, tmp_path, small_disk):
-    """Issue 30, 4, with the registration's faults: the run's storage and its MLflow store on one
+    """the run's storage and its MLflow store on one
     real file system (2 workers; one epoch trained, its model not registered yet).
 
     * full while the model is registered: one line naming the file, nothing registered;

@@ -44,7 +44,7 @@ def _shared_batch(edge_attr: bool):
 # ------------------------------------------------------------------ gradient check
 # Some parameters get a gradient that is exactly zero in exact arithmetic (below). In float32 such a
 # gradient comes out as rounding noise (~1e-8 of the gradient norm here) whose being "> 0" depends
-# on the CPU's kernels (issue 8: a PNA bias passed on one machine and failed on another). So the
+# on the CPU's kernels (a PNA bias once passed on one machine and failed on another). So the
 # check runs on a float64 copy of the model: there the noise is ~1e-16 of the norm, the smallest
 # genuine gradient in this file is ~1e-5 of it, and GRAD_RTOL lies orders of magnitude from both.
 GRAD_RTOL = 1e-9
@@ -103,7 +103,7 @@ def _provably_zero_grads(model, acts):
 
     1. Key bias of the attention (``to_qk.bias``, second half; SAT builds it without bias): it adds
        ``q_i . b_k`` to every score of query ``i``, the same for every key, and softmax cancels it.
-       NOT cancelled, contrary to a first reading of issue 8: a query bias, or any constant added
+       NOT cancelled, contrary to a first reading: a query bias, or any constant added
        to the structure features ``x_struct`` of every node (``extractor.out_proj.bias``,
        ``extractor.norm.bias``): it shifts the queries too, adding ``b_q . k_j``, which varies with
        the key ``j``.
@@ -117,7 +117,7 @@ def _provably_zero_grads(model, acts):
        k-subgraph extractor sum-pools the entries first: the shift becomes ``c * |S(u)|``, still
        cancelled if all subgraphs have the same size). If every feature is one or the other, the
        bias has no effect. That depends on the data and the initialisation, not on the config:
-       it is issue 8 (subtree, PNA, no edge features: every output feature of the second PNA layer
+       it is the PNA case above (subtree, PNA, no edge features: every output feature of the second PNA layer
        has one sign over the whole batch); the mean/sum readouts of that combination are in the
        same case and used to pass on rounding noise alone.
     4. Output biases of the residual branches (``ffn.3.bias``; ``attn.out_proj.bias`` when the

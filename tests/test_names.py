@@ -1,4 +1,4 @@
-"""Names that become paths or MLflow names, checked in the pre-flight (issue 37, items 2 and 5).
+"""Names that become paths or MLflow names, checked in the pre-flight.
 
 ``--set train.run_name=../escape`` wrote a run's checkpoints and lease outside
 ``train.storage_path``, and ``--set mlflow.registered_model=../evil/m`` trained for minutes before

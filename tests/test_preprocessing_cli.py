@@ -89,7 +89,7 @@ def test_missing_raw_file_via_cli(tmp_path, capsys):
 
 @pytest.mark.parametrize("key", ["data.root", "shards.root"])
 def test_preprocess_checks_its_paths_before_torch_and_ray(tmp_path, key):
-    """Issue 30, defect 10: ``--set data.root=/proc/nope`` answered after 10-17 s (Ray started, the
+    """``--set data.root=/proc/nope`` answered after 10-17 s (Ray started, the
     dataset builder failed) with an error naming no key; now satp train's path checks run first."""
     import subprocess
     import sys

@@ -1,7 +1,7 @@
 """Raw values out of range are refused while the columnar store is converted (preprocessing.raw_checks),
 in one line naming the file, the line, the graph, the field and the range, before anything is written.
 
-Issue 30, defect 3: ``99999,<attr>`` on one row of code2's ``raw/node-feat.csv.gz`` passed ``satp
+A value ``99999,<attr>`` on one row of code2's ``raw/node-feat.csv.gz`` passed ``satp
 preprocess`` and training failed 58 s later in every worker, naming neither the file nor the graph.
 """
 from __future__ import annotations
@@ -168,7 +168,7 @@ def test_satp_preprocess_refuses_an_out_of_range_node_type(datasets, tmp_path, r
 @pytest.mark.parametrize("name, edit, expected", [("ogbg-code2", e, x) for e, x in CODE2] + [("ogbg-ppa", e, x) for e, x in PPA],
                          ids=[x for _, x in CODE2 + PPA])
 def test_the_preflight_check_names_what_the_conversion_names(datasets, tmp_path, name, edit, expected):
-    """Issue 37, 13: the same checks, on the raw files as they are, writing nothing (the pre-flight's)."""
+    """the same checks, on the raw files as they are, writing nothing (the pre-flight's)."""
     from preprocessing.conversion import check_values
 
     folder = _copy(datasets, tmp_path, name.replace("-", "_"))
@@ -180,7 +180,7 @@ def test_the_preflight_check_names_what_the_conversion_names(datasets, tmp_path,
 
 
 def test_satp_train_names_an_out_of_range_value_before_ray_starts(datasets, tmp_path):
-    """Issue 37, 13: the raw-data range check came after Ray started (54-93 s); it is the pre-flight's
+    """the raw-data range check came after Ray started (54-93 s); it is the pre-flight's
     now: one line, status 2, and neither Ray nor torch was imported."""
     shutil.copytree(datasets / "ogbg_code2", tmp_path / "data/ogbg_code2", ignore=shutil.ignore_patterns(STORE_DIR))
     folder = tmp_path / "data/ogbg_code2"

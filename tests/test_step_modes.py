@@ -1,7 +1,7 @@
 """``train.step``: eager, static (padded), compiled and captured steps through the DeepSpeed engine
 compute the same training run (pipeline.train.step, pipeline.train.cuda_graphs).
 
-DeepSpeed cannot be initialised again after its process group is destroyed (FACTS.md): the modes'
+DeepSpeed cannot be initialised again after its process group is destroyed: the modes'
 runs share one subprocess, an engine each.
 On the CPU: the same losses, eager on the batches as they come vs static and compiled on the same
 batches padded to one capacity (compiled with ``aot_eager``: see tests/test_compile.py), a batch

@@ -1,4 +1,4 @@
-"""A sweep interrupted with Ctrl-C and run again (issue 30, defects 7 and 11): the summary of a
+"""A sweep interrupted with Ctrl-C and run again: the summary of a
 resumed trial counts the epochs it ran before the interruption, and Ray's own ``Tuner.restore(...)``
 hint is not printed beside satp's.
 

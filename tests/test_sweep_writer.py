@@ -1,4 +1,4 @@
-"""One writer per sweep, and an interrupted sweep's last line (issue 37, items 3 and 8).
+"""One writer per sweep, and an interrupted sweep's last line.
 
 Two ``satp tune`` of one ``tune.name`` started 2 s apart ran on one folder and one set of trial runs,
 took each other's trial leases and ended in tracebacks and an interrupt nobody sent. A sweep now holds

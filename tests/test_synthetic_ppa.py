@@ -74,7 +74,7 @@ def test_shape_statistics(built):
     root, summary = built
     folder = root / "one/ogbg_ppa"
     nodes, edges = _ints(folder / "raw/num-node-list.csv.gz"), _ints(folder / "raw/num-edge-list.csv.gz")
-    assert 200 < nodes.mean() < 290 and 15 < 2 * edges.sum() / nodes.sum() < 20  # FACTS: 243 nodes, degree 18
+    assert 200 < nodes.mean() < 290 and 15 < 2 * edges.sum() / nodes.sum() < 20  # measured: 243 nodes, degree 18
     assert summary["mean_nodes"] == pytest.approx(nodes.mean())
     assert summary["mean_degree"] == pytest.approx(2 * edges.sum() / nodes.sum())
     labels = _ints(folder / "raw/graph-label.csv.gz")

@@ -1,6 +1,6 @@
 """Checkpoint round trip of the DeepSpeed engine + loop state, in fresh processes.
 
-DeepSpeed cannot be initialised twice in one process (FACTS.md), so the save and
+DeepSpeed cannot be initialised twice in one process, so the save and
 the restore each run in a subprocess: the first trains 3 steps, checkpoints,
 then takes a 4th step; the second restores the checkpoint and must take the
 same 4th step (same loss, same lr, same weights).

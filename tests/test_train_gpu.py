@@ -1,7 +1,7 @@
 """The worker's training step through the DeepSpeed engine reads nothing back to the host (CUDA only).
 
 Run by the GPU check (`benchmarks/gpu/run.sh`). DeepSpeed cannot be initialised twice in one
-process (FACTS.md), so the step runs in a subprocess: a DeepSpeed engine from
+process, so the step runs in a subprocess: a DeepSpeed engine from
 `pipeline.train.engine.build_engine`, the worker's `TrainStep`, batches from `BatchCollator` in pinned
 memory copied without blocking, and `torch.cuda.set_sync_debug_mode("error")` around the steps
 (it raises on any synchronising call: DeepSpeed's throughput timer or its own gradient clipping
