@@ -1,20 +1,10 @@
 """Python source -> ogbg-code2 raw layout (``satp data pycode --out ROOT [--source DIR ...]``).
 
-The files (:mod:`preprocessing.source_files`: ``--source DIR ...``, ``--environment`` or the
-standard library) are parsed, every function definition becoming one graph
-(:mod:`preprocessing.python_graphs`, OGB's ``py2graph`` rules); functions whose label is empty or
-would read back as a missing value are left out.
-
-Node types and attributes are indexed by their frequency in the train split (at most 97 types
-+ ``__UNK__`` = 98, at most 10028 attributes + ``__UNK__`` + ``__NONE__`` = 10030, the sizes of
-the real dataset), written to ``mapping/`` with headers. The split is by project (see
-:mod:`preprocessing.source_files`), ~80/10/10 by graphs. Output is deterministic for the same
-source files, whatever the number of parsing processes.
-
-Memory is bounded: parsing processes write compact per-chunk arrays to temporary files and the
-parent streams them twice (train-split counts, then encoding and writing), so peak memory does
-not grow with the corpus (beyond the train split's attribute counts). See ``docs/data.md``.
-"""
+Every function definition of the files (:mod:`preprocessing.source_files`) becomes one graph
+(:mod:`preprocessing.python_graphs`). Node types and attributes are indexed by their frequency in
+the train split (at most 98 and 10030 with the special entries, the real dataset's sizes); the
+split is by project, ~80/10/10. Deterministic whatever the number of parsing processes; memory is
+bounded (parsers write compact per-chunk arrays to temporary files, streamed twice). See ``docs/data.md``."""
 from __future__ import annotations
 
 import ast
@@ -81,24 +71,6 @@ def _parse_file(item: tuple[Path, Path, str]) -> tuple[list[FunctionGraph], str 
 def default_workers() -> int:
     """Parsing processes: the CPUs this process may use, at most 16."""
     return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-
-
-def collect_functions(
-    sources: list[Path], include_tests: bool = False, workers: int = 1
-) -> tuple[list[FunctionGraph], list[str], int]:
-    """Parse every file; return the function graphs, the files that failed to parse (``path:line:
-    reason`` each) and the number of files read. With ``workers > 1`` files are parsed in that many
-    processes; the result is the same, in the same order. Holds every graph in memory (as Python
-    lists): :func:`build_pycode` streams compact arrays through temporary files instead."""
-    items = source_items([Path(s) for s in sources], include_tests)
-    if workers > 1 and len(items) > 1:
-        with _pool(min(workers, len(items))) as pool:
-            parsed = list(pool.map(_parse_file, items, chunksize=max(1, len(items) // (8 * workers))))
-    else:
-        parsed = [_parse_file(item) for item in items]
-    graphs = [g for file_graphs, _ in parsed for g in file_graphs]
-    failed = [reason for _, reason in parsed if reason is not None]
-    return graphs, failed, len(items)
 
 
 def _pool(workers: int):
@@ -216,10 +188,8 @@ def _write_mapping(path: Path, header: tuple[str, str], values: list[str]) -> No
 
 
 class _GzStreams:
-    """Gzip files written in pieces, with the bytes :func:`write_gz_array` / ``write_gz_text``
-    give for the whole (fixed mtime, level 9; deflate does not depend on how its input is split).
-    Each file is compressed by its own thread (zlib releases the GIL) from a short queue, so the
-    files compress side by side and memory stays bounded."""
+    """Gzip files written in pieces (the bytes :func:`write_gz_array` gives for the whole), each
+    compressed by its own thread from a short queue."""
 
     def __init__(self, paths: dict[str, Path], depth: int = 4):
         import queue
@@ -315,14 +285,8 @@ def _label_statistics(label_counts: Counter, train_subtokens: Counter, graphs: i
 def build_pycode(out: str | Path, sources: list[str | Path] | None = None, include_tests: bool = False,
                  force: bool = False, workers: int | None = None, environment: bool = False,
                  environment_dirs: list[str | Path] | None = None) -> dict:
-    """Build ``out/ogbg_code2`` in OGB's raw layout from Python source; return a summary dict.
-
-    ``workers`` parsing processes (default :func:`default_workers`); the output does not depend on
-    it. ``environment``: the corpus of ``--environment``
-    (:func:`~preprocessing.source_files.environment_files` of ``environment_dirs``, default the
-    standard library and site-packages; tests kept; jedi, docutils, hypothesis and IPython always
-    left out) instead of ``sources``.
-    """
+    """Build ``out/ogbg_code2`` from Python source; return a summary dict. ``environment``: the corpus
+    of ``--environment`` (:func:`~preprocessing.source_files.environment_files`) instead of ``sources``."""
     check_out_dir(Path(out), "ogbg-code2", force)  # before minutes of parsing
     if environment:
         if sources:
