@@ -59,16 +59,9 @@ def _size_runs(sizes: np.ndarray, bucket_ratio: float) -> list[np.ndarray]:
 
 
 class GraphLayout:
-    """Index bookkeeping of a mini-batch of graphs (the module docstring), from ``batch [N]``, the
-    sorted graph id of every node (its node counts copied to the host once). ``bucket_ratio``: dense
-    attention pads graphs of sizes within this factor into one block; ``None``: one block."""
-
-    def __init__(self, batch: Tensor, num_graphs: int, bucket_ratio: Optional[float] = 1.5) -> None:
-        sizes = torch.bincount(batch.detach().cpu(), minlength=int(num_graphs)).numpy()
-        self._build(sizes, bucket_ratio, cls=False)
-        if batch.device.type != "cpu":
-            self.__dict__.update(self.to(batch.device).__dict__)
-        self.batch = batch  # the caller's own tensor (same values)
+    """Index bookkeeping of a mini-batch of graphs (the module docstring), built by :meth:`from_sizes`
+    or :meth:`padded`. ``bucket_ratio``: dense attention pads graphs of sizes within this factor into
+    one block; ``None``: one block."""
 
     @classmethod
     def from_sizes(
