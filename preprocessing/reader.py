@@ -387,9 +387,10 @@ class ShardDataset(torch.utils.data.Dataset):
         return f"ShardDataset({str(self.shard_dir)!r}, {self.split!r}, {len(self)} graphs)"
 
 
-def featurise(raws: list[dict], task: str, transform, vocab: list[str] | None = None) -> list[SATData]:
+def featurise(raws: list[dict], task: str, transform, vocab: list[str] | None = None, check=None) -> list[SATData]:
     """Raw graphs -> ``SATData`` through the path of training data (transform, shard encoding,
-    decoding), in memory. ``transform``: a ``TransformConfig`` or its dict."""
+    decoding), in memory. ``transform``: a ``TransformConfig`` or its dict; ``check``: called before
+    each graph's transform (a served request's deadline)."""
     from preprocessing.config import TransformConfig
     from preprocessing.shards import column_specs, encode_shard
     from preprocessing.transforms import transform_graph
@@ -398,7 +399,11 @@ def featurise(raws: list[dict], task: str, transform, vocab: list[str] | None = 
         return []
     cfg = transform if isinstance(transform, TransformConfig) else TransformConfig.model_validate(transform)
     vocab_index = {w: i for i, w in enumerate(vocab)} if vocab else None
-    rows = [transform_graph(raw, task, cfg, vocab_index) for raw in raws]
+    rows = []
+    for raw in raws:
+        if check is not None:
+            check()
+        rows.append(transform_graph(raw, task, cfg, vocab_index))
     specs = column_specs(task, cfg)
     shard = _Shard(Path("<memory>"), specs, pa.BufferReader(encode_shard(rows, specs)))
     return [shard.item(i) for i in range(len(rows))]

@@ -1,16 +1,9 @@
 """satp's MLflow pyfunc model: ``mlflow.pyfunc.load_model(uri).predict(inputs)`` on a registered version.
 
-A registered version's ``satp_pyfunc.py`` (:data:`pipeline.registry.model_format.PYFUNC_CODE`, MLflow's
-"models from code") imports :class:`SATPyfunc` from here and hands an instance to MLflow; its
-artifacts are read by :func:`pipeline.registry.model_format.read_model` and served by
-:class:`pipeline.registry.predict.Predictor`. The top of the registry room: it uses the prediction
-code, nothing in the registry uses it.
-
-Served (``mlflow models serve``), a request is capped and stopped at its deadline
-(:mod:`pipeline.registry.limits`), and what it is refused for is the whole answer: status 413 (a
-cap), 400 (bad input: a missing ``source``, a syntax error, a graph that is not one) or 504 (the
-deadline), its message satp's one line, without traceback or paths (:class:`RequestRefused`).
-"""
+A version's ``satp_pyfunc.py`` imports :class:`SATPyfunc` from here; it serves through
+:class:`pipeline.registry.predict.Predictor`. Served, a request is capped and stopped at its deadline
+(:mod:`pipeline.registry.limits`), and a refusal is the whole answer: 413 (a cap), 400 (bad input)
+or 504 (the deadline), with satp's one line as the message (:class:`RequestRefused`)."""
 from __future__ import annotations
 
 import json
@@ -40,13 +33,9 @@ class ModelInput(pydantic.BaseModel):
 
 
 class RequestRefused(MlflowException):
-    """A request the model does not serve: answered ``status`` with ``line`` as the whole message.
-
-    MLflow's scoring server answers an ``MlflowException`` of the model with its
-    ``serialize_as_json()`` at ``get_http_status_code()``, any other exception with a generic 400
-    ("unexpected error while evaluating the model") and the traceback in ``stack_trace``. It first
-    prefixes the exception's ``message`` with the request's whole input ("Failed to predict data
-    '...'"), so both answers are built from the line kept here."""
+    """A request the model does not serve: answered ``status`` with ``line`` as the whole message
+    (MLflow's scoring server answers an ``MlflowException`` by ``serialize_as_json()`` at
+    ``get_http_status_code()``, after prefixing ``message`` with the whole input: both are built from ``line``)."""
 
     CODES = {400: INVALID_PARAMETER_VALUE, 413: REQUEST_LIMIT_EXCEEDED, 504: DEADLINE_EXCEEDED}
 

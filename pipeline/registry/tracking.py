@@ -1,15 +1,10 @@
 """MLflow tracking: one MLflow run per training run.
 
-The driver (:func:`open_run`) finds or creates the run before any worker
-starts, keyed by the tag ``satp.run_key`` (storage path + run name), so a
-resumed or retried training run keeps logging into the same MLflow run. A run
-name started over (``--restart``, :mod:`pipeline.train.rerun`) gets a new MLflow run:
-the old one is detached from the key (:func:`retire_run`) and keeps its status,
-history and registered versions. During training, Ray Train's controller logs
-each epoch once its checkpoint is registered (:mod:`pipeline.train.epoch_logger`:
-metrics and the training-curve plot), and rank 0 the system metrics
-(:class:`RankZeroLogger`). The driver closes the run (:func:`close_run`).
-"""
+The driver (:func:`open_run`) finds or creates the run before any worker starts, keyed by the tag
+``satp.run_key`` (storage path + run name), so a resumed or retried run logs into the same MLflow
+run; a run started over (``--restart``) gets a new one, the old one detached (:func:`retire_run`).
+Ray Train's controller logs each registered epoch, rank 0 the system metrics
+(:class:`RankZeroLogger`); the driver closes the run (:func:`close_run`)."""
 from __future__ import annotations
 
 import json
@@ -58,13 +53,9 @@ _ERROR_ANSWERS = re.compile(r"too many (\d{3}) error responses")
 
 
 def server_failure(tracking_uri: str, exc: BaseException) -> Optional[str]:
-    """How an http(s) tracking server failed, in a few words, when ``exc`` is such a failure: an HTTP
-    5xx answer, a connection reset or refused, no answer in time; ``"its artifact store answered HTTP
-    500"`` when the request was an artifact upload or download (the server's ``mlflow-artifacts``
-    proxy). None for any other error, and for other stores.
-
-    MLflow's REST client wraps these in an ``MlflowException`` naming the URL, with requests' and
-    urllib3's exceptions behind it; requests raises some bare (an ``OSError`` without an errno)."""
+    """How an http(s) tracking server failed, in a few words (an HTTP 5xx, a connection reset or refused,
+    a timeout; ``its artifact store answered ...`` for an artifact request), or None for any other error.
+    MLflow wraps these in an ``MlflowException`` with requests' and urllib3's exceptions behind it."""
     if not tracking_uri.startswith(("http://", "https://")):
         return None
     import requests
@@ -256,17 +247,12 @@ class RankZeroLogger:
                 self.monitor = None
 
     def resume(self, history: list[dict[str, Any]], epoch: int, why: str) -> int:
-        """After the workers restored the checkpoint of ``epoch`` (-1: none) with ``history``: the run's
-        segment, logged with every epoch from here on (:data:`SEGMENT`).
+        """After the workers restored the checkpoint of ``epoch`` (-1: none) with ``history``: the run's segment.
 
-        MLflow may hold epochs after ``epoch``: the checkpoints that followed were damaged (``why``)
-        and the run went back. Those values stay in MLflow (it deletes no metric values) and the
-        epochs trained again are logged at the same steps, so the run starts a new segment, says so
-        in :data:`FELL_BACK_TAG` (from which epoch to which, why, since when) and logs ``segment``
-        with each epoch's metrics, in the same batch (same step and timestamp): a value of
-        ``val_f1`` at step 1 belongs to the trajectory whose ``segment`` entry has its timestamp, and
-        in the UI the ``segment`` chart shows where the run went back. Otherwise the epochs of
-        ``history`` that MLflow missed (a failed write, a driver stopped before logging) are logged."""
+        Where MLflow holds epochs after ``epoch`` (the later checkpoints were damaged, ``why``), those values
+        stay and the epochs trained again log at the same steps: the run starts a new :data:`SEGMENT`, says
+        so in :data:`FELL_BACK_TAG` and logs ``segment`` with each epoch's metrics in the same batch.
+        Otherwise the epochs of ``history`` that MLflow missed are logged."""
         segments = self.client.get_metric_history(self.run_id, SEGMENT)
         segment = int(max(segments, key=lambda m: (m.timestamp, m.step)).value) if segments else 0
         current = segments if segments else self.client.get_metric_history(self.run_id, "epoch")

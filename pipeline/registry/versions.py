@@ -1,26 +1,13 @@
 """Logging a trained model to MLflow, registering it once, and loading it back.
 
-A logged model (format 2, :mod:`pipeline.registry.model_format`) is an MLflow pyfunc model whose files
-are the weights (a state dict of tensors, read back weights-only) and ``satp_model.json``: the
-task (vocabulary included), the model config, the metrics, the data manifest hash and the
-provenance. :func:`load_model` rebuilds :class:`sat.SAT` from them, so that
-``task.predict(model(batch))`` gives decoded predictions, and unpickles no Python object but
-tensors: a version from a shared registry runs no code of its author. Format 1
-(``mlflow.pytorch``, a pickled module) is refused with how to re-register it weights-only
-(``satp models migrate NAME``, :mod:`pipeline.cli.registry_commands`).
-
-A version is registered only for weights that no version of the same run already holds: each
-version is tagged with the weights' sha256 (``satp.weights_sha256``) and the run (``run_id``),
-and :func:`log_and_register` returns the version that holds them instead of adding a copy. Two
-commands registering the same weights at once (both found no version) both register; each then
-looks again, and the one whose version is not the first deletes it and returns the first.
-
-The recorded configuration, data hash and commit are those of the weights: the
-caller passes the ``provenance`` its checkpoint recorded (:mod:`pipeline.train.rerun`:
-the hash of the configuration that trained the weights, and the git commits of
-the code that did, one per resumed segment when it changed); ``git_commit`` is
-the last of them, not the commit of the process that happens to register.
-"""
+A logged model (format 2, :mod:`pipeline.registry.model_format`) holds the weights and
+``satp_model.json``; :func:`load_model` rebuilds :class:`sat.SAT` from them, unpickling only tensors.
+Format 1 (a pickled ``mlflow.pytorch`` module) is refused with how to re-register it
+(``satp models migrate NAME``). A version is registered only for weights that no version of the
+same run holds (tags ``satp.weights_sha256`` and the run): :func:`log_and_register` returns that
+version instead, and of two commands registering the same weights at once the later deletes its
+copy. The recorded configuration, data hash and commit are those the weights' checkpoint recorded
+(``provenance``), not the registering process's."""
 from __future__ import annotations
 
 import dataclasses
@@ -103,14 +90,10 @@ def log_and_register(
     extra: Optional[dict[str, Any]] = None,
     provenance: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """Log ``model`` (+ what it needs to predict) to MLflow run ``run_id``; register it under
-    ``registered_model`` (skipped when None). Tags the version with the data manifest hash, the
-    git commit, the task, the metrics and the weights' sha256.
-
-    Returns ``{"model_uri", "registered_model", "version", "registered_uri"}`` (the last two None
-    when not registered). When a version of ``registered_model`` from the same run holds the same
-    weights, nothing is logged: that version is returned, with ``"reason"`` saying so.
-    """
+    """Log ``model`` and what it needs to predict to run ``run_id``; register it under
+    ``registered_model`` (unless None), tagged with the data hash, commit, task, metrics and weights'
+    sha256. Returns ``{"model_uri", "registered_model", "version", "registered_uri"}`` (and ``"reason"``
+    when a version of the same run already holds these weights: that one is returned)."""
 
     state = cpu_state(model)
     provenance = {k: v for k, v in (provenance or {}).items() if k in ("config_hash", "git_commits")}
@@ -193,12 +176,9 @@ def version_holding(client, name: str, run_id: str, weights_sha256: str):
 
 def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id: str,
                 tracking_uri: str) -> tuple[str, str]:
-    """Log the two files as a pyfunc model built from code (:mod:`pipeline.registry.model_format`) into
-    run ``run_id``; returns its model URI and the files' digests (:func:`pipeline.registry.record.files_tag`).
-
-    The logged model is made first, so that ``satp_model.json`` names it (``model_id``), and gets the
-    weights' and the files' sha256 as parameters, which MLflow writes once: the record of the files
-    that no later tag can rewrite (:mod:`pipeline.registry.record`)."""
+    """Log the two files as a pyfunc model from code into run ``run_id``; return its URI and the files'
+    digests. The logged model is made first, so that ``satp_model.json`` names it, and gets the
+    weights' and files' sha256 as parameters, which MLflow writes once (:mod:`pipeline.registry.record`)."""
     import mlflow
     import mlflow.pyfunc
     from mlflow.tracking import MlflowClient
@@ -245,14 +225,9 @@ def artifact_uri(version, tracking_uri: Optional[str] = None) -> str:
 
 
 def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
-    """Load a logged SAT model (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``, ``runs:/...``)
-    from its weights and JSON (:func:`pipeline.registry.model_format.read_model`: tensors only, no pickle).
-
-    Raises ``ValueError`` with a one-line message when the model does not exist, its artifacts or one
-    of its two files are gone, it was not logged by :func:`log_and_register`, is a format-1 (pickled)
-    model, or (a registered version) serves other files than MLflow and the registry recorded for it
-    (:mod:`pipeline.registry.record`).
-    """
+    """Load a logged SAT model (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``, ``runs:/...``) from its
+    weights and JSON. Raises a one-line ``ValueError`` when it does not exist, its files are gone, it is
+    not satp's or is format 1, or it serves other files than the registry recorded."""
     from mlflow.tracking import MlflowClient
 
     check_model_uri(uri)
