@@ -226,12 +226,6 @@ class _MappedFile:
         self.source.close()
 
 
-def _concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    from sat.layout import concat_ranges  # (sat imports torch: not at this module's import)
-
-    return concat_ranges(starts, lengths)
-
-
 class ColumnarStore:
     """A finished columnar store. Graph ``g`` owns nodes ``node_ptr[g]:node_ptr[g+1]`` and edges
     ``edge_ptr[g]:edge_ptr[g+1]`` (both directions for undirected datasets)."""
@@ -282,12 +276,14 @@ class ColumnarStore:
     def chunk(self, ids: np.ndarray) -> dict:
         """The raw arrays of graphs ``ids`` (any order), compact and picklable; read from the
         memory-mapped files, which are unmapped again before it returns."""
+        from sat.layout import concat_ranges  # (sat imports torch: not at this module's import)
+
         ids = np.asarray(ids, dtype=np.int64)
         nn = self.node_ptr[ids + 1] - self.node_ptr[ids]
         raw_ptr = self.raw_edge_ptr
         ne = raw_ptr[ids + 1] - raw_ptr[ids]
-        node_rows = _concat_ranges(self.node_ptr[ids], nn)
-        edge_rows = _concat_ranges(raw_ptr[ids], ne)
+        node_rows = concat_ranges(self.node_ptr[ids], nn)
+        edge_rows = concat_ranges(raw_ptr[ids], ne)
         factor = 2 if self.undirected else 1
         out = {
             "graph_id": ids,

@@ -6,7 +6,7 @@
 Items are decoded from the mapping and own their tensors. :meth:`ShardDataset.batch` decodes a
 mini-batch column by column (one ``np.concatenate`` per column, PyG's offsets added at once) instead
 of per item. Every shard must have its recorded size on construction; its sha256 is checked when it
-is first opened (``verify``). Pickling keeps only the path and settings. A directory on an object
+is first opened. Pickling keeps only the path and settings. A directory on an object
 store is read through the node's shard cache (:mod:`preprocessing.shard_cache`), with read-ahead.
 :func:`featurise` turns new raw graphs into ``SATData`` exactly as training data were made."""
 from __future__ import annotations
@@ -185,11 +185,10 @@ class _Rows:
 class ShardDataset(torch.utils.data.Dataset):
     """Items of one split of a shard directory (see the module docstring)."""
 
-    def __init__(self, shard_dir: str | Path, split: str, verify: bool = True, storage: StorageSettings | None = None):
+    def __init__(self, shard_dir: str | Path, split: str, storage: StorageSettings | None = None):
         self._place = open_place(shard_dir, storage)
         self.shard_dir = self._place.root  # a Path, or the URI
         self.split = split
-        self.verify = verify
         self.storage = storage
         self.manifest = read_manifest(self.shard_dir, storage)
         if split not in self.manifest["splits"]:
@@ -218,15 +217,15 @@ class ShardDataset(torch.utils.data.Dataset):
 
     # -- pickling: only the path and settings travel
     def __getstate__(self):
-        return {"shard_dir": str(self.shard_dir), "split": self.split, "verify": self.verify, "storage": self.storage}
+        return {"shard_dir": str(self.shard_dir), "split": self.split, "storage": self.storage}
 
     def __setstate__(self, state):
-        self.__init__(state["shard_dir"], state["split"], state["verify"], state.get("storage"))
+        self.__init__(state["shard_dir"], state["split"], state["storage"])
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def _shard(self, k: int, verify: bool | None = None) -> _Shard:
+    def _shard(self, k: int, verify: bool = True) -> _Shard:
         shard = self._shards[k]
         if shard is None:
             entry = self._entries[k]
@@ -235,13 +234,13 @@ class ShardDataset(torch.utils.data.Dataset):
                 shard = _Shard(path, self._specs, *self._fetched(k))
                 self._verified[k] = True  # a shard from a store: always checked on its first read
             else:
-                if (self.verify if verify is None else verify) and not self._verified[k]:
+                if verify and not self._verified[k]:
                     self._check(k)
                 shard = _Shard(path, self._specs)
             if shard.rows != entry["rows"]:
                 raise ValueError(f"{path}: corrupt shard ({shard.rows} rows, manifest says {entry['rows']})")
             self._shards[k] = shard
-        elif self.verify and not self._verified[k] and verify is None:
+        elif verify and not self._verified[k]:
             self._check(k)
         return shard
 

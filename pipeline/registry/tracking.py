@@ -7,7 +7,6 @@ Ray Train's controller logs each registered epoch, rank 0 the system metrics
 (:class:`RankZeroLogger`); the driver closes the run (:func:`close_run`)."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -147,11 +146,15 @@ def open_run(tracking_uri: str, experiment: str, run_key: str, run_name: str, pa
         return run_id
     run_id = mlflow_client.create_run(exp_id, run_name=run_name, tags={RUN_KEY_TAG: run_key}).info.run_id
     log_params(mlflow_client, run_id, params)
+    _log_job(mlflow_client, run_id, config_text)
+    return run_id
+
+
+def _log_job(mlflow_client, run_id: str, config_text: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "job.yaml"
         path.write_text(config_text)
         mlflow_client.log_artifact(run_id, str(path))
-    return run_id
 
 
 def _note_changed_params(mlflow_client, run, params: dict, config_text: str) -> None:
@@ -164,10 +167,7 @@ def _note_changed_params(mlflow_client, run, params: dict, config_text: str) -> 
         return
     for key, value in changed.items():
         mlflow_client.set_tag(run.info.run_id, f"satp.param.{key}", f"{value} (was {logged[key]})"[:500])
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "job.yaml"
-        path.write_text(config_text)
-        mlflow_client.log_artifact(run.info.run_id, str(path))
+    _log_job(mlflow_client, run.info.run_id, config_text)
 
 
 def close_run(tracking_uri: str, run_id: str, status: str) -> None:
@@ -338,7 +338,3 @@ def plot_metric_vs_time(history: list[dict[str, Any]], metric: str, path: str | 
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def write_json(path: str | Path, values: dict) -> None:
-    Path(path).write_text(json.dumps(values, indent=1))
