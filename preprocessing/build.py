@@ -93,10 +93,8 @@ def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | No
 
 def write_shard(path: str, store: str, ids: np.ndarray, task: str, transform: dict, vocab: list[str] | None,
                 storage: StorageSettings | None = None) -> dict:
-    """The body of a shard task: read graphs ``ids`` from the store in folder ``store``, write their
-    shard to ``path`` atomically; only its size and sha256 travel back.
-
-    ``SATP_TESTING_SHARD_DELAY_S`` (a fault-injection hook) makes the task last at least that long."""
+    """The body of a shard task: graphs ``ids`` of the store in folder ``store`` into shard ``path``;
+    returns its size and sha256. ``SATP_TESTING_SHARD_DELAY_S``: a fault-injection test's minimum duration."""
     started = time.monotonic()
     rows, specs = _transformed_rows(ColumnarStore(store).chunk(ids), task, transform, vocab)
     time.sleep(max(0.0, float(os.environ.get("SATP_TESTING_SHARD_DELAY_S", 0)) - (time.monotonic() - started)))

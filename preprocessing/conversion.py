@@ -300,11 +300,9 @@ def _say(store: Path, spec: FileSpec, why: str) -> None:
 
 def build_store(folder: Path, name: str, fingerprint: str, run: Runner | None = None) -> "ColumnarStore":
     """Convert ``folder`` into its columnar store unless it holds a finished, intact one for
-    ``fingerprint``; return the opened store.
-
-    A finished store is checksummed once; only damaged files are converted again, named on stderr.
-    The store's writer lock makes a second command wait, then find it finished. ``run`` runs the
-    :func:`convert_file` calls (default: here, one after the other; the build passes Ray tasks)."""
+    ``fingerprint``; return the opened store. Only damaged files are converted again, named on stderr;
+    a second command waits for the store's writer lock. ``run`` runs the :func:`convert_file` calls
+    (default: here; the build passes Ray tasks)."""
     folder = Path(folder)
     store = folder / STORE_DIR
     if store_is_current(folder, fingerprint):

@@ -98,9 +98,7 @@ def write_gz_array(path: Path, array: np.ndarray, compresslevel: int = 9) -> Non
 
 
 def check_out_dir(root: Path, name: str, force: bool = False) -> None:
-    """Raise ``ValueError`` (one line) unless ``root`` can hold ``root/<ogb dir of name>``: checked
-    before a builder spends minutes on the data (``--out`` naming a file, a file on the way, a
-    finished folder without ``--force``)."""
+    """One-line ``ValueError`` unless ``root`` can hold the dataset's folder (checked before minutes of work)."""
     root = Path(root)
     for part in (root, *root.parents):
         if part.exists():

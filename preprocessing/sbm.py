@@ -257,11 +257,8 @@ def statistics(name: str, graphs: list[SBMGraph], split_ids: dict[str, np.ndarra
 
 
 def build_sbm(out: str | Path, name: str, graphs: int | None = None, seed: int = 0, force: bool = False) -> dict:
-    """Generate a benchmark and write ``out/sbm_<name>`` (layout in the module docstring).
-
-    ``graphs``: total graphs for quick runs (None: the benchmark's full size). Returns the
-    statistics (see :func:`statistics`) with ``name``, ``seed`` and ``folder``.
-    """
+    """Generate a benchmark into ``out/sbm_<name>``; ``graphs``: a quick run's total (None: full size).
+    Returns :func:`statistics` with ``name``, ``seed`` and ``folder``."""
     if name not in RECIPES:
         raise ValueError(f"unknown SBM benchmark {name!r}; expected one of {sorted(RECIPES)}")
     split_sizes(RECIPES[name], graphs)  # bad --graphs, and a bad --out below, fail before generating

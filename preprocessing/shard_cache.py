@@ -104,9 +104,8 @@ class ShardCache:
                          "raise storage.cache_max_gb")
 
     def fetch(self, obj: Location, size: int, sha256: str, keep: frozenset[str], damaged: bool = False) -> bool:
-        """Download ``obj`` into the cache unless it is there (another process may have fetched it
-        meanwhile; ``damaged``: the copy there does not match, replace it); True when it was
-        downloaded (and so checked) here."""
+        """Download ``obj`` into the cache unless it is there (``damaged``: replace the copy there); True
+        when it was downloaded (and so checked) here."""
         entry = self.folder / f"{sha256}.arrow"
         with self._lock(sha256, fcntl.LOCK_EX):
             if entry.is_file() and not damaged:

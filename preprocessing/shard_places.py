@@ -188,9 +188,8 @@ class StorePlace:
 
     @contextlib.contextmanager
     def writer(self, name: str, kept: str) -> Iterator[HashingSink]:
-        """A sink for object ``name``: one upload, completed when the block ends without an error.
-        pyarrow cannot abandon an upload (closing completes it), so a failed one is deleted again;
-        one killed half way never completes, and no object appears."""
+        """A sink for object ``name``: one upload, completed when the block ends without an error (a failed
+        one is deleted again: pyarrow cannot abandon an upload)."""
         obj = self.loc.join(name)
         try:
             stream = obj.fs.open_output_stream(obj.path)

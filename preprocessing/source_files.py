@@ -24,9 +24,7 @@ def default_source_dirs() -> list[Path]:
 
 
 def environment_roots() -> list[Path]:
-    """The directories of ``--environment``: the running interpreter's standard library, then its
-    purelib and platlib site-packages (``sysconfig.get_paths()``; in a virtual environment, the
-    environment's own), each once."""
+    """The directories of ``--environment``: the standard library, then purelib and platlib site-packages, each once."""
     paths = sysconfig.get_paths()
     roots: list[Path] = []
     for key in ("stdlib", "purelib", "platlib"):

@@ -76,9 +76,8 @@ def _gzip_member() -> zlib._Compress:
 
 
 def synthetic_block(seed: int, block: int, labels: np.ndarray) -> tuple[bytes, bytes, np.ndarray, np.ndarray]:
-    """The graphs of one block (classes ``labels``, random stream ``(seed, 2, block)``) as
-    ``(edge.csv gzip member, edge-feat.csv gzip member, nodes per graph, edges per graph)``.
-    Formatted and compressed graph by graph, so memory is one graph plus the compressed output."""
+    """One block's graphs (random stream ``(seed, 2, block)``) as ``(edge.csv gzip member, edge-feat.csv
+    gzip member, nodes per graph, edges per graph)``, compressed graph by graph."""
     rng = np.random.default_rng([seed, 2, block])
     prototypes = class_prototypes(seed)
     edge_gz, feat_gz = _gzip_member(), _gzip_member()
@@ -96,9 +95,8 @@ def synthetic_block(seed: int, block: int, labels: np.ndarray) -> tuple[bytes, b
 
 
 def _in_order(tasks: Iterable[tuple[int, int, np.ndarray]], workers: int) -> Iterator[tuple]:
-    """:func:`synthetic_block` of each task, in task order; with ``workers > 1`` in that many spawned
-    processes (the caller may be a threaded Ray driver, where fork is unsafe), holding at most
-    :data:`BLOCKS_AHEAD_PER_WORKER` results per worker that the caller has not taken yet."""
+    """:func:`synthetic_block` of each task, in order; with ``workers > 1`` in spawned processes, at most
+    :data:`BLOCKS_AHEAD_PER_WORKER` results per worker ahead."""
     if workers == 1:
         yield from (synthetic_block(*task) for task in tasks)
         return

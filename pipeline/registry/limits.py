@@ -57,10 +57,6 @@ class Limits:
             values[field] = int(text)
         return cls(**values)
 
-    def budget(self) -> "Budget":
-        """A new request's account, its deadline counted from now."""
-        return Budget(self)
-
 
 class Budget:
     """One request's account: what it asked for so far against the caps, and its deadline."""

@@ -31,9 +31,8 @@ JSON_TASKS = ("ppa", "pattern", "cluster")  # the tasks whose inputs are JSON gr
 
 # ----------------------------------------------------------------------------- what a model carries
 def input_spec(shard_dir: str | Path) -> dict[str, Any]:
-    """``{"input": {...}}`` to log with a model trained on ``shard_dir``: the shards' task and
-    transform config and, for code2, the dataset's node-type / node-attribute tables (in id order),
-    so that new inputs are featurised exactly as the training data."""
+    """``{"input": {...}}`` to log with a model trained on ``shard_dir``: the shards' task and transform
+    and, for code2, the dataset's node-type / attribute tables (in id order)."""
     from preprocessing.shards import read_manifest
 
     manifest = read_manifest(Path(shard_dir))
@@ -121,9 +120,8 @@ class Predictor:
     # -- graphs -> predictions
     @torch.no_grad()
     def predict_graphs(self, graphs: Sequence[Any], budget: Optional[Budget] = None) -> list:
-        """Per-graph predictions for ``SATData`` graphs: code2 subtoken lists, ppa class ids, and
-        for node tasks (pattern, cluster) a list of node classes per graph. ``budget``: a served
-        request's (its deadline is checked before each batch)."""
+        """Per-graph predictions for ``SATData`` graphs (node tasks: a list per graph); ``budget``: a served
+        request's deadline, checked before each batch."""
         from torch_geometric.data import Batch
 
         out: list = []

@@ -15,15 +15,13 @@ import pydantic
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED, INVALID_PARAMETER_VALUE, REQUEST_LIMIT_EXCEEDED
 
-from pipeline.registry.limits import Limits, PastDeadline, TooLarge
+from pipeline.registry.limits import Budget, Limits, PastDeadline, TooLarge
 from pipeline.registry.model_format import read_model
 from pipeline.registry.predict import Predictor
 
 
 class ModelInput(pydantic.BaseModel):
-    """One input of the pyfunc model: Python source text (code2), or a graph in the JSON graph
-    format of ``satp predict`` (ppa: ``num_nodes``, ``edge_index``, ``edge_attr``; pattern and
-    cluster: ``num_nodes``, ``edge_index``, ``x``)."""
+    """One pyfunc input: Python source (code2) or a JSON graph as ``satp predict`` reads them."""
 
     source: Optional[str] = None
     num_nodes: Optional[int] = None
@@ -51,9 +49,7 @@ class RequestRefused(MlflowException):
 
 
 class SATPyfunc(mlflow.pyfunc.PythonModel):
-    """``mlflow.pyfunc.load_model(uri).predict(inputs)``: one prediction per input, as
-    ``satp predict --json`` gives them (code2: a list of ``{"name", "line", "actual",
-    "predicted"}`` per source; ppa: a class; pattern / cluster: a class per node)."""
+    """``mlflow.pyfunc.load_model(uri).predict(inputs)``: one prediction per input, as ``satp predict --json``."""
 
     def load_context(self, context) -> None:
         files = {name: Path(path) for name, path in context.artifacts.items()}
@@ -65,7 +61,7 @@ class SATPyfunc(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input: list[ModelInput], params: Optional[dict[str, Any]] = None):
         values = [v.model_dump(exclude_none=True) if isinstance(v, pydantic.BaseModel) else dict(v) for v in model_input]
         try:
-            return self.predictor.predict_json(values, "model input", self.limits.budget())
+            return self.predictor.predict_json(values, "model input", Budget(self.limits))
         except TooLarge as exc:
             raise RequestRefused(str(exc), 413) from None
         except PastDeadline as exc:

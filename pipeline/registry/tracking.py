@@ -158,9 +158,8 @@ def _log_job(mlflow_client, run_id: str, config_text: str) -> None:
 
 
 def _note_changed_params(mlflow_client, run, params: dict, config_text: str) -> None:
-    """A resumed run may change what does not shape its weights (``train.epochs``, ...), but MLflow
-    params are written once: each changed one gets a tag ``satp.param.<key>`` = ``new (was old)``,
-    and ``job.yaml`` is replaced by the job that now runs."""
+    """MLflow params are written once: a param a resumed run changed gets a tag ``satp.param.<key>`` =
+    ``new (was old)``, and ``job.yaml`` is replaced."""
     logged = run.data.params
     changed = {k: v for k, v in flatten(params).items() if k in logged and logged[k] != v}
     if not changed:
@@ -182,10 +181,8 @@ def find_training_run(tracking_uri: str, experiment: str, run_key: str):
 
 
 def retire_run(tracking_uri: str, run_id: str, run_key: str, why: str) -> None:
-    """Detach an MLflow run from its run key, so that the key's next training run gets a new one.
-
-    Its status, metrics and registered versions stay; the tags say why (``satp.retired``) and
-    the key it had (``satp.retired_run_key``)."""
+    """Detach an MLflow run from its run key (tags ``satp.retired``, ``satp.retired_run_key``), so that
+    the key's next training run gets a new one; its status, metrics and versions stay."""
     import time
 
     mlflow_client = client(tracking_uri)
@@ -213,9 +210,7 @@ def log_metrics(mlflow_client, run_id: str, metrics: dict[str, Any], step: int) 
 
 def log_curves(mlflow_client, run_id: str, history: list[dict[str, Any]], metric: str,
                target: Optional[dict[str, Any]] = None) -> None:
-    """The plots of ``history`` (replaced each epoch): ``plots/training_curves.png`` (loss and
-    metrics per epoch) and ``plots/metric_vs_time.png`` (metrics against wall-clock, with the
-    target ``{"metric", "value"}`` when the job names one)."""
+    """``plots/training_curves.png`` and ``plots/metric_vs_time.png`` (with the job's target) of ``history``."""
     try:
         with tempfile.TemporaryDirectory() as tmp:
             curves, timed = Path(tmp) / "training_curves.png", Path(tmp) / "metric_vs_time.png"

@@ -62,10 +62,8 @@ def default_model_name(job, task_name: str) -> str:
 def register(model: torch.nn.Module, *, job, task: Task, model_config: SATConfig, best: Mapping[str, Any],
              constant: Optional[float], run_id: str, tracking_uri: str, data_manifest_hash: str,
              extra: dict[str, Any], provenance: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """Register the best epoch's ``model`` of a training run or a sweep's best trial (run ``run_id``) as
-    a version of the job's model (:func:`default_model_name`), tagged with its best epoch's metrics
-    (``best`` = ``{"val", "test", "epoch"}``; ``constant``: the constant predictor's metric). Returns
-    :func:`log_and_register`'s result; whether the alias moves is the caller's (:func:`promote`)."""
+    """Register the best epoch's ``model`` of run ``run_id`` (a training run or a sweep's best trial) as a
+    version of :func:`default_model_name`, tagged with the best epoch's metrics; the alias is :func:`promote`'s."""
     metric = task.metric
     metrics = {f"best_val_{metric}": best["val"], f"best_test_{metric}": best["test"], "best_epoch": best["epoch"],
                f"constant_{metric}": constant}
@@ -126,9 +124,8 @@ def log_and_register(
 
 def register_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], tags: dict[str, str], *,
                      run_id: str, tracking_uri: str, registered_model: Optional[str]) -> dict[str, Any]:
-    """Log ``state`` + ``meta`` (format 2) to run ``run_id`` and register it as a version of
-    ``registered_model`` tagged ``tags`` and the weights' sha256, unless a version of the same run
-    holds these weights already (see :func:`log_and_register`)."""
+    """Log ``state`` + ``meta`` to run ``run_id`` and register it under ``registered_model`` (see
+    :func:`log_and_register`)."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -198,9 +195,8 @@ def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id:
 
 
 def download(uri: str, tracking_uri: Optional[str] = None, version=None) -> Path:
-    """The model's files (a local store's own folder, else a downloaded copy); a one-line
-    ``ValueError`` when there is no such model, or (``version``: its registry entry) when the
-    version's artifacts are gone."""
+    """The model's files (a local store's folder, else a downloaded copy); a one-line ``ValueError``
+    when there is no such model or (``version`` given) its artifacts are gone."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -289,11 +285,9 @@ def better(new: Optional[float], old: Optional[float], mode: str) -> bool:
 
 def promote(client, name: str, version: int, value: Optional[float], metric_key: str, mode: str, alias: str,
             why: str) -> dict[str, Any]:
-    """Move ``alias`` to ``version`` of ``name`` if ``value`` beats the current holder's ``metric_key`` tag.
-
-    The replaced version is tagged ``satp.replaced_by`` and ``satp.replaced_reason``; the
-    candidate is tagged ``satp.champion_decision`` either way. Returns ``{"champion", "reason"}``.
-    """
+    """Move ``alias`` to ``version`` if ``value`` beats the holder's ``metric_key`` tag, tagging
+    ``satp.replaced_by`` / ``satp.replaced_reason`` and ``satp.champion_decision``; returns
+    ``{"champion", "reason"}``."""
     from mlflow.exceptions import MlflowException
 
     current = None
