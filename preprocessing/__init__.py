@@ -13,7 +13,7 @@ __all__ = ["DataConfig", "ShardConfig", "TransformConfig", "config_hash", "prepr
 
 def __getattr__(name: str):
     # lazy: `pipeline.config` imports `preprocessing.config`, which must not pull in torch / PyG
-    if name in ("preprocess", "shard_dir", "build_shards"):
+    if name in ("preprocess", "shard_dir"):
         from preprocessing import build
 
         return getattr(build, name)

@@ -73,7 +73,7 @@ def default_workers() -> int:
     return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-def _pool(workers: int):
+def process_pool(workers: int):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -165,7 +165,7 @@ def _parse_to_parts(items: list[tuple[Path, Path, str]], workers: int,
     chunks = _chunks(items, workers)
     tasks = [(str(spill / f"part-{i:06d}.pkl"), chunk) for i, chunk in enumerate(chunks)]
     if workers > 1 and len(tasks) > 1:
-        with _pool(min(workers, len(tasks))) as pool:
+        with process_pool(min(workers, len(tasks))) as pool:
             results = list(pool.map(_parse_chunk, tasks))
     else:
         results = [_parse_chunk(task) for task in tasks]

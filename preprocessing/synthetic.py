@@ -9,11 +9,9 @@ of :data:`BLOCK_GRAPHS`, each with its own random stream, in ``workers`` process
 gzip member appended in order; the bytes depend on ``(graphs, seed)`` only."""
 from __future__ import annotations
 
-import multiprocessing
 import sys
 import zlib
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -22,7 +20,7 @@ from tqdm import tqdm
 
 from preprocessing.ogb_layout import (assign_groups, atomic_dataset_dir, check_out_dir, format_fixed_csv,
                                       format_int_csv, write_gz_array, write_splits)
-from preprocessing.pycode import default_workers
+from preprocessing.pycode import process_pool, default_workers
 
 NUM_CLASSES = 37
 NUM_EDGE_FEATURES = 7
@@ -100,7 +98,7 @@ def _in_order(tasks: Iterable[tuple[int, int, np.ndarray]], workers: int) -> Ite
     if workers == 1:
         yield from (synthetic_block(*task) for task in tasks)
         return
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with process_pool(workers) as pool:
         pending: deque = deque()
         try:
             for task in tasks:

@@ -67,17 +67,13 @@ def _template() -> Optional[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".mlflow-empty-", dir=path.parent) as folder:
         made = Path(folder) / path.name
-        _make_empty_store(made)
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        SqlAlchemyStore(f"{PREFIX}{made}", made.parent.as_uri()).engine.dispose()
+        with contextlib.closing(sqlite3.connect(made)) as db, db:
+            db.execute("DELETE FROM experiments")  # the Default experiment, with the template's artifact root
         os.replace(made, path)  # whole or absent; a concurrent maker writes the same tables
     return path if _is_empty_store(path) else None
-
-
-def _make_empty_store(path: Path) -> None:
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-    SqlAlchemyStore(f"{PREFIX}{path}", path.parent.as_uri()).engine.dispose()
-    with contextlib.closing(sqlite3.connect(path)) as db, db:
-        db.execute("DELETE FROM experiments")  # the Default experiment, with the template's artifact root
 
 
 def _is_empty_store(path: Path) -> bool:
