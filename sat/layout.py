@@ -71,11 +71,7 @@ class GraphLayout:
         """The fixed-capacity layout of graphs of ``sizes[g]`` nodes (:func:`sat.padding.pad_batch`): slots
         ``0..B-1`` hold the graphs, the rest are empty or padding (at most ``capacity.graph_nodes`` rows
         each); every shape depends on ``capacity`` alone."""
-        real = _host_sizes(sizes)
-        problems = capacity.shortfall(graphs=real.size, nodes=int(real.sum()),
-                                      graph_nodes=int(real.max()) if real.size else 0)
-        if problems:
-            raise ValueError(f"GraphLayout.padded: the batch exceeds its capacity ({'; '.join(problems)})")
+        real = _host_sizes(sizes)  # that they fit the capacity is pad_batch's check
         longest = capacity.graph_nodes
         full, rest = divmod(capacity.nodes - int(real.sum()), longest)
         padding = np.zeros(capacity.padding_graphs, dtype=np.int64)

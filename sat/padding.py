@@ -111,8 +111,7 @@ def padding_of(batch: Any) -> Optional[Padding]:
 
 
 def _pad_rows(value: Tensor, rows: int, fill) -> Tensor:
-    if value.size(0) > rows:
-        raise ValueError(f"pad_batch: {value.size(0)} rows exceed the capacity's {rows}")
+    """``value`` followed by rows of ``fill`` up to ``rows`` (the caller checked the capacity)."""
     out = value.new_full((rows, *value.shape[1:]), fill)
     out[: value.size(0)] = value
     return out
@@ -122,8 +121,6 @@ def _pad_ids(value: Tensor, rows: int, start: int, stop: int) -> Tensor:
     """``value`` (ids, along its last axis) followed by ids cycling over ``start .. stop - 1`` up to
     ``rows`` ids (every row of a ``[2, E]`` index gets the same ones: padding self-loops)."""
     missing = rows - value.size(-1)
-    if missing < 0:
-        raise ValueError(f"pad_batch: {value.size(-1)} ids exceed the capacity's {rows}")
     fill = torch.arange(missing, dtype=value.dtype) % (stop - start) + start
     return torch.cat([value, fill.expand(*value.shape[:-1], missing)], dim=-1)
 
