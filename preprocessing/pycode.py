@@ -26,11 +26,10 @@ import numpy as np
 from preprocessing.ogb_layout import (assign_groups, atomic_dataset_dir, check_out_dir, format_int_csv, write_gz_text,
                                       write_splits)
 from preprocessing.python_graphs import FunctionGraph, function_graph
+from preprocessing.raw_checks import CODE2_NODE_ATTRIBUTES, CODE2_NODE_TYPES
 from preprocessing.source_files import default_source_dirs, environment_files, environment_roots, source_items
 
 SHOWN_FAILURES = 5  # unparsable files named on stderr (all of them: the summary's files_skipped)
-NUM_TYPES = 98
-NUM_ATTRS = 10030
 NUM_VOCAB, MAX_SEQ_LEN = 5000, 5  # the target side of OGB's code2 example (statistics only)
 _PANDAS_NA = frozenset({"nan", "null", "n/a", "na", "-nan", "none", "<na>", "-na"})
 
@@ -363,8 +362,8 @@ def _write_corpus(out: str | Path, force: bool, items: list[tuple[Path, Path, st
         nodes_total += int(p["nodes"].sum())
         max_nodes = max(max_nodes, int(p["nodes"].max()))
         g0 += n_graphs
-    types = _ranked(type_counts, NUM_TYPES - 1) + ["__UNK__"]
-    attrs = _ranked(attr_counts, NUM_ATTRS - 2) + ["__UNK__", "__NONE__"]
+    types = _ranked(type_counts, CODE2_NODE_TYPES - 1) + ["__UNK__"]
+    attrs = _ranked(attr_counts, CODE2_NODE_ATTRIBUTES - 2) + ["__UNK__", "__NONE__"]
     del attr_counts
     type_idx = {t: i for i, t in enumerate(types)}
     attr_idx = {a: i for i, a in enumerate(attrs)}

@@ -57,7 +57,6 @@ def augment_edge(edge_index: np.ndarray, node_is_attributed: np.ndarray) -> tupl
     return new_index, attr
 
 
-# --------------------------------------------------------------------------- encodings
 # --------------------------------------------------------------------------- one graph
 def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | None = None) -> dict[str, np.ndarray]:
     """One raw graph (``graph_id``, ``num_nodes``, ``edge_index [2, E]`` and the task's arrays) -> the
@@ -65,8 +64,8 @@ def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | N
     subtoken -> id."""
     n = int(graph["num_nodes"])
     out: dict[str, np.ndarray] = {"graph_id": np.int64(graph["graph_id"]), "num_nodes": np.int64(n)}
+    edge_index = graph["edge_index"].astype(np.int64, copy=False)
     if task == "code2":
-        edge_index = graph["edge_index"].astype(np.int64, copy=False)
         if cfg.augment_edge:
             edge_index, edge_attr = augment_edge(edge_index, graph["node_is_attributed"])
             out["edge_attr"] = edge_attr.astype(np.int8)
@@ -75,7 +74,6 @@ def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | N
         out["y"] = encode_targets(graph["y_tokens"], vocab_index, cfg.max_seq_len)
         out["y_tokens"] = list(graph["y_tokens"])
     elif task == "ppa":
-        edge_index = graph["edge_index"].astype(np.int64, copy=False)
         edge_attr = graph["edge_attr"].astype(np.float32, copy=False)
         out["edge_attr"] = edge_attr
         if cfg.ppa_node_input == "edge_sum":
@@ -84,7 +82,6 @@ def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | N
             out["x"] = np.zeros((n, 1), dtype=np.int64)
         out["y"] = np.asarray([graph["y"]], dtype=np.int64)
     elif task in SBM_DATASETS:
-        edge_index = graph["edge_index"].astype(np.int64, copy=False)
         out["x"] = graph["x"].reshape(-1, 1).astype(np.int64, copy=False)
         out["y"] = graph["node_label"].reshape(-1).astype(np.int64, copy=False)
     else:
@@ -93,7 +90,7 @@ def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | N
     ei_t = torch.from_numpy(edge_index)
     out["degree"] = node_degree(ei_t, n).numpy()
     if cfg.rwpe_steps:
-        out["rwpe"] = random_walk_pe(torch.from_numpy(edge_index), n, cfg.rwpe_steps).numpy()
+        out["rwpe"] = random_walk_pe(ei_t, n, cfg.rwpe_steps).numpy()
     if cfg.lap_pe_dim:
         out["lap_pe"] = laplacian_pe(ei_t, n, cfg.lap_pe_dim).numpy()
     if cfg.k_hops:
