@@ -1,29 +1,13 @@
 """Build, resume and validate a shard directory, one Ray task per shard.
 
-:func:`preprocess` fingerprints the raw files (cached by their stat signature), names the shard
-directory by the configuration and that fingerprint (:func:`shard_dir`: two datasets under one
-``shards.root`` never share a directory, so a rebuilt or switched dataset gets new shards instead
-of an error), has them converted into the dataset's columnar
-store unless it is current (:mod:`preprocessing.conversion`: one Ray task per raw file, streaming,
-bounded memory), plans the shards (each split in OGB's order, optionally a seeded subset of
-``data.max_graphs_per_split`` graphs, cut into ``shards.graphs_per_shard`` graphs), skips the
-shards already finished (sidecar present, same config hash and source fingerprint, sha256
-matching), computes the others as Ray tasks (at most ``shards.max_in_flight`` at once; each task
-gets the store's folder and its graph ids, reads those graphs' rows from the memory-mapped store,
-writes its shard atomically and returns its size and sha256; the driver then writes the shard's
-sidecar), and writes ``manifest.json`` last. The driver holds per-graph arrays only (offsets,
-splits, the train labels for code2's vocabulary), never the dataset. On a multi-node cluster
-``data.root`` must be shared storage, and ``shards.root`` too unless it is a URI: then the
-directory is a prefix of an object store, which every task writes its shard to itself (given the
-driver's standard storage variables, :func:`runtime.storage.forwarded_env`), through the same
-code (:mod:`preprocessing.shard_places`: there a finished shard is checked by its sidecar and
-size, its sha256 by the readers). A directory whose manifest matches the raw files' fingerprint
-and whose shards all match is returned without reading the dataset; ``force`` builds it again
-beside it and swaps it in only when complete (on an object store, which cannot swap prefixes, in
-place: its manifest goes first, every shard is written again, the manifest comes last). Ray is
-started locally (:func:`runtime.ray_cluster.connect`, stopped afterwards) unless it is already
-initialised, ``address`` names a cluster, or ``RAY_ADDRESS`` is set (inside a Ray job).
-"""
+:func:`preprocess` names the directory by the configuration and the raw files' fingerprint
+(:func:`shard_dir`), has the raw files converted into the columnar store unless it is current
+(:mod:`preprocessing.conversion`), plans the shards (each split in OGB's order, optionally a seeded
+subset), skips the finished ones (sidecar with the same key and sha256), computes the others as Ray
+tasks that read their graphs from the memory-mapped store and write their shard themselves (to a
+folder, or an object store: :mod:`preprocessing.shard_places`), and writes ``manifest.json`` last.
+The driver holds per-graph arrays only, never the dataset. Ray is started locally unless it is
+initialised already, ``address`` names a cluster, or ``RAY_ADDRESS`` is set."""
 from __future__ import annotations
 
 import hashlib
@@ -51,12 +35,8 @@ from runtime.storage import StorageSettings, check, forwarded_env, is_uri
 
 def shard_dir(data: DataConfig, transform: TransformConfig, shards: ShardConfig,
               fingerprint: str | None = None) -> Path | str:
-    """The directory of a configuration's shards of the raw files that ``data`` names now:
-    ``<shards.root>/<dataset>-<config hash[:12]>-<raw fingerprint[:12]>`` (a ``Path``; a URI when
-    ``shards.root`` is one), so that two datasets
-    (another ``data.root``, raw files rebuilt) never share one. ``fingerprint``: the raw files'
-    :func:`~preprocessing.columnar.raw_fingerprint` when the caller has it; else it is taken (cached
-    by the files' stat signature, see there): the dataset folder must exist."""
+    """``<shards.root>/<dataset>-<config hash[:12]>-<raw fingerprint[:12]>`` (a URI when ``shards.root``
+    is one): two datasets never share a directory. ``fingerprint``: taken when not given."""
     if fingerprint is None:
         fingerprint = raw_fingerprint(dataset_dir(data), data.name)
     name = f"{data.name}-{config_hash(data, transform, shards)[:12]}-{fingerprint[:12]}"
@@ -113,13 +93,8 @@ def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | No
 
 def write_shard(path: str, store: str, ids: np.ndarray, task: str, transform: dict, vocab: list[str] | None,
                 storage: StorageSettings | None = None) -> dict:
-    """The body of a Ray task: read graphs ``ids`` from the columnar store in folder ``store``,
-    compute their shard and write it atomically where it belongs (``path``: on a multi-node cluster
-    shared storage, or an object's URI, reached with ``storage``); only its size and checksum
-    travel back.
-
-    ``SATP_TESTING_SHARD_DELAY_S`` in the node's environment (a fault-injection test hook) makes the
-    task last at least that long, so that a test can see it running on a node and kill the node."""
+    """The body of a shard task: graphs ``ids`` of the store in folder ``store`` into shard ``path``;
+    returns its size and sha256. ``SATP_TESTING_SHARD_DELAY_S``: a fault-injection test's minimum duration."""
     started = time.monotonic()
     rows, specs = _transformed_rows(ColumnarStore(store).chunk(ids), task, transform, vocab)
     time.sleep(max(0.0, float(os.environ.get("SATP_TESTING_SHARD_DELAY_S", 0)) - (time.monotonic() - started)))
@@ -142,8 +117,8 @@ def _shard_done(place, plan: ShardPlan, key: dict, present: dict[str, int | None
 
 
 def _rebuild_reason(place, plan: ShardPlan, key: dict, present: dict[str, int | None]) -> str | None:
-    """Why a shard that :func:`_shard_done` rejected is computed again, when it had been written
-    before (None: it never was); said on stderr, so that a corrupt shard is never silently rebuilt."""
+    """Why a shard that :func:`_shard_done` rejected is computed again (None: it was never written):
+    said on stderr, so that a corrupt shard is never silently rebuilt."""
     if present[plan.sidecar] is None:
         return "its build was interrupted before it was recorded" if present[plan.file] is not None else None
     if present[plan.file] is None:
@@ -161,8 +136,7 @@ def _rebuild_reason(place, plan: ShardPlan, key: dict, present: dict[str, int | 
 
 
 def _read_manifest(place) -> dict | None:
-    """The directory's manifest, None when there is none or it is unreadable (it is written again
-    from the sidecars: nothing but it is lost)."""
+    """The directory's manifest, None when there is none or it is unreadable (rebuilt from the sidecars)."""
     try:
         manifest = json.loads(place.read(MANIFEST))
     except (OSError, ValueError):
@@ -193,17 +167,11 @@ def _check_owner(place, chash: str) -> None:
 
 def preprocess(data: DataConfig, transform: TransformConfig, shards: ShardConfig, address: str | None = None,
                progress: bool = True, force: bool = False, storage: StorageSettings | None = None) -> Path | str:
-    """Build (or resume, or just validate) the shards of a configuration; return their directory
-    (a ``Path``, or a URI when ``shards.root`` is one: ``storage`` says how its store is reached).
+    """Build (or resume, or just validate) the shards of a configuration; return their directory.
 
-    ``force``: build them again from scratch into a temporary sibling directory, which replaces the
-    directory only once it is complete (a failed or killed rebuild leaves the old one as it was);
-    on an object store in place, its manifest removed first.
-
-    Raises:
-        ValueError: bad input (one line naming the file, graph or key), a directory holding
-            another configuration's shards, or a store that cannot be reached or written.
-    """
+    ``force``: build them again into a temporary sibling that replaces the directory only once
+    complete (on an object store: in place, the manifest removed first). Raises ``ValueError`` in one
+    line for bad input, another configuration's directory, or a store that cannot be reached."""
     chash = config_hash(data, transform, shards)
     folder = ensure_dataset(data)
     fingerprint = raw_fingerprint(folder, data.name)
@@ -231,9 +199,8 @@ def preprocess(data: DataConfig, transform: TransformConfig, shards: ShardConfig
 
 def _rebuild(out: Path, store: ColumnarStore, data: DataConfig, transform: TransformConfig, shards: ShardConfig,
              address: str | None, progress: bool) -> Path:
-    """``preprocess(force=True)``: build into ``.<name>.rebuild-<id>`` beside ``out``, then swap the
-    two by renames (``out`` is missing only between them: a crash there costs a rebuild, never a mix)
-    and delete the old one. Leftovers of a killed rebuild of the same directory go first."""
+    """``preprocess(force=True)``: build into ``.<name>.rebuild-<id>``, swap it in by renames, delete
+    the old one; a killed rebuild's leftovers go first."""
     for stale in out.parent.glob(f".{out.name}.*-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tag = uuid.uuid4().hex[:8]
@@ -255,8 +222,7 @@ def _rebuild(out: Path, store: ColumnarStore, data: DataConfig, transform: Trans
 
 
 def _complete(place, fingerprint: str) -> bool:
-    """True when the directory holds a manifest for ``fingerprint`` and every shard (and the
-    vocabulary) matches it."""
+    """True when the manifest is for ``fingerprint`` and every shard and the vocabulary match it."""
     manifest = _read_manifest(place)
     if manifest is None:
         return False
@@ -274,9 +240,8 @@ def _complete(place, fingerprint: str) -> bool:
 def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformConfig, shards: ShardConfig,
                  address: str | None = None, progress: bool = True, out: Path | str | None = None,
                  storage: StorageSettings | None = None, everything: bool = False) -> Path | str:
-    """:func:`preprocess` on a finished :class:`~preprocessing.columnar.ColumnarStore`, into ``out``
-    (default: :func:`shard_dir` of the store's raw files); ``everything``: no shard is taken as
-    finished (``force`` on an object store)."""
+    """:func:`preprocess` on a finished columnar store, into ``out`` (default :func:`shard_dir`);
+    ``everything``: no shard is taken as finished."""
     chash = config_hash(data, transform, shards)
     place = open_place(shard_dir(data, transform, shards, store.fingerprint) if out is None else out, storage)
     if place.exists():
@@ -370,12 +335,8 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
 
 
 class _RaySession:
-    """Ray for the tasks below, started on first use: the one already initialised, else the
-    cluster at ``address`` or ``RAY_ADDRESS`` (inside a Ray job), else a local one of this
-    process, as every satp command connects (:func:`runtime.ray_cluster.connect`: a dead address
-    fails in seconds, a new local cluster is never someone else's and starts without Ray's
-    token-authentication warning); stopped at the end only if started here (nothing to do starts
-    no Ray)."""
+    """Ray for the tasks, connected on first use (:func:`runtime.ray_cluster.connect`) unless
+    initialised already; shut down at the end only if started here."""
 
     def __init__(self, address: str | None):
         self.address, self.started = address, False
@@ -408,8 +369,7 @@ def _progress(total: int, unit: str, desc: str, progress: bool):
 
 
 def _conversion_runner(folder: Path, session: _RaySession, progress: bool):
-    """Runs the raw-file conversions of :func:`preprocessing.conversion.build_store` as Ray tasks
-    (one per file, in parallel), with a progress bar over the raw files' compressed bytes."""
+    """Runs the conversions of :func:`preprocessing.conversion.build_store` as Ray tasks, one per raw file."""
 
     def run(calls: list[tuple]):
         if not calls:
@@ -437,8 +397,7 @@ def _conversion_runner(folder: Path, session: _RaySession, progress: bool):
 
 
 def _cancel(ray, refs: list, timeout_s: float = 30.0) -> None:
-    """Stop the tasks of ``refs`` (a conversion that failed: the others' work is moot) and wait for
-    them, so that their ``finally`` blocks remove their temporary files before the command ends."""
+    """Cancel the tasks of ``refs`` and wait, so that they remove their temporary files first."""
     for ref in refs:
         ray.cancel(ref)
     if refs:

@@ -1,35 +1,12 @@
 """The columnar raw store: a dataset's OGB raw layout as memory-mapped Arrow files.
 
-OGB's own loader reads a whole dataset into memory (ogbg-ppa: ~80 GB for 158k graphs), so the
-pipeline converts the raw CSVs once per raw fingerprint (:mod:`preprocessing.conversion`:
-streaming, bounded memory, checked) into::
-
-    <dataset folder>/columnar/
-        store.json            written last: schema version, dataset, source fingerprint, rows,
-                              every file's size and xxh3 checksum
-        edge_index.arrow      one Arrow IPC file per raw CSV (raw/edge.csv.gz -> edge_index.arrow,
-        edge_attr.arrow ...   split/<kind>/train.csv.gz -> split-train.arrow): uncompressed record
-        split-train.arrow     batches, one column ``values``: one value per line, a
-                              ``fixed_size_list`` of k values per line, or the line's text (code2
-                              labels); values in the narrowest type that holds them exactly (node
-                              ids int32, features float32 as OGB's loader casts them)
-        edge_index.arrow.json sidecar of a finished file (fingerprint, rows, bytes, xxh3)
-        fingerprint.json      the raw files' fingerprint and stat signature (:func:`raw_fingerprint`)
-
-:class:`ColumnarStore` opens a finished store holding only per-graph arrays in memory (offsets,
-splits, ppa labels); :meth:`ColumnarStore.chunk` reads the rows of some graphs from the
-memory-mapped files (only the pages it needs, unmapped again when it returns) and decodes them to
-OGB's dtypes, so shard tasks read their own graphs and the driver never holds the dataset.
-Undirected datasets (ppa and the SBM sets) store each edge once, as the raw files do; reading
-adds the reverse of every edge right after it (``u->v, v->u``) with a copy of its features, as
-OGB's loader does.
-
-Integrity: every file's size and xxh3 checksum (:func:`file_digest`, ~8 GB/s) are recorded when it
-is written; :class:`ColumnarStore` checks the sizes whenever it opens the store (a ``stat`` per
-file: every shard task does), and the conversion reads every file once to check the checksums
-before shards are built from a finished store (:func:`preprocessing.conversion.build_store`),
-converting again only the files that differ.
-"""
+OGB's loader reads a whole dataset into memory (ogbg-ppa: ~80 GB), so the raw CSVs are converted
+once per raw fingerprint (:mod:`preprocessing.conversion`) into ``<dataset>/columnar/``: one Arrow
+IPC file per raw CSV (column ``values``, narrowest exact dtype), a sidecar per finished file
+(fingerprint, rows, bytes, xxh3), ``store.json`` last, and ``fingerprint.json``
+(:func:`raw_fingerprint`'s cache). :class:`ColumnarStore` holds per-graph arrays only;
+:meth:`ColumnarStore.chunk` reads some graphs' rows and adds the reverse of every undirected edge
+right after it, as OGB's loader does. Sizes are checked at every open, checksums once per build."""
 from __future__ import annotations
 
 import hashlib
@@ -121,9 +98,7 @@ RACY_NS = 2_000_000_000
 
 
 def _signature(folder: Path, name: str) -> list[list]:
-    """Per raw file: path, size, mtime, ctime and inode. Any write changes the ctime, which no
-    tool sets back (``touch -d`` and copies that keep the mtime do not); a replaced file has
-    another inode."""
+    """Per raw file: path, size, mtime, ctime and inode (any write changes the ctime)."""
     out = []
     for rel in required_files(name):
         path = folder / rel
@@ -136,16 +111,9 @@ def _signature(folder: Path, name: str) -> list[list]:
 
 
 def raw_fingerprint(folder: Path, name: str) -> str:
-    """sha256 of the dataset's raw and split files (their bytes as stored, in a fixed order).
-
-    Checks only what it needs to read: ``RELEASE_v1.txt`` (without it OGB calls ``input()``) and
-    every file present. Reading the compressed bytes takes ~8 s for a full-size synthetic
-    ogbg-ppa's 8.2 GB, so the result is kept in ``columnar/fingerprint.json`` with the files' stat
-    signature (:func:`_signature`) and reused while the signature is the same: a command that
-    names the shards of a dataset (``<dataset>-<config hash>-<fingerprint>``) stats the files
-    instead of reading them. The cache is written only when no file changed while it was hashed
-    nor within :data:`RACY_NS` before, and only where the folder is writable.
-    """
+    """sha256 of the dataset's raw and split files, kept in ``columnar/fingerprint.json`` with their stat
+    signature and reused while it holds (git's "racy clean" rule: not cached for files changed within
+    :data:`RACY_NS` of hashing, nor where the folder is read-only)."""
     folder = Path(folder)
     if not (folder / "RELEASE_v1.txt").is_file():
         raise ValueError(f"{folder}: RELEASE_v1.txt missing, not a complete OGB dataset folder (delete it to rebuild)")
@@ -258,18 +226,9 @@ class _MappedFile:
         self.source.close()
 
 
-def _concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    from sat.layout import concat_ranges  # (sat imports torch: not at this module's import)
-
-    return concat_ranges(starts, lengths)
-
-
 class ColumnarStore:
-    """A finished columnar store (see the module docstring); only per-graph arrays in memory.
-
-    Graph ``g`` owns nodes ``node_ptr[g]:node_ptr[g+1]`` and edges ``edge_ptr[g]:edge_ptr[g+1]``
-    (both directions counted for undirected datasets, as OGB's loader returns them).
-    """
+    """A finished columnar store. Graph ``g`` owns nodes ``node_ptr[g]:node_ptr[g+1]`` and edges
+    ``edge_ptr[g]:edge_ptr[g+1]`` (both directions for undirected datasets)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -317,12 +276,14 @@ class ColumnarStore:
     def chunk(self, ids: np.ndarray) -> dict:
         """The raw arrays of graphs ``ids`` (any order), compact and picklable; read from the
         memory-mapped files, which are unmapped again before it returns."""
+        from sat.layout import concat_ranges  # (sat imports torch: not at this module's import)
+
         ids = np.asarray(ids, dtype=np.int64)
         nn = self.node_ptr[ids + 1] - self.node_ptr[ids]
         raw_ptr = self.raw_edge_ptr
         ne = raw_ptr[ids + 1] - raw_ptr[ids]
-        node_rows = _concat_ranges(self.node_ptr[ids], nn)
-        edge_rows = _concat_ranges(raw_ptr[ids], ne)
+        node_rows = concat_ranges(self.node_ptr[ids], nn)
+        edge_rows = concat_ranges(raw_ptr[ids], ne)
         factor = 2 if self.undirected else 1
         out = {
             "graph_id": ids,

@@ -1,28 +1,7 @@
-"""The ``data``, ``transform`` and ``shards`` sections of a job YAML.
+"""The ``data``, ``transform`` and ``shards`` sections of a job YAML (see ``jobs/code2-local.yaml``).
 
-Example (``jobs/code2-local.yaml``)::
-
-    data:
-      name: ogbg-code2          # or ogbg-ppa, pattern, cluster
-      root: data                # OGB root: holds data/ogbg_code2/ (OGB's raw layout)
-      source: pycode            # what creates root/ogbg_code2 when it is absent:
-                                #   ogb (download), pycode (Python source), synthetic (ogbg-ppa only),
-                                #   sbm (pattern / cluster: the SBM recipe, root/sbm_pattern ...)
-      source_dirs: []           # pycode: source directories (empty = this interpreter's stdlib)
-      max_graphs_per_split: 2000  # quick runs: a seeded subset of each split (null = all)
-    transform:
-      rwpe_steps: 20            # 0 = no RWPE
-      lap_pe_dim: 0             # 0 = no Laplacian PE
-      k_hops: 2                 # k-hop subgraph indices; 0 = not stored
-      vocab_size: 5000          # code2: top subtokens of the train split (+ __UNK__, __EOS__)
-    shards:
-      root: runs/shards         # shard directories are root/<dataset>-<config hash>-<raw fingerprint>;
-                                # or a URI: s3://bucket/prefix (see the job's storage section)
-      graphs_per_shard: 2048
-
-Every model is strict (``extra='forbid'``): unknown keys and mistyped values are
-errors. This module must not import :mod:`pipeline` (``pipeline.config`` imports it).
-"""
+Every model is strict (``extra='forbid'``). This module must not import :mod:`pipeline`
+(``pipeline.config`` imports it)."""
 from __future__ import annotations
 
 import hashlib
@@ -71,8 +50,7 @@ class DataConfig(StrictModel):
     @field_validator("root")
     @classmethod
     def _root_is_a_folder(cls, value: str) -> str:
-        """The raw files are read and converted in a folder: a URI (or what looks like one) is refused,
-        never taken for a local folder named ``s3:``."""
+        """The raw files are converted in a folder: a URI (or what looks like one) is refused."""
         text = validate(value, "data.root")
         if is_uri(text):
             raise ValueError(f"{text}: the raw data are read from a folder (local or shared); only shards.root may "

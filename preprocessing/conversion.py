@@ -1,23 +1,13 @@
 """OGB's raw layout into the columnar raw store (:mod:`preprocessing.columnar`), streaming.
 
-One pass per raw file, in bounded memory: the gzip stream is decompressed :data:`BLOCK_BYTES` at
-a time, cut at line ends, parsed by Arrow's CSV reader, checked, and written as record batches of
-:data:`BATCH_ROWS` rows, never the whole file. Each file is written under a temporary name and
-renamed, then its sidecar records the raw fingerprint: a killed conversion resumes with the files
-not yet finished; ``store.json`` comes last. A store of other raw files is replaced.
-
-The checks, each a one-line ``ValueError`` naming the file and, where it applies, the line and
-the graph: truncated or corrupt gzip, values per line, line counts against ``num-node-list`` /
-``num-edge-list``, the ranges of every value (:mod:`preprocessing.raw_checks`: counts, edge
-endpoints, node type / attribute ids, depths, classes, split ids; NaN / infinite features),
-graphs listed twice or in two splits, values too large for the storage type. A write that fails
-(a full disk) is a one-line ``OSError`` naming the store file; the files finished before it stay.
-"""
+One pass per raw file in bounded memory: decompressed :data:`BLOCK_BYTES` at a time, cut at line
+ends, parsed by Arrow's CSV reader, checked (:mod:`preprocessing.raw_checks`), written as record
+batches of :data:`BATCH_ROWS` rows under a temporary name, renamed, then its sidecar; ``store.json``
+last. Every error is one line naming the file (and line, graph); a failed write names the store file."""
 from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import zlib
 from dataclasses import dataclass
@@ -32,6 +22,7 @@ from preprocessing.columnar import (BATCH_ROWS_KEY, FINGERPRINT_FILE, STORE_DIR,
                                     FileSpec, file_digest, file_specs, read_column, store_is_current)
 from preprocessing.locks import writer_lock
 from preprocessing.raw_checks import Checker, check_splits
+from preprocessing.shard_places import FolderPlace
 from preprocessing.write_errors import os_reason, write_error
 
 #: In the store's folder: its writer lock (a conversion keeps it, as it keeps the fingerprint record).
@@ -72,8 +63,7 @@ def _gunzip(path: Path) -> Iterator[bytes]:
 
 
 def _line_blocks(path: Path) -> Iterator[bytes]:
-    """Whole lines of ``path``, about :data:`BLOCK_BYTES` at a time (a last line without its
-    newline gets one)."""
+    """Whole lines of ``path``, about :data:`BLOCK_BYTES` at a time."""
     pending = b""
     for piece in _gunzip(path):
         pending += piece
@@ -166,19 +156,13 @@ def _schema(spec: FileSpec) -> pa.Schema:
 
 
 def _write_sidecar(path: Path, meta: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(meta, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise write_error(path, exc, "the files converted before it are kept") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    with FolderPlace(path.parent).writer(path.name, "the files converted before it are kept") as sink:
+        sink.write((json.dumps(meta, sort_keys=True) + "\n").encode())
 
 
 def _checked_rows(folder: Path, name: str, spec: FileSpec, counts: _Counts | None) -> Iterator:
-    """The parsed blocks of one raw file, each checked (:class:`preprocessing.raw_checks.Checker`), then
-    its line count against the count files (``counts``: None for the count files themselves)."""
+    """The parsed, checked blocks of one raw file, then its line count against ``counts`` (None: the
+    count files themselves)."""
     src = folder / spec.rel
     ptr = None if counts is None else {"node": counts.node_ptr, "edge": counts.edge_ptr}.get(spec.per)
     check = Checker(name, spec, folder, ptr, None if counts is None else counts.nodes)
@@ -194,9 +178,8 @@ def _checked_rows(folder: Path, name: str, spec: FileSpec, counts: _Counts | Non
 
 
 def check_values(folder: str | Path, name: str) -> None:
-    """Every check of the conversion (values in range, line counts, splits), on the raw files of
-    ``folder`` as they are, writing nothing: the pre-flight's (:func:`pipeline.train.preflight.check_data_root`),
-    in this process, before Ray starts. Memory: the per-graph counts and splits, and one block."""
+    """Every check of the conversion on the raw files as they are, writing nothing (the pre-flight's,
+    before Ray starts). Memory: the per-graph counts and splits, and one block."""
     folder = Path(folder)
     specs = file_specs(name)
     counts = _Counts(*(_join(list(_checked_rows(folder, name, spec, None)) or [np.zeros(0, np.int64)], spec)
@@ -214,9 +197,8 @@ def check_values(folder: str | Path, name: str) -> None:
 
 
 def convert_file(folder: str, name: str, spec: FileSpec, fingerprint: str, counts: _Counts | None) -> dict:
-    """Convert one raw CSV into ``<folder>/columnar/<key>.arrow`` (atomically, then its sidecar with
-    its size and xxh3 checksum); return ``{"rows": R}``. The body of one conversion task (see
-    :func:`build_store`). A write that fails (a full disk) names the store file and leaves nothing."""
+    """Convert one raw CSV into ``<folder>/columnar/<key>.arrow`` atomically, then its sidecar; return
+    ``{"rows": R}``. A failed write names the store file and leaves nothing."""
     folder = Path(folder)
     src, out = folder / spec.rel, folder / STORE_DIR / spec.arrow
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -271,12 +253,11 @@ def _finished(store: Path, spec: FileSpec, fingerprint: str) -> bool:
     path = store / spec.arrow
     if meta is None or meta.get("fingerprint") != fingerprint or not path.is_file():
         return False
-    return meta.get("bytes") in (None, path.stat().st_size)  # None: converted before sizes were recorded
+    return meta.get("bytes") == path.stat().st_size
 
 
 def _redo_reason(store: Path, spec: FileSpec, fingerprint: str, leftovers: set[str]) -> str | None:
-    """Why a file of these raw files is converted again although it had been (None: it never was,
-    or it was converted from other raw files): said on stderr, so that damage is never silently redone."""
+    """Why a file converted before is converted again (None: it never was, or from other raw files)."""
     meta, path = _record(store, spec), store / spec.arrow
     if spec.arrow in leftovers:
         return "its conversion was interrupted (a temporary file was left)"
@@ -289,24 +270,20 @@ def _redo_reason(store: Path, spec: FileSpec, fingerprint: str, leftovers: set[s
     return f"{path.name} has {path.stat().st_size} bytes, {meta.get('bytes')} recorded (truncated or overwritten)"
 
 
-def _verify(store: Path, name: str) -> tuple[list[tuple[FileSpec, str]], list[FileSpec]]:
-    """``(damaged, unrecorded)`` files of a finished store: damaged, with why, when their bytes are
-    not what was written (sizes, then xxh3: one read of the whole store); unrecorded when they were
-    converted before satp recorded checksums."""
-    damaged, unrecorded = [], []
+def _verify(store: Path, name: str) -> list[tuple[FileSpec, str]]:
+    """The damaged files of a finished store, with why: sizes, then xxh3 (one read of the whole store)."""
+    damaged = []
     for spec in file_specs(name):
         meta, path = _record(store, spec), store / spec.arrow
         if meta is None:
             damaged.append((spec, f"its sidecar {spec.arrow}.json is unreadable"))
         elif not path.is_file():
             damaged.append((spec, f"{path.name} is missing"))
-        elif meta.get("bytes") is None:
-            unrecorded.append(spec)
-        elif path.stat().st_size != meta["bytes"]:
-            damaged.append((spec, f"{path.name} has {path.stat().st_size} bytes, {meta['bytes']} recorded (truncated)"))
-        elif file_digest(path) != meta["xxh3"]:
+        elif path.stat().st_size != meta.get("bytes"):
+            damaged.append((spec, f"{path.name} has {path.stat().st_size} bytes, {meta.get('bytes')} recorded (truncated)"))
+        elif file_digest(path) != meta.get("xxh3"):
             damaged.append((spec, f"{path.name}'s checksum differs from the one recorded (corrupt)"))
-    return damaged, unrecorded
+    return damaged
 
 
 Runner = Callable[[list[tuple]], Iterable[dict]]
@@ -322,27 +299,18 @@ def _say(store: Path, spec: FileSpec, why: str) -> None:
 
 
 def build_store(folder: Path, name: str, fingerprint: str, run: Runner | None = None) -> "ColumnarStore":
-    """Convert ``folder`` (OGB raw layout of ``name``, fingerprint ``fingerprint``) into its columnar
-    store unless it holds a finished, intact one for that fingerprint; return the opened store.
-
-    A finished store is read once to check its files' checksums; a damaged file (and only that
-    one) is converted again, named on stderr. Conversions hold the store's writer lock
-    (:func:`preprocessing.locks.writer_lock`): a second command converting the same folder waits
-    for the first and then finds the store finished. The count files are read here first (they are
-    small: one line per graph); the other files are converted by ``run`` (default: one after the
-    other in this process; :mod:`preprocessing.build` passes Ray tasks), which takes a list of
-    :func:`convert_file` argument tuples and yields their results. Files finished under the same
-    fingerprint by an interrupted conversion are kept.
-    """
+    """Convert ``folder`` into its columnar store unless it holds a finished, intact one for
+    ``fingerprint``; return the opened store. Only damaged files are converted again, named on stderr;
+    a second command waits for the store's writer lock. ``run`` runs the :func:`convert_file` calls
+    (default: here; the build passes Ray tasks)."""
     folder = Path(folder)
     store = folder / STORE_DIR
     if store_is_current(folder, fingerprint):
-        damaged, unrecorded = _verify(store, name)
-        if not damaged and (not unrecorded or not os.access(store, os.W_OK)):  # read-only: used as it is
+        if not _verify(store, name):
             return ColumnarStore(folder)
     with writer_lock(store / LOCK_FILE, f"the columnar store {store}"):
         if store_is_current(folder, fingerprint):  # again: another command may have repaired it meanwhile
-            for spec, why in _verify(store, name)[0]:
+            for spec, why in _verify(store, name):
                 _say(store, spec, why)
                 (store / (spec.arrow + ".json")).unlink(missing_ok=True)
                 (store / spec.arrow).unlink(missing_ok=True)
@@ -386,11 +354,6 @@ def _convert(folder: Path, name: str, fingerprint: str, run: Runner | None) -> N
     check_splits({s.key.removeprefix("split-"): folder / s.rel for s in split_specs},
                  {s.key.removeprefix("split-"): read_column(store / s.arrow) for s in split_specs})
     records = {s.key: _record(store, s) for s in specs}
-    for spec in specs:  # kept from a conversion by a satp that recorded no checksums: recorded now
-        if records[spec.key].get("bytes") is None:
-            path = store / spec.arrow
-            records[spec.key] = {**records[spec.key], "bytes": path.stat().st_size, "xxh3": file_digest(path)}
-            _write_sidecar(store / (spec.arrow + ".json"), records[spec.key])
     meta = {"version": STORE_VERSION, "dataset": name, "fingerprint": fingerprint, "graphs": int(counts.nodes.size),
             "rows": {k: r["rows"] for k, r in records.items()},
             "files": {k: {"bytes": r["bytes"], "xxh3": r["xxh3"]} for k, r in records.items()}}

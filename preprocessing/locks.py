@@ -1,15 +1,6 @@
-"""One writer at a time for what several satp commands may build at once (a dataset's columnar
-store, a shard directory).
-
-Two ``satp preprocess`` (or a ``satp train`` and a ``satp tune``) of the same data would convert
-and write the same files together: each removes what it takes for a killed run's leftovers (the
-other's files in progress) and the directory's ``manifest.json``. The writer holds an exclusive
-``flock`` on a lock file beside what it writes; a second writer says whom it waits for, in one
-line, and waits, then finds the work done. The kernel releases the lock when its holder ends,
-killed included (no stale lock to remove); on NFS, Linux takes ``flock`` as a POSIX lock of the
-whole file, which the server arbitrates between nodes. The lock files stay (removing one while
-another process waits on it would let a third take a new one).
-"""
+"""One writer at a time for a dataset's columnar store or a shard directory: an exclusive ``flock``
+on a lock file beside it (released by the kernel when its holder ends, killed included; on NFS a
+POSIX lock the server arbitrates); a second writer says whom it waits for and waits. Lock files stay."""
 from __future__ import annotations
 
 import contextlib

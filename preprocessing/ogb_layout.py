@@ -1,22 +1,9 @@
-"""Writing OGB's raw layout (gzip CSV) atomically, shared by the offline dataset builders.
-
-Layout of one dataset folder (``<root>/ogbg_code2``, ``<root>/ogbg_ppa``, or the OGB-like
-``<root>/sbm_pattern`` / ``<root>/sbm_cluster`` of :mod:`preprocessing.sbm`)::
-
-    RELEASE_v1.txt
-    raw/*.csv.gz          no header; one line per edge / node / graph
-    split/<kind>/{train,valid,test}.csv.gz
-    mapping/*.csv.gz      with a header (code2 only)
-
-Files are written with a fixed gzip mtime so that the same input gives identical bytes.
-The whole folder is built under a temporary name beside it and renamed at the end, so a crash
-never leaves a folder that OGB would take for a complete dataset.
-"""
+"""Writing OGB's raw layout (gzip CSV, fixed mtime: the same input gives identical bytes) for the
+offline builders; a dataset folder is built under a temporary name and renamed at the end."""
 from __future__ import annotations
 
 import contextlib
 import gzip
-import io
 import os
 import shutil
 import uuid
@@ -38,12 +25,8 @@ def write_gz_text(path: Path, text: str, compresslevel: int = 9) -> None:
 
 
 def format_int_csv(array: np.ndarray) -> bytes:
-    """Integer rows ``[R, C]`` (or ``[R]``) as CSV bytes, vectorised: the same bytes as
-    ``"".join(",".join(map(str, row)) + "\\n" for row in array.tolist())``.
-
-    Every value is first written right-aligned into a fixed-width cell (zero bytes as padding),
-    followed by its separator; dropping the padding leaves the CSV text.
-    """
+    """Integer rows ``[R, C]`` (or ``[R]``) as CSV bytes, vectorised (right-aligned fixed-width cells,
+    padding dropped): the bytes of ``",".join(map(str, row))`` per line."""
     arr = np.asarray(array)
     arr = arr.reshape(-1, 1) if arr.ndim == 1 else arr
     if not arr.size:
@@ -73,18 +56,9 @@ def format_int_csv(array: np.ndarray) -> bytes:
 
 
 def format_fixed_csv(array: np.ndarray, decimals: int) -> bytes:
-    """Rows ``[R, C]`` (or ``[R]``) of values in ``[0, 10)`` as CSV bytes with ``decimals`` digits after
-    the point (``1 <= decimals <= 8``), vectorised; ``np.savetxt(fmt="%.4f")`` is ~20x slower.
-
-    Rounding: ``np.rint(float64(value) * 10**decimals)``, half to even. That is Python's
-    ``f"{value:.{decimals}f}"`` (correctly rounded, half to even) whenever the product is exact in
-    float64, e.g. for every float32 value with ``decimals <= 6``; for float64 values the product
-    may round, so a value within a rounding error of a half can end one lower or higher in the
-    last digit. A value that rounds to zero is written unsigned (Python writes ``-0.0000`` for a
-    negative one); any other value outside ``[0, 10)`` after rounding (or NaN) is a ValueError.
-    Every value is a cell of fixed width (digit, point, decimals, separator), so no padding is
-    dropped; it is fastest on a few thousand rows at a time (cache-sized temporaries).
-    """
+    """Rows of values in ``[0, 10)`` as CSV bytes with ``decimals`` (1..8) digits, vectorised (~20x
+    ``np.savetxt``). Rounds ``np.rint(value * 10**decimals)``, half to even (Python's formatting when
+    the product is exact); zero unsigned; other values outside ``[0, 10)`` or NaN: ValueError."""
     if not 1 <= decimals <= 8:
         raise ValueError(f"decimals: expected 1 to 8, got {decimals}")
     arr = np.asarray(array)
@@ -112,31 +86,19 @@ def format_fixed_csv(array: np.ndarray, decimals: int) -> bytes:
     return cells.tobytes()
 
 
-def write_gz_array(path: Path, array: np.ndarray, fmt: str = "%d", compresslevel: int = 9) -> None:
-    """Write a 1-D or 2-D array as comma-separated lines (no header); ``%d`` rows are formatted
-    by :func:`format_int_csv`, streamed in blocks of rows."""
+def write_gz_array(path: Path, array: np.ndarray, compresslevel: int = 9) -> None:
+    """Write a 1-D or 2-D integer array as comma-separated lines (no header), in blocks of rows."""
     arr = np.asarray(array)
-    if arr.ndim == 1:
-        arr = arr.reshape(-1, 1)
-    if not arr.size:
-        write_gz_text(path, "")
-        return
-    if fmt == "%d":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0,
-                                                    compresslevel=compresslevel) as gz:
-            for start in range(0, arr.shape[0], _ROWS_PER_WRITE):
-                gz.write(format_int_csv(arr[start : start + _ROWS_PER_WRITE]))
-        return
-    buf = io.StringIO()
-    np.savetxt(buf, arr, fmt=fmt, delimiter=",")
-    write_gz_text(path, buf.getvalue())
+    arr = arr.reshape(-1, 1) if arr.ndim == 1 else arr
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0,
+                                                compresslevel=compresslevel) as gz:
+        for start in range(0, arr.shape[0], _ROWS_PER_WRITE):
+            gz.write(format_int_csv(arr[start : start + _ROWS_PER_WRITE]))
 
 
 def check_out_dir(root: Path, name: str, force: bool = False) -> None:
-    """Raise ``ValueError`` (one line) unless ``root`` can hold ``root/<ogb dir of name>``: checked
-    before a builder spends minutes on the data (``--out`` naming a file, a file on the way, a
-    finished folder without ``--force``)."""
+    """One-line ``ValueError`` unless ``root`` can hold the dataset's folder (checked before minutes of work)."""
     root = Path(root)
     for part in (root, *root.parents):
         if part.exists():
@@ -172,11 +134,8 @@ def write_splits(folder: Path, name: str, split_ids: dict[str, np.ndarray]) -> N
 
 
 def assign_groups(group_sizes: dict[str, int], fractions: tuple[float, float, float]) -> dict[str, str]:
-    """Assign whole groups (projects, species) to train/valid/test, deterministically.
-
-    Groups go, largest first (ties by name), to the split furthest below its target share; the
-    first three go to train, valid, test so that every split is non-empty.
-    """
+    """Whole groups to train/valid/test: largest first to the split furthest below its share; the first
+    three to train, valid, test so that none is empty."""
     if len(group_sizes) < 3:
         raise ValueError(f"need at least 3 groups to split by group, got {len(group_sizes)}")
     total = sum(group_sizes.values())

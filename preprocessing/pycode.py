@@ -1,20 +1,10 @@
 """Python source -> ogbg-code2 raw layout (``satp data pycode --out ROOT [--source DIR ...]``).
 
-The files (:mod:`preprocessing.source_files`: ``--source DIR ...``, ``--environment`` or the
-standard library) are parsed, every function definition becoming one graph
-(:mod:`preprocessing.python_graphs`, OGB's ``py2graph`` rules); functions whose label is empty or
-would read back as a missing value are left out.
-
-Node types and attributes are indexed by their frequency in the train split (at most 97 types
-+ ``__UNK__`` = 98, at most 10028 attributes + ``__UNK__`` + ``__NONE__`` = 10030, the sizes of
-the real dataset), written to ``mapping/`` with headers. The split is by project (see
-:mod:`preprocessing.source_files`), ~80/10/10 by graphs. Output is deterministic for the same
-source files, whatever the number of parsing processes.
-
-Memory is bounded: parsing processes write compact per-chunk arrays to temporary files and the
-parent streams them twice (train-split counts, then encoding and writing), so peak memory does
-not grow with the corpus (beyond the train split's attribute counts). See ``docs/data.md``.
-"""
+Every function definition of the files (:mod:`preprocessing.source_files`) becomes one graph
+(:mod:`preprocessing.python_graphs`). Node types and attributes are indexed by their frequency in
+the train split (at most 98 and 10030 with the special entries, the real dataset's sizes); the
+split is by project, ~80/10/10. Deterministic whatever the number of parsing processes; memory is
+bounded (parsers write compact per-chunk arrays to temporary files, streamed twice). See ``docs/data.md``."""
 from __future__ import annotations
 
 import ast
@@ -36,11 +26,10 @@ import numpy as np
 from preprocessing.ogb_layout import (assign_groups, atomic_dataset_dir, check_out_dir, format_int_csv, write_gz_text,
                                       write_splits)
 from preprocessing.python_graphs import FunctionGraph, function_graph
+from preprocessing.raw_checks import CODE2_NODE_ATTRIBUTES, CODE2_NODE_TYPES
 from preprocessing.source_files import default_source_dirs, environment_files, environment_roots, source_items
 
 SHOWN_FAILURES = 5  # unparsable files named on stderr (all of them: the summary's files_skipped)
-NUM_TYPES = 98
-NUM_ATTRS = 10030
 NUM_VOCAB, MAX_SEQ_LEN = 5000, 5  # the target side of OGB's code2 example (statistics only)
 _PANDAS_NA = frozenset({"nan", "null", "n/a", "na", "-nan", "none", "<na>", "-na"})
 
@@ -83,25 +72,7 @@ def default_workers() -> int:
     return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-def collect_functions(
-    sources: list[Path], include_tests: bool = False, workers: int = 1
-) -> tuple[list[FunctionGraph], list[str], int]:
-    """Parse every file; return the function graphs, the files that failed to parse (``path:line:
-    reason`` each) and the number of files read. With ``workers > 1`` files are parsed in that many
-    processes; the result is the same, in the same order. Holds every graph in memory (as Python
-    lists): :func:`build_pycode` streams compact arrays through temporary files instead."""
-    items = source_items([Path(s) for s in sources], include_tests)
-    if workers > 1 and len(items) > 1:
-        with _pool(min(workers, len(items))) as pool:
-            parsed = list(pool.map(_parse_file, items, chunksize=max(1, len(items) // (8 * workers))))
-    else:
-        parsed = [_parse_file(item) for item in items]
-    graphs = [g for file_graphs, _ in parsed for g in file_graphs]
-    failed = [reason for _, reason in parsed if reason is not None]
-    return graphs, failed, len(items)
-
-
-def _pool(workers: int):
+def process_pool(workers: int):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -193,7 +164,7 @@ def _parse_to_parts(items: list[tuple[Path, Path, str]], workers: int,
     chunks = _chunks(items, workers)
     tasks = [(str(spill / f"part-{i:06d}.pkl"), chunk) for i, chunk in enumerate(chunks)]
     if workers > 1 and len(tasks) > 1:
-        with _pool(min(workers, len(tasks))) as pool:
+        with process_pool(min(workers, len(tasks))) as pool:
             results = list(pool.map(_parse_chunk, tasks))
     else:
         results = [_parse_chunk(task) for task in tasks]
@@ -216,10 +187,8 @@ def _write_mapping(path: Path, header: tuple[str, str], values: list[str]) -> No
 
 
 class _GzStreams:
-    """Gzip files written in pieces, with the bytes :func:`write_gz_array` / ``write_gz_text``
-    give for the whole (fixed mtime, level 9; deflate does not depend on how its input is split).
-    Each file is compressed by its own thread (zlib releases the GIL) from a short queue, so the
-    files compress side by side and memory stays bounded."""
+    """Gzip files written in pieces (the bytes :func:`write_gz_array` gives for the whole), each
+    compressed by its own thread from a short queue."""
 
     def __init__(self, paths: dict[str, Path], depth: int = 4):
         import queue
@@ -315,14 +284,8 @@ def _label_statistics(label_counts: Counter, train_subtokens: Counter, graphs: i
 def build_pycode(out: str | Path, sources: list[str | Path] | None = None, include_tests: bool = False,
                  force: bool = False, workers: int | None = None, environment: bool = False,
                  environment_dirs: list[str | Path] | None = None) -> dict:
-    """Build ``out/ogbg_code2`` in OGB's raw layout from Python source; return a summary dict.
-
-    ``workers`` parsing processes (default :func:`default_workers`); the output does not depend on
-    it. ``environment``: the corpus of ``--environment``
-    (:func:`~preprocessing.source_files.environment_files` of ``environment_dirs``, default the
-    standard library and site-packages; tests kept; jedi, docutils, hypothesis and IPython always
-    left out) instead of ``sources``.
-    """
+    """Build ``out/ogbg_code2`` from Python source; return a summary dict. ``environment``: the corpus
+    of ``--environment`` (:func:`~preprocessing.source_files.environment_files`) instead of ``sources``."""
     check_out_dir(Path(out), "ogbg-code2", force)  # before minutes of parsing
     if environment:
         if sources:
@@ -399,8 +362,8 @@ def _write_corpus(out: str | Path, force: bool, items: list[tuple[Path, Path, st
         nodes_total += int(p["nodes"].sum())
         max_nodes = max(max_nodes, int(p["nodes"].max()))
         g0 += n_graphs
-    types = _ranked(type_counts, NUM_TYPES - 1) + ["__UNK__"]
-    attrs = _ranked(attr_counts, NUM_ATTRS - 2) + ["__UNK__", "__NONE__"]
+    types = _ranked(type_counts, CODE2_NODE_TYPES - 1) + ["__UNK__"]
+    attrs = _ranked(attr_counts, CODE2_NODE_ATTRIBUTES - 2) + ["__UNK__", "__NONE__"]
     del attr_counts
     type_idx = {t: i for i, t in enumerate(types)}
     attr_idx = {a: i for i, a in enumerate(attrs)}

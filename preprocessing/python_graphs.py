@@ -1,18 +1,10 @@
-"""Python functions -> ogbg-code2 graphs, by the rules of OGB's ``examples/graphproppred/code2/py2graph.py``.
+"""Python functions -> ogbg-code2 graphs, by the rules of OGB's ``code2/py2graph.py``.
 
-Each function definition (``FunctionDef`` / ``AsyncFunctionDef``, nested ones included) is parsed
-on its own, as a ``Module`` holding it; every AST object (stdlib :mod:`ast`) is a node in DFS
-pre-order (fields in ``ast.iter_fields`` order, as ``ast.NodeVisitor.generic_visit``); edges go
-parent -> child; the attribute of a node is the first non-None of ``name, arg, s, n, id, attr``
-(``s``/``n`` are a ``Constant``'s value), stringified; depth = number of ancestors; the function's
-own name (and that of any nested def with the same name) is replaced by ``_mask_``; the label is the
-function name split into lower-case subtokens (snake_case and camelCase).
-
-One function's graph, nothing about files or corpora: :mod:`preprocessing.pycode` builds the
-dataset from these graphs, and new code is featurised with a built dataset's node-type and
-attribute tables (:func:`load_mappings`, :func:`code_to_raw_graph`) by the same rules, so that
-prediction inputs are the graphs training saw.
-"""
+Each function definition (nested ones too) is parsed on its own; every AST object is a node in DFS
+pre-order, edges parent -> child; a node's attribute is the first non-None of ``name, arg, s, n,
+id, attr``; depth = ancestors; the function's own name is masked (``_mask_``); the label is its
+name split into lower-case subtokens. New code is featurised by the same rules with a built
+dataset's tables (:func:`load_mappings`, :func:`code_to_raw_graph`)."""
 from __future__ import annotations
 
 import ast

@@ -1,21 +1,14 @@
 """What every value of OGB's raw files must be, checked block by block while they are converted.
 
-OGB's own loader takes any integer, and a bad one surfaces minutes later, in every training
-worker, as a tensor error that names neither the file nor the graph (a node type id of 99999
-fails the model's embedding lookup after Ray, the shards and three worker attempts). The columnar
-conversion (:mod:`preprocessing.conversion`) therefore checks each parsed block against the
-ranges below before anything is written, vectorised (numpy over the block: no cost beside the
-parsing), and refuses the first bad value in one line naming the file, the line, the graph, the
-field, the value and the range it must lie in::
+OGB's loader takes any integer, and a bad one surfaces later as a tensor error naming neither file
+nor graph, so each parsed block is checked (vectorised) before anything is written, and the first
+bad value is refused in one line::
 
     data/ogbg_code2/raw/node-feat.csv.gz: line 2346, graph 17: node type id 99999 outside [0, 98) (...)
 
-Ranges: node and edge counts at least 1; edge endpoints and DFS positions inside their graph's
-nodes; code2 node type and attribute ids inside the dataset's mapping tables and the model's
-embeddings (``sat.config``: 98 types, 10,030 attributes, ogbg-code2's sizes), attributed flags 0
-or 1, depths non-negative; ppa classes in ``[0, 37)``; PATTERN / CLUSTER node inputs and classes
-in their recipe's ranges; split entries inside the dataset's graphs; floats finite.
-"""
+Ranges: counts >= 1; endpoints and DFS positions inside the graph; code2 type and attribute ids
+inside the mapping tables and the model's embeddings; flags 0/1; depths >= 0; classes and SBM
+inputs in range; split ids inside the dataset; floats finite."""
 from __future__ import annotations
 
 import csv
@@ -108,10 +101,8 @@ def graph_of(ptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 class Checker:
-    """Streaming checks of one file's values, block by block (``start``: the block's first row).
-
-    ``folder``: the dataset's folder; ``ptr``: the offsets of the file's rows per graph (node or edge files) once the counts are
-    known; ``nodes``: every graph's node count (for the per-graph ranges)."""
+    """Streaming checks of one file's values, block by block. ``ptr``: offsets of the file's rows per
+    graph; ``nodes``: every graph's node count."""
 
     def __init__(self, name: str, spec, folder: Path, ptr: np.ndarray | None, nodes: np.ndarray | None):
         self.spec, self.path, self.ptr, self.nodes = spec, folder / spec.rel, ptr, nodes

@@ -1,40 +1,14 @@
 """Map-style dataset over memory-mapped Arrow shards, returning :class:`sat.data.SATData`.
 
->>> ds = ShardDataset(shard_dir, "train")     # also "valid", "test"
->>> len(ds), ds[0], ds.num_nodes[:4], ds.vocab[:3], ds.manifest["dataset"]
->>> ds.batch([5, 2, 9])                      # == Batch.from_data_list([ds[5], ds[2], ds[9]])
+>>> ds = ShardDataset(shard_dir, "train")   # len(ds), ds[i], ds.num_nodes, ds.vocab, ds.manifest
+>>> ds.batch([5, 2, 9])                    # == Batch.from_data_list([ds[5], ds[2], ds[9]])
 
-- Random access by index (``0 <= i < len(ds)``, negative indices count from the end). Items are
-  decoded from memory-mapped shard files: nothing is read into memory until it is used, and a
-  decoded item owns its tensors (copies, never views of the mapping).
-- :meth:`ShardDataset.batch`: a whole mini-batch decoded at once, straight from the mapped columns
-  into one PyG ``Batch``, equal to ``Batch.from_data_list`` of the items (the training loader's
-  path, :mod:`pipeline.train.loader`). Per-item decoding and PyG's collation cost ~15 tensors and a
-  ``Data`` object per graph and one ``torch.cat`` of many small tensors per attribute; here each
-  column is one ``np.concatenate`` of the rows' value ranges, and the offsets PyG would add are
-  added to the whole column at once.
-- ``num_nodes``: ``np.ndarray`` of node counts per item, read from the ``num_nodes`` column
-  without decoding graphs (for node-budget batching).
-- ``manifest``: ``manifest.json`` as a dict; ``vocab``: the code2 vocabulary (``list[str]``
-  in id order, ``__UNK__`` and ``__EOS__`` last) or ``None``.
-- Integrity: on construction every shard of the split must exist with the size recorded in the
-  manifest; a shard's sha256 is verified when the shard is first opened for items (``verify=True``,
-  the default; :meth:`verify_all` checks them all now), the vocabulary's when it is first read. A
-  bad shard or vocabulary raises ``ValueError`` naming it.
-- Picklable and cheap to re-open (pickling keeps only the path, split, ``verify`` and
-  ``storage``), so Ray workers construct it from the path.
-- A shard directory on an object store (``shard_dir`` a URI, ``storage`` the job's settings,
-  :mod:`runtime.storage`): the manifest and vocabulary are read into memory, and every shard is
-  read through the node's local cache (:mod:`preprocessing.shard_cache`): reading a shard starts
-  downloading the next few of the split (read-ahead), each shard is mapped from the cache as a
-  local one is, and its sha256 is always checked on its first read in a process. A split that
-  does not fit the cache, a shard missing or corrupt on the store (fetched twice) raise
-  ``ValueError`` naming it.
-
-:func:`featurise` turns raw graphs (e.g. the functions of a new Python file, through
-:func:`preprocessing.python_graphs.code_to_raw_graph`) into ``SATData`` exactly as training data were
-made (transform, shard encoding, decoding), for prediction.
-"""
+Items are decoded from the mapping and own their tensors. :meth:`ShardDataset.batch` decodes a
+mini-batch column by column (one ``np.concatenate`` per column, PyG's offsets added at once) instead
+of per item. Every shard must have its recorded size on construction; its sha256 is checked when it
+is first opened. Pickling keeps only the path and settings. A directory on an object
+store is read through the node's shard cache (:mod:`preprocessing.shard_cache`), with read-ahead.
+:func:`featurise` turns new raw graphs into ``SATData`` exactly as training data were made."""
 from __future__ import annotations
 
 import hashlib
@@ -67,8 +41,7 @@ _INCREMENTED_BY = {
 
 class _Shard:
     """One memory-mapped shard: zero-copy numpy views of every list column. ``source``: its bytes
-    opened already (a mapped cache file, an in-memory buffer), else the file ``path`` is mapped;
-    ``holder``: kept while the shard lives (a cached shard's in-use lock)."""
+    opened already (else ``path`` is mapped); ``holder``: kept while the shard lives."""
 
     def __init__(self, path: Path | str, specs: dict[str, dict], source=None, holder=None):
         self.path, self._holder = path, holder
@@ -117,8 +90,7 @@ def _cat_axis(name: str, ndim: int) -> int:
 
 
 def _incremented_by(name: str) -> str | None:
-    """The per-graph count PyG's collation adds up into attribute ``name``'s offsets
-    (``SATData.__inc__``): ``"num_nodes"``, another attribute (its size along its cat axis) or None."""
+    """The per-graph count PyG adds into attribute ``name``'s values when batching (``SATData.__inc__``)."""
     if name in _INCREMENTED_BY:
         return _INCREMENTED_BY[name]
     return "num_nodes" if "index" in name else None
@@ -130,11 +102,8 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
 
 
 def _collated(columns: dict, counts: dict, nodes: np.ndarray) -> Batch:
-    """The PyG ``Batch`` of decoded, concatenated ``columns`` (tensors along their cat axis, or a list
-    per graph) given every graph's size along each tensor's cat axis (``counts``) and node count:
-    what ``Batch.from_data_list`` makes of the items. Index columns get the offsets PyG's
-    ``SATData.__inc__`` gives them, in place; ``batch``, ``ptr`` and the slice and increment dicts
-    (:meth:`Batch.get_example` reads them) are added."""
+    """The PyG ``Batch`` that ``Batch.from_data_list`` makes of the items, from concatenated ``columns``
+    and every graph's size along each column's cat axis (``counts``); offsets added in place."""
     size = len(nodes)
     counts = {"num_nodes": nodes, **counts}
     out = Batch(_base_cls=SATData)
@@ -174,8 +143,7 @@ class _Rows:
         return out
 
     def spans(self, name: str) -> tuple[list, np.ndarray, np.ndarray]:
-        """Column ``name`` of every graph as ``(values, starts, lengths)``: graph ``g``'s values are
-        ``values[g][starts[g]:starts[g] + lengths[g]]`` (flattened, row-major)."""
+        """Column ``name`` as ``(values, starts, lengths)`` per graph (flattened, row-major)."""
         starts = np.empty(self.size, dtype=np.int64)
         ends = np.empty(self.size, dtype=np.int64)
         for shard, (where, rows) in zip(self.shards, self.groups):
@@ -190,8 +158,8 @@ class _Rows:
         return [v.slice(a, n).to_pylist() for v, a, n in zip(values, starts.tolist(), lengths.tolist())]
 
     def concat(self, name: str, spec: dict) -> tuple[torch.Tensor, np.ndarray]:
-        """A tensor column of every graph concatenated along its cat axis, decoded, as PyG's collation
-        concatenates the items' tensors (before increments); and each graph's size along that axis."""
+        """A tensor column of every graph concatenated along its cat axis, decoded (before increments),
+        and each graph's size along that axis."""
         shape = spec["shape"]
         axis = _cat_axis(name, len(shape))
         values, starts, lengths = self.spans(name)
@@ -217,11 +185,10 @@ class _Rows:
 class ShardDataset(torch.utils.data.Dataset):
     """Items of one split of a shard directory (see the module docstring)."""
 
-    def __init__(self, shard_dir: str | Path, split: str, verify: bool = True, storage: StorageSettings | None = None):
+    def __init__(self, shard_dir: str | Path, split: str, storage: StorageSettings | None = None):
         self._place = open_place(shard_dir, storage)
         self.shard_dir = self._place.root  # a Path, or the URI
         self.split = split
-        self.verify = verify
         self.storage = storage
         self.manifest = read_manifest(self.shard_dir, storage)
         if split not in self.manifest["splits"]:
@@ -250,15 +217,15 @@ class ShardDataset(torch.utils.data.Dataset):
 
     # -- pickling: only the path and settings travel
     def __getstate__(self):
-        return {"shard_dir": str(self.shard_dir), "split": self.split, "verify": self.verify, "storage": self.storage}
+        return {"shard_dir": str(self.shard_dir), "split": self.split, "storage": self.storage}
 
     def __setstate__(self, state):
-        self.__init__(state["shard_dir"], state["split"], state["verify"], state.get("storage"))
+        self.__init__(state["shard_dir"], state["split"], state["storage"])
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def _shard(self, k: int, verify: bool | None = None) -> _Shard:
+    def _shard(self, k: int, verify: bool = True) -> _Shard:
         shard = self._shards[k]
         if shard is None:
             entry = self._entries[k]
@@ -267,20 +234,19 @@ class ShardDataset(torch.utils.data.Dataset):
                 shard = _Shard(path, self._specs, *self._fetched(k))
                 self._verified[k] = True  # a shard from a store: always checked on its first read
             else:
-                if (self.verify if verify is None else verify) and not self._verified[k]:
+                if verify and not self._verified[k]:
                     self._check(k)
                 shard = _Shard(path, self._specs)
             if shard.rows != entry["rows"]:
                 raise ValueError(f"{path}: corrupt shard ({shard.rows} rows, manifest says {entry['rows']})")
             self._shards[k] = shard
-        elif self.verify and not self._verified[k] and verify is None:
+        elif verify and not self._verified[k]:
             self._check(k)
         return shard
 
     def _fetched(self, k: int) -> tuple:
-        """``(memory map, holder)`` of shard ``k`` of a store, from the cache, with the next
-        :data:`~preprocessing.shard_cache.READ_AHEAD` shards of the split downloading meanwhile (a
-        forked process starts its own: its parent's download threads did not come along)."""
+        """``(memory map, holder)`` of store shard ``k`` from the cache, the next
+        :data:`~preprocessing.shard_cache.READ_AHEAD` shards downloading meanwhile (per process)."""
         if self._pid != os.getpid():
             self._fetches, self._pid = {}, os.getpid()
         for j in range(k, min(len(self._entries), k + 1 + READ_AHEAD)):
@@ -327,9 +293,7 @@ class ShardDataset(torch.utils.data.Dataset):
         return self._shard(int(shard[0])).item(int(row[0]))
 
     def batch(self, indices) -> Batch:
-        """The items ``indices`` as one PyG ``Batch``, equal to ``Batch.from_data_list([self[i] for i in
-        indices])`` (attributes, dtypes, values, ``batch``, ``ptr``, slice and increment dicts), decoded
-        column by column (see the module docstring)."""
+        """The items ``indices`` as one PyG ``Batch``, equal to ``Batch.from_data_list`` of them."""
         shard, row = self._locate(indices)
         if row.size == 0:
             raise ValueError("a batch needs at least one item")
@@ -359,9 +323,7 @@ class ShardDataset(torch.utils.data.Dataset):
         return self._num_nodes
 
     def sizes(self, name: str) -> np.ndarray:
-        """Every item's size along the axis PyG concatenates column ``name`` on (``edge_index``: its
-        edges; ``subgraph_node_index``: its k-subgraph entries), int64, from the shards' offsets
-        without decoding graphs (the training loop's fixed batch capacities are chosen from them)."""
+        """Every item's size along the axis PyG concatenates column ``name`` on, without decoding graphs."""
         if name == "num_nodes":
             return self.num_nodes
         spec = self._specs.get(name)
@@ -374,9 +336,7 @@ class ShardDataset(torch.utils.data.Dataset):
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
     def in_degree_histogram(self) -> list[int]:
-        """``hist[d]``: the number of nodes of the split with in-degree ``d`` (edges counted at their
-        target, as PyG's ``degree(edge_index[1])``), from the ``edge_index`` column without decoding
-        the graphs: PNA's ``deg`` (:class:`sat.config.PNASettings`)."""
+        """``hist[d]``: nodes of the split with in-degree ``d`` (PNA's ``deg``), one shard mapped at a time."""
         hist = np.zeros(1, dtype=np.int64)
         for k in range(len(self._entries)):
             was_open = self._shards[k] is not None
@@ -414,7 +374,7 @@ class ShardDataset(torch.utils.data.Dataset):
                 payload = self._place.read(name)
             except OSError as exc:  # missing or unreadable (a store's own faults are their own line)
                 raise damaged(str(exc)) from None
-            expected = self.manifest.get("vocab_sha256")  # absent in directories of older satp versions
+            expected = self.manifest.get("vocab_sha256")  # a manifest may record none
             if expected is not None and hashlib.sha256(payload).hexdigest() != expected:
                 raise damaged("sha256 does not match the manifest")
             try:
@@ -427,11 +387,10 @@ class ShardDataset(torch.utils.data.Dataset):
         return f"ShardDataset({str(self.shard_dir)!r}, {self.split!r}, {len(self)} graphs)"
 
 
-def featurise(raws: list[dict], task: str, transform, vocab: list[str] | None = None) -> list[SATData]:
-    """Raw graphs (as :func:`preprocessing.python_graphs.code_to_raw_graph` or
-    :func:`preprocessing.sources.iter_chunk` give them) -> ``SATData`` through exactly the path of
-    training data: :func:`~preprocessing.transforms.transform_graph`, the shard encoding and this
-    module's decoding (in memory, no file). ``transform``: a ``TransformConfig`` or its dict."""
+def featurise(raws: list[dict], task: str, transform, vocab: list[str] | None = None, check=None) -> list[SATData]:
+    """Raw graphs -> ``SATData`` through the path of training data (transform, shard encoding,
+    decoding), in memory. ``transform``: a ``TransformConfig`` or its dict; ``check``: called before
+    each graph's transform (a served request's deadline)."""
     from preprocessing.config import TransformConfig
     from preprocessing.shards import column_specs, encode_shard
     from preprocessing.transforms import transform_graph
@@ -440,7 +399,11 @@ def featurise(raws: list[dict], task: str, transform, vocab: list[str] | None = 
         return []
     cfg = transform if isinstance(transform, TransformConfig) else TransformConfig.model_validate(transform)
     vocab_index = {w: i for i, w in enumerate(vocab)} if vocab else None
-    rows = [transform_graph(raw, task, cfg, vocab_index) for raw in raws]
+    rows = []
+    for raw in raws:
+        if check is not None:
+            check()
+        rows.append(transform_graph(raw, task, cfg, vocab_index))
     specs = column_specs(task, cfg)
     shard = _Shard(Path("<memory>"), specs, pa.BufferReader(encode_shard(rows, specs)))
     return [shard.item(i) for i in range(len(rows))]

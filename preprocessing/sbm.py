@@ -1,61 +1,24 @@
-"""PATTERN and CLUSTER regenerated offline by the stochastic-block-model recipe of Dwivedi et al.
+"""PATTERN and CLUSTER regenerated offline by the SBM recipe of Dwivedi et al.
 
 ``satp data sbm-pattern --out ROOT [--seed S] [--graphs N] [--force]`` (and ``sbm-cluster``).
+Source: Dwivedi et al., "Benchmarking Graph Neural Networks" (JMLR 2023, arXiv:2003.00982), the
+notebooks ``data/SBMs/generate_SBM_{PATTERN,CLUSTER}.ipynb`` with the parameters that generated
+the released files, re-implemented (vectorised numpy, own random stream): the graphs follow the
+benchmark's distribution, they are not the released graphs.
 
-Source: Dwivedi, Joshi, Luu, Laurent, Bengio, Bresson, "Benchmarking Graph Neural Networks"
-(JMLR 2023, arXiv:2003.00982): the generation notebooks ``data/SBMs/generate_SBM_PATTERN.ipynb``
-and ``data/SBMs/generate_SBM_CLUSTER.ipynb`` of graphdeeplearning/benchmarking-gnns, with the
-parameters of the cells that generated the released files (not those of the one-graph demo
-cells). This module re-implements the recipe (vectorised numpy, its own random stream): the graphs
-follow the benchmark's distribution, they are not the released graphs.
+- PATTERN (2 classes): 100 pattern instances (``n0 ~ U{5..34}`` nodes, Erdos-Renyi p = 0.5, node
+  attributes ``U{0,1,2}``); a graph is an SBM of 5 communities of sizes ``U{5..34}`` (p = 0.5,
+  q = 0.35) joined with its instance's pattern (each cross pair with probability 0.5), shuffled;
+  label 1 on the pattern's nodes. 10,000 / 2,000 / 2,000 graphs.
+- CLUSTER (6 classes): an SBM of 6 communities (p = 0.55, q = 0.25), shuffled; one random node
+  per community gets input ``1 + label``, the others 0. 10,000 / 1,000 / 1,000 graphs.
 
-**PATTERN** (node classification, 2 classes: does the node belong to the planted pattern):
-
-- 100 pattern instances. An instance has ``n0 ~ U{5..34}`` nodes, an Erdos-Renyi graph among
-  them (p = 0.5) and node attributes ``U{0, 1, 2}``, all fixed for the instance; it makes 100
-  train, 20 valid and 20 test graphs (10,000 / 2,000 / 2,000).
-- One graph: an SBM of 5 communities of sizes ``U{5..34}`` (edge probability p = 0.5 inside a
-  community, q = 0.35 across) with node attributes ``U{0, 1, 2}``, joined with the instance's
-  pattern, each (pattern node, SBM node) pair linked with probability 0.5; the node order is then
-  shuffled. Label 1 on the pattern's nodes, 0 elsewhere.
-- Node input: the attribute, an id in ``[0, 3)``.
-
-**CLUSTER** (semi-supervised clustering, 6 classes: the node's community):
-
-- One graph: an SBM of 6 communities of sizes ``U{5..34}`` (p = 0.55, q = 0.25), node order
-  shuffled; in each community one random node gets its community as input, ``1 + label``, every
-  other node input 0 (unknown). 10,000 / 1,000 / 1,000 graphs.
-- Node input: an id in ``[0, 7)``.
-
-Graphs are simple and undirected. **Edge counts**: the benchmark's graphs (DGL's
-``W.nonzero()``, PyG's ``edge_index``) hold both directions of every edge, and so does the table of
-Chen et al. (ICML 2022, appendix; the statistics of PyG's ``GNNBenchmarkDataset``): PATTERN
-118.9 nodes and 6,098.9 edges per graph, CLUSTER 117.2 and 4,303.9. The ``edges`` statistics here
-count both directions (twice the undirected edges) to compare with it. (The recipe's expectation
-for CLUSTER, 4,289.6, is within 0.4% of the table; for PATTERN it is 117.0 nodes and 5,870.0 edges,
-and the table is what the recipe gives when the 100 drawn pattern sizes average about 21.4 instead
-of 19.5 (inferred from the table, :func:`expected_statistics`): PATTERN's statistics depend on the
-seed's draw of its 100 patterns, see ``docs/results.md``.)
-
-**Raw layout** (OGB-like, gzip CSV without header; ``G`` graphs, ``N`` nodes, ``E`` undirected
-edges; local node ids)::
-
-    <root>/sbm_pattern/  (or <root>/sbm_cluster/)
-      RELEASE_v1.txt                        marker, written last: the folder is complete
-      sbm.json                              recipe parameters, seed, statistics
-      raw/num-node-list.csv.gz              [G]    nodes per graph
-      raw/num-edge-list.csv.gz              [G]    undirected edges per graph
-      raw/edge.csv.gz                       [E, 2] u,v with u < v, sorted, one line per undirected
-                                                   edge (the loader adds the reverse)
-      raw/node-feat.csv.gz                  [N]    node input id (PATTERN 0..2, CLUSTER 0..6)
-      raw/node-label.csv.gz                 [N]    node class (PATTERN 0..1, CLUSTER 0..5)
-      split/benchmark/{train,valid,test}.csv.gz    graph ids (train first, then valid, test)
-      mapping/graphidx2pattern.csv.gz       PATTERN only, with a header: pattern instance of each graph
-
-The folder is built under a temporary name and renamed at the end (:mod:`preprocessing.ogb_layout`);
-the same ``(name, graphs, seed)`` gives byte-identical files. Quick runs (``graphs=N``) keep the
-benchmark's split proportions and, for PATTERN, about 140 graphs per pattern instance.
-"""
+Edge statistics count both directions, as the table of Chen et al. (ICML 2022) does; PATTERN's
+depend on the seed's draw of its 100 patterns (:func:`expected_statistics`, ``docs/results.md``).
+Layout: OGB-like gzip CSVs (``raw/edge.csv.gz`` one line per undirected edge, ``u < v``;
+``node-feat``, ``node-label``, ``split/benchmark/``, PATTERN's ``mapping/graphidx2pattern``), built
+under a temporary name (:mod:`preprocessing.ogb_layout`); the same ``(name, graphs, seed)`` gives
+byte-identical files."""
 from __future__ import annotations
 
 import csv
@@ -221,12 +184,8 @@ def pattern_instances(recipe: SBMRecipe, graphs: int) -> int:
 
 
 def generate(name: str, graphs: int | None = None, seed: int = 0) -> tuple[list[SBMGraph], dict[str, np.ndarray], np.ndarray | None]:
-    """All graphs of a benchmark (train, then valid, then test).
-
-    Returns ``(graphs, split ids, pattern instance per graph or None)``. PATTERN: graph ``i`` of a
-    split of ``S`` graphs uses instance ``floor(i * instances / S)``, so every instance has graphs
-    in every split, in the benchmark's 100/20/20 proportions.
-    """
+    """All graphs of a benchmark (train, then valid, then test): ``(graphs, split ids, pattern instance
+    per graph or None)``. PATTERN: graph ``i`` of a split of ``S`` uses instance ``floor(i * instances / S)``."""
     recipe = RECIPES[name]
     sizes = split_sizes(recipe, graphs)
     rng = np.random.default_rng(seed)
@@ -246,11 +205,8 @@ def generate(name: str, graphs: int | None = None, seed: int = 0) -> tuple[list[
 
 
 def expected_statistics(recipe: SBMRecipe, pattern_sizes: np.ndarray | None = None) -> dict[str, float]:
-    """The recipe's expected nodes and edges (both directions) per graph, in closed form.
-
-    ``pattern_sizes``: PATTERN only, the pattern size of every graph; the expectation is then
-    taken given these sizes instead of ``n0 ~ U{5..34}``.
-    """
+    """The recipe's expected nodes and edges (both directions) per graph, in closed form; PATTERN with
+    ``pattern_sizes``: given those pattern sizes."""
     low, high = recipe.size_low, recipe.size_high - 1
     mean = (low + high) / 2
     square = ((high - low + 1) ** 2 - 1) / 12 + mean**2  # E[s^2] of the discrete uniform
@@ -301,11 +257,8 @@ def statistics(name: str, graphs: list[SBMGraph], split_ids: dict[str, np.ndarra
 
 
 def build_sbm(out: str | Path, name: str, graphs: int | None = None, seed: int = 0, force: bool = False) -> dict:
-    """Generate a benchmark and write ``out/sbm_<name>`` (layout in the module docstring).
-
-    ``graphs``: total graphs for quick runs (None: the benchmark's full size). Returns the
-    statistics (see :func:`statistics`) with ``name``, ``seed`` and ``folder``.
-    """
+    """Generate a benchmark into ``out/sbm_<name>``; ``graphs``: a quick run's total (None: full size).
+    Returns :func:`statistics` with ``name``, ``seed`` and ``folder``."""
     if name not in RECIPES:
         raise ValueError(f"unknown SBM benchmark {name!r}; expected one of {sorted(RECIPES)}")
     split_sizes(RECIPES[name], graphs)  # bad --graphs, and a bad --out below, fail before generating

@@ -1,32 +1,12 @@
-"""The shards a node reads from an object store, on its local disk: a cache of bounded size.
+"""The shards a node reads from an object store, cached on its local disk, bounded.
 
-A reader of a shard directory on a store (:class:`preprocessing.reader.ShardDataset` of a URI)
-memory-maps each shard from here, as it maps a local one, and nothing else is written to the
-node's disk (manifest and vocabulary are held in memory)::
-
-    <storage.cache_dir>/                default: $XDG_CACHE_HOME/satp/shards (~/.cache/satp/shards)
-        <sha256>.arrow                  a shard, named by its content: equal shards are stored once,
-                                        a changed one never taken for the old
-        .<sha256>.lock                  held shared while a process maps the shard, exclusively while
-                                        one downloads it (flock)
-        .<sha256>.arrow.tmp-<id>        a download in progress, renamed into place once checked
-
-* **Read-ahead.** Reading a shard starts the download of the :data:`READ_AHEAD` shards after it in
-  the split (in this process's download threads); a read waits for its own shard only, and a
-  process that ends waits for those few downloads at most. Each download is streamed to a
-  temporary file in ranged reads of :data:`PIECE` bytes, hashed as it comes (memory stays flat
-  whatever the shard's size), and renamed into place when its size and sha256 are the manifest's.
-  Processes of one node share the cache: one downloads a shard, the others wait for its lock, then
-  map it.
-* **Checks.** Every shard's sha256 is checked on its first read in a process (a download is
-  checked as it arrives; a file cached before is read once, as a local shard is). A download that
-  does not match, or an object that is missing, is fetched once more; then the read is refused in
-  one line naming the object and what to do. A damaged cached file is deleted and fetched again.
-* **Bound.** The cache holds at most ``storage.cache_max_gb`` (default: :data:`FREE_SHARE` of its
-  disk's free space, counting what it holds, at most :data:`DEFAULT_CAP_GB`). A split whose shards
-  alone exceed it is refused when it is opened; to make room, the least recently used shards that
-  no process maps (none holds their lock) are deleted first.
-"""
+``<storage.cache_dir>/<sha256>.arrow`` (named by content), ``.<sha256>.lock`` (shared while mapped,
+exclusive while downloading), ``.<sha256>.arrow.tmp-<id>`` (a download in progress). Reading a
+shard starts downloading the next :data:`READ_AHEAD`; a download streams in :data:`PIECE`-byte
+ranges, hashed as it comes, renamed once its size and sha256 match; a mismatch or missing object is
+fetched once more, then refused in one line. The cache holds at most ``storage.cache_max_gb``
+(default :data:`FREE_SHARE` of the disk's free space, at most :data:`DEFAULT_CAP_GB`); a split
+larger than that is refused; room is made by evicting the least recently used unmapped shards."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -103,12 +83,9 @@ class ShardCache:
         return fh
 
     def open(self, obj: Location, size: int, sha256: str, verify: bool, keep: frozenset[str]) -> tuple:
-        """``(memory map, holder, checked)`` of the shard stored at ``obj`` with manifest ``size`` and
-        ``sha256``: the cached copy, downloaded unless there (see the module docstring). Keep
-        ``holder`` as long as the map: it marks the shard as in use (no process evicts it).
-        ``verify``: check a copy found in the cache (a download is always checked); ``keep``: the
-        sha256 of shards not to evict (the reader's split); ``checked``: whether the sha256 was
-        checked in this call."""
+        """``(memory map, holder, checked)`` of the shard at ``obj``, downloaded unless cached. Keep
+        ``holder`` as long as the map (no process evicts it). ``verify``: check a cached copy; ``keep``:
+        sha256s not to evict."""
         import pyarrow as pa
 
         entry = self.folder / f"{sha256}.arrow"
@@ -127,9 +104,8 @@ class ShardCache:
                          "raise storage.cache_max_gb")
 
     def fetch(self, obj: Location, size: int, sha256: str, keep: frozenset[str], damaged: bool = False) -> bool:
-        """Download ``obj`` into the cache unless it is there (another process may have fetched it
-        meanwhile; ``damaged``: the copy there does not match, replace it); True when it was
-        downloaded (and so checked) here."""
+        """Download ``obj`` into the cache unless it is there (``damaged``: replace the copy there); True
+        when it was downloaded (and so checked) here."""
         entry = self.folder / f"{sha256}.arrow"
         with self._lock(sha256, fcntl.LOCK_EX):
             if entry.is_file() and not damaged:

@@ -1,26 +1,11 @@
-"""Where a shard directory lives: a local (or shared) folder, or a prefix on an object store
-(``shards.root`` a URI, :mod:`runtime.storage`), behind one set of operations, so that the build
-(:mod:`preprocessing.build`) and the readers (:mod:`preprocessing.reader`) run the same code on both.
+"""Where a shard directory lives, a folder or a prefix on an object store (``shards.root`` a URI),
+behind one set of operations, so that the build and the readers run the same code on both.
 
-=====================  ===========================================  ========================================
-operation              folder (:class:`FolderPlace`)                object store (:class:`StorePlace`)
-=====================  ===========================================  ========================================
-``writer(name)``       temporary file, fsync, rename: a crash       one upload, visible only once complete
-                       leaves no file under the name                (a failed one is deleted; a killed one
-                                                                    never completes)
-``write(name, ...)``   the same, for a small file                   one PUT
-``digest_matches``     the file's sha256 (read whole)               True: an object is not downloaded to be
-                                                                    checked (the build compares its size,
-                                                                    the reader its sha256, on first read)
-``lock()``             ``flock`` beside the folder (NFS: between    ``flock`` on this machine (between the
-                       nodes)                                       commands of one machine only)
-=====================  ===========================================  ========================================
-
-A directory is finished when its manifest exists; a shard when its sidecar (rows, bytes, sha256)
-exists and the shard matches it. Both orders of writes (shard, then its sidecar; every shard and
-sidecar, then the manifest) hold on both, so a reader that trusts only the manifest never takes an
-interrupted build for a finished one, and a rerun writes only what is missing.
-"""
+``writer``/``write``: in a folder a temporary file, fsync, rename; on a store one upload, visible
+only once complete. ``digest_matches``: a file's sha256; on a store True (the build compares the
+size, the reader the sha256). ``lock()``: ``flock`` beside the folder; on a store on this machine.
+Writes are ordered (shard, its sidecar; all of them, the manifest), so a rerun writes only what is
+missing and a reader trusting the manifest never reads an interrupted build."""
 from __future__ import annotations
 
 import contextlib
@@ -46,23 +31,6 @@ def digest_file(path: Path, digest) -> str:
         while chunk := fh.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def atomic_write_bytes(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` via a temporary file in the same directory and a rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:  # a full disk names the temporary file: name the one being written
-        raise write_error(path, exc, "the previous version, if any, is kept") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 class HashingSink:
@@ -114,7 +82,8 @@ class FolderPlace:
         return (self.path / name).read_bytes()
 
     def write(self, name: str, payload: bytes) -> None:
-        atomic_write_bytes(self.path / name, payload)
+        with self.writer(name, "the previous version, if any, is kept") as sink:
+            sink.write(payload)
 
     def delete(self, name: str) -> None:
         (self.path / name).unlink(missing_ok=True)
@@ -219,9 +188,8 @@ class StorePlace:
 
     @contextlib.contextmanager
     def writer(self, name: str, kept: str) -> Iterator[HashingSink]:
-        """A sink for object ``name``: one upload, completed when the block ends without an error.
-        pyarrow cannot abandon an upload (closing completes it), so a failed one is deleted again;
-        one killed half way never completes, and no object appears."""
+        """A sink for object ``name``: one upload, completed when the block ends without an error (a failed
+        one is deleted again: pyarrow cannot abandon an upload)."""
         obj = self.loc.join(name)
         try:
             stream = obj.fs.open_output_stream(obj.path)

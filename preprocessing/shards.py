@@ -1,63 +1,12 @@
-"""Arrow shard format, schema version 1.
+"""Arrow shard format, schema version 1 (described in ``docs/shards.md``).
 
-A shard directory (``<shards.root>/<dataset>-<config hash[:12]>/``) holds::
-
-    manifest.json            written last, atomically: the directory is complete when it exists
-    vocab.json               code2 only: the target vocabulary, a JSON list in id order
-    train-00000.arrow        Arrow IPC *file* format (uncompressed, one record batch, memory-mappable)
-    train-00000.json         sidecar of a finished shard: rows, bytes, sha256, config hash, fingerprint
-    valid-00000.arrow ...
-
-A shard never mixes splits; shards hold ``shards.graphs_per_shard`` graphs (the last one of a
-split fewer). Every file is written under a temporary name and renamed, so a crash never leaves
-a shard that looks valid; a shard counts as finished only when its sidecar exists and its sha256
-matches. With ``shards.root`` a URI the directory is a prefix of an object store and each file one
-upload, visible only once complete; there a finished shard's sidecar and size are checked, its
-sha256 by the reader when it first reads it (:mod:`preprocessing.shard_places`).
-
-**Rows and columns.** One row per graph. Scalar columns: ``graph_id`` (int64, index in the OGB
-dataset), ``num_nodes`` (int32), ``num_edges`` (int32). Every tensor is a ``large_list`` column of
-its flattened values (row-major); its storage type, its shape (``-1`` = N, E or S of that graph)
-and the dtype it decodes to are in ``manifest.json["columns"]``:
-
-=======================  ==================  =================  ====================================
-column                   storage             shape              decoded ``SATData`` attribute
-=======================  ==================  =================  ====================================
-``x``                    int32 (code2),      [N, 2] / [N, 1]    ``x`` long (float32 for
-                         int8 / float32 (ppa) / [N, 7]          ``ppa_node_input: edge_sum``;
-                         int8 (pattern,                         pattern / cluster: node input ids
-                         cluster)                               [N, 1], 0..2 / 0..6)
-``edge_index``           int32               [2, E]             ``edge_index`` long
-``edge_attr``            int8 (code2) /      [E, 2] / [E, 7]    ``edge_attr`` long / float32
-                         float32 (ppa)
-``node_depth``           int32               [N]                ``node_depth`` long (code2)
-``y``                    int64               [1, L] / [1]       ``y`` long: code2 ``[1, max_seq_len]``
-                         int8 (pattern,      / [N]              vocabulary ids, ppa ``[1]`` class,
-                         cluster)                               pattern / cluster ``[N]`` node classes
-``y_tokens``             list<string>        [T]                ``y_tokens`` list of str (code2: the
-                                                                true subtokens, for OGB's evaluator)
-``degree``               float32             [N]                ``degree`` (in-degree, >= 1)
-``rwpe``                 float32             [N, P]             ``rwpe`` (if ``rwpe_steps``)
-``lap_pe``               float32             [N, M]             ``lap_pe`` (if ``lap_pe_dim``)
-``subgraph_node_index``  int32               [S]                ``subgraph_node_index`` long
-``subgraph_size``        int32               [N]                ``subgraph_indicator`` long (run-
-                                                                length: centre c repeated size[c])
-``subgraph_edge_index``  int32               [2, Es]            ``subgraph_edge_index`` long
-``subgraph_edge_id``     int32               [Es]               ``subgraph_edge_id`` long
-=======================  ==================  =================  ====================================
-
-The subgraph columns exist when ``transform.k_hops > 0`` (layout of :mod:`sat.data`), ``graph_id``
-is also decoded (``[1]`` long); pattern / cluster have no ``edge_attr``. Readers must check
-``schema_version``; a change of the layout bumps it. (PATTERN / CLUSTER added columns of new
-types for new datasets only, described by ``manifest.json["columns"]`` like every column: the
-code2 / ppa layout is unchanged, so the version stayed 1.)
-
-**manifest.json**: ``schema_version``, ``dataset``, ``task``, ``config_hash``, ``config``
-(data/transform/shards sections), ``source`` (dataset folder and fingerprint: sha256 of OGB's raw
-and split files), ``splits`` (per split: graphs, nodes, shard files), ``shards`` (per shard:
-file, split, rows, bytes, sha256), ``columns`` (see above), ``vocab_file``, ``vocab_sha256`` and
-``num_vocab`` (code2), ``num_classes``.
-"""
+A shard directory holds ``manifest.json`` (written last), ``vocab.json`` (code2), and per shard an
+Arrow IPC file (one record batch, one row per graph, never two splits) with its sidecar (rows,
+bytes, sha256, config hash, fingerprint). Columns: ``graph_id``, ``num_nodes``, ``num_edges``,
+and one ``large_list`` column per tensor, flattened row-major; each one's storage type, shape
+(``-1``: that graph's N, E or S) and decoded dtype are in ``manifest.json["columns"]``
+(:func:`column_specs`). ``subgraph_size`` is decoded to ``subgraph_indicator`` (centre ``c``
+repeated ``size[c]`` times). Readers check ``schema_version``."""
 from __future__ import annotations
 
 import json
@@ -67,10 +16,10 @@ import numpy as np
 import pyarrow as pa
 
 from preprocessing.config import SBM_DATASETS
-from preprocessing.shard_places import atomic_write_bytes, file_place, open_place, sha256_file
+from preprocessing.shard_places import file_place, open_place, sha256_file
 from runtime.storage import StorageSettings
 
-__all__ = ["MANIFEST", "SCHEMA_VERSION", "VOCAB_FILE", "arrow_schema", "atomic_write_bytes", "atomic_write_json",
+__all__ = ["MANIFEST", "SCHEMA_VERSION", "VOCAB_FILE", "arrow_schema",
            "column_specs", "encode_shard", "json_bytes", "read_manifest", "sha256_file", "shard_batch",
            "write_shard_file"]
 
@@ -161,10 +110,8 @@ def encode_shard(rows: list[dict], specs: dict[str, dict]) -> pa.Buffer:
 
 def write_shard_file(path: str | Path, rows: list[dict], specs: dict[str, dict],
                      storage: StorageSettings | None = None) -> dict:
-    """Rows -> an Arrow IPC file at ``path`` (a path, or an object's URI: ``storage`` reaches its
-    store), streamed straight to its place (:meth:`~preprocessing.shard_places.FolderPlace.writer`:
-    a temporary file in the same directory, synced and renamed; or one upload), with no second copy
-    of the shard in memory; returns its ``bytes`` and ``sha256``, counted as it is written."""
+    """Rows -> an Arrow IPC file at ``path`` (a path or an object's URI), streamed to its place (a
+    synced temporary file renamed, or one upload); returns its ``bytes`` and ``sha256``."""
     place, name = file_place(path, storage)
     batch = shard_batch(rows, specs)
     with place.writer(name, "the shards finished before it are kept") as sink:
@@ -177,10 +124,6 @@ def write_shard_file(path: str | Path, rows: list[dict], specs: dict[str, dict],
 def json_bytes(obj) -> bytes:
     """The bytes of a manifest or sidecar (indented, keys sorted, a final newline)."""
     return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, json_bytes(obj))
 
 
 def read_manifest(shard_dir: str | Path, storage: StorageSettings | None = None) -> dict:

@@ -1,21 +1,10 @@
-"""Which Python files an ogbg-code2 corpus is read from, and the project of each file.
+"""Which Python files an ogbg-code2 corpus is read from, and the project of each (the unit of
+:mod:`preprocessing.pycode`'s split).
 
-The project is the unit of the train / valid / test split of :mod:`preprocessing.pycode`. With
-``--source DIR`` (:func:`source_items`) it is the top-level module: the first path component below
-a source directory (``N:name`` for the N-th of several sources); test directories are skipped
-unless asked for, and nothing else is filtered. The default source is the running interpreter's
-standard library (:func:`default_source_dirs`), without test directories.
-
-``--environment`` (:func:`environment_files`) is the code2-scale corpus: the standard library
-and every package installed in the running environment (its purelib and platlib
-site-packages), test directories included, nothing downloaded; each top-level module or package
-is a project. jedi, docutils, hypothesis and IPython (case-insensitive, with every file of their
-distributions) are always left out of it: they are reserved for an independent check of models
-trained on it.
-
-Only the choice of files lives here (no parsing, no writing), so that what a corpus holds can be
-read and tested on its own. See ``docs/data.md``.
-"""
+``--source DIR``: the project is the top-level entry below the directory (``N:name`` for the N-th
+of several), test directories skipped unless asked for; default: the standard library.
+``--environment``: the standard library and every installed package, tests included; jedi,
+docutils, hypothesis and IPython are always left out (reserved for an independent check)."""
 from __future__ import annotations
 
 import os
@@ -35,9 +24,7 @@ def default_source_dirs() -> list[Path]:
 
 
 def environment_roots() -> list[Path]:
-    """The directories of ``--environment``: the running interpreter's standard library, then its
-    purelib and platlib site-packages (``sysconfig.get_paths()``; in a virtual environment, the
-    environment's own), each once."""
+    """The directories of ``--environment``: the standard library, then purelib and platlib site-packages, each once."""
     paths = sysconfig.get_paths()
     roots: list[Path] = []
     for key in ("stdlib", "purelib", "platlib"):
@@ -75,17 +62,9 @@ def _reserved_in(root: Path, reserved: frozenset[str]) -> tuple[set[str], set[st
 
 def environment_files(roots: list[str | Path] | None = None,
                       reserved: frozenset[str] = RESERVED_PROJECTS) -> list[tuple[Path, Path, str]]:
-    """The ``.py`` files of ``--environment`` as ``(path, path below its root, project)``, sorted.
-
-    ``roots`` (default :func:`environment_roots`): directories whose top-level entries are projects,
-    the project being the entry's name (``torch/...`` -> ``torch``, ``six.py`` -> ``six``), so that a
-    name present in two roots is one project. Test directories are kept. Left out: the projects
-    named in ``reserved`` (case-insensitive) and every file their distributions installed
-    (``RECORD``); a root met twice or nested in another (a site-packages below the standard
-    library); ``__pycache__``, hidden entries and what cannot be imported as a top-level name
-    (``*.dist-info``, ``numpy.libs``, ``config-3.11-x86_64-linux-gnu``); setuptools' generated
-    ``__editable__*`` finders.
-    """
+    """The ``.py`` files of ``--environment`` as ``(path, path below its root, project)``, sorted. Each
+    top-level entry of a root is a project; left out: ``reserved`` projects and their distributions'
+    files, nested or repeated roots, ``__pycache__``, hidden and non-importable entries, ``__editable__*``."""
     reserved = frozenset(r.lower() for r in reserved)
     dirs: list[Path] = []
     for root in roots if roots is not None else environment_roots():

@@ -1,20 +1,7 @@
-"""Data sources behind one interface: OGB's raw layout, read by the columnar raw store.
-
-:func:`load_source` returns a :class:`~preprocessing.columnar.ColumnarStore` for ``ogbg-code2``,
-``ogbg-ppa``, PATTERN and CLUSTER:
-
-1. If ``<root>/<dataset dir>`` is absent, the configured builder creates it (``pycode`` for code2
-   from Python source, ``synthetic`` for ppa, ``sbm`` for PATTERN / CLUSTER) or ``ogb`` downloads
-   it with OGB's own download code and metadata (``master.csv``: URL, archive name; needs
-   internet). OGB's in-memory loader (``PygGraphPropPredDataset``) is not used to read: at
-   ogbg-ppa's size it needs ~80 GB; the tests cross-check the columnar store against it.
-2. The raw files are fingerprinted (:func:`~preprocessing.columnar.raw_fingerprint`: sha256 of
-   their bytes, kept with their stat signature until a file changes; ``RELEASE_v1.txt`` present,
-   every raw and split file present).
-3. Unless ``<dataset dir>/columnar`` already holds them for that fingerprint, the files are
-   converted, streaming and checked (:mod:`preprocessing.conversion`); every error is a one-line
-   ``ValueError`` naming the file or the graph id.
-"""
+"""Data sources behind one interface: :func:`load_source` returns a dataset's
+:class:`~preprocessing.columnar.ColumnarStore`, first building the raw folder when absent
+(``pycode``, ``synthetic``, ``sbm``, or ``ogb``'s download), fingerprinting it and converting it
+unless converted already. OGB's in-memory loader is not used (ogbg-ppa needs ~80 GB)."""
 from __future__ import annotations
 
 import contextlib
@@ -81,13 +68,8 @@ def ensure_dataset(data: DataConfig) -> Path:
 
 
 def download_ogb(name: str, root: Path) -> Path:
-    """Download ``root/<dataset dir>`` with OGB's download code and metadata (as
-    ``PygGraphPropPredDataset.download`` does, without loading the dataset into memory).
-
-    The archive is fetched and unpacked in a temporary folder inside ``root`` and renamed into
-    place: a failed download leaves neither a partial folder nor a partial archive (nor an empty
-    ``root`` it created).
-    """
+    """Download ``root/<dataset dir>`` with OGB's download code and metadata into a temporary folder,
+    renamed into place: a failed download leaves nothing."""
     import ogb.graphproppred.dataset_pyg as ogb_pyg
     import pandas as pd
 
@@ -114,11 +96,6 @@ def download_ogb(name: str, root: Path) -> Path:
 
 
 def load_source(data: DataConfig, fingerprint: str | None = None, run=None) -> ColumnarStore:
-    """The dataset's columnar store, building or downloading the raw folder and converting it
-    first where needed (see the module docstring).
-
-    ``fingerprint``: :func:`raw_fingerprint` of the folder, when the caller just computed it;
-    ``run``: how the conversion tasks run (:func:`preprocessing.conversion.build_store`).
-    """
+    """The dataset's columnar store, building and converting first where needed."""
     folder = ensure_dataset(data)
     return build_store(folder, data.name, fingerprint or raw_fingerprint(folder, data.name), run=run)

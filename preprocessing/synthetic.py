@@ -1,35 +1,17 @@
 """A synthetic ogbg-ppa in OGB's raw layout (``satp data synthetic-ppa --out ROOT [--graphs N] [--workers N]``).
 
-Shaped like the real dataset (FACTS: ~243 nodes, average degree ~18, 7 float edge features in
-[0, 1], 37 classes, split by species): each graph is a degree-corrected stochastic block model.
-Its class ``c`` sets the structure and the edge features, so that a model can learn it:
-
-- number of blocks ``1 + c % 4`` and share of within-block edges ``0.5 / 0.725 / 0.95``
-  (``(c // 4) % 3``), degree heterogeneity (``c // 12``: Pareto node weights of shape 4, 2.5,
-  1.8 or 1.4);
-- edge features: a class prototype in [0.15, 0.85]^7 plus Gaussian noise (sd 0.15), clipped
-  to [0, 1], written with 4 decimals.
-
-Graphs belong to "species" groups (about 10 graphs each, at least 3 groups); whole groups go to
-train/valid/test (~60/20/20 of the graphs). Edges are written once per undirected edge (OGB's
-loader adds the reverse).
-
-Streaming, so that memory does not grow with the size (full ogbg-ppa size, 158,100 graphs, is
-~8 GB of gzip): labels and groups are drawn first (O(graphs) integers); the graphs are then made
-in blocks of :data:`BLOCK_GRAPHS`, each with its own random stream ``(seed, 2, block)``, in
-``workers`` processes. A block becomes one gzip member of ``edge.csv.gz`` and one of
-``edge-feat.csv.gz`` (gzip files may hold several members; readers see one text), which the
-parent appends in block order, a few blocks ahead at most. So the bytes depend on
-``(graphs, seed)`` (and the zlib version) only, not on ``workers``. Measured at 15,810 graphs:
-41 s of CPU in all (~2.6 ms per graph), 138 MB peak RSS per process, 784 MB on disk.
-"""
+Shaped like the real dataset (~243 nodes, average degree ~18, 7 float edge features in [0, 1],
+37 classes, split by species): each graph is a degree-corrected SBM whose class ``c`` sets the
+number of blocks (``1 + c % 4``), the share of within-block edges (``(c // 4) % 3``), the degree
+heterogeneity (``c // 12``) and a prototype of its edge features (plus noise). Groups of ~10
+graphs ("species") go whole to train/valid/test (~60/20/20). Streaming: graphs are made in blocks
+of :data:`BLOCK_GRAPHS`, each with its own random stream, in ``workers`` processes, each block a
+gzip member appended in order; the bytes depend on ``(graphs, seed)`` only."""
 from __future__ import annotations
 
-import multiprocessing
 import sys
 import zlib
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -38,7 +20,7 @@ from tqdm import tqdm
 
 from preprocessing.ogb_layout import (assign_groups, atomic_dataset_dir, check_out_dir, format_fixed_csv,
                                       format_int_csv, write_gz_array, write_splits)
-from preprocessing.pycode import default_workers
+from preprocessing.pycode import process_pool, default_workers
 
 NUM_CLASSES = 37
 NUM_EDGE_FEATURES = 7
@@ -87,20 +69,13 @@ def synthetic_ppa_graph(rng: np.random.Generator, label: int, prototypes: np.nda
 
 
 def _gzip_member() -> zlib._Compress:
-    """A compressor of one gzip member (zlib's header has mtime 0: the bytes depend on the data only).
-
-    Huffman coding only: the text is mostly random digits, where string matching gains little.
-    Measured per graph (edges + features, one core of a shared 2-core machine): Huffman-only
-    1.3 ms, 51.5 KB; level 1 2.1 ms, 51.0 KB; level 3 4.2 ms, 45.9 KB; level 6 15.8 ms, 40.9 KB
-    (making the graph ~0.6 ms, formatting it ~0.3 ms).
-    """
+    """A compressor of one gzip member (mtime 0), Huffman only: the text is mostly random digits."""
     return zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS, zlib.DEF_MEM_LEVEL, zlib.Z_HUFFMAN_ONLY)
 
 
 def synthetic_block(seed: int, block: int, labels: np.ndarray) -> tuple[bytes, bytes, np.ndarray, np.ndarray]:
-    """The graphs of one block (classes ``labels``, random stream ``(seed, 2, block)``) as
-    ``(edge.csv gzip member, edge-feat.csv gzip member, nodes per graph, edges per graph)``.
-    Formatted and compressed graph by graph, so memory is one graph plus the compressed output."""
+    """One block's graphs (random stream ``(seed, 2, block)``) as ``(edge.csv gzip member, edge-feat.csv
+    gzip member, nodes per graph, edges per graph)``, compressed graph by graph."""
     rng = np.random.default_rng([seed, 2, block])
     prototypes = class_prototypes(seed)
     edge_gz, feat_gz = _gzip_member(), _gzip_member()
@@ -118,13 +93,12 @@ def synthetic_block(seed: int, block: int, labels: np.ndarray) -> tuple[bytes, b
 
 
 def _in_order(tasks: Iterable[tuple[int, int, np.ndarray]], workers: int) -> Iterator[tuple]:
-    """:func:`synthetic_block` of each task, in task order; with ``workers > 1`` in that many spawned
-    processes (the caller may be a threaded Ray driver, where fork is unsafe), holding at most
-    :data:`BLOCKS_AHEAD_PER_WORKER` results per worker that the caller has not taken yet."""
+    """:func:`synthetic_block` of each task, in order; with ``workers > 1`` in spawned processes, at most
+    :data:`BLOCKS_AHEAD_PER_WORKER` results per worker ahead."""
     if workers == 1:
         yield from (synthetic_block(*task) for task in tasks)
         return
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with process_pool(workers) as pool:
         pending: deque = deque()
         try:
             for task in tasks:
@@ -153,12 +127,8 @@ def _labels_and_splits(graphs: int, seed: int) -> tuple[np.ndarray, dict[str, np
 
 def build_synthetic_ppa(out: str | Path, graphs: int = 2000, seed: int = 0, force: bool = False,
                         workers: int | None = None, block_graphs: int = BLOCK_GRAPHS) -> dict:
-    """Write ``out/ogbg_ppa`` (see the module docstring); return a summary dict.
-
-    ``workers`` processes (default :func:`~preprocessing.pycode.default_workers`, at most one per
-    block); the bytes do not depend on it. ``block_graphs`` (tests: several blocks from few graphs)
-    does: each block has its own random stream.
-    """
+    """Write ``out/ogbg_ppa``; return a summary dict. The bytes do not depend on ``workers``; they do on
+    ``block_graphs`` (each block has its own random stream)."""
     if graphs < 3:
         raise ValueError(f"--graphs: expected at least 3 graphs, got {graphs}")
     if workers is not None and workers < 1:

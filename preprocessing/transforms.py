@@ -1,20 +1,10 @@
-"""Per-graph transforms, vectorised with numpy / scipy sparse (no Python loop over nodes).
+"""Per-graph transforms, vectorised with numpy / scipy sparse: a raw graph (:mod:`preprocessing.sources`)
+into the arrays of one shard row (:mod:`preprocessing.shards`).
 
-A raw graph is a dict of numpy arrays (see :mod:`preprocessing.sources`); :func:`transform_graph`
-turns it into the dict of arrays stored in one shard row (see :mod:`preprocessing.shards`).
-
-- code2 (OGB's example ``examples/graphproppred/code2``): ``augment_edge`` (reverse AST edges with
-  ``edge_attr`` [0, 1], next-token edges between attributed nodes in DFS order [1, 0] and their
-  reverse [1, 1], AST edges [0, 0]); targets encoded to ``max_seq_len`` ids as the example's
-  ``encode_y_to_arr`` (vocabulary id or ``__UNK__``, padded with ``__EOS__``); ``node_depth``.
-- ppa: ``x`` zeros ``[N, 1]`` or the summed incident edge features ``[N, 7]``.
-- pattern / cluster (:mod:`preprocessing.sbm`, node classification): ``x`` the node input ids
-  ``[N, 1]`` (PATTERN 0..2, CLUSTER 0..6, for ``Embedding(3 or 7, d)``), ``y`` the node classes
-  ``[N]``; no edge features.
-- RWPE (:func:`sat.encodings.random_walk_pe`), optional Laplacian PE
-  (:func:`sat.encodings.laplacian_pe`), k-hop subgraph indices
-  (:func:`sat.data.k_hop_subgraph_indices`) and in-degrees (:func:`sat.encodings.node_degree`).
-"""
+code2 follows OGB's example (``augment_edge``, ``encode_y_to_arr``, ``node_depth``); ppa's ``x`` is
+zeros ``[N, 1]`` or the summed incident edge features ``[N, 7]``; pattern / cluster carry node
+input ids ``[N, 1]`` and node classes ``[N]``. Then RWPE, Laplacian PE, k-hop subgraph indices and
+in-degrees (:mod:`sat.encodings`, :mod:`sat.data`)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -53,11 +43,8 @@ def encode_targets(tokens: Sequence[str], vocab_index: dict[str, int], max_seq_l
 
 # --------------------------------------------------------------------------- code2 edges
 def augment_edge(edge_index: np.ndarray, node_is_attributed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """OGB's code2 ``augment_edge`` on numpy arrays: returns ``(edge_index [2, E'], edge_attr [E', 2])``.
-
-    The order of the edges and attributes is the example's: AST edges, their reverse, next-token
-    edges, their reverse.
-    """
+    """OGB's code2 ``augment_edge``: ``(edge_index [2, E'], edge_attr [E', 2])`` in the example's order
+    (AST edges, their reverse, next-token edges, their reverse)."""
     ast_e = edge_index.astype(np.int64, copy=False)
     attributed = np.flatnonzero(node_is_attributed.reshape(-1) == 1)
     nxt = np.stack([attributed[:-1], attributed[1:]])
@@ -70,27 +57,15 @@ def augment_edge(edge_index: np.ndarray, node_is_attributed: np.ndarray) -> tupl
     return new_index, attr
 
 
-# --------------------------------------------------------------------------- encodings
 # --------------------------------------------------------------------------- one graph
 def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | None = None) -> dict[str, np.ndarray]:
-    """Transform one raw graph into the arrays of one shard row.
-
-    Args:
-        graph: raw arrays: ``graph_id``, ``num_nodes``, ``edge_index`` [2, E] (local ids);
-            code2: ``x`` [N, 2], ``node_depth`` [N], ``node_is_attributed`` [N], ``y_tokens``;
-            ppa: ``edge_attr`` [E, 7] float32, ``y`` int;
-            pattern / cluster: ``x`` [N] node input ids, ``node_label`` [N].
-        task: ``code2``, ``ppa``, ``pattern`` or ``cluster``.
-        cfg: :class:`preprocessing.config.TransformConfig`.
-        vocab_index: code2 only: subtoken -> id.
-
-    Returns:
-        column name -> numpy array (shapes as in :mod:`preprocessing.shards`).
-    """
+    """One raw graph (``graph_id``, ``num_nodes``, ``edge_index [2, E]`` and the task's arrays) -> the
+    arrays of one shard row (shapes as in :mod:`preprocessing.shards`). ``vocab_index``: code2's
+    subtoken -> id."""
     n = int(graph["num_nodes"])
     out: dict[str, np.ndarray] = {"graph_id": np.int64(graph["graph_id"]), "num_nodes": np.int64(n)}
+    edge_index = graph["edge_index"].astype(np.int64, copy=False)
     if task == "code2":
-        edge_index = graph["edge_index"].astype(np.int64, copy=False)
         if cfg.augment_edge:
             edge_index, edge_attr = augment_edge(edge_index, graph["node_is_attributed"])
             out["edge_attr"] = edge_attr.astype(np.int8)
@@ -99,7 +74,6 @@ def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | N
         out["y"] = encode_targets(graph["y_tokens"], vocab_index, cfg.max_seq_len)
         out["y_tokens"] = list(graph["y_tokens"])
     elif task == "ppa":
-        edge_index = graph["edge_index"].astype(np.int64, copy=False)
         edge_attr = graph["edge_attr"].astype(np.float32, copy=False)
         out["edge_attr"] = edge_attr
         if cfg.ppa_node_input == "edge_sum":
@@ -108,7 +82,6 @@ def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | N
             out["x"] = np.zeros((n, 1), dtype=np.int64)
         out["y"] = np.asarray([graph["y"]], dtype=np.int64)
     elif task in SBM_DATASETS:
-        edge_index = graph["edge_index"].astype(np.int64, copy=False)
         out["x"] = graph["x"].reshape(-1, 1).astype(np.int64, copy=False)
         out["y"] = graph["node_label"].reshape(-1).astype(np.int64, copy=False)
     else:
@@ -117,7 +90,7 @@ def transform_graph(graph: dict, task: str, cfg, vocab_index: dict[str, int] | N
     ei_t = torch.from_numpy(edge_index)
     out["degree"] = node_degree(ei_t, n).numpy()
     if cfg.rwpe_steps:
-        out["rwpe"] = random_walk_pe(torch.from_numpy(edge_index), n, cfg.rwpe_steps).numpy()
+        out["rwpe"] = random_walk_pe(ei_t, n, cfg.rwpe_steps).numpy()
     if cfg.lap_pe_dim:
         out["lap_pe"] = laplacian_pe(ei_t, n, cfg.lap_pe_dim).numpy()
     if cfg.k_hops:

@@ -1,10 +1,5 @@
-"""What a failed write of the data path says: one line naming the file, the reason in words, what is
-kept and, for a full disk, what to do (free space, run the same command: finished files are kept and
-only the rest is built).
-
-Arrow's own errors name no file and say ``Error writing bytes to file. Detail: [errno 28] No space
-left on device``; :func:`os_reason` turns them into ``No space left on device``.
-"""
+"""One-line errors of a failed write of the data path: the file, the reason, what is kept and, for a
+full disk, what to do. Arrow's errors name no file: :func:`os_reason` reads their errno."""
 from __future__ import annotations
 
 import errno

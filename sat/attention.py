@@ -2,21 +2,12 @@
 
     SA-attn(v) = sum_u  softmax_u( <W_Q phi(v, G), W_K phi(u, G)> / sqrt(d) )  W_V x_u
 
-Queries and keys come from the structure extractor's output ``phi``, values from the node features
-``x``; every node attends to the nodes of its own graph. Three implementations share the parameters:
-
-* ``varlen``: FlashAttention's variable-length kernel on the packed nodes, one sequence per graph
-  (torch >= 2.10, CUDA, bf16/fp16, no attention dropout);
-* ``dense``: graphs padded into ``[G, L, H, D]`` blocks, grouped by size so that one large graph does
-  not pad the whole batch, fed to ``scaled_dot_product_attention`` with a mask over padded keys
-  (without cuDNN on CUDA: it plans anew for every shape, and the blocks change shape per batch);
-* ``sparse``: scatter softmax over all intra-graph node pairs, as in the authors' code (the
-  reference of the tests), with the pair products in chunks recomputed in the backward pass, so
-  memory grows with ``sum_g n_g^2 * heads`` rather than ``sum_g n_g^2 * d``.
-
-``auto`` takes ``varlen`` where it applies, else ``dense``. Attention weights, when requested, are
-``[B, H, L, L]`` (``L`` the largest graph; row = query, column = key, zero on padding).
-"""
+Queries and keys come from the structure extractor's output, values from ``x``; every node attends
+to its own graph. Implementations sharing the parameters: ``varlen`` (FlashAttention's packed
+kernel; torch >= 2.10, CUDA, bf16/fp16, no attention dropout), ``dense`` (size-grouped padded
+blocks into ``scaled_dot_product_attention``, without cuDNN, which re-plans every shape) and
+``sparse`` (scatter softmax over node pairs, as the authors' code; memory ``sum_g n_g^2 * heads``).
+``auto``: ``varlen`` where it applies, else ``dense``. Attention weights are ``[B, H, L, L]``."""
 from __future__ import annotations
 
 import contextlib

@@ -1,28 +1,12 @@
 """Graph data with precomputed SAT indices, batched by PyG's collation.
 
-:class:`SATData` is a PyG ``Data`` that also carries the k-hop subgraph indices of the k-subgraph
-extractor (Chen et al., ICML 2022, Sec. 3.1) and the absolute encodings (Sec. 3.3); batching offsets
-the index attributes (:meth:`SATData.__inc__`, as PyG's ``RootedSubgraphData``).
-
-Attributes (N nodes, E directed edges, S subgraph entries, Es subgraph edges):
-
-============================  =================  ==========================================
-``x``                         ``[N, F]``         node features (long ids or floats)
-``edge_index``                ``[2, E]``         directed edges
-``edge_attr``                 ``[E, D]``         edge features (optional)
-``rwpe``                      ``[N, P]``         random-walk return probabilities (optional)
-``lap_pe``                    ``[N, M]``         Laplacian eigenvectors (optional)
-``node_depth``                ``[N]``            AST depth, ogbg-code2 only (optional)
-``subgraph_node_index``       ``[S]``            node id of each subgraph entry
-``subgraph_indicator``        ``[S]``            centre node id of each entry's subgraph
-``subgraph_edge_index``       ``[2, Es]``        edges between subgraph *entries*
-``subgraph_edge_id``          ``[Es]``           id in ``edge_index`` of each subgraph edge
-============================  =================  ==========================================
-
-Entries are sorted by centre, then by node id; the centre itself is always an
-entry of its own subgraph. ``subgraph_edge_id`` lets the extractor gather edge
-attributes without storing them once per subgraph.
-"""
+:class:`SATData` is a PyG ``Data`` carrying the k-hop subgraph indices of the k-subgraph extractor
+(Chen et al., ICML 2022, Sec. 3.1) and the absolute encodings (Sec. 3.3); batching offsets the
+indices (:meth:`SATData.__inc__`, as PyG's ``RootedSubgraphData``). Attributes: ``x [N, F]``,
+``edge_index [2, E]``, optional ``edge_attr [E, D]``, ``rwpe [N, P]``, ``lap_pe [N, M]``,
+``node_depth [N]``; ``subgraph_node_index [S]`` (node of each entry), ``subgraph_indicator [S]``
+(its centre), ``subgraph_edge_index [2, Es]`` (edges between entries), ``subgraph_edge_id [Es]``
+(their ids in ``edge_index``). Entries are sorted by centre, then node; a centre is in its own subgraph."""
 from __future__ import annotations
 
 from typing import Any
@@ -60,13 +44,9 @@ class SATData(Data):
 
 
 def k_hop_subgraph_indices(edge_index: torch.Tensor, num_nodes: int, k: int) -> dict[str, torch.Tensor]:
-    """Every node's k-hop subgraph indices of one graph (``edge_index [2, E]``), ``k >= 1``: a dict
-    of the four ``SUBGRAPH_KEYS`` tensors (see :class:`SATData`).
-
-    Reachability within ``k`` hops is the support of ``(A + I)^k`` (sparse products, edges taken as
-    undirected); a directed edge ``(a, b)`` belongs to the subgraph of centre ``c`` when both ends are
-    within ``k`` hops of ``c``. Cost grows with the subgraphs' total size, not with ``N^2``.
-    """
+    """Every node's k-hop subgraph indices of one graph (``edge_index [2, E]``, ``k >= 1``): the four
+    ``SUBGRAPH_KEYS`` tensors. Reachability is the support of ``(A + I)^k`` (edges undirected); an
+    edge belongs to a centre's subgraph when both ends do. Cost grows with the subgraphs' total size."""
     if k < 1:
         raise ValueError(f"k must be >= 1 for k-hop subgraphs, got {k}")
     edges = edge_index.detach().cpu().numpy().astype(np.int64, copy=False)

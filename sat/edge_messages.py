@@ -1,18 +1,11 @@
 """Sum of OGB-GCN edge messages, fused into one pass per output row (Triton) or in plain torch.
 
 :class:`sat.extractors.EdgeGCNConv` sums ``norm_uv * relu(W x_u + E e_uv)`` into ``v``; in SAT's
-k-subgraph extractor (Chen et al., ICML 2022, Sec. 4.1) over many subgraph edges. Torch runs it as
-gathers of ``[Es, d]`` rows and an atomic scatter, and keeps several ``[Es, d]`` activations.
-``impl="fused"`` computes the same sum in one Triton kernel: each output row walks its own edges in
-CSR order, accumulates in fp32 (fp64 for fp64 inputs) and is written once; the backward pass
-recomputes the ReLU mask with the same kind of kernel per input. Nothing of size ``[Es, d]`` is
-kept, no atomics are used, and GCN's root term (:class:`RootTerm`) joins the sum as one more edge
-per row, so the output is rounded once. The edges (:class:`MessageEdges`) keep their sorts, shared
-by the layers that sum over one batch's edges.
-
-On CUDA the kernels are compiled; CPU tensors run them only in Triton's interpreter (the CPU tests).
-``impl="auto"`` takes the kernel on CUDA when Triton is installed, torch otherwise.
-"""
+k-subgraph extractor (Chen et al., ICML 2022, Sec. 4.1) over many subgraph edges. ``impl="fused"``
+does it in one Triton kernel: each output row walks its edges in CSR order, accumulates in fp32
+(fp64 for fp64) and is written once; the backward recomputes the ReLU mask; nothing ``[Es, d]`` is
+kept, no atomics, and GCN's root term (:class:`RootTerm`) is one more edge per row.
+``impl="auto"``: the kernel on CUDA with Triton, else torch (CPU runs it only in Triton's interpreter)."""
 from __future__ import annotations
 
 import functools

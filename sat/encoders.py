@@ -1,19 +1,11 @@
-"""Input encoders of SAT: node features, edge features, absolute encodings (Chen et al., ICML 2022,
-Sec. 4.3 and appendix C; OGB's examples for ogbg-code2 and ogbg-ppa).
+"""Input encoders of SAT (Chen et al., ICML 2022, Sec. 4.3 and appendix C; OGB's code2 / ppa examples).
 
-Node encoders (``SATConfig.node_encoder``), ``batch -> [N, d]``: ``embedding`` (long ``x [N]`` or
-``[N, 1]``), ``linear`` (float ``x [N, node_in_dim]``), ``code2_ast`` (OGB's ``ASTNodeEncoder``:
-type ``x[:, 0]`` + attribute ``x[:, 1]`` + ``node_depth`` clamped at ``code2_max_depth``),
-``constant`` (one learned vector, ogbg-ppa's examples) and ``edge_sum`` (a linear layer over the
-sum of each node's incoming ``edge_attr [E, node_in_dim]``).
-
-Edge encoders (``SATConfig.edge_encoder``), ``edge_attr -> [E, effective_edge_dim]``: ``linear``
-(float or 0/1 long ``[E, edge_in_dim]``) and ``embedding`` (long ``[E]`` or ``[E, edge_in_columns]``,
-a table of ``edge_in_dim`` entries per column, summed).
-
-Absolute encodings (``SATConfig.pe``), added through a linear layer: ``rwpe`` (``batch.rwpe``) and
-``lap`` (``batch.lap_pe``, signs flipped at random per graph and eigenvector in training).
-"""
+Node encoders, ``batch -> [N, d]``: ``embedding`` (long ``x``), ``linear`` (float ``x [N, F]``),
+``code2_ast`` (OGB's ``ASTNodeEncoder``: type + attribute + clamped ``node_depth``), ``constant``
+(one learned vector) and ``edge_sum`` (linear over the sum of incoming ``edge_attr``). Edge encoders,
+``edge_attr -> [E, effective_edge_dim]``: ``linear`` and ``embedding`` (one table per column,
+summed). Absolute encodings through a linear layer: ``rwpe`` and ``lap`` (signs flipped at random
+per graph and eigenvector in training)."""
 from __future__ import annotations
 
 from typing import Any, Optional

@@ -30,14 +30,9 @@ def _normalised_adjacency(edge_index: torch.Tensor, n: int, dtype: type) -> sp.c
 
 
 def random_walk_pe(edge_index: torch.Tensor, num_nodes: int, steps: int) -> torch.Tensor:
-    """RWPE ``[N, steps]``: the return probabilities ``[(D^-1 A)^p]_ii`` for ``p = 1..steps``
-    (undirected edges, self-loops dropped; isolated nodes get zeros).
-
-    ``(D^-1 A)^p`` has the diagonal of the symmetric ``S^p = (D^-1/2 A D^-1/2)^p``, and
-    ``diag(S^(2a)) = rowsum(S^a * S^a)``, ``diag(S^(2a-1)) = rowsum(S^(a-1) * S^a)``: powers up to
-    ``ceil(steps / 2)`` suffice. Above ``DENSE_RWPE_NODES`` nodes the products run on blocks of
-    columns, in ``O(N * block)`` memory instead of ``O(N^2)``.
-    """
+    """RWPE ``[N, steps]``: the return probabilities ``[(D^-1 A)^p]_ii``, ``p = 1..steps`` (undirected,
+    no self-loops; isolated nodes zero), from the symmetric ``S^p`` with powers up to
+    ``ceil(steps / 2)``; above ``DENSE_RWPE_NODES`` nodes on column blocks, ``O(N * block)`` memory."""
     n = int(num_nodes)
     out = np.zeros((n, steps), dtype=np.float32)
     if n == 0 or steps == 0:

@@ -33,18 +33,11 @@ class EdgeGCNConv(nn.Module):
 
         h_v = sum_{u -> v} norm_uv * relu(W x_u + E e_uv) + relu(W x_v + r) / deg_v
 
-    with ``norm_uv = (deg_u deg_v)^{-1/2}``, ``deg = 1 + out-degree`` as in OGB's code.
+    with ``norm_uv = (deg_u deg_v)^{-1/2}``, ``deg = 1 + out-degree``. In the k-subgraph extractor the
+    linear maps run before the gathers (``node_index [S]``, ``edge_id [Es]``). ``message_impl``:
+    :mod:`sat.edge_messages` (``auto``: fused on CUDA for the gathered inputs only).
 
-    In the k-subgraph extractor the layer runs on the union of the k-hop subgraphs, whose entries and
-    edges copy the graph's (``node_index [S]``, ``edge_id [Es]``): the linear maps run before the
-    gathers, and the first layer forms ``relu(W x_u + E e_uv)`` once per graph edge.
-
-    ``message_impl`` (:mod:`sat.edge_messages`): ``fused`` sums in one Triton kernel (returning the
-    input's dtype); ``auto`` does so on CUDA for the gathered (k-subgraph) inputs only; ``torch`` never.
-
-    Shapes: x ``[N, d]``, edge_index ``[2, E]`` (``[2, Es]`` over the ``S`` entries with the gathers),
-    edge_attr ``[E, edge_dim]`` -> ``[N, d]`` (``[S, d]``).
-    """
+    Shapes: x ``[N, d]``, edge_index ``[2, E]`` (``[2, Es]``), edge_attr ``[E, edge_dim]`` -> ``[N, d]`` (``[S, d]``)."""
 
     def __init__(self, hidden_dim: int, edge_dim: int, message_impl: MessageImpl = "auto"):
         super().__init__()
@@ -101,18 +94,11 @@ class EdgeGCNConv(nn.Module):
 
 
 class FixedShapeGCNConv(GCNConv):
-    """PyG's ``GCNConv`` (Kipf & Welling, ICLR 2017; the same parameters and state-dict keys), with
-    its self-loops added as a fixed-shape operation:
+    """PyG's ``GCNConv`` (Kipf & Welling, ICLR 2017; same parameters and state-dict keys) with its self-loops
+    added at a fixed shape: existing loops weigh 0 and one loop per node is appended, the same sum from
+    shapes that depend on ``N`` and ``E`` only (no graph break under ``torch.compile``).
 
-        h_v = b + sum_{u -> v, u != v, and u = v once} (d_u d_v)^{-1/2} W x_u,   d_v = 1 + in-degree
-
-    ``GCNConv`` drops the loops in ``edge_index`` by value, a data-dependent shape (a graph break
-    under ``torch.compile``). Here loops are kept with weight 0 and one loop of weight 1 is appended
-    per node: the same sum, from shapes that depend on ``N`` and ``E`` only (the padding self-loops
-    of :mod:`sat.padding` weigh nothing).
-
-    Shapes: x ``[N, d]``, edge_index ``[2, E]`` -> ``[N, d]``.
-    """
+    Shapes: x ``[N, d]``, edge_index ``[2, E]`` -> ``[N, d]``."""
 
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:  # type: ignore[override]
         n = x.size(0)
@@ -141,11 +127,8 @@ def gcn_message_edges(
     edge_index: Tensor, num_sources: int, num_edge_rows: int, num_entries: int, dtype: torch.dtype,
     node_index: Optional[Tensor] = None, edge_id: Optional[Tensor] = None,
 ) -> MessageEdges:
-    """The edges of :class:`EdgeGCNConv`'s fused sum: the normalised messages of ``edge_index``
-    ``[2, Es]`` over ``num_entries`` entries, read from rows ``node_index[u]`` of the ``num_sources``
-    mapped nodes and ``edge_id[j]`` of the ``num_edge_rows`` mapped edges (each gather optional),
-    and the root term ``relu(W x_v + r) / deg_v``, whose weights are in fp64 for fp64 ``dtype``
-    (that of the layer's input), else fp32."""
+    """The edges of :class:`EdgeGCNConv`'s fused sum over ``edge_index [2, Es]`` (rows ``node_index[u]``
+    and ``edge_id[j]``, each gather optional) and its root term ``relu(W x_v + r) / deg_v``."""
     row, col = edge_index
     deg, norm = _gcn_norm(edge_index, num_entries)
     source = row if node_index is None else node_index.index_select(0, row)
@@ -235,17 +218,10 @@ class _GNNStack(nn.Module):
 
 
 class _Extractor(nn.Module):
-    """A k-layer base GNN followed by BatchNorm and a projection back to ``hidden_dim``; the
-    k-subgraph extractor also concatenates the node's own features before them.
-
-    Args: ``hidden_dim`` (``d``), ``gnn_type`` (:func:`gnn_layer`), ``k`` (GNN layers, ``>= 1``),
-    ``edge_dim`` (edge features of edge-aware GNNs, ``None``: none), ``concat_hops`` (concatenate
-    the input and every hop's output, as the authors' ``StructureExtractor``), ``pna``,
-    ``message_impl`` (:mod:`sat.edge_messages`) and ``recompute_gnn``: keep none of the base GNN's
-    activations (in the k-subgraph extractor, ``[S, d]`` per layer) and run it again in the backward
-    pass (``torch.utils.checkpoint``); BatchNorm and the projection stay outside, so running
-    statistics are updated once per step.
-    """
+    """A k-layer base GNN, then BatchNorm and a projection back to ``hidden_dim`` (the k-subgraph extractor
+    concatenates the node's own features first). ``concat_hops``: concatenate every hop's output (the
+    authors' ``StructureExtractor``); ``recompute_gnn``: keep none of the GNN's activations and rerun it
+    in the backward pass (``torch.utils.checkpoint``; BatchNorm stays outside)."""
 
     keeps_input = False
 
@@ -286,17 +262,12 @@ class SubtreeExtractor(_Extractor):
 
 
 class SubgraphExtractor(_Extractor):
-    """k-subgraph GNN extractor (Sec. 4.1): ``phi(u, G) = W [x_u || sum_{w in S_k(u)} GNN^(k)(S_k(u))_w]``.
+    """k-subgraph GNN extractor (Sec. 4.1): ``phi(u, G) = W [x_u || sum_{w in S_k(u)} GNN^(k)(S_k(u))_w]``,
+    the GNN run on the disjoint union of the k-hop subgraphs (:class:`sat.data.SATData`'s indices),
+    sum-pooled per centre (the authors' ``KHopStructureExtractor``).
 
-    The GNN runs on the disjoint union of all k-hop subgraphs, laid out by the indices of
-    :class:`sat.data.SATData` (``S`` entries, ``Es`` subgraph edges); the entries' outputs are
-    sum-pooled per centre, then BatchNorm and a projection follow (the authors'
-    ``KHopStructureExtractor``). Arguments as :class:`_Extractor`.
-
-    Shapes: x ``[N, d]``, subgraph_node_index / subgraph_indicator ``[S]``,
-    subgraph_edge_index ``[2, Es]``, subgraph_edge_id ``[Es]``, edge_attr ``[E, edge_dim]``
-    -> ``[N, d]``. Memory grows with ``S * d`` per GNN layer, unless ``recompute_gnn``.
-    """
+    Shapes: x ``[N, d]``, subgraph_node_index / subgraph_indicator ``[S]``, subgraph_edge_index ``[2, Es]``,
+    subgraph_edge_id ``[Es]``, edge_attr ``[E, edge_dim]`` -> ``[N, d]``; memory ``S * d`` per layer."""
 
     keeps_input = True
 

@@ -1,14 +1,9 @@
 """Readouts and prediction heads of SAT (Chen et al., ICML 2022, Sec. 4.2 and 5.5).
 
-Readouts: ``mean`` / ``sum`` pooling over each graph's nodes (in :class:`sat.SAT`), or ``cls``: a
-virtual [CLS] node per graph (Jain et al., 2021) without edges, which attends to and is attended by
-every node of its graph; its attention weights give SAT's attention maps (Sec. 5.5).
-
-Heads (``SATConfig.head``): ``graph_classification`` / ``graph_regression`` (MLP ``d -> d ->
-num_classes``, ``[B, num_classes]``), ``node_classification`` (the same MLP per real node,
-``[N, num_classes]``) and ``code2_sequence`` (``max_seq_len`` linear layers, as OGB's code2 example:
-``[B, max_seq_len, num_classes]``).
-"""
+Readouts: ``mean`` / ``sum`` pooling (in :class:`sat.SAT`) or ``cls``: a virtual [CLS] node per
+graph without edges (Jain et al., 2021), whose attention gives SAT's attention maps. Heads: graph
+classification / regression (MLP, ``[B, num_classes]``), ``node_classification`` (``[N, num_classes]``)
+and ``code2_sequence`` (``max_seq_len`` linear layers as OGB's example, ``[B, max_seq_len, num_classes]``)."""
 from __future__ import annotations
 
 from typing import Optional

@@ -81,15 +81,9 @@ class SATLayer(nn.Module):
 
 
 class GNNLayer(nn.Module):
-    """One layer of the base GNN alone (``SATConfig.architecture = "gnn"``, the paper's "Base GNN"
-    rows), as benchmarking-gnns builds its GNN layers (Dwivedi et al., ``layers/gcn_layer.py``):
-
-        x' = dropout(x + relu(norm(conv(x))))
-
-    ``conv``: one layer of the base GNN the extractors stack (:func:`sat.extractors.gnn_layer`).
-    :meth:`forward` takes :class:`SATLayer`'s arguments, ignoring the attention-only ones, and returns
-    ``([N, d], None)``, so the model drives either kind of layer in one loop.
-    """
+    """One layer of the base GNN alone (``architecture="gnn"``, the paper's "Base GNN" rows), as
+    benchmarking-gnns builds it: ``x' = dropout(x + relu(norm(conv(x))))``. Takes :class:`SATLayer`'s
+    arguments (ignoring the attention ones) and returns ``([N, d], None)``."""
 
     def __init__(self, hidden_dim: int, gnn_type: str = "gcn", dropout: float = 0.0, norm: str = "batch",
                  edge_dim: Optional[int] = None, pna: Optional[PNASettings] = None, gnn_messages: MessageImpl = "auto"):

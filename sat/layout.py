@@ -1,20 +1,12 @@
 """Node layout of a mini-batch of graphs, shared by every layer's attention (Chen et al., ICML 2022,
 Sec. 4.1: every node attends to every node of its own graph).
 
-A PyG mini-batch stores ``B`` graphs' nodes graph after graph. :class:`GraphLayout` holds what the
-attention implementations need to keep them apart: ``ptr`` / ``cu_seqlens`` ``[B + 1]`` (node
-offsets, long / int32), ``batch`` and ``local_index`` ``[N]`` (graph and position of every node),
-``max_nodes`` (a Python int) and dense blocks (graphs of sizes within ``bucket_ratio`` of each other
-padded into ``[G, L]`` blocks). With ``cls=True`` a [CLS] node stands in front of every graph
-(:class:`sat.heads.ClsToken`): ``real_index [N_in]`` says where the batch's own rows go,
-``cls_index [B]`` where the [CLS] nodes sit. A fixed-capacity layout (:meth:`GraphLayout.padded`,
-for :mod:`sat.padding`) has the same shapes for every batch and a ``node_mask [N]``, ``True`` on the
-rows of real graphs (BatchNorm's statistics, :mod:`sat.norm`); others have ``node_mask = None``.
-
-Everything derives from the graphs' node counts on the host: :meth:`GraphLayout.from_sizes` builds
-it without an accelerator (e.g. in a DataLoader worker) and :meth:`to` moves it with the batch, so
-the forward pass reads nothing back from the device.
-"""
+:class:`GraphLayout` holds ``ptr`` / ``cu_seqlens`` ``[B + 1]``, ``batch`` and ``local_index``
+``[N]``, ``max_nodes`` and the dense blocks (graphs of sizes within ``bucket_ratio`` padded into
+``[G, L]``). With ``cls=True`` a [CLS] node precedes every graph (``real_index [N_in]``,
+``cls_index [B]``). A fixed-capacity layout (:meth:`GraphLayout.padded`) has the same shapes for
+every batch and a ``node_mask [N]`` of the real rows. Built from node counts on the host
+(:meth:`GraphLayout.from_sizes`, e.g. in a DataLoader worker) and moved with :meth:`to`."""
 from __future__ import annotations
 
 import copy
@@ -59,25 +51,15 @@ def _size_runs(sizes: np.ndarray, bucket_ratio: float) -> list[np.ndarray]:
 
 
 class GraphLayout:
-    """Index bookkeeping of a mini-batch of graphs (the module docstring), from ``batch [N]``, the
-    sorted graph id of every node (its node counts copied to the host once). ``bucket_ratio``: dense
-    attention pads graphs of sizes within this factor into one block; ``None``: one block."""
-
-    def __init__(self, batch: Tensor, num_graphs: int, bucket_ratio: Optional[float] = 1.5) -> None:
-        sizes = torch.bincount(batch.detach().cpu(), minlength=int(num_graphs)).numpy()
-        self._build(sizes, bucket_ratio, cls=False)
-        if batch.device.type != "cpu":
-            self.__dict__.update(self.to(batch.device).__dict__)
-        self.batch = batch  # the caller's own tensor (same values)
+    """Index bookkeeping of a mini-batch of graphs (the module docstring), built by :meth:`from_sizes`
+    or :meth:`padded`. ``bucket_ratio``: dense attention pads graphs of sizes within this factor into
+    one block; ``None``: one block."""
 
     @classmethod
     def from_sizes(
         cls, sizes: Union[Sequence[int], np.ndarray, Tensor], bucket_ratio: Optional[float] = 1.5, cls_token: bool = False
     ) -> "GraphLayout":
-        """The layout of graphs with ``sizes[g]`` real nodes each, on the CPU (see :meth:`to`).
-
-        ``cls_token``: put a virtual [CLS] node in front of every graph.
-        """
+        """The layout of graphs of ``sizes[g]`` nodes, on the CPU; ``cls_token``: a [CLS] node before each."""
         layout = cls.__new__(cls)
         layout._build(_host_sizes(sizes), bucket_ratio, cls=cls_token)
         return layout
@@ -86,15 +68,10 @@ class GraphLayout:
     def padded(
         cls, sizes: Union[Sequence[int], np.ndarray, Tensor], capacity: "Capacity", cls_token: bool = False
     ) -> "GraphLayout":
-        """The fixed-capacity layout of graphs with ``sizes[g]`` nodes, padded to ``capacity.nodes`` rows
-        (:func:`sat.padding.pad_batch`): slots ``0..B-1`` hold the graphs, ``B..capacity.graphs-1`` are
-        empty, and the padding rows fill ``capacity.padding_graphs`` slots of at most
-        ``capacity.graph_nodes`` rows; every shape and integer field depends on ``capacity`` alone."""
-        real = _host_sizes(sizes)
-        problems = capacity.shortfall(graphs=real.size, nodes=int(real.sum()),
-                                      graph_nodes=int(real.max()) if real.size else 0)
-        if problems:
-            raise ValueError(f"GraphLayout.padded: the batch exceeds its capacity ({'; '.join(problems)})")
+        """The fixed-capacity layout of graphs of ``sizes[g]`` nodes (:func:`sat.padding.pad_batch`): slots
+        ``0..B-1`` hold the graphs, the rest are empty or padding (at most ``capacity.graph_nodes`` rows
+        each); every shape depends on ``capacity`` alone."""
+        real = _host_sizes(sizes)  # that they fit the capacity is pad_batch's check
         longest = capacity.graph_nodes
         full, rest = divmod(capacity.nodes - int(real.sum()), longest)
         padding = np.zeros(capacity.padding_graphs, dtype=np.int64)

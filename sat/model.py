@@ -1,17 +1,11 @@
 """The Structure-Aware Transformer (Chen, O'Bray, Borgwardt, ICML 2022).
 
-:class:`SAT` stacks input encoders (:mod:`sat.encoders`), ``num_layers`` encoder layers
-(:mod:`sat.layers`; with ``architecture="gnn"`` the base GNN's), a readout and a head
-(:mod:`sat.heads`). It runs on a PyG batch of :class:`sat.SATData`, or on a single graph.
-
-Inputs: the attributes of :class:`sat.SATData` the configuration reads (``degree`` optional).
-Output: ``[B, num_classes]`` for graph heads, ``[N, num_classes]`` for ``node_classification``,
-``[B, max_seq_len, num_classes]`` for ``code2_sequence``; with ``return_attention=True`` also one
-``[B, num_heads, L, L]`` tensor per layer (:mod:`sat.attention`; with the ``cls`` readout each
-graph's [CLS] node comes first). A batch padded to a fixed capacity (:mod:`sat.padding`) gives one
-row per graph slot (or node row) of the capacity, the batch's own first, equal to the unpadded
-batch's.
-"""
+:class:`SAT`: input encoders (:mod:`sat.encoders`), ``num_layers`` encoder layers (:mod:`sat.layers`),
+a readout and a head (:mod:`sat.heads`), on a PyG batch of :class:`sat.SATData` or one graph.
+Output: ``[B, num_classes]`` (graph heads), ``[N, num_classes]`` (``node_classification``),
+``[B, max_seq_len, num_classes]`` (``code2_sequence``); with ``return_attention=True`` also one
+``[B, num_heads, L, L]`` tensor per layer. A padded batch (:mod:`sat.padding`) gives one row per
+slot of its capacity, the batch's own first."""
 from __future__ import annotations
 
 from typing import Any, Optional, Union
@@ -94,10 +88,8 @@ class SAT(nn.Module):
         validate_batch(self.config, batch)
 
     def layout(self, batch: Any) -> GraphLayout:
-        """The batch's :class:`sat.layout.GraphLayout` for this model: the one it carries as
-        ``batch.graph_layout`` (built on the host by the data loader, see
-        :meth:`GraphLayout.from_sizes`; a padded batch's, :mod:`sat.padding`) when it matches the
-        batch's tensor shapes, else one built here."""
+        """The batch's :class:`sat.layout.GraphLayout`: the one it carries (``batch.graph_layout``, built on
+        the host by the loader) when it matches the batch's shapes, else one built here."""
         cls = self.cls is not None
         layout = getattr(batch, "graph_layout", None)
         if isinstance(layout, GraphLayout):
@@ -118,10 +110,8 @@ class SAT(nn.Module):
     def forward(
         self, batch: Any, return_attention: bool = False, validate: bool = True
     ) -> Union[Tensor, tuple[Tensor, list[Tensor]]]:
-        """Run the model on a PyG batch (the module docstring). ``validate=False`` skips :meth:`validate`,
-        whose value checks read tensors back to the host: for batches checked on the CPU. With
-        ``batch.graph_layout`` built on the host, the forward pass then never syncs with the device.
-        """
+        """Run the model on a PyG batch. ``validate=False`` skips :meth:`validate` (its checks read values
+        back to the host): with a host-built ``graph_layout`` the forward pass then never syncs."""
         if validate:
             self.validate(batch)
         cfg = self.config

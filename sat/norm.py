@@ -1,14 +1,9 @@
-"""Normalisation layers of SAT that ignore the padding rows of a fixed-capacity batch.
+"""Normalisation of SAT (Chen et al., ICML 2022, Sec. 4.2) that ignores the padding rows of a
+fixed-capacity batch (:mod:`sat.padding`): :class:`BatchNorm` computes its statistics and running
+averages over the rows of ``mask`` only; without a mask, or in evaluation, it is ``BatchNorm1d``
+(same parameters and state-dict keys).
 
-SAT normalises with BatchNorm after its attention and FFN blocks and inside its structure extractors
-(Chen et al., ICML 2022, Sec. 4.2). A batch padded to a fixed capacity (:mod:`sat.padding`) holds rows
-of no graph: :class:`BatchNorm` takes the batch's ``node_mask`` (``True`` on real rows) and computes
-its statistics and running averages over the real rows only, equal to ``BatchNorm1d``'s over the
-unpadded rows (exponential, or cumulative when ``momentum is None``). Without a mask, or in
-evaluation with running statistics, it *is* ``BatchNorm1d`` (same parameters and state-dict keys).
-
-Shapes: ``x`` ``[N, C]``, ``mask`` ``[N]`` (bool) or ``None`` -> ``[N, C]``.
-"""
+Shapes: ``x`` ``[N, C]``, ``mask`` ``[N]`` (bool) or ``None`` -> ``[N, C]``."""
 from __future__ import annotations
 
 from typing import Optional, Union

@@ -1,21 +1,10 @@
 """Fixed-capacity batches: a mini-batch padded to static shapes, with padding that changes nothing.
 
 Static shapes let a step be compiled and captured as a CUDA graph once. :func:`pad_batch` pads a
-PyG batch of :class:`sat.data.SATData` to a :class:`Capacity` (node rows, edges, graph slots, the
-largest graph, the k-subgraph indices). The padding is inert: outputs on the real graphs and nodes,
-the loss, every gradient and BatchNorm's statistics equal the unpadded batch's, because
-
-* padding rows sit in graph slots of their own (:meth:`sat.layout.GraphLayout.padded`), so attention,
-  the readouts and the [CLS] nodes never mix them with real nodes;
-* padding edges, subgraph entries and subgraph edges join padding rows (or entries) only, dealt
-  round-robin, and the model zeroes the padding rows at every layer's input (:class:`sat.SAT`), so
-  they stay finite (a non-finite one would turn a weight gradient into NaN through ``0 * inf``);
-* BatchNorm takes its statistics over the real rows only (:mod:`sat.norm`);
-* targets of padding graphs and nodes are :data:`PAD_TARGET`, the losses' ``ignore_index``, and the
-  host reads only the first ``padding.graphs`` graphs / ``padding.nodes`` nodes (:class:`Padding`).
-
-The padded batch keeps its own rows first and carries ``graph_layout`` and ``padding``.
-"""
+batch to a :class:`Capacity`; outputs on the real graphs, the loss, every gradient and BatchNorm's
+statistics equal the unpadded batch's: padding rows sit in graph slots of their own, padding edges
+and subgraph entries join padding rows only (zeroed at every layer's input, so they stay finite),
+BatchNorm counts real rows only (:mod:`sat.norm`), and padding targets are :data:`PAD_TARGET`."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,10 +28,8 @@ GRAPH_ROWS = ("graph_id",)  # one row per graph, padded with -1
 
 @dataclass(frozen=True)
 class Capacity:
-    """Static sizes of a padded batch (see the module docstring). ``nodes`` counts node rows with
-    at least one padding row (every padded batch has one: padding edges need a row to join), and
-    ``subgraph_entries`` likewise keeps one padding entry; ``0`` subgraph capacities: batches
-    without k-subgraph indices."""
+    """Static sizes of a padded batch. ``nodes`` includes at least one padding row (padding edges join
+    it), ``subgraph_entries`` one padding entry; ``0`` subgraph capacities: no k-subgraph indices."""
 
     nodes: int
     edges: int
@@ -124,8 +111,7 @@ def padding_of(batch: Any) -> Optional[Padding]:
 
 
 def _pad_rows(value: Tensor, rows: int, fill) -> Tensor:
-    if value.size(0) > rows:
-        raise ValueError(f"pad_batch: {value.size(0)} rows exceed the capacity's {rows}")
+    """``value`` followed by rows of ``fill`` up to ``rows`` (the caller checked the capacity)."""
     out = value.new_full((rows, *value.shape[1:]), fill)
     out[: value.size(0)] = value
     return out
@@ -135,22 +121,15 @@ def _pad_ids(value: Tensor, rows: int, start: int, stop: int) -> Tensor:
     """``value`` (ids, along its last axis) followed by ids cycling over ``start .. stop - 1`` up to
     ``rows`` ids (every row of a ``[2, E]`` index gets the same ones: padding self-loops)."""
     missing = rows - value.size(-1)
-    if missing < 0:
-        raise ValueError(f"pad_batch: {value.size(-1)} ids exceed the capacity's {rows}")
     fill = torch.arange(missing, dtype=value.dtype) % (stop - start) + start
     return torch.cat([value, fill.expand(*value.shape[:-1], missing)], dim=-1)
 
 
 def pad_batch(batch: Any, capacity: Capacity, node_targets: bool = False, cls_token: bool = False) -> Any:
-    """``batch`` (a PyG ``Batch`` of :class:`~sat.data.SATData`, on the CPU) padded to ``capacity``
-    (see the module docstring). ``node_targets``: ``y`` has one row per node (node classification),
-    else one per graph. ``cls_token``: the model reads out through [CLS] nodes (its layout has them).
-
-    A capacity without room for k-subgraph indices (``subgraph_entries = 0``: a model that does not
-    read them) drops them from the padded batch.
-
-    Raises ``ValueError`` when the batch exceeds the capacity (:func:`fits` says beforehand) or holds
-    an attribute without a padding rule."""
+    """``batch`` (a CPU PyG ``Batch`` of :class:`~sat.data.SATData`) padded to ``capacity``;
+    ``node_targets``: ``y`` per node; ``cls_token``: the model reads out through [CLS] nodes. A
+    capacity without subgraph entries drops the k-subgraph indices. Raises ``ValueError`` when the
+    batch exceeds the capacity (:func:`fits` says beforehand) or holds an attribute with no padding rule."""
     from torch_geometric.data import Batch
 
     subgraphs = capacity.subgraph_entries > 0

@@ -1,10 +1,6 @@
-"""Input checks of a SAT batch against a model configuration: one-line ``ValueError`` for unusable input.
-
-:func:`validate_batch` checks the values a model would index with (node ids, vocabulary ids, the
-graph order of ``batch``). Reading values back syncs with an accelerator, so a training pipeline
-runs it on the CPU batch in its data-loading workers and calls the model with ``validate=False``.
-Shape and dtype checks need no values and stay in the modules that read the tensors.
-"""
+"""Input checks of a SAT batch against a model configuration, one-line ``ValueError`` each: the values
+a model would index with (node ids, vocabulary ids, graph order). They read values back to the host,
+so a pipeline runs them in its data-loading workers and calls the model with ``validate=False``."""
 from __future__ import annotations
 
 from typing import Any

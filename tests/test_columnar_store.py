@@ -20,7 +20,7 @@ from preprocessing.pycode import build_pycode
 from preprocessing.sbm import build_sbm
 from preprocessing.sources import load_source
 from preprocessing.synthetic import build_synthetic_ppa
-from preprocessing.testing import small_python_source
+from tests.helpers import small_python_source
 from tests.helpers import conversion_killed_in
 from tests.ogb_reference import ogb_arrays
 
@@ -174,24 +174,3 @@ def test_conversion_memory_does_not_grow_with_the_input(tmp_path):
     # 1,400 more graphs hold ~3.2M more edges (~140 MB as int64 ids + float32 features in
     # memory); the growth allowed is a fifth of that
     assert peaks[200] > 0 and peaks[1600] - peaks[200] < 28, peaks
-
-
-def test_a_store_of_an_older_satp_gets_its_checksums_without_converting(roots, tmp_path):
-    """Stores converted before sizes and checksums were recorded are kept (a full-size one took
-    minutes): the first build that finds them records them, reading each file once."""
-    import json
-    import shutil
-
-    load_source(DataConfig(name="ogbg-ppa", root=str(roots)))  # converted (once per module)
-    folder = tmp_path / "ogbg_ppa"
-    shutil.copytree(roots / "ogbg_ppa", folder, ignore=shutil.ignore_patterns("processed"))
-    store = folder / STORE_DIR
-    for side in store.glob("*.arrow.json"):  # as satp wrote them before: fingerprint, rows, rel
-        meta = json.loads(side.read_text())
-        side.write_text(json.dumps({k: meta[k] for k in ("fingerprint", "rows", "rel")}))
-    meta = json.loads((store / STORE_FILE).read_text())
-    (store / STORE_FILE).write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
-    kept = {p.name: p.stat().st_mtime_ns for p in store.glob("*.arrow")}
-    build_store(folder, "ogbg-ppa", raw_fingerprint(folder, "ogbg-ppa"), run=lambda calls: [pytest.fail(c) for c in calls])
-    assert {p.name: p.stat().st_mtime_ns for p in store.glob("*.arrow")} == kept
-    assert json.loads((store / STORE_FILE).read_text())["files"] == meta["files"]

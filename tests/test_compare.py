@@ -114,7 +114,7 @@ def test_the_driver_leaves_no_generated_pyg_module(ray_cluster, tmp_path):
     the convolutions' ``propagate`` from a template into ``$TMPDIR`` the first time a process builds
     them. The driver's part in a fresh process whose ``TMPDIR`` is empty: nothing is left there."""
     from preprocessing import preprocess
-    from preprocessing.testing import small_python_source
+    from tests.helpers import small_python_source
 
     from pipeline.config import JobConfig
 

@@ -33,7 +33,7 @@ from preprocessing.columnar import STORE_DIR, STORE_FILE, ColumnarStore, file_sp
 from preprocessing.conversion import build_store, convert_file
 from preprocessing.pycode import build_pycode
 from preprocessing.shards import MANIFEST, VOCAB_FILE
-from preprocessing.testing import small_python_source
+from tests.helpers import small_python_source
 from tests.helpers import (PATTERN_GRAPHS, conversion_killed_in, new_run, register_format1,
                            register_tiny, sqlite_store, stored_files, tiny_model)
 

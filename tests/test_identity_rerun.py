@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from preprocessing.pycode import build_pycode
-from preprocessing.testing import small_python_source
+from tests.helpers import small_python_source
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -20,7 +20,7 @@ from preprocessing import columnar
 from preprocessing.columnar import FINGERPRINT_FILE, STORE_DIR, raw_fingerprint
 from preprocessing.pycode import build_pycode
 from preprocessing.synthetic import build_synthetic_ppa
-from preprocessing.testing import small_python_source
+from tests.helpers import small_python_source
 
 TRANSFORM = TransformConfig(rwpe_steps=0, k_hops=0)
 

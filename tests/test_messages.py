@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from pipeline.cli import main
-from preprocessing.testing import small_python_source
+from tests.helpers import small_python_source
 from tests.helpers import tiny_data, tiny_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]

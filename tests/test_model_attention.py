@@ -33,7 +33,7 @@ def test_attention_module_dense_matches_sparse_outputs_and_gradients(bucket_rati
         attn.impl = impl
         attn.zero_grad()
         xi, xsi = x.clone().requires_grad_(), xs.clone().requires_grad_()
-        layout = GraphLayout(batch, len(SIZES), bucket_ratio)
+        layout = GraphLayout.from_sizes(SIZES, bucket_ratio)
         out, _ = attn(xi, xsi, layout)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         results[impl] = (out.detach(), xi.grad, xsi.grad, [p.grad.clone() for p in attn.parameters()])
@@ -51,12 +51,12 @@ def test_attention_never_crosses_graphs():
     attn = StructureAwareAttention(16, 4).eval()
     for impl in ("dense", "sparse"):
         attn.impl = impl
-        out, _ = attn(x, xs, GraphLayout(batch, len(SIZES)))
+        out, _ = attn(x, xs, GraphLayout.from_sizes(SIZES))
         x2 = x.clone()
         x2[batch == 3] += 100.0  # perturb graph 3 only
         xs2 = xs.clone()
         xs2[batch == 3] -= 50.0
-        out2, _ = attn(x2, xs2, GraphLayout(batch, len(SIZES)))
+        out2, _ = attn(x2, xs2, GraphLayout.from_sizes(SIZES))
         same = batch != 3
         torch.testing.assert_close(out[same], out2[same])
         assert not torch.allclose(out[~same], out2[~same])
@@ -68,8 +68,8 @@ def test_returned_weights_agree_and_are_row_stochastic():
     weights = {}
     for impl in ("dense", "sparse"):
         attn.impl = impl
-        out, w = attn(x, xs, GraphLayout(batch, len(SIZES)), return_attention=True)
-        out_plain, _ = attn(x, xs, GraphLayout(batch, len(SIZES)))
+        out, w = attn(x, xs, GraphLayout.from_sizes(SIZES), return_attention=True)
+        out_plain, _ = attn(x, xs, GraphLayout.from_sizes(SIZES))
         torch.testing.assert_close(out, out_plain, atol=ATOL, rtol=RTOL)
         assert w.shape == (len(SIZES), 4, max(SIZES), max(SIZES))
         weights[impl] = w
@@ -109,10 +109,10 @@ def test_dense_attention_bf16_autocast_is_finite():
     batch, x, xs = _layout_and_inputs()
     attn = StructureAwareAttention(16, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, _ = attn(x, xs, GraphLayout(batch, len(SIZES)))
+        out, _ = attn(x, xs, GraphLayout.from_sizes(SIZES))
     assert torch.isfinite(out.float()).all()
     attn.impl = "sparse"
-    ref, _ = attn(x, xs, GraphLayout(batch, len(SIZES)))
+    ref, _ = attn(x, xs, GraphLayout.from_sizes(SIZES))
     torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.1)  # bf16 has ~3 significant digits
 
 

@@ -24,7 +24,7 @@ from preprocessing.build import plan_shards
 from preprocessing.columnar import ColumnarStore
 from preprocessing.reader import ShardDataset
 from preprocessing.shards import MANIFEST
-from preprocessing.testing import small_python_source
+from tests.helpers import small_python_source
 from runtime.storage import StorageSettings, check, resolve, validate
 from tests.s3_server import s3_server  # noqa: F401  (the session's server, a fixture)
 

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.cli import main
 from preprocessing.reader import ShardDataset
-from preprocessing.testing import small_python_source
+from tests.helpers import small_python_source
 
 
 def _job(tmp_path, body: str):

@@ -14,9 +14,10 @@ from torch_geometric.data import Batch
 
 from preprocessing import DataConfig, ShardConfig, TransformConfig, preprocess, shard_dir
 from preprocessing.reader import ShardDataset
-from preprocessing.shards import MANIFEST, atomic_write_bytes
+from preprocessing.shard_places import FolderPlace
+from preprocessing.shards import MANIFEST
 from preprocessing.sources import iter_chunk, load_source
-from preprocessing.testing import small_python_source
+from tests.helpers import small_python_source
 from preprocessing.transforms import transform_graph
 from sat.data import SATData
 
@@ -194,7 +195,7 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError):
-        atomic_write_bytes(tmp_path / "x.arrow", b"data")
+        FolderPlace(tmp_path).write("x.arrow", b"data")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -15,7 +15,7 @@ from preprocessing.python_graphs import MASK, function_graph, split_name
 from preprocessing.columnar import required_files
 from preprocessing.sources import load_source
 from preprocessing.synthetic import build_synthetic_ppa
-from preprocessing.testing import small_python_source
+from tests.helpers import small_python_source
 from tests.helpers import copy_dataset, rewrite_gz
 
 

@@ -14,9 +14,9 @@ import pytest
 
 import preprocessing.pycode as pycode
 from preprocessing.ogb_layout import assign_groups, write_gz_array, write_gz_text, write_splits
-from preprocessing.pycode import build_pycode, collect_functions
-from preprocessing.source_files import RESERVED_PROJECTS, environment_files
-from preprocessing.testing import small_python_source
+from preprocessing.pycode import build_pycode
+from preprocessing.source_files import RESERVED_PROJECTS, environment_files, source_items
+from tests.helpers import small_python_source
 
 FN = "def {name}(x):\n    return x + 1\n"
 
@@ -135,6 +135,12 @@ def test_cli_environment_flag(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- helpers
+def collect_functions(sources: list[Path]):
+    """Every graph of the files, in memory: ``(graphs, parse failures, files read)``."""
+    parsed = [pycode._parse_file(item) for item in source_items([Path(s) for s in sources], False)]
+    return [g for graphs, _ in parsed for g in graphs], [r for _, r in parsed if r is not None], len(parsed)
+
+
 def _tree_digest(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}

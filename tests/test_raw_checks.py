@@ -20,7 +20,7 @@ from preprocessing.columnar import STORE_DIR, STORE_FILE, raw_fingerprint
 from preprocessing.conversion import build_store
 from preprocessing.pycode import build_pycode
 from preprocessing.synthetic import build_synthetic_ppa
-from preprocessing.testing import small_python_source
+from tests.helpers import small_python_source
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ("textwrap.py", "shlex.py", "csv.py")  # three projects: the smallest dataset with three splits

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from preprocessing.testing import small_python_source
+from tests.helpers import small_python_source
 from s3_server import s3_server  # noqa: F401  (the session's server, a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]

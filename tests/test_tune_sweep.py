@@ -55,7 +55,7 @@ def sweep_job(tmp: Path, src: Path, **tune_overrides):
 
 @pytest.fixture(scope="module")
 def sweep(ray_cluster, tmp_path_factory):
-    from preprocessing.testing import small_python_source
+    from tests.helpers import small_python_source
     from pipeline.sweep.tune import run_sweep
 
     tmp = tmp_path_factory.mktemp("sweep")

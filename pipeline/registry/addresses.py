@@ -1,11 +1,5 @@
-"""Where a registry command reads: the tracking store and the model URI, checked in seconds.
-
-``satp predict`` and ``satp models`` import torch, MLflow and the model to do their work, 10-30 s on
-a busy machine; a missing SQLite file, an unreachable server or a URI that names no version are
-known before any of that. So these checks live here, importing the standard library only, and the
-commands run them first (:mod:`pipeline.cli.registry_commands`); the loaders run them too, for
-Python callers.
-"""
+"""Where a registry command reads (the tracking store, the model URI), checked in seconds with the
+standard library only, before ``satp predict`` / ``satp models`` spend 10-30 s importing torch and MLflow."""
 from __future__ import annotations
 
 import os
@@ -18,11 +12,8 @@ HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT
 
 
 def resolve_tracking_uri(tracking_uri: Optional[str] = None) -> str:
-    """``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the project's SQLite store under ``runs/``.
-
-    A SQLite store that does not exist is an error here (MLflow would create an empty one).
-    An http(s) server gets short timeouts and no retries.
-    """
+    """``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the project's SQLite store under ``runs/``;
+    a missing SQLite store is an error (MLflow would create it); http(s) gets short timeouts, no retries."""
     from pipeline.config.train import default_tracking_uri
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
@@ -55,9 +46,8 @@ def check_reachable(uri: str) -> None:
 
 def check_model_uri(uri: str) -> None:
     """A model URI satp serves: ``models:/NAME/<version number>``, ``models:/NAME@ALIAS`` or
-    ``runs:/RUN_ID/PATH``, else one line saying what to write. MLflow reads ``models:/NAME`` alone as
-    a version-less URI (and answers that the model does not exist) and ``models:/NAME/abc`` as a
-    stage, a deprecated feature satp never uses (and answers in those terms)."""
+    ``runs:/RUN_ID/PATH``, else one line saying what to write (MLflow reads ``models:/NAME`` and
+    ``models:/NAME/abc`` in terms satp never uses)."""
     if not isinstance(uri, str) or not uri.startswith(("models:/", "runs:/")):
         raise ValueError(f"{uri!r}: expected a model URI such as models:/sat-code2@champion or models:/sat-code2/3")
     if not uri.startswith("models:/"):

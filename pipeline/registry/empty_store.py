@@ -1,17 +1,10 @@
 """A new SQLite tracking store starts as a copy of an empty one.
 
-MLflow makes a new SQLite store by running every schema migration in its history (~60 Alembic
-steps): 1.6 s of CPU on an idle 2-core machine, 3-6 s on a busy one, paid by every command, sweep
-and test that opens a store that does not exist yet. This MLflow version makes one empty store
-once, under ``$SATP_HOME/cache`` (default ``~/.satp``), and each new store is a copy of it.
-
-The copy holds MLflow's tables at their current schema and nothing else: the template's
-``Default`` experiment is deleted, so MLflow creates it when it first opens the copy, with the
-artifact root of that store. A store that exists is never touched; a copy goes to a temporary
-file first and is linked into place only where nothing appeared meanwhile (another command making
-the same store). Where any of this fails (a full disk, a read-only folder, a damaged template,
-which is made again next time), MLflow makes the store itself as before, and names what is wrong.
-"""
+MLflow makes a new SQLite store by running ~60 schema migrations (1.6-6 s of CPU); instead one empty
+store per MLflow version is made under ``$SATP_HOME/cache`` (default ``~/.satp``), its ``Default``
+experiment deleted (MLflow creates it with the store's artifact root), and each new store is a copy,
+linked into place only where nothing appeared meanwhile. An existing store is never touched; where
+any of this fails MLflow makes the store itself, and names what is wrong."""
 from __future__ import annotations
 
 import contextlib
@@ -74,17 +67,13 @@ def _template() -> Optional[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".mlflow-empty-", dir=path.parent) as folder:
         made = Path(folder) / path.name
-        _make_empty_store(made)
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        SqlAlchemyStore(f"{PREFIX}{made}", made.parent.as_uri()).engine.dispose()
+        with contextlib.closing(sqlite3.connect(made)) as db, db:
+            db.execute("DELETE FROM experiments")  # the Default experiment, with the template's artifact root
         os.replace(made, path)  # whole or absent; a concurrent maker writes the same tables
     return path if _is_empty_store(path) else None
-
-
-def _make_empty_store(path: Path) -> None:
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-    SqlAlchemyStore(f"{PREFIX}{path}", path.parent.as_uri()).engine.dispose()
-    with contextlib.closing(sqlite3.connect(path)) as db, db:
-        db.execute("DELETE FROM experiments")  # the Default experiment, with the template's artifact root
 
 
 def _is_empty_store(path: Path) -> bool:

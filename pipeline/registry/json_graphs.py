@@ -1,12 +1,9 @@
 """JSON graphs (``satp predict MODEL graphs.json`` and the pyfunc's inputs), read and checked.
 
 A graph is ``{"num_nodes": N, "edge_index": [[src...], [dst...]], ...}`` with ``edge_attr`` (ppa:
-``[E, 7]`` numbers) or ``x`` (pattern, cluster: ``[N]`` node input ids). Every value is checked
-before it reaches the model, because numpy would take a file's bytes, a float node id (``1.5``
-cast to ``1``) or an empty graph without a word and the model would then fail without naming the
-file or the graph: each problem is one line naming both (``graphs.json: graph 3: edge_index holds
-1.5; expected integer ids``).
-"""
+``[E, 7]``) or ``x`` (pattern, cluster: ``[N]`` node input ids). Every value is checked before it
+reaches the model, in one line naming the file and graph (``graphs.json: graph 3: edge_index holds
+1.5; expected integer ids``)."""
 from __future__ import annotations
 
 import json

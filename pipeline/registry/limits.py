@@ -1,29 +1,13 @@
 """What one request to a served model may ask of it: caps on its size, and a deadline.
 
-``mlflow models serve`` hands each request whole to the pyfunc model (:mod:`pipeline.registry.pyfunc`)
-in a thread, and bounds it by nothing but its answer 504 after ``MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT``
-seconds (60), while the thread works on: a valid 5.5 MB source (148,722 functions) kept a core busy
-long after the 504 and after its client had left. The model's cost per graph grows with the square of
-its nodes past a few thousand (every node attends to every node of its graph, :mod:`sat.attention`):
-one function of 15,000 statements took 19 s. So a request is refused, before any graph is built, when
-it exceeds a cap (settings: environment variables of the serving process):
-
-====================================  ==========  ================================================
-setting                               default     what
-====================================  ==========  ================================================
-``SATP_SERVE_MAX_SOURCE_BYTES``       1,000,000   bytes of Python source in one request (code2)
-``SATP_SERVE_MAX_GRAPHS``             2,000       graphs in one request (code2: one per function)
-``SATP_SERVE_MAX_GRAPH_NODES``        5,000       nodes of one graph: below it the cost per node
-                                                  stays near-constant
-``SATP_SERVE_MAX_NODES``              100,000     nodes of all graphs of one request
-====================================  ==========  ================================================
-
-The defaults are sized for one CPU core and a code2 model of ``jobs/code2.yaml`` (width 256, 4
-layers): 0.3 ms per node for graphs up to 5,000 nodes, 0.7 ms per node at 10,000; a request at the
-caps takes 15-30 s, within MLflow's 60 s. And the work stops at the deadline: the server's request
-timeout after the request came in, when MLflow has answered 504 (checked between functions and between
-batches, whose nodes are capped too: :data:`pipeline.registry.predict.BATCH_NODES`).
-"""
+``mlflow models serve`` bounds a request only by answering 504 after
+``MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT`` (60 s) while its thread works on, and the model's cost per
+graph grows with the square of its nodes. So a request is refused before any graph is built when it
+exceeds a cap (environment variables of the serving process): ``SATP_SERVE_MAX_SOURCE_BYTES``
+(1,000,000 bytes of source), ``SATP_SERVE_MAX_GRAPHS`` (2,000), ``SATP_SERVE_MAX_GRAPH_NODES``
+(5,000 nodes of one graph) and ``SATP_SERVE_MAX_NODES`` (100,000 in all): sized for one CPU core and
+``jobs/code2.yaml``'s model, 15-30 s at the caps. The work stops at the server's deadline (checked
+between functions and batches, :data:`pipeline.registry.predict.BATCH_NODES`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -72,10 +56,6 @@ class Limits:
                 raise ValueError(f"{setting}={environ.get(setting)!r}: expected a positive integer")
             values[field] = int(text)
         return cls(**values)
-
-    def budget(self) -> "Budget":
-        """A new request's account, its deadline counted from now."""
-        return Budget(self)
 
 
 class Budget:

@@ -44,7 +44,7 @@ def list_models(tracking_uri: str | None = None) -> list[dict]:
                     # format 2 (weights only) versions carry their weights' sha256; others are pickled
                     # modules (format 1, or not satp's), which satp loads only after `satp models migrate`
                     "format": 2 if WEIGHTS_TAG in tags else 1,
-                    "migrated_to": _int_or_none(tags.get("satp.migrated_to")),
+                    "migrated_to": int(tags["satp.migrated_to"]) if "satp.migrated_to" in tags else None,
                     # what differs from the registry's record (None: it serves what was registered)
                     "record": _record(client, rm.name, v, uri) if WEIGHTS_TAG in tags else None,
                 })
@@ -86,10 +86,6 @@ def _record(client, name: str, version, tracking_uri: str):
         return record_problem(version, meta, files, logged_model(client, version))
     except ValueError as exc:  # the logged model of the version's source
         return str(exc)
-
-
-def _int_or_none(text):
-    return None if text is None else int(text)
 
 
 def _num(text: str):

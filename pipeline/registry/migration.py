@@ -48,9 +48,8 @@ def _a(name: str) -> str:
 
 
 def _unpickled_module(local, uri: str):
-    """The format-1 version's pickled module (MLflow's ``mlflow.pytorch`` loader), or a one-line
-    ``ValueError`` saying what the pickle gave instead: MLflow's loader calls ``.eval()`` on whatever
-    it unpickled and fails with an ``AttributeError`` on anything but a module."""
+    """The format-1 version's pickled module, or a one-line ``ValueError`` saying what the pickle gave
+    instead (MLflow's loader calls ``.eval()`` on it)."""
     import re
 
     import mlflow.pytorch

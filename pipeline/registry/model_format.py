@@ -1,36 +1,12 @@
 """The files of a registered satp model (format 2: weights only) and its MLflow pyfunc.
 
-A logged model is an MLflow **pyfunc** model whose pyfunc artifacts are two plain files::
-
-    MLmodel                    python_function flavour: loader mlflow.pyfunc.loaders.code_model,
-                               model_code_path satp_pyfunc.py, artifacts weights + satp_model
-    satp_pyfunc.py             :data:`PYFUNC_CODE` ("models from code")
-    artifacts/weights.pt       the state dict: ``{name: tensor}``, fp32, CPU (torch.save)
-    artifacts/satp_model.json  {"format": 2, "weights_sha256": "...",
-                                "task": {"name": "code2", "max_seq_len": 5},
-                                "model_config": {...SATConfig fields...}, "vocab": [...] | null,
-                                "data_manifest_hash": "...", "git_commit": "...", "metrics": {...},
-                                "provenance": {"config_hash": "...", "git_commits": [...]},
-                                "run_name": "...", "job": {...}, "input": {...}}
-
-Why: format 1 pickled the whole ``nn.Module`` (``mlflow.pytorch``), and unpickling runs whatever
-the pickle holds, so loading a version from a shared registry ran its author's code. Now nothing
-executable is stored: :func:`read_model` rebuilds :class:`sat.SAT` from the JSON config and
-fills it with the tensors, read by ``torch.load(weights_only=True)``, PyTorch's restricted
-unpickler that only admits tensors and plain containers (a file holding anything else is
-refused). ``safetensors`` would avoid pickle framing altogether; it is not a satp dependency.
-
-The pyfunc face (``mlflow.pyfunc.load_model(uri).predict([...])``) uses MLflow's "models from
-code": the model's ``satp_pyfunc.py`` builds :class:`pipeline.registry.pyfunc.SATPyfunc` by
-importing it from the installed satp, where a ``PythonModel`` instance would be cloudpickled
-(``python_model.pkl``).
-satp's own loading (:func:`pipeline.registry.versions.load_model`) never runs that file: it reads the two
-artifacts with :func:`read_model`.
-
-``weights_sha256`` (:func:`weights_sha256`: every tensor's name, dtype, shape and bytes in name
-order) names the weights: the registry tags each version with it so that the same weights of a
-run are registered once, and :func:`read_model` refuses a weights file that does not match it.
-"""
+A logged model is an MLflow pyfunc ("models from code": ``satp_pyfunc.py``, :data:`PYFUNC_CODE`,
+which imports :class:`pipeline.registry.pyfunc.SATPyfunc`) whose artifacts are two plain files:
+``weights.pt`` (the state dict, fp32, CPU) and ``satp_model.json`` (format, ``weights_sha256``,
+task, model config, vocabulary, data hash, commit, metrics, provenance, run name, job, input).
+Nothing executable is stored: :func:`read_model` rebuilds :class:`sat.SAT` from the JSON config and
+fills it with tensors read by ``torch.load(weights_only=True)``, and refuses weights that do not
+match ``weights_sha256`` (:func:`weights_sha256`: every tensor's name, dtype, shape and bytes)."""
 from __future__ import annotations
 
 import dataclasses
@@ -163,10 +139,7 @@ def read_model(weights: Path, meta_file: Path, where: str) -> LoadedModel:
 
 
 def __getattr__(name: str):
-    """``SATPyfunc`` for the ``satp_pyfunc.py`` of versions registered while it lived here
-    (``from pipeline.registry.model_format import SATPyfunc``): stored files are never rewritten, so
-    this name keeps resolving, to :mod:`pipeline.registry.pyfunc` (imported on that first use only:
-    this module stays below the prediction code the pyfunc class uses)."""
+    """``SATPyfunc`` for the stored ``satp_pyfunc.py`` of versions registered while it lived here."""
     if name == "SATPyfunc":
         from pipeline.registry.pyfunc import SATPyfunc
 

@@ -1,37 +1,18 @@
 """Prediction from the MLflow model registry: ``satp predict`` and the Python API.
 
->>> from pipeline.registry.predict import load
 >>> model = load("models:/sat-code2@champion", tracking_uri="sqlite:////abs/runs/mlflow.db")
->>> for p in model.predict(open("some_module.py").read()):       # code2: Python source text
-...     print(p.line, p.name, p.predicted)                          # its actual name, predicted subtokens
->>> model.predict_file("some_module.py")                             # the same from a file
->>> model.predict([data, ...])                                       # SATData graphs (e.g. a ShardDataset's)
->>> model.predict_file("runs/shards/ogbg-ppa-0123abcd4567")          # a shard directory (--split test)
->>> model.predict_file("graphs.json")                                # a JSON graph file (ppa, pattern, cluster)
+>>> model.predict(open("some_module.py").read())     # code2: a FunctionPrediction per function
+>>> model.predict([data, ...])                      # SATData graphs
+>>> model.predict_file("graphs.json")               # a JSON graph file, a shard directory, a .py file
 
-Node tasks (pattern, cluster) predict one class per node: a list per graph, in the graph's node order.
-The same models serve MLflow's pyfunc interface (:class:`pipeline.registry.pyfunc.SATPyfunc`):
-``mlflow.pyfunc.load_model(uri).predict([{"source": text}])`` (code2) or ``.predict([graph, ...])``
-(JSON graphs, :meth:`Predictor.graphs_from_json`).
-
-A registered model (:mod:`pipeline.registry.versions`) carries its model config, the task
-(with the code2 vocabulary), and, under ``input``, what building its inputs
-needs: the shards' transform config and, for code2, the node-type and
-node-attribute tables of the dataset it was trained on (:func:`input_spec`).
-Python source is turned into graphs with the preprocessing package's
-Python-source -> ogbg-code2 code (:mod:`preprocessing.python_graphs`, OGB's py2graph
-rules) and the same transform (:func:`preprocessing.transforms.transform_graph`),
-and decoded exactly as the shard reader decodes training data.
-
-Errors (unknown model or alias, a model of another task, a file that is not
-valid Python, an unreachable tracking server) are ``ValueError``/``OSError``
-with a one-line message (``satp`` prints ``satp: error: ...`` and exits 2).
-"""
+Node tasks (pattern, cluster) predict a class per node, a list per graph. A registered model carries
+under ``input`` what building its inputs needs (:func:`input_spec`): the shards' transform and, for
+code2, the dataset's node-type and attribute tables; inputs are featurised exactly as training data
+(:func:`preprocessing.reader.featurise`). Errors are one-line ``ValueError`` / ``OSError``."""
 from __future__ import annotations
 
 import ast
 import dataclasses
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -50,9 +31,8 @@ JSON_TASKS = ("ppa", "pattern", "cluster")  # the tasks whose inputs are JSON gr
 
 # ----------------------------------------------------------------------------- what a model carries
 def input_spec(shard_dir: str | Path) -> dict[str, Any]:
-    """``{"input": {...}}`` to log with a model trained on ``shard_dir``: the shards' task and
-    transform config and, for code2, the dataset's node-type / node-attribute tables (in id order),
-    so that new inputs are featurised exactly as the training data."""
+    """``{"input": {...}}`` to log with a model trained on ``shard_dir``: the shards' task and transform
+    and, for code2, the dataset's node-type / attribute tables (in id order)."""
     from preprocessing.shards import read_manifest
 
     manifest = read_manifest(Path(shard_dir))
@@ -140,9 +120,8 @@ class Predictor:
     # -- graphs -> predictions
     @torch.no_grad()
     def predict_graphs(self, graphs: Sequence[Any], budget: Optional[Budget] = None) -> list:
-        """Per-graph predictions for ``SATData`` graphs: code2 subtoken lists, ppa class ids, and
-        for node tasks (pattern, cluster) a list of node classes per graph. ``budget``: a served
-        request's (its deadline is checked before each batch)."""
+        """Per-graph predictions for ``SATData`` graphs (node tasks: a list per graph); ``budget``: a served
+        request's deadline, checked before each batch."""
         from torch_geometric.data import Batch
 
         out: list = []
@@ -173,10 +152,8 @@ class Predictor:
         return self.predict_graphs(inputs)
 
     def predict_json(self, values: list[dict], where: str, budget: Optional[Budget] = None) -> list:
-        """Predictions for JSON inputs (the MLflow pyfunc's, :mod:`pipeline.registry.pyfunc`): a code2
-        model takes ``{"source": text}`` (a list of function rows each, as ``satp predict --json``),
-        the others JSON graphs (:meth:`graphs_from_json`). ``budget``: a served request's caps and
-        deadline (:mod:`pipeline.registry.limits`), checked on the whole request before any graph is built."""
+        """Predictions for the pyfunc's JSON inputs: ``{"source": text}`` for code2, else JSON graphs.
+        ``budget``: a served request's caps (checked on the whole request first) and deadline."""
         if self.task_name != "code2":
             return self.predict_graphs(self.graphs_from_json(values, where, budget)[0], budget)
         for i, value in enumerate(values):
@@ -257,27 +234,12 @@ class Predictor:
         return [FunctionPrediction(name, line, actual, list(p)) for (name, line, actual, _), p in zip(items, preds)]
 
     def _featurise(self, raws: list[dict], task: str, budget: Optional[Budget] = None) -> list:
-        """Raw graphs -> ``SATData`` through the training transform, the shard encoding and the
-        shard reader's decoding (the exact path training data took)."""
-        from preprocessing.reader import _Shard
-        from preprocessing.shards import column_specs, write_shard_file
-        from preprocessing.transforms import transform_graph
+        """Raw graphs -> ``SATData`` by the path training data took (:func:`preprocessing.reader.featurise`)."""
+        from preprocessing.reader import featurise
 
         if not raws:
             return []
-        cfg = self._transform()
-        vocab_index = {w: i for i, w in enumerate(self.vocab)} if self.vocab else None
-        rows = []
-        for raw in raws:
-            if budget is not None:
-                budget.check_time()
-            rows.append(transform_graph(raw, task, cfg, vocab_index))
-        specs = column_specs(task, cfg)
-        with tempfile.TemporaryDirectory(prefix="satp-predict-") as tmp:
-            path = Path(tmp) / "input.arrow"
-            write_shard_file(path, rows, specs)
-            shard = _Shard(path, specs)
-            return [shard.item(i) for i in range(len(rows))]
+        return featurise(raws, task, self._transform(), self.vocab, None if budget is None else budget.check_time)
 
     # -- graph files and shards
     def graphs_from_file(self, path: str | Path, split: str = "test") -> tuple[list[Any], list[str]]:
@@ -308,11 +270,9 @@ class Predictor:
         return [ds[i] for i in range(len(ds))], [f"{split}[{i}] graph {int(g)}" for i, g in enumerate(ids)]
 
     def graphs_from_json(self, values: list, where: str, budget: Optional[Budget] = None) -> tuple[list[Any], list[str]]:
-        """``(graphs, labels)`` of JSON graphs (``where``: the file or input named in errors). ppa:
-        each ``{"edge_index": [[src...], [dst...]], "edge_attr": [[7 floats], ...], "num_nodes": N}``;
-        pattern / cluster: each ``{"edge_index": [[src...], [dst...]], "x": [N node input ids],
-        "num_nodes": N}`` (undirected edges, listed once or in both directions). ``budget``: a served
-        request's caps, checked on every graph's ``num_nodes`` before any graph is built."""
+        """``(graphs, labels)`` of JSON graphs (:mod:`pipeline.registry.json_graphs`; ``where``: named in
+        errors; undirected edges, listed once or both ways). ``budget``: every graph's ``num_nodes`` is
+        checked against its caps before any graph is built."""
         self._require(JSON_TASKS, f"{where} (JSON graphs)")
         if not values:
             raise ValueError(f"{where}: no graphs (an empty list)")
@@ -380,11 +340,8 @@ def _batches(graphs: list) -> list[list]:
 
 
 def load(uri: str, tracking_uri: Optional[str] = None) -> Predictor:
-    """Load ``models:/NAME@alias``, ``models:/NAME/VERSION`` (or ``runs:/ID/model``) from the registry.
-
-    ``tracking_uri``: default ``$MLFLOW_TRACKING_URI`` or the project's SQLite store. Raises
-    ``ValueError``/``OSError`` with a one-line message.
-    """
+    """Load ``models:/NAME@alias``, ``models:/NAME/VERSION`` or ``runs:/ID/model`` (``tracking_uri``:
+    default ``$MLFLOW_TRACKING_URI`` or the project's SQLite store); errors in one line."""
     from pipeline.registry.addresses import check_model_uri, check_reachable, resolve_tracking_uri
     from pipeline.registry.versions import load_model
 

@@ -1,16 +1,9 @@
 """satp's MLflow pyfunc model: ``mlflow.pyfunc.load_model(uri).predict(inputs)`` on a registered version.
 
-A registered version's ``satp_pyfunc.py`` (:data:`pipeline.registry.model_format.PYFUNC_CODE`, MLflow's
-"models from code") imports :class:`SATPyfunc` from here and hands an instance to MLflow; its
-artifacts are read by :func:`pipeline.registry.model_format.read_model` and served by
-:class:`pipeline.registry.predict.Predictor`. The top of the registry room: it uses the prediction
-code, nothing in the registry uses it.
-
-Served (``mlflow models serve``), a request is capped and stopped at its deadline
-(:mod:`pipeline.registry.limits`), and what it is refused for is the whole answer: status 413 (a
-cap), 400 (bad input: a missing ``source``, a syntax error, a graph that is not one) or 504 (the
-deadline), its message satp's one line, without traceback or paths (:class:`RequestRefused`).
-"""
+A version's ``satp_pyfunc.py`` imports :class:`SATPyfunc` from here; it serves through
+:class:`pipeline.registry.predict.Predictor`. Served, a request is capped and stopped at its deadline
+(:mod:`pipeline.registry.limits`), and a refusal is the whole answer: 413 (a cap), 400 (bad input)
+or 504 (the deadline), with satp's one line as the message (:class:`RequestRefused`)."""
 from __future__ import annotations
 
 import json
@@ -22,15 +15,13 @@ import pydantic
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED, INVALID_PARAMETER_VALUE, REQUEST_LIMIT_EXCEEDED
 
-from pipeline.registry.limits import Limits, PastDeadline, TooLarge
+from pipeline.registry.limits import Budget, Limits, PastDeadline, TooLarge
 from pipeline.registry.model_format import read_model
 from pipeline.registry.predict import Predictor
 
 
 class ModelInput(pydantic.BaseModel):
-    """One input of the pyfunc model: Python source text (code2), or a graph in the JSON graph
-    format of ``satp predict`` (ppa: ``num_nodes``, ``edge_index``, ``edge_attr``; pattern and
-    cluster: ``num_nodes``, ``edge_index``, ``x``)."""
+    """One pyfunc input: Python source (code2) or a JSON graph as ``satp predict`` reads them."""
 
     source: Optional[str] = None
     num_nodes: Optional[int] = None
@@ -40,13 +31,9 @@ class ModelInput(pydantic.BaseModel):
 
 
 class RequestRefused(MlflowException):
-    """A request the model does not serve: answered ``status`` with ``line`` as the whole message.
-
-    MLflow's scoring server answers an ``MlflowException`` of the model with its
-    ``serialize_as_json()`` at ``get_http_status_code()``, any other exception with a generic 400
-    ("unexpected error while evaluating the model") and the traceback in ``stack_trace``. It first
-    prefixes the exception's ``message`` with the request's whole input ("Failed to predict data
-    '...'"), so both answers are built from the line kept here."""
+    """A request the model does not serve: answered ``status`` with ``line`` as the whole message
+    (MLflow's scoring server answers an ``MlflowException`` by ``serialize_as_json()`` at
+    ``get_http_status_code()``, after prefixing ``message`` with the whole input: both are built from ``line``)."""
 
     CODES = {400: INVALID_PARAMETER_VALUE, 413: REQUEST_LIMIT_EXCEEDED, 504: DEADLINE_EXCEEDED}
 
@@ -62,9 +49,7 @@ class RequestRefused(MlflowException):
 
 
 class SATPyfunc(mlflow.pyfunc.PythonModel):
-    """``mlflow.pyfunc.load_model(uri).predict(inputs)``: one prediction per input, as
-    ``satp predict --json`` gives them (code2: a list of ``{"name", "line", "actual",
-    "predicted"}`` per source; ppa: a class; pattern / cluster: a class per node)."""
+    """``mlflow.pyfunc.load_model(uri).predict(inputs)``: one prediction per input, as ``satp predict --json``."""
 
     def load_context(self, context) -> None:
         files = {name: Path(path) for name, path in context.artifacts.items()}
@@ -76,7 +61,7 @@ class SATPyfunc(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input: list[ModelInput], params: Optional[dict[str, Any]] = None):
         values = [v.model_dump(exclude_none=True) if isinstance(v, pydantic.BaseModel) else dict(v) for v in model_input]
         try:
-            return self.predictor.predict_json(values, "model input", self.limits.budget())
+            return self.predictor.predict_json(values, "model input", Budget(self.limits))
         except TooLarge as exc:
             raise RequestRefused(str(exc), 413) from None
         except PastDeadline as exc:

@@ -1,27 +1,13 @@
 """What the registry recorded for a version when it was registered, checked against what it serves.
 
-A version's two files (``weights.pt``, ``satp_model.json``) lie in the artifact store, and its tags in
-the tracking store: whoever can write there can replace the files, and through MLflow's API rewrite
-any tag, so tags and files alone can be made to agree (a version's files and tags copied from another
-version served that version's weights under this one's name, and ``satp models`` listed it as sound).
-What MLflow's API cannot change after it made them is the trust root:
-
-* the version's own fields: ``run_id`` (the run it was registered from) and ``source``
-  (``models:/<logged model id>``);
-* the logged model of that source: its ``source_run_id`` and its parameters, which MLflow writes
-  once. satp logs them before the files: the sha256 of the weights (``satp.weights_sha256``) and of
-  each file's bytes (``satp.files_sha256``).
-
-:func:`record_problem` compares the files with all of it: their ``weights_sha256`` and digests with
-the logged model's parameters (with the version's tags for versions logged before those
-parameters), the run and logged model that ``satp_model.json`` names with MLflow's fields, its
-metrics with the version's ``metric.*`` tags, and its task, data hash, commit and configuration
-hash with the tags of the same names. Loading (:func:`pipeline.registry.versions.load_model`) refuses
-a version that differs, in one line naming the version and what differs, and ``satp models`` marks
-it. A version whose artifacts are gone, or lack one of the two files, is named the same way
-(:func:`missing_files`). Only the standard library is needed here (no torch): the listing checks
-every version.
-"""
+Whoever can write the artifact and tracking stores can replace a version's files and rewrite its
+tags, so tags and files alone can be made to agree. What MLflow's API cannot change after making
+them is the trust root: the version's ``run_id`` and ``source`` (``models:/<logged model id>``), and
+that logged model's ``source_run_id`` and parameters, which satp logs before the files (the
+weights' sha256, ``satp.weights_sha256``, and each file's, ``satp.files_sha256``).
+:func:`record_problem` compares the files with all of it (and the metrics, task, data hash, commit
+and configuration hash with the version's tags); loading refuses a version that differs, in one
+line, and ``satp models`` marks it. Standard library only: the listing checks every version."""
 from __future__ import annotations
 
 import hashlib

@@ -1,18 +1,12 @@
 """MLflow tracking: one MLflow run per training run.
 
-The driver (:func:`open_run`) finds or creates the run before any worker
-starts, keyed by the tag ``satp.run_key`` (storage path + run name), so a
-resumed or retried training run keeps logging into the same MLflow run. A run
-name started over (``--restart``, :mod:`pipeline.train.rerun`) gets a new MLflow run:
-the old one is detached from the key (:func:`retire_run`) and keeps its status,
-history and registered versions. During training, Ray Train's controller logs
-each epoch once its checkpoint is registered (:mod:`pipeline.train.epoch_logger`:
-metrics and the training-curve plot), and rank 0 the system metrics
-(:class:`RankZeroLogger`). The driver closes the run (:func:`close_run`).
-"""
+The driver (:func:`open_run`) finds or creates the run before any worker starts, keyed by the tag
+``satp.run_key`` (storage path + run name), so a resumed or retried run logs into the same MLflow
+run; a run started over (``--restart``) gets a new one, the old one detached (:func:`retire_run`).
+Ray Train's controller logs each registered epoch, rank 0 the system metrics
+(:class:`RankZeroLogger`); the driver closes the run (:func:`close_run`)."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -58,13 +52,9 @@ _ERROR_ANSWERS = re.compile(r"too many (\d{3}) error responses")
 
 
 def server_failure(tracking_uri: str, exc: BaseException) -> Optional[str]:
-    """How an http(s) tracking server failed, in a few words, when ``exc`` is such a failure: an HTTP
-    5xx answer, a connection reset or refused, no answer in time; ``"its artifact store answered HTTP
-    500"`` when the request was an artifact upload or download (the server's ``mlflow-artifacts``
-    proxy). None for any other error, and for other stores.
-
-    MLflow's REST client wraps these in an ``MlflowException`` naming the URL, with requests' and
-    urllib3's exceptions behind it; requests raises some bare (an ``OSError`` without an errno)."""
+    """How an http(s) tracking server failed, in a few words (an HTTP 5xx, a connection reset or refused,
+    a timeout; ``its artifact store answered ...`` for an artifact request), or None for any other error.
+    MLflow wraps these in an ``MlflowException`` with requests' and urllib3's exceptions behind it."""
     if not tracking_uri.startswith(("http://", "https://")):
         return None
     import requests
@@ -156,27 +146,27 @@ def open_run(tracking_uri: str, experiment: str, run_key: str, run_name: str, pa
         return run_id
     run_id = mlflow_client.create_run(exp_id, run_name=run_name, tags={RUN_KEY_TAG: run_key}).info.run_id
     log_params(mlflow_client, run_id, params)
+    _log_job(mlflow_client, run_id, config_text)
+    return run_id
+
+
+def _log_job(mlflow_client, run_id: str, config_text: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "job.yaml"
         path.write_text(config_text)
         mlflow_client.log_artifact(run_id, str(path))
-    return run_id
 
 
 def _note_changed_params(mlflow_client, run, params: dict, config_text: str) -> None:
-    """A resumed run may change what does not shape its weights (``train.epochs``, ...), but MLflow
-    params are written once: each changed one gets a tag ``satp.param.<key>`` = ``new (was old)``,
-    and ``job.yaml`` is replaced by the job that now runs."""
+    """MLflow params are written once: a param a resumed run changed gets a tag ``satp.param.<key>`` =
+    ``new (was old)``, and ``job.yaml`` is replaced."""
     logged = run.data.params
     changed = {k: v for k, v in flatten(params).items() if k in logged and logged[k] != v}
     if not changed:
         return
     for key, value in changed.items():
         mlflow_client.set_tag(run.info.run_id, f"satp.param.{key}", f"{value} (was {logged[key]})"[:500])
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "job.yaml"
-        path.write_text(config_text)
-        mlflow_client.log_artifact(run.info.run_id, str(path))
+    _log_job(mlflow_client, run.info.run_id, config_text)
 
 
 def close_run(tracking_uri: str, run_id: str, status: str) -> None:
@@ -191,10 +181,8 @@ def find_training_run(tracking_uri: str, experiment: str, run_key: str):
 
 
 def retire_run(tracking_uri: str, run_id: str, run_key: str, why: str) -> None:
-    """Detach an MLflow run from its run key, so that the key's next training run gets a new one.
-
-    Its status, metrics and registered versions stay; the tags say why (``satp.retired``) and
-    the key it had (``satp.retired_run_key``)."""
+    """Detach an MLflow run from its run key (tags ``satp.retired``, ``satp.retired_run_key``), so that
+    the key's next training run gets a new one; its status, metrics and versions stay."""
     import time
 
     mlflow_client = client(tracking_uri)
@@ -222,9 +210,7 @@ def log_metrics(mlflow_client, run_id: str, metrics: dict[str, Any], step: int) 
 
 def log_curves(mlflow_client, run_id: str, history: list[dict[str, Any]], metric: str,
                target: Optional[dict[str, Any]] = None) -> None:
-    """The plots of ``history`` (replaced each epoch): ``plots/training_curves.png`` (loss and
-    metrics per epoch) and ``plots/metric_vs_time.png`` (metrics against wall-clock, with the
-    target ``{"metric", "value"}`` when the job names one)."""
+    """``plots/training_curves.png`` and ``plots/metric_vs_time.png`` (with the job's target) of ``history``."""
     try:
         with tempfile.TemporaryDirectory() as tmp:
             curves, timed = Path(tmp) / "training_curves.png", Path(tmp) / "metric_vs_time.png"
@@ -256,17 +242,12 @@ class RankZeroLogger:
                 self.monitor = None
 
     def resume(self, history: list[dict[str, Any]], epoch: int, why: str) -> int:
-        """After the workers restored the checkpoint of ``epoch`` (-1: none) with ``history``: the run's
-        segment, logged with every epoch from here on (:data:`SEGMENT`).
+        """After the workers restored the checkpoint of ``epoch`` (-1: none) with ``history``: the run's segment.
 
-        MLflow may hold epochs after ``epoch``: the checkpoints that followed were damaged (``why``)
-        and the run went back. Those values stay in MLflow (it deletes no metric values) and the
-        epochs trained again are logged at the same steps, so the run starts a new segment, says so
-        in :data:`FELL_BACK_TAG` (from which epoch to which, why, since when) and logs ``segment``
-        with each epoch's metrics, in the same batch (same step and timestamp): a value of
-        ``val_f1`` at step 1 belongs to the trajectory whose ``segment`` entry has its timestamp, and
-        in the UI the ``segment`` chart shows where the run went back. Otherwise the epochs of
-        ``history`` that MLflow missed (a failed write, a driver stopped before logging) are logged."""
+        Where MLflow holds epochs after ``epoch`` (the later checkpoints were damaged, ``why``), those values
+        stay and the epochs trained again log at the same steps: the run starts a new :data:`SEGMENT`, says
+        so in :data:`FELL_BACK_TAG` and logs ``segment`` with each epoch's metrics in the same batch.
+        Otherwise the epochs of ``history`` that MLflow missed are logged."""
         segments = self.client.get_metric_history(self.run_id, SEGMENT)
         segment = int(max(segments, key=lambda m: (m.timestamp, m.step)).value) if segments else 0
         current = segments if segments else self.client.get_metric_history(self.run_id, "epoch")
@@ -352,7 +333,3 @@ def plot_metric_vs_time(history: list[dict[str, Any]], metric: str, path: str | 
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def write_json(path: str | Path, values: dict) -> None:
-    Path(path).write_text(json.dumps(values, indent=1))

@@ -1,26 +1,13 @@
 """Logging a trained model to MLflow, registering it once, and loading it back.
 
-A logged model (format 2, :mod:`pipeline.registry.model_format`) is an MLflow pyfunc model whose files
-are the weights (a state dict of tensors, read back weights-only) and ``satp_model.json``: the
-task (vocabulary included), the model config, the metrics, the data manifest hash and the
-provenance. :func:`load_model` rebuilds :class:`sat.SAT` from them, so that
-``task.predict(model(batch))`` gives decoded predictions, and unpickles no Python object but
-tensors: a version from a shared registry runs no code of its author. Format 1
-(``mlflow.pytorch``, a pickled module) is refused with how to re-register it weights-only
-(``satp models migrate NAME``, :mod:`pipeline.cli.registry_commands`).
-
-A version is registered only for weights that no version of the same run already holds: each
-version is tagged with the weights' sha256 (``satp.weights_sha256``) and the run (``run_id``),
-and :func:`log_and_register` returns the version that holds them instead of adding a copy. Two
-commands registering the same weights at once (both found no version) both register; each then
-looks again, and the one whose version is not the first deletes it and returns the first.
-
-The recorded configuration, data hash and commit are those of the weights: the
-caller passes the ``provenance`` its checkpoint recorded (:mod:`pipeline.train.rerun`:
-the hash of the configuration that trained the weights, and the git commits of
-the code that did, one per resumed segment when it changed); ``git_commit`` is
-the last of them, not the commit of the process that happens to register.
-"""
+A logged model (format 2, :mod:`pipeline.registry.model_format`) holds the weights and
+``satp_model.json``; :func:`load_model` rebuilds :class:`sat.SAT` from them, unpickling only tensors.
+Format 1 (a pickled ``mlflow.pytorch`` module) is refused with how to re-register it
+(``satp models migrate NAME``). A version is registered only for weights that no version of the
+same run holds (tags ``satp.weights_sha256`` and the run): :func:`log_and_register` returns that
+version instead, and of two commands registering the same weights at once the later deletes its
+copy. The recorded configuration, data hash and commit are those the weights' checkpoint recorded
+(``provenance``), not the registering process's."""
 from __future__ import annotations
 
 import dataclasses
@@ -75,10 +62,8 @@ def default_model_name(job, task_name: str) -> str:
 def register(model: torch.nn.Module, *, job, task: Task, model_config: SATConfig, best: Mapping[str, Any],
              constant: Optional[float], run_id: str, tracking_uri: str, data_manifest_hash: str,
              extra: dict[str, Any], provenance: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """Register the best epoch's ``model`` of a training run or a sweep's best trial (run ``run_id``) as
-    a version of the job's model (:func:`default_model_name`), tagged with its best epoch's metrics
-    (``best`` = ``{"val", "test", "epoch"}``; ``constant``: the constant predictor's metric). Returns
-    :func:`log_and_register`'s result; whether the alias moves is the caller's (:func:`promote`)."""
+    """Register the best epoch's ``model`` of run ``run_id`` (a training run or a sweep's best trial) as a
+    version of :func:`default_model_name`, tagged with the best epoch's metrics; the alias is :func:`promote`'s."""
     metric = task.metric
     metrics = {f"best_val_{metric}": best["val"], f"best_test_{metric}": best["test"], "best_epoch": best["epoch"],
                f"constant_{metric}": constant}
@@ -103,14 +88,10 @@ def log_and_register(
     extra: Optional[dict[str, Any]] = None,
     provenance: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """Log ``model`` (+ what it needs to predict) to MLflow run ``run_id``; register it under
-    ``registered_model`` (skipped when None). Tags the version with the data manifest hash, the
-    git commit, the task, the metrics and the weights' sha256.
-
-    Returns ``{"model_uri", "registered_model", "version", "registered_uri"}`` (the last two None
-    when not registered). When a version of ``registered_model`` from the same run holds the same
-    weights, nothing is logged: that version is returned, with ``"reason"`` saying so.
-    """
+    """Log ``model`` and what it needs to predict to run ``run_id``; register it under
+    ``registered_model`` (unless None), tagged with the data hash, commit, task, metrics and weights'
+    sha256. Returns ``{"model_uri", "registered_model", "version", "registered_uri"}`` (and ``"reason"``
+    when a version of the same run already holds these weights: that one is returned)."""
 
     state = cpu_state(model)
     provenance = {k: v for k, v in (provenance or {}).items() if k in ("config_hash", "git_commits")}
@@ -143,9 +124,8 @@ def log_and_register(
 
 def register_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], tags: dict[str, str], *,
                      run_id: str, tracking_uri: str, registered_model: Optional[str]) -> dict[str, Any]:
-    """Log ``state`` + ``meta`` (format 2) to run ``run_id`` and register it as a version of
-    ``registered_model`` tagged ``tags`` and the weights' sha256, unless a version of the same run
-    holds these weights already (see :func:`log_and_register`)."""
+    """Log ``state`` + ``meta`` to run ``run_id`` and register it under ``registered_model`` (see
+    :func:`log_and_register`)."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -193,12 +173,9 @@ def version_holding(client, name: str, run_id: str, weights_sha256: str):
 
 def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id: str,
                 tracking_uri: str) -> tuple[str, str]:
-    """Log the two files as a pyfunc model built from code (:mod:`pipeline.registry.model_format`) into
-    run ``run_id``; returns its model URI and the files' digests (:func:`pipeline.registry.record.files_tag`).
-
-    The logged model is made first, so that ``satp_model.json`` names it (``model_id``), and gets the
-    weights' and the files' sha256 as parameters, which MLflow writes once: the record of the files
-    that no later tag can rewrite (:mod:`pipeline.registry.record`)."""
+    """Log the two files as a pyfunc model from code into run ``run_id``; return its URI and the files'
+    digests. The logged model is made first, so that ``satp_model.json`` names it, and gets the
+    weights' and files' sha256 as parameters, which MLflow writes once (:mod:`pipeline.registry.record`)."""
     import mlflow
     import mlflow.pyfunc
     from mlflow.tracking import MlflowClient
@@ -218,9 +195,8 @@ def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id:
 
 
 def download(uri: str, tracking_uri: Optional[str] = None, version=None) -> Path:
-    """The model's files (a local store's own folder, else a downloaded copy); a one-line
-    ``ValueError`` when there is no such model, or (``version``: its registry entry) when the
-    version's artifacts are gone."""
+    """The model's files (a local store's folder, else a downloaded copy); a one-line ``ValueError``
+    when there is no such model or (``version`` given) its artifacts are gone."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -245,14 +221,9 @@ def artifact_uri(version, tracking_uri: Optional[str] = None) -> str:
 
 
 def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
-    """Load a logged SAT model (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``, ``runs:/...``)
-    from its weights and JSON (:func:`pipeline.registry.model_format.read_model`: tensors only, no pickle).
-
-    Raises ``ValueError`` with a one-line message when the model does not exist, its artifacts or one
-    of its two files are gone, it was not logged by :func:`log_and_register`, is a format-1 (pickled)
-    model, or (a registered version) serves other files than MLflow and the registry recorded for it
-    (:mod:`pipeline.registry.record`).
-    """
+    """Load a logged SAT model (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``, ``runs:/...``) from its
+    weights and JSON. Raises a one-line ``ValueError`` when it does not exist, its files are gone, it is
+    not satp's or is format 1, or it serves other files than the registry recorded."""
     from mlflow.tracking import MlflowClient
 
     check_model_uri(uri)
@@ -314,11 +285,9 @@ def better(new: Optional[float], old: Optional[float], mode: str) -> bool:
 
 def promote(client, name: str, version: int, value: Optional[float], metric_key: str, mode: str, alias: str,
             why: str) -> dict[str, Any]:
-    """Move ``alias`` to ``version`` of ``name`` if ``value`` beats the current holder's ``metric_key`` tag.
-
-    The replaced version is tagged ``satp.replaced_by`` and ``satp.replaced_reason``; the
-    candidate is tagged ``satp.champion_decision`` either way. Returns ``{"champion", "reason"}``.
-    """
+    """Move ``alias`` to ``version`` if ``value`` beats the holder's ``metric_key`` tag, tagging
+    ``satp.replaced_by`` / ``satp.replaced_reason`` and ``satp.champion_decision``; returns
+    ``{"champion", "reason"}``."""
     from mlflow.exceptions import MlflowException
 
     current = None
