@@ -1,6 +1,6 @@
 """The machine a benchmark ran on, in the words every section of ``benchmarks/RESULTS.md`` uses:
-ratios mean something only within one run on one machine (FACTS.md: one 2-core machine had
-AVX-512 bf16, the next AVX2 only), so every section says which CPU, which flags and which GPU."""
+ratios mean something only within one run on one machine (one 2-core machine had AVX-512
+bf16, the next AVX2 only), so every section says which CPU, which flags and which GPU."""
 from __future__ import annotations
 
 import os

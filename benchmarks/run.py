@@ -6,10 +6,10 @@ default is the CPU areas below. ``BENCH=gpu`` is the GPU check (``benchmarks/gpu
 a bare GPU machine). ``BENCH=scale`` (not in the default) is the scale run of ``satp data synthetic-ppa`` +
 ``satp preprocess jobs/ppa.yaml`` at the sizes in ``SATP_SCALE_GRAPHS`` (``benchmarks/scale/data_path.py``).
 ``BENCH=startup`` (not in the default; ~15 min) times ``satp train``'s start-up cold, on a warm ``satp
-cluster`` and per trial of a sweep (``benchmarks/cpu/startup.py``; ``SATP_STARTUP_BEFORE=REF`` adds that
-ref's code side by side). ``BENCH=batch`` (not in the default; ~35-40 min on 2 cores) is the batch-size study of issue 20: per global
-batch, an ASHA lr sweep (``satp tune``) and 2 more seeds (``satp compare``), F1 against wall-clock and steps,
-and the critical batch size (``benchmarks/accuracy/batch.py``, sizes from ``SATP_BATCH_*``).
+cluster`` and per trial of a sweep (``benchmarks/cpu/startup.py``). ``BENCH=batch`` (not in the default;
+~35-40 min on 2 cores) is the batch-size study: per global batch, an ASHA lr sweep (``satp tune``) and 2
+more seeds (``satp compare``), F1 against wall-clock and steps, and the critical batch size
+(``benchmarks/accuracy/batch.py``, sizes from ``SATP_BATCH_*``).
 """
 from __future__ import annotations
 

@@ -1,44 +1,67 @@
-"""The GPU train-step benchmark's own parts (benchmarks/gpu/step.py), on CPU: its graph files and
-the job, task and model it builds, as the worker does."""
+"""The benchmarks' own parts on CPU: the shards of job-shaped graphs (benchmarks/graphs/jobs.py) the
+GPU train-step benchmark (benchmarks/gpu/step.py) measures the product's trainer on, and that
+benchmark's figures; the scale benchmark's row; the GPU accuracy parts' helpers."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from benchmarks.gpu.step import _job_parts, load_graphs, save_graphs
-from benchmarks.graphs.synthetic import code2_like_graphs, ppa_like_graphs
-from pipeline.train.loader import BatchCollator
-from sat import SAT, add_subgraph_indices
+from benchmarks.gpu.step import job_for
+from benchmarks.graphs.jobs import job_shards
+from pipeline.train.loader import BatchCollator, open_split
+from pipeline.train.plan import worker_setup
+from sat import SAT
+from sat.config import SATConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tensors(graph) -> dict:
-    return {k: v for k, v in graph.items() if torch.is_tensor(v)}
+@pytest.mark.parametrize("spec, task, classes", [({"job": "jobs/code2.yaml"}, "code2", 5002),
+                                                 ({"job": "jobs/code2.yaml", "extractor": "subgraph"}, "code2", 5002),
+                                                 ({"job": "jobs/ppa.yaml"}, "ppa", 37),
+                                                 ({"job": "jobs/pattern.yaml"}, "pattern", 2)])
+def test_job_shards_give_the_worker_setup_of_each_job_and_train(spec, task, classes, tmp_path):
+    job = job_for(dict(spec, tiny=True, node_budget=4096))
+    shards = job_shards(job, tmp_path / "shards", 6, eval_graphs=4)
+    assert job_shards(job, shards, 6) == shards  # made once, then reused
+    assert [len(open_split(shards, s)) for s in ("train", "valid", "test")] == [6, 4, 4]
+    setup = worker_setup(job, shards)
+    config = SATConfig.from_dict(setup.model_config)
+    assert setup.task_name == task and setup.job.train.node_budget == 4096 and config.num_classes == classes
+    assert config.extractor == spec.get("extractor", config.extractor)
+    from pipeline.tasks import make_task
 
-
-@pytest.mark.parametrize("kind", ["code2", "code2 k=2", "ppa"])
-def test_graph_files_read_back_every_graph_exactly(kind, tmp_path):
-    graphs = ppa_like_graphs(5, seed=1) if kind == "ppa" else code2_like_graphs(7, seed=1)
-    if kind == "code2 k=2":
-        graphs = [add_subgraph_indices(g, 2) for g in graphs]
-    save_graphs(graphs, tmp_path / "graphs.pt")
-    back = load_graphs(tmp_path / "graphs.pt")
-    assert [g.num_nodes for g in back] == [g.num_nodes for g in graphs]
-    for g, h in zip(graphs, back):
-        assert _tensors(g).keys() == _tensors(h).keys()
-        for key, value in _tensors(g).items():
-            assert h[key].dtype == value.dtype and torch.equal(h[key], value), key
-
-
-@pytest.mark.parametrize("job, task", [("code2.yaml", "code2"), ("ppa.yaml", "ppa")])
-def test_gpu_step_benchmark_trains_each_job_with_its_own_task(job, task):
-    graphs = code2_like_graphs(4, seed=0) if task == "code2" else ppa_like_graphs(4, seed=0)
-    built, config, train = _job_parts({"job": f"jobs/{job}", "node_budget": 4096, "tiny": True}, graphs)
-    assert built.name == task and train.node_budget == 4096
-    assert config.num_classes == (5002 if task == "code2" else 37)
+    built = make_task(setup.task_name, vocab=open_split(shards, "train").vocab, **setup.task_state)
     torch.manual_seed(0)
     model = SAT(config)
-    batch = BatchCollator(config)(graphs)
+    dataset = open_split(shards, "train")
+    batch = BatchCollator(config, node_targets=built.node_level)([dataset[i] for i in range(4)])
     loss = built.loss(model(batch), batch)
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.slow
+def test_gpu_step_benchmark_times_the_products_trainer_on_cpu(tmp_path):
+    """`python -m benchmarks.gpu.step` on a CPU (tiny model, ~1 min on 2 busy cores): warm-up, the
+    timed window, the profiled and the FLOP-counted steps of the product's trainer, one JSON line."""
+    spec = {"job": "jobs/pattern.yaml", "tiny": True, "max_graphs": 4, "bucket_size": 4, "node_budget": 10**6,
+            "precision": "fp32", "seconds": 0.5, "warmup": 2, "loader_workers": 0, "top_ops": 2}
+    spec["shards"] = str(job_shards(job_for(spec), tmp_path / "shards", 24))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", OUTDATED_IGNORE="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # the trainer's LocalContext sets them (a group of one on a free port)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.step", json.dumps(spec)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["steps"] >= 4 and r["graphs_per_s"] > 0 and r["graphs_per_step"] == 4 and r["step_mode"] == "eager"
+    assert 0 <= r["data_wait_frac"] < 1 and r["precision"] == "fp32" and r["flops_per_graph"] > 0
+    assert len(r["top_host_ops"]) == 2 and "host_syncs_per_step" in r
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Time to accuracy on the CPU: the batch-size study of issue 20 (``BENCH=batch``,
+"""Time to accuracy on the CPU: the batch-size study (``BENCH=batch``,
 ``python -m benchmarks.accuracy.batch``): per global batch an ASHA lr sweep and more seeds through
 ``satp tune`` / ``satp compare``, F1 against wall-clock and steps, the critical batch size. Its job
 files (:mod:`~benchmarks.accuracy.batch_jobs`), the analysis of its runs

@@ -1,4 +1,4 @@
-"""Batch-size study (issue 20, "time to accuracy"): ``BENCH=batch .venv/bin/python -m benchmarks.run``
+"""Batch-size study (time to accuracy against the global batch): ``BENCH=batch .venv/bin/python -m benchmarks.run``
 (or ``python -m benchmarks.accuracy.batch``, which prints the section without appending it).
 
 The question: the GPU job's global batch (~2,070 graphs per step over 4 workers, 65x the paper's 32)

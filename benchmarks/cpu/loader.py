@@ -171,7 +171,7 @@ def _build_shards(base: Path) -> dict[str, Path]:
 def run() -> str:
     import ray
 
-    step_ms = 60  # about a code2 step at this budget on one H200 (FACTS.md)
+    step_ms = 60  # about a code2 step at this budget on one H200 (the GPU check's step rows)
     rows = []
     with tempfile.TemporaryDirectory(prefix="satp-bench-loader-") as tmp:
         started = not ray.is_initialized()

@@ -2,11 +2,12 @@
 
 ``BENCH=model make bench`` (or ``python -m benchmarks.run`` with ``BENCH=model``) calls :func:`run`,
 which measures each configuration in a fresh subprocess (so that its peak RSS is its own) and
-returns a markdown section. Settings follow FACTS.md's "Benchmark shapes": batches of 32
-synthetic code2-shaped graphs (:mod:`benchmarks.graphs.synthetic`), 4 layers, hidden 256, 4 heads, FFN 4x,
-dropout 0.2, k=2 GCN extractor with edge features (edge dim 128), mean readout, 5 heads of 5002
-classes, AdamW, ``torch.set_num_threads(2)``. A step is forward, loss, backward and optimizer
-step; the figure is the median step time after warm-up, as graphs/s.
+returns a markdown section. The step is the product's (:func:`benchmarks.cpu.step.measure`: its
+``Trainer`` in a ``LocalContext``) on shards of synthetic code2-shaped graphs
+(:func:`benchmarks.graphs.jobs.job_shards`), 32 graphs per step, with the model of ``jobs/code2.yaml``
+at the paper's FFN 4x (4 layers, hidden 256, 4 heads, dropout 0.2, k=2 GCN extractor with edge
+features, mean readout, 5 heads of 5002 classes), AdamW, ``torch.set_num_threads(2)``; the figure is
+the median step time after warm-up, as graphs/s.
 
 One configuration alone: ``python -m benchmarks.cpu.model '{"attention": "sparse"}'``.
 """
@@ -15,15 +16,18 @@ from __future__ import annotations
 import json
 import os
 import resource
-import statistics
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.cpu import step
+
 ROOT = Path(__file__).resolve().parents[2]
+JOB = "jobs/code2.yaml"
 GRAPHS_PER_BATCH = 32
-NUM_BATCHES = 4  # distinct batches, cycled (sizes vary: the median covers them)
 
 DENSE, SPARSE, BF16, SUBGRAPH = (
     "dense, fp32, k-subtree",
@@ -31,84 +35,30 @@ DENSE, SPARSE, BF16, SUBGRAPH = (
     "dense, bf16 autocast, k-subtree",
     "dense, fp32, k-subgraph (k=2)",
 )
-# (label, spec). Timed steps cycle over the same 4 batches in every configuration (warm-up on the
-# first, then 4 or 8 steps = every batch once or twice; at least 2 once max_seconds have passed).
-# The slow sparse baseline runs last so that a busy machine still yields the other rows.
+# (label, spec): 4 or 8 timed steps, at least 2 once max_seconds have passed. The slow sparse
+# baseline runs last so that a busy machine still yields the other rows.
 CONFIGS = [
-    (DENSE, dict(attention="dense", precision="fp32", extractor="subtree", warmup=1, steps=8, max_seconds=60)),
-    (BF16, dict(attention="dense", precision="bf16", extractor="subtree", warmup=1, steps=8, max_seconds=60)),
-    (SUBGRAPH, dict(attention="dense", precision="fp32", extractor="subgraph", warmup=1, steps=4, max_seconds=60)),
-    (SPARSE, dict(attention="sparse", precision="fp32", extractor="subtree", warmup=1, steps=4, max_seconds=90)),
+    (DENSE, dict(attention="dense", precision="fp32", extractor="subtree", steps=8, max_seconds=60)),
+    (BF16, dict(attention="dense", precision="bf16", extractor="subtree", steps=8, max_seconds=60)),
+    (SUBGRAPH, dict(attention="dense", precision="fp32", extractor="subgraph", steps=4, max_seconds=60)),
+    (SPARSE, dict(attention="sparse", precision="fp32", extractor="subtree", steps=4, max_seconds=90)),
 ]
 TIME_BUDGET_S = 450.0  # the whole run stays under ~8 minutes; later rows are skipped or cut
 
 
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+def _sets(spec: dict) -> tuple[str, ...]:
+    return (f"model.attention={spec['attention']}", f"train.precision={spec['precision']}",
+            f"model.extractor={spec['extractor']}", "model.ffn_ratio=4.0",
+            f"transform.k_hops={2 if spec['extractor'] == 'subgraph' else 0}")
 
 
 def measure(spec: dict) -> dict:
     """Measure one configuration in this process; returns a dict of figures."""
-    import torch
-    from torch_geometric.data import Batch
-
-    from benchmarks.graphs.synthetic import MAX_SEQ_LEN, NUM_CLASSES, code2_like_graphs
-    from sat import SAT, SATConfig, add_subgraph_indices
-
-    torch.set_num_threads(int(spec.get("threads", 2)))
-    torch.manual_seed(0)
-    graphs = code2_like_graphs(GRAPHS_PER_BATCH * NUM_BATCHES, seed=0)
-    t0 = time.perf_counter()
-    if spec["extractor"] == "subgraph":
-        graphs = [add_subgraph_indices(g, 2) for g in graphs]
-    subgraph_s = time.perf_counter() - t0
-    batches = [
-        Batch.from_data_list(graphs[i * GRAPHS_PER_BATCH : (i + 1) * GRAPHS_PER_BATCH]) for i in range(NUM_BATCHES)
-    ]
-    config = SATConfig(
-        hidden_dim=256, num_layers=4, num_heads=4, ffn_ratio=4.0, dropout=0.2, attention=spec["attention"],
-        extractor=spec["extractor"], k_hops=2, gnn_type="gcn", use_edge_attr=True, node_encoder="code2_ast",
-        edge_encoder="linear", edge_in_dim=2, edge_dim=128, readout="mean", head="code2_sequence",
-        num_classes=NUM_CLASSES, max_seq_len=MAX_SEQ_LEN,
-    )
-    model = SAT(config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-6)
-    bf16 = spec["precision"] == "bf16"
-    rss_before = _rss_mb()
-
-    def step(batch) -> float:
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = model(batch)
-        loss = torch.nn.functional.cross_entropy(out.float().reshape(-1, NUM_CLASSES), batch.y.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        return time.perf_counter() - start
-
-    for i in range(spec["warmup"]):
-        step(batches[i % NUM_BATCHES])
-    # timed steps continue the cycle over the batches; stop early (after >= 2) past max_seconds
-    times: list[float] = []
-    begin = time.perf_counter()
-    for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
-        times.append(step(batches[i % NUM_BATCHES]))
-        if len(times) >= 2 and time.perf_counter() - begin > spec.get("max_seconds", 120.0):
-            break
-    median = statistics.median(times)
-    nodes = [b.num_nodes for b in batches]
-    return {
-        "median_step_s": median,
-        "graphs_per_s": GRAPHS_PER_BATCH / median,
-        "peak_rss_mb": _rss_mb(),
-        "rss_before_training_mb": rss_before,
-        "steps": len(times),
-        "subgraph_precompute_s": subgraph_s,
-        "nodes_per_batch": nodes,
-        "subgraph_entries_per_batch": [int(b.subgraph_node_index.numel()) for b in batches]
-        if spec["extractor"] == "subgraph"
-        else None,
-    }
+    r = step.measure(JOB, GRAPHS_PER_BATCH, "eager", spec["shards"], spec["steps"], _sets(spec), profile=False,
+                     max_seconds=spec.get("max_seconds", 120.0))
+    return {"median_step_s": r["step_ms"] / 1000, "graphs_per_s": GRAPHS_PER_BATCH * 1000 / r["step_ms"],
+            "peak_rss_mb": r["peak_rss_mb"], "rss_before_training_mb": r["rss_before_training_mb"], "steps": r["steps"],
+            "nodes_per_batch": r["nodes"]}
 
 
 def _available_bytes() -> int | None:
@@ -131,7 +81,9 @@ def _memory_guard() -> None:
 
 
 def _measure_in_subprocess(spec: dict, timeout: float = 300.0) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(spec.get("threads", 2)), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # the trainer's LocalContext sets them
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.cpu.model", json.dumps(spec)],
@@ -150,24 +102,27 @@ def run() -> str:
     results = []
     load_start = os.getloadavg()[0]
     start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="satp-bench-model-"))
     for label, spec in CONFIGS:
         left = TIME_BUDGET_S - (time.perf_counter() - start)
         if left < 30:
             results.append((label, spec, {"error": "skipped (benchmark time budget spent)"}))
             continue
         print(f"   model bench: {label} ...", flush=True)
+        spec = dict(spec, shards=step.shards_for(JOB, GRAPHS_PER_BATCH, 8, work, _sets(spec)))
         res = _measure_in_subprocess(spec, timeout=min(360.0, left))
         print(f"   {res}", flush=True)
         results.append((label, spec, res))
+    shutil.rmtree(work, ignore_errors=True)
     lines = [
         "### Model: SAT train step on code2-shaped batches",
         "",
         "Command: `BENCH=model make bench` (one configuration: "
         "`.venv/bin/python -m benchmarks.cpu.model '{\"attention\": \"sparse\"}'`).",
-        f"Batches of {GRAPHS_PER_BATCH} synthetic code2-shaped graphs (`benchmarks/graphs/synthetic.py`, seed 0; "
-        f"{NUM_BATCHES} distinct batches cycled); SAT with 4 layers, hidden 256, 4 heads, FFN 4x, dropout 0.2, "
-        "k=2 GCN extractor with edge features (edge dim 128), mean readout, 5 x 5002-class heads, AdamW, "
-        "2 threads. Step = forward + loss + backward + optimizer step; median after warm-up; "
+        f"{GRAPHS_PER_BATCH} random synthetic code2-shaped graphs per step (`benchmarks/graphs/jobs.py`, seed 0); "
+        "the model of `jobs/code2.yaml` with FFN 4x (4 layers, hidden 256, 4 heads, dropout 0.2, k=2 GCN extractor "
+        "with edge features, mean readout, 5 x 5002-class heads), AdamW, 2 threads. Step = the product's trainer "
+        "step (`benchmarks/cpu/step.py`: `Trainer` in a `LocalContext`, DeepSpeed); median after warm-up; "
         "each row in a fresh process (peak RSS = ru_maxrss of that process). "
         f"Load average (1 min) at start: {load_start:.1f}, at end: {os.getloadavg()[0]:.1f} (timings are only meaningful on an idle machine).",
         "",
@@ -201,14 +156,10 @@ def run() -> str:
         lines.append(f"bf16 autocast / fp32 (dense): {bf16['graphs_per_s'] / dense['graphs_per_s']:.2f}x.")
     sub = by_label.get(SUBGRAPH)
     if sub and dense:
-        lines.append(
-            f"k-subgraph vs k-subtree peak RSS (dense, fp32): {sub['peak_rss_mb'] / 1024:.2f} GB vs "
-            f"{dense['peak_rss_mb'] / 1024:.2f} GB; subgraph entries per batch {sub['subgraph_entries_per_batch']} "
-            f"(nodes {sub['nodes_per_batch']}); 2-hop index precompute {sub['subgraph_precompute_s']:.1f} s "
-            f"for {GRAPHS_PER_BATCH * NUM_BATCHES} graphs."
-        )
+        lines.append(f"k-subgraph vs k-subtree peak RSS (dense, fp32): {sub['peak_rss_mb'] / 1024:.2f} GB vs "
+                     f"{dense['peak_rss_mb'] / 1024:.2f} GB.")
     lines.append(
-        "Reference (FACTS.md, the SAT authors' code on this 2-core CPU, same settings): dense fp32 8.4 graphs/s "
+        "Reference (the SAT authors' code on a 2-core CPU, their loader, 32 graphs per batch): dense fp32 8.4 graphs/s "
         "(6.1 GB), bf16 13.4 graphs/s, sparse 1.8 graphs/s (19.6 GB), k-subgraph 3.0 graphs/s (8.6 GB)."
     )
     return "\n".join(lines)
@@ -216,8 +167,10 @@ def run() -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1:
-        spec = {"attention": "dense", "precision": "fp32", "extractor": "subtree", "warmup": 2, "steps": 8}
+        spec = {"attention": "dense", "precision": "fp32", "extractor": "subtree", "steps": 8}
         spec.update(json.loads(sys.argv[1]))
+        if "shards" not in spec:  # one configuration alone: its shards made here, kept in runs/bench-model
+            spec["shards"] = step.shards_for(JOB, GRAPHS_PER_BATCH, 8, ROOT / "runs" / "bench-model", _sets(spec))
         print(json.dumps(measure(spec)))
     else:
         print(run())

@@ -4,10 +4,8 @@ per trial of an 8-trial ``satp tune`` sweep; with the phases of the run's own st
 (:mod:`pipeline.train.startup`).
 
 The job is ``jobs/pattern-local.yaml`` (its data built once beforehand, not timed), one epoch, 2 CPU
-workers; the sweep samples ``train.lr`` over 8 trials of 1 epoch, one at a time. Set
-``SATP_STARTUP_BEFORE`` to a git ref (e.g. a commit before the warm path) to measure that code side
-by side in the same session: it runs from a temporary worktree of the ref, cold only (it had no
-``satp cluster``). Every command runs in its own process; no other benchmark runs meanwhile.
+workers; the sweep samples ``train.lr`` over 8 trials of 1 epoch, one at a time. Every command runs
+in its own process; no other benchmark runs meanwhile.
 """
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "jobs" / "pattern-local.yaml"
@@ -27,30 +24,29 @@ TRIALS = 8
 LINE = re.compile(r"start-up ([0-9.]+) s to the first step: (.*)")
 
 
-def _job_file(base: Path, checkout: Path = ROOT) -> Path:
-    """``checkout``'s pattern-local (its own keys: an older ref may lack newer ones) with every path
-    under ``base``, 1 epoch, and a tune section of 8 lr trials."""
+def _job_file(base: Path) -> Path:
+    """pattern-local with every path under ``base``, 1 epoch, and a tune section of 8 lr trials."""
     import yaml
 
-    raw = yaml.safe_load((checkout / JOB.relative_to(ROOT)).read_text())
+    raw = yaml.safe_load(JOB.read_text())
     raw["data"]["root"] = str(base / "data")
     raw["shards"]["root"] = str(base / "shards")
     raw["train"].update(epochs=1, storage_path=str(base / "ray"), eval_every=1)
     raw["mlflow"].update(tracking_uri=f"sqlite:///{base / 'mlflow.db'}", registered_model="sat-startup-bench")
     raw["tune"] = {"name": "startup-sweep", "num_samples": TRIALS, "metric": "val_acc", "mode": "max",
                    "max_concurrent_trials": 1, "seed": 0,
-                   "storage_path": str(base / ("tune" if checkout == ROOT else "tune-before")),  # its own sweep
+                   "storage_path": str(base / "tune"),
                    "asha": {"grace_period": 1, "reduction_factor": 2, "max_epochs": 1},
                    "space": {"train.lr": {"loguniform": [1e-4, 1e-2]}}}
-    path = base / ("startup.yaml" if checkout == ROOT else "startup-before.yaml")
+    path = base / "startup.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
 
-def _satp(args: list[str], env: dict, cwd: Path, python: str = sys.executable) -> tuple[float, str]:
+def _satp(args: list[str], env: dict) -> tuple[float, str]:
     started = time.monotonic()
-    proc = subprocess.run([python, "-m", "pipeline.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=1800)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1800)
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise RuntimeError(f"satp {' '.join(args)} failed ({proc.returncode}): {out[-1500:]}")
@@ -67,18 +63,18 @@ def _env(home: Path) -> dict:
     return env
 
 
-def _train(job: Path, name: str, env: dict, cwd: Path, python: str = sys.executable) -> tuple[float, float, str]:
+def _train(job: Path, name: str, env: dict) -> tuple[float, float, str]:
     """(to the first step, the command's wall time, phases) of one 1-epoch ``satp train``."""
     wall, out = _satp(["train", str(job), "--no-progress", "--no-register", "--restart",
-                       "--set", f"train.run_name={name}"], env, cwd, python)
+                       "--set", f"train.run_name={name}"], env)
     found = _startups(out)
     if not found:
         raise RuntimeError(f"no start-up line in satp train's output: {out[-1500:]}")
     return found[-1][0], wall, found[-1][1]
 
 
-def _sweep(job: Path, env: dict, cwd: Path, python: str = sys.executable) -> tuple[float, list[float]]:
-    wall, out = _satp(["tune", str(job), "--no-progress"], env, cwd, python)
+def _sweep(job: Path, env: dict) -> tuple[float, list[float]]:
+    wall, out = _satp(["tune", str(job), "--no-progress"], env)
     return wall, [seconds for seconds, _ in _startups(out)]
 
 
@@ -99,53 +95,33 @@ def _wait_warm(home: Path) -> float:
             os.environ["SATP_HOME"] = saved
 
 
-def _before_checkout(ref: str, base: Path) -> Path:
-    where = base / "before"
-    subprocess.run(["git", "worktree", "add", "--detach", str(where), ref], cwd=ROOT, check=True, capture_output=True)
-    return where
-
-
 def run() -> str:
-    before_ref = os.environ.get("SATP_STARTUP_BEFORE")
     rows: list[str] = []
     with tempfile.TemporaryDirectory(prefix="satp-startup-") as tmp:
         base = Path(tmp)
         job = _job_file(base)
         cold_home, warm_home = base / "no-cluster", base / "home"
         cold_home.mkdir()
-        _satp(["preprocess", str(job), "--no-progress"], _env(cold_home), ROOT)  # data and shards: not timed
-        before_dir: Optional[Path] = None
+        _satp(["preprocess", str(job), "--no-progress"], _env(cold_home))  # data and shards: not timed
         try:
-            if before_ref:
-                before_dir = _before_checkout(before_ref, base)
-                before_job = _job_file(base, before_dir)
-                seconds, wall, phases = _train(before_job, "before-cold", _env(cold_home), before_dir)
-                rows.append(f"| before ({before_ref}), cold | {seconds:.1f} | {wall:.1f} | {phases} |")
-            seconds, wall, phases = _train(job, "cold", _env(cold_home), ROOT)
+            seconds, wall, phases = _train(job, "cold", _env(cold_home))
             rows.append(f"| cold (no satp cluster) | {seconds:.1f} | {wall:.1f} | {phases} |")
             started = time.monotonic()
-            _satp(["cluster", "start", "--no-dashboard"], _env(warm_home), ROOT)
+            _satp(["cluster", "start", "--no-dashboard"], _env(warm_home))
             cluster_s = time.monotonic() - started
             for i in (1, 2):
                 refill = _wait_warm(warm_home)
-                seconds, wall, phases = _train(job, f"warm{i}", _env(warm_home), ROOT)
+                seconds, wall, phases = _train(job, f"warm{i}", _env(warm_home))
                 rows.append(f"| warm, command {i} on the satp cluster (pool refilled in {refill:.0f} s before it) | "
                             f"{seconds:.1f} | {wall:.1f} | {phases} |")
             _wait_warm(warm_home)
-            sweep_wall, trials = _sweep(job, _env(warm_home), ROOT)
-            if before_dir is not None:
-                before_wall, before_trials = _sweep(before_job, _env(cold_home), before_dir)
+            sweep_wall, trials = _sweep(job, _env(warm_home))
         finally:
-            _satp(["cluster", "stop"], _env(warm_home), ROOT)
-            if before_dir is not None:
-                subprocess.run(["git", "worktree", "remove", "--force", str(before_dir)], cwd=ROOT, capture_output=True)
+            _satp(["cluster", "stop"], _env(warm_home))
     later = sorted(trials[1:])
     sweep = (f"`satp tune` of {TRIALS} one-epoch trials on the satp cluster: {sweep_wall:.0f} s in all; trial start-up "
              f"(to its first step) {trials[0]:.1f} s for the first, then median {later[len(later) // 2]:.1f} s, "
              f"max {later[-1]:.1f} s (all: {', '.join(f'{t:.1f}' for t in trials)})")
-    if before_dir is not None:
-        sweep += (f"; before ({before_ref}), cold: {before_wall:.0f} s in all, trials "
-                  f"{', '.join(f'{t:.1f}' for t in before_trials)}")
     shutil.rmtree(base, ignore_errors=True)
     return "\n".join([
         "### Start-up: `satp train` to its first step (`BENCH=startup`)",

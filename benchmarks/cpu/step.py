@@ -1,39 +1,41 @@
 """Step cost on the CPU: operators per training step and host time per step, eager vs padded vs
-compiled (issue 29). ``BENCH=step make bench`` calls :func:`run`; ``python -m benchmarks.cpu.step
-[JOB ...]`` prints the table for the given job files (default: ``jobs/pattern.yaml`` and
-``jobs/code2.yaml``).
+compiled. ``BENCH=step make bench`` calls :func:`run`; ``python -m benchmarks.cpu.step [JOB ...]``
+prints the table for the given job files (default: ``jobs/pattern.yaml`` and ``jobs/code2.yaml``).
 
 On a GPU a step of SAT costs what the host takes to dispatch its operators (~14 us each, ~3,200 per
-PATTERN step: FACTS.md), whatever the batch; the CPU shows the same dispatch cost when the
-arithmetic is negligible. So each job's own model (its ``model`` section, its task's encoders and
-head; :mod:`benchmarks.graphs.jobs`) is measured on two batches:
+PATTERN step: the GPU check's kernel counts), whatever the batch; the CPU shows the same dispatch cost when
+the arithmetic is negligible. So each job's own model and task is measured on shards of its layout
+(:func:`benchmarks.graphs.jobs.job_shards`) at two batch sizes:
 
-* ``1 graph``: one graph of the job's data (a PATTERN graph has ~118 nodes): the host-bound proxy
-  of the GPU's step, where the issue's target is compiled <= 1/3 of eager;
+* ``1 graph``: one graph per step (a PATTERN graph has ~118 nodes): the host-bound proxy of the
+  GPU's step, where the target is compiled <= 1/3 of eager;
 * ``32 graphs``: the paper's batch, where the CPU's arithmetic dominates.
 
-and three steps (forward, the task's loss, backward, ``torch.optim.AdamW`` (foreach), as
-:class:`pipeline.train.step.TrainStep` runs them, without DeepSpeed's wrappers):
+The step is the product's: :class:`pipeline.train.trainer.Trainer` in a
+:class:`pipeline.train.context.LocalContext` (its loader with one worker process, its DeepSpeed
+engine, fp32), one micro-batch per step, in each ``train.step``:
 
-* ``eager``: the batch as it is (today's default);
-* ``static``: the batch padded to a fixed capacity (:mod:`sat.padding`), eager;
-* ``compiled``: padded, and the model compiled for that shape (``model.compile(dynamic=False)``).
+* ``eager``: the batch as it is;
+* ``static``: the batch padded to the run's fixed capacity (:mod:`pipeline.train.capacity`), eager;
+* ``compiled``: padded, and the model compiled for that shape.
 
-Figures per row: aten operators dispatched per step from outside another operator (``torch.profiler``,
-one step: from Python, from autograd's engine in the backward pass, or from a compiled graph's wrapper,
-i.e. its extern kernels; the compiled graph's own fused kernels are not operators), median wall ms per
-step over the timed steps, and for ``compiled`` the one-time compilation (first two steps) in seconds
-(less when Inductor's cache has the graph). Each row runs in
-its own process (``torch.set_num_threads(2)``), one after the other on the same machine: ratios
+Figures per row: aten operators dispatched per step from outside another operator (``torch.profiler``
+over the third step: from Python, from autograd's engine in the backward pass, or from a compiled
+graph's wrapper, i.e. its extern kernels; the compiled graph's own fused kernels are not operators),
+median wall ms between the trainer's ``on_step`` calls over the timed steps, and for ``compiled`` the
+first two steps' seconds (the compilation; less when Inductor's cache has the graph). Each row runs
+in its own process (``torch.set_num_threads(2)``), one after the other on the same machine: ratios
 compare within one run only.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,61 +44,76 @@ JOBS = ("jobs/pattern.yaml", "jobs/code2.yaml")
 MODES = ("eager", "static", "compiled")
 SIZES = (1, 32)
 TIMED_STEPS = int(os.environ.get("SATP_BENCH_STEP_STEPS", "20"))
+WARMUP = 2  # steps before the profiled one (compilation, capacities' first use)
 
 
-def measure(job_path: str, graphs: int, mode: str, steps: int = TIMED_STEPS) -> dict:
-    """One row: the job's model on a batch of ``graphs`` graphs, stepped in ``mode``."""
-    import torch
-    from torch_geometric.data import Batch
-
-    from benchmarks.graphs.jobs import job_graphs
+def _job(job_path: str, graphs: int, mode: str, storage: str | Path, sets: tuple[str, ...] = ()):
     from pipeline.config import load_job
-    from sat import SAT
-    from sat.layout import GraphLayout
-    from sat.padding import Capacity, batch_counts, pad_batch
 
-    torch.set_num_threads(2)
+    return load_job(ROOT / job_path, [
+        f"train.step={mode}", f"train.max_graphs_per_batch={graphs}", f"train.bucket_size={graphs}",
+        "train.node_budget=1000000", "train.micro_batches_per_step=1", "train.loader_workers=1", "train.precision=fp32",
+        f"train.storage_path={storage}", "resources.use_gpu=false", "resources.num_workers=1",
+        "resources.cpus_per_worker=2", "mlflow.enabled=false", *sets])
+
+
+def shards_for(job_path: str, graphs: int, steps: int, work: Path, sets: tuple[str, ...] = ()) -> str:
+    """Shards of the job's layout with enough graphs for :func:`measure`'s steps in one epoch."""
+    from benchmarks.graphs.jobs import job_shards
+
+    job = _job(job_path, graphs, "eager", work, sets)
+    return str(job_shards(job, work / f"{Path(job_path).stem}-{graphs}-k{job.transform.k_hops}",
+                          graphs * (WARMUP + steps + 4)))
+
+
+class _Stop(Exception):
+    pass
+
+
+def measure(job_path: str, graphs: int, mode: str, shards: str, steps: int = TIMED_STEPS, sets: tuple[str, ...] = (),
+            profile: bool = True, max_seconds: float = float("inf")) -> dict:
+    """One row: the product's trainer on ``shards`` at ``graphs`` graphs per step, in ``mode`` (``sets``:
+    more settings of the job); ``steps`` timed steps, fewer (at least 2) once ``max_seconds`` have passed."""
+    import resource
+
+    import numpy as np
+    import torch
+
+    from pipeline.train.context import LocalContext
+    from pipeline.train.loader import open_split
+    from pipeline.train.plan import worker_setup
+    from pipeline.train.trainer import Trainer
+
     torch.manual_seed(0)
-    job = load_job(ROOT / job_path)
-    items, task, config = job_graphs(job, max(graphs, 4), seed=0)
-    cls_token = config.readout == "cls"
-    batch = Batch.from_data_list(items[:graphs])
-    if mode == "eager":
-        batch.graph_layout = GraphLayout.from_sizes(torch.diff(batch.ptr), cls_token=cls_token)
-    else:  # room as a capacity chosen from many batches leaves it: a quarter more of everything
-        counts = batch_counts(batch)
-        grow = {k: (v + v // 4 + 1 if v else 0) for k, v in counts.items()}
-        capacity = Capacity(nodes=grow["nodes"] + 1, edges=grow["edges"], graphs=grow["graphs"],
-                            graph_nodes=counts["graph_nodes"], subgraph_entries=grow["subgraph_entries"],
-                            subgraph_edges=grow["subgraph_edges"])
-        batch = pad_batch(batch, capacity, task.node_level, cls_token)
-    model = SAT(config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    compile_s = 0.0
-    if mode == "compiled":
-        model.compile(dynamic=False)
+    stamps: list[float] = []
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
-    def step() -> None:
-        out = model(batch, validate=False)
-        task.loss(out, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def on_step(trainer, global_step: int) -> None:
+        stamps.append(time.perf_counter())
+        if global_step == WARMUP and profile:
+            profiler.__enter__()
+        elif global_step == WARMUP + 1 and profile:
+            profiler.__exit__(None, None, None)
+        elif global_step == WARMUP + 2 + steps or (global_step >= WARMUP + 4 and stamps[-1] - stamps[WARMUP + 1] > max_seconds):
+            raise _Stop
 
-    start = time.perf_counter()
-    for _ in range(2):  # warm-up (and compilation)
-        step()
-    if mode == "compiled":
-        compile_s = time.perf_counter() - start
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
-    operators = sum(1 for e in prof.events() if _dispatched(e))
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        times.append(1000 * (time.perf_counter() - t))
-    return {"job": job_path, "graphs": graphs, "nodes": int(batch_counts(batch)["nodes"]), "mode": mode,
-            "operators": operators, "step_ms": statistics.median(times), "compile_s": compile_s}
+    with tempfile.TemporaryDirectory(prefix="satp-bench-step-") as tmp:
+        (Path(tmp) / "run").mkdir()
+        trainer = Trainer(worker_setup(_job(job_path, graphs, mode, tmp, sets), shards), LocalContext(Path(tmp) / "run"),
+                          on_step=on_step)
+        torch.set_num_threads(2)
+        rss_before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        started = time.perf_counter()
+        try:
+            trainer.train_epoch(0)
+        except _Stop:
+            pass
+    sizes = np.asarray(open_split(shards, "train").num_nodes)
+    times = [1000 * (b - a) for a, b in zip(stamps[WARMUP + 1:], stamps[WARMUP + 2:])]
+    return {"job": job_path, "graphs": graphs, "nodes": int(sizes[trainer.batches.step(0, WARMUP)[0]].sum()), "mode": mode,
+            "operators": sum(1 for e in profiler.events() if _dispatched(e)) if profile else None,
+            "step_ms": statistics.median(times), "steps": len(times), "compile_s": stamps[1] - started,
+            "rss_before_training_mb": rss_before_mb, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def _dispatched(event) -> bool:
@@ -113,11 +130,13 @@ def _dispatched(event) -> bool:
     return True
 
 
-def _in_subprocess(job_path: str, graphs: int, mode: str) -> dict:
+def _in_subprocess(job_path: str, graphs: int, mode: str, shards: str) -> dict:
     code = ("import json, sys; from benchmarks.cpu.step import measure; "
-            "print('RESULT ' + json.dumps(measure(sys.argv[1], int(sys.argv[2]), sys.argv[3])))")
-    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", code, job_path, str(graphs), mode], cwd=ROOT, env=env,
+            "print('RESULT ' + json.dumps(measure(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])))")
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # the trainer's LocalContext sets them (a group of one on a free port)
+    proc = subprocess.run([sys.executable, "-c", code, job_path, str(graphs), mode, shards], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -128,18 +147,27 @@ def _in_subprocess(job_path: str, graphs: int, mode: str) -> dict:
 def table(jobs=JOBS) -> str:
     rows = ["| job | batch | nodes | step | operators / step | ms / step | vs eager | compile (s) |",
             "|---|---|---|---|---|---|---|---|"]
+    work = Path(tempfile.mkdtemp(prefix="satp-bench-step-shards-"))
+    try:
+        _rows(jobs, work, rows)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return "\n".join(rows)
+
+
+def _rows(jobs, work: Path, rows: list[str]) -> None:
     for job_path in jobs:
         for graphs in SIZES:
             eager_ms = None
+            shards = shards_for(job_path, graphs, TIMED_STEPS, work)
             for mode in MODES:
-                r = _in_subprocess(job_path, graphs, mode)
+                r = _in_subprocess(job_path, graphs, mode, shards)
                 eager_ms = r["step_ms"] if mode == "eager" else eager_ms
                 compile_s = f"{r['compile_s']:.0f}" if mode == "compiled" else "-"
                 rows.append(f"| {Path(job_path).name} | {graphs} graph{'s' if graphs > 1 else ''} | {r['nodes']} | "
                             f"{mode} | {r['operators']:,} | {r['step_ms']:.1f} | {r['step_ms'] / eager_ms:.2f} | "
                             f"{compile_s} |")
                 print(rows[-1], flush=True)
-    return "\n".join(rows)
 
 
 def run() -> str:
@@ -147,8 +175,8 @@ def run() -> str:
 
     return ("### Step cost: operators and host time per training step, eager vs padded vs compiled (CPU)\n\n"
             f"Command: `BENCH=step make bench` (`benchmarks/cpu/step.py`; {TIMED_STEPS} timed steps per row, "
-            f"median; 2 threads; CPU flags: {cpu_flags()}; forward + the task's loss + backward + AdamW foreach, "
-            "no DeepSpeed; each row in its own process).\n\n" + table())
+            f"median; 2 threads; CPU flags: {cpu_flags()}; the product's `Trainer` in a `LocalContext`, fp32, one "
+            "micro-batch per step; each row in its own process).\n\n" + table())
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ waste of the node-budget batches (dense attention cells).
 
 Data: the offline Python-source dataset of `jobs/code2-local.yaml`'s kind, restricted to a few
 standard-library packages so the run takes a couple of minutes; model and batching from
-`jobs/code2-local.yaml`. Padding is also reported on code2-shaped synthetic sizes (FACTS.md:
-lognormal mean 125, sigma 0.75, clipped to [10, 1000], seed 0) at the paper job's node budget.
+`jobs/code2-local.yaml`. Padding is also reported on code2-shaped synthetic sizes (ogbg-code2's
+node counts as a lognormal: mean 125, sigma 0.75, clipped to [10, 1000], seed 0) at the paper job's node budget.
 """
 from __future__ import annotations
 

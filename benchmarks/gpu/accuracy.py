@@ -1,5 +1,5 @@
 """GPU check, parts ``pattern``, ``cluster`` and ``code2batch`` (``benchmarks/gpu/run.sh PART``): time to
-accuracy on one GPU (issue 20), through ``satp train`` as a user runs it.
+accuracy on one GPU, through ``satp train`` as a user runs it.
 
 Each part works in ``SATP_ACC_DIR`` (default ``runs/gpu-PART``, git-ignored, kept between calls on a warm
 machine): data and shards are built once and reused, and every training run has a fixed name there, so
@@ -31,7 +31,7 @@ Variants (environment; the default is the job file's settings, i.e. what users g
 - ``SATP_ACC_TARGET`` (default 0.865 / 0.774), ``SATP_ACC_METRIC`` (default ``val_acc``);
 - ``SATP_ACC_RESTART=1``: train the run again from scratch (``satp train --restart``).
 
-``code2batch``: the batch question of issue 20 on one GPU. A code2-scale corpus is built on the machine
+``code2batch``: the batch-size question (the job's large global batch against the paper's 32 graphs) on one GPU. A code2-scale corpus is built on the machine
 from the image's own packages (``satp data pycode --source DIR ...``; the packages of
 ``SATP_CODE2BATCH_PACKAGES``, default torch, sympy, networkx, scipy, pandas, numpy: ~87k functions
 outside their test directories by a count of ``def`` lines in satp's venv, ~158k with them,

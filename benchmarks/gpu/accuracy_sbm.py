@@ -157,7 +157,7 @@ def run_sbm(part: str) -> str:
               f"Target: `--set train.target.metric={metric_key} --set train.target.value={target_value:g}`: the run stops at the "
               f"first evaluation whose {metric_key} reaches {target_value:g} (MLPerf's rule: the held-out evaluation metric "
               "decides, the test split never stops a run); reported: the test accuracy at the best validation epoch. "
-              f"Issue 20's target: test accuracy >= {100 * spec['target']:.1f} within {spec['target_s'] // 60} minutes "
+              f"The target: test accuracy >= {100 * spec['target']:.1f} within {spec['target_s'] // 60} minutes "
               f"(paper, k-subtree SAT: GCN {spec['paper_gcn']}, PNA {spec['paper_pna']}).", ""]
     lines += [f"- {n}" for n in notes] + ([""] if notes else [])
     lines += STEP_HEADER

@@ -3,8 +3,8 @@ part per run, each sized to one device session, each returning its own markdown 
 benchmarks/RESULTS.md. ``SATP_GPU_PART`` picks it (run.sh's argument):
 
 - ``perf`` (the default; this module, items 1-4 below): parity, step benchmarks, the pipeline;
-- ``first`` (:mod:`benchmarks.gpu.first`): issue 35's two questions in one session: PATTERN's step at 32
-  graphs, eager vs compiled vs captured, then ``jobs/pattern.yaml`` to val_acc 0.865 in the fastest mode;
+- ``first`` (:mod:`benchmarks.gpu.first`): two questions in one session: PATTERN's step at 32 graphs,
+  eager vs compiled vs captured, then ``jobs/pattern.yaml`` to val_acc 0.865 in the fastest mode;
 - ``steps`` (:mod:`benchmarks.gpu.steps`): eager vs compiled vs captured training steps (``train.step``)
   on PATTERN and code2 at two batch sizes each, step time against kernel time, and ``satp train``'s
   start-up breakdown with cold and warm compile caches;
@@ -28,11 +28,10 @@ The ``perf`` part:
 1. Parity: the CUDA tests (``tests/test_model_gpu.py``: packed ``varlen`` vs padded ``dense`` vs
    ``sparse`` attention, outputs and gradients; ``tests/test_train_gpu.py``: no host
    synchronisation in a training step, the model's and the worker's through DeepSpeed).
-2. Train-step benchmark (:mod:`benchmarks.gpu.step`, one process per row) on code2-shaped
-   synthetic graphs (:mod:`benchmarks.graphs.synthetic`, FACTS.md's shapes) with the model of
+2. Train-step benchmark (:mod:`benchmarks.gpu.step`: the product's trainer, one process per row) on
+   shards of code2-shaped synthetic graphs (:func:`benchmarks.graphs.jobs.job_shards`) with the model of
    ``jobs/code2.yaml``: bf16 and fp32, k-subtree and k-subgraph (k=2), several node budgets, and
-   batches of 32 graphs for comparison with the SAT authors' code (FACTS.md: 299 graphs/s fp32 and
-   6.2 GB; k-subgraph 9.0 GB, on an H200).
+   batches of 32 graphs for comparison with the SAT authors' code (:data:`REFERENCE`).
 3. The train-step benchmark on ogbg-ppa-shaped synthetic graphs with the model and task of
    ``jobs/ppa.yaml``, at its node budget and a larger one (ppa's budget has no other GPU figure).
 4. The real pipeline on one GPU: ``satp data pycode`` -> ``satp preprocess`` -> ``satp train``
@@ -64,14 +63,15 @@ from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _finish, _last_line, _p
 PARTS = ("perf", "first", "steps", "scale", "multirank", "tune", "pattern", "cluster", "code2batch")
 PART = os.environ.get("SATP_GPU_PART") or "perf"
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S", "420"))
-SYNTHETIC_GRAPHS = 256 if DRY_RUN else 16384  # code2-shaped graphs for the k-subtree rows (cycled over epochs)
-SUBGRAPH_GRAPHS = 128 if DRY_RUN else 4096  # with 2-hop subgraph indices precomputed on the CPU
+SYNTHETIC_GRAPHS = 256 if DRY_RUN else 16384  # code2-shaped graphs for the k-subtree rows (over several epochs)
+SUBGRAPH_GRAPHS = 128 if DRY_RUN else 4096  # with 2-hop subgraph indices in the shards
 PPA_GRAPHS = 64 if DRY_RUN else 2048  # ppa-shaped graphs (~243 nodes, ~4.4k directed edges each)
 PIPELINE_EPOCHS = 1 if DRY_RUN else 2
 STEP_TIMING = dict(seconds=1.0, warmup=2, loader_workers=1, tiny=True) if DRY_RUN else dict(seconds=4.0, warmup=10, loader_workers=4)
 PYCODE_WORKERS = 4  # parsing processes of the background `satp data pycode`: the step rows keep the other cores
 STEP_TIMEOUT_S = 900 if DRY_RUN else 150
-REFERENCE = "SAT authors' code, same model, 32 graphs per batch, fp32, one H200 (FACTS.md): 299 graphs/s, 6.2 GB; k-subgraph (k=2): 9.0 GB"
+REFERENCE = ("SAT authors' code, same model, 32 graphs per batch, fp32, one H200 (measured with their code): 299 graphs/s, "
+             "6.2 GB; k-subgraph (k=2): 9.0 GB")
 
 # (label, spec) in order of importance. Before the pipeline: the k-subgraph extractor with its fused
 # message sums (gnn_messages auto = Triton on CUDA): its throughput and its memory at the SAT
@@ -87,7 +87,7 @@ STEP_ROWS = [
      dict(precision="bf16", extractor="subgraph", node_budget=10**6, max_graphs=32, bucket_size=32, recompute_gnn=True,
           detail=False)),
     ("bf16, k-subtree, budget 131072", dict(precision="bf16", extractor="subtree", node_budget=131072, detail=False)),
-    # throughput and memory only (detail=False: no phase breakdown, profile or FLOP count)
+    # throughput and memory only (detail=False: no profile or FLOP count)
     ("fp32, k-subtree, budget 65536", dict(precision="fp32", extractor="subtree", node_budget=65536, detail=False)),
     ("bf16, k-subtree, budget 65536", dict(precision="bf16", extractor="subtree", node_budget=65536, detail=False)),
     ("bf16, k-subgraph k=2, budget 32768, GNN recomputed",
@@ -106,7 +106,7 @@ STEP_ROWS = [
 ]
 ROWS_BEFORE_PIPELINE = 4
 # jobs/ppa.yaml's budget (16384) was chosen by analogy with code2; these rows measure it and 4x more.
-# ``graph_set`` names the synthetic graphs (:func:`_synthetic_files`; default: the row's extractor, code2-shaped).
+# ``graph_set`` names the synthetic shards (:func:`_shard_dirs`; default: the row's extractor, code2-shaped).
 PPA_ROWS = [
     ("bf16, k-subtree, budget 16384 (jobs/ppa.yaml)", dict(job="jobs/ppa.yaml", graph_set="ppa", precision="bf16",
                                                           node_budget=16384, detail=False)),
@@ -133,57 +133,43 @@ def parity(proc: subprocess.Popen, clock: Clock) -> tuple[str, dict]:
     return "\n".join(lines), {"ok": ok, "summary": summary, "output": out[-6000:]}
 
 
-def _synthetic_files(tmp: Path) -> dict[str, str]:
-    """The step rows' graph sets: code2-shaped (``subtree``; ``subgraph`` with 2-hop indices) and ``ppa``."""
-    from benchmarks.gpu.step import save_graphs
-    from benchmarks.graphs.synthetic import code2_like_graphs, ppa_like_graphs
-    from sat import add_subgraph_indices
+def _shard_dirs(tmp: Path) -> dict[str, str]:
+    """The step rows' shards: code2-shaped (``subtree``; ``subgraph`` with 2-hop indices) and ``ppa``."""
+    from benchmarks.gpu.step import job_for
+    from benchmarks.graphs.jobs import job_shards
 
-    files = {"subtree": str(tmp / "code2_like.pt"), "subgraph": str(tmp / "code2_like_k2.pt"), "ppa": str(tmp / "ppa_like.pt")}
-    if all(Path(f).is_file() for f in files.values()):
-        return files
-    graphs = code2_like_graphs(SYNTHETIC_GRAPHS, seed=0)
-    save_graphs(graphs, files["subtree"])
-    save_graphs([add_subgraph_indices(g, 2) for g in graphs[:SUBGRAPH_GRAPHS]], files["subgraph"])
-    save_graphs(ppa_like_graphs(PPA_GRAPHS, seed=0), files["ppa"])
-    return files
+    sets = {"subtree": ({}, SYNTHETIC_GRAPHS), "subgraph": ({"extractor": "subgraph"}, SUBGRAPH_GRAPHS),
+            "ppa": ({"job": "jobs/ppa.yaml"}, PPA_GRAPHS)}
+    return {name: str(job_shards(job_for(spec), tmp / f"shards-{name}", n)) for name, (spec, n) in sets.items()}
 
 
 def _row(label: str, r: dict) -> str:
     if "error" in r:
-        return f"| {label} | failed: {r['error']} |" + " |" * 9
-    host, gpu = r.get("host_ms"), r.get("gpu_ms")
-    phases = ("forward", "loss", "backward", "optimizer")
-    host_text = " / ".join(f"{host[p]:.1f}" for p in phases) if host else "-"
-    gpu_text = " / ".join(f"{gpu[p]:.1f}" for p in phases) if gpu else "-"
+        return f"| {label} | failed: {r['error']} |" + " |" * 7
     busy = f"{r['gpu_busy_ms_per_step']:.1f} ({r['kernels_per_step']:.0f})" if "gpu_busy_ms_per_step" in r else "-"
     syncs = f"{r['host_syncs_per_step']:.1f}" if "host_syncs_per_step" in r else "-"
     mfu = f"{100 * r['mfu']:.2f}%" if r.get("mfu") is not None else "-"
-    return (
-        f"| {label} | **{r['graphs_per_s']:,.0f}** | {r['step_ms']:.1f} | {r['graphs_per_step']:.0f} / "
-        f"{r['nodes_per_step']:,.0f} | {100 * r['data_wait_frac']:.1f}% | {host_text} | {gpu_text} | {busy} | {syncs} "
-        f"| {mfu} | {r['peak_mem_gb']:.2f} |"
-    )
+    return (f"| {label} | **{r['graphs_per_s']:,.0f}** | {r['step_ms']:.1f} | {r['graphs_per_step']:.0f} / "
+            f"{r['nodes_per_step']:,.0f} | {100 * r['data_wait_frac']:.1f}% | {busy} | {syncs} | {mfu} | {r['peak_mem_gb']:.2f} |")
 
 
 STEP_HEADER = [
-    "| configuration | graphs/s | step (ms) | graphs / nodes per step | data wait | host ms: fwd / loss / bwd / opt "
-    "| GPU ms: fwd / loss / bwd / opt | GPU busy ms (kernels) per step | host syncs per step | MFU | peak GPU mem (GB) |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
+    "| configuration | graphs/s | step (ms) | graphs / nodes per step | data wait | GPU busy ms (kernels) per step "
+    "| host syncs per step | MFU | peak GPU mem (GB) |",
+    "|---|---|---|---|---|---|---|---|---|",
 ]
 
 
 def _code2_heading() -> list[str]:
     return [
         "#### Train step (`benchmarks/gpu/step.py`), code2-shaped synthetic graphs, model of `jobs/code2.yaml`", "",
-        f"{SYNTHETIC_GRAPHS} graphs (k-subgraph rows: {SUBGRAPH_GRAPHS}, 2-hop indices precomputed), lognormal sizes "
-        "(mean 125, sigma 0.75, 10-1000 nodes), OGB augment_edge; 4 layers, hidden 256, 4 heads, FFN 2x, dropout 0.2, "
-        "k=2 GCN extractor with edge embeddings, mean readout, 5 x 5002 heads, AdamW + warm-up/cosine, grad clip 1.0, "
-        "DeepSpeed ZeRO 0 engine and `Code2Task` as in the worker; batches from the worker's sampler, collator and "
-        f"DataLoader (4 workers, pinned memory). Warm-up {STEP_TIMING['warmup']} steps, then >= "
-        f"{STEP_TIMING['seconds']:g} s of whole steps. Host ms: time the Python side spends per phase (no syncs); "
-        "GPU ms: CUDA events with the device synchronised after each step; "
-        "GPU busy: kernel time per step (torch.profiler); MFU against the card's dense bf16 / fp32 (no TF32) peak.",
+        f"{SYNTHETIC_GRAPHS} graphs (k-subgraph rows: {SUBGRAPH_GRAPHS}, 2-hop indices in the shards), lognormal sizes "
+        "(mean 125, sigma 0.75, 10-1000 nodes), the job's transform; 4 layers, hidden 256, 4 heads, FFN 2x, dropout 0.2, "
+        "k=2 GCN extractor with edge embeddings, mean readout, 5 x 5002 heads, AdamW + warm-up/cosine, grad clip 1.0: "
+        "the product's `Trainer` on those shards in a `LocalContext` (its loaders, 4 DataLoader workers, pinned memory, "
+        f"DeepSpeed ZeRO 0 engine, `Code2Task`), one micro-batch per step. Warm-up {STEP_TIMING['warmup']} steps, then >= "
+        f"{STEP_TIMING['seconds']:g} s of whole steps. GPU busy: kernel time per step (torch.profiler, 3 steps); host "
+        "syncs: `torch.cuda.set_sync_debug_mode` over the same steps; MFU against the card's dense bf16 / fp32 (no TF32) peak.",
         "", f"Reference: {REFERENCE}.",
     ]
 
@@ -194,7 +180,7 @@ def _ppa_heading() -> list[str]:
     m = load_job(ROOT / "jobs/ppa.yaml").model
     return [
         "#### Train step (`benchmarks/gpu/step.py`), ppa-shaped synthetic graphs, model of `jobs/ppa.yaml`", "",
-        f"{PPA_GRAPHS} graphs as `satp data synthetic-ppa` makes them (`benchmarks.graphs.synthetic.ppa_like_graphs`: ~243 "
+        f"{PPA_GRAPHS} graphs as `satp data synthetic-ppa` makes them (`benchmarks.graphs.jobs.job_shards`: ~243 "
         "nodes, 60-600, average degree ~18, 7 float edge features, node input the sum of incident edge features); "
         f"the model, task (`PPATask`, 37 classes) and optimizer of `jobs/ppa.yaml` ({m.num_layers} layers, hidden "
         f"{m.hidden_dim}, {m.num_heads} heads, k={m.k_hops} {m.gnn_type.upper()} {m.extractor} extractor); "
@@ -203,7 +189,7 @@ def _ppa_heading() -> list[str]:
 
 
 def step_benchmark(clock: Clock, tmp: Path, rows: list, heading=_code2_heading) -> tuple[str, dict]:
-    files = _synthetic_files(tmp)
+    files = _shard_dirs(tmp)
     results = {}
     lines = heading() + [""] + STEP_HEADER
     for label, spec in rows:
@@ -211,7 +197,7 @@ def step_benchmark(clock: Clock, tmp: Path, rows: list, heading=_code2_heading) 
             results[label] = {"error": "skipped: GPU check time budget spent"}
         else:
             spec = dict(spec, **STEP_TIMING)
-            spec["graphs"] = files[spec.pop("graph_set", spec.get("extractor"))]
+            spec["shards"] = files[spec.pop("graph_set", spec.get("extractor"))]
             if DRY_RUN:
                 spec["node_budget"] = min(spec["node_budget"], 2048)
             print(f"   gpu step: {label} ...", flush=True)
@@ -379,7 +365,7 @@ def run_perf() -> str:
         pycode_started = time.monotonic()
         (tmp_path / "pipeline").mkdir()
         pycode_proc = _start(pycode_command(tmp_path), tmp_path / "pipeline-pycode.log")
-        _synthetic_files(tmp_path)
+        _shard_dirs(tmp_path)
         parts = (
             ("parity", lambda: parity(parity_proc, clock)),
             ("step", lambda: step_benchmark(clock, tmp_path, STEP_ROWS[:ROWS_BEFORE_PIPELINE])),

@@ -1,5 +1,4 @@
-"""GPU check, part ``first`` (``benchmarks/gpu/run.sh first``): issue 35's two main questions in one
-device session.
+"""GPU check, part ``first`` (``benchmarks/gpu/run.sh first``): two questions in one device session.
 
 1. What a PATTERN training step costs at 32 graphs per step (the model of ``jobs/pattern.yaml``), eager,
    compiled and captured (:func:`benchmarks.gpu.steps.step_row`: one process per mode, so that a CUDA
@@ -83,7 +82,7 @@ def run() -> str:
     # (its own budget ends before the run's minimum: it stops itself)
     prepare = _start([sys.executable, "-c", ACCURACY, str(prepared)], steps.WORK / "first-prepare.log",
                      env=_accuracy_env(clock.left() - TRAIN_MIN_S, None, out, prepare_only=True))
-    files = steps.graph_files(("pattern",))  # the file part steps makes and reuses
+    files = steps.shard_dirs(("pattern",))  # the shards part steps makes and reuses
     steps_clock = Clock(min(BUDGET_S * STEPS_SHARE, clock.left() - TRAIN_MIN_S))
     lines = [title, "", f"Device: {torch.cuda.get_device_name() if not DRY_RUN else 'CPU (dry run, tiny sizes and model)'}, "
              f"torch {torch.__version__}; budget {BUDGET_S:.0f} s.", "",

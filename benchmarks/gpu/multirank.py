@@ -17,8 +17,9 @@ device), on small real data: ``satp data pycode`` over the machine's own standar
      DeepSpeed's step counter in the checkpoint (rank 0's) equal to steps per epoch x epochs; the graphs
      the epoch reports (summed over ranks by the worker: ``graphs_per_s x epoch_seconds``) equal to the
      graphs of both ranks' shares: rank 1 ran all of its own;
-   - gathered evaluation: the checkpoint's best weights evaluated here in ONE process over whole
-     splits (same batches, same precision) give the validation and test metrics the two ranks reported;
+   - gathered evaluation: the checkpoint's best weights evaluated here in ONE process by the product's
+     trainer (:meth:`pipeline.train.trainer.Trainer.evaluate_epoch` in a ``LocalContext``: whole splits,
+     same batches, same precision) give the validation and test metrics the two ranks reported;
    - the resume: the second run's log says it resumed after epoch 0, its history keeps epoch 0 as the
      first run wrote it, the MLflow run is the same, the step counter went on.
 
@@ -62,38 +63,31 @@ def _sets(run_name: str) -> list[str]:
     return sets
 
 
-def single_rank_eval(job, shard_dir: str, checkpoint: Path, device) -> dict:
-    """The checkpoint's best weights evaluated in this process over whole valid/test splits, with the
-    batches a 1-rank run cuts and the precision the workers resolved on this machine."""
-    import torch
+def single_rank_eval(sets: list[str], shard_dir: str, checkpoint: Path, device) -> dict:
+    """The checkpoint's best weights evaluated by the product's trainer in this process, rank 0 of 1
+    (:class:`pipeline.train.context.LocalContext`): whole valid/test splits, the batches a 1-rank run
+    cuts, the precision the trainer resolves on this machine."""
+    import tempfile
 
+    os.environ["DS_ACCELERATOR"] = device.type
+    from pipeline.config import load_job
     from pipeline.train import checkpoint as ckpt
-    from pipeline.train.engine import resolve_precision
-    from pipeline.train.loader import BatchCollator, make_loader, open_split
-    from pipeline.tasks import make_task
-    from pipeline.train.step import evaluate
-    from pipeline.train.engine import build_model
-    from sat.config import SATConfig
+    from pipeline.train.context import LocalContext
+    from pipeline.train.loader import open_split
+    from pipeline.train.plan import worker_setup
+    from pipeline.train.trainer import Trainer
 
     state = ckpt.load_state(checkpoint)
-    weights = ckpt.load_best_weights(checkpoint)
-    task_state = dict(state["task"])
-    task = make_task(task_state.pop("name"), vocab=open_split(shard_dir, "train").vocab, **task_state)
-    config = SATConfig.from_dict(state["model_config"])
-    model = build_model(config)
-    model.load_state_dict(weights)
-    model.to(device).eval()
-    precision = resolve_precision(job.train.precision, job.resources.use_gpu)
-    out = {"precision": precision, "best_epoch": state["best"]["epoch"]}
-    for split in ("valid", "test"):
-        ds = open_split(shard_dir, split)
-        loader = make_loader(ds, split_sampler(job, ds, False), BatchCollator(config),
-                             0 if DRY_RUN else 4, device.type == "cuda")
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            predictions, targets = evaluate(model, task, loader, device)
-        out[split] = {"score": task.score(predictions, targets), "graphs": len(targets)}
-    out["metric"] = task.metric
-    return out
+    with tempfile.TemporaryDirectory(prefix="satp-multirank-eval-") as tmp:
+        job = load_job(ROOT / JOB, sets + ["resources.num_workers=1", f"train.storage_path={tmp}", "mlflow.enabled=false"])
+        (Path(tmp) / "run").mkdir()
+        trainer = Trainer(worker_setup(job, shard_dir), LocalContext(Path(tmp) / "run", device))
+        trainer.engine.module.load_state_dict(ckpt.load_best_weights(checkpoint))
+        metrics = trainer.evaluate_epoch(state["best"]["epoch"])
+    metric = trainer.task.metric
+    return {"precision": trainer.precision, "best_epoch": state["best"]["epoch"], "metric": metric,
+            **{split: {"score": metrics[f"{key}_{metric}"], "graphs": len(open_split(shard_dir, split))}
+               for split, key in (("valid", "val"), ("test", "test"))}}
 
 
 def _ds_counters(checkpoint: Path) -> dict:
@@ -225,7 +219,7 @@ def run() -> str:
         if clock.left() > 15:
             device = torch.device("cuda" if not DRY_RUN else "cpu")
             try:
-                one = single_rank_eval(job, shard_dir, Path(final["checkpoint"]), device)
+                one = single_rank_eval(sets, shard_dir, Path(final["checkpoint"]), device)
                 raw["single_rank_eval"] = one
                 best = final["state"]["best"]
                 metric = one["metric"]
@@ -290,8 +284,8 @@ def rank_balance(sizes: np.ndarray, node_budget: int, world: int, epochs: int = 
 
 
 def _balance_table() -> str:
-    """Code2-shaped sizes (FACTS.md's lognormal: mean 125, sigma 0.75, 10-1000), ogbg-code2's train
-    split (407,976 graphs)."""
+    """Code2-shaped sizes (ogbg-code2's node counts as a lognormal: mean 125, sigma 0.75, 10-1000), its
+    train split (407,976 graphs)."""
     rng = np.random.default_rng(0)
     sizes = np.clip(rng.lognormal(np.log(125) - 0.75 ** 2 / 2, 0.75, 407_976), 10, 1000).astype(np.int64)
     lines = ["| node budget | ranks | steps per epoch | graphs max/mean | nodes max/mean | attention cells max/mean "
@@ -321,8 +315,8 @@ def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
 
     import torch
 
-    from benchmarks.gpu.step import _job_parts
-    from benchmarks.graphs.synthetic import code2_like_graphs
+    from benchmarks.graphs.jobs import job_graphs
+    from pipeline.config import load_job
     from pipeline.tasks import Code2Task
     from pipeline.train.engine import build_model
 
@@ -351,7 +345,7 @@ def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
     task.score(preds, targets)
     out["f1_us_per_graph"] = 1e6 * (time.perf_counter() - started) / graphs
 
-    _, config, _ = _job_parts({"job": "jobs/code2.yaml", "node_budget": 1000}, code2_like_graphs(2, seed=0))
+    _, _, config = job_graphs(load_job(ROOT / "jobs/code2.yaml"), 2)
     model = build_model(config)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check of issue 11, in parts that each fit one device session (15 minutes of device time,
+# The GPU check, in parts that each fit one device session (15 minutes of device time,
 # the machine's start included; at most 10 minutes per command), one part per command:
 #
 #   benchmarks/gpu/run.sh [PART]     # from the repository root (or anywhere); PART:
 #
 #   perf       (the default, and what the check did before it had parts) parity tests, the train-step
 #              benchmarks (code2 and ppa shapes), the real pipeline on pycode; SATP_GPU_BUDGET_S=420
-#   first      issue 35's first part: PATTERN's training step at 32 graphs per step, eager vs compiled vs
+#   first      PATTERN's training step at 32 graphs per step, eager vs compiled vs
 #              captured (~2 minutes, while part pattern makes its data), then satp train jobs/pattern.yaml to
 #              val_acc 0.865 with the mode that trains the most graphs in the time left (benchmarks/gpu/first.py);
 #              SATP_GPU_BUDGET_S=480

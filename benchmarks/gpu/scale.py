@@ -21,11 +21,11 @@ share, epoch and evaluation seconds and accuracy are read back from MLflow as th
 pipeline rows read them (:func:`benchmarks.gpu.measure._pipeline_metrics`).
 
 Sizes and why: the full size is the default because the rewritten generator and preprocessing stream
-(bounded memory) and run in parallel; at FACTS.md's 1/10-size figures (raw files 39 KB, shards 152 KB
+(bounded memory) and run in parallel; at a 1/10-size run's figures (raw files 39 KB, shards 152 KB
 per graph) plus the columnar raw store (~85 KB per graph: int32 edge pairs and float32 features) the
 full size needs ~43 GB of the 64 GiB disk; the part checks the free disk first and lowers N to what
 fits (saying so). Time, estimated before any GPU run of this part: generation ~1.5-2 min on 16 cores,
-preprocessing a few minutes, the epoch ~1 min (ppa step: 1,629 graphs/s at budget 16384, FACTS.md)
+preprocessing a few minutes, the epoch ~1 min (ppa step: 1,629 graphs/s at budget 16384 on an H200)
 plus ~1 min of Ray and worker start and registration: the whole part is meant to fit one
 10-minute command; a rerun on the same warm machine reuses the data and the finished shards.
 ``SATP_SCALE_GRAPHS=79050`` (half) leaves room for a second try in one device session.
@@ -50,12 +50,12 @@ BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 510)
 WORKERS = min(16, os.cpu_count() or 1)
 SCALE_DIR = Path(os.environ.get("SATP_GPU_SCALE_DIR") or ROOT / "runs" / ("gpu-scale-dry" if DRY_RUN else "gpu-scale"))
 JOB = "jobs/ppa.yaml"
-# disk per graph (bytes): raw gzip CSVs and shards from FACTS.md's 1/10-size run (613 MB, 2.4 GB for
+# disk per graph (bytes): raw gzip CSVs and shards from a 1/10-size run (613 MB, 2.4 GB for
 # 15,810 graphs); the columnar raw store from its layout (2 x int32 ids + 7 x float32 per edge, 2,266
 # edges per graph)
 DISK_PER_GRAPH = 39e3 + 152e3 + 2266 * (8 + 28)
 # the epoch estimate that sizes train/eval subsets when time is short: the ppa step benchmark's 1,629
-# graphs/s at budget 16384 (FACTS.md, H200) less a margin, evaluation (budget 65536, no backward)
+# graphs/s at budget 16384 (H200) less a margin, evaluation (budget 65536, no backward)
 # assumed 3x faster, and ~80 s of Ray start, worker start, checkpoint and registration around the epoch
 TRAIN_GRAPHS_PER_S, EVAL_GRAPHS_PER_S, TRAIN_FIXED_S = 1300.0, 4000.0, 80.0
 

@@ -1,8 +1,8 @@
 """GPU check, part ``steps`` (``benchmarks/gpu/run.sh steps``): what a training step costs, eager vs
-compiled vs captured (``train.step``, issue 29), and where ``satp train``'s start-up goes.
+compiled vs captured (``train.step``), and where ``satp train``'s start-up goes.
 
-1. Step rows (:mod:`benchmarks.gpu.step`, one process each, the worker's sampler, loader, DeepSpeed
-   engine and :class:`pipeline.train.step.TrainStep`): PATTERN with the model of
+1. Step rows (:mod:`benchmarks.gpu.step`, one process each: the product's trainer on shards of the
+   jobs' layout, :func:`benchmarks.graphs.jobs.job_shards`): PATTERN with the model of
    ``jobs/pattern.yaml`` at 32 and 128 random graphs per step, and code2 with the model of
    ``jobs/code2.yaml`` at node budgets 16384 and 131072, each ``eager``, ``compiled`` and
    ``captured`` (batch capacities from the sampler's first epoch, mean + 5 sd). Per row: graphs/s,
@@ -59,28 +59,20 @@ ORDER = [("PATTERN, 32 graphs/step", "eager"), ("PATTERN, 32 graphs/step", "capt
 STARTUP_AFTER = 4
 
 
-def graph_files(names: tuple[str, ...] = ("pattern", "code2")) -> dict[str, str]:
-    """PATTERN- and code2-shaped graphs (of ``names``) as their jobs' shards hold them
-    (:mod:`benchmarks.graphs.jobs`); made once in :data:`WORK`, then reused."""
-    from benchmarks.gpu.step import save_graphs
-    from benchmarks.graphs.jobs import job_graphs
-    from pipeline.config import load_job
+def shard_dirs(names: tuple[str, ...] = ("pattern", "code2")) -> dict[str, str]:
+    """Shards of PATTERN- and code2-shaped graphs (of ``names``) in their jobs' layout
+    (:func:`benchmarks.graphs.jobs.job_shards`); made once in :data:`WORK`, then reused."""
+    from benchmarks.gpu.step import job_for
+    from benchmarks.graphs.jobs import job_shards
 
-    files = {}
-    for name, job, count in (("pattern", "jobs/pattern.yaml", PATTERN_GRAPHS), ("code2", "jobs/code2.yaml", CODE2_GRAPHS)):
-        if name not in names:
-            continue
-        path = WORK / f"{name}-{count}.pt"
-        if not path.is_file():
-            graphs, _task, _config = job_graphs(load_job(ROOT / job), count, seed=0)
-            save_graphs(graphs, path)
-        files[name] = str(path)
-    return files
+    return {name: str(job_shards(job_for(CONFIGS[label]), WORK / f"{name}-{count}", count))
+            for name, label, count in (("pattern", "PATTERN, 32 graphs/step", PATTERN_GRAPHS),
+                                       ("code2", "code2, budget 16384", CODE2_GRAPHS)) if name in names}
 
 
 def step_row(label: str, mode: str, files: dict, clock: Clock) -> dict:
     spec = dict(CONFIGS[label], **TIMING, step="compiled" if DRY_RUN and mode == "captured" else mode, detail=True)
-    spec["graphs"] = files[spec.pop("graph_set")]
+    spec["shards"] = files[spec.pop("graph_set")]
     if DRY_RUN:
         spec["node_budget"] = min(spec["node_budget"], 2048)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(WORK / "compile-cache" / "inductor")
@@ -167,7 +159,7 @@ def run() -> str:
     WORK.mkdir(parents=True, exist_ok=True)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     raw: dict = {"rows": {}, "startup": None}
-    files = graph_files()
+    files = shard_dirs()
     lines = ["### GPU check, part steps (`benchmarks/gpu/run.sh steps`): eager vs compiled vs captured steps", "",
              f"Device: {torch.cuda.get_device_name() if not DRY_RUN else 'CPU (dry run, tiny sizes and model)'}, "
              f"torch {torch.__version__}; budget {BUDGET_S:.0f} s. {PATTERN_GRAPHS} PATTERN graphs, {CODE2_GRAPHS} "

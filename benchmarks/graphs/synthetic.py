@@ -1,4 +1,4 @@
-"""Synthetic ogbg-code2- and ogbg-ppa-shaped graphs for benchmarks (FACTS.md, "Benchmark shapes").
+"""Synthetic ogbg-code2- and ogbg-ppa-shaped graphs for benchmarks and tests.
 
 Node counts are lognormal with mean 125 and sigma 0.75 (``mu = ln 125 - sigma^2 / 2``), clipped to
 [10, 1000]. Each graph is a random tree whose node ids are its DFS pre-order (as in OGB's
