@@ -126,8 +126,10 @@ def test_a_client_gone_before_it_read_the_reply_takes_its_process_along(server, 
                             stdin=subprocess.DEVNULL, capture_output=True)
     assert client.returncode == 0, client.stderr
     forked = _wait(lambda: _forked_pid(server["log"], str(script)), "the fork's log line")
-    _wait(lambda: _gone(forked), f"the forked process {forked} to be killed with its client", timeout=30)
-    assert f"killed pid {forked}: its client went first" in server["log"].read_text()
+    # the server logs the kill after it reaped the process: wait for the line, then the process is gone
+    _wait(lambda: f"killed pid {forked}: its client went first" in server["log"].read_text(),
+          f"the forked process {forked} to be killed with its client", timeout=30)
+    assert _gone(forked)
 
 
 # ----------------------------------------------------------------------------- another user
