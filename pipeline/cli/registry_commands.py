@@ -1,6 +1,4 @@
-"""``satp models`` (registered models, versions, aliases, metrics), ``satp models migrate NAME``
-(format-1 pickled versions re-registered weights-only) and ``satp predict MODEL_URI INPUT``.
-"""
+"""``satp models`` (registered models, versions, aliases, metrics) and ``satp predict MODEL_URI INPUT``."""
 from __future__ import annotations
 
 import argparse
@@ -14,12 +12,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_models)
-    actions = p.add_subparsers(dest="models_command", metavar="{migrate}")
-    m = actions.add_parser("migrate", help="re-register a model's format-1 (pickled) versions weights-only")
-    m.add_argument("name", metavar="NAME", help="the registered model")
-    # SUPPRESS: `satp models --tracking-uri URI migrate NAME` keeps the URI given before the action
-    m.add_argument("--tracking-uri", default=argparse.SUPPRESS, help="MLflow tracking URI (as for satp models)")
-    m.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("predict", help="predict with a registered model (code2: method names of a Python file)")
     p.add_argument("model_uri", metavar="MODEL_URI", help="models:/NAME@alias or models:/NAME/VERSION")
@@ -36,13 +28,6 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     models = list_models(args.tracking_uri)
     print(json.dumps(models, indent=1) if args.json else format_models(models))
-    return 0
-
-
-def cmd_migrate(args: argparse.Namespace) -> int:
-    from pipeline.registry.migration import migrate
-
-    migrate(args.name, args.tracking_uri)
     return 0
 
 

@@ -41,10 +41,9 @@ def list_models(tracking_uri: str | None = None) -> list[dict]:
                     "run_id": v.run_id,
                     "created": v.creation_timestamp,
                     "replaced_reason": tags.get("satp.replaced_reason"),
-                    # format 2 (weights only) versions carry their weights' sha256; others are pickled
-                    # modules (format 1, or not satp's), which satp loads only after `satp models migrate`
+                    # weights-only (format 2) versions carry their weights' sha256; others (format 1, a
+                    # pickled module, or not satp's) are not served
                     "format": 2 if WEIGHTS_TAG in tags else 1,
-                    "migrated_to": int(tags["satp.migrated_to"]) if "satp.migrated_to" in tags else None,
                     # what differs from the registry's record (None: it serves what was registered)
                     "record": _record(client, rm.name, v, uri) if WEIGHTS_TAG in tags else None,
                 })
@@ -110,10 +109,7 @@ def format_models(models: list[dict]) -> str:
             alias = " ".join(f"@{a}" for a in v["aliases"])
             data = (v["data_manifest_hash"] or "-")[:12]
             commit = (v["git_commit"] or "-")[:12] + ("-dirty" if (v["git_commit"] or "").endswith("-dirty") else "")
-            note = ""
-            if v["format"] == 1:
-                note = (f"  (pickled, migrated to v{v['migrated_to']})" if v["migrated_to"] is not None else
-                        f"  (pickled: satp loads it after `satp models migrate {m['name']}`)")
+            note = "  (not weights-only: satp predict refuses it)" if v["format"] == 1 else ""
             if v["record"]:
                 note += f"  (NOT AS REGISTERED: {v['record']}; satp predict refuses it)"
             lines.append(f"  v{v['version']:<3} {alias:<11} {v['task'] or '-':<6} {metric or '-'}  data {data}  "

@@ -1,13 +1,11 @@
 """Logging a trained model to MLflow, registering it once, and loading it back.
 
 A logged model (format 2, :mod:`pipeline.registry.model_format`) holds the weights and
-``satp_model.json``; :func:`load_model` rebuilds :class:`sat.SAT` from them, unpickling only tensors.
-Format 1 (a pickled ``mlflow.pytorch`` module) is refused with how to re-register it
-(``satp models migrate NAME``). A version is registered only for weights that no version of the
-same run holds (tags ``satp.weights_sha256`` and the run): :func:`log_and_register` returns that
-version instead, and of two commands registering the same weights at once the later deletes its
-copy. The recorded configuration, data hash and commit are those the weights' checkpoint recorded
-(``provenance``), not the registering process's."""
+``satp_model.json``; :func:`load_model` rebuilds :class:`sat.SAT` from them, unpickling only tensors,
+and refuses format 1 (a pickled ``mlflow.pytorch`` module). A version is registered only for weights
+that no version of the same run holds (tags ``satp.weights_sha256`` and the run); of two commands
+registering the same weights at once the later deletes its copy. The recorded configuration, data
+hash and commit are those the weights' checkpoint recorded (``provenance``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -74,32 +72,29 @@ def register(model: torch.nn.Module, *, job, task: Task, model_config: SATConfig
                             provenance=provenance)
 
 
-def log_and_register(
-    model: torch.nn.Module,
-    *,
-    task: Task,
-    model_config: SATConfig,
-    vocab: Optional[list[str]],
-    run_id: str,
-    tracking_uri: str,
-    registered_model: Optional[str],
-    data_manifest_hash: str = "",
-    metrics: Optional[dict[str, float]] = None,
-    extra: Optional[dict[str, Any]] = None,
-    provenance: Optional[dict[str, Any]] = None,
-) -> dict[str, Any]:
+def log_and_register(model: torch.nn.Module, *, task: Task, model_config: SATConfig, vocab: Optional[list[str]],
+                     run_id: str, tracking_uri: str, registered_model: str, data_manifest_hash: str = "",
+                     metrics: Optional[dict[str, float]] = None, extra: Optional[dict[str, Any]] = None,
+                     provenance: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Log ``model`` and what it needs to predict to run ``run_id``; register it under
-    ``registered_model`` (unless None), tagged with the data hash, commit, task, metrics and weights'
-    sha256. Returns ``{"model_uri", "registered_model", "version", "registered_uri"}`` (and ``"reason"``
+    ``registered_model``, tagged with the data hash, commit, task, metrics and weights' sha256.
+    Returns ``{"model_uri", "registered_model", "version", "registered_uri"}`` (and ``"reason"``
     when a version of the same run already holds these weights: that one is returned)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
 
     state = cpu_state(model)
+    sha = weights_sha256(state)
     provenance = {k: v for k, v in (provenance or {}).items() if k in ("config_hash", "git_commits")}
     commits = list(provenance.get("git_commits") or [])
     commit = commits[-1] if commits else git_commit()
+    client = MlflowClient(tracking_uri=tracking_uri)
+    held = version_holding(client, registered_model, run_id, sha)
+    if held is not None:
+        return _held(held, registered_model, "already registered")
     meta = {
         "format": FORMAT,
-        "weights_sha256": weights_sha256(state),
+        "weights_sha256": sha,
         "task": task.state(),
         "model_config": dataclasses.asdict(model_config),
         "vocab": list(vocab) if vocab is not None else None,
@@ -108,34 +103,8 @@ def log_and_register(
         "metrics": dict(metrics or {}),
         "provenance": provenance or None,
         **(extra or {}),
+        "run_id": run_id,  # what the registry records of the version, stated by its files too
     }
-    tags = {
-        "data_manifest_hash": data_manifest_hash or "unknown",
-        "git_commit": commit,
-        "task": task.name,
-        "run_id": run_id,
-        **({"satp.config_hash": provenance["config_hash"]} if provenance.get("config_hash") else {}),
-        **({"satp.git_commits": " ".join(commits)} if len(commits) > 1 else {}),
-        **{f"metric.{k}": metric_tag(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
-    }
-    return register_weights(state, meta, tags, run_id=run_id, tracking_uri=tracking_uri,
-                            registered_model=registered_model)
-
-
-def register_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], tags: dict[str, str], *,
-                     run_id: str, tracking_uri: str, registered_model: Optional[str]) -> dict[str, Any]:
-    """Log ``state`` + ``meta`` to run ``run_id`` and register it under ``registered_model`` (see
-    :func:`log_and_register`)."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
-    sha = meta["weights_sha256"]
-    meta = {**meta, "run_id": run_id}  # what the registry records of the version, stated by its files too
-    if registered_model:
-        held = version_holding(client, registered_model, run_id, sha)
-        if held is not None:
-            return _held(held, registered_model, "already registered")
     try:
         model_uri, digests = log_weights(state, meta, run_id, tracking_uri)
     except OSError as exc:  # a full disk under the artifact store: say where (MLflow names its temporary copy)
@@ -144,18 +113,25 @@ def register_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], ta
         store = client.get_experiment(client.get_run(run_id).info.experiment_id).artifact_location
         raise OSError(f"{store}: could not write the model's files ({exc.strerror or exc}); nothing was "
                       "registered") from None
-    result: dict[str, Any] = {"model_uri": model_uri, "registered_model": None, "version": None, "registered_uri": None}
-    if registered_model:
-        tags = {**tags, WEIGHTS_TAG: sha, FILES_TAG: digests}
-        version = mlflow.register_model(model_uri, registered_model, tags={k: str(v) for k, v in tags.items()})
-        first = version_holding(client, registered_model, run_id, sha)
-        if first is not None and int(first.version) < int(version.version):
-            # a second command registered the same weights meanwhile: the lowest version stays, this one goes
-            client.delete_model_version(registered_model, version.version)
-            return _held(first, registered_model, "registered meanwhile by another command")
-        result.update(registered_model=registered_model, version=int(version.version),
-                      registered_uri=f"models:/{registered_model}/{version.version}")
-    return result
+    tags = {
+        "data_manifest_hash": data_manifest_hash or "unknown",
+        "git_commit": commit,
+        "task": task.name,
+        "run_id": run_id,
+        **({"satp.config_hash": provenance["config_hash"]} if provenance.get("config_hash") else {}),
+        **({"satp.git_commits": " ".join(commits)} if len(commits) > 1 else {}),
+        **{f"metric.{k}": metric_tag(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
+        WEIGHTS_TAG: sha,
+        FILES_TAG: digests,
+    }
+    version = mlflow.register_model(model_uri, registered_model, tags={k: str(v) for k, v in tags.items()})
+    first = version_holding(client, registered_model, run_id, sha)
+    if first is not None and int(first.version) < int(version.version):
+        # a second command registered the same weights meanwhile: the lowest version stays, this one goes
+        client.delete_model_version(registered_model, version.version)
+        return _held(first, registered_model, "registered meanwhile by another command")
+    return {"model_uri": model_uri, "registered_model": registered_model, "version": int(version.version),
+            "registered_uri": f"models:/{registered_model}/{version.version}"}
 
 
 def _held(version, name: str, how: str) -> dict[str, Any]:
@@ -230,8 +206,8 @@ def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
     version = registered_version(uri, tracking_uri)
     local = download(uri, tracking_uri, version)
     if (local / LEGACY_META).is_file():
-        raise ValueError(f"{uri}: a format-1 satp model (a pickled module, which satp no longer loads); "
-                         f"re-register it weights-only with: satp models migrate {registered_name(uri) or 'NAME'}")
+        raise ValueError(f"{uri}: a format-1 satp model (a pickled module, which satp does not load); "
+                         "train its job again with satp train to register it weights-only")
     files = local / "artifacts"  # where MLflow's pyfunc flavour puts a model's artifacts
     missing = missing_files(files, version, artifact_uri(version, tracking_uri) if version is not None else uri)
     if missing:
