@@ -137,11 +137,3 @@ def read_model(weights: Path, meta_file: Path, where: str) -> LoadedModel:
     task = make_task(task_state.pop("name"), vocab=vocab, **task_state)
     return LoadedModel(model=model.eval(), task=task, model_config=config, vocab=vocab, info=meta)
 
-
-def __getattr__(name: str):
-    """``SATPyfunc`` for the stored ``satp_pyfunc.py`` of versions registered while it lived here."""
-    if name == "SATPyfunc":
-        from pipeline.registry.pyfunc import SATPyfunc
-
-        return SATPyfunc
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
