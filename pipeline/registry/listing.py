@@ -5,8 +5,6 @@ of it (:mod:`pipeline.registry.record`): one that serves other files is marked, 
 that points to it (the champion is never listed as healthy when it is not)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 
 def list_models(tracking_uri: str | None = None) -> list[dict]:
@@ -55,36 +53,14 @@ def list_models(tracking_uri: str | None = None) -> list[dict]:
 
 def _record(client, name: str, version, tracking_uri: str):
     """What ``version``'s files differ in from MLflow's and the registry's record of it, or None."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
+    from pipeline.registry.record import META_FILE, logged_model, read_meta, record_problem, served_files
 
-    from pipeline.registry.record import (META_FILE, artifacts_gone, logged_model, missing_files,
-                                          record_problem)
-
-    location = client.get_model_version_download_uri(name, version.version)
-    try:  # a local store's own folder; a remote one's copy
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version.version}",
-                                                         tracking_uri=tracking_uri))
-    except MlflowException as exc:
-        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
-            return artifacts_gone(version, location)
-        return f"its files cannot be read ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-    if not any(local.iterdir()):
-        return artifacts_gone(version, location)
-    files = local / "artifacts"
-    missing = missing_files(files, version, location)
-    if missing:
-        return missing
+    uri = f"models:/{name}/{version.version}"
     try:
-        meta = json.loads((files / META_FILE).read_text())
-    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        return f"its {META_FILE} is damaged ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-    if not isinstance(meta, dict):
-        return f"its {META_FILE} is damaged"
-    try:
-        return record_problem(version, meta, files, logged_model(client, version))
-    except ValueError as exc:  # the logged model of the version's source
-        return str(exc)
+        files = served_files(uri, tracking_uri, version)
+        return record_problem(version, read_meta(files / META_FILE, uri), files, logged_model(client, version))
+    except ValueError as exc:
+        return str(exc).removeprefix(f"{uri}: ")
 
 
 def _num(text: str):

@@ -21,12 +21,11 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from pipeline.registry.record import META_FILE, WEIGHTS_FILE  # named there: the registry's record reads them too
+from pipeline.registry.record import META_FILE, WEIGHTS_FILE, read_meta  # there: the registry's record reads them too
 from pipeline.tasks import Task, make_task
 from sat.config import SATConfig
 
 FORMAT = 2
-LEGACY_META = f"extra_files/{META_FILE}"  # format 1: beside the pickled module of mlflow.pytorch
 #: artifact name -> file, as MLflow's pyfunc flavour lists them (MLmodel) and SATPyfunc reads them
 ARTIFACTS = {"weights": WEIGHTS_FILE, "satp_model": META_FILE}
 #: the models-from-code file MLflow runs to build the pyfunc model (written beside the model)
@@ -113,12 +112,7 @@ def read_model(weights: Path, meta_file: Path, where: str) -> LoadedModel:
     from pipeline import pyg_templates
     from sat import SAT
 
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ValueError(f"{where}: {meta_file.name} is damaged ({str(exc).splitlines()[0]})") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{where}: {meta_file.name} is damaged (a JSON {type(meta).__name__}, not an object)")
+    meta = read_meta(meta_file, where)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{where}: {meta_file.name} has format {meta.get('format')!r}, expected {FORMAT}")
     state = read_state(weights, where)

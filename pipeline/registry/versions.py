@@ -19,10 +19,10 @@ from typing import Any, Mapping, Optional
 import torch
 
 from pipeline.registry.addresses import check_model_uri, registered_name
-from pipeline.registry.record import (FILES_TAG, WEIGHTS_TAG, artifacts_gone, files_tag, logged_model, metric_tag,
-                                      missing_files, record_problem)
+from pipeline.registry.record import (FILES_TAG, WEIGHTS_TAG, files_tag, logged_model, metric_tag, record_problem,
+                                      served_files)
 from pipeline.registry.tracking import server_failure
-from pipeline.registry.model_format import (FORMAT, LEGACY_META, META_FILE, PYFUNC_CODE, WEIGHTS_FILE, LoadedModel,
+from pipeline.registry.model_format import (FORMAT, META_FILE, PYFUNC_CODE, WEIGHTS_FILE, LoadedModel,
                                             cpu_state, read_model, weights_sha256, write_files)
 from pipeline.tasks import Task
 from sat.config import SATConfig
@@ -170,32 +170,6 @@ def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id:
     return info.model_uri, digests
 
 
-def download(uri: str, tracking_uri: Optional[str] = None, version=None) -> Path:
-    """The model's files (a local store's folder, else a downloaded copy); a one-line ``ValueError``
-    when there is no such model or (``version`` given) its artifacts are gone."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    if tracking_uri:
-        mlflow.set_tracking_uri(tracking_uri)
-    try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri))
-    except MlflowException as exc:
-        if version is not None and exc.error_code == "RESOURCE_DOES_NOT_EXIST":
-            raise ValueError(f"{uri}: {artifacts_gone(version, artifact_uri(version, tracking_uri))}") from None
-        raise ValueError(f"{uri}: {str(exc).splitlines()[0]}") from None
-    if version is not None and not any(local.iterdir()):  # a remote store lists nothing where the folder was
-        raise ValueError(f"{uri}: {artifacts_gone(version, artifact_uri(version, tracking_uri))}")
-    return local
-
-
-def artifact_uri(version, tracking_uri: Optional[str] = None) -> str:
-    """Where a registered version's files lie (its source's artifact URI)."""
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=tracking_uri).get_model_version_download_uri(version.name, version.version)
-
-
 def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
     """Load a logged SAT model (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``, ``runs:/...``) from its
     weights and JSON. Raises a one-line ``ValueError`` when it does not exist, its files are gone, it is
@@ -204,14 +178,7 @@ def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
 
     check_model_uri(uri)
     version = registered_version(uri, tracking_uri)
-    local = download(uri, tracking_uri, version)
-    if (local / LEGACY_META).is_file():
-        raise ValueError(f"{uri}: a format-1 satp model (a pickled module, which satp does not load); "
-                         "train its job again with satp train to register it weights-only")
-    files = local / "artifacts"  # where MLflow's pyfunc flavour puts a model's artifacts
-    missing = missing_files(files, version, artifact_uri(version, tracking_uri) if version is not None else uri)
-    if missing:
-        raise ValueError(f"{uri}: {missing}")
+    files = served_files(uri, tracking_uri, version)
     loaded = read_model(files / WEIGHTS_FILE, files / META_FILE, uri)  # the files against each other
     if version is not None:  # and against MLflow's and the registry's record of the version
         try:
