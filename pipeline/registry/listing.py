@@ -1,8 +1,7 @@
-"""``satp models``: the registered models, their versions and aliases, with each version's tags
-(metrics, data hash, commit), as data (:func:`list_models`) and as the command's table
-(:func:`format_models`). Each weights-only version's files are checked against the registry's record
-of it (:mod:`pipeline.registry.record`): one that serves other files is marked, and so is an alias
-that points to it (the champion is never listed as healthy when it is not)."""
+"""``satp models``: the registered models, their versions, aliases and tags (metrics, data hash,
+commit), as data (:func:`list_models`) and as a table (:func:`format_models`). A version that serves
+other files than the registry recorded (:mod:`pipeline.registry.record`) is marked, and so is an alias
+on it."""
 from __future__ import annotations
 
 

@@ -1,12 +1,10 @@
 """The files of a registered satp model (format 2: weights only) and its MLflow pyfunc.
 
-A logged model is an MLflow pyfunc ("models from code": ``satp_pyfunc.py``, :data:`PYFUNC_CODE`,
-which imports :class:`pipeline.registry.pyfunc.SATPyfunc`) whose artifacts are two plain files:
-``weights.pt`` (the state dict, fp32, CPU) and ``satp_model.json`` (format, ``weights_sha256``,
-task, model config, vocabulary, data hash, commit, metrics, provenance, run name, job, input).
-Nothing executable is stored: :func:`read_model` rebuilds :class:`sat.SAT` from the JSON config and
-fills it with tensors read by ``torch.load(weights_only=True)``, and refuses weights that do not
-match ``weights_sha256`` (:func:`weights_sha256`: every tensor's name, dtype, shape and bytes)."""
+A logged model is an MLflow pyfunc from code (:data:`PYFUNC_CODE`) whose artifacts are ``weights.pt``
+(the state dict, fp32, CPU) and ``satp_model.json`` (format, ``weights_sha256``, task, model config,
+vocabulary, data hash, commit, metrics, provenance, job, input). Nothing executable is stored:
+:func:`read_model` rebuilds :class:`sat.SAT` from the JSON and fills it with tensors read by
+``torch.load(weights_only=True)``, refusing weights that do not match ``weights_sha256``."""
 from __future__ import annotations
 
 import dataclasses

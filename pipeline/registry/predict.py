@@ -2,13 +2,11 @@
 
 >>> model = load("models:/sat-code2@champion", tracking_uri="sqlite:////abs/runs/mlflow.db")
 >>> model.predict(open("some_module.py").read())     # code2: a FunctionPrediction per function
->>> model.predict([data, ...])                      # SATData graphs
 >>> model.predict_file("graphs.json")               # a JSON graph file, a shard directory, a .py file
 
-Node tasks (pattern, cluster) predict a class per node, a list per graph. A registered model carries
-under ``input`` what building its inputs needs (:func:`input_spec`): the shards' transform and, for
-code2, the dataset's node-type and attribute tables; inputs are featurised exactly as training data
-(:func:`preprocessing.reader.featurise`). Errors are one-line ``ValueError`` / ``OSError``."""
+A registered model carries under ``input`` what building its inputs needs (:func:`input_spec`);
+inputs are featurised exactly as training data (:func:`preprocessing.reader.featurise`). Errors are
+one-line ``ValueError`` / ``OSError``."""
 from __future__ import annotations
 
 import ast
@@ -78,7 +76,7 @@ class FunctionPrediction:
 
 
 class Predictor:
-    """A registered SAT model ready to predict (see the module docstring)."""
+    """A registered SAT model ready to predict (node tasks: a class per node, a list per graph)."""
 
     def __init__(self, loaded, uri: str = "") -> None:
         self.uri = uri
@@ -258,19 +256,20 @@ class Predictor:
             raise ValueError(f"{where}: no graphs (an empty list)")
         if budget is not None:
             for i, g in enumerate(values):
-                budget.graph(jg.num_nodes(g, where, i), f"{where}: graph {i}")
+                budget.graph(jg.num_nodes(g, f"{where}: graph {i}"), f"{where}: graph {i}")
         raws = []
         for i, g in enumerate(values):
-            n = jg.num_nodes(g, where, i)
-            ei = jg.edge_index(g, n, where, i)
+            at = f"{where}: graph {i}"
+            n = jg.num_nodes(g, at)
+            ei = jg.edge_index(g, n, at)
             if self.task.node_level:  # undirected, once per pair (the SBM raw layout), no self-loops
-                x = jg.node_inputs(g, n, self.model_config.node_in_dim, self.task_name, where, i)
+                x = jg.node_inputs(g, n, self.model_config.node_in_dim, self.task_name, at)
                 pairs = np.unique(np.sort(ei.T, axis=1), axis=0)
                 pairs = pairs[pairs[:, 0] != pairs[:, 1]].T  # [2, E] with u < v
                 raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([pairs, pairs[::-1]], 1),
                              "x": x, "node_label": np.zeros(n, dtype=np.int64)})
             else:  # one direction per undirected edge, and the reverse added (OGB's layout)
-                ea = jg.edge_features(g, ei.shape[1], self.model_config.edge_in_dim, where, i)
+                ea = jg.edge_features(g, ei.shape[1], self.model_config.edge_in_dim, at)
                 raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([ei, ei[::-1]], 1),
                              "edge_attr": np.concatenate([ea, ea], 0), "y": 0})
         return self._featurise(raws, self.task_name, budget), [f"graph {i}" for i in range(len(raws))]

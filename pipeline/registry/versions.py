@@ -1,11 +1,8 @@
-"""Logging a trained model to MLflow, registering it once, and loading it back.
-
-A logged model (format 2, :mod:`pipeline.registry.model_format`) holds the weights and
-``satp_model.json``; :func:`load_model` rebuilds :class:`sat.SAT` from them, unpickling only tensors,
-and refuses format 1 (a pickled ``mlflow.pytorch`` module). A version is registered only for weights
-that no version of the same run holds (tags ``satp.weights_sha256`` and the run); of two commands
-registering the same weights at once the later deletes its copy. The recorded configuration, data
-hash and commit are those the weights' checkpoint recorded (``provenance``)."""
+"""Logging a trained model to MLflow, registering it once, and loading it back (:func:`load_model`:
+weights and ``satp_model.json`` only, :mod:`pipeline.registry.model_format`). A version is registered
+only for weights that no version of the same run holds; of two commands registering the same weights
+at once the later deletes its copy. What a version records (configuration, data hash, commit) is what
+the weights' checkpoint recorded (``provenance``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,23 +29,16 @@ PIP_REQUIREMENTS = ["torch", "torch-geometric", "pydantic", "satp"]
 
 
 def git_commit(cwd: Optional[str | Path] = None) -> str:
-    """The project's git commit (``$SATP_GIT_COMMIT`` first: a Ray job's working dir has no .git)."""
+    """The project's git commit, ``-dirty`` with uncommitted changes to tracked files
+    (``$SATP_GIT_COMMIT`` first: a Ray job's working dir has no .git)."""
     if os.environ.get("SATP_GIT_COMMIT"):
         return os.environ["SATP_GIT_COMMIT"]
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd or Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
-        )
-        if out.returncode == 0:
-            commit = out.stdout.strip()
-            dirty = subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
-                cwd=cwd or Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10,
-            ).stdout.strip()
-            return commit + ("-dirty" if dirty else "")
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40", "--exclude=*"],
+                             cwd=cwd or Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
 def default_model_name(job, task_name: str) -> str:
