@@ -1,7 +1,5 @@
-"""``satp demo`` (= ``make demo``): ``jobs/code2-local.yaml`` end to end on this machine's CPUs (the
-standard library as ogbg-code2, Arrow shards, Ray Train + DeepSpeed, the local MLflow), printing the
-test F1 beside the best constant predictor's and the registered model's URI.
-"""
+"""``satp demo`` (``make demo``): ``jobs/code2-local.yaml`` end to end on this machine's CPUs, printing
+the test F1 beside the best constant predictor's and the registered model's URI."""
 from __future__ import annotations
 
 import time

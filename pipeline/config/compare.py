@@ -9,10 +9,8 @@ Example (``jobs/pattern-local.yaml``)::
         subtree: {}                 # the job as it is
         subgraph: {model.extractor: subgraph, transform.k_hops: 1}
 
-``satp compare JOB.yaml`` (:mod:`pipeline.sweep.compare`) trains every variant with every seed, each a
-full Ray Train run at the same budget: the keys that set it (``data``, ``train.epochs``, the subsets)
-and the seed cannot be varied; ``transform`` and ``shards`` may (each distinct preprocessing is built
-once, before the trials). Every variant is validated as a job before anything starts.
+``satp compare JOB.yaml`` trains every variant with every seed at the same budget: ``data``, the
+epochs, the subsets and the seed cannot vary (:data:`FORBIDDEN_PREFIXES`).
 """
 from __future__ import annotations
 

@@ -9,12 +9,10 @@ Example (a whole one: ``jobs/code2-sweep-local.yaml``)::
         train.lr: {loguniform: [1.0e-4, 3.0e-3]}
         "transform.rwpe_steps,model.pe_dim": {choice: [8, 16]}   # one value, set at both keys
 
-Distributions (a mapping with exactly one key): ``choice: [v, ...]``, ``grid: [v, ...]`` (every
-value, times ``num_samples``), ``uniform`` / ``loguniform: [lo, hi]``, ``randint: [lo, hi]`` (``hi``
-exclusive), ``quniform: [lo, hi, q]`` or ``value: v``. A key listing several dotted keys (commas)
-sets the sampled value at each. Keys under ``data``, ``transform`` and ``shards`` change the shards:
-they take ``choice``/``grid``/``value``, so that every variant is built once, before the trials.
-Every sampled value is validated as a job before the sweep starts.
+Distributions (one key each): ``choice``, ``grid`` (every value, times ``num_samples``), ``uniform``,
+``loguniform``, ``randint`` (``hi`` exclusive), ``quniform`` or ``value``. Keys under ``data``,
+``transform`` and ``shards`` change the shards: they take ``choice``/``grid``/``value``, so that every
+variant is built once, before the trials.
 """
 from __future__ import annotations
 
