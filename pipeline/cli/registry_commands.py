@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 TRACKING_HELP = "MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)"
@@ -46,12 +47,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     model = load(args.model_uri, tracking_uri=args.tracking_uri)
     predictions = model.predict_file(args.input, split=args.split)
     if args.json:
-        rows = [
-            {"name": p.name, "line": p.line, "actual": p.actual, "predicted": p.predicted}
-            if isinstance(p, FunctionPrediction) else {"graph": p[0], "predicted": p[1]}
-            for p in predictions
-        ]
-        print(json.dumps(rows))
+        print(json.dumps([dataclasses.asdict(p) if isinstance(p, FunctionPrediction) else
+                          {"graph": p[0], "predicted": p[1]} for p in predictions]))
     else:
         print(f"# {args.model_uri} ({model.task_name}) on {args.input}: {len(predictions)} "
               f"{'functions' if model.task_name == 'code2' else 'graphs'}")

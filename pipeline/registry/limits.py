@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Mapping
 
 #: field -> (environment variable of the serving process, default)
 SETTINGS = {
@@ -40,16 +39,16 @@ class Limits:
     seconds: float
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "Limits":
+    def from_environment(cls) -> "Limits":
         """The caps the settings give (a setting that is not a positive integer: one-line ``ValueError``)."""
         from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
 
         values = {}
         for field, (setting, default) in {**SETTINGS, "seconds": (TIMEOUT_SETTING,
                                                                    MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.default)}.items():
-            text = environ.get(setting, str(default)).strip()
+            text = os.environ.get(setting, str(default)).strip()
             if not text.isdigit() or int(text) < 1:
-                raise ValueError(f"{setting}={environ.get(setting)!r}: expected a positive integer")
+                raise ValueError(f"{setting}={os.environ.get(setting)!r}: expected a positive integer")
             values[field] = int(text)
         return cls(**values)
 

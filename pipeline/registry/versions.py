@@ -223,7 +223,6 @@ def promote(client, name: str, version: int, value: Optional[float], metric_key:
     ``{"champion", "reason"}``."""
     from mlflow.exceptions import MlflowException
 
-    current = None
     try:
         current = client.get_model_version_by_alias(name, alias)
     except MlflowException:
