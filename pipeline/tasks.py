@@ -143,14 +143,6 @@ class Code2Task(Task):
         return {"name": self.name, "max_seq_len": self.max_seq_len}
 
 
-def _f1_of_set(lengths: np.ndarray, tp: np.ndarray, size: int) -> np.ndarray:
-    """Per-graph F1 of a predicted set of ``size`` subtokens with ``tp`` hits among ``lengths`` true ones."""
-    precision = np.where(size > 0, tp / max(size, 1), 0.0)
-    recall = np.where(lengths > 0, tp / np.maximum(lengths, 1), 0.0)
-    denom = precision + recall
-    return np.where(denom > 0, 2 * precision * recall / np.where(denom > 0, denom, 1), 0.0)
-
-
 def best_constant_sequence(train_targets: Sequence[Sequence[str]], candidates: int = 50, max_len: int = 5) -> list[str]:
     """Greedy best constant subtoken sequence by mean F1 (OGB's per-graph set F1) on ``train_targets``."""
     label_sets = [set(t) for t in train_targets]
@@ -168,8 +160,10 @@ def best_constant_sequence(train_targets: Sequence[Sequence[str]], candidates: i
         for tok in pool:
             if tok in chosen:
                 continue
-            cand_tp = tp + has[tok]
-            score = float(_f1_of_set(lengths, cand_tp, len(chosen) + 1).mean())
+            cand_tp = tp + has[tok]  # per graph: hits among its subtokens, F1 of the set below
+            precision, recall = cand_tp / (len(chosen) + 1), cand_tp / np.maximum(lengths, 1)
+            denom = np.maximum(precision + recall, 1e-300)  # 0 where both are
+            score = float((2 * precision * recall / denom).mean())
             if score > best_score:
                 best_score, best_tok, best_tp = score, tok, cand_tp
         if best_tok is None:

@@ -61,10 +61,3 @@ def check_model_uri(uri: str) -> None:
         raise ValueError(f"{uri}: {fix}")
     if not re.fullmatch(r"[0-9]+", version):
         raise ValueError(f"{uri}: {version!r} is not a version number; {fix}")
-
-
-def registered_name(uri: str) -> Optional[str]:
-    """NAME of ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS`` (None for other URIs)."""
-    if not uri.startswith("models:/"):
-        return None
-    return uri[len("models:/"):].split("@")[0].split("/")[0] or None

@@ -5,7 +5,6 @@ on it."""
 from __future__ import annotations
 
 
-
 def list_models(tracking_uri: str | None = None) -> list[dict]:
     """Registered models with their aliases and versions (tags: metrics, data hash, commit)."""
     from pipeline.registry.addresses import check_reachable, resolve_tracking_uri
@@ -22,15 +21,12 @@ def list_models(tracking_uri: str | None = None) -> list[dict]:
         models = list(client.search_registered_models(max_results=1000))
         for rm in sorted(models, key=lambda m: m.name):
             aliases = dict(rm.aliases or {})
-            by_version: dict[str, list[str]] = {}
-            for alias, version in aliases.items():
-                by_version.setdefault(str(version), []).append(alias)
             versions = []
             for v in sorted(client.search_model_versions(f"name='{rm.name}'"), key=lambda v: int(v.version)):
                 tags = dict(v.tags or {})
                 versions.append({
                     "version": int(v.version),
-                    "aliases": sorted(by_version.get(str(v.version), [])),
+                    "aliases": sorted(a for a, held in aliases.items() if str(held) == str(v.version)),
                     "task": tags.get("task"),
                     "metrics": {k.removeprefix("metric."): _num(val) for k, val in sorted(tags.items()) if k.startswith("metric.")},
                     "data_manifest_hash": tags.get("data_manifest_hash"),

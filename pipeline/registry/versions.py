@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from pipeline.registry.addresses import check_model_uri, registered_name
+from pipeline.registry.addresses import check_model_uri
 from pipeline.registry.record import (FILES_TAG, WEIGHTS_TAG, files_tag, logged_model, metric_tag, record_problem,
                                       served_files)
 from pipeline.registry.tracking import server_failure
@@ -187,7 +187,7 @@ def registered_version(uri: str, tracking_uri: Optional[str] = None):
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    if registered_name(uri) is None:
+    if not uri.startswith("models:/"):
         return None
     client = MlflowClient(tracking_uri=tracking_uri)
     rest = uri[len("models:/"):]
