@@ -1,27 +1,15 @@
 """What the ``satp`` command writes to the terminal, and what it writes to files.
 
-A log redirected to a file (``satp train job.yaml 2> train.log``, a CI job, a Ray job's log)
-should read like a log: no ANSI colour codes (Ray colours its worker prefixes and its dashboard
-URL) and no progress bars redrawn with carriage returns (tqdm bars from OGB, MLflow, the
-preprocessing stage). :func:`setup` decides once, at the start of the command, before Ray or
-tqdm are imported (Ray's log handler keeps the stream it finds at import):
+:func:`setup` decides once, before Ray or tqdm are imported (Ray's log handler keeps the stream it
+finds at import): with standard error not a terminal, colour codes are stripped from standard output
+and error, Ray is told not to colour (``RAY_COLOR_PREFIX=0``) and tqdm bars are off
+(``TQDM_DISABLE=1``, which reaches the bars of libraries such as OGB); ``--no-progress`` turns the
+bars off on a terminal too. A variable the user set already is left as it is.
 
-* standard error not a terminal: colour codes are stripped from ``sys.stdout`` and
-  ``sys.stderr``, Ray is told not to colour (``RAY_COLOR_PREFIX=0``, inherited by the Ray
-  processes this command starts), and tqdm bars are off (``TQDM_DISABLE=1``: tqdm >= 4.66 reads
-  its defaults from ``TQDM_*`` variables, which reaches bars in libraries such as OGB);
-* ``--no-progress``: the bars are off on a terminal too.
-
-A variable the user set already is left as it is.
-
-``satp train`` also keeps Ray's own output off the terminal (:func:`divert_ray_output`): Ray
-forwards what its processes print to the command (each line after a prefix such as
-``(RayTrainWorker pid=12)``), and a worker lost in a run that goes on fills the terminal with Ray
-Train's report of it (tracebacks from every rank, the collective's "Connection reset by peer",
-``ActorDiedError``, the raylet's guess at the OOM killer). Those lines go to the run's log file; of
-what Ray forwards, the terminal shows only satp's own lines, which satp's code in Ray's processes
-marks (:data:`runtime.ray_logs.MARK`), and a fault the run survives is one line of its own
-(:class:`runtime.ray_logs.RetryNotice`).
+``satp train`` also keeps Ray's own output off the terminal (:func:`divert_ray_output`): what Ray
+forwards from its processes (tracebacks of every rank when a worker is lost, ``ActorDiedError``, ...)
+goes to the run's log file; the terminal shows only satp's own lines, which satp's code in Ray's
+processes marks (:data:`runtime.ray_logs.MARK`).
 """
 from __future__ import annotations
 
@@ -35,21 +23,14 @@ from pathlib import Path
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-class StripAnsi(io.TextIOBase):
-    """A text stream that forwards to ``stream`` without ANSI escape sequences."""
+class _Wrapper(io.TextIOBase):
+    """A text stream that forwards to ``stream``; subclasses filter :meth:`write`."""
 
     def __init__(self, stream) -> None:
         self._stream = stream
 
-    def write(self, text: str) -> int:
-        self._stream.write(_ANSI.sub("", text))
-        return len(text)
-
     def flush(self) -> None:
         self._stream.flush()
-
-    def isatty(self) -> bool:
-        return False
 
     def fileno(self) -> int:
         return self._stream.fileno()
@@ -67,6 +48,17 @@ class StripAnsi(io.TextIOBase):
 
     def __getattr__(self, name: str):  # anything else (buffer, mode, name, ...) is the stream's
         return getattr(self._stream, name)
+
+
+class StripAnsi(_Wrapper):
+    """A text stream that forwards to ``stream`` without ANSI escape sequences."""
+
+    def write(self, text: str) -> int:
+        self._stream.write(_ANSI.sub("", text))
+        return len(text)
+
+    def isatty(self) -> bool:
+        return False
 
 
 #: the prefix of a line Ray forwards from one of its processes: ``(RayTrainWorker pid=12)``,
@@ -91,7 +83,7 @@ class RayReport:
             self._file.flush()
 
 
-class WithoutRayLines(io.TextIOBase):
+class WithoutRayLines(_Wrapper):
     """A text stream that forwards to ``stream`` all but Ray's forwarded lines, which go to ``report``;
     of those, satp's own (``(Name pid=N) satp: ...``) are shown too: a ``satp: warning`` or
     ``satp: error`` line as it is, any other with Ray's prefix and without the mark. A line is held
@@ -99,7 +91,8 @@ class WithoutRayLines(io.TextIOBase):
     text and its newline in two writes, between which another thread may write."""
 
     def __init__(self, stream, report: RayReport) -> None:
-        self._stream, self._report, self._local = stream, report, threading.local()
+        super().__init__(stream)
+        self._report, self._local = report, threading.local()
 
     def write(self, text: str) -> int:
         local = self._local
@@ -130,28 +123,8 @@ class WithoutRayLines(io.TextIOBase):
         elif message.startswith(MARK):
             self._stream.write(line.replace(f" {MARK}", " ", 1))
 
-    def flush(self) -> None:
-        self._stream.flush()
-
     def isatty(self) -> bool:
         return is_terminal(self._stream)
-
-    def fileno(self) -> int:
-        return self._stream.fileno()
-
-    @property
-    def encoding(self):  # noqa: D401 - mirrors the wrapped stream
-        return getattr(self._stream, "encoding", "utf-8")
-
-    @property
-    def errors(self):
-        return getattr(self._stream, "errors", "strict")
-
-    def writable(self) -> bool:
-        return True
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
 
 
 def divert_ray_output(path: Path) -> Path:

@@ -1,16 +1,10 @@
 """PyG's generated ``propagate`` modules, kept in memory instead of the temporary directory.
 
-PyTorch Geometric renders a specialised ``propagate()`` for each ``MessagePassing`` class from a
-jinja template the first time the class is built (or unpickled), writes it to
-``$TMPDIR/<module>_<Class>_propagate_<random>.py`` and imports it from there; the file is never
-deleted, so every process that builds or loads a SAT model (the driver, each Ray Train worker,
-``satp predict``) leaves one ``sat.extractors_EdgeGCNConv_propagate_*.py`` behind. PyG offers no
-switch for it (its own ``TemporaryDirectory`` argument is unused).
-
-:func:`install` wraps PyG's ``module_from_template``: once the module is imported, its source is
-registered with :mod:`linecache` (tracebacks and ``inspect.getsource``, which TorchScript uses,
-still show it: entries without a modification time are never invalidated) and the file is
-deleted at once, so nothing is left even when the process is killed later.
+PyG renders a ``propagate()`` per ``MessagePassing`` class the first time one is built, writes it to
+``$TMPDIR/<module>_<Class>_propagate_<random>.py``, imports it and never deletes it, so every process
+that builds a SAT model would leave files behind. :func:`install` wraps PyG's ``module_from_template``:
+once imported, the module's source goes to :mod:`linecache` (tracebacks and ``inspect.getsource``,
+which TorchScript uses, still show it) and the file is deleted.
 """
 from __future__ import annotations
 

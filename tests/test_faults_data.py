@@ -34,8 +34,8 @@ from preprocessing.conversion import build_store, convert_file
 from preprocessing.pycode import build_pycode
 from preprocessing.shards import MANIFEST, VOCAB_FILE
 from tests.helpers import small_python_source
-from tests.helpers import (PATTERN_GRAPHS, conversion_killed_in, new_run, register_format1,
-                           register_tiny, sqlite_store, stored_files, tiny_model)
+from tests.helpers import (PATTERN_GRAPHS, conversion_killed_in, new_run, register_tiny, sqlite_store, stored_files,
+                           tiny_model)
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "ogbg-code2"
@@ -457,15 +457,10 @@ _KILLED_REGISTRATION = """
     import os, signal, sys
     import mlflow
     from tests.helpers import register_tiny, tiny_model
-    uri, run_id, name, step = sys.argv[1:5]
-    if step == "register":  # the model's files are logged; the version is not registered yet
-        mlflow.register_model = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-        register_tiny(tiny_model("pattern"), uri, run_id, name)
-    else:  # satp models migrate: the copy is registered, the old version not yet tagged, the alias not moved
-        from mlflow.tracking import MlflowClient
-        from pipeline.registry import migration
-        MlflowClient.set_model_version_tag = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-        migration.migrate(name, uri, echo=lambda line: None)
+    uri, run_id, name = sys.argv[1:4]
+    # the model's files are logged; the version is not registered yet
+    mlflow.register_model = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    register_tiny(tiny_model("pattern"), uri, run_id, name)
 """
 
 
@@ -475,28 +470,12 @@ def test_registration_killed_mid_write_registers_once_on_the_rerun(registry):
     from pipeline.registry.versions import load_model
 
     uri, _, run_id, name = registry
-    assert _script(_KILLED_REGISTRATION, uri, run_id, name, "register").wait(timeout=180) == -signal.SIGKILL
+    assert _script(_KILLED_REGISTRATION, uri, run_id, name).wait(timeout=180) == -signal.SIGKILL
     client = MlflowClient(uri)
     assert client.search_model_versions(f"name='{name}'") == []  # killed before any version existed
     again = register_tiny(tiny_model("pattern"), uri, run_id, name)  # the rerun (a finished run registers now)
     assert again["version"] == 1 and len(client.search_model_versions(f"name='{name}'")) == 1
     assert load_model(f"models:/{name}/1", tracking_uri=uri).info["weights_sha256"]
-
-
-def test_migration_killed_mid_write_makes_no_second_copy(registry):
-    from mlflow.tracking import MlflowClient
-
-    from pipeline.registry.migration import migrate
-
-    uri, _, run_id, name = registry
-    assert register_format1(tiny_model("pattern"), uri, run_id, name) == 1
-    client = MlflowClient(uri)
-    client.set_registered_model_alias(name, "champion", "1")
-    assert _script(_KILLED_REGISTRATION, uri, run_id, name, "migrate").wait(timeout=180) == -signal.SIGKILL
-    assert sorted(int(v.version) for v in client.search_model_versions(f"name='{name}'")) == [1, 2]
-    assert migrate(name, uri, echo=lambda line: None) == [{"from": 1, "to": 2, "aliases": ["champion"]}]
-    assert sorted(int(v.version) for v in client.search_model_versions(f"name='{name}'")) == [1, 2]  # no third
-    assert int(client.get_model_version_by_alias(name, "champion").version) == 2
 
 
 def _registered_files(uri: str, name: str, version: int) -> Path:

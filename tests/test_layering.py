@@ -24,8 +24,6 @@ FLOORS = ["sat", "runtime", "preprocessing", "pipeline.shared", "pipeline.regist
           "pipeline.sweep", "pipeline.cli", "benchmarks"]
 BENCHMARK_ROOMS = ("cpu", "scale", "accuracy", "gpu")
 BENCHMARK_SHARED = {"benchmarks", "benchmarks.graphs", "benchmarks.machine", "benchmarks.run"}
-#: modules that exist to keep an older import path working (their one import points up on purpose)
-SHIMS = {"pipeline.model_format"}
 MAX_LINES = 500
 
 
@@ -85,8 +83,6 @@ def test_room_names_the_floor():
 def test_every_import_points_down():
     upward = []
     for name, path in _modules():
-        if name in SHIMS:
-            continue
         here = FLOORS.index(room(name))
         for target in imported_modules(path):
             if _known(target) and FLOORS.index(room(target)) > here:

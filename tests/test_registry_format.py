@@ -7,8 +7,8 @@ Tiny untrained models are logged straight to the store (``tests.helpers``):
 * loading unpickles nothing: with ``pickle``/``cloudpickle`` loading patched to fail, and malicious
   pickles planted where MLflow's pickle flavours would look, loading works and no pickle runs;
   a weights file that is a pickle, or holds other weights than recorded, is refused;
-* format-1 versions (a pickled ``mlflow.pytorch`` module) are refused in one line naming
-  ``satp models migrate NAME``, which re-registers them weights-only (tags, champion alias);
+* format-1 versions (a pickled ``mlflow.pytorch`` module) are refused in one line saying what to do,
+  and listed as not weights-only;
 * the same weights of a run are registered once.
 """
 from __future__ import annotations
@@ -174,99 +174,32 @@ def test_same_weights_of_a_run_are_registered_once(tmp_path):
     assert len(client.search_logged_models([exp_id])) == 3  # nothing logged for the duplicate
 
 
-# ----------------------------------------------------------------------------- format 1 and migrate
-def test_format1_is_refused_and_migrated(tmp_path, capsys):
+# ----------------------------------------------------------------------------- format 1
+def test_format1_is_refused_in_one_line_and_listed(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     from pipeline.cli import main
     from pipeline.registry.versions import load_model
 
     uri, exp_id = sqlite_store(tmp_path)
-    client = MlflowClient(uri)
-    run_id = new_run(uri, exp_id)
-    tiny, other = tiny_model("pattern"), tiny_model("pattern", seed=1)
-    assert register_format1(tiny, uri, run_id, "old") == 1
-    assert register_format1(other, uri, run_id, "old") == 2
-    client.set_registered_model_alias("old", "champion", "1")
-
+    assert register_format1(tiny_model("pattern"), uri, new_run(uri, exp_id), "old") == 1
+    MlflowClient(uri).set_registered_model_alias("old", "champion", "1")
     with pytest.raises(ValueError) as info:
         load_model("models:/old@champion", tracking_uri=uri)
-    assert str(info.value) == ("models:/old@champion: a format-1 satp model (a pickled module, which satp no longer "
-                               "loads); re-register it weights-only with: satp models migrate old")
+    assert str(info.value) == ("models:/old@champion: a format-1 satp model (a pickled module, which satp does not "
+                               "load); train its job again with satp train to register it weights-only")
     graphs = tmp_path / "graphs.json"
     graphs.write_text(json.dumps(PATTERN_GRAPHS))
     capsys.readouterr()  # MLflow's messages so far
-    assert main(["predict", "models:/old/2", str(graphs), "--tracking-uri", uri]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.endswith("satp models migrate old") and "\n" not in err
-
-    assert main(["models", "--tracking-uri", uri, "migrate", "old"]) == 0
-    out = capsys.readouterr().out
-    assert "models:/old/1: unpickling its format-1 model" in out and "models:/old/1 -> models:/old/3 (moved @champion)" in out
-    assert "models:/old/2 -> models:/old/4" in out
-    assert str(client.get_model_version_by_alias("old", "champion").version) == "3"
-    for old, new, model in (("1", "3", tiny), ("2", "4", other)):
-        assert client.get_model_version("old", old).tags["satp.migrated_to"] == new
-        tags = client.get_model_version("old", new).tags
-        assert tags["satp.migrated_from"] == old and "satp.champion_decision" not in tags
-        assert {k: tags[k] for k in ("task", "run_id", "data_manifest_hash", "git_commit", "satp.config_hash",
-                                     "metric.best_val_acc")} == {
-            "task": "pattern", "run_id": run_id, "data_manifest_hash": "abc", "git_commit": "c0ffee",
-            "satp.config_hash": "cfg1", "metric.best_val_acc": "0.5"}
-        loaded = load_model(f"models:/old/{new}", tracking_uri=uri)
-        assert loaded.info["format"] == 2 and loaded.info["provenance"]["config_hash"] == "cfg1"
-        assert torch.equal(_outputs(loaded.model, [model.sample]), _outputs(model.model, [model.sample]))
-    assert main(["predict", "models:/old@champion", str(graphs), "--tracking-uri", uri]) == 0
-    capsys.readouterr()
-
-    # once: a second migration unpickles nothing and registers nothing
-    assert main(["models", "migrate", "old", "--tracking-uri", uri]) == 0
-    out = capsys.readouterr().out
-    assert "unpickling" not in out and "models:/old/1: migrated already (version 3)" in out
-    assert len(client.search_model_versions("name='old'")) == 4
-    assert main(["models", "migrate", "nope", "--tracking-uri", uri]) == 2
-    assert "nope: no such registered model" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("stored_module", ["pipeline.model_format", "pipeline.registry.model_format"])
-def test_pyfunc_code_of_versions_registered_before_the_moves_still_builds(stored_module):
-    """A registered version's ``satp_pyfunc.py`` names the module of the pyfunc class as it was when
-    the version was registered: ``pipeline.model_format`` (before ``pipeline/`` had sub-packages),
-    ``pipeline.registry.model_format`` (before the class moved to :mod:`pipeline.registry.pyfunc`);
-    each import still gives the class the current code names."""
-    from pipeline.registry.model_format import PYFUNC_CODE
-    from pipeline.registry.pyfunc import SATPyfunc
-
-    assert "from pipeline.registry.pyfunc import SATPyfunc" in PYFUNC_CODE
-    old_code = PYFUNC_CODE.replace("pipeline.registry.pyfunc", stored_module)
-    namespace: dict = {}
-    exec(compile(old_code.replace("mlflow.models.set_model(SATPyfunc())", ""), "satp_pyfunc.py", "exec"), namespace)
-    assert namespace["SATPyfunc"] is SATPyfunc
-
-
-def test_a_format1_pickle_that_is_not_a_module_is_one_line_and_listed_as_pickled(tmp_path, capsys):
-    """Migrating a format-1 version whose pickle is not a module ended in
-    a traceback (``'int' object has no attribute 'eval'``); ``satp models`` listed such versions
-    without saying that they need ``satp models migrate``."""
-    from mlflow.tracking import MlflowClient
-
-    from pipeline.cli import main
-
-    uri, exp_id = sqlite_store(tmp_path)
-    version = register_format1(tiny_model("pattern"), uri, new_run(uri, exp_id), "old")
-    assert main(["models", "--tracking-uri", uri]) == 0
-    assert "(pickled: satp loads it after `satp models migrate old`)" in capsys.readouterr().out
-    torch.save(5, stored_files(uri, "old", version) / "data" / "model.pth")  # an int where the module was
-
-    assert main(["models", "migrate", "old", "--tracking-uri", uri]) == 2
+    assert main(["predict", "models:/old/1", str(graphs), "--tracking-uri", uri]) == 2
     err = capsys.readouterr().err
     assert [line for line in err.splitlines() if line.startswith("satp:")] == [
-        "satp: error: models:/old/1: its format-1 pickle holds an int, not a torch module; nothing of it was migrated"]
-    assert "Traceback" not in err
-    assert len(MlflowClient(uri).search_model_versions("name='old'")) == 1  # nothing registered
+        f"satp: error: models:/old/1: {str(info.value).split(': ', 1)[1]}"] and "Traceback" not in err
+    assert main(["models", "--tracking-uri", uri]) == 0
+    assert "(not weights-only: satp predict refuses it)" in capsys.readouterr().out
     assert main(["models", "--tracking-uri", uri, "--json"]) == 0
     [listed] = json.loads(capsys.readouterr().out)[0]["versions"]
-    assert listed["format"] == 1 and listed["migrated_to"] is None
+    assert listed["format"] == 1 and listed["record"] is None
 
 
 def test_a_raw_pickle_weights_file_is_refused_in_one_clean_line(tmp_path, capsys):

@@ -1,12 +1,9 @@
-"""Arguments shared by the job commands, in a module that imports nothing heavy: the modules that
-register subcommands import only this and argparse, so that ``satp --help`` comes back at once.
-"""
+"""Arguments shared by the job commands (nothing heavy imported: ``satp --help`` comes back at once)."""
 from __future__ import annotations
 
 
 def add_job_arguments(parser, example: str) -> None:
-    """The arguments every job command takes: the job YAML, ``--set`` overrides, ``--address``,
-    ``--no-progress`` (read by :func:`pipeline.console.setup`)."""
+    """The job YAML, ``--set`` overrides, ``--address``, ``--no-progress``."""
     parser.add_argument("job", help="job YAML (jobs/*.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help=f"override a job key, e.g. --set {example} (repeatable)")

@@ -1,6 +1,5 @@
 """``satp data pycode | synthetic-ppa | sbm-pattern | sbm-cluster`` (offline datasets in OGB's raw
-layout, :mod:`preprocessing`) and ``satp preprocess JOB.yaml`` (the job's data, transform and shards
-sections into Arrow shards, one Ray task per shard; prints the shard directory).
+layout) and ``satp preprocess JOB.yaml`` (the job's dataset into Arrow shards; prints their directory).
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""``satp demo`` (= ``make demo``): ``jobs/code2-local.yaml`` end to end on this machine's CPUs (the
-standard library as ogbg-code2, Arrow shards, Ray Train + DeepSpeed, the local MLflow), printing the
-test F1 beside the best constant predictor's and the registered model's URI.
-"""
+"""``satp demo`` (``make demo``): ``jobs/code2-local.yaml`` end to end on this machine's CPUs, printing
+the test F1 beside the best constant predictor's and the registered model's URI."""
 from __future__ import annotations
 
 import time
@@ -10,14 +8,14 @@ from pathlib import Path
 LOCAL_JOB = Path(__file__).resolve().parents[2] / "jobs" / "code2-local.yaml"
 
 
-def run_demo(overrides: list[str] | None = None, job_path: str | Path = LOCAL_JOB) -> int:
+def run_demo(overrides: list[str]) -> int:
     import ray
 
     from pipeline.config import load_job
     from pipeline.train.driver import train_job
 
     start = time.time()
-    job = load_job(job_path, overrides or [])
+    job = load_job(LOCAL_JOB, overrides)
     if not ray.is_initialized():
         cpus = max(2, int(job.resources.max_workers * job.resources.cpus_per_worker))
         from runtime.ray_cluster import connect
@@ -30,7 +28,7 @@ def run_demo(overrides: list[str] | None = None, job_path: str | Path = LOCAL_JO
     best = outcome.best
     elapsed = time.time() - start
     print("\n==== satp demo ====", flush=True)
-    print(f"job               {Path(job_path).name} ({job.resources.max_workers} CPU workers, DeepSpeed)")
+    print(f"job               {LOCAL_JOB.name} ({job.resources.max_workers} CPU workers, DeepSpeed)")
     print(f"epochs            {len(outcome.history)} (best epoch {best['epoch']}, val {m} {best['val']:.4f})")
     if not outcome.trained:
         print("                  (this run had finished before with this configuration: nothing trained; "

@@ -1,9 +1,8 @@
-"""``satp models`` (registered models, versions, aliases, metrics), ``satp models migrate NAME``
-(format-1 pickled versions re-registered weights-only) and ``satp predict MODEL_URI INPUT``.
-"""
+"""``satp models`` (registered models, versions, aliases, metrics) and ``satp predict MODEL_URI INPUT``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 TRACKING_HELP = "MLflow tracking URI (default $MLFLOW_TRACKING_URI or runs/mlflow.db)"
@@ -14,12 +13,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tracking-uri", default=None, help=TRACKING_HELP)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_models)
-    actions = p.add_subparsers(dest="models_command", metavar="{migrate}")
-    m = actions.add_parser("migrate", help="re-register a model's format-1 (pickled) versions weights-only")
-    m.add_argument("name", metavar="NAME", help="the registered model")
-    # SUPPRESS: `satp models --tracking-uri URI migrate NAME` keeps the URI given before the action
-    m.add_argument("--tracking-uri", default=argparse.SUPPRESS, help="MLflow tracking URI (as for satp models)")
-    m.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("predict", help="predict with a registered model (code2: method names of a Python file)")
     p.add_argument("model_uri", metavar="MODEL_URI", help="models:/NAME@alias or models:/NAME/VERSION")
@@ -39,13 +32,6 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_migrate(args: argparse.Namespace) -> int:
-    from pipeline.registry.migration import migrate
-
-    migrate(args.name, args.tracking_uri)
-    return 0
-
-
 def cmd_predict(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -61,12 +47,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     model = load(args.model_uri, tracking_uri=args.tracking_uri)
     predictions = model.predict_file(args.input, split=args.split)
     if args.json:
-        rows = [
-            {"name": p.name, "line": p.line, "actual": p.actual, "predicted": p.predicted}
-            if isinstance(p, FunctionPrediction) else {"graph": p[0], "predicted": p[1]}
-            for p in predictions
-        ]
-        print(json.dumps(rows))
+        print(json.dumps([dataclasses.asdict(p) if isinstance(p, FunctionPrediction) else
+                          {"graph": p[0], "predicted": p[1]} for p in predictions]))
     else:
         print(f"# {args.model_uri} ({model.task_name}) on {args.input}: {len(predictions)} "
               f"{'functions' if model.task_name == 'code2' else 'graphs'}")

@@ -1,8 +1,5 @@
-"""``satp tune JOB.yaml`` (the job's ASHA sweep, best model registered, the champion alias moved only
-if it beats the current one) and ``satp compare JOB.yaml`` (every variant x seed at equal budget,
-mean ± std per variant): MLflow parent and child runs; a rerun resumes, a rerun of another job is
-refused before Ray starts unless ``--restart`` (:mod:`pipeline.sweep.record`).
-"""
+"""``satp tune JOB.yaml`` (the job's ASHA sweep, its best model registered) and ``satp compare
+JOB.yaml`` (every variant x seed at equal budget)."""
 from __future__ import annotations
 
 import argparse
@@ -35,10 +32,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def run_section_command(args, section: str, example: str, run: str) -> int:
-    """``satp tune`` / ``satp compare``: the job of ``args`` must have a ``section:`` (see ``example``);
-    run from the project directory with INFO logging on stderr. ``run`` (``module:function``) returns
-    an outcome, printed by that module's ``format_outcome`` after Ray has shut down, as the command's
-    last output; one Tune stopped on Ctrl-C raises :class:`runtime.interrupts.Interrupted` (status 130)."""
+    """``satp tune`` / ``satp compare`` of a job with a ``section:`` (see ``example``): ``run``
+    (``module:function``) returns an outcome, printed by that module's ``format_outcome`` after Ray has
+    shut down, as the command's last output; a Tune stopped on Ctrl-C ends with status 130."""
     import importlib
     import logging
     import signal

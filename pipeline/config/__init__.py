@@ -1,10 +1,6 @@
-"""Job files: one YAML per job, validated into typed sections at the edge.
-
-Sections: ``data``, ``transform``, ``shards`` (preprocessing), ``model`` (:class:`sat.SATConfig`),
-``storage``, ``train``, ``resources``, ``mlflow`` (:mod:`~pipeline.config.train`) and the optional
-``tune`` (:mod:`~pipeline.config.tune`) and ``compare`` (:mod:`~pipeline.config.compare`). Unknown or
-mistyped keys are one-line errors naming the file and the dotted key; ``--set dotted.key=value``
-overrides any key (the value parsed as YAML). Importing it loads no torch, Ray or MLflow.
+"""Job files: one YAML per job, validated into typed sections (:class:`JobConfig`); a bad key is one
+line naming the file and the dotted key; ``--set dotted.key=value`` overrides any key (the value
+parsed as YAML). Importing it loads no torch, Ray or MLflow.
 """
 from __future__ import annotations
 
@@ -44,8 +40,8 @@ class JobConfig(StrictModel):
 
     @model_validator(mode="after")
     def _global_batch(self) -> "JobConfig":
-        """``train.micro_batches_per_step`` unset: the job's worker count (the max of a range), fixed
-        here so that everything downstream (the configuration hash included) sees the number."""
+        """``train.micro_batches_per_step`` unset: the job's (maximum) worker count, fixed here so that
+        everything downstream (the configuration hash included) sees the number."""
         if self.train.micro_batches_per_step is None:
             self.train.micro_batches_per_step = self.resources.max_workers
         return self
@@ -126,9 +122,8 @@ def _close_key(key: str, loc: tuple) -> Optional[str]:
 
 
 def format_validation_error(source: str, error: ValidationError) -> str:
-    """One line for a job's validation errors: an unknown key first, with the known key it
-    resembles (a misspelt required section is also reported missing: the same mistake, counted
-    once), else the first error."""
+    """One line for a job's validation errors: an unknown key first, with the known key it resembles
+    (a misspelt required section, also reported missing, counted once), else the first error."""
     errors = error.errors()
     unknown = [e for e in errors if e["type"] == "extra_forbidden"]
     first = unknown[0] if unknown else errors[0]
@@ -151,9 +146,8 @@ def format_validation_error(source: str, error: ValidationError) -> str:
 
 
 def yaml_error(path: Path, exc: Exception) -> str:
-    """``job.yaml:14:3: not valid YAML: expected ',' or '}', but got ':' (while parsing a flow
-    mapping opened at line 12, column 8)``: where PyYAML noticed the problem (1-based), and where the
-    construct it was reading began, which is where an unclosed bracket or quote is."""
+    """``job.yaml:14:3: not valid YAML: ... (while parsing a flow mapping opened at line 12, column 8)``:
+    where PyYAML noticed the problem, and where an unclosed bracket or quote began."""
     mark = getattr(exc, "problem_mark", None)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
     problem = getattr(exc, "problem", None) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

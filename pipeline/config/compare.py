@@ -9,20 +9,17 @@ Example (``jobs/pattern-local.yaml``)::
         subtree: {}                 # the job as it is
         subgraph: {model.extractor: subgraph, transform.k_hops: 1}
 
-``satp compare JOB.yaml`` (:mod:`pipeline.sweep.compare`) trains every variant with every seed, each a
-full Ray Train run at the same budget: the keys that set it (``data``, ``train.epochs``, the subsets)
-and the seed cannot be varied; ``transform`` and ``shards`` may (each distinct preprocessing is built
-once, before the trials). Every variant is validated as a job before anything starts.
+``satp compare JOB.yaml`` trains every variant with every seed at the same budget: ``data``, the
+epochs, the subsets and the seed cannot vary (:data:`FORBIDDEN_PREFIXES`).
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from pydantic import Field, field_validator
 
-from preprocessing.config import StrictModel
-from runtime.storage import validate
+from pipeline.config.tune import TrialsConfig
 
 #: Keys a variant may not set: what identifies or logs the run, and what fixes the budget.
 FORBIDDEN_PREFIXES = ("tune", "compare", "name", "mlflow", "data", "train.seed", "train.epochs", "train.train_subset",
@@ -30,26 +27,12 @@ FORBIDDEN_PREFIXES = ("tune", "compare", "name", "mlflow", "data", "train.seed",
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # usable in run names and MLflow metric keys
 
 
-class CompareConfig(StrictModel):
+class CompareConfig(TrialsConfig):
     """Variants x seeds, each a full training run; see the module docstring."""
 
+    SECTION: ClassVar[str] = "compare"
     variants: dict[str, Optional[dict[str, Any]]]  # None (an empty YAML value): the job as it is
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
-    #: Comparison name (Tune experiment directory, MLflow parent run): default ``<job name>-compare-<hash>``.
-    #: A rerun of the same job resumes it; another job under the same name is refused (``--restart``).
-    name: Optional[str] = None
-    #: Tune's storage (experiment state, trials' Train checkpoints): default ``<runs>/tune``.
-    storage_path: Optional[str] = None
-    max_concurrent_trials: Optional[int] = Field(None, ge=1)  # capped by the cluster's resources
-    #: CPUs reserved by each trial's Tune function, which only drives its Train run.
-    trial_cpus: float = Field(0.0, ge=0)
-    #: Times a trial whose Train driver died is restarted (its Train run resumes).
-    max_failures: int = Field(1, ge=0)
-
-    @field_validator("storage_path")
-    @classmethod
-    def _storage_path_is_a_path_or_uri(cls, value: Optional[str]) -> Optional[str]:
-        return None if value is None else validate(value, "compare.storage_path")
 
     @field_validator("variants")
     @classmethod

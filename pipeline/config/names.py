@@ -1,11 +1,7 @@
-"""Names that become paths or registry entries, checked before anything starts.
-
-A run name is a folder under ``train.storage_path``, a sweep's or comparison's name one under its
-storage path: a job file with ``train.run_name: ../../elsewhere`` would write wherever the user can.
-So such a name must be a relative path in normal form inside its folder (``x/y`` nests; ``../x``,
-``/x``, ``x/../y``, ``x/`` are refused). The MLflow names follow MLflow's rules
-(``mlflow.utils.validation``), written out here so that the pre-flight imports no MLflow;
-``tests/test_names.py`` holds them against MLflow's functions.
+"""Names that become paths or registry entries, checked before anything starts: a run, sweep or
+comparison name is a relative path in normal form inside its storage path (``x/y`` nests; ``../x``,
+``/x``, ``x/../y``, ``x/`` are refused); the MLflow names follow MLflow's rules, written out here so
+that the pre-flight imports no MLflow (``tests/test_names.py`` holds them against MLflow's).
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Job sections owned by training: ``train``, ``resources`` and ``mlflow``.
-
-Strict pydantic models with the defaults of a small local run (``jobs/*.yaml`` set the paper's
-values). Paths that default to the run directory (:func:`runs_dir`) are made absolute by the driver
-before anything reaches a Ray worker, whose working directory is a temporary copy.
-"""
+"""Job sections owned by training: ``train``, ``resources`` and ``mlflow``, with the defaults of a
+small local run (``jobs/*.yaml`` set the paper's values; docs/jobs.md describes every key)."""
 from __future__ import annotations
 
 import os
@@ -34,21 +30,16 @@ class TrainConfig(StrictModel):
     task: Optional[TaskName] = None  # None: inferred from data.name (see pipeline.tasks)
     epochs: int = Field(4, ge=1)
     warmup_epochs: float = Field(1.0, ge=0)
-    # warm-up in optimizer steps (the paper's 5,000 on PATTERN/CLUSTER); when set, warmup_epochs is unused
     warmup_steps: Optional[int] = Field(None, ge=0)
     lr: float = Field(1e-4, gt=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
     weight_decay: float = Field(1e-6, ge=0)
-    # after the warm-up: cosine (to lr * min_lr_ratio at the last step), constant, or inverse_sqrt:
-    # lr * sqrt(warmup / step), the schedule of Vaswani et al. scaled to peak at lr (the SAT authors'
-    # train_SBMs.py / train_zinc.py)
+    # after the warm-up; inverse_sqrt: lr * sqrt(warmup / step), the SAT authors' SBM/ZINC schedule
     scheduler: Literal["cosine", "constant", "inverse_sqrt"] = "cosine"
-    # a batch holds graphs of similar size up to `node_budget` padded nodes (graphs x largest graph);
-    # a larger graph gets a batch of its own (never dropped)
+    # padded nodes (graphs x largest graph) of a batch; a larger graph gets a batch of its own
     node_budget: int = Field(4000, ge=1)
-    # an optimizer step is this many micro-batches of a sequence fixed by train.seed and the epoch, dealt
-    # to the workers (pipeline.train.global_batch), so steps and the lr schedule do not depend on the
-    # worker count. Unset: resources.num_workers (the max of a range), resolved when the job is read
+    # micro-batches per optimizer step, dealt to the workers, so steps do not depend on the worker
+    # count (pipeline.train.global_batch); unset: the job's (maximum) worker count
     micro_batches_per_step: Optional[int] = Field(None, ge=1)
     max_graphs_per_batch: Optional[int] = Field(None, ge=1)
     eval_node_budget: Optional[int] = Field(None, ge=1)  # default: 2 x node_budget
@@ -57,9 +48,8 @@ class TrainConfig(StrictModel):
     train_subset: Optional[int] = Field(None, ge=1)  # first N graphs of a seeded permutation
     eval_subset: Optional[int] = Field(None, ge=1)  # the same, seeded by data.seed (not by train.seed)
     seed: int = 0
-    # the step (pipeline.train.step_modes): eager (batches as they come); static (padded to fixed
-    # capacities, sat.padding); compiled (static, and torch.compile'd once); captured (compiled, and
-    # captured as a CUDA graph; GPU only). A batch over capacity runs eagerly (overflow_batches).
+    # eager; static (padded to fixed capacities); compiled (static + torch.compile); captured (compiled +
+    # a CUDA graph; GPU only): pipeline.train.step_modes
     step: Literal["eager", "static", "compiled", "captured"] = "eager"
     # capacities: mean + this many standard deviations of the first epoch's batch sizes, at most their largest
     capacity_sigmas: float = Field(5.0, ge=0)
@@ -67,8 +57,7 @@ class TrainConfig(StrictModel):
     precision: Precision = "auto"  # auto: bf16 where supported, else fp16 on GPU, fp32 on CPU
     zero_stage: Literal[0, 1, 2] = 0
     grad_clip: float = Field(1.0, ge=0)  # 0 disables
-    # BatchNorm's statistics recomputed before each evaluation over this many training batches
-    # (pipeline.train.precise_bn); 0: the moving average of training
+    # training batches BatchNorm's statistics are recomputed over before each evaluation (0: never)
     precise_bn_batches: int = Field(0, ge=0)
     # bookkeeping
     eval_every: int = Field(1, ge=1)
@@ -76,14 +65,13 @@ class TrainConfig(StrictModel):
     run_name: Optional[str] = None  # default: the job's name; a rerun with the same name resumes
     storage_path: Optional[str] = None  # default: <runs>/ray
     checkpoints_to_keep: int = Field(2, ge=1)
-    # a checkpoint every this many optimizer steps as well as at every epoch's end (None: epoch ends only)
+    # a checkpoint every this many optimizer steps too (None: at epoch ends only)
     checkpoint_every_steps: Optional[int] = Field(None, ge=1)
-    # every this many steps the workers ask Ray Train whether a node of theirs is being drained for
-    # preemption; if so, they write a checkpoint at once
+    # steps between asking Ray Train whether a node is being drained (then a checkpoint at once)
     preemption_check_steps: int = Field(10, ge=1)
     max_failures: int = Field(2, ge=0)  # worker-group restarts from the last checkpoint
-    # stopping before `epochs` (pipeline.train.stopping): at a quality target (reported as time to
-    # target), or after `patience` evaluations without a better validation metric
+    # stopping before `epochs` (pipeline.train.stopping): at a target, or after `patience` evaluations
+    # without a better validation metric
     target: Optional[TargetConfig] = None
     patience: Optional[int] = Field(None, ge=1)
 
@@ -103,8 +91,7 @@ class TrainConfig(StrictModel):
 class ResourcesConfig(StrictModel):
     """Ray Train workers: one DeepSpeed rank each."""
 
-    # a count, or [min, max]: an elastic run that starts once min workers fit, continues with fewer
-    # when a node is lost and grows when nodes join, checked every resize_check_s (docs/scale.md)
+    # a count, or [min, max]: an elastic run, resized as nodes leave and join (docs/scale.md)
     num_workers: Union[int, tuple[int, int]] = 2
     resize_check_s: float = Field(60.0, gt=0)
     use_gpu: bool = False
@@ -113,11 +100,9 @@ class ResourcesConfig(StrictModel):
     torch_threads: Optional[int] = Field(None, ge=1)  # default: cpus_per_worker
     # PACK: workers on as few nodes as possible; SPREAD: across nodes (a lost node takes fewer along)
     placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
-    # false: fail before anything starts when the cluster's nodes cannot hold the workers;
-    # true: an autoscaling cluster, where Ray adds the nodes the workers ask for
+    # true: an autoscaling cluster adds the nodes; false: refused at once when the nodes cannot hold them
     wait_for_nodes: bool = False
-    # torch.distributed backend between the workers: auto = nccl for GPU workers that each hold whole
-    # GPUs, gloo for CPU workers and GPU workers that may share a device (NCCL refuses two ranks on one)
+    # auto: nccl for GPU workers that hold whole GPUs, else gloo (NCCL refuses two ranks on one device)
     collective_backend: Literal["auto", "nccl", "gloo"] = "auto"
 
     @field_validator("num_workers", mode="before")
@@ -180,8 +165,7 @@ class ResourcesConfig(StrictModel):
 
 
 class MlflowConfig(StrictModel):
-    """Tracking: one MLflow run per training run (epochs logged by Ray Train's controller, system
-    metrics by rank 0)."""
+    """Tracking: one MLflow run per training run."""
 
     enabled: bool = True
     tracking_uri: Optional[str] = None  # default: sqlite:////abs/<runs>/mlflow.db

@@ -9,16 +9,14 @@ Example (a whole one: ``jobs/code2-sweep-local.yaml``)::
         train.lr: {loguniform: [1.0e-4, 3.0e-3]}
         "transform.rwpe_steps,model.pe_dim": {choice: [8, 16]}   # one value, set at both keys
 
-Distributions (a mapping with exactly one key): ``choice: [v, ...]``, ``grid: [v, ...]`` (every
-value, times ``num_samples``), ``uniform`` / ``loguniform: [lo, hi]``, ``randint: [lo, hi]`` (``hi``
-exclusive), ``quniform: [lo, hi, q]`` or ``value: v``. A key listing several dotted keys (commas)
-sets the sampled value at each. Keys under ``data``, ``transform`` and ``shards`` change the shards:
-they take ``choice``/``grid``/``value``, so that every variant is built once, before the trials.
-Every sampled value is validated as a job before the sweep starts.
+Distributions (one key each): ``choice``, ``grid`` (every value, times ``num_samples``), ``uniform``,
+``loguniform``, ``randint`` (``hi`` exclusive), ``quniform`` or ``value``. Keys under ``data``,
+``transform`` and ``shards`` change the shards: they take ``choice``/``grid``/``value``, so that every
+variant is built once, before the trials.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -109,34 +107,41 @@ class AshaConfig(StrictModel):
     brackets: int = Field(1, ge=1)
 
 
-class TuneConfig(StrictModel):
+class TrialsConfig(StrictModel):
+    """What a sweep and a comparison share: where they run, and how their trials are run."""
+
+    SECTION: ClassVar[str] = "tune"
+    #: Name (Tune experiment directory, MLflow parent run): default ``<job name>-sweep`` (a sweep),
+    #: ``<job name>-compare-<hash>`` (a comparison).
+    #: A rerun of the same job resumes it; another job under the same name is refused (``--restart``).
+    name: Optional[str] = None
+    #: Tune's storage (experiment state, trials' Train checkpoints): default ``<runs>/tune``.
+    storage_path: Optional[str] = None
+    max_concurrent_trials: Optional[int] = Field(None, ge=1)  # capped by the cluster's resources
+    #: CPUs reserved by each trial's Tune function, which only drives its Train run.
+    trial_cpus: float = Field(0.0, ge=0)
+    #: Times a trial whose Train driver died is restarted (its Train run resumes).
+    max_failures: int = Field(1, ge=0)
+
+    @field_validator("storage_path")
+    @classmethod
+    def _storage_path_is_a_path_or_uri(cls, value: Optional[str]) -> Optional[str]:
+        return None if value is None else validate(value, f"{cls.SECTION}.storage_path")
+
+
+class TuneConfig(TrialsConfig):
     """An ASHA sweep: each trial is a full Ray Train run of the job with sampled settings."""
 
     space: dict[str, Distribution]
     metric: Optional[str] = None  # default: val_<task metric>
     mode: Optional[Literal["max", "min"]] = None  # default: the task's
     num_samples: int = Field(4, ge=1)
-    max_concurrent_trials: Optional[int] = Field(None, ge=1)  # capped by the cluster's resources
     seed: Optional[int] = 0
     asha: AshaConfig = AshaConfig()
-    #: Sweep name (Tune experiment directory, MLflow parent run): default ``<job name>-sweep``.
-    #: A rerun of the same job resumes the sweep; another job under the same name is refused (``--restart``).
-    name: Optional[str] = None
-    #: Tune's storage (experiment state, trials' Train checkpoints): default ``<runs>/tune``.
-    storage_path: Optional[str] = None
-    #: CPUs reserved by each trial's Tune function, which only drives its Train run.
-    trial_cpus: float = Field(0.0, ge=0)
-    #: Times a trial whose Train driver died is restarted (its Train run resumes).
-    max_failures: int = Field(1, ge=0)
     #: Register the best trial's model (under ``mlflow.registered_model``) at the end.
     register_best: bool = True
     #: Alias moved to the new version only when it beats the current holder's validation metric.
     champion_alias: str = "champion"
-
-    @field_validator("storage_path")
-    @classmethod
-    def _storage_path_is_a_path_or_uri(cls, value: Optional[str]) -> Optional[str]:
-        return None if value is None else validate(value, "tune.storage_path")
 
     @field_validator("space")
     @classmethod

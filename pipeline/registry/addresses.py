@@ -12,8 +12,8 @@ HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT
 
 
 def resolve_tracking_uri(tracking_uri: Optional[str] = None) -> str:
-    """``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the project's SQLite store under ``runs/``;
-    a missing SQLite store is an error (MLflow would create it); http(s) gets short timeouts, no retries."""
+    """``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else ``runs/mlflow.db``; a missing SQLite store
+    is an error (MLflow would create it); http(s) gets short timeouts, no retries."""
     from pipeline.config.train import default_tracking_uri
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
@@ -61,10 +61,3 @@ def check_model_uri(uri: str) -> None:
         raise ValueError(f"{uri}: {fix}")
     if not re.fullmatch(r"[0-9]+", version):
         raise ValueError(f"{uri}: {version!r} is not a version number; {fix}")
-
-
-def registered_name(uri: str) -> Optional[str]:
-    """NAME of ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS`` (None for other URIs)."""
-    if not uri.startswith("models:/"):
-        return None
-    return uri[len("models:/"):].split("@")[0].split("/")[0] or None

@@ -1,10 +1,7 @@
-"""A new SQLite tracking store starts as a copy of an empty one.
-
-MLflow makes a new SQLite store by running ~60 schema migrations (1.6-6 s of CPU); instead one empty
-store per MLflow version is made under ``$SATP_HOME/cache`` (default ``~/.satp``), its ``Default``
-experiment deleted (MLflow creates it with the store's artifact root), and each new store is a copy,
-linked into place only where nothing appeared meanwhile. An existing store is never touched; where
-any of this fails MLflow makes the store itself, and names what is wrong."""
+"""A new SQLite tracking store starts as a copy of an empty one: MLflow makes a store by ~60 schema
+migrations (1.6-6 s of CPU), so one empty store per MLflow version is kept under ``$SATP_HOME/cache``
+(its ``Default`` experiment deleted: MLflow creates it with the store's artifact root). A copy is
+linked into place only where nothing appeared meanwhile; where any of this fails, MLflow makes the store."""
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +17,7 @@ PREFIX = "sqlite:///"
 
 
 def database_path(tracking_uri: str) -> Optional[Path]:
-    """The file of a ``sqlite:///`` tracking URI (relative to the current directory unless it
-    starts with ``/``; query parameters left out); None for any other store."""
+    """The file of a ``sqlite:///`` tracking URI (query parameters left out); None for other stores."""
     if not tracking_uri.startswith(PREFIX):
         return None
     return Path(tracking_uri[len(PREFIX):].split("?", 1)[0])

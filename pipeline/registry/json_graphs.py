@@ -1,9 +1,6 @@
-"""JSON graphs (``satp predict MODEL graphs.json`` and the pyfunc's inputs), read and checked.
-
-A graph is ``{"num_nodes": N, "edge_index": [[src...], [dst...]], ...}`` with ``edge_attr`` (ppa:
-``[E, 7]``) or ``x`` (pattern, cluster: ``[N]`` node input ids). Every value is checked before it
-reaches the model, in one line naming the file and graph (``graphs.json: graph 3: edge_index holds
-1.5; expected integer ids``)."""
+"""JSON graphs (``satp predict MODEL graphs.json``, the pyfunc's inputs), read and checked: a graph is
+``{"num_nodes": N, "edge_index": [[src...], [dst...]]}`` with ``edge_attr`` (ppa: ``[E, 7]``) or ``x``
+(pattern, cluster: ``[N]`` node input ids); a bad value is one line naming the file and graph."""
 from __future__ import annotations
 
 import json
@@ -26,26 +23,26 @@ def read_json_graphs(path: Path) -> list:
     return values if isinstance(values, list) else [values]
 
 
-def _where(where: str, i: int) -> str:
-    return f"{where}: graph {i}"
-
-
-def num_nodes(g, where: str, i: int) -> int:
-    """``num_nodes``: a positive integer."""
+def num_nodes(g, at: str) -> int:
+    """``num_nodes``: a positive integer (``at``: ``FILE: graph I``, named in errors)."""
     if not isinstance(g, dict):
-        raise ValueError(f"{_where(where, i)}: expected an object with num_nodes and edge_index, got {type(g).__name__}")
+        raise ValueError(f"{at}: expected an object with num_nodes and edge_index, got {type(g).__name__}")
     n = g.get("num_nodes")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{_where(where, i)}: num_nodes {n!r}; expected a positive integer (graphs have nodes)")
+        raise ValueError(f"{at}: num_nodes {n!r}; expected a positive integer (graphs have nodes)")
     return n
 
 
-def integers(value, key: str, where: str, i: int, rows: int | None = None) -> np.ndarray:
+def integers(value, key: str, at: str, rows: int | None = None) -> np.ndarray:
     """``value`` as int64, ``[rows, K]`` (``rows`` given) or ``[K]``: nested JSON lists of integers only
     (a float such as ``1.5`` or ``1.0``, a boolean, a string is refused, never cast)."""
-    bad = _first_non_integer(value)
-    if bad is not _ALL_INTEGERS:
-        raise ValueError(f"{_where(where, i)}: {key} holds {bad!r}; expected integer ids")
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(reversed(item))
+        elif isinstance(item, bool) or not isinstance(item, int):
+            raise ValueError(f"{at}: {key} holds {item!r}; expected integer ids")
     try:
         arr = np.asarray(value, dtype=np.int64)
     except ValueError:  # ragged lists
@@ -55,55 +52,38 @@ def integers(value, key: str, where: str, i: int, rows: int | None = None) -> np
     if arr is None or arr.ndim != (1 if rows is None else 2) or (rows is not None and arr.shape[0] != rows):
         shape = "ragged lists" if arr is None else list(arr.shape)
         expected = "[N]" if rows is None else f"[{rows}, E]"
-        raise ValueError(f"{_where(where, i)}: {key} has shape {shape}; expected {expected}")
+        raise ValueError(f"{at}: {key} has shape {shape}; expected {expected}")
     return arr
 
 
-_ALL_INTEGERS = object()
-
-
-def _first_non_integer(value):
-    """The first entry of nested lists that is not an integer (booleans included), else :data:`_ALL_INTEGERS`."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(reversed(item))
-        elif isinstance(item, bool) or not isinstance(item, int):
-            return item
-    return _ALL_INTEGERS
-
-
-def edge_index(g, n: int, where: str, i: int) -> np.ndarray:
+def edge_index(g, n: int, at: str) -> np.ndarray:
     """``edge_index`` ``[2, E]``: integers in ``[0, num_nodes)``."""
-    ei = integers(g.get("edge_index", [[], []]), "edge_index", where, i, rows=2)
+    ei = integers(g.get("edge_index", [[], []]), "edge_index", at, rows=2)
     if ei.size and (ei.min() < 0 or ei.max() >= n):
         bad = int(ei.min() if ei.min() < 0 else ei.max())
-        raise ValueError(f"{_where(where, i)}: edge_index holds node {bad}, outside [0, {n}) (num_nodes {n})")
+        raise ValueError(f"{at}: edge_index holds node {bad}, outside [0, {n}) (num_nodes {n})")
     return ei
 
 
-def edge_features(g, edges: int, width: int, where: str, i: int) -> np.ndarray:
+def edge_features(g, edges: int, width: int, at: str) -> np.ndarray:
     """``edge_attr`` ``[E, width]``: finite numbers, one row per edge."""
     try:
         ea = np.asarray(g.get("edge_attr"), dtype=np.float64)
     except (TypeError, ValueError):
-        raise ValueError(f"{_where(where, i)}: edge_attr must be [E, {width}] numbers") from None
+        raise ValueError(f"{at}: edge_attr must be [E, {width}] numbers") from None
     if ea.shape != (edges, width):
-        raise ValueError(f"{_where(where, i)}: edge_attr has shape {list(ea.shape)}; expected [{edges}, {width}] "
-                         "(one row per edge)")
+        raise ValueError(f"{at}: edge_attr has shape {list(ea.shape)}; expected [{edges}, {width}] (one row per edge)")
     if not np.isfinite(ea).all():
-        raise ValueError(f"{_where(where, i)}: edge_attr holds NaN or infinite values")
+        raise ValueError(f"{at}: edge_attr holds NaN or infinite values")
     return ea.astype(np.float32)
 
 
-def node_inputs(g, n: int, vocab: int, task: str, where: str, i: int) -> np.ndarray:
+def node_inputs(g, n: int, vocab: int, task: str, at: str) -> np.ndarray:
     """``x`` ``[N]``: node input ids in ``[0, vocab)``."""
-    x = integers(g.get("x"), "x", where, i) if g.get("x") is not None else None
+    x = integers(g.get("x"), "x", at) if g.get("x") is not None else None
     if x is None or x.size != n:
-        raise ValueError(f"{_where(where, i)}: x has {0 if x is None else x.size} entries for {n} nodes")
+        raise ValueError(f"{at}: x has {0 if x is None else x.size} entries for {n} nodes")
     if x.min() < 0 or x.max() >= vocab:
-        raise ValueError(f"{_where(where, i)}: x holds {int(x.min() if x.min() < 0 else x.max())}, outside "
-                         f"[0, {vocab}) ({task} node inputs)")
+        raise ValueError(f"{at}: x holds {int(x.min() if x.min() < 0 else x.max())}, outside [0, {vocab}) "
+                         f"({task} node inputs)")
     return x
-

@@ -1,21 +1,16 @@
-"""What one request to a served model may ask of it: caps on its size, and a deadline.
+"""What one request to a served model may ask of it: caps on its size (:data:`SETTINGS`), and a deadline.
 
-``mlflow models serve`` bounds a request only by answering 504 after
-``MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT`` (60 s) while its thread works on, and the model's cost per
-graph grows with the square of its nodes. So a request is refused before any graph is built when it
-exceeds a cap (environment variables of the serving process): ``SATP_SERVE_MAX_SOURCE_BYTES``
-(1,000,000 bytes of source), ``SATP_SERVE_MAX_GRAPHS`` (2,000), ``SATP_SERVE_MAX_GRAPH_NODES``
-(5,000 nodes of one graph) and ``SATP_SERVE_MAX_NODES`` (100,000 in all): sized for one CPU core and
-``jobs/code2.yaml``'s model, 15-30 s at the caps. The work stops at the server's deadline (checked
-between functions and batches, :data:`pipeline.registry.predict.BATCH_NODES`)."""
+``mlflow models serve`` only answers 504 after ``MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT`` while its
+thread works on, and a graph costs the square of its nodes; so a request over a cap is refused before
+any graph is built (caps sized for one CPU core and ``jobs/code2.yaml``'s model: 15-30 s at the caps),
+and its work stops at the deadline (checked between functions and batches)."""
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
-from typing import Mapping
 
-#: field -> (setting, default)
+#: field -> (environment variable of the serving process, default)
 SETTINGS = {
     "source_bytes": ("SATP_SERVE_MAX_SOURCE_BYTES", 1_000_000),
     "graphs": ("SATP_SERVE_MAX_GRAPHS", 2_000),
@@ -35,7 +30,7 @@ class PastDeadline(TimeoutError):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """The caps of one request and its time (see the module docstring)."""
+    """The caps of one request and its time."""
 
     source_bytes: int
     graphs: int
@@ -44,16 +39,16 @@ class Limits:
     seconds: float
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "Limits":
+    def from_environment(cls) -> "Limits":
         """The caps the settings give (a setting that is not a positive integer: one-line ``ValueError``)."""
         from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
 
         values = {}
         for field, (setting, default) in {**SETTINGS, "seconds": (TIMEOUT_SETTING,
                                                                    MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.default)}.items():
-            text = environ.get(setting, str(default)).strip()
+            text = os.environ.get(setting, str(default)).strip()
             if not text.isdigit() or int(text) < 1:
-                raise ValueError(f"{setting}={environ.get(setting)!r}: expected a positive integer")
+                raise ValueError(f"{setting}={os.environ.get(setting)!r}: expected a positive integer")
             values[field] = int(text)
         return cls(**values)
 

@@ -1,12 +1,8 @@
-"""``satp models``: the registered models, their versions and aliases, with each version's tags
-(metrics, data hash, commit), as data (:func:`list_models`) and as the command's table
-(:func:`format_models`). Each weights-only version's files are checked against the registry's record
-of it (:mod:`pipeline.registry.record`): one that serves other files is marked, and so is an alias
-that points to it (the champion is never listed as healthy when it is not)."""
+"""``satp models``: the registered models, their versions, aliases and tags (metrics, data hash,
+commit), as data (:func:`list_models`) and as a table (:func:`format_models`). A version that serves
+other files than the registry recorded (:mod:`pipeline.registry.record`) is marked, and so is an alias
+on it."""
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 
 def list_models(tracking_uri: str | None = None) -> list[dict]:
@@ -25,15 +21,12 @@ def list_models(tracking_uri: str | None = None) -> list[dict]:
         models = list(client.search_registered_models(max_results=1000))
         for rm in sorted(models, key=lambda m: m.name):
             aliases = dict(rm.aliases or {})
-            by_version: dict[str, list[str]] = {}
-            for alias, version in aliases.items():
-                by_version.setdefault(str(version), []).append(alias)
             versions = []
             for v in sorted(client.search_model_versions(f"name='{rm.name}'"), key=lambda v: int(v.version)):
                 tags = dict(v.tags or {})
                 versions.append({
                     "version": int(v.version),
-                    "aliases": sorted(by_version.get(str(v.version), [])),
+                    "aliases": sorted(a for a, held in aliases.items() if str(held) == str(v.version)),
                     "task": tags.get("task"),
                     "metrics": {k.removeprefix("metric."): _num(val) for k, val in sorted(tags.items()) if k.startswith("metric.")},
                     "data_manifest_hash": tags.get("data_manifest_hash"),
@@ -41,10 +34,9 @@ def list_models(tracking_uri: str | None = None) -> list[dict]:
                     "run_id": v.run_id,
                     "created": v.creation_timestamp,
                     "replaced_reason": tags.get("satp.replaced_reason"),
-                    # format 2 (weights only) versions carry their weights' sha256; others are pickled
-                    # modules (format 1, or not satp's), which satp loads only after `satp models migrate`
+                    # weights-only (format 2) versions carry their weights' sha256; others (format 1, a
+                    # pickled module, or not satp's) are not served
                     "format": 2 if WEIGHTS_TAG in tags else 1,
-                    "migrated_to": int(tags["satp.migrated_to"]) if "satp.migrated_to" in tags else None,
                     # what differs from the registry's record (None: it serves what was registered)
                     "record": _record(client, rm.name, v, uri) if WEIGHTS_TAG in tags else None,
                 })
@@ -56,36 +48,14 @@ def list_models(tracking_uri: str | None = None) -> list[dict]:
 
 def _record(client, name: str, version, tracking_uri: str):
     """What ``version``'s files differ in from MLflow's and the registry's record of it, or None."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
+    from pipeline.registry.record import META_FILE, logged_model, read_meta, record_problem, served_files
 
-    from pipeline.registry.record import (META_FILE, artifacts_gone, logged_model, missing_files,
-                                          record_problem)
-
-    location = client.get_model_version_download_uri(name, version.version)
-    try:  # a local store's own folder; a remote one's copy
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version.version}",
-                                                         tracking_uri=tracking_uri))
-    except MlflowException as exc:
-        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
-            return artifacts_gone(version, location)
-        return f"its files cannot be read ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-    if not any(local.iterdir()):
-        return artifacts_gone(version, location)
-    files = local / "artifacts"
-    missing = missing_files(files, version, location)
-    if missing:
-        return missing
+    uri = f"models:/{name}/{version.version}"
     try:
-        meta = json.loads((files / META_FILE).read_text())
-    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        return f"its {META_FILE} is damaged ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-    if not isinstance(meta, dict):
-        return f"its {META_FILE} is damaged"
-    try:
-        return record_problem(version, meta, files, logged_model(client, version))
-    except ValueError as exc:  # the logged model of the version's source
-        return str(exc)
+        files = served_files(uri, tracking_uri, version)
+        return record_problem(version, read_meta(files / META_FILE, uri), files, logged_model(client, version))
+    except ValueError as exc:
+        return str(exc).removeprefix(f"{uri}: ")
 
 
 def _num(text: str):
@@ -110,10 +80,7 @@ def format_models(models: list[dict]) -> str:
             alias = " ".join(f"@{a}" for a in v["aliases"])
             data = (v["data_manifest_hash"] or "-")[:12]
             commit = (v["git_commit"] or "-")[:12] + ("-dirty" if (v["git_commit"] or "").endswith("-dirty") else "")
-            note = ""
-            if v["format"] == 1:
-                note = (f"  (pickled, migrated to v{v['migrated_to']})" if v["migrated_to"] is not None else
-                        f"  (pickled: satp loads it after `satp models migrate {m['name']}`)")
+            note = "  (not weights-only: satp predict refuses it)" if v["format"] == 1 else ""
             if v["record"]:
                 note += f"  (NOT AS REGISTERED: {v['record']}; satp predict refuses it)"
             lines.append(f"  v{v['version']:<3} {alias:<11} {v['task'] or '-':<6} {metric or '-'}  data {data}  "

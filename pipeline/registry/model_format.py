@@ -1,12 +1,10 @@
 """The files of a registered satp model (format 2: weights only) and its MLflow pyfunc.
 
-A logged model is an MLflow pyfunc ("models from code": ``satp_pyfunc.py``, :data:`PYFUNC_CODE`,
-which imports :class:`pipeline.registry.pyfunc.SATPyfunc`) whose artifacts are two plain files:
-``weights.pt`` (the state dict, fp32, CPU) and ``satp_model.json`` (format, ``weights_sha256``,
-task, model config, vocabulary, data hash, commit, metrics, provenance, run name, job, input).
-Nothing executable is stored: :func:`read_model` rebuilds :class:`sat.SAT` from the JSON config and
-fills it with tensors read by ``torch.load(weights_only=True)``, and refuses weights that do not
-match ``weights_sha256`` (:func:`weights_sha256`: every tensor's name, dtype, shape and bytes)."""
+A logged model is an MLflow pyfunc from code (:data:`PYFUNC_CODE`) whose artifacts are ``weights.pt``
+(the state dict, fp32, CPU) and ``satp_model.json`` (format, ``weights_sha256``, task, model config,
+vocabulary, data hash, commit, metrics, provenance, job, input). Nothing executable is stored:
+:func:`read_model` rebuilds :class:`sat.SAT` from the JSON and fills it with tensors read by
+``torch.load(weights_only=True)``, refusing weights that do not match ``weights_sha256``."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,12 +19,11 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from pipeline.registry.record import META_FILE, WEIGHTS_FILE  # named there: the registry's record reads them too
+from pipeline.registry.record import META_FILE, WEIGHTS_FILE, read_meta  # there: the registry's record reads them too
 from pipeline.tasks import Task, make_task
 from sat.config import SATConfig
 
 FORMAT = 2
-LEGACY_META = f"extra_files/{META_FILE}"  # format 1: beside the pickled module of mlflow.pytorch
 #: artifact name -> file, as MLflow's pyfunc flavour lists them (MLmodel) and SATPyfunc reads them
 ARTIFACTS = {"weights": WEIGHTS_FILE, "satp_model": META_FILE}
 #: the models-from-code file MLflow runs to build the pyfunc model (written beside the model)
@@ -113,12 +110,7 @@ def read_model(weights: Path, meta_file: Path, where: str) -> LoadedModel:
     from pipeline import pyg_templates
     from sat import SAT
 
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ValueError(f"{where}: {meta_file.name} is damaged ({str(exc).splitlines()[0]})") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{where}: {meta_file.name} is damaged (a JSON {type(meta).__name__}, not an object)")
+    meta = read_meta(meta_file, where)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{where}: {meta_file.name} has format {meta.get('format')!r}, expected {FORMAT}")
     state = read_state(weights, where)
@@ -137,11 +129,3 @@ def read_model(weights: Path, meta_file: Path, where: str) -> LoadedModel:
     task = make_task(task_state.pop("name"), vocab=vocab, **task_state)
     return LoadedModel(model=model.eval(), task=task, model_config=config, vocab=vocab, info=meta)
 
-
-def __getattr__(name: str):
-    """``SATPyfunc`` for the stored ``satp_pyfunc.py`` of versions registered while it lived here."""
-    if name == "SATPyfunc":
-        from pipeline.registry.pyfunc import SATPyfunc
-
-        return SATPyfunc
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

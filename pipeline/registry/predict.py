@@ -2,13 +2,11 @@
 
 >>> model = load("models:/sat-code2@champion", tracking_uri="sqlite:////abs/runs/mlflow.db")
 >>> model.predict(open("some_module.py").read())     # code2: a FunctionPrediction per function
->>> model.predict([data, ...])                      # SATData graphs
 >>> model.predict_file("graphs.json")               # a JSON graph file, a shard directory, a .py file
 
-Node tasks (pattern, cluster) predict a class per node, a list per graph. A registered model carries
-under ``input`` what building its inputs needs (:func:`input_spec`): the shards' transform and, for
-code2, the dataset's node-type and attribute tables; inputs are featurised exactly as training data
-(:func:`preprocessing.reader.featurise`). Errors are one-line ``ValueError`` / ``OSError``."""
+A registered model carries under ``input`` what building its inputs needs (:func:`input_spec`);
+inputs are featurised exactly as training data (:func:`preprocessing.reader.featurise`). Errors are
+one-line ``ValueError`` / ``OSError``."""
 from __future__ import annotations
 
 import ast
@@ -76,12 +74,9 @@ class FunctionPrediction:
     actual: list[str]
     predicted: list[str]
 
-    def __str__(self) -> str:
-        return f"{self.line}: {self.name} -> {' '.join(self.predicted) or '(nothing)'}"
-
 
 class Predictor:
-    """A registered SAT model ready to predict (see the module docstring)."""
+    """A registered SAT model ready to predict (node tasks: a class per node, a list per graph)."""
 
     def __init__(self, loaded, uri: str = "") -> None:
         self.uri = uri
@@ -91,24 +86,10 @@ class Predictor:
         self.vocab = loaded.vocab
         self.info = loaded.info
         self._spec = self.info.get("input") or {}
-        self._fill_spec_from_job()
 
     @property
     def task_name(self) -> str:
         return self.task.name
-
-    def _fill_spec_from_job(self) -> None:
-        """Models logged without an ``input`` entry: take the transform from the logged job, and
-        the code2 tables from the job's dataset folder when it is still there."""
-        job = self.info.get("job") or {}
-        if not self._spec.get("transform") and job.get("transform"):
-            self._spec["transform"] = job["transform"]
-        if self.task_name == "code2" and "node_types" not in self._spec:
-            root = (job.get("data") or {}).get("root")
-            if root:
-                types, attrs = _mapping_tables(Path(root) / "ogbg_code2")
-                if types is not None:
-                    self._spec["node_types"], self._spec["node_attributes"] = types, attrs
 
     def _transform(self):
         from preprocessing.config import TransformConfig
@@ -247,9 +228,6 @@ class Predictor:
         path = Path(path)
         if path.is_dir():
             return self._from_shards(path, split)
-        if path.suffix == ".arrow" and (path.parent / "manifest.json").is_file():
-            split = path.name.split("-")[0]
-            return self._from_shards(path.parent, split)
         if path.suffix == ".json":
             return self.graphs_from_json(jg.read_json_graphs(path), str(path))
         raise ValueError(f"{path}: expected a Python file (code2), a shard directory or a JSON graph file")
@@ -278,31 +256,22 @@ class Predictor:
             raise ValueError(f"{where}: no graphs (an empty list)")
         if budget is not None:
             for i, g in enumerate(values):
-                budget.graph(jg.num_nodes(g, where, i), f"{where}: graph {i}")
-        if self.task.node_level:
-            return self._nodes_from_json(values, where, budget)
+                budget.graph(jg.num_nodes(g, f"{where}: graph {i}"), f"{where}: graph {i}")
         raws = []
         for i, g in enumerate(values):
-            n = jg.num_nodes(g, where, i)
-            ei = jg.edge_index(g, n, where, i)
-            ea = jg.edge_features(g, ei.shape[1], self.model_config.edge_in_dim, where, i)
-            # the loader stores one direction per undirected edge and adds the reverse (OGB's layout)
-            raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([ei, ei[::-1]], 1),
-                         "edge_attr": np.concatenate([ea, ea], 0), "y": 0})
-        return self._featurise(raws, "ppa", budget), [f"graph {i}" for i in range(len(raws))]
-
-    def _nodes_from_json(self, values: list, where: str, budget: Optional[Budget]) -> tuple[list[Any], list[str]]:
-        """Node-task graphs (see :meth:`graphs_from_json`): the edges are made undirected and stored
-        once per pair, as the SBM raw layout does, and the loader adds the reverse."""
-        raws = []
-        for i, g in enumerate(values):
-            n = jg.num_nodes(g, where, i)
-            ei = jg.edge_index(g, n, where, i)
-            x = jg.node_inputs(g, n, self.model_config.node_in_dim, self.task_name, where, i)
-            pairs = np.unique(np.sort(ei.T, axis=1), axis=0)
-            pairs = pairs[pairs[:, 0] != pairs[:, 1]].T  # [2, E] with u < v, no self-loops
-            raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([pairs, pairs[::-1]], 1),
-                         "x": x, "node_label": np.zeros(n, dtype=np.int64)})
+            at = f"{where}: graph {i}"
+            n = jg.num_nodes(g, at)
+            ei = jg.edge_index(g, n, at)
+            if self.task.node_level:  # undirected, once per pair (the SBM raw layout), no self-loops
+                x = jg.node_inputs(g, n, self.model_config.node_in_dim, self.task_name, at)
+                pairs = np.unique(np.sort(ei.T, axis=1), axis=0)
+                pairs = pairs[pairs[:, 0] != pairs[:, 1]].T  # [2, E] with u < v
+                raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([pairs, pairs[::-1]], 1),
+                             "x": x, "node_label": np.zeros(n, dtype=np.int64)})
+            else:  # one direction per undirected edge, and the reverse added (OGB's layout)
+                ea = jg.edge_features(g, ei.shape[1], self.model_config.edge_in_dim, at)
+                raws.append({"graph_id": i, "num_nodes": n, "edge_index": np.concatenate([ei, ei[::-1]], 1),
+                             "edge_attr": np.concatenate([ea, ea], 0), "y": 0})
         return self._featurise(raws, self.task_name, budget), [f"graph {i}" for i in range(len(raws))]
 
     def predict_file(self, path: str | Path, split: str = "test") -> list:

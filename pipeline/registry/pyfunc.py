@@ -1,9 +1,7 @@
-"""satp's MLflow pyfunc model: ``mlflow.pyfunc.load_model(uri).predict(inputs)`` on a registered version.
-
-A version's ``satp_pyfunc.py`` imports :class:`SATPyfunc` from here; it serves through
-:class:`pipeline.registry.predict.Predictor`. Served, a request is capped and stopped at its deadline
-(:mod:`pipeline.registry.limits`), and a refusal is the whole answer: 413 (a cap), 400 (bad input)
-or 504 (the deadline), with satp's one line as the message (:class:`RequestRefused`)."""
+"""satp's MLflow pyfunc model (``mlflow.pyfunc.load_model(uri).predict(inputs)``, ``mlflow models
+serve``), through :class:`pipeline.registry.predict.Predictor`. A request is capped and stopped at its
+deadline (:mod:`pipeline.registry.limits`); a refusal answers 413 (a cap), 400 (bad input) or 504
+(the deadline) with satp's one line as the whole message (:class:`RequestRefused`)."""
 from __future__ import annotations
 
 import json

@@ -1,13 +1,11 @@
 """What the registry recorded for a version when it was registered, checked against what it serves.
 
-Whoever can write the artifact and tracking stores can replace a version's files and rewrite its
-tags, so tags and files alone can be made to agree. What MLflow's API cannot change after making
-them is the trust root: the version's ``run_id`` and ``source`` (``models:/<logged model id>``), and
-that logged model's ``source_run_id`` and parameters, which satp logs before the files (the
-weights' sha256, ``satp.weights_sha256``, and each file's, ``satp.files_sha256``).
-:func:`record_problem` compares the files with all of it (and the metrics, task, data hash, commit
-and configuration hash with the version's tags); loading refuses a version that differs, in one
-line, and ``satp models`` marks it. Standard library only: the listing checks every version."""
+Whoever can write the stores can replace a version's files and rewrite its tags, so tags and files
+alone can be made to agree. What MLflow's API cannot change afterwards is the trust root: the
+version's ``run_id`` and ``source`` (``models:/<logged model id>``), and that logged model's
+``source_run_id`` and parameters, which satp logs before the files (``satp.weights_sha256``,
+``satp.files_sha256``). :func:`record_problem` compares the files with all of it; loading refuses a
+version that differs, and ``satp models`` marks it. No torch: the listing checks every version."""
 from __future__ import annotations
 
 import hashlib
@@ -18,6 +16,7 @@ from typing import Any, Mapping, Optional
 #: A version's two files (:mod:`pipeline.registry.model_format`).
 META_FILE = "satp_model.json"
 WEIGHTS_FILE = "weights.pt"
+LEGACY_META = f"extra_files/{META_FILE}"  # format 1: beside the pickled module of mlflow.pytorch
 #: The registry tag (and logged-model parameter) with each file's sha256 (a JSON object: file name -> hex digest).
 FILES_TAG = "satp.files_sha256"
 WEIGHTS_TAG = "satp.weights_sha256"
@@ -70,21 +69,49 @@ def logged_model(client, version):
                          f"({str(exc).splitlines()[0]})") from None
 
 
-def missing_files(files: Path, version, location: str) -> Optional[str]:
-    """Which of the two files lacks in ``files`` (a version's ``artifacts/`` folder, ``location`` its
-    artifact URI), or None. ``version``: the registry's entry (None for a ``runs:/`` URI)."""
+def served_files(uri: str, tracking_uri: Optional[str], version) -> Path:
+    """The ``artifacts/`` folder holding the two files ``uri`` serves (a local store's folder, else a
+    downloaded copy; ``version``: the registry's entry, None for a ``runs:/`` URI); a one-line
+    ``ValueError`` when there is no such model, its files are gone or missing, or it is format 1."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    location = uri
+    if version is not None:  # its source's artifact URI
+        location = MlflowClient(tracking_uri).get_model_version_download_uri(version.name, version.version)
+    gone = f"{uri}: the artifacts of version {getattr(version, 'version', '')} are gone (nothing at {location})"
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri))
+    except MlflowException as exc:
+        if version is not None and exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            raise ValueError(gone) from None
+        raise ValueError(f"{uri}: {str(exc).splitlines()[0]}") from None
+    if version is not None and not any(local.iterdir()):  # a remote store lists nothing where the folder was
+        raise ValueError(gone)
+    if (local / LEGACY_META).is_file():
+        raise ValueError(f"{uri}: a format-1 satp model (a pickled module, which satp does not load); "
+                         "train its job again with satp train to register it weights-only")
+    files = local / "artifacts"  # where MLflow's pyfunc flavour puts a model's artifacts
     absent = [f"artifacts/{name}" for name in (META_FILE, WEIGHTS_FILE) if not (files / name).is_file()]
-    if not absent:
-        return None
-    registered_by_satp = version is not None and WEIGHTS_TAG in (version.tags or {})
-    if len(absent) == 2 and not registered_by_satp:
-        return f"not a satp model (no artifacts/{META_FILE} and artifacts/{WEIGHTS_FILE} at {location})"
-    which = f"version {version.version}'s" if version is not None else "its"
-    return f"{' and '.join(absent)} {'is' if len(absent) == 1 else 'are'} missing from {which} artifacts at {location}"
+    if len(absent) == 2 and not (version is not None and WEIGHTS_TAG in (version.tags or {})):
+        raise ValueError(f"{uri}: not a satp model (no artifacts/{META_FILE} and artifacts/{WEIGHTS_FILE} at {location})")
+    if absent:
+        which = f"version {version.version}'s" if version is not None else "its"
+        raise ValueError(f"{uri}: {' and '.join(absent)} {'is' if len(absent) == 1 else 'are'} missing from {which} "
+                         f"artifacts at {location}")
+    return files
 
 
-def artifacts_gone(version, location: str) -> str:
-    return f"the artifacts of version {version.version} are gone (nothing at {location})"
+def read_meta(path: Path, where: str) -> dict[str, Any]:
+    """A version's ``satp_model.json``; a one-line ``ValueError`` when it is not a JSON object."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(f"{where}: {path.name} is damaged ({str(exc).splitlines()[0]})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: {path.name} is damaged (a JSON {type(meta).__name__}, not an object)")
+    return meta
 
 
 def record_problem(version, meta: Mapping[str, Any], files: Path, logged=None) -> Optional[str]:

@@ -1,10 +1,6 @@
-"""MLflow tracking: one MLflow run per training run.
-
-The driver (:func:`open_run`) finds or creates the run before any worker starts, keyed by the tag
-``satp.run_key`` (storage path + run name), so a resumed or retried run logs into the same MLflow
-run; a run started over (``--restart``) gets a new one, the old one detached (:func:`retire_run`).
-Ray Train's controller logs each registered epoch, rank 0 the system metrics
-(:class:`RankZeroLogger`); the driver closes the run (:func:`close_run`)."""
+"""MLflow tracking: one MLflow run per training run, keyed by the tag ``satp.run_key`` (storage path +
+run name), so that a resumed or retried run logs into the same one (:func:`open_run`); a run started
+over gets a new one, the old one detached (:func:`retire_run`)."""
 from __future__ import annotations
 
 import logging

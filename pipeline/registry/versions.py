@@ -1,13 +1,8 @@
-"""Logging a trained model to MLflow, registering it once, and loading it back.
-
-A logged model (format 2, :mod:`pipeline.registry.model_format`) holds the weights and
-``satp_model.json``; :func:`load_model` rebuilds :class:`sat.SAT` from them, unpickling only tensors.
-Format 1 (a pickled ``mlflow.pytorch`` module) is refused with how to re-register it
-(``satp models migrate NAME``). A version is registered only for weights that no version of the
-same run holds (tags ``satp.weights_sha256`` and the run): :func:`log_and_register` returns that
-version instead, and of two commands registering the same weights at once the later deletes its
-copy. The recorded configuration, data hash and commit are those the weights' checkpoint recorded
-(``provenance``), not the registering process's."""
+"""Logging a trained model to MLflow, registering it once, and loading it back (:func:`load_model`:
+weights and ``satp_model.json`` only, :mod:`pipeline.registry.model_format`). A version is registered
+only for weights that no version of the same run holds; of two commands registering the same weights
+at once the later deletes its copy. What a version records (configuration, data hash, commit) is what
+the weights' checkpoint recorded (``provenance``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,11 +15,11 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from pipeline.registry.addresses import check_model_uri, registered_name
-from pipeline.registry.record import (FILES_TAG, WEIGHTS_TAG, artifacts_gone, files_tag, logged_model, metric_tag,
-                                      missing_files, record_problem)
+from pipeline.registry.addresses import check_model_uri
+from pipeline.registry.record import (FILES_TAG, WEIGHTS_TAG, files_tag, logged_model, metric_tag, record_problem,
+                                      served_files)
 from pipeline.registry.tracking import server_failure
-from pipeline.registry.model_format import (FORMAT, LEGACY_META, META_FILE, PYFUNC_CODE, WEIGHTS_FILE, LoadedModel,
+from pipeline.registry.model_format import (FORMAT, META_FILE, PYFUNC_CODE, WEIGHTS_FILE, LoadedModel,
                                             cpu_state, read_model, weights_sha256, write_files)
 from pipeline.tasks import Task
 from sat.config import SATConfig
@@ -34,23 +29,16 @@ PIP_REQUIREMENTS = ["torch", "torch-geometric", "pydantic", "satp"]
 
 
 def git_commit(cwd: Optional[str | Path] = None) -> str:
-    """The project's git commit (``$SATP_GIT_COMMIT`` first: a Ray job's working dir has no .git)."""
+    """The project's git commit, ``-dirty`` with uncommitted changes to tracked files
+    (``$SATP_GIT_COMMIT`` first: a Ray job's working dir has no .git)."""
     if os.environ.get("SATP_GIT_COMMIT"):
         return os.environ["SATP_GIT_COMMIT"]
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd or Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
-        )
-        if out.returncode == 0:
-            commit = out.stdout.strip()
-            dirty = subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
-                cwd=cwd or Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10,
-            ).stdout.strip()
-            return commit + ("-dirty" if dirty else "")
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40", "--exclude=*"],
+                             cwd=cwd or Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
 def default_model_name(job, task_name: str) -> str:
@@ -74,32 +62,29 @@ def register(model: torch.nn.Module, *, job, task: Task, model_config: SATConfig
                             provenance=provenance)
 
 
-def log_and_register(
-    model: torch.nn.Module,
-    *,
-    task: Task,
-    model_config: SATConfig,
-    vocab: Optional[list[str]],
-    run_id: str,
-    tracking_uri: str,
-    registered_model: Optional[str],
-    data_manifest_hash: str = "",
-    metrics: Optional[dict[str, float]] = None,
-    extra: Optional[dict[str, Any]] = None,
-    provenance: Optional[dict[str, Any]] = None,
-) -> dict[str, Any]:
+def log_and_register(model: torch.nn.Module, *, task: Task, model_config: SATConfig, vocab: Optional[list[str]],
+                     run_id: str, tracking_uri: str, registered_model: str, data_manifest_hash: str = "",
+                     metrics: Optional[dict[str, float]] = None, extra: Optional[dict[str, Any]] = None,
+                     provenance: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Log ``model`` and what it needs to predict to run ``run_id``; register it under
-    ``registered_model`` (unless None), tagged with the data hash, commit, task, metrics and weights'
-    sha256. Returns ``{"model_uri", "registered_model", "version", "registered_uri"}`` (and ``"reason"``
+    ``registered_model``, tagged with the data hash, commit, task, metrics and weights' sha256.
+    Returns ``{"model_uri", "registered_model", "version", "registered_uri"}`` (and ``"reason"``
     when a version of the same run already holds these weights: that one is returned)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
 
     state = cpu_state(model)
+    sha = weights_sha256(state)
     provenance = {k: v for k, v in (provenance or {}).items() if k in ("config_hash", "git_commits")}
     commits = list(provenance.get("git_commits") or [])
     commit = commits[-1] if commits else git_commit()
+    client = MlflowClient(tracking_uri=tracking_uri)
+    held = version_holding(client, registered_model, run_id, sha)
+    if held is not None:
+        return _held(held, registered_model, "already registered")
     meta = {
         "format": FORMAT,
-        "weights_sha256": weights_sha256(state),
+        "weights_sha256": sha,
         "task": task.state(),
         "model_config": dataclasses.asdict(model_config),
         "vocab": list(vocab) if vocab is not None else None,
@@ -108,34 +93,8 @@ def log_and_register(
         "metrics": dict(metrics or {}),
         "provenance": provenance or None,
         **(extra or {}),
+        "run_id": run_id,  # what the registry records of the version, stated by its files too
     }
-    tags = {
-        "data_manifest_hash": data_manifest_hash or "unknown",
-        "git_commit": commit,
-        "task": task.name,
-        "run_id": run_id,
-        **({"satp.config_hash": provenance["config_hash"]} if provenance.get("config_hash") else {}),
-        **({"satp.git_commits": " ".join(commits)} if len(commits) > 1 else {}),
-        **{f"metric.{k}": metric_tag(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
-    }
-    return register_weights(state, meta, tags, run_id=run_id, tracking_uri=tracking_uri,
-                            registered_model=registered_model)
-
-
-def register_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], tags: dict[str, str], *,
-                     run_id: str, tracking_uri: str, registered_model: Optional[str]) -> dict[str, Any]:
-    """Log ``state`` + ``meta`` to run ``run_id`` and register it under ``registered_model`` (see
-    :func:`log_and_register`)."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
-    sha = meta["weights_sha256"]
-    meta = {**meta, "run_id": run_id}  # what the registry records of the version, stated by its files too
-    if registered_model:
-        held = version_holding(client, registered_model, run_id, sha)
-        if held is not None:
-            return _held(held, registered_model, "already registered")
     try:
         model_uri, digests = log_weights(state, meta, run_id, tracking_uri)
     except OSError as exc:  # a full disk under the artifact store: say where (MLflow names its temporary copy)
@@ -144,18 +103,25 @@ def register_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], ta
         store = client.get_experiment(client.get_run(run_id).info.experiment_id).artifact_location
         raise OSError(f"{store}: could not write the model's files ({exc.strerror or exc}); nothing was "
                       "registered") from None
-    result: dict[str, Any] = {"model_uri": model_uri, "registered_model": None, "version": None, "registered_uri": None}
-    if registered_model:
-        tags = {**tags, WEIGHTS_TAG: sha, FILES_TAG: digests}
-        version = mlflow.register_model(model_uri, registered_model, tags={k: str(v) for k, v in tags.items()})
-        first = version_holding(client, registered_model, run_id, sha)
-        if first is not None and int(first.version) < int(version.version):
-            # a second command registered the same weights meanwhile: the lowest version stays, this one goes
-            client.delete_model_version(registered_model, version.version)
-            return _held(first, registered_model, "registered meanwhile by another command")
-        result.update(registered_model=registered_model, version=int(version.version),
-                      registered_uri=f"models:/{registered_model}/{version.version}")
-    return result
+    tags = {
+        "data_manifest_hash": data_manifest_hash or "unknown",
+        "git_commit": commit,
+        "task": task.name,
+        "run_id": run_id,
+        **({"satp.config_hash": provenance["config_hash"]} if provenance.get("config_hash") else {}),
+        **({"satp.git_commits": " ".join(commits)} if len(commits) > 1 else {}),
+        **{f"metric.{k}": metric_tag(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
+        WEIGHTS_TAG: sha,
+        FILES_TAG: digests,
+    }
+    version = mlflow.register_model(model_uri, registered_model, tags={k: str(v) for k, v in tags.items()})
+    first = version_holding(client, registered_model, run_id, sha)
+    if first is not None and int(first.version) < int(version.version):
+        # a second command registered the same weights meanwhile: the lowest version stays, this one goes
+        client.delete_model_version(registered_model, version.version)
+        return _held(first, registered_model, "registered meanwhile by another command")
+    return {"model_uri": model_uri, "registered_model": registered_model, "version": int(version.version),
+            "registered_uri": f"models:/{registered_model}/{version.version}"}
 
 
 def _held(version, name: str, how: str) -> dict[str, Any]:
@@ -194,32 +160,6 @@ def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id:
     return info.model_uri, digests
 
 
-def download(uri: str, tracking_uri: Optional[str] = None, version=None) -> Path:
-    """The model's files (a local store's folder, else a downloaded copy); a one-line ``ValueError``
-    when there is no such model or (``version`` given) its artifacts are gone."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    if tracking_uri:
-        mlflow.set_tracking_uri(tracking_uri)
-    try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri))
-    except MlflowException as exc:
-        if version is not None and exc.error_code == "RESOURCE_DOES_NOT_EXIST":
-            raise ValueError(f"{uri}: {artifacts_gone(version, artifact_uri(version, tracking_uri))}") from None
-        raise ValueError(f"{uri}: {str(exc).splitlines()[0]}") from None
-    if version is not None and not any(local.iterdir()):  # a remote store lists nothing where the folder was
-        raise ValueError(f"{uri}: {artifacts_gone(version, artifact_uri(version, tracking_uri))}")
-    return local
-
-
-def artifact_uri(version, tracking_uri: Optional[str] = None) -> str:
-    """Where a registered version's files lie (its source's artifact URI)."""
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=tracking_uri).get_model_version_download_uri(version.name, version.version)
-
-
 def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
     """Load a logged SAT model (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``, ``runs:/...``) from its
     weights and JSON. Raises a one-line ``ValueError`` when it does not exist, its files are gone, it is
@@ -228,14 +168,7 @@ def load_model(uri: str, tracking_uri: Optional[str] = None) -> LoadedModel:
 
     check_model_uri(uri)
     version = registered_version(uri, tracking_uri)
-    local = download(uri, tracking_uri, version)
-    if (local / LEGACY_META).is_file():
-        raise ValueError(f"{uri}: a format-1 satp model (a pickled module, which satp no longer loads); "
-                         f"re-register it weights-only with: satp models migrate {registered_name(uri) or 'NAME'}")
-    files = local / "artifacts"  # where MLflow's pyfunc flavour puts a model's artifacts
-    missing = missing_files(files, version, artifact_uri(version, tracking_uri) if version is not None else uri)
-    if missing:
-        raise ValueError(f"{uri}: {missing}")
+    files = served_files(uri, tracking_uri, version)
     loaded = read_model(files / WEIGHTS_FILE, files / META_FILE, uri)  # the files against each other
     if version is not None:  # and against MLflow's and the registry's record of the version
         try:
@@ -254,7 +187,7 @@ def registered_version(uri: str, tracking_uri: Optional[str] = None):
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    if registered_name(uri) is None:
+    if not uri.startswith("models:/"):
         return None
     client = MlflowClient(tracking_uri=tracking_uri)
     rest = uri[len("models:/"):]
@@ -290,7 +223,6 @@ def promote(client, name: str, version: int, value: Optional[float], metric_key:
     ``{"champion", "reason"}``."""
     from mlflow.exceptions import MlflowException
 
-    current = None
     try:
         current = client.get_model_version_by_alias(name, alias)
     except MlflowException:
