@@ -19,7 +19,6 @@ from .config import SATConfig
 from .data import SUBGRAPH_KEYS
 from .encoders import EdgeEncoder, NodeEncoder, PositionalEncoder
 from .encodings import node_degree
-from .extractors import GNN_TYPES
 from .heads import ClsToken, Head
 from .layers import GNNLayer, SATLayer
 from .layout import GraphLayout
@@ -43,8 +42,6 @@ class SAT(nn.Module):
         super().__init__()
         if not isinstance(config, SATConfig):
             raise TypeError(f"SAT expects a SATConfig, got {type(config).__name__} (use SATConfig.from_dict)")
-        if config.gnn_type not in GNN_TYPES:
-            raise ValueError(f"model.gnn_type: unknown GNN type {config.gnn_type!r}; expected one of {list(GNN_TYPES)}")
         self.config = config
         self.bucket_ratio = bucket_ratio
         d = config.hidden_dim
@@ -65,16 +62,9 @@ class SAT(nn.Module):
         self.cls = ClsToken(d) if config.readout == "cls" else None
         self.head = Head(config.head, d, config.num_classes, config.max_seq_len)
 
-    def reset_parameters(self) -> None:
-        for m in (self.node_encoder, self.pe_encoder, self.edge_encoder, self.final_norm, self.cls, self.head):
-            if m is not None:
-                m.reset_parameters()
-        for layer in self.layers:
-            layer.reset_parameters()
-
     def set_attention(self, impl: str) -> None:
         """Switch every layer to another attention implementation (same parameters; see
-        :mod:`sat.attention`: ``auto``, ``varlen``, ``dense``, ``sparse``)."""
+        :mod:`sat.attention`: ``auto``, ``varlen``, ``dense``)."""
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention: expected one of {list(ATTENTION_IMPLS)}, got {impl!r}")
         for layer in self.layers:
