@@ -16,9 +16,9 @@ from preprocessing import sbm
 from preprocessing.ogb_layout import format_int_csv
 from preprocessing.reader import ShardDataset
 from preprocessing.sbm import RECIPES, build_sbm, expected_statistics, generate, split_sizes
-from preprocessing.sources import iter_chunk, load_source
+from preprocessing.sources import iter_chunk
 from preprocessing.transforms import transform_graph
-from tests.helpers import copy_dataset, rewrite_gz
+from tests.helpers import copy_dataset, load_source, rewrite_gz
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from preprocessing import DataConfig, ShardConfig, TransformConfig, preprocess, 
 from preprocessing.reader import ShardDataset
 from preprocessing.shard_places import FolderPlace
 from preprocessing.shards import MANIFEST
-from preprocessing.sources import iter_chunk, load_source
-from tests.helpers import small_python_source
+from preprocessing.sources import iter_chunk
+from tests.helpers import load_source, small_python_source
 from preprocessing.transforms import transform_graph
 from sat.data import SATData
 
