@@ -57,8 +57,6 @@ class SATLayer(nn.Module):
         if self.extractor is None:
             h_struct = h
         elif isinstance(self.extractor, SubgraphExtractor):
-            if subgraph is None:
-                raise ValueError("the k-subgraph extractor needs the subgraph indices (see sat.add_subgraph_indices)")
             h_struct = self.extractor(h, edge_index, edge_attr, **subgraph, mask=mask)
         else:
             h_struct = self.extractor(h, edge_index, edge_attr, mask=mask)

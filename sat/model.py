@@ -158,12 +158,7 @@ class SAT(nn.Module):
             raise ValueError("cls_attention needs a model with readout='cls'")
         _, attention = self.forward(batch, return_attention=True)
         last = attention[-1].mean(dim=1)  # [B, L, L]
-        graph_index = getattr(batch, "batch", None)
-        if graph_index is None:
-            sizes = [batch.num_nodes]
-        else:
-            sizes = torch.bincount(graph_index, minlength=last.size(0)).tolist()
-        return [last[g, 0, 1 : 1 + s].float() for g, s in enumerate(sizes)]
+        return [last[g, 0, 1:s].float() for g, s in enumerate(self.layout(batch).sizes.tolist())]
 
 
 def _node_rows(batch: Any) -> int:
