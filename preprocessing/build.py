@@ -58,19 +58,14 @@ class ShardPlan:
         return f"{self.split}-{self.index:05d}.json"
 
 
-def select_split(ids: np.ndarray, limit: int | None, seed: int) -> np.ndarray:
-    """All of ``ids``, or a seeded random subset of ``limit`` of them (kept in OGB's order)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    if limit is None or ids.size <= limit:
-        return ids
-    keep = np.sort(np.random.default_rng(seed).choice(ids.size, size=limit, replace=False))
-    return ids[keep]
-
-
 def plan_shards(store: ColumnarStore, data: DataConfig, shards: ShardConfig) -> list[ShardPlan]:
-    plans = []
+    """Each split's graphs in OGB's order (a seeded subset of ``data.max_graphs_per_split`` of them),
+    cut into shards."""
+    plans, limit = [], data.max_graphs_per_split
     for split in SPLITS:
-        ids = select_split(store.splits[split], data.max_graphs_per_split, data.seed)
+        ids = store.splits[split]
+        if limit is not None and ids.size > limit:
+            ids = ids[np.sort(np.random.default_rng(data.seed).choice(ids.size, size=limit, replace=False))]
         for index, start in enumerate(range(0, ids.size, shards.graphs_per_shard)):
             plans.append(ShardPlan(split, index, ids[start : start + shards.graphs_per_shard]))
     return plans

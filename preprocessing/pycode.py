@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from preprocessing.ogb_layout import (assign_groups, atomic_dataset_dir, check_out_dir, format_int_csv, write_gz_text,
+from preprocessing.ogb_layout import (assign_groups, atomic_dataset_dir, check_out_dir, format_int_csv, write_mapping,
                                       write_splits)
 from preprocessing.python_graphs import FunctionGraph, function_graph
 from preprocessing.raw_checks import CODE2_NODE_ATTRIBUTES, CODE2_NODE_TYPES
@@ -179,14 +179,6 @@ def _parse_to_parts(items: list[tuple[Path, Path, str]], workers: int,
 def _ranked(counts: Counter, limit: int) -> list[str]:
     """The ``limit`` most frequent keys, ties by key (as ``sorted(...)[:limit]``, in less time)."""
     return [k for k, _ in heapq.nsmallest(limit, counts.items(), key=lambda kv: (-kv[1], kv[0]))]
-
-
-def _write_mapping(path: Path, header: tuple[str, str], values: list[str]) -> None:
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(header)
-    writer.writerows(enumerate(values))
-    write_gz_text(path, buf.getvalue())
 
 
 @contextlib.contextmanager
@@ -361,8 +353,8 @@ def _write_corpus(out: str | Path, force: bool, items: list[tuple[Path, Path, st
                     write(_encode_part(p, g0, sources, type_idx, attr_idx))
                     g0 += p["nodes"].size
         write_splits(folder, name, split_ids)
-        _write_mapping(folder / "mapping" / "typeidx2type.csv.gz", ("type idx", "type"), types)
-        _write_mapping(folder / "mapping" / "attridx2attr.csv.gz", ("attr idx", "attr"), attrs)
+        write_mapping(folder / "mapping" / "typeidx2type.csv.gz", ("type idx", "type"), types)
+        write_mapping(folder / "mapping" / "attridx2attr.csv.gz", ("attr idx", "attr"), attrs)
     return {
         "graphs": total,
         "nodes": nodes_total,

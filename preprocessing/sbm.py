@@ -21,16 +21,14 @@ under a temporary name (:mod:`preprocessing.ogb_layout`); the same ``(name, grap
 byte-identical files."""
 from __future__ import annotations
 
-import csv
 import functools
-import io
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from preprocessing.ogb_layout import (OGB_DIR, atomic_dataset_dir, check_out_dir, write_gz_array, write_gz_text,
+from preprocessing.ogb_layout import (OGB_DIR, atomic_dataset_dir, check_out_dir, write_gz_array, write_mapping,
                                       write_splits)
 
 SPLITS = ("train", "valid", "test")
@@ -250,11 +248,8 @@ def build_sbm(out: str | Path, name: str, graphs: int | None = None, seed: int =
         write_gz_array(raw / "node-label.csv.gz", np.concatenate([g.y for g in made]), compresslevel=_GZIP_LEVEL)
         write_splits(folder, name, split_ids)
         if instance_of is not None:
-            buf = io.StringIO()
-            writer = csv.writer(buf, lineterminator="\n")
-            writer.writerow(("graph idx", "pattern idx"))
-            writer.writerows(enumerate(instance_of.tolist()))
-            write_gz_text(folder / "mapping" / "graphidx2pattern.csv.gz", buf.getvalue(), compresslevel=_GZIP_LEVEL)
+            write_mapping(folder / "mapping" / "graphidx2pattern.csv.gz", ("graph idx", "pattern idx"),
+                          instance_of.tolist(), _GZIP_LEVEL)
         record = {"name": name, "seed": seed, "recipe": asdict(RECIPES[name]), "statistics": stats,
                   "source": "Dwivedi et al., Benchmarking GNNs: data/SBMs/generate_SBM_*.ipynb (recipe re-implemented)"}
         (folder / "sbm.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
