@@ -278,7 +278,8 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
             results = _run_shard_tasks(session(), pending, store, task, transform, vocab, place, shards, key, progress,
                                        storage)
         done.update(results)
-    specs = column_specs(task, transform)
+    node_counts = np.diff(store.node_ptr)
+    by_split = {split: [p for p in plans if p.split == split] for split in SPLITS}
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "dataset": data.name,
@@ -290,29 +291,18 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
             "shards": shards.model_dump(mode="json", include={"graphs_per_shard"}),
         },
         "source": {"folder": str(store.folder.resolve()), "fingerprint": store.fingerprint},
-        "splits": {},
-        "shards": [],
-        "columns": specs,
+        "splits": {split: {"graphs": sum(int(p.ids.size) for p in mine),
+                           "nodes": sum(int(node_counts[p.ids].sum()) for p in mine),
+                           "shards": [p.file for p in mine]} for split, mine in by_split.items()},
+        "shards": [{"file": p.file, "split": p.split, **{k: done[p.file][k] for k in ("rows", "bytes", "sha256")}}
+                   for p in plans],
+        "columns": column_specs(task, transform),
         "vocab_file": VOCAB_FILE if vocab is not None else None,
         "vocab_sha256": hashlib.sha256(payload).hexdigest() if payload is not None else None,
         "num_vocab": len(vocab) if vocab is not None else None,
         "num_classes": len(vocab) if vocab is not None else NUM_CLASSES.get(data.name, 37),
         "max_seq_len": transform.max_seq_len if task == "code2" else None,
     }
-    node_counts = np.diff(store.node_ptr)
-    for split in SPLITS:
-        mine = [p for p in plans if p.split == split]
-        ids = np.concatenate([p.ids for p in mine]) if mine else np.zeros(0, np.int64)
-        manifest["splits"][split] = {
-            "graphs": int(ids.size),
-            "nodes": int(node_counts[ids].sum()) if ids.size else 0,
-            "shards": [p.file for p in mine],
-        }
-    for p in plans:
-        meta = done[p.file]
-        manifest["shards"].append(
-            {"file": p.file, "split": p.split, "rows": meta["rows"], "bytes": meta["bytes"], "sha256": meta["sha256"]}
-        )
     place.write(MANIFEST, json_bytes(manifest))
     return place.root
 

@@ -93,10 +93,6 @@ class _Counts:
         return np.concatenate([[0], np.cumsum(self.edges)])
 
 
-def _expected_rows(spec: FileSpec, counts: _Counts) -> int | None:
-    return {"graph": counts.nodes.size, "node": int(counts.nodes.sum()), "edge": int(counts.edges.sum())}.get(spec.per)
-
-
 def _check_counts(folder: Path, counts: _Counts) -> None:
     """One line per graph in both count files; when they differ, the shorter one is named (a cut file)."""
     raw = folder / "raw"
@@ -142,7 +138,8 @@ def _checked_rows(folder: Path, name: str, spec: FileSpec, counts: _Counts | Non
         check(values, rows)
         rows += len(values)
         yield values
-    expected = _expected_rows(spec, counts) if counts is not None else None
+    expected = None if counts is None else {"graph": counts.nodes.size, "node": int(counts.nodes.sum()),
+                                            "edge": int(counts.edges.sum())}.get(spec.per)
     if expected is not None and rows != expected:
         one = {"node": " (one per node): truncated?", "edge": " (one per edge): truncated?"}.get(spec.per, "")
         raise ValueError(f"{src}: {rows} lines, expected {expected}{one}")
@@ -244,11 +241,6 @@ def _verify(store: Path, name: str, fingerprint: str) -> list[tuple[FileSpec, st
 Runner = Callable[[list[tuple]], Iterable[dict]]
 
 
-def _run_here(calls: list[tuple]) -> Iterator[dict]:
-    for args in calls:
-        yield convert_file(*args)
-
-
 def _say(store: Path, spec: FileSpec, why: str) -> None:
     print(f"satp: converting {spec.rel} again into {store / spec.arrow}: {why}", file=sys.stderr, flush=True)
 
@@ -306,7 +298,8 @@ def _convert(folder: Path, name: str, fingerprint: str, run: Runner | None) -> N
     counts = _Counts(*(read_column(store / spec.arrow) for spec in count_specs))
     _check_counts(folder, counts)
     todo = [s for s in specs[2:] if _damage(store, s, fingerprint) is not None]
-    list((run or _run_here)([(str(folder), name, spec, fingerprint, counts) for spec in todo]))
+    calls = [(str(folder), name, spec, fingerprint, counts) for spec in todo]
+    list(run(calls) if run else (convert_file(*call) for call in calls))
     split_specs = [s for s in specs if s.per == "split"]
     check_splits({s.key.removeprefix("split-"): folder / s.rel for s in split_specs},
                  {s.key.removeprefix("split-"): read_column(store / s.arrow) for s in split_specs})
