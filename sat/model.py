@@ -8,7 +8,7 @@ Output: ``[B, num_classes]`` (graph heads), ``[N, num_classes]`` (``node_classif
 slot of its capacity, the batch's own first."""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
@@ -29,8 +29,7 @@ _NODE_ROW_KEYS = ("batch", "x", "node_depth", "rwpe", "lap_pe", "degree")  # ten
 
 
 class SAT(nn.Module):
-    """Structure-Aware Transformer of ``config`` (:class:`sat.SATConfig`); ``bucket_ratio``: dense
-    attention pads graphs in groups of sizes within this factor (``None``: one block), for speed only.
+    """Structure-Aware Transformer of ``config`` (:class:`sat.SATConfig`).
 
     Example::
 
@@ -38,12 +37,11 @@ class SAT(nn.Module):
         logits = model(Batch.from_data_list(graphs))        # [B, 2]
     """
 
-    def __init__(self, config: SATConfig, bucket_ratio: Optional[float] = 1.5):
+    def __init__(self, config: SATConfig):
         super().__init__()
         if not isinstance(config, SATConfig):
             raise TypeError(f"SAT expects a SATConfig, got {type(config).__name__} (use SATConfig.from_dict)")
         self.config = config
-        self.bucket_ratio = bucket_ratio
         d = config.hidden_dim
         self.node_encoder = NodeEncoder(config)
         self.pe_encoder = PositionalEncoder(config) if config.pe != "none" else None
@@ -94,7 +92,7 @@ class SAT(nn.Module):
         else:
             num_graphs = int(getattr(batch, "num_graphs", None) or int(graph_index.max()) + 1)
             sizes = torch.bincount(graph_index.detach().cpu(), minlength=num_graphs).numpy()
-        return GraphLayout.from_sizes(sizes, self.bucket_ratio, cls_token=cls).to(batch.edge_index.device)
+        return GraphLayout.from_sizes(sizes, cls_token=cls).to(batch.edge_index.device)
 
     # ------------------------------------------------------------------ forward
     def forward(
