@@ -58,19 +58,14 @@ class ShardPlan:
         return f"{self.split}-{self.index:05d}.json"
 
 
-def select_split(ids: np.ndarray, limit: int | None, seed: int) -> np.ndarray:
-    """All of ``ids``, or a seeded random subset of ``limit`` of them (kept in OGB's order)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    if limit is None or ids.size <= limit:
-        return ids
-    keep = np.sort(np.random.default_rng(seed).choice(ids.size, size=limit, replace=False))
-    return ids[keep]
-
-
 def plan_shards(store: ColumnarStore, data: DataConfig, shards: ShardConfig) -> list[ShardPlan]:
-    plans = []
+    """Each split's graphs in OGB's order (a seeded subset of ``data.max_graphs_per_split`` of them),
+    cut into shards."""
+    plans, limit = [], data.max_graphs_per_split
     for split in SPLITS:
-        ids = select_split(store.splits[split], data.max_graphs_per_split, data.seed)
+        ids = store.splits[split]
+        if limit is not None and ids.size > limit:
+            ids = ids[np.sort(np.random.default_rng(data.seed).choice(ids.size, size=limit, replace=False))]
         for index, start in enumerate(range(0, ids.size, shards.graphs_per_shard)):
             plans.append(ShardPlan(split, index, ids[start : start + shards.graphs_per_shard]))
     return plans
@@ -101,38 +96,25 @@ def write_shard(path: str, store: str, ids: np.ndarray, task: str, transform: di
     return write_shard_file(path, rows, specs, storage)
 
 
-def _shard_done(place, plan: ShardPlan, key: dict, present: dict[str, int | None]) -> dict | None:
-    """The sidecar of a finished shard (``present``: the directory's file sizes), None if it is not."""
-    if present[plan.sidecar] is None or present[plan.file] is None:
-        return None
-    try:
-        meta = json.loads(place.read(plan.sidecar))
-    except (OSError, json.JSONDecodeError):
-        return None
-    if any(meta.get(k) != v for k, v in key.items()) or meta.get("rows") != int(plan.ids.size):
-        return None
-    if present[plan.file] != meta.get("bytes") or not place.digest_matches(plan.file, meta.get("sha256")):
-        return None
-    return meta
-
-
-def _rebuild_reason(place, plan: ShardPlan, key: dict, present: dict[str, int | None]) -> str | None:
-    """Why a shard that :func:`_shard_done` rejected is computed again (None: it was never written):
-    said on stderr, so that a corrupt shard is never silently rebuilt."""
+def _shard_state(place, plan: ShardPlan, key: dict, present: dict[str, int | None]) -> tuple[dict | None, str | None]:
+    """``(sidecar, None)`` of a finished shard (``present``: the directory's file sizes), else ``(None,
+    why it is computed again)``, said on stderr so that a corrupt shard is never silently rebuilt
+    (``why`` None: it was never written)."""
     if present[plan.sidecar] is None:
-        return "its build was interrupted before it was recorded" if present[plan.file] is not None else None
+        return None, "its build was interrupted before it was recorded" if present[plan.file] is not None else None
     if present[plan.file] is None:
-        return "the file is missing"
+        return None, "the file is missing"
     try:
         meta = json.loads(place.read(plan.sidecar))
     except (OSError, json.JSONDecodeError):
-        return f"its sidecar {plan.sidecar} is unreadable"
+        return None, f"its sidecar {plan.sidecar} is unreadable"
     if any(meta.get(k) != v for k, v in key.items()) or meta.get("rows") != int(plan.ids.size):
-        return "it was built from other source data or settings"
-    size = present[plan.file]
-    if size != meta.get("bytes"):
-        return f"{size} bytes, {meta.get('bytes')} recorded (truncated or corrupt)"
-    return "its sha256 differs from the recorded one (corrupt)"
+        return None, "it was built from other source data or settings"
+    if present[plan.file] != meta.get("bytes"):
+        return None, f"{present[plan.file]} bytes, {meta.get('bytes')} recorded (truncated or corrupt)"
+    if not place.digest_matches(plan.file, meta.get("sha256")):
+        return None, "its sha256 differs from the recorded one (corrupt)"
+    return meta, None
 
 
 def _read_manifest(place) -> dict | None:
@@ -283,10 +265,11 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
             place.write(VOCAB_FILE, payload)
     key = {"config_hash": chash, "fingerprint": store.fingerprint, "schema_version": SCHEMA_VERSION}
     present = place.sizes([name for p in plans for name in (p.file, p.sidecar)])
-    done = {p.file: None if everything else _shard_done(place, p, key, present) for p in plans}
+    states = {p.file: (None, None) if everything else _shard_state(place, p, key, present) for p in plans}
+    done = {file: meta for file, (meta, _) in states.items()}
     pending = [p for p in plans if done[p.file] is None]
     for plan in [] if everything else pending:
-        why = "its write was interrupted" if plan.file in interrupted else _rebuild_reason(place, plan, key, present)
+        why = "its write was interrupted" if plan.file in interrupted else states[plan.file][1]
         if why:
             print(f"satp: rebuilding shard {place.at(plan.file)}: {why}", file=sys.stderr, flush=True)
     if pending:
@@ -295,7 +278,8 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
             results = _run_shard_tasks(session(), pending, store, task, transform, vocab, place, shards, key, progress,
                                        storage)
         done.update(results)
-    specs = column_specs(task, transform)
+    node_counts = np.diff(store.node_ptr)
+    by_split = {split: [p for p in plans if p.split == split] for split in SPLITS}
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "dataset": data.name,
@@ -307,29 +291,18 @@ def build_shards(store: ColumnarStore, data: DataConfig, transform: TransformCon
             "shards": shards.model_dump(mode="json", include={"graphs_per_shard"}),
         },
         "source": {"folder": str(store.folder.resolve()), "fingerprint": store.fingerprint},
-        "splits": {},
-        "shards": [],
-        "columns": specs,
+        "splits": {split: {"graphs": sum(int(p.ids.size) for p in mine),
+                           "nodes": sum(int(node_counts[p.ids].sum()) for p in mine),
+                           "shards": [p.file for p in mine]} for split, mine in by_split.items()},
+        "shards": [{"file": p.file, "split": p.split, **{k: done[p.file][k] for k in ("rows", "bytes", "sha256")}}
+                   for p in plans],
+        "columns": column_specs(task, transform),
         "vocab_file": VOCAB_FILE if vocab is not None else None,
         "vocab_sha256": hashlib.sha256(payload).hexdigest() if payload is not None else None,
         "num_vocab": len(vocab) if vocab is not None else None,
         "num_classes": len(vocab) if vocab is not None else NUM_CLASSES.get(data.name, 37),
         "max_seq_len": transform.max_seq_len if task == "code2" else None,
     }
-    node_counts = np.diff(store.node_ptr)
-    for split in SPLITS:
-        mine = [p for p in plans if p.split == split]
-        ids = np.concatenate([p.ids for p in mine]) if mine else np.zeros(0, np.int64)
-        manifest["splits"][split] = {
-            "graphs": int(ids.size),
-            "nodes": int(node_counts[ids].sum()) if ids.size else 0,
-            "shards": [p.file for p in mine],
-        }
-    for p in plans:
-        meta = done[p.file]
-        manifest["shards"].append(
-            {"file": p.file, "split": p.split, "rows": meta["rows"], "bytes": meta["bytes"], "sha256": meta["sha256"]}
-        )
     place.write(MANIFEST, json_bytes(manifest))
     return place.root
 
@@ -377,31 +350,45 @@ def _conversion_runner(folder: Path, session: _RaySession, progress: bool):
         ray = session()
         remote = ray.remote(num_cpus=1, max_retries=2, scheduling_strategy="SPREAD")(convert_file)
         counts_ref = ray.put(calls[0][4])
-        refs = {remote.remote(f, name, spec, fp, counts_ref): spec for f, name, spec, fp, _ in calls}
         results = []
-        with _progress(sum((folder / s.rel).stat().st_size for s in refs.values()), "B",
-                       f"convert {folder.name}", progress) as bar:
-            while refs:
-                ready, _ = ray.wait(list(refs), num_returns=1)
-                spec = refs.pop(ready[0])
-                try:
-                    results.append(ray.get(ready[0]))
-                except ray.exceptions.RayTaskError as exc:
-                    _cancel(ray, list(refs))
-                    cause = getattr(exc, "cause", None) or exc
-                    raise ValueError(str(cause).splitlines()[0]) from None
-                bar.update((folder / spec.rel).stat().st_size)
+        with _progress(sum((folder / call[2].rel).stat().st_size for call in calls), "B", f"convert {folder.name}",
+                       progress) as bar:
+            def done(call: tuple, result: dict) -> None:
+                results.append(result)
+                bar.update((folder / call[2].rel).stat().st_size)
+
+            _run_tasks(ray, remote, calls, lambda call: (*call[:4], counts_ref), len(calls), lambda call: "", done)
         return results
 
     return run
 
 
-def _cancel(ray, refs: list, timeout_s: float = 30.0) -> None:
-    """Cancel the tasks of ``refs`` and wait, so that they remove their temporary files first."""
-    for ref in refs:
-        ray.cancel(ref)
-    if refs:
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+def _run_tasks(ray, remote, items: list, args, limit: int, where, done) -> None:
+    """``remote(*args(item))`` of every item as Ray tasks, at most ``limit`` at once, then ``done(item,
+    result)`` as each finishes. A failed task cancels the others and is raised as a one-line
+    ``ValueError``, prefixed by ``where(item)`` unless it names that already."""
+    queue, in_flight = list(items), {}
+
+    def submit() -> None:
+        while queue and len(in_flight) < limit:
+            item = queue.pop(0)
+            in_flight[remote.remote(*args(item))] = item
+
+    submit()
+    while in_flight:
+        ready, _ = ray.wait(list(in_flight), num_returns=1)
+        item = in_flight.pop(ready[0])
+        submit()  # a queued task starts before the driver records this one
+        try:
+            result = ray.get(ready[0])
+        except ray.exceptions.RayTaskError as exc:
+            for ref in in_flight:  # cancelled and awaited: they remove their temporary files first
+                ray.cancel(ref)
+            if in_flight:
+                ray.wait(list(in_flight), num_returns=len(in_flight), timeout=30.0)
+            cause, prefix = str(getattr(exc, "cause", None) or exc).splitlines()[0], where(item)
+            raise ValueError(cause if cause.startswith(prefix) else f"{prefix}: {cause}") from None
+        done(item, result)
 
 
 def _run_shard_tasks(ray, pending: list[ShardPlan], store: ColumnarStore, task: str, transform: TransformConfig,
@@ -421,30 +408,14 @@ def _run_shard_tasks(ray, pending: list[ShardPlan], store: ColumnarStore, task: 
     limit = shards.max_in_flight or 2 * max(1, int(cpus // shards.cpus_per_task))
     vocab_ref = ray.put(vocab)
     tdict = transform.model_dump(mode="json")
-    in_flight: dict = {}
-    queue = list(pending)
     folder = str(store.folder)
     with _progress(int(sum(p.ids.size for p in pending)), "graph", f"preprocess {place.name}", progress) as bar:
-        def submit() -> None:
-            while queue and len(in_flight) < limit:
-                plan = queue.pop(0)
-                in_flight[remote.remote(place.at(plan.file), folder, plan.ids, task, tdict, vocab_ref, storage)] = plan
+        def done(plan: ShardPlan, written: dict) -> None:
+            meta = dict(key, file=plan.file, split=plan.split, rows=int(plan.ids.size), **written)
+            place.write(plan.sidecar, json_bytes(meta))
+            results[plan.file] = meta
+            bar.update(int(plan.ids.size))
 
-        while queue or in_flight:
-            submit()
-            ready, _ = ray.wait(list(in_flight), num_returns=1)
-            finished = [(ref, in_flight.pop(ref)) for ref in ready]
-            submit()
-            for ref, plan in finished:
-                try:
-                    written = ray.get(ref)
-                except ray.exceptions.RayTaskError as exc:
-                    _cancel(ray, list(in_flight))
-                    cause = str(getattr(exc, "cause", None) or exc).splitlines()[0]
-                    shard = place.at(plan.file)
-                    raise ValueError(cause if cause.startswith(shard) else f"{shard}: {cause}") from None
-                meta = dict(key, file=plan.file, split=plan.split, rows=int(plan.ids.size), **written)
-                place.write(plan.sidecar, json_bytes(meta))
-                results[plan.file] = meta
-                bar.update(int(plan.ids.size))
+        _run_tasks(ray, remote, pending, lambda p: (place.at(p.file), folder, p.ids, task, tdict, vocab_ref, storage),
+                   limit, lambda p: place.at(p.file), done)
     return results

@@ -163,15 +163,10 @@ def store_is_current(folder: Path, fingerprint: str) -> bool:
 
 # ----------------------------------------------------------------------------- reading the store
 def read_column(path: Path) -> np.ndarray:
-    """A whole (small) numeric file of the store as one numpy array (per-graph files, splits)."""
+    """A whole (small) one-value-per-row file of the store as one numpy array (per-graph files, splits)."""
     with pa.memory_map(str(path), "r") as source:
-        table = pa.ipc.open_file(source).read_all()
-        column = table.column(0)
-        if pa.types.is_fixed_size_list(column.type):
-            k = column.type.list_size
-            return np.concatenate([c.flatten().to_numpy() for c in column.chunks] or [np.zeros(0)]).reshape(-1, k)
-        return (np.concatenate([c.to_numpy() for c in column.chunks]) if column.num_chunks
-                else np.zeros(0, dtype=column.type.to_pandas_dtype()))
+        column = pa.ipc.open_file(source).read_all().column(0)
+        return column.to_numpy() if column.num_chunks else np.zeros(0, dtype=column.type.to_pandas_dtype())
 
 
 class _MappedFile:
@@ -181,45 +176,32 @@ class _MappedFile:
         self.source = pa.memory_map(str(path), "r")
         self.reader = pa.ipc.open_file(self.source)
         self.type = self.reader.schema.field(0).type
+        self.text = pa.types.is_large_string(self.type)
         # every batch but the last holds this many rows: a row's batch is found without reading others
         self.batch_rows = int(self.reader.schema.metadata[BATCH_ROWS_KEY.encode()])
 
-    def _batch(self, i: int):
+    def _batch(self, i: int) -> np.ndarray:
         column = self.reader.get_batch(i).column(0)
         if pa.types.is_fixed_size_list(self.type):
             return column.values.to_numpy(zero_copy_only=True).reshape(len(column), -1)
-        if pa.types.is_large_string(self.type):
-            return column
-        return column.to_numpy(zero_copy_only=True)
+        return column.to_numpy(zero_copy_only=not self.text)  # text: an array of str objects
 
     def gather(self, rows: np.ndarray):
         """Rows ``rows`` (int64, any order) as a numpy array (a list of str for text)."""
         batch, offset = np.divmod(rows, self.batch_rows)
-        order = np.argsort(batch, kind="stable") if (np.diff(batch) < 0).any() else None
-        sorted_batch = batch if order is None else batch[order]
-        cuts = np.flatnonzero(np.diff(sorted_batch)) + 1
-        starts = np.concatenate([[0], cuts])
-        ends = np.concatenate([cuts, [rows.size]])
-        if pa.types.is_large_string(self.type):
-            out: list = [None] * rows.size
-            for a, b in zip(starts.tolist(), ends.tolist()):
-                where = np.arange(a, b) if order is None else order[a:b]
-                texts = self._batch(int(sorted_batch[a])).take(pa.array(offset[where])).to_pylist()
-                for i, text in zip(where.tolist(), texts):
-                    out[i] = text
-            return out
+        order = np.argsort(batch, kind="stable")
         out = None
-        for a, b in zip(starts.tolist(), ends.tolist()):
-            view = self._batch(int(sorted_batch[a]))
-            if out is None:
-                out = np.empty((rows.size, *view.shape[1:]), dtype=view.dtype)
-            where = slice(a, b) if order is None else order[a:b]
-            out[where] = view[offset[where]]
+        for where in np.split(order, np.flatnonzero(np.diff(batch[order])) + 1):
+            if where.size:
+                view = self._batch(int(batch[where[0]]))
+                if out is None:
+                    out = np.empty((rows.size, *view.shape[1:]), dtype=view.dtype)
+                out[where] = view[offset[where]]
         if out is None:  # no rows
             fixed = pa.types.is_fixed_size_list(self.type)
-            dtype = (self.type.value_type if fixed else self.type).to_pandas_dtype()
+            dtype = object if self.text else (self.type.value_type if fixed else self.type).to_pandas_dtype()
             out = np.zeros((0, *((self.type.list_size,) if fixed else ())), dtype=dtype)
-        return out
+        return out.tolist() if self.text else out
 
     def close(self) -> None:
         self.reader = None

@@ -6,6 +6,7 @@ batches of :data:`BATCH_ROWS` rows under a temporary name, renamed, then its sid
 last. Every error is one line naming the file (and line, graph); a failed write names the store file."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sys
@@ -38,43 +39,18 @@ _PANDAS_NA = frozenset({"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-
 
 
 # ----------------------------------------------------------------------------- reading the CSVs
-def _gunzip(path: Path) -> Iterator[bytes]:
-    """Decompressed bytes of a (possibly multi-member) gzip file, at most :data:`BLOCK_BYTES` at a
-    time; a truncated or corrupt stream raises a one-line ``ValueError``."""
-    dec = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    ended = False
-    try:
-        with open(path, "rb") as fh:
-            while chunk := fh.read(1 << 20):
-                while chunk:
-                    if ended:  # a further gzip member
-                        dec, ended = zlib.decompressobj(16 + zlib.MAX_WBITS), False
-                    out = dec.decompress(chunk, BLOCK_BYTES)
-                    if out:
-                        yield out
-                    if dec.eof:
-                        ended, chunk = True, dec.unused_data
-                    else:
-                        chunk = dec.unconsumed_tail
-    except zlib.error as exc:
-        raise ValueError(f"{path}: corrupt gzip data ({exc})") from None
-    if not ended:
-        raise ValueError(f"{path}: truncated (the gzip stream ends early)")
-
-
 def _line_blocks(path: Path) -> Iterator[bytes]:
-    """Whole lines of ``path``, about :data:`BLOCK_BYTES` at a time."""
-    pending = b""
-    for piece in _gunzip(path):
-        pending += piece
-        while len(pending) >= BLOCK_BYTES:
-            cut = pending.rfind(b"\n", 0, BLOCK_BYTES) + 1 or pending.rfind(b"\n") + 1
-            if not cut:
-                break  # one line longer than a block: wait for its end
-            yield pending[:cut]
-            pending = pending[cut:]
-    if pending:
-        yield pending if pending.endswith(b"\n") else pending + b"\n"
+    """Whole lines of the gzip file ``path`` (members concatenated), about :data:`BLOCK_BYTES` at a
+    time; a truncated or corrupt stream raises a one-line ``ValueError``."""
+    try:
+        with gzip.open(path, "rb") as fh:
+            while block := fh.read(BLOCK_BYTES):
+                block += fh.readline()
+                yield block if block.endswith(b"\n") else block + b"\n"
+    except EOFError:
+        raise ValueError(f"{path}: truncated (the gzip stream ends early)") from None
+    except (gzip.BadGzipFile, zlib.error) as exc:
+        raise ValueError(f"{path}: corrupt gzip data ({exc})") from None
 
 
 def _parse(block: bytes, spec: FileSpec, path: Path) -> np.ndarray | list[str]:
@@ -100,11 +76,6 @@ def _parse(block: bytes, spec: FileSpec, path: Path) -> np.ndarray | list[str]:
     return values[:, 0] if spec.columns == 1 else values
 
 
-def _rows(path: Path, spec: FileSpec) -> Iterator[np.ndarray | list[str]]:
-    for block in _line_blocks(path):
-        yield _parse(block, spec, path)
-
-
 # ----------------------------------------------------------------------------- counts
 @dataclass
 class _Counts:
@@ -120,10 +91,6 @@ class _Counts:
     @property
     def edge_ptr(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(self.edges)])
-
-
-def _expected_rows(spec: FileSpec, counts: _Counts) -> int | None:
-    return {"graph": counts.nodes.size, "node": int(counts.nodes.sum()), "edge": int(counts.edges.sum())}.get(spec.per)
 
 
 def _check_counts(folder: Path, counts: _Counts) -> None:
@@ -167,11 +134,12 @@ def _checked_rows(folder: Path, name: str, spec: FileSpec, counts: _Counts | Non
     ptr = None if counts is None else {"node": counts.node_ptr, "edge": counts.edge_ptr}.get(spec.per)
     check = Checker(name, spec, folder, ptr, None if counts is None else counts.nodes)
     rows = 0
-    for values in _rows(src, spec):
+    for values in (_parse(block, spec, src) for block in _line_blocks(src)):
         check(values, rows)
         rows += len(values)
         yield values
-    expected = _expected_rows(spec, counts) if counts is not None else None
+    expected = None if counts is None else {"graph": counts.nodes.size, "node": int(counts.nodes.sum()),
+                                            "edge": int(counts.edges.sum())}.get(spec.per)
     if expected is not None and rows != expected:
         one = {"node": " (one per node): truncated?", "edge": " (one per edge): truncated?"}.get(spec.per, "")
         raise ValueError(f"{src}: {rows} lines, expected {expected}{one}")
@@ -247,51 +215,30 @@ def _record(store: Path, spec: FileSpec) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def _finished(store: Path, spec: FileSpec, fingerprint: str) -> bool:
-    """The file is converted from these raw files and has the size its sidecar recorded."""
-    meta = _record(store, spec)
-    path = store / spec.arrow
-    if meta is None or meta.get("fingerprint") != fingerprint or not path.is_file():
-        return False
-    return meta.get("bytes") == path.stat().st_size
-
-
-def _redo_reason(store: Path, spec: FileSpec, fingerprint: str, leftovers: set[str]) -> str | None:
-    """Why a file converted before is converted again (None: it never was, or from other raw files)."""
+def _damage(store: Path, spec: FileSpec, fingerprint: str, checksum: bool = False) -> str | None:
+    """Why the file is converted (again): None when it is converted from these raw files and intact
+    (its size; its xxh3 too with ``checksum``), "" when it never was, or from other raw files."""
     meta, path = _record(store, spec), store / spec.arrow
-    if spec.arrow in leftovers:
-        return "its conversion was interrupted (a temporary file was left)"
     if meta is None:
-        return f"its sidecar {spec.arrow}.json is unreadable" if path.is_file() else None
+        return f"its sidecar {spec.arrow}.json is unreadable" if path.is_file() else ""
     if meta.get("fingerprint") != fingerprint:
-        return None
+        return ""
     if not path.is_file():
         return f"{path.name} is missing"
-    return f"{path.name} has {path.stat().st_size} bytes, {meta.get('bytes')} recorded (truncated or overwritten)"
+    if path.stat().st_size != meta.get("bytes"):
+        return f"{path.name} has {path.stat().st_size} bytes, {meta.get('bytes')} recorded (truncated)"
+    if checksum and file_digest(path) != meta.get("xxh3"):
+        return f"{path.name}'s checksum differs from the one recorded (corrupt)"
+    return None
 
 
-def _verify(store: Path, name: str) -> list[tuple[FileSpec, str]]:
-    """The damaged files of a finished store, with why: sizes, then xxh3 (one read of the whole store)."""
-    damaged = []
-    for spec in file_specs(name):
-        meta, path = _record(store, spec), store / spec.arrow
-        if meta is None:
-            damaged.append((spec, f"its sidecar {spec.arrow}.json is unreadable"))
-        elif not path.is_file():
-            damaged.append((spec, f"{path.name} is missing"))
-        elif path.stat().st_size != meta.get("bytes"):
-            damaged.append((spec, f"{path.name} has {path.stat().st_size} bytes, {meta.get('bytes')} recorded (truncated)"))
-        elif file_digest(path) != meta.get("xxh3"):
-            damaged.append((spec, f"{path.name}'s checksum differs from the one recorded (corrupt)"))
-    return damaged
+def _verify(store: Path, name: str, fingerprint: str) -> list[tuple[FileSpec, str]]:
+    """The damaged files of a finished store, with why (one read of the whole store)."""
+    found = [(spec, _damage(store, spec, fingerprint, checksum=True)) for spec in file_specs(name)]
+    return [(spec, why) for spec, why in found if why is not None]
 
 
 Runner = Callable[[list[tuple]], Iterable[dict]]
-
-
-def _run_here(calls: list[tuple]) -> Iterator[dict]:
-    for args in calls:
-        yield convert_file(*args)
 
 
 def _say(store: Path, spec: FileSpec, why: str) -> None:
@@ -305,13 +252,13 @@ def build_store(folder: Path, name: str, fingerprint: str, run: Runner | None = 
     (default: here; the build passes Ray tasks)."""
     folder = Path(folder)
     store = folder / STORE_DIR
-    if store_is_current(folder, fingerprint):
-        if not _verify(store, name):
-            return ColumnarStore(folder)
+    if store_is_current(folder, fingerprint) and not _verify(store, name, fingerprint):
+        return ColumnarStore(folder)
     with writer_lock(store / LOCK_FILE, f"the columnar store {store}"):
         if store_is_current(folder, fingerprint):  # again: another command may have repaired it meanwhile
-            for spec, why in _verify(store, name):
-                _say(store, spec, why)
+            for spec, why in _verify(store, name, fingerprint):
+                if why:
+                    _say(store, spec, why)
                 (store / (spec.arrow + ".json")).unlink(missing_ok=True)
                 (store / spec.arrow).unlink(missing_ok=True)
         _convert(folder, name, fingerprint, run)
@@ -332,24 +279,27 @@ def _convert(folder: Path, name: str, fingerprint: str, run: Runner | None) -> N
     leftovers = {p.name[1:].split(".tmp-")[0] for p in store.glob(".*.tmp-*")}
     specs = file_specs(name)
     for spec in specs:
-        if not _finished(store, spec, fingerprint):
-            why = _redo_reason(store, spec, fingerprint, leftovers)
-            if why:
-                _say(store, spec, why)
+        why = _damage(store, spec, fingerprint)
+        if why is not None and spec.arrow in leftovers:
+            why = "its conversion was interrupted (a temporary file was left)"
+        if why:
+            _say(store, spec, why)
     for stale in store.iterdir():  # another fingerprint's files, damaged ones, temporary files of a killed run
         if stale.name in (FINGERPRINT_FILE, LOCK_FILE):  # the raw files' own record, the writer lock
             continue
         spec_of = stale.name.removesuffix(".json")
-        if stale.name.startswith(".") or not any(s.arrow == spec_of and _finished(store, s, fingerprint) for s in specs):
+        if stale.name.startswith(".") or not any(s.arrow == spec_of and _damage(store, s, fingerprint) is None
+                                                 for s in specs):
             stale.unlink()
     count_specs = specs[:2]
     for spec in count_specs:
-        if not _finished(store, spec, fingerprint):
+        if _damage(store, spec, fingerprint) is not None:
             convert_file(str(folder), name, spec, fingerprint, None)
     counts = _Counts(*(read_column(store / spec.arrow) for spec in count_specs))
     _check_counts(folder, counts)
-    todo = [s for s in specs[2:] if not _finished(store, s, fingerprint)]
-    list((run or _run_here)([(str(folder), name, spec, fingerprint, counts) for spec in todo]))
+    todo = [s for s in specs[2:] if _damage(store, s, fingerprint) is not None]
+    calls = [(str(folder), name, spec, fingerprint, counts) for spec in todo]
+    list(run(calls) if run else (convert_file(*call) for call in calls))
     split_specs = [s for s in specs if s.per == "split"]
     check_splits({s.key.removeprefix("split-"): folder / s.rel for s in split_specs},
                  {s.key.removeprefix("split-"): read_column(store / s.arrow) for s in split_specs})

@@ -3,7 +3,9 @@ offline builders; a dataset folder is built under a temporary name and renamed a
 from __future__ import annotations
 
 import contextlib
+import csv
 import gzip
+import io
 import os
 import shutil
 import uuid
@@ -22,6 +24,15 @@ def write_gz_text(path: Path, text: str, compresslevel: int = 9) -> None:
     with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0,
                                                 compresslevel=compresslevel) as gz:
         gz.write(text.encode("utf-8"))
+
+
+def write_mapping(path: Path, header: tuple[str, str], values: list, compresslevel: int = 9) -> None:
+    """A mapping table: ``header``, then one ``index,value`` line per value (quoted as CSV needs)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(enumerate(values))
+    write_gz_text(path, buf.getvalue(), compresslevel)
 
 
 def format_int_csv(array: np.ndarray) -> bytes:

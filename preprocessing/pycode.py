@@ -8,6 +8,7 @@ bounded (parsers write compact per-chunk arrays to temporary files, streamed twi
 from __future__ import annotations
 
 import ast
+import contextlib
 import csv
 import gzip
 import heapq
@@ -19,11 +20,13 @@ import tempfile
 import tokenize
 import warnings
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 
-from preprocessing.ogb_layout import (assign_groups, atomic_dataset_dir, check_out_dir, format_int_csv, write_gz_text,
+from preprocessing.ogb_layout import (assign_groups, atomic_dataset_dir, check_out_dir, format_int_csv, write_mapping,
                                       write_splits)
 from preprocessing.python_graphs import FunctionGraph, function_graph
 from preprocessing.raw_checks import CODE2_NODE_ATTRIBUTES, CODE2_NODE_TYPES
@@ -178,58 +181,18 @@ def _ranked(counts: Counter, limit: int) -> list[str]:
     return [k for k, _ in heapq.nsmallest(limit, counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
-def _write_mapping(path: Path, header: tuple[str, str], values: list[str]) -> None:
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(header)
-    writer.writerows(enumerate(values))
-    write_gz_text(path, buf.getvalue())
-
-
-class _GzStreams:
-    """Gzip files written in pieces (the bytes :func:`write_gz_array` gives for the whole), each
-    compressed by its own thread from a short queue."""
-
-    def __init__(self, paths: dict[str, Path], depth: int = 4):
-        import queue
-        import threading
-
-        self._files, self._queues, self._threads, self._errors = [], {}, [], []
+@contextlib.contextmanager
+def _gz_streams(paths: dict[str, Path]) -> Iterator[Callable[[dict[str, bytes]], None]]:
+    """A writer of pieces into gzip files (the bytes :func:`write_gz_array` gives for the whole), the
+    files compressed in parallel threads (zlib releases the GIL)."""
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(paths)) as pool:
+        files = {}
         for key, path in paths.items():
             path.parent.mkdir(parents=True, exist_ok=True)
-            raw = open(path, "wb")
-            gz = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9)
-            self._files += [gz, raw]
-            self._queues[key] = queue.Queue(depth)
-            thread = threading.Thread(target=self._run, args=(gz, self._queues[key]), daemon=True)
-            thread.start()
-            self._threads.append(thread)
-
-    def _run(self, gz, pieces) -> None:
-        failed = False
-        while (piece := pieces.get()) is not None:
-            if failed:
-                continue  # keep draining: the writer must never block on a dead thread
-            try:
-                gz.write(piece)
-            except BaseException as exc:  # reported by close()
-                self._errors.append(exc)
-                failed = True
-
-    def write(self, pieces: dict[str, bytes]) -> None:
-        for key, piece in pieces.items():
-            if piece:
-                self._queues[key].put(piece)
-
-    def close(self) -> None:
-        for q in self._queues.values():
-            q.put(None)
-        for thread in self._threads:
-            thread.join()
-        for f in self._files:  # gzip first (its trailer), then the raw file
-            f.close()
-        if self._errors:
-            raise self._errors[0]
+            raw = stack.enter_context(open(path, "wb"))
+            files[key] = stack.enter_context(gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0,
+                                                           compresslevel=9))
+        yield lambda pieces: list(pool.map(lambda item: files[item[0]].write(item[1]), pieces.items()))
 
 
 def _encode_part(p: dict, g0: int, sources: list[tuple[Path, str, int]], type_idx: dict[str, int],
@@ -377,10 +340,9 @@ def _write_corpus(out: str | Path, force: bool, items: list[tuple[Path, Path, st
         paths = {k: raw / f"{k}.csv.gz" for k in keys}
         paths["graph-label"] = raw / "graph-label.csv.gz"
         paths["source"] = folder / "mapping" / "graphidx2source.csv.gz"
-        streams = _GzStreams(paths)
-        try:
+        with _gz_streams(paths) as write:
             # provenance (not part of OGB's layout): the source file of each graph
-            streams.write({"source": b"graph idx,project,path\n"})
+            write({"source": b"graph idx,project,path\n"})
             g0, f0 = 0, 0
             for part, chunk_files in parts:
                 p = _load_part(part)
@@ -388,13 +350,11 @@ def _write_corpus(out: str | Path, force: bool, items: list[tuple[Path, Path, st
                            in zip(items[f0 : f0 + chunk_files], per_file[f0 : f0 + chunk_files])]
                 f0 += chunk_files
                 if p["nodes"].size:
-                    streams.write(_encode_part(p, g0, sources, type_idx, attr_idx))
+                    write(_encode_part(p, g0, sources, type_idx, attr_idx))
                     g0 += p["nodes"].size
-        finally:
-            streams.close()
         write_splits(folder, name, split_ids)
-        _write_mapping(folder / "mapping" / "typeidx2type.csv.gz", ("type idx", "type"), types)
-        _write_mapping(folder / "mapping" / "attridx2attr.csv.gz", ("attr idx", "attr"), attrs)
+        write_mapping(folder / "mapping" / "typeidx2type.csv.gz", ("type idx", "type"), types)
+        write_mapping(folder / "mapping" / "attridx2attr.csv.gz", ("attr idx", "attr"), attrs)
     return {
         "graphs": total,
         "nodes": nodes_total,

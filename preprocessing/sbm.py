@@ -14,23 +14,21 @@ benchmark's distribution, they are not the released graphs.
   per community gets input ``1 + label``, the others 0. 10,000 / 1,000 / 1,000 graphs.
 
 Edge statistics count both directions, as the table of Chen et al. (ICML 2022) does; PATTERN's
-depend on the seed's draw of its 100 patterns (:func:`expected_statistics`, ``docs/results.md``).
+depend on the seed's draw of its 100 patterns (``docs/results.md``).
 Layout: OGB-like gzip CSVs (``raw/edge.csv.gz`` one line per undirected edge, ``u < v``;
 ``node-feat``, ``node-label``, ``split/benchmark/``, PATTERN's ``mapping/graphidx2pattern``), built
 under a temporary name (:mod:`preprocessing.ogb_layout`); the same ``(name, graphs, seed)`` gives
 byte-identical files."""
 from __future__ import annotations
 
-import csv
 import functools
-import io
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from preprocessing.ogb_layout import (OGB_DIR, atomic_dataset_dir, check_out_dir, write_gz_array, write_gz_text,
+from preprocessing.ogb_layout import (OGB_DIR, atomic_dataset_dir, check_out_dir, write_gz_array, write_mapping,
                                       write_splits)
 
 SPLITS = ("train", "valid", "test")
@@ -204,32 +202,10 @@ def generate(name: str, graphs: int | None = None, seed: int = 0) -> tuple[list[
     return out, split_ids, (np.concatenate(instance_of) if patterns else None)
 
 
-def expected_statistics(recipe: SBMRecipe, pattern_sizes: np.ndarray | None = None) -> dict[str, float]:
-    """The recipe's expected nodes and edges (both directions) per graph, in closed form; PATTERN with
-    ``pattern_sizes``: given those pattern sizes."""
-    low, high = recipe.size_low, recipe.size_high - 1
-    mean = (low + high) / 2
-    square = ((high - low + 1) ** 2 - 1) / 12 + mean**2  # E[s^2] of the discrete uniform
-    k = recipe.communities
-    inside = k * (square - mean) / 2  # E[sum_r s_r (s_r - 1) / 2]
-    pairs = (k * square + k * (k - 1) * mean**2 - k * mean) / 2  # E[n (n - 1) / 2], n = sum_r s_r
-    nodes = k * mean
-    undirected = recipe.p * inside + recipe.q * (pairs - inside)
-    if recipe.patterns:
-        if pattern_sizes is not None:
-            sizes = np.asarray(pattern_sizes, dtype=np.float64)
-            p_mean, p_square = float(sizes.mean()), float((sizes**2).mean())
-        else:
-            p_mean, p_square = mean, square
-        nodes += p_mean
-        undirected += recipe.pattern_q * p_mean * k * mean + recipe.pattern_p * (p_square - p_mean) / 2
-    return {"nodes": nodes, "edges": 2 * undirected}
-
-
 def statistics(name: str, graphs: list[SBMGraph], split_ids: dict[str, np.ndarray],
                instance_of: np.ndarray | None) -> dict:
-    """Per-graph averages (``edges``: both directions, as the paper's table), class shares, the
-    recipe's expectation and the paper's table."""
+    """Per-graph averages (``edges``: both directions, as the paper's table), class shares and the
+    paper's table."""
     recipe = RECIPES[name]
     nodes = np.array([g.y.size for g in graphs])
     undirected = np.array([g.edges.shape[0] for g in graphs])
@@ -245,14 +221,12 @@ def statistics(name: str, graphs: list[SBMGraph], split_ids: dict[str, np.ndarra
         "edges": float(2 * undirected.mean()),
         "edges_undirected": float(undirected.mean()),
         "class_shares": [round(float(s), 6) for s in shares],
-        "expected": expected_statistics(recipe),
         "paper": PAPER_TABLE[name],
     }
     if pattern_sizes is not None:
         stats["pattern_instances"] = int(instance_of.max()) + 1
         stats["pattern_size_mean"] = float(pattern_sizes.mean())
         stats["pattern_size_expected"] = (recipe.size_low + recipe.size_high - 1) / 2
-        stats["expected_given_patterns"] = expected_statistics(recipe, pattern_sizes)
     return stats
 
 
@@ -274,11 +248,8 @@ def build_sbm(out: str | Path, name: str, graphs: int | None = None, seed: int =
         write_gz_array(raw / "node-label.csv.gz", np.concatenate([g.y for g in made]), compresslevel=_GZIP_LEVEL)
         write_splits(folder, name, split_ids)
         if instance_of is not None:
-            buf = io.StringIO()
-            writer = csv.writer(buf, lineterminator="\n")
-            writer.writerow(("graph idx", "pattern idx"))
-            writer.writerows(enumerate(instance_of.tolist()))
-            write_gz_text(folder / "mapping" / "graphidx2pattern.csv.gz", buf.getvalue(), compresslevel=_GZIP_LEVEL)
+            write_mapping(folder / "mapping" / "graphidx2pattern.csv.gz", ("graph idx", "pattern idx"),
+                          instance_of.tolist(), _GZIP_LEVEL)
         record = {"name": name, "seed": seed, "recipe": asdict(RECIPES[name]), "statistics": stats,
                   "source": "Dwivedi et al., Benchmarking GNNs: data/SBMs/generate_SBM_*.ipynb (recipe re-implemented)"}
         (folder / "sbm.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
@@ -287,34 +258,29 @@ def build_sbm(out: str | Path, name: str, graphs: int | None = None, seed: int =
 
 def format_statistics(summary: dict) -> str:
     """The statistics of :func:`build_sbm` as a table against the paper's (printed by ``satp data``)."""
-    paper, expected = summary["paper"], summary["expected"]
+    paper = summary["paper"]
 
-    def diff(value: float, ref: float) -> str:
-        return f"{100 * (value / ref - 1):+.2f}%"
-
-    splits = "/".join(f"{summary['splits'][s]:,}" for s in SPLITS)
     def row(*cells: str) -> str:
-        return "{:30s}{:>20s}{:>20s}{:>9s}{:>12s}".format(*cells).rstrip()
+        return "{:30s}{:>20s}{:>20s}{:>9s}".format(*cells).rstrip()
+
+    def diff(key: str) -> str:
+        return f"{100 * (summary[key] / paper[key] - 1):+.2f}%"
 
     lines = [
         f"{summary['name'].upper()} (seed {summary['seed']}) -> {summary['folder']}",
-        row("", "generated", "paper", "diff", "recipe E"),
-        row("graphs", f"{summary['graphs']:,}", f"{paper['graphs']:,}", "", ""),
-        row("train/valid/test", splits, "/".join(f"{v:,}" for v in paper["splits"]), "", ""),
-        row("avg nodes", f"{summary['nodes']:,.1f}", f"{paper['nodes']:,.1f}", diff(summary["nodes"], paper["nodes"]),
-            f"{expected['nodes']:,.1f}"),
-        row("avg edges (both directions)", f"{summary['edges']:,.1f}", f"{paper['edges']:,.1f}",
-            diff(summary["edges"], paper["edges"]), f"{expected['edges']:,.1f}"),
-        row("avg undirected edges", f"{summary['edges_undirected']:,.1f}", "", "", ""),
-        row("nodes min..max", f"{summary['nodes_min']}..{summary['nodes_max']}", "", "", ""),
+        row("", "generated", "paper", "diff"),
+        row("graphs", f"{summary['graphs']:,}", f"{paper['graphs']:,}", ""),
+        row("train/valid/test", "/".join(f"{summary['splits'][s]:,}" for s in SPLITS),
+            "/".join(f"{v:,}" for v in paper["splits"]), ""),
+        row("avg nodes", f"{summary['nodes']:,.1f}", f"{paper['nodes']:,.1f}", diff("nodes")),
+        row("avg edges (both directions)", f"{summary['edges']:,.1f}", f"{paper['edges']:,.1f}", diff("edges")),
+        row("avg undirected edges", f"{summary['edges_undirected']:,.1f}", "", ""),
+        row("nodes min..max", f"{summary['nodes_min']}..{summary['nodes_max']}", "", ""),
         "class shares: " + ", ".join(f"{c}: {s:.3f}" for c, s in enumerate(summary["class_shares"])),
     ]
     if "pattern_size_mean" in summary:
-        given = summary["expected_given_patterns"]
-        lines.append(
-            f"{summary['pattern_instances']} pattern instances, mean pattern size {summary['pattern_size_mean']:.2f} "
-            f"(recipe {summary['pattern_size_expected']:.1f}); expected given these patterns: {given['nodes']:.1f} nodes, {given['edges']:,.1f} edges"
-        )
+        lines.append(f"{summary['pattern_instances']} pattern instances, mean pattern size "
+                     f"{summary['pattern_size_mean']:.2f} (recipe {summary['pattern_size_expected']:.1f})")
     if "seconds" in summary:
         lines.append(f"generated and written in {summary['seconds']:.1f} s")
     return "\n".join(lines)

@@ -60,12 +60,10 @@ def _reserved_in(root: Path, reserved: frozenset[str]) -> tuple[set[str], set[st
     return names, files
 
 
-def environment_files(roots: list[str | Path] | None = None,
-                      reserved: frozenset[str] = RESERVED_PROJECTS) -> list[tuple[Path, Path, str]]:
+def environment_files(roots: list[str | Path] | None = None) -> list[tuple[Path, Path, str]]:
     """The ``.py`` files of ``--environment`` as ``(path, path below its root, project)``, sorted. Each
-    top-level entry of a root is a project; left out: ``reserved`` projects and their distributions'
+    top-level entry of a root is a project; left out: :data:`RESERVED_PROJECTS` and their distributions'
     files, nested or repeated roots, ``__pycache__``, hidden and non-importable entries, ``__editable__*``."""
-    reserved = frozenset(r.lower() for r in reserved)
     dirs: list[Path] = []
     for root in roots if roots is not None else environment_roots():
         root = Path(root)
@@ -76,8 +74,8 @@ def environment_files(roots: list[str | Path] | None = None,
     real_roots = {os.path.realpath(d) for d in dirs}
     items: list[tuple[Path, Path, str]] = []
     for root in dirs:
-        names, files = _reserved_in(root, reserved)
-        skip = reserved | names
+        names, files = _reserved_in(root, RESERVED_PROJECTS)
+        skip = RESERVED_PROJECTS | names
         prune = real_roots - {os.path.realpath(root)}
         for entry in sorted(os.listdir(root)):
             path = root / entry

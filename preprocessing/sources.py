@@ -1,7 +1,6 @@
-"""Data sources behind one interface: :func:`load_source` returns a dataset's
-:class:`~preprocessing.columnar.ColumnarStore`, first building the raw folder when absent
-(``pycode``, ``synthetic``, ``sbm``, or ``ogb``'s download), fingerprinting it and converting it
-unless converted already. OGB's in-memory loader is not used (ogbg-ppa needs ~80 GB)."""
+"""Where a dataset's raw folder is, and building it when absent (``pycode``, ``synthetic``, ``sbm``, or
+``ogb``'s download); :func:`iter_chunk` splits a :meth:`~preprocessing.columnar.ColumnarStore.chunk`
+into graphs. OGB's in-memory loader is not used (ogbg-ppa needs ~80 GB)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +10,6 @@ import sys
 import uuid
 from pathlib import Path
 
-from preprocessing.columnar import ColumnarStore, raw_fingerprint
-from preprocessing.conversion import build_store
 from preprocessing.config import DataConfig
 from preprocessing.ogb_layout import OGB_DIR
 
@@ -93,9 +90,3 @@ def download_ogb(name: str, root: Path) -> Path:
         if not root_existed and root.is_dir() and not any(root.iterdir()):
             root.rmdir()
     return folder
-
-
-def load_source(data: DataConfig, fingerprint: str | None = None, run=None) -> ColumnarStore:
-    """The dataset's columnar store, building and converting first where needed."""
-    folder = ensure_dataset(data)
-    return build_store(folder, data.name, fingerprint or raw_fingerprint(folder, data.name), run=run)

@@ -126,19 +126,17 @@ def _labels_and_splits(graphs: int, seed: int) -> tuple[np.ndarray, dict[str, np
 
 
 def build_synthetic_ppa(out: str | Path, graphs: int = 2000, seed: int = 0, force: bool = False,
-                        workers: int | None = None, block_graphs: int = BLOCK_GRAPHS) -> dict:
+                        workers: int | None = None) -> dict:
     """Write ``out/ogbg_ppa``; return a summary dict. The bytes do not depend on ``workers``; they do on
-    ``block_graphs`` (each block has its own random stream)."""
+    :data:`BLOCK_GRAPHS` (each block has its own random stream)."""
     if graphs < 3:
         raise ValueError(f"--graphs: expected at least 3 graphs, got {graphs}")
     if workers is not None and workers < 1:
         raise ValueError(f"--workers: expected at least 1, got {workers}")
-    if block_graphs < 1:
-        raise ValueError(f"block_graphs: expected at least 1, got {block_graphs}")
     check_out_dir(Path(out), "ogbg-ppa", force)  # before drawing the labels of a size that may be large
     labels, split_ids = _labels_and_splits(graphs, seed)
-    starts = range(0, graphs, block_graphs)
-    tasks = ((seed, block, labels[start : start + block_graphs]) for block, start in enumerate(starts))
+    starts = range(0, graphs, BLOCK_GRAPHS)
+    tasks = ((seed, block, labels[start : start + BLOCK_GRAPHS]) for block, start in enumerate(starts))
     workers = min(workers or default_workers(), len(starts))
     n_nodes, n_edges = [], []
     name = "ogbg-ppa"

@@ -5,8 +5,7 @@
 Queries and keys come from the structure extractor's output, values from ``x``; every node attends
 to its own graph. Implementations sharing the parameters: ``varlen`` (FlashAttention's packed
 kernel; torch >= 2.10, CUDA, bf16/fp16, no attention dropout), ``dense`` (size-grouped padded
-blocks into ``scaled_dot_product_attention``, without cuDNN, which re-plans every shape) and
-``sparse`` (scatter softmax over node pairs, as the authors' code; memory ``sum_g n_g^2 * heads``).
+blocks into ``scaled_dot_product_attention``, without cuDNN, which re-plans every shape).
 ``auto``: ``varlen`` where it applies, else ``dense``. Attention weights are ``[B, H, L, L]``."""
 from __future__ import annotations
 
@@ -16,11 +15,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch_geometric.utils import softmax
 
 from .layout import GraphLayout
 
-ATTENTION_IMPLS = ("auto", "varlen", "dense", "sparse")
+ATTENTION_IMPLS = ("auto", "varlen", "dense")
 _HALF = (torch.bfloat16, torch.float16)
 
 try:  # torch >= 2.10
@@ -43,94 +41,25 @@ def _sdpa_backends(device: torch.device):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def _chunk_size(width: int) -> int:
-    return max(1024, (1 << 23) // max(width, 1))  # ~32 MiB of fp32 per gathered chunk
-
-
-def _pair_dot(x: Tensor, y: Tensor, i: Tensor, j: Tensor, dtype: torch.dtype) -> Tensor:
-    """``out[p, h] = <x[i[p], h, :], y[j[p], h, :]>``, a chunk of pairs at a time."""
-    chunk = _chunk_size(x.size(1) * x.size(2))
-    out = x.new_empty(i.numel(), x.size(1), dtype=dtype)
-    for s in range(0, i.numel(), chunk):
-        out[s : s + chunk] = (x[i[s : s + chunk]] * y[j[s : s + chunk]]).sum(-1)
-    return out
-
-
-def _pair_sum(w: Tensor, x: Tensor, i: Tensor, j: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
-    """``out[n, h, :] = sum_{p : i[p] = n} w[p, h] * x[j[p], h, :]`` (``[rows, H, D]``), a chunk at a time."""
-    chunk = _chunk_size(x.size(1) * x.size(2))
-    out = torch.zeros(rows, x.size(1), x.size(2), dtype=dtype, device=x.device)
-    for s in range(0, i.numel(), chunk):
-        pairs = slice(s, s + chunk)
-        out.index_add_(0, i[pairs], (w[pairs, :, None] * x[j[pairs]]).to(dtype))
-    return out
-
-
-class _PairDot(torch.autograd.Function):
-    """``s[p, h] = <a[i[p], h, :], b[j[p], h, :]>``; saves only ``a``, ``b`` and the indices (the
-    backward pass gathers again)."""
-
-    @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        ctx.save_for_backward(a, b, i, j)
-        return _pair_dot(a, b, i, j, torch.promote_types(a.dtype, b.dtype))
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        a, b, i, j = ctx.saved_tensors
-        grad_a = _pair_sum(grad, b, i, j, a.size(0), grad.dtype).to(a.dtype) if ctx.needs_input_grad[0] else None
-        grad_b = _pair_sum(grad, a, j, i, b.size(0), grad.dtype).to(b.dtype) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b, None, None
-
-
-class _PairAggregate(torch.autograd.Function):
-    """``out[n, h, :] = sum_{p : i[p] = n} w[p, h] * v[j[p], h, :]``, recomputing the gathers in the
-    backward pass."""
-
-    @staticmethod
-    def forward(ctx, w: Tensor, v: Tensor, i: Tensor, j: Tensor, num_nodes: int) -> Tensor:
-        ctx.save_for_backward(w, v, i, j)
-        return _pair_sum(w, v, i, j, num_nodes, torch.promote_types(w.dtype, v.dtype))
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        w, v, i, j = ctx.saved_tensors
-        grad_w = _pair_dot(grad, v, i, j, grad.dtype).to(w.dtype) if ctx.needs_input_grad[0] else None
-        grad_v = _pair_sum(w, grad, j, i, v.size(0), grad.dtype).to(v.dtype) if ctx.needs_input_grad[1] else None
-        return grad_w, grad_v, None, None, None
-
-
 class StructureAwareAttention(nn.Module):
     """Multi-head structure-aware self-attention (Sec. 4.1): ``num_heads`` heads of ``hidden_dim /
     num_heads``, ``dropout`` on the attention weights, ``impl`` switchable at any time (the module
-    docstring), ``bias`` of the query/key/value projections off as in the authors' code.
+    docstring); the query/key/value projections have no bias, as in the authors' code.
 
     Shapes: forward(x ``[N, d]``, x_struct ``[N, d]``, layout) -> ``([N, d], None or [B, H, L, L])``.
     """
 
-    def __init__(self, hidden_dim: int, num_heads: int, dropout: float = 0.0, impl: str = "auto", bias: bool = False):
+    def __init__(self, hidden_dim: int, num_heads: int, dropout: float = 0.0, impl: str = "auto"):
         super().__init__()
-        if hidden_dim % num_heads:
-            raise ValueError(f"hidden_dim {hidden_dim} is not divisible by num_heads {num_heads}")
-        if impl not in ATTENTION_IMPLS:
-            raise ValueError(f"attention impl: expected one of {list(ATTENTION_IMPLS)}, got {impl!r}")
-        self.hidden_dim = hidden_dim
         self.num_heads = num_heads
         self.head_dim = hidden_dim // num_heads
         self.dropout = dropout
         self.impl = impl
-        self.to_qk = nn.Linear(hidden_dim, 2 * hidden_dim, bias=bias)
-        self.to_v = nn.Linear(hidden_dim, hidden_dim, bias=bias)
+        self.to_qk = nn.Linear(hidden_dim, 2 * hidden_dim, bias=False)
+        self.to_v = nn.Linear(hidden_dim, hidden_dim, bias=False)
         self.out_proj = nn.Linear(hidden_dim, hidden_dim)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
         nn.init.xavier_uniform_(self.to_qk.weight)
         nn.init.xavier_uniform_(self.to_v.weight)
-        for lin in (self.to_qk, self.to_v):
-            if lin.bias is not None:
-                nn.init.zeros_(lin.bias)
-        self.out_proj.reset_parameters()
         nn.init.zeros_(self.out_proj.bias)
 
     def forward(
@@ -143,8 +72,6 @@ class StructureAwareAttention(nn.Module):
         impl = self.resolve_impl(q, return_attention)
         if impl == "varlen":
             out, weights = self._varlen(q, k, v, layout), None
-        elif impl == "sparse":
-            out, weights = self._sparse(q, k, v, layout, return_attention)
         else:
             out, weights = self._dense(q, k, v, layout, return_attention)
         return self.out_proj(out.reshape(-1, H * D)), weights
@@ -168,20 +95,6 @@ class StructureAwareAttention(nn.Module):
         # but q and k are column halves of one projection: make them dense rows
         cu, L = layout.cu_seqlens, layout.max_nodes
         return _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, L, L)
-
-    def _sparse(self, q: Tensor, k: Tensor, v: Tensor, layout: GraphLayout, return_attention: bool):
-        tgt, src = layout.pairs()
-        scores = _PairDot.apply(q, k, tgt, src) * (self.head_dim**-0.5)  # [P, H]
-        attn = softmax(scores, tgt, num_nodes=layout.num_nodes)
-        weights = None
-        if return_attention:
-            B, L = layout.num_graphs, layout.max_nodes
-            weights = attn.new_zeros(B, L, L, self.num_heads)
-            weights[layout.batch[tgt], layout.local_index[tgt], layout.local_index[src]] = attn
-            weights = weights.permute(0, 3, 1, 2)
-        attn = F.dropout(attn, p=self.dropout, training=self.training)
-        out = _PairAggregate.apply(attn, v, tgt, src, layout.num_nodes)
-        return out, weights
 
     def _dense(self, q: Tensor, k: Tensor, v: Tensor, layout: GraphLayout, return_attention: bool):
         H, D = self.num_heads, self.head_dim

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_type_hints
 
 Architecture = Literal["sat", "gnn"]
-AttentionImpl = Literal["auto", "varlen", "dense", "sparse"]
+AttentionImpl = Literal["auto", "varlen", "dense"]
 ExtractorKind = Literal["subtree", "subgraph"]
 GNNType = Literal["gcn", "gin", "gine", "sage", "pna"]
 MessageImpl = Literal["auto", "fused", "torch"]
-NodeEncoderKind = Literal["embedding", "linear", "code2_ast", "constant", "edge_sum"]
+NodeEncoderKind = Literal["embedding", "linear", "code2_ast", "constant"]
 EdgeEncoderKind = Literal["none", "embedding", "linear"]
 PEKind = Literal["none", "rwpe", "lap"]
 Readout = Literal["mean", "sum", "cls"]
@@ -81,7 +81,7 @@ class SATConfig:
     recompute_gnn: bool = False  # extractors: rerun the base GNN in the backward pass, keep no [S, d] activations
     # inputs
     node_encoder: NodeEncoderKind = "embedding"
-    node_in_dim: int = 1  # vocabulary size (embedding) or feature width (linear, edge_sum)
+    node_in_dim: int = 1  # vocabulary size (embedding) or feature width (linear)
     edge_encoder: EdgeEncoderKind = "none"
     edge_in_dim: int = 0  # vocabulary size per column (embedding) or feature width (linear)
     edge_in_columns: int = 1  # embedding only: number of long columns of edge_attr, one table each
@@ -117,7 +117,7 @@ class SATConfig:
             raise ValueError("model.dropout / model.attn_dropout: expected a value in [0, 1)")
         if self.pe != "none" and self.pe_dim < 1:
             raise ValueError(f"model.pe_dim: pe={self.pe!r} needs pe_dim >= 1")
-        if self.node_encoder in ("embedding", "linear", "edge_sum") and self.node_in_dim < 1:
+        if self.node_encoder in ("embedding", "linear") and self.node_in_dim < 1:
             raise ValueError(f"model.node_in_dim: node_encoder={self.node_encoder!r} needs node_in_dim >= 1")
         if self.edge_encoder != "none" and self.edge_in_dim < 1:
             raise ValueError(f"model.edge_in_dim: edge_encoder={self.edge_encoder!r} needs edge_in_dim >= 1")

@@ -16,8 +16,6 @@ import scipy.sparse as sp
 import torch
 from torch_geometric.data import Data
 
-_DENSE_TABLE_LIMIT = 1 << 22  # k_hop_subgraph_indices: N^2 of a direct position table (32 MiB)
-
 SUBGRAPH_KEYS = ("subgraph_node_index", "subgraph_indicator", "subgraph_edge_index", "subgraph_edge_id")
 
 
@@ -37,10 +35,6 @@ class SATData(Data):
         if key == "subgraph_edge_index":
             return 1
         return super().__cat_dim__(key, value, *args, **kwargs)
-
-    @property
-    def has_subgraphs(self) -> bool:
-        return all(getattr(self, k, None) is not None for k in SUBGRAPH_KEYS)
 
 
 def k_hop_subgraph_indices(edge_index: torch.Tensor, num_nodes: int, k: int) -> dict[str, torch.Tensor]:
@@ -68,7 +62,7 @@ def k_hop_subgraph_indices(edge_index: torch.Tensor, num_nodes: int, k: int) -> 
     node = reach.indices.astype(np.int64)
     centre = np.repeat(loops, np.diff(reach.indptr))
     # candidate (entry, edge) pairs: every edge leaving an entry's node, kept when the edge's
-    # target is an entry of the same centre (position table, or binary search for large N)
+    # target is an entry of the same centre (binary search in the sorted centre * N + node keys)
     by_src = np.argsort(src, kind="stable")
     src_ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(src, minlength=n), out=src_ptr[1:])
@@ -79,14 +73,8 @@ def k_hop_subgraph_indices(edge_index: torch.Tensor, num_nodes: int, k: int) -> 
     edge_id = by_src[np.arange(entry.size) + np.repeat(shift, out_deg)]
     wanted = centre[entry] * n + dst[edge_id]
     flat = centre * n + node
-    if n * n <= _DENSE_TABLE_LIMIT:
-        table = np.full(n * n, -1, dtype=np.int64)
-        table[flat] = np.arange(node.size)
-        pos_dst = table[wanted]
-        inside = np.flatnonzero(pos_dst >= 0)
-    else:
-        pos_dst = np.minimum(np.searchsorted(flat, wanted), max(flat.size - 1, 0))
-        inside = np.flatnonzero(flat[pos_dst] == wanted)
+    pos_dst = np.minimum(np.searchsorted(flat, wanted), max(flat.size - 1, 0))
+    inside = np.flatnonzero(flat[pos_dst] == wanted)
     entry, edge_id, pos_dst = entry[inside], edge_id[inside], pos_dst[inside]
     order = np.argsort(centre[entry] * max(src.size, 1) + edge_id, kind="stable")
     return {

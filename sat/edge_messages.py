@@ -32,8 +32,6 @@ def resolve_impl(impl: MessageImpl, device: torch.device) -> str:
         return "fused" if device.type == "cuda" and triton_available() else "torch"
     if impl == "fused" and not triton_available():
         raise RuntimeError("gnn_messages='fused' needs Triton (pip install triton); use 'auto' or 'torch'")
-    if impl not in ("fused", "torch"):
-        raise ValueError(f"unknown message implementation {impl!r}; expected 'auto', 'fused' or 'torch'")
     return impl
 
 
@@ -91,16 +89,13 @@ class MessageEdges(NamedTuple):
         ``[num_edges]`` of another ``a [num_a, d]``; the root edges, if any, read ``root_index``
         (``None``: row ``v`` for output ``v``)."""
         if self.has_root:
-            ia = _append_roots(ia, root_index, num_a, self.dst.num_rows)
+            num_out = self.dst.num_rows
+            if root_index is None and num_a != num_out:
+                raise ValueError(f"message_edges: a root term without index needs a row of a per output, got {num_a} "
+                                 f"rows for {num_out} outputs")
+            roots = torch.arange(num_out, device=ia.device) if root_index is None else root_index.long()
+            ia = torch.cat([ia.long(), roots])
         return self._replace(ia=Grouping(ia, num_a), root_identity=self.has_root and root_index is None)
-
-
-def _append_roots(ia: Tensor, root_index: Optional[Tensor], num_a: int, num_out: int) -> Tensor:
-    if root_index is None and num_a != num_out:
-        raise ValueError(f"message_edges: a root term without index needs a row of a per output, got {num_a} rows "
-                         f"for {num_out} outputs")
-    roots = torch.arange(num_out, device=ia.device) if root_index is None else root_index.long()
-    return torch.cat([ia.long(), roots])
 
 
 def message_edges(

@@ -1,11 +1,10 @@
 """Input encoders of SAT (Chen et al., ICML 2022, Sec. 4.3 and appendix C; OGB's code2 / ppa examples).
 
 Node encoders, ``batch -> [N, d]``: ``embedding`` (long ``x``), ``linear`` (float ``x [N, F]``),
-``code2_ast`` (OGB's ``ASTNodeEncoder``: type + attribute + clamped ``node_depth``), ``constant``
-(one learned vector) and ``edge_sum`` (linear over the sum of incoming ``edge_attr``). Edge encoders,
-``edge_attr -> [E, effective_edge_dim]``: ``linear`` and ``embedding`` (one table per column,
-summed). Absolute encodings through a linear layer: ``rwpe`` and ``lap`` (signs flipped at random
-per graph and eigenvector in training)."""
+``code2_ast`` (OGB's ``ASTNodeEncoder``: type + attribute + clamped ``node_depth``) and ``constant``
+(one learned vector). Edge encoders, ``edge_attr -> [E, effective_edge_dim]``: ``linear`` and
+``embedding`` (one table per column, summed). Absolute encodings through a linear layer: ``rwpe``
+and ``lap`` (signs flipped at random per graph and eigenvector in training)."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -14,7 +13,6 @@ import torch
 from torch import Tensor, nn
 
 from .config import SATConfig
-from .encodings import incident_edge_sum
 
 
 class NodeEncoder(nn.Module):
@@ -27,21 +25,15 @@ class NodeEncoder(nn.Module):
         d = config.hidden_dim
         if self.kind == "embedding":
             self.embedding = nn.Embedding(config.node_in_dim, d)
-        elif self.kind in ("linear", "edge_sum"):
+        elif self.kind == "linear":
             self.linear = nn.Linear(config.node_in_dim, d)
         elif self.kind == "code2_ast":
             self.max_depth = config.code2_max_depth
             self.type_encoder = nn.Embedding(config.code2_num_node_types, d)
             self.attribute_encoder = nn.Embedding(config.code2_num_node_attributes, d)
             self.depth_encoder = nn.Embedding(config.code2_max_depth + 1, d)
-        elif self.kind == "constant":
+        else:  # constant
             self.embedding = nn.Embedding(1, d)
-        else:
-            raise ValueError(f"unknown node_encoder {self.kind!r}")
-
-    def reset_parameters(self) -> None:
-        for m in self.children():
-            m.reset_parameters()
 
     def forward(self, batch: Any, n: int) -> Tensor:
         """``n``: the batch's number of node rows."""
@@ -52,11 +44,6 @@ class NodeEncoder(nn.Module):
             _expect(x, _has_width(x, self.in_dim) and x.is_floating_point(),
                     f"node_encoder='linear' expects float x of shape [N, {self.in_dim}] (model.node_in_dim)")
             return self.linear(x)
-        if self.kind == "edge_sum":
-            ea = getattr(batch, "edge_attr", None)
-            _expect(ea, _has_width(ea, self.in_dim),
-                    f"node_encoder='edge_sum' expects edge_attr of shape [E, {self.in_dim}] (model.node_in_dim)")
-            return self.linear(incident_edge_sum(batch.edge_index, ea.float(), n))
         if self.kind == "code2_ast":
             ids = self._long_x(x, 2)
             depth = getattr(batch, "node_depth", None)
@@ -87,15 +74,9 @@ class EdgeEncoder(nn.Module):
         out = config.effective_edge_dim
         if self.kind == "linear":
             self.linear = nn.Linear(config.edge_in_dim, out)
-        elif self.kind == "embedding":
+        else:  # embedding
             self.embedding = nn.Embedding(config.edge_in_dim * config.edge_in_columns, out)
             self.register_buffer("offsets", torch.arange(config.edge_in_columns) * config.edge_in_dim, persistent=False)
-        else:
-            raise ValueError(f"edge_encoder {self.kind!r} builds no module")
-
-    def reset_parameters(self) -> None:
-        for m in self.children():
-            m.reset_parameters()
 
     def forward(self, edge_attr: Optional[Tensor]) -> Tensor:
         if self.kind == "linear":
@@ -120,9 +101,6 @@ class PositionalEncoder(nn.Module):
         self.attr = {"rwpe": "rwpe", "lap": "lap_pe"}[config.pe]
         self.pe_dim = config.pe_dim
         self.linear = nn.Linear(config.pe_dim, config.hidden_dim)
-
-    def reset_parameters(self) -> None:
-        self.linear.reset_parameters()
 
     def forward(self, batch: Any, graph_index: Tensor, num_graphs: int, n: int) -> Tensor:
         """``n``: the batch's number of node rows."""

@@ -11,8 +11,7 @@ import scipy.sparse as sp
 import torch
 
 
-DENSE_RWPE_NODES = 4096  # above this, RWPE works on column blocks (an N x N array would not fit)
-RWPE_BLOCK = 1024
+RWPE_BLOCK = 1024  # columns of the return probabilities computed at once: O(N * block) memory
 
 
 def _normalised_adjacency(edge_index: torch.Tensor, n: int, dtype: type) -> sp.csr_matrix:
@@ -31,30 +30,23 @@ def _normalised_adjacency(edge_index: torch.Tensor, n: int, dtype: type) -> sp.c
 
 def random_walk_pe(edge_index: torch.Tensor, num_nodes: int, steps: int) -> torch.Tensor:
     """RWPE ``[N, steps]``: the return probabilities ``[(D^-1 A)^p]_ii``, ``p = 1..steps`` (undirected,
-    no self-loops; isolated nodes zero), from the symmetric ``S^p`` with powers up to
-    ``ceil(steps / 2)``; above ``DENSE_RWPE_NODES`` nodes on column blocks, ``O(N * block)`` memory."""
+    no self-loops; isolated nodes zero), the diagonals of the symmetric ``S^p`` from powers up to
+    ``ceil(steps / 2)`` of :data:`RWPE_BLOCK` of its columns at a time."""
     n = int(num_nodes)
     out = np.zeros((n, steps), dtype=np.float32)
     if n == 0 or steps == 0:
         return torch.from_numpy(out)
     sym = _normalised_adjacency(edge_index, n, np.float32)
-    if n > DENSE_RWPE_NODES:
-        for start in range(0, n, RWPE_BLOCK):
-            cols_block = np.arange(start, min(start + RWPE_BLOCK, n))
-            power = sym[:, cols_block].toarray()
-            for p in range(steps):
-                out[cols_block, p] = power[cols_block, np.arange(cols_block.size)]
-                if p + 1 < steps:
-                    power = np.asarray(sym @ power)
-        return torch.from_numpy(out)
-    # diag(S^(2a)) = rowsum(S^a * S^a), diag(S^(2a-1)) = rowsum(S^(a-1) * S^a); diag(S) = 0
-    prev, cur = None, sym.toarray()
-    for power in range(1, (steps + 1) // 2 + 1):
-        if power > 1:
-            prev, cur = cur, np.asarray(sym @ cur)
-            out[:, 2 * power - 2] = np.einsum("ij,ij->i", prev, cur)
-        if 2 * power <= steps:
-            out[:, 2 * power - 1] = np.einsum("ij,ij->i", cur, cur)
+    for start in range(0, n, RWPE_BLOCK):
+        cols = np.arange(start, min(start + RWPE_BLOCK, n))
+        # diag(S^(2a)) = colsum(S^a * S^a), diag(S^(2a-1)) = colsum(S^(a-1) * S^a) on these columns; diag(S) = 0
+        prev, cur = None, sym[:, cols].toarray()
+        for power in range(1, (steps + 1) // 2 + 1):
+            if power > 1:
+                prev, cur = cur, np.asarray(sym @ cur)
+                out[cols, 2 * power - 2] = np.einsum("ij,ij->j", prev, cur)
+            if 2 * power <= steps:
+                out[cols, 2 * power - 1] = np.einsum("ij,ij->j", cur, cur)
     return torch.from_numpy(out)
 
 

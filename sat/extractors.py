@@ -45,12 +45,6 @@ class EdgeGCNConv(nn.Module):
         self.linear = nn.Linear(hidden_dim, hidden_dim)
         self.root_emb = nn.Embedding(1, hidden_dim)
         self.edge_encoder = nn.Linear(edge_dim, hidden_dim)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        self.linear.reset_parameters()
-        self.root_emb.reset_parameters()
-        self.edge_encoder.reset_parameters()
 
     def sums_fused(self, device: torch.device, gathered: bool) -> bool:
         """Whether the layer sums its messages in the fused kernel on ``device``; ``gathered``:
@@ -184,10 +178,6 @@ class _GNNStack(nn.Module):
         )
         self.out_dim = (k + 1) * hidden_dim if concat_hops else hidden_dim
 
-    def reset_parameters(self) -> None:
-        for conv in self.convs:
-            conv.reset_parameters()
-
     def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor], node_index: Optional[Tensor] = None,
                 edge_id: Optional[Tensor] = None, graph_edge_index: Optional[Tensor] = None,
                 fused_edges: Optional[tuple[MessageEdges, MessageEdges]] = None) -> Tensor:
@@ -240,11 +230,6 @@ class _Extractor(nn.Module):
         if self.recompute_gnn and torch.is_grad_enabled():
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
-
-    def reset_parameters(self) -> None:
-        self.gnn.reset_parameters()
-        self.norm.reset_parameters()
-        self.out_proj.reset_parameters()
 
 
 class SubtreeExtractor(_Extractor):

@@ -13,8 +13,6 @@ from torch import Tensor, nn
 
 from .layout import GraphLayout
 
-HEADS = ("graph_classification", "graph_regression", "node_classification", "code2_sequence")
-
 
 class ClsToken(nn.Module):
     """A learned [CLS] node per graph, placed before the graph's nodes (real node ``i`` of graph ``g``
@@ -24,11 +22,7 @@ class ClsToken(nn.Module):
 
     def __init__(self, hidden_dim: int):
         super().__init__()
-        self.token = nn.Parameter(torch.empty(1, hidden_dim))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.token, std=self.token.size(1) ** -0.5)
+        self.token = nn.Parameter(torch.randn(1, hidden_dim) * hidden_dim**-0.5)
 
     def attach(
         self, x: Tensor, edge_index: Tensor, subgraph: Optional[dict[str, Tensor]], layout: GraphLayout
@@ -55,18 +49,11 @@ class Head(nn.Module):
 
     def __init__(self, kind: str, hidden_dim: int, num_classes: int, max_seq_len: int = 5):
         super().__init__()
-        if kind not in HEADS:
-            raise ValueError(f"unknown head {kind!r}; expected one of {list(HEADS)}")
         self.kind = kind
         if kind == "code2_sequence":
             self.seq = nn.ModuleList(nn.Linear(hidden_dim, num_classes) for _ in range(max_seq_len))
         else:
             self.mlp = nn.Sequential(nn.Linear(hidden_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, num_classes))
-
-    def reset_parameters(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                m.reset_parameters()
 
     def forward(self, h: Tensor) -> Tensor:
         if self.kind == "code2_sequence":

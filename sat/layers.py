@@ -49,13 +49,6 @@ class SATLayer(nn.Module):
         self.dropout1 = nn.Dropout(config.dropout)
         self.dropout2 = nn.Dropout(config.dropout)
 
-    def reset_parameters(self) -> None:
-        if self.extractor is not None:
-            self.extractor.reset_parameters()
-        self.attn.reset_parameters()
-        for m in (self.ffn[0], self.ffn[3], self.norm1, self.norm2):
-            m.reset_parameters()
-
     def forward(self, x: Tensor, layout: GraphLayout, edge_index: Tensor, edge_attr: Optional[Tensor] = None,
                 subgraph: Optional[dict[str, Any]] = None, degree_scale: Optional[Tensor] = None,
                 return_attention: bool = False) -> tuple[Tensor, Optional[Tensor]]:
@@ -64,8 +57,6 @@ class SATLayer(nn.Module):
         if self.extractor is None:
             h_struct = h
         elif isinstance(self.extractor, SubgraphExtractor):
-            if subgraph is None:
-                raise ValueError("the k-subgraph extractor needs the subgraph indices (see sat.add_subgraph_indices)")
             h_struct = self.extractor(h, edge_index, edge_attr, **subgraph, mask=mask)
         else:
             h_struct = self.extractor(h, edge_index, edge_attr, mask=mask)
@@ -93,10 +84,6 @@ class GNNLayer(nn.Module):
         self.conv = gnn_layer(gnn_type, hidden_dim, self.edge_dim, pna, gnn_messages)
         self.norm = make_norm(norm, hidden_dim)
         self.dropout = nn.Dropout(dropout)
-
-    def reset_parameters(self) -> None:
-        self.conv.reset_parameters()
-        self.norm.reset_parameters()
 
     def _conv(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor]) -> Tensor:
         if self.edge_dim is not None or isinstance(self.conv, EdgeGCNConv):

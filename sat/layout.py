@@ -116,7 +116,6 @@ class GraphLayout:
             self.cls_index = self.real_index = None
         self._groups: list[DenseGroup] = self._bucketed_groups(ptr, local) if bucket_ratio is not None else []
         self._full_group: Optional[DenseGroup] = None
-        self._pairs: Optional[tuple[Tensor, Tensor]] = None
 
     def _bucketed_groups(self, ptr: np.ndarray, local: np.ndarray) -> list[DenseGroup]:
         runs = _size_runs(self.sizes, float(self.bucket_ratio))
@@ -152,7 +151,6 @@ class GraphLayout:
                 setattr(out, name, fn(value))
         out._groups = [(fn(nodes), fn(flat), G, L) for nodes, flat, G, L in self._groups]
         out._full_group = None
-        out._pairs = None
         return out
 
     def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "GraphLayout":
@@ -161,10 +159,6 @@ class GraphLayout:
         if self.ptr.device == device:
             return self
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> "GraphLayout":
-        """This layout in page-locked memory (DataLoader ``pin_memory=True``), for non-blocking copies."""
-        return self._map(lambda t: t.pin_memory())
 
     def matches(self, num_input_nodes: int, cls: bool, num_graphs: Optional[int] = None) -> bool:
         """Whether this layout describes a batch of ``num_input_nodes`` node rows (and, when given,
@@ -184,18 +178,3 @@ class GraphLayout:
             nodes = torch.arange(self.num_nodes, device=self.device)
             self._full_group = (nodes, self.batch * L + self.local_index, self.num_graphs, L)
         return [self._full_group]
-
-    def pairs(self) -> tuple[Tensor, Tensor]:
-        """All intra-graph ordered node pairs ``(target, source)``, each ``[sum_g n_g^2]``,
-        sorted by target (sparse attention)."""
-        if self._pairs is None:
-            counts = torch.from_numpy(self.sizes).to(self.device)
-            size_of_node = counts[self.batch]
-            total = int((self.sizes * self.sizes).sum())
-            device = self.device
-            tgt = torch.repeat_interleave(torch.arange(self.num_nodes, device=device), size_of_node, output_size=total)
-            start = size_of_node.cumsum(0) - size_of_node
-            offset = torch.arange(total, device=device) - torch.repeat_interleave(start, size_of_node, output_size=total)
-            src = self.ptr[self.batch][tgt] + offset
-            self._pairs = (tgt, src)
-        return self._pairs

@@ -8,7 +8,7 @@ Output: ``[B, num_classes]`` (graph heads), ``[N, num_classes]`` (``node_classif
 slot of its capacity, the batch's own first."""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,6 @@ from .config import SATConfig
 from .data import SUBGRAPH_KEYS
 from .encoders import EdgeEncoder, NodeEncoder, PositionalEncoder
 from .encodings import node_degree
-from .extractors import GNN_TYPES
 from .heads import ClsToken, Head
 from .layers import GNNLayer, SATLayer
 from .layout import GraphLayout
@@ -30,8 +29,7 @@ _NODE_ROW_KEYS = ("batch", "x", "node_depth", "rwpe", "lap_pe", "degree")  # ten
 
 
 class SAT(nn.Module):
-    """Structure-Aware Transformer of ``config`` (:class:`sat.SATConfig`); ``bucket_ratio``: dense
-    attention pads graphs in groups of sizes within this factor (``None``: one block), for speed only.
+    """Structure-Aware Transformer of ``config`` (:class:`sat.SATConfig`).
 
     Example::
 
@@ -39,14 +37,11 @@ class SAT(nn.Module):
         logits = model(Batch.from_data_list(graphs))        # [B, 2]
     """
 
-    def __init__(self, config: SATConfig, bucket_ratio: Optional[float] = 1.5):
+    def __init__(self, config: SATConfig):
         super().__init__()
         if not isinstance(config, SATConfig):
             raise TypeError(f"SAT expects a SATConfig, got {type(config).__name__} (use SATConfig.from_dict)")
-        if config.gnn_type not in GNN_TYPES:
-            raise ValueError(f"model.gnn_type: unknown GNN type {config.gnn_type!r}; expected one of {list(GNN_TYPES)}")
         self.config = config
-        self.bucket_ratio = bucket_ratio
         d = config.hidden_dim
         self.node_encoder = NodeEncoder(config)
         self.pe_encoder = PositionalEncoder(config) if config.pe != "none" else None
@@ -65,16 +60,9 @@ class SAT(nn.Module):
         self.cls = ClsToken(d) if config.readout == "cls" else None
         self.head = Head(config.head, d, config.num_classes, config.max_seq_len)
 
-    def reset_parameters(self) -> None:
-        for m in (self.node_encoder, self.pe_encoder, self.edge_encoder, self.final_norm, self.cls, self.head):
-            if m is not None:
-                m.reset_parameters()
-        for layer in self.layers:
-            layer.reset_parameters()
-
     def set_attention(self, impl: str) -> None:
         """Switch every layer to another attention implementation (same parameters; see
-        :mod:`sat.attention`: ``auto``, ``varlen``, ``dense``, ``sparse``)."""
+        :mod:`sat.attention`: ``auto``, ``varlen``, ``dense``)."""
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention: expected one of {list(ATTENTION_IMPLS)}, got {impl!r}")
         for layer in self.layers:
@@ -104,7 +92,7 @@ class SAT(nn.Module):
         else:
             num_graphs = int(getattr(batch, "num_graphs", None) or int(graph_index.max()) + 1)
             sizes = torch.bincount(graph_index.detach().cpu(), minlength=num_graphs).numpy()
-        return GraphLayout.from_sizes(sizes, self.bucket_ratio, cls_token=cls).to(batch.edge_index.device)
+        return GraphLayout.from_sizes(sizes, cls_token=cls).to(batch.edge_index.device)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -168,12 +156,7 @@ class SAT(nn.Module):
             raise ValueError("cls_attention needs a model with readout='cls'")
         _, attention = self.forward(batch, return_attention=True)
         last = attention[-1].mean(dim=1)  # [B, L, L]
-        graph_index = getattr(batch, "batch", None)
-        if graph_index is None:
-            sizes = [batch.num_nodes]
-        else:
-            sizes = torch.bincount(graph_index, minlength=last.size(0)).tolist()
-        return [last[g, 0, 1 : 1 + s].float() for g, s in enumerate(sizes)]
+        return [last[g, 0, 1:s].float() for g, s in enumerate(self.layout(batch).sizes.tolist())]
 
 
 def _node_rows(batch: Any) -> int:

@@ -52,11 +52,6 @@ class Capacity:
         """Graph slots for the padding rows: enough for ``nodes`` rows of at most ``graph_nodes`` each."""
         return math.ceil(self.nodes / self.graph_nodes)
 
-    @property
-    def graph_slots(self) -> int:
-        """All graph slots of a padded batch: ``graphs`` for the batch's graphs, then the padding graphs."""
-        return self.graphs + self.padding_graphs
-
     def shortfall(self, graphs: int, nodes: int, graph_nodes: int, edges: int = 0, subgraph_entries: int = 0,
                   subgraph_edges: int = 0) -> list[str]:
         """What of a batch with these counts does not fit (one phrase each; empty: it fits)."""

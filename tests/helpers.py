@@ -144,6 +144,17 @@ def tiny_data(base: Path):
     return preprocess(job.data, job.transform, job.shards, progress=False)
 
 
+def load_source(data):
+    """The dataset's columnar store (a ``DataConfig``), building its raw folder and converting it where
+    needed, as ``satp preprocess`` does."""
+    from preprocessing.columnar import raw_fingerprint
+    from preprocessing.conversion import build_store
+    from preprocessing.sources import ensure_dataset
+
+    folder = ensure_dataset(data)
+    return build_store(folder, data.name, raw_fingerprint(folder, data.name))
+
+
 def write_job(path: Path, values: dict) -> Path:
     path.write_text(yaml.safe_dump(values))
     return path

@@ -18,10 +18,9 @@ from preprocessing.conversion import build_store
 from preprocessing.config import DataConfig
 from preprocessing.pycode import build_pycode
 from preprocessing.sbm import build_sbm
-from preprocessing.sources import load_source
 from preprocessing.synthetic import build_synthetic_ppa
 from tests.helpers import small_python_source
-from tests.helpers import conversion_killed_in
+from tests.helpers import conversion_killed_in, load_source
 from tests.ogb_reference import ogb_arrays
 
 

@@ -17,8 +17,7 @@ def _random_graph(n, seed):
 @pytest.mark.parametrize("n,steps", [(30, 20), (200, 20), (57, 7), (12, 1)])
 @pytest.mark.parametrize("blocked", [False, True])
 def test_rwpe_matches_pyg_random_walk_pe(n, steps, blocked, monkeypatch):
-    if blocked:  # the column-block path that large graphs take
-        monkeypatch.setattr(encodings, "DENSE_RWPE_NODES", 0)
+    if blocked:  # several column blocks, as large graphs take
         monkeypatch.setattr(encodings, "RWPE_BLOCK", 16)
     edge_index = _random_graph(n, seed=n)
     mine = encodings.random_walk_pe(edge_index, n + 2, steps)  # the two last nodes are isolated

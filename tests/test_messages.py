@@ -108,7 +108,7 @@ def test_failed_download_leaves_no_empty_data_root(tmp_path, monkeypatch):
     import ogb.graphproppred.dataset_pyg as ogb_pyg
 
     from preprocessing.config import DataConfig
-    from preprocessing.sources import load_source
+    from tests.helpers import load_source
 
     def no_network(url, folder, *args, **kwargs):
         Path(folder).mkdir(parents=True, exist_ok=True)
@@ -130,7 +130,7 @@ def test_dataset_failing_its_checks_leaves_no_finished_store(tmp_path):
     import gzip
 
     from preprocessing.config import DataConfig
-    from preprocessing.sources import load_source
+    from tests.helpers import load_source
     from preprocessing.synthetic import build_synthetic_ppa
 
     build_synthetic_ppa(tmp_path, 12, seed=0)

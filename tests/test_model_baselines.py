@@ -112,6 +112,6 @@ def test_baseline_settings_are_checked():
     model = SAT(_config("gnn"))
     with pytest.raises(ValueError, match="no attention weights"):
         model(_graphs(), return_attention=True)
-    model.set_attention("sparse")  # a no-op for GNN layers
+    model.set_attention("dense")  # a no-op for GNN layers
     transformer = SAT(_config("transformer_rwpe"))
     assert all(layer.extractor is None for layer in transformer.layers)

@@ -2,7 +2,7 @@
 
 Run by the GPU check (`benchmarks/gpu/run.sh`, part "parity"). The packed ``varlen`` attention
 (FlashAttention-2 over one sequence per graph) computes the same function as the padded ``dense``
-SDPA and the ``sparse`` reference; bf16 results are compared with bf16 tolerances, fp32 ones with
+SDPA (in fp32, the reference); bf16 results are compared with bf16 tolerances, fp32 ones with
 fp32 tolerances. A training step on a batch from the pipeline's collator reads nothing back to
 the host (``torch.cuda.set_sync_debug_mode("error")`` raises on any synchronising call).
 """
@@ -57,19 +57,16 @@ def _rel_err(a, b):
 
 
 @pytest.mark.skipif(not varlen_available(), reason="needs CUDA and torch with varlen_attn (>= 2.10)")
-def test_varlen_matches_dense_and_sparse_outputs_and_gradients():
+def test_varlen_matches_dense_outputs_and_gradients():
     layout = GraphLayout.from_sizes(SIZES).to(CUDA)
     gen = torch.Generator(device=CUDA).manual_seed(0)
     x = torch.randn(layout.num_nodes, 64, device=CUDA, generator=gen)
     xs = torch.randn(layout.num_nodes, 64, device=CUDA, generator=gen)
     torch.manual_seed(0)
     attn = StructureAwareAttention(64, 4).to(CUDA)
-    ref = _attention_run("sparse", torch.float32, layout, x, xs, attn)
-    dense32 = _attention_run("dense", torch.float32, layout, x, xs, attn)
+    ref = _attention_run("dense", torch.float32, layout, x, xs, attn)
     varlen = _attention_run("varlen", torch.bfloat16, layout, x, xs, attn)
     dense16 = _attention_run("dense", torch.bfloat16, layout, x, xs, attn)
-    for a, b in zip(dense32, ref):  # fp32: the same function up to summation order
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
     for v, d, r in zip(varlen, dense16, ref):  # bf16 (8 bits of mantissa): relative errors of ~1e-2
         assert _rel_err(v, r) < 3e-2 and _rel_err(d, r) < 3e-2
         assert _rel_err(v, d) < 3e-2

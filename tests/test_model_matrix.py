@@ -11,7 +11,7 @@ import torch
 from torch_geometric.data import Batch
 from torch_geometric.nn import GINConv, GINEConv, PNAConv, SAGEConv
 
-from sat import SAT, SATConfig, SATData, add_subgraph_indices, incident_edge_sum, laplacian_pe, random_walk_pe
+from sat import SAT, SATConfig, SATData, add_subgraph_indices, laplacian_pe, random_walk_pe
 from sat.extractors import FixedShapeGCNConv, SubgraphExtractor
 
 PNA_HIST = [1, 4, 6, 3, 1]
@@ -267,14 +267,13 @@ VARIANTS = {
     "k1-concat-gcn-edges": dict(k_hops=1, concat_hops=True, edge_encoder="linear", edge_in_dim=4),
     "k3-concat-subgraph-pna": dict(k_hops=3, concat_hops=True, extractor="subgraph", gnn_type="pna",
                                    pna_degree_histogram=PNA_HIST, edge_encoder="linear", edge_in_dim=4),
-    "layernorm-prenorm-sparse": dict(norm="layer", pre_norm=True, attention="sparse", attn_dropout=0.2),
+    "layernorm-prenorm-dropout": dict(norm="layer", pre_norm=True, attn_dropout=0.2),
     "batchnorm-prenorm": dict(pre_norm=True),
     "no-degree-scaling": dict(degree_scaling=False),
     "regression-head": dict(head="graph_regression", num_classes=2),
     "node-head-cls": dict(head="node_classification", readout="cls", extractor="subgraph"),
     "node-head-mean": dict(head="node_classification"),
     "edge-embedding": dict(gnn_type="gine", edge_encoder="embedding", edge_in_dim=3, edge_in_columns=2),
-    "edge-sum-nodes": dict(node_encoder="edge_sum", node_in_dim=4, edge_encoder="linear", edge_in_dim=4),
     "linear-nodes": dict(node_encoder="linear", node_in_dim=3),
     "constant-nodes": dict(node_encoder="constant"),
     "no-dropout": dict(dropout=0.0),  # rule 4 of _provably_zero_grads (post-norm)
@@ -375,19 +374,6 @@ def test_code2_configuration(edge_encoder):
     torch.nn.functional.cross_entropy(out.reshape(-1, 12), batch.y.reshape(-1)).backward()
     bad = [n for n, p in model.named_parameters() if p.grad is None]
     assert not bad
-
-
-def test_ppa_edge_sum_precomputed_matches_edge_sum_encoder():
-    """ppa: node features as precomputed incident edge sums (linear, width 7) == the edge_sum encoder."""
-    batch = _batch(edge_attr=True)
-    kw = dict(hidden_dim=8, num_heads=2, num_layers=1, node_in_dim=4, edge_encoder="linear", edge_in_dim=4)
-    torch.manual_seed(0)
-    a = SAT(SATConfig(node_encoder="edge_sum", **kw)).eval()
-    b = SAT(SATConfig(node_encoder="linear", **kw)).eval()
-    b.load_state_dict(a.state_dict())
-    pre = batch.clone()
-    pre.x = incident_edge_sum(batch.edge_index, batch.edge_attr, batch.num_nodes)
-    torch.testing.assert_close(a(batch), b(pre))
 
 
 def test_laplacian_pe_sign_flip_only_in_training():

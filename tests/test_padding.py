@@ -127,8 +127,9 @@ def test_padded_batches_of_one_capacity_share_every_shape():
     shapes = [[(tuple(t.shape), t.dtype) for t in batch_tensors(x)] for x in (a, b)]
     assert shapes[0] == shapes[1]
     layout = a.graph_layout
-    assert layout.num_graphs == capacity.graph_slots and layout.max_nodes == capacity.graph_nodes
-    assert layout.cu_seqlens.numel() == capacity.graph_slots + 1
+    slots = capacity.graphs + capacity.padding_graphs  # the batch's graphs, then the padding graphs
+    assert layout.num_graphs == slots and layout.max_nodes == capacity.graph_nodes
+    assert layout.cu_seqlens.numel() == slots + 1
     assert int((layout.sizes[: capacity.graphs] > 0).sum()) == 4  # empty slots after the batch's graphs
     assert layout.sizes.max() <= capacity.graph_nodes and int(layout.node_mask.sum()) == first.num_nodes
     assert (a.y[4:] == PAD_TARGET).all() and a.y_tokens == first.y_tokens

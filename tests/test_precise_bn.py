@@ -109,7 +109,7 @@ def test_sat_in_evaluation_with_recomputed_statistics_normalises_as_training_did
     from torch_geometric.data import Batch
 
     torch.manual_seed(0)
-    config = SATConfig(hidden_dim=16, num_layers=2, num_heads=2, dropout=0.3, attention="sparse", extractor="subtree",
+    config = SATConfig(hidden_dim=16, num_layers=2, num_heads=2, dropout=0.3, attention="dense", extractor="subtree",
                        k_hops=1, gnn_type="gcn", use_edge_attr=False, pe="none", pe_dim=0, node_encoder="embedding",
                        node_in_dim=3, edge_encoder="none", head="node_classification", num_classes=2)
     model = SAT(config)

@@ -59,7 +59,7 @@ shards:
     out = capsys.readouterr().out.strip().splitlines()[-1]
     ds = ShardDataset(out, "train")
     assert ds.manifest["config"]["transform"]["k_hops"] == 0 and ds.manifest["config"]["shards"]["graphs_per_shard"] == 5
-    assert not ds[0].has_subgraphs
+    assert "subgraph_node_index" not in ds[0]
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,10 @@ from preprocessing import DataConfig, ShardConfig, TransformConfig, preprocess
 from preprocessing import sbm
 from preprocessing.ogb_layout import format_int_csv
 from preprocessing.reader import ShardDataset
-from preprocessing.sbm import RECIPES, build_sbm, expected_statistics, generate, split_sizes
-from preprocessing.sources import iter_chunk, load_source
+from preprocessing.sbm import RECIPES, build_sbm, generate, split_sizes
+from preprocessing.sources import iter_chunk
 from preprocessing.transforms import transform_graph
-from tests.helpers import copy_dataset, rewrite_gz
+from tests.helpers import copy_dataset, load_source, rewrite_gz
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,28 @@ def _densities(graphs, group_of) -> dict[tuple[int, int], float]:
         for (a, b), n in zip(*np.unique(np.stack([ga, gb], axis=1), axis=0, return_counts=True)):
             edges[(int(a), int(b))] = edges.get((int(a), int(b)), 0) + int(n)
     return {k: edges.get(k, 0) / v for k, v in pairs.items() if v}
+
+
+def expected_statistics(recipe, pattern_sizes: np.ndarray | None = None) -> dict[str, float]:
+    """The recipe's expected nodes and edges (both directions) per graph, in closed form (what the
+    generated graphs must average); PATTERN with ``pattern_sizes``: given those pattern sizes."""
+    low, high = recipe.size_low, recipe.size_high - 1
+    mean = (low + high) / 2
+    square = ((high - low + 1) ** 2 - 1) / 12 + mean**2  # E[s^2] of the discrete uniform
+    k = recipe.communities
+    inside = k * (square - mean) / 2  # E[sum_r s_r (s_r - 1) / 2]
+    pairs = (k * square + k * (k - 1) * mean**2 - k * mean) / 2  # E[n (n - 1) / 2], n = sum_r s_r
+    nodes = k * mean
+    undirected = recipe.p * inside + recipe.q * (pairs - inside)
+    if recipe.patterns:
+        if pattern_sizes is not None:
+            sizes = np.asarray(pattern_sizes, dtype=np.float64)
+            p_mean, p_square = float(sizes.mean()), float((sizes**2).mean())
+        else:
+            p_mean, p_square = mean, square
+        nodes += p_mean
+        undirected += recipe.pattern_q * p_mean * k * mean + recipe.pattern_p * (p_square - p_mean) / 2
+    return {"nodes": nodes, "edges": 2 * undirected}
 
 
 # ----------------------------------------------------------------------------- the recipe

@@ -16,8 +16,8 @@ from preprocessing import DataConfig, ShardConfig, TransformConfig, preprocess, 
 from preprocessing.reader import ShardDataset
 from preprocessing.shard_places import FolderPlace
 from preprocessing.shards import MANIFEST
-from preprocessing.sources import iter_chunk, load_source
-from tests.helpers import small_python_source
+from preprocessing.sources import iter_chunk
+from tests.helpers import load_source, small_python_source
 from preprocessing.transforms import transform_graph
 from sat.data import SATData
 
@@ -156,7 +156,7 @@ def test_changed_config_writes_a_new_directory(code2):
     other = preprocess(small, TRANSFORM.model_copy(update={"k_hops": 0}), shards, progress=False)
     assert other != out and other.parent == out.parent and (out / MANIFEST).is_file()
     ds = ShardDataset(other, "train")
-    assert len(ds) == 10 and not ds[0].has_subgraphs
+    assert len(ds) == 10 and "subgraph_node_index" not in ds[0]
     assert set(ds.graph_ids) <= set(ShardDataset(out, "train").graph_ids)
 
 
@@ -222,7 +222,7 @@ def test_ppa_shards(ppa):
     g = ds[1]
     assert g.x.dtype == torch.float32 and g.x.shape == (g.num_nodes, 7)
     assert g.edge_attr.dtype == torch.float32 and g.edge_attr.shape == (g.edge_index.size(1), 7)
-    assert g.y.shape == (1,) and g.rwpe.shape == (g.num_nodes, 4) and g.has_subgraphs
+    assert g.y.shape == (1,) and g.rwpe.shape == (g.num_nodes, 4) and "subgraph_node_index" in g
     # undirected: OGB's loader added the reverse of every edge
     e = g.edge_index
     assert torch.equal(e[:, 0::2].flip(0), e[:, 1::2])

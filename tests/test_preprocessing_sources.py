@@ -13,10 +13,9 @@ from preprocessing.config import DataConfig
 from preprocessing.pycode import build_pycode
 from preprocessing.python_graphs import MASK, function_graph, split_name
 from preprocessing.columnar import required_files
-from preprocessing.sources import load_source
 from preprocessing.synthetic import build_synthetic_ppa
 from tests.helpers import small_python_source
-from tests.helpers import copy_dataset, rewrite_gz
+from tests.helpers import copy_dataset, load_source, rewrite_gz
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 
 from pipeline.cli import main
 from preprocessing.ogb_layout import format_fixed_csv
+from preprocessing import synthetic
 from preprocessing.synthetic import NUM_CLASSES, build_synthetic_ppa
 
 GRAPHS, BLOCK = 160, 16  # 10 blocks
@@ -40,8 +41,10 @@ def _members(path: Path) -> int:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppa")
-    summary = build_synthetic_ppa(root / "one", GRAPHS, seed=3, workers=1, block_graphs=BLOCK)
-    build_synthetic_ppa(root / "two", GRAPHS, seed=3, workers=2, block_graphs=BLOCK)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(synthetic, "BLOCK_GRAPHS", BLOCK)
+        summary = build_synthetic_ppa(root / "one", GRAPHS, seed=3, workers=1)
+        build_synthetic_ppa(root / "two", GRAPHS, seed=3, workers=2)
     return root, summary
 
 
@@ -121,7 +124,7 @@ def test_format_fixed_csv_rejects_values_outside_the_range():
 
 
 def test_arguments_and_cli(tmp_path, capsys):
-    bad = (({"graphs": 2}, "--graphs"), ({"workers": 0}, "--workers"), ({"block_graphs": 0}, "block_graphs"))
+    bad = (({"graphs": 2}, "--graphs"), ({"workers": 0}, "--workers"))
     for kwargs, word in bad:
         with pytest.raises(ValueError, match=word):
             build_synthetic_ppa(tmp_path / "bad", **{"graphs": 10, **kwargs})
