@@ -6,9 +6,9 @@
 Items are decoded from the mapping and own their tensors. :meth:`ShardDataset.batch` decodes a
 mini-batch column by column (one ``np.concatenate`` per column, PyG's offsets added at once) instead
 of per item. Every shard must have its recorded size on construction; its sha256 is checked when it
-is first opened. The pages of the mappings a reader has read stay in its resident set until it has
-read :data:`RESIDENT_BYTES` more, then are dropped from it (the page cache keeps them): its memory
-is the same whatever the data size. Pickling keeps only the path and settings. A directory on an
+is first opened. The mapped pages a reader has read leave its resident set each
+:data:`RELEASE_BYTES` of graphs it reads (the page cache keeps them): its memory is the same
+whatever the data size. Pickling keeps only the path and settings. A directory on an
 object store is read through the node's shard cache (:mod:`preprocessing.shard_cache`), with
 read-ahead; a reader closes the shards it read longest ago when the cache needs their room.
 :func:`featurise` turns new raw graphs into ``SATData`` exactly as training data were made."""
@@ -33,9 +33,10 @@ from runtime.storage import StorageSettings
 from sat.data import SATData
 
 _TORCH = {"int64": torch.long, "float32": torch.float32}
-#: Bytes of shards a reader reads before it drops the mapped pages it touched from its resident set:
-#: dropped pages cost a minor fault when read again, kept ones memory that grows with the data.
-RESIDENT_BYTES = 64 << 20
+#: Bytes of graphs a reader reads between drops of the mapped pages it touched from its resident set
+#: (about 4x that stays resident: the kernel maps up to 64 KiB around each page read). A dropped page
+#: costs a minor fault when read again; kept ones, memory that grows with the data.
+RELEASE_BYTES = 16 << 20
 # SATData.__inc__'s increments: the per-graph count each attribute's values are offset by when
 # batched; any other attribute whose name holds "index" by the node count (PyG's Data.__inc__).
 _INCREMENTED_BY = {
@@ -285,9 +286,9 @@ class ShardDataset(torch.utils.data.Dataset):
             self._close(j)
 
     def _read(self, nbytes: float) -> None:
-        """Count ``nbytes`` read from the mappings; past :data:`RESIDENT_BYTES` drop their pages."""
+        """Count ``nbytes`` read from the mappings; past :data:`RELEASE_BYTES` drop their pages."""
         self._unreleased += nbytes
-        if self._unreleased > RESIDENT_BYTES:
+        if self._unreleased > RELEASE_BYTES:
             for shard in self._shards.values():
                 shard.release()
             self._unreleased = 0

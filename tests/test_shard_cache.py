@@ -113,7 +113,7 @@ def test_the_mapped_pages_a_reader_has_read_leave_its_resident_set(shards, tmp_p
     kept = _mapped_kib(tmp_path / "keep")
     assert kept * 1024 >= sum(s["bytes"] for s in train) // 2  # every item read: most pages resident
     largest = max(s["bytes"] / s["rows"] for s in train)
-    monkeypatch.setattr(preprocessing.reader, "RESIDENT_BYTES", 2 * largest)
+    monkeypatch.setattr(preprocessing.reader, "RELEASE_BYTES", 2 * largest)
     dropping = ShardDataset(remote, "train", storage=_settings(tmp_path, "drop"))
     for i in range(len(dropping)):
         _equal(dropping[i], keeping[i])
