@@ -6,9 +6,9 @@
 Items are decoded from the mapping and own their tensors. :meth:`ShardDataset.batch` decodes a
 mini-batch column by column (one ``np.concatenate`` per column, PyG's offsets added at once) instead
 of per item. Every shard must have its recorded size on construction; its sha256 is checked when it
-is first opened. The mapped pages a reader has read leave its resident set each
-:data:`RELEASE_BYTES` of graphs it reads (the page cache keeps them): its memory is the same
-whatever the data size. Pickling keeps only the path and settings. A directory on an
+is first opened. A shard file's tensor values are read (``pread``) as items need them, not mapped:
+the kernel maps the whole large folio of each page read, so one batch of random graphs would keep
+most of a shard resident; a reader's memory is the same whatever the data size. Pickling keeps only the path and settings. A directory on an
 object store is read through the node's shard cache (:mod:`preprocessing.shard_cache`), with
 read-ahead; a reader closes the shards it read longest ago when the cache needs their room.
 :func:`featurise` turns new raw graphs into ``SATData`` exactly as training data were made."""
@@ -33,10 +33,6 @@ from runtime.storage import StorageSettings
 from sat.data import SATData
 
 _TORCH = {"int64": torch.long, "float32": torch.float32}
-#: Bytes of graphs a reader reads between drops of the mapped pages it touched from its resident set
-#: (about 4x that stays resident: the kernel maps up to 64 KiB around each page read). A dropped page
-#: costs a minor fault when read again; kept ones, memory that grows with the data.
-RELEASE_BYTES = 16 << 20
 # SATData.__inc__'s increments: the per-graph count each attribute's values are offset by when
 # batched; any other attribute whose name holds "index" by the node count (PyG's Data.__inc__).
 _INCREMENTED_BY = {
@@ -47,46 +43,62 @@ _INCREMENTED_BY = {
 }
 
 
-def _mapped(path: Path | str) -> mmap.mmap:
-    """The file at ``path``, memory-mapped read-only."""
-    with open(path, "rb") as fh:
-        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+class _FileValues:
+    """A list column's values in a shard file (from byte ``start``), read when sliced: ``[a:b]`` is
+    the array of values ``a..b-1``."""
+
+    def __init__(self, file, start: int, dtype: np.dtype):
+        self.file, self.start, self.dtype = file, start, dtype
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        size = self.dtype.itemsize
+        if span.stop <= span.start:
+            return np.empty(0, self.dtype)
+        data = os.pread(self.file.fileno(), (span.stop - span.start) * size, self.start + span.start * size)
+        return np.frombuffer(data, self.dtype)
 
 
 class _Shard:
-    """One shard: zero-copy numpy views of every list column of its bytes ``data`` (a mapped file,
-    default ``path`` mapped, or a buffer); ``path`` named in messages; ``holder``: kept while it is open."""
+    """One shard: its offsets and scalar columns in memory, its tensor values read from ``source``
+    when sliced (:class:`_FileValues`; numpy views of an in-memory buffer); ``source``: the file to
+    read (default ``path``) or the shard's bytes; ``path`` is named in messages; ``holder``: kept while
+    the shard is open."""
 
-    def __init__(self, path: Path | str, specs: dict[str, dict], data: mmap.mmap | pa.Buffer | None = None,
+    def __init__(self, path: Path | str, specs: dict[str, dict], source: Path | pa.Buffer | None = None,
                  holder=None):
-        self.path, self._holder = path, holder
+        self.path, self._holder, self._file = path, holder, None
         try:
-            self._map = _mapped(path) if data is None else data
-            reader = pa.ipc.open_file(pa.py_buffer(self._map))
+            if isinstance(source, pa.Buffer):
+                data = source
+            else:
+                self._file = open(source or path, "rb")
+                data = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            reader = pa.ipc.open_file(pa.py_buffer(data))
             if reader.num_record_batches != 1:
                 raise ValueError("expected one record batch")
             batch = reader.get_batch(0)
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as exc:
             raise ValueError(f"{path}: corrupt shard ({str(exc).splitlines()[0]})") from None
         self.rows = batch.num_rows
-        self.graph_id = batch.column("graph_id").to_numpy()
-        self.num_nodes = batch.column("num_nodes").to_numpy()
+        self.graph_id = batch.column("graph_id").to_numpy().copy()
+        self.num_nodes = batch.column("num_nodes").to_numpy().copy()
         self.columns: dict[str, tuple] = {}
+        start = pa.py_buffer(data).address
         for name, spec in specs.items():
             col = batch.column(name)
-            offsets = col.offsets.to_numpy()
-            if spec["type"] == "string":
+            offsets = col.offsets.to_numpy().copy()
+            if spec["type"] == "string":  # few bytes a graph: read through the mapping
                 self.columns[name] = (offsets, col.values, spec)
-            else:
-                self.columns[name] = (offsets, col.values.to_numpy(zero_copy_only=True), spec)
-
-    def release(self) -> None:
-        """Drop the mapping's pages from this process's resident set (read again, they come back from the page cache)."""
-        if isinstance(self._map, mmap.mmap):
-            self._map.madvise(mmap.MADV_DONTNEED)
+                continue
+            values = col.values.to_numpy(zero_copy_only=True)
+            if self._file is not None:
+                values = _FileValues(self._file, values.ctypes.data - start, values.dtype)
+            self.columns[name] = (offsets, values, spec)
+        if self._file is not None:
+            data.madvise(mmap.MADV_DONTNEED)  # the footer and offsets are read: none of the file stays resident
 
     def close(self) -> None:
-        """Let go of the shard (its holder: the cache may evict it; the mapping goes with the last view)."""
+        """Let go of the shard's holder (the cache may evict its file; what reads it still can)."""
         if self._holder is not None:
             self._holder.close()
 
@@ -98,7 +110,7 @@ class _Shard:
             if spec["decode"] == "str":
                 values_of[name] = values.slice(a, b - a).to_pylist()
                 continue
-            arr = values[a:b].astype(spec["decode"])  # a copy: tensors never view the mapping
+            arr = values[a:b].astype(spec["decode"])  # a copy: tensors never view the shard
             if name == "subgraph_size":
                 values_of["subgraph_indicator"] = torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64), arr))
                 continue
@@ -233,11 +245,9 @@ class ShardDataset(torch.utils.data.Dataset):
             self._fetches: dict[int, object] = {}
             self._pid = os.getpid()
         self._shards: dict[int, _Shard] = {}  # the open ones, least recently used first
-        self._unreleased = 0  # bytes read since the mapped pages were last dropped
         self._verified = [False] * len(self._entries)
         rows = np.array([e["rows"] for e in self._entries], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(rows)])
-        self._row_bytes = np.array([e["bytes"] for e in self._entries]) / np.maximum(rows, 1)  # a graph's, on average
         self._num_nodes: np.ndarray | None = None
         self._vocab: list[str] | None = None
 
@@ -259,8 +269,7 @@ class ShardDataset(torch.utils.data.Dataset):
             path = self._place.at(entry["file"])
             if not self._place.local:
                 self._make_room(k, pinned)
-                cached, holder = self._fetched(k)
-                shard = _Shard(path, self._specs, _mapped(cached), holder)
+                shard = _Shard(path, self._specs, *self._fetched(k))
                 self._verified[k] = True  # a shard from a store: always checked on its first read
             else:
                 if verify and not self._verified[k]:
@@ -284,14 +293,6 @@ class ShardDataset(torch.utils.data.Dataset):
                 return
             need -= self._entries[j]["bytes"]
             self._close(j)
-
-    def _read(self, nbytes: float) -> None:
-        """Count ``nbytes`` read from the mappings; past :data:`RELEASE_BYTES` drop their pages."""
-        self._unreleased += nbytes
-        if self._unreleased > RELEASE_BYTES:
-            for shard in self._shards.values():
-                shard.release()
-            self._unreleased = 0
 
     def _fetched(self, k: int) -> tuple:
         """``(path, holder)`` of store shard ``k`` in the cache, the shards after it downloading meanwhile
@@ -346,9 +347,7 @@ class ShardDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> SATData:
         shard, row = self._locate(int(index))
-        k = int(shard[0])
-        self._read(self._row_bytes[k])
-        return self._shard(k).item(int(row[0]))
+        return self._shard(int(shard[0])).item(int(row[0]))
 
     def batch(self, indices) -> Batch:
         """The items ``indices`` as one PyG ``Batch``, equal to ``Batch.from_data_list`` of them."""
@@ -356,7 +355,6 @@ class ShardDataset(torch.utils.data.Dataset):
         if row.size == 0:
             raise ValueError("a batch needs at least one item")
         used, shard_of = np.unique(shard, return_inverse=True)
-        self._read(self._row_bytes[shard].sum())
         pinned = frozenset(used.tolist())
         rows = _Rows([self._shard(k, pinned=pinned) for k in used.tolist()], shard_of.reshape(-1), row)
         nodes = rows.scalar("num_nodes")
