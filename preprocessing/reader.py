@@ -6,14 +6,18 @@
 Items are decoded from the mapping and own their tensors. :meth:`ShardDataset.batch` decodes a
 mini-batch column by column (one ``np.concatenate`` per column, PyG's offsets added at once) instead
 of per item. Every shard must have its recorded size on construction; its sha256 is checked when it
-is first opened. Pickling keeps only the path and settings. A directory on an object
-store is read through the node's shard cache (:mod:`preprocessing.shard_cache`), with read-ahead.
+is first opened. A shard file's tensor values are read (``pread``) as items need them, not mapped:
+the kernel maps the whole large folio of each page read, so one batch of random graphs would keep
+most of a shard resident; a reader's memory is the same whatever the data size. Pickling keeps only the path and settings. A directory on an
+object store is read through the node's shard cache (:mod:`preprocessing.shard_cache`), with
+read-ahead; a reader closes the shards it read longest ago when the cache needs their room.
 :func:`featurise` turns new raw graphs into ``SATData`` exactly as training data were made."""
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import mmap
 import os
 from pathlib import Path
 
@@ -22,7 +26,7 @@ import pyarrow as pa
 import torch
 from torch_geometric.data import Batch
 
-from preprocessing.shard_cache import READ_AHEAD, ShardCache, fetcher
+from preprocessing.shard_cache import READ_AHEAD_BYTES, ShardCache, fetcher
 from preprocessing.shard_places import open_place
 from preprocessing.shards import read_manifest, sha256_file
 from runtime.storage import StorageSettings
@@ -39,31 +43,64 @@ _INCREMENTED_BY = {
 }
 
 
-class _Shard:
-    """One memory-mapped shard: zero-copy numpy views of every list column. ``source``: its bytes
-    opened already (else ``path`` is mapped); ``holder``: kept while the shard lives."""
+class _FileValues:
+    """A list column's values in a shard file (from byte ``start``), read when sliced: ``[a:b]`` is
+    the array of values ``a..b-1``."""
 
-    def __init__(self, path: Path | str, specs: dict[str, dict], source=None, holder=None):
-        self.path, self._holder = path, holder
+    def __init__(self, file, start: int, dtype: np.dtype):
+        self.file, self.start, self.dtype = file, start, dtype
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        size = self.dtype.itemsize
+        if span.stop <= span.start:
+            return np.empty(0, self.dtype)
+        data = os.pread(self.file.fileno(), (span.stop - span.start) * size, self.start + span.start * size)
+        return np.frombuffer(data, self.dtype)
+
+
+class _Shard:
+    """One shard: its offsets and scalar columns in memory, its tensor values read from ``source``
+    when sliced (:class:`_FileValues`; numpy views of an in-memory buffer); ``source``: the file to
+    read (default ``path``) or the shard's bytes; ``path`` is named in messages; ``holder``: kept while
+    the shard is open."""
+
+    def __init__(self, path: Path | str, specs: dict[str, dict], source: Path | pa.Buffer | None = None,
+                 holder=None):
+        self.path, self._holder, self._file = path, holder, None
         try:
-            self._mmap = source if source is not None else pa.memory_map(str(path), "r")
-            reader = pa.ipc.open_file(self._mmap)
+            if isinstance(source, pa.Buffer):
+                data = source
+            else:
+                self._file = open(source or path, "rb")
+                data = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            reader = pa.ipc.open_file(pa.py_buffer(data))
             if reader.num_record_batches != 1:
                 raise ValueError("expected one record batch")
             batch = reader.get_batch(0)
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as exc:
             raise ValueError(f"{path}: corrupt shard ({str(exc).splitlines()[0]})") from None
         self.rows = batch.num_rows
-        self.graph_id = batch.column("graph_id").to_numpy()
-        self.num_nodes = batch.column("num_nodes").to_numpy()
+        self.graph_id = batch.column("graph_id").to_numpy().copy()
+        self.num_nodes = batch.column("num_nodes").to_numpy().copy()
         self.columns: dict[str, tuple] = {}
+        start = pa.py_buffer(data).address
         for name, spec in specs.items():
             col = batch.column(name)
-            offsets = col.offsets.to_numpy()
-            if spec["type"] == "string":
+            offsets = col.offsets.to_numpy().copy()
+            if spec["type"] == "string":  # few bytes a graph: read through the mapping
                 self.columns[name] = (offsets, col.values, spec)
-            else:
-                self.columns[name] = (offsets, col.values.to_numpy(zero_copy_only=True), spec)
+                continue
+            values = col.values.to_numpy(zero_copy_only=True)
+            if self._file is not None:
+                values = _FileValues(self._file, values.ctypes.data - start, values.dtype)
+            self.columns[name] = (offsets, values, spec)
+        if self._file is not None:
+            data.madvise(mmap.MADV_DONTNEED)  # the footer and offsets are read: none of the file stays resident
+
+    def close(self) -> None:
+        """Let go of the shard's holder (the cache may evict its file; what reads it still can)."""
+        if self._holder is not None:
+            self._holder.close()
 
     def item(self, i: int) -> SATData:
         n = int(self.num_nodes[i])
@@ -73,7 +110,7 @@ class _Shard:
             if spec["decode"] == "str":
                 values_of[name] = values.slice(a, b - a).to_pylist()
                 continue
-            arr = values[a:b].astype(spec["decode"])  # a copy: tensors never view the mapping
+            arr = values[a:b].astype(spec["decode"])  # a copy: tensors never view the shard
             if name == "subgraph_size":
                 values_of["subgraph_indicator"] = torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64), arr))
                 continue
@@ -204,11 +241,10 @@ class ShardDataset(torch.utils.data.Dataset):
                 raise ValueError(f"{path}: corrupt shard (size {size}, manifest says {entry['bytes']})")
         if not self._place.local:
             self._cache = ShardCache(storage)
-            self._cache.check_room(self.shard_dir, split, sum(e["bytes"] for e in self._entries))
-            self._keep = frozenset(e["sha256"] for e in self._entries)
+            self._cache.check_window(self.shard_dir, split, [e["bytes"] for e in self._entries])
             self._fetches: dict[int, object] = {}
             self._pid = os.getpid()
-        self._shards: list[_Shard | None] = [None] * len(self._entries)
+        self._shards: dict[int, _Shard] = {}  # the open ones, least recently used first
         self._verified = [False] * len(self._entries)
         rows = np.array([e["rows"] for e in self._entries], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(rows)])
@@ -225,12 +261,14 @@ class ShardDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def _shard(self, k: int, verify: bool = True) -> _Shard:
-        shard = self._shards[k]
+    def _shard(self, k: int, verify: bool = True, pinned: frozenset[int] = frozenset()) -> _Shard:
+        """Shard ``k``, opened unless open; ``pinned``: shards not to close to make room for it."""
+        shard = self._shards.pop(k, None)
         if shard is None:
             entry = self._entries[k]
             path = self._place.at(entry["file"])
             if not self._place.local:
+                self._make_room(k, pinned)
                 shard = _Shard(path, self._specs, *self._fetched(k))
                 self._verified[k] = True  # a shard from a store: always checked on its first read
             else:
@@ -239,28 +277,47 @@ class ShardDataset(torch.utils.data.Dataset):
                 shard = _Shard(path, self._specs)
             if shard.rows != entry["rows"]:
                 raise ValueError(f"{path}: corrupt shard ({shard.rows} rows, manifest says {entry['rows']})")
-            self._shards[k] = shard
         elif verify and not self._verified[k]:
             self._check(k)
+        self._shards[k] = shard  # the most recently used, last
         return shard
 
+    def _close(self, k: int) -> None:
+        self._shards.pop(k).close()
+
+    def _make_room(self, k: int, pinned: frozenset[int]) -> None:
+        """Close the shards read longest ago (but ``pinned``) until shard ``k`` and the next fit the cache beside the rest."""
+        need = sum(e["bytes"] for e in self._entries[k:k + 2]) + sum(self._entries[j]["bytes"] for j in self._shards)
+        for j in [j for j in self._shards if j not in pinned]:
+            if need <= self._cache.limit:
+                return
+            need -= self._entries[j]["bytes"]
+            self._close(j)
+
     def _fetched(self, k: int) -> tuple:
-        """``(memory map, holder)`` of store shard ``k`` from the cache, the next
-        :data:`~preprocessing.shard_cache.READ_AHEAD` shards downloading meanwhile (per process)."""
+        """``(path, holder)`` of store shard ``k`` in the cache, the shards after it downloading meanwhile
+        (:data:`~preprocessing.shard_cache.READ_AHEAD_BYTES` of them, at least the next, as far as the
+        cache has room beside the open ones; per process)."""
         if self._pid != os.getpid():
             self._fetches, self._pid = {}, os.getpid()
-        for j in range(k, min(len(self._entries), k + 1 + READ_AHEAD)):
+        room = self._cache.limit - sum(self._entries[j]["bytes"] for j in (*self._shards, k))
+        window, ahead = [k], 0
+        for j in range(k + 1, len(self._entries)):
+            ahead += self._entries[j]["bytes"]
+            if j > k + 1 and ahead > min(READ_AHEAD_BYTES, room):
+                break
+            window.append(j)
+        keep = frozenset(self._entries[j]["sha256"] for j in window)
+        for j in window:
             if j not in self._fetches:
                 entry = self._entries[j]
                 self._fetches[j] = fetcher().submit(self._cache.fetch, self._place.loc.join(entry["file"]),
-                                                    entry["bytes"], entry["sha256"], self._keep)
-        job, entry = self._fetches[k], self._entries[k]
+                                                    entry["bytes"], entry["sha256"], keep, ahead=True)
+        job, entry = self._fetches.pop(k), self._entries[k]
         obj = self._place.loc.join(entry["file"])
-        downloaded = self._cache.fetch(obj, entry["bytes"], entry["sha256"], self._keep) if job.cancel() \
+        downloaded = self._cache.fetch(obj, entry["bytes"], entry["sha256"], keep) if job.cancel() \
             else job.result()  # not started yet: fetched here, now
-        source, holder, _ = self._cache.open(obj, entry["bytes"], entry["sha256"], not downloaded and
-                                             not self._verified[k], self._keep)
-        return source, holder
+        return self._cache.open(obj, entry["bytes"], entry["sha256"], not downloaded and not self._verified[k], keep)
 
     def _check(self, k: int) -> None:
         if not self._place.local:
@@ -298,7 +355,8 @@ class ShardDataset(torch.utils.data.Dataset):
         if row.size == 0:
             raise ValueError("a batch needs at least one item")
         used, shard_of = np.unique(shard, return_inverse=True)
-        rows = _Rows([self._shard(int(k)) for k in used], shard_of.reshape(-1), row)
+        pinned = frozenset(used.tolist())
+        rows = _Rows([self._shard(k, pinned=pinned) for k in used.tolist()], shard_of.reshape(-1), row)
         nodes = rows.scalar("num_nodes")
         columns: dict = {"graph_id": torch.from_numpy(rows.scalar("graph_id"))}
         counts = {"graph_id": np.ones(rows.size, dtype=np.int64)}
@@ -339,10 +397,10 @@ class ShardDataset(torch.utils.data.Dataset):
         """``hist[d]``: nodes of the split with in-degree ``d`` (PNA's ``deg``), one shard mapped at a time."""
         hist = np.zeros(1, dtype=np.int64)
         for k in range(len(self._entries)):
-            was_open = self._shards[k] is not None
+            was_open = k in self._shards
             shard = self._shard(k)
             if not was_open:
-                self._shards[k] = None  # one shard mapped at a time: memory stays flat over the split
+                self._close(k)  # one shard mapped at a time: memory stays flat over the split
             offsets, values, _spec = shard.columns["edge_index"]
             for i in range(shard.rows):
                 a, b = int(offsets[i]), int(offsets[i + 1])
@@ -405,5 +463,5 @@ def featurise(raws: list[dict], task: str, transform, vocab: list[str] | None = 
             check()
         rows.append(transform_graph(raw, task, cfg, vocab_index))
     specs = column_specs(task, cfg)
-    shard = _Shard(Path("<memory>"), specs, pa.BufferReader(encode_shard(rows, specs)))
+    shard = _Shard(Path("<memory>"), specs, encode_shard(rows, specs))
     return [shard.item(i) for i in range(len(rows))]

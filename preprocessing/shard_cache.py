@@ -1,12 +1,15 @@
 """The shards a node reads from an object store, cached on its local disk, bounded.
 
 ``<storage.cache_dir>/<sha256>.arrow`` (named by content), ``.<sha256>.lock`` (shared while mapped,
-exclusive while downloading), ``.<sha256>.arrow.tmp-<id>`` (a download in progress). Reading a
-shard starts downloading the next :data:`READ_AHEAD`; a download streams in :data:`PIECE`-byte
-ranges, hashed as it comes, renamed once its size and sha256 match; a mismatch or missing object is
-fetched once more, then refused in one line. The cache holds at most ``storage.cache_max_gb``
-(default :data:`FREE_SHARE` of the disk's free space, at most :data:`DEFAULT_CAP_GB`); a split
-larger than that is refused; room is made by evicting the least recently used unmapped shards."""
+exclusive while downloading), ``.<sha256>.arrow.tmp-<id>`` (a download in progress). A download is
+one streamed GET on S3 (every ranged GET is a request of its own, and some servers read the whole
+object for each), :data:`PIECE`-byte ranges elsewhere; hashed as it comes, renamed once its size
+and sha256 match; a mismatch or missing object is fetched once more, then refused in one line.
+Readers download the shards after the one they read, :data:`READ_AHEAD_BYTES` of them,
+:data:`DOWNLOADS` at once per process. The cache holds at most ``storage.cache_max_gb`` (default
+:data:`FREE_SHARE` of the disk's free space, at most :data:`DEFAULT_CAP_GB`); room is made by evicting
+the least recently used shards no reader maps, so a split larger than the cache streams through it;
+a cache that cannot hold a shard and the next is refused."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,22 +17,30 @@ import fcntl
 import hashlib
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Iterator, Optional
 
 from preprocessing.shard_places import sha256_file
-from runtime.storage import Location, StorageSettings, storage_error
+from runtime.storage import (Location, StorageSettings, forwarded_env, s3_client, s3_request_error,
+                             storage_error)
 
 #: Share of the cache disk's free space (with what the cache holds) it may fill by default.
 FREE_SHARE = 0.5
 #: Most gigabytes of the default bound.
 DEFAULT_CAP_GB = 200.0
-#: Shards downloaded ahead of the one read, and downloads at once per process.
-READ_AHEAD = 2
-#: Bytes read from the store at a time (one ranged GET each): what a download holds in memory.
-PIECE = 32 << 20
+#: Most bytes of shards downloaded ahead of the one read (at least the next shard).
+READ_AHEAD_BYTES = 1 << 30
+#: Downloads at once per process (connections to the store).
+DOWNLOADS = 4
+#: Bytes a download holds in memory at a time (off S3 one ranged GET each).
+PIECE = 8 << 20
 _GB = 1e9
+
+
+def _amount(nbytes: float) -> str:
+    return f"{nbytes / _GB:.2f} GB" if nbytes >= 0.1 * _GB else f"{nbytes / 1e6:.2f} MB"
 
 
 def cache_dir(settings: Optional[StorageSettings]) -> Path:
@@ -44,6 +55,7 @@ class ShardCache:
     """The cache folder of ``settings`` (see the module docstring); one per reader, several per process."""
 
     def __init__(self, settings: Optional[StorageSettings]) -> None:
+        self.settings = settings
         self.folder = cache_dir(settings)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -54,13 +66,13 @@ class ShardCache:
         if self.explicit:
             self.limit = int(settings.cache_max_gb * _GB)
         else:
-            room = shutil.disk_usage(self.folder).free + sum(size for _, _, size in self._entries())
+            room = shutil.disk_usage(self.folder).free + sum(size for _, _, size in self._entries("*.arrow"))
             self.limit = int(min(FREE_SHARE * room, DEFAULT_CAP_GB * _GB))
 
-    def _entries(self) -> list[tuple[float, Path, int]]:
-        """``(last use, path, bytes)`` of every cached shard."""
+    def _entries(self, pattern: str) -> list[tuple[float, Path, int]]:
+        """``(last use, path, bytes)`` of every file of the cache matching ``pattern``."""
         out = []
-        for path in self.folder.glob("*.arrow"):
+        for path in self.folder.glob(pattern):
             try:
                 st = path.stat()
             except FileNotFoundError:
@@ -68,14 +80,15 @@ class ShardCache:
             out.append((st.st_mtime, path, st.st_size))
         return out
 
-    def check_room(self, uri: str, split: str, need: int) -> None:
-        """A split of ``need`` bytes of shards must fit the cache whole (every batch reads all over it)."""
+    def check_window(self, uri: str, split: str, sizes: list[int]) -> None:
+        """The cache must hold the split's two largest shards at once (one read, the next downloading)."""
+        need = sum(sorted(sizes)[-2:])
         if need > self.limit:
             setting = (f"storage.cache_max_gb={self.limit / _GB:g}" if self.explicit else
                        f"the default bound of {self.limit / _GB:.1f} GB ({FREE_SHARE:.0%} of the free space there)")
-            raise ValueError(f"{uri}: the {split} split's shards take {need / _GB:.2f} GB, more than the shard cache "
-                             f"{self.folder} may hold ({setting}); raise storage.cache_max_gb, or set "
-                             "storage.cache_dir to a larger disk")
+            raise ValueError(f"{uri}: the {split} split's reader needs {_amount(need)} of shards at once (one read, "
+                             f"the next downloading), more than the shard cache {self.folder} may hold ({setting}); "
+                             "raise storage.cache_max_gb, or set storage.cache_dir to a larger disk")
 
     def _lock(self, sha256: str, mode: int) -> IO:
         fh = open(self.folder / f".{sha256}.lock", "a+b")
@@ -83,11 +96,9 @@ class ShardCache:
         return fh
 
     def open(self, obj: Location, size: int, sha256: str, verify: bool, keep: frozenset[str]) -> tuple:
-        """``(memory map, holder, checked)`` of the shard at ``obj``, downloaded unless cached. Keep
-        ``holder`` as long as the map (no process evicts it). ``verify``: check a cached copy; ``keep``:
-        sha256s not to evict."""
-        import pyarrow as pa
-
+        """``(path, holder)`` of the cached copy of the shard at ``obj``, downloaded unless cached.
+        Keep ``holder`` as long as the file is mapped (no process evicts it). ``verify``: check a
+        cached copy; ``keep``: sha256s not to evict."""
         entry = self.folder / f"{sha256}.arrow"
         checked = False
         for _ in range(3):  # a copy evicted by another process between its download and its lock: again
@@ -96,16 +107,18 @@ class ShardCache:
             if entry.is_file() and entry.stat().st_size == size:
                 if checked or not verify or sha256_file(entry) == sha256:
                     os.utime(entry)  # last use, for the eviction order
-                    return pa.memory_map(str(entry), "r"), holder, checked or verify
+                    return entry, holder
                 damaged = True
             holder.close()
             checked = self.fetch(obj, size, sha256, keep, damaged=damaged or entry.is_file())
         raise ValueError(f"{obj.uri}: its copy in the shard cache {self.folder} is evicted as soon as it is fetched; "
                          "raise storage.cache_max_gb")
 
-    def fetch(self, obj: Location, size: int, sha256: str, keep: frozenset[str], damaged: bool = False) -> bool:
+    def fetch(self, obj: Location, size: int, sha256: str, keep: frozenset[str], damaged: bool = False,
+              ahead: bool = False) -> bool:
         """Download ``obj`` into the cache unless it is there (``damaged``: replace the copy there); True
-        when it was downloaded (and so checked) here."""
+        when it was downloaded (and so checked) here. ``ahead``: a read-ahead, given up (False) when
+        the shards in use leave no room."""
         entry = self.folder / f"{sha256}.arrow"
         with self._lock(sha256, fcntl.LOCK_EX):
             if entry.is_file() and not damaged:
@@ -113,37 +126,36 @@ class ShardCache:
             entry.unlink(missing_ok=True)
             for stale in self.folder.glob(f".{sha256}.arrow.tmp-*"):  # a killed download (the lock is ours)
                 stale.unlink(missing_ok=True)
-            self._make_room(obj, size, keep | {sha256})
             for _ in range(2):  # a missing or damaged object is fetched once more, then refused
-                problem = self._download(obj, entry, size, sha256)
+                with self._lock("room", fcntl.LOCK_EX):  # room made and taken at once, by one download at a time
+                    held = self._make_room(size, keep | {sha256})
+                    if held + size > self.limit:
+                        if ahead:
+                            return False
+                        raise ValueError(f"{obj.uri}: no room in the shard cache {self.folder} ({_amount(size)} more, "
+                                         f"{_amount(held)} of shards in use of {_amount(self.limit)}); raise "
+                                         "storage.cache_max_gb to hold the shards the node's readers read at once")
+                    tmp = entry.with_name(f".{entry.name}.tmp-{uuid.uuid4().hex[:8]}")
+                    with self._writing(lambda: open(tmp, "wb")) as fh:
+                        self._writing(lambda: fh.truncate(size))  # counted at its full size while it downloads
+                problem = self._download(obj, tmp, entry, size, sha256)
                 if problem is None:
                     return True
             raise ValueError(f"{obj.uri}: shard {problem}, fetched twice; {_FIX[problem.split(' ')[0]]}")
 
-    def _download(self, obj: Location, entry: Path, size: int, sha256: str) -> str | None:
-        """Stream ``obj`` into ``entry`` through a temporary file, checking its size and sha256; None
-        when it arrived intact, else what is wrong with it."""
-        tmp = entry.with_name(f".{entry.name}.tmp-{uuid.uuid4().hex[:8]}")
+    def _download(self, obj: Location, tmp: Path, entry: Path, size: int, sha256: str) -> str | None:
+        """Stream ``obj`` into ``entry`` through the temporary file ``tmp``, checking its size and
+        sha256; None when it arrived intact, else what is wrong with it."""
         digest, got = hashlib.sha256(), 0
         try:
-            with self._writing(lambda: open(tmp, "wb")) as dst:
+            with self._writing(lambda: open(tmp, "r+b")) as dst:
                 try:
-                    src = obj.fs.open_input_stream(obj.path)
-                except FileNotFoundError:
-                    return "missing on the store (the manifest lists it)"
-                except OSError as exc:
-                    raise storage_error(obj, exc, "reading") from None
-                with src:
-                    while True:
-                        try:
-                            piece = src.read_buffer(PIECE)  # one ranged GET; no copy into Python bytes
-                        except OSError as exc:
-                            raise storage_error(obj, exc, "reading") from None
-                        if not piece.size:
-                            break
+                    for piece in self._pieces(obj):
                         digest.update(piece)
                         self._writing(lambda: dst.write(piece))
-                        got += piece.size
+                        got += len(piece)
+                except FileNotFoundError:
+                    return "missing on the store (the manifest lists it)"
             if got != size:
                 return f"corrupt on the store ({got} bytes, the manifest says {size})"
             if digest.hexdigest() != sha256:
@@ -153,6 +165,30 @@ class ShardCache:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def _pieces(self, obj: Location) -> Iterator:
+        """The bytes of ``obj`` in order, :data:`PIECE` at most at a time (``FileNotFoundError``: it is missing)."""
+        if not obj.uri.startswith("s3://"):
+            try:
+                with obj.fs.open_input_stream(obj.path) as src:
+                    while piece := src.read_buffer(PIECE):  # one ranged GET each; no copy into Python bytes
+                        yield piece
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                raise storage_error(obj, exc, "reading") from None
+            return
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        bucket, key = obj.path.split("/", 1)
+        try:
+            yield from _s3(self.settings).get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(PIECE)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise FileNotFoundError(obj.uri) from None
+            raise s3_request_error(obj.uri, exc, "reading", self.settings) from None
+        except BotoCoreError as exc:
+            raise s3_request_error(obj.uri, exc, "reading", self.settings) from None
+
     def _writing(self, write):
         """``write()``, its failure (a full disk) one line naming the cache."""
         try:
@@ -161,14 +197,16 @@ class ShardCache:
             raise ValueError(f"{self.folder}: cannot write the shard cache ({exc.strerror or exc}); free space there, "
                              "lower storage.cache_max_gb or set storage.cache_dir to another disk") from None
 
-    def _make_room(self, obj: Location, size: int, keep: frozenset[str]) -> None:
+    def _make_room(self, size: int, keep: frozenset[str]) -> int:
         """Evict the least recently used shards no process maps (their lock free) until ``size`` more
-        fit; refused in one line when the shards in use leave no room."""
-        entries = self._entries()
-        total = sum(n for _, _, n in entries)
+        fit; the bytes the cache then holds (downloads in progress at their full size)."""
+        # downloads listed first: one renamed into place meanwhile is counted once, not missed
+        downloading = {path.name[1:].split(".")[0]: n for _, path, n in self._entries(".*.arrow.tmp-*")}
+        entries = self._entries("*.arrow")
+        total = sum(downloading.values()) + sum(n for _, path, n in entries if path.stem not in downloading)
         for _, path, n in sorted(entries):
             if total + size <= self.limit:
-                return
+                break
             sha = path.name.removesuffix(".arrow")
             if sha in keep:
                 continue
@@ -181,10 +219,7 @@ class ShardCache:
                 path.unlink(missing_ok=True)
                 lock.unlink(missing_ok=True)
                 total -= n
-        if total + size > self.limit:
-            raise ValueError(f"{obj.uri}: no room in the shard cache {self.folder} ({size / _GB:.2f} GB more, "
-                             f"{total / _GB:.2f} GB of shards in use of {self.limit / _GB:.2f} GB); raise "
-                             "storage.cache_max_gb to hold every split the node reads")
+        return total
 
 
 #: What to do about a shard the store gave wrong twice (by the first word of what is wrong).
@@ -194,13 +229,32 @@ _FIX = {
 }
 
 
-_fetchers: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+#: This process's download threads and S3 clients (a forked child, without its parent's threads, makes its own).
+_process: dict = {}
+_process_lock = threading.Lock()
+
+
+def _forget_parent() -> None:
+    global _process_lock
+    _process.clear()
+    _process_lock = threading.Lock()  # a parent's thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_forget_parent)
 
 
 def fetcher() -> concurrent.futures.ThreadPoolExecutor:
-    """This process's download threads (a forked child, whose parent's threads did not come along, makes its own)."""
-    pid = os.getpid()
-    if pid not in _fetchers:
-        _fetchers.clear()
-        _fetchers[pid] = concurrent.futures.ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="satp-shard-fetch")
-    return _fetchers[pid]
+    """This process's download threads."""
+    with _process_lock:
+        if "threads" not in _process:
+            _process["threads"] = concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="satp-shard-fetch")
+        return _process["threads"]
+
+
+def _s3(settings: Optional[StorageSettings]):
+    """This process's boto3 client of ``settings`` (thread-safe; made once: making one takes ~0.2 s)."""
+    key = (settings, tuple(sorted(forwarded_env().items())))
+    with _process_lock:
+        if key not in _process:
+            _process[key] = s3_client(settings)
+        return _process[key]

@@ -223,7 +223,7 @@ def test_the_cache_is_bounded_and_evicts_only_shards_no_reader_maps(built, tmp_p
     size = {split: sum(s["bytes"] for s in manifest["shards"] if s["split"] == split) for split in ("train", "valid")}
     with pytest.raises(ValueError) as small:
         ShardDataset(remote, "train", storage=_cache(tmp_path, gb=1e-9))
-    assert str(small.value).startswith(f"{remote}: the train split's shards take ") and \
+    assert str(small.value).startswith(f"{remote}: the train split's reader needs ") and \
         str(small.value).endswith("; raise storage.cache_max_gb, or set storage.cache_dir to a larger disk")
     settings = _cache(tmp_path, gb=(max(size.values()) + 1) / 1e9)  # one split at a time
     train = ShardDataset(remote, "train", storage=settings)

@@ -1,30 +1,33 @@
 """Shards read from an object store against the same shards on local disk: the training loader alone.
 
-    python -m benchmarks.scale.object_store [--graphs N ...] [--epochs E]
+    python -m benchmarks.scale.object_store [--graphs N ...] [--epochs E] [--rounds R]
 
 For each size N (``--graphs``, repeatable; default ``SATP_STORE_GRAPHS``, "1000,4000"), synthetic
 ogbg-ppa graphs (``satp data synthetic-ppa``) preprocessed with ``jobs/ppa.yaml``'s transform and
 shard size into a local directory, then copied as they are into a bucket of an S3 API server on
-loopback (``moto_server``, started here: in memory, no network, no disk). Each source is then read
-in a fresh process, as a Ray Train worker reads its split: ``pipeline.train.loader.open_split`` of
-the directory (its ``s3://`` URI, with ``AWS_ENDPOINT_URL`` naming the server and a new, empty
-cache folder), ``NodeBudgetSampler`` over the split's node counts at ``jobs/ppa.yaml``'s node budget,
-and ``ShardDataset.batch`` of every batch, ``E`` epochs (default 2). Epoch 1 counts from
-``open_split`` on: for the store, reading the manifest and downloading every shard into the cache
-(read-ahead, sha256 checked as they arrive); for the local disk, and for a second reader of the
-store on the same node (the cache filled: a restarted run, another worker), the first read's
-sha256 checks. Later epochs decode from the mapped files on all three.
+loopback (``moto_server``, started here: objects in memory or its temporary files, no network).
+Each source is then read in a fresh process, as a Ray Train worker reads its split:
+``pipeline.train.loader.open_split`` of the directory (its ``s3://`` URI, with ``AWS_ENDPOINT_URL``
+naming the server), ``NodeBudgetSampler`` over the split's node counts at ``jobs/ppa.yaml``'s node
+budget, and ``ShardDataset.batch`` of every batch, ``E`` epochs (default 3). Epoch 1 counts from
+``open_split`` on: for the store with an empty cache, reading the manifest and downloading every
+shard into the cache (read-ahead, sha256 checked as they arrive); for the local disk, and for a
+second reader of the store on the same node (the cache filled: a restarted run, another worker),
+the first read's sha256 checks. Later epochs decode from the mapped files on all three. The three
+readers take turns, ``R`` rounds (default 3); each figure is the median of its rounds, beside the
+load average of the machine while they ran. Beside them: the server's own speed, one GET of the
+largest shard with its body read and dropped (boto3, the median of 3).
 
-Peak RSS is ``/usr/bin/time -v``'s maximum resident set size of the reader process, and its own
-high-water mark (``VmHWM``: mapped shard pages it touched included, as
-the page cache holds them), and the peak of its private memory (``RssAnon``, sampled every 10 ms):
-what the loader itself holds, whatever the data size.
+Peak RSS is ``/usr/bin/time -v``'s maximum resident set size of the reader process (the mapped
+shard pages it touched included), and the peak of its private memory (``RssAnon``, sampled every
+10 ms).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import shutil
 import subprocess
 import sys
@@ -76,8 +79,7 @@ def measure(source: str, epochs: int, budget: int) -> dict:
         rates.append(graphs / (now - started))
         started = now
     done.set()
-    return {"rates": rates, "hwm_kib": _status_kib("VmHWM"), "anon_kib": max(peak["anon"], _status_kib("RssAnon")),
-            "graphs": len(ds)}
+    return {"rates": rates, "anon_kib": max(peak["anon"], _status_kib("RssAnon")), "graphs": len(ds)}
 
 
 def _moto(port: int) -> subprocess.Popen:
@@ -110,8 +112,28 @@ def _child(source: str, epochs: int, budget: int, env: dict[str, str]) -> dict:
     return row
 
 
-def measure_size(graphs: int, base: Path, port: int, epochs: int) -> list[dict]:
-    """Both sources' rows for ``graphs`` synthetic ppa graphs (see the module docstring)."""
+def _get_mib_s(port: int, uri: str) -> float:
+    """MiB/s of one GET of object ``uri`` from the server, its body read and dropped (the median of 3)."""
+    import boto3
+
+    client = boto3.client("s3", **_client_args(port))
+    bucket, key = uri.removeprefix("s3://").split("/", 1)
+    rates = []
+    for _ in range(3):
+        started, size = time.perf_counter(), 0
+        for chunk in client.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(8 * MIB):
+            size += len(chunk)
+        rates.append(size / MIB / (time.perf_counter() - started))
+    return statistics.median(rates)
+
+
+def _client_args(port: int) -> dict:
+    return {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1", "aws_access_key_id": "bench",
+            "aws_secret_access_key": "bench"}
+
+
+def measure_size(graphs: int, base: Path, port: int, epochs: int, rounds: int) -> list[dict]:
+    """The three readers' rows for ``graphs`` synthetic ppa graphs (see the module docstring)."""
     import pyarrow.fs as pafs
 
     from pipeline.config import load_job
@@ -125,18 +147,31 @@ def measure_size(graphs: int, base: Path, port: int, epochs: int) -> list[dict]:
     store = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", access_key="bench",
                               secret_key="bench", region="us-east-1")
     pafs.copy_files(str(local), uri.removeprefix("s3://"), destination_filesystem=store)
-    shard_bytes = sum(p.stat().st_size for p in local.glob("train-*.arrow"))
+    train = sorted(local.glob("train-*.arrow"), key=lambda p: p.stat().st_size)
+    get = _get_mib_s(port, f"{uri}/{train[-1].name}")
+    cache = {"XDG_CACHE_HOME": str(base / "cache")}  # emptied before each first reader of the store
+    readers = (("local disk", str(local), {}),
+               ("s3:// (moto, loopback), cache empty", uri, {**_store_env(port), **cache}),
+               ("s3:// (moto, loopback), cache filled", uri, {**_store_env(port), **cache}))
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in readers}
+    loads = []
+    for _ in range(rounds):
+        shutil.rmtree(base / "cache", ignore_errors=True)
+        for name, source, env in readers:
+            loads.append(os.getloadavg()[0])
+            runs[name].append(_child(source, epochs, job.train.node_budget, env))
     rows = []
-    cache = {"XDG_CACHE_HOME": str(base / "cache")}  # empty: the first s3 reader downloads every shard
-    for name, source, env in (("local disk", str(local), {}),
-                              ("s3:// (moto, loopback), cache empty", uri, {**_store_env(port), **cache}),
-                              ("s3:// (moto, loopback), cache filled", uri, {**_store_env(port), **cache})):
-        rows.append({"size": graphs, "train_mib": shard_bytes / MIB, "source": name,
-                     **_child(source, epochs, job.train.node_budget, env)})
+    for name, results in runs.items():
+        rates = [statistics.median(r["rates"][e] for r in results) for e in range(epochs)]
+        whole = statistics.median(r["graphs"] * epochs / sum(r["graphs"] / v for v in r["rates"]) for r in results)
+        rows.append({"size": graphs, "graphs": results[0]["graphs"], "train_mib": sum(p.stat().st_size for p in train) / MIB,
+                     "source": name, "rates": rates, "whole": whole, "get_mib_s": get,
+                     "load": f"{min(loads):.0f}-{max(loads):.0f}",
+                     **{k: statistics.median(r[k] for r in results) for k in ("time_max_rss_kib", "anon_kib")}})
     return rows
 
 
-def run(sizes: list[int] | None = None, epochs: int = 2) -> str:
+def run(sizes: list[int] | None = None, epochs: int = 3, rounds: int = 3) -> str:
     """The markdown section (see the module docstring)."""
     import boto3
 
@@ -148,36 +183,38 @@ def run(sizes: list[int] | None = None, epochs: int = 2) -> str:
     server = _moto(port)
     rows = []
     try:
-        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1", aws_access_key_id="bench",
-                     aws_secret_access_key="bench").create_bucket(Bucket=BUCKET)
+        boto3.client("s3", **_client_args(port)).create_bucket(Bucket=BUCKET)
         for n in sizes:
             base = Path(tempfile.mkdtemp(prefix=f"satp-store-{n}-"))
             try:
-                rows += measure_size(n, base, port, epochs)
+                rows += measure_size(n, base, port, epochs, rounds)
             finally:
                 shutil.rmtree(base, ignore_errors=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
     head = "| graphs (train split) | train shards MiB | source | " + " | ".join(
-        f"epoch {e + 1} graphs/s" for e in range(epochs)) + " | peak RSS MiB (time -v) | VmHWM MiB | peak private RSS MiB |"
+        f"epoch {e + 1} graphs/s" for e in range(epochs)) + " | whole run graphs/s | peak RSS MiB (time -v) | " \
+        "peak private RSS MiB | load average |"
     lines = [
         "## Shards on an object store: the loader from s3:// against local disk",
         "",
         f"Machine: {describe()}.",
         "",
         f"Command: `python -m benchmarks.scale.object_store {' '.join(f'--graphs {n}' for n in sizes)} "
-        f"--epochs {epochs}` (train split of synthetic ogbg-ppa, `{JOB}`'s transform, shard size and node budget; "
-        "each source read in a fresh process; epoch 1 includes `open_split` and the first read's sha256 checks, "
-        "with an empty cache every download too).",
+        f"--epochs {epochs} --rounds {rounds}` (train split of synthetic ogbg-ppa, `{JOB}`'s transform, shard size and "
+        "node budget; each reader a fresh process, the three taking turns, medians of the rounds; epoch 1 includes "
+        "`open_split` and the first read's sha256 checks, with an empty cache every download too).",
         "",
         head,
-        "|" + "---|" * (6 + epochs),
+        "|" + "---|" * (7 + epochs),
     ]
     for r in rows:
         rates = " | ".join(f"{v:,.0f}" for v in r["rates"])
         lines.append(f"| {r['size']:,} ({r['graphs']:,}) | {r['train_mib']:.0f} | {r['source']} | {rates} | "
-                     f"{r['time_max_rss_kib'] / 1024:.0f} | {r['hwm_kib'] / 1024:.0f} | {r['anon_kib'] / 1024:.0f} |")
+                     f"{r['whole']:,.0f} | {r['time_max_rss_kib'] / 1024:.0f} | {r['anon_kib'] / 1024:.0f} | {r['load']} |")
+    lines += ["", "The server alone, one GET of the largest train shard (MiB/s): " + ", ".join(
+        f"{r['size']:,} graphs {r['get_mib_s']:.0f}" for r in rows[::3]) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -185,14 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scale.object_store", description=__doc__.splitlines()[0])
     parser.add_argument("--graphs", type=int, action="append", metavar="N",
                         help="a size (repeatable; default SATP_STORE_GRAPHS or 1000,4000)")
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="turns of the three readers (medians reported)")
     parser.add_argument("--child", metavar="SOURCE", help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(measure(args.child, args.epochs, args.budget)))
         return 0
-    print(run(args.graphs, args.epochs))
+    print(run(args.graphs, args.epochs, args.rounds))
     return 0
 
 
