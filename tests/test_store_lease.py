@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.train import lease
 from pipeline.train.lease import Holder, LeaseHeld, RunLease
-from s3_server import s3_server  # noqa: F401  (the session's server, a fixture)
+from tests.s3_server import s3_server  # noqa: F401  (the session's server, a fixture)
 
 
 def _key(uri: str) -> tuple[str, str]:
