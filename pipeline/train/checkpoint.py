@@ -188,7 +188,7 @@ class CheckpointManager:
     def state(self, name: str) -> dict[str, Any]:
         """The loop state of checkpoint ``name``; ``ValueError`` when it is missing or unreadable."""
         try:
-            return json.loads(self._read(self._at(name, STATE_FILE)))
+            return json.loads(self.location.join(name, STATE_FILE).read_bytes())
         except (OSError, ValueError) as exc:
             raise ValueError(f"{self.path(name, STATE_FILE)}: unreadable ({exc})") from None
 
@@ -205,7 +205,7 @@ class CheckpointManager:
         """The checkpoint names Ray Train's record (``checkpoint_manager_snapshot.json``) lists for
         the run: the ones it resumes from and deletes beyond ``checkpoints_to_keep``."""
         try:
-            snapshot = json.loads(self._read(f"{self.root}/{SNAPSHOT}"))
+            snapshot = json.loads(self.location.join(SNAPSHOT).read_bytes())
         except (OSError, ValueError):
             return []
         return [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results") or [] if r.get("checkpoint_dir_name")]
@@ -228,7 +228,7 @@ class CheckpointManager:
         files counts by its state; one listing sizes only (before digests) by its sizes."""
         state_path = self.path(name, STATE_FILE)
         try:
-            state = json.loads(self._read(self._at(name, STATE_FILE)))
+            state = json.loads(self.location.join(name, STATE_FILE).read_bytes())
         except FileNotFoundError:
             return f"{state_path}: missing (rank 0's part was never completely written)"
         except (OSError, ValueError) as exc:
@@ -237,7 +237,7 @@ class CheckpointManager:
         for rank in range(int(world or 0)):
             listing = self.path(name, RANK_FILE.format(rank=rank))
             try:
-                files = json.loads(self._read(self._at(name, RANK_FILE.format(rank=rank))))
+                files = json.loads(self.location.join(name, RANK_FILE.format(rank=rank)).read_bytes())
                 files = files["files"] if "files" in files else {f: {"size": size} for f, size in files.items()}
             except FileNotFoundError:
                 return f"{listing}: missing (rank {rank}'s part was never completely written)"
@@ -278,6 +278,15 @@ class CheckpointManager:
                       f"{instead}", file=sys.stderr, flush=True)
         return chosen
 
+    def load(self, name: str) -> tuple[dict[str, Any], Optional[dict]]:
+        """The loop state and the best weights of checkpoint ``name``, verified first: a damaged one
+        raises ``ValueError`` naming what is wrong (nothing registers weights from it)."""
+        problem = self.verify(name)
+        if problem:
+            raise ValueError(problem)
+        with self.local(name) as directory:
+            return load_state(directory), load_best_weights(directory)
+
     @contextlib.contextmanager
     def local(self, name: str) -> Iterator[Path]:
         """A local directory holding checkpoint ``name`` (itself on a local file system, else a
@@ -301,7 +310,7 @@ class CheckpointManager:
         import logging
 
         registered = set(self.registered())
-        if not registered and not self._exists(f"{self.root}/{SNAPSHOT}"):
+        if not registered and not self._exists(self._at(SNAPSHOT)):
             return []
         removed = sorted(n for n in self.list() if n not in registered and n != keep)
         for name in removed:
@@ -336,14 +345,6 @@ class CheckpointManager:
                 self.fs.delete_file(info.path)
 
     # ------------------------------------------------------------------ file system
-    def _read(self, path: str) -> bytes:
-        import pyarrow.fs as pafs
-
-        if self.fs.get_file_info(path).type == pafs.FileType.NotFound:
-            raise FileNotFoundError(path)
-        with self.fs.open_input_stream(path) as f:
-            return f.read()
-
     def _exists(self, path: str) -> bool:
         import pyarrow.fs as pafs
 

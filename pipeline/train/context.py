@@ -15,8 +15,6 @@ from typing import Any, Optional
 
 import torch
 
-from pipeline.train.checkpoint import CheckpointManager
-
 
 class TrainContext:
     """What a trainer asks of the place it runs in (see the module docstring)."""
@@ -25,10 +23,6 @@ class TrainContext:
     world: int
     device: torch.device
     run_dir: str  # the run's folder in its storage (a path or a URI): checkpoints, progress notes
-
-    def checkpoints(self, damaged: Optional[dict] = None, storage=None) -> CheckpointManager:
-        """The run's checkpoints (``storage``: the job's :class:`~runtime.storage.StorageSettings`)."""
-        return CheckpointManager(self.run_dir, damaged, storage)
 
     def restored_checkpoint(self) -> Optional[str]:
         """The name of the checkpoint the run's engine last registered (None: none)."""

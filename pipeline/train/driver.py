@@ -207,12 +207,7 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
     try:
         result = _fit(job, plan.setup, callbacks)
         name = Path(result.checkpoint.path).name
-        problem = checkpoints.verify(name)  # nothing registers weights from a damaged checkpoint
-        if problem:
-            raise ValueError(problem)
-        with checkpoints.local(name) as directory:
-            state = ckpt.load_state(directory)
-            best_weights = ckpt.load_best_weights(directory)
+        state, best_weights = checkpoints.load(name)
         checkpoint_path = checkpoints.path(name)
         checkpoints.prune(keep=name)
         if state["epoch"] != train.epochs - 1 and not state.get("stopped"):
@@ -302,8 +297,7 @@ def _already_finished(plan: JobPlan, decision, register: bool) -> TrainOutcome:
         if registered is None and register:
             if plan.setup.run_id is None:
                 plan, _ = mlflow_run.open_run(plan, "resume")
-            with plan.checkpoints.local(previous.name) as directory:
-                best_weights = ckpt.load_best_weights(directory)
+            _, best_weights = plan.checkpoints.load(previous.name)
             if best_weights is not None:
                 log.info("run %s finished before its model was registered: registering it now", job.train.run_name)
                 registered = mlflow_run.log_best_model(plan, state, best_weights)

@@ -82,7 +82,7 @@ class Trainer:
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_gpu else "cpu")
         torch.set_num_threads(job.resources.torch_threads or max(1, int(job.resources.cpus_per_worker)))
         storage = job.storage.settings()
-        self.checkpoints = context.checkpoints(setup.damaged, storage)
+        self.checkpoints = ckpt.CheckpointManager(context.run_dir, setup.damaged, storage)
 
         train_ds = open_split(setup.shard_dir, "train", storage)
         self.task = make_task(setup.task_name, vocab=train_ds.vocab, **setup.task_state)
