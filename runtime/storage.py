@@ -95,11 +95,41 @@ class Location:
         tail = "/".join(n.strip("/") for n in names)
         return dataclasses.replace(self, uri=f"{self.uri.rstrip('/')}/{tail}", path=f"{self.path.rstrip('/')}/{tail}")
 
+    def children(self) -> list:
+        """The ``pyarrow.fs.FileInfo`` of what the folder (a prefix) holds; none where it does not exist."""
+        import pyarrow.fs as pafs
+
+        return self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+
+    def read_bytes(self) -> bytes:
+        """What the file (an object) holds; ``FileNotFoundError`` when there is none."""
+        with self.fs.open_input_stream(self.path) as source:
+            return source.read()
+
+    def write_bytes(self, data: bytes) -> None:
+        """Replace the file (an object) by ``data`` whole: a reader sees the old bytes or the new (a
+        local file is written beside it, then renamed; an object is one upload)."""
+        if not self.local:
+            with self.fs.open_output_stream(self.path) as out:
+                out.write(data)
+            return
+        folder, name = os.path.split(self.path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as out:
+            out.write(data)
+        os.replace(tmp, self.path)
+
 
 def is_uri(value: str | os.PathLike) -> bool:
     """``scheme://...`` other than ``file://`` (a plain path in URI form)."""
     found = _URI.match(str(value))
     return bool(found) and found.group(1).lower() != "file"
+
+
+def absolute(value: str | os.PathLike) -> str:
+    """``value`` as every process reads it alike: a URI as written, a path made absolute."""
+    return str(value) if is_uri(value) else os.path.realpath(os.path.expanduser(value))
 
 
 def validate(value: str | os.PathLike, key: str) -> str:

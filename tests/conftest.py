@@ -59,8 +59,8 @@ def ray_cluster():
 #: cluster): first those that start Ray clusters of their own and wait on them half the time, then
 #: some that compute in their own processes. A fresh clone's suite on 2 cores: 990 s of pytest in one
 #: process, 745-765 s with these beside; six more of the kind did not shorten it (benchmarks/RESULTS.md)
-BESIDE_MODULES = ("test_elastic.py", "test_node_loss.py", "test_submit.py", "test_edge_messages.py",
-                  "test_global_batch.py", "test_compile.py")
+BESIDE_MODULES = ("test_elastic.py", "test_node_loss.py", "test_store_nodes.py", "test_submit.py",
+                  "test_edge_messages.py", "test_global_batch.py", "test_compile.py")
 #: the process running them, its output file and its test count
 BESIDE = pytest.StashKey[tuple]()
 

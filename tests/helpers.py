@@ -90,6 +90,27 @@ def checkpoint_epochs(run_dir: Path) -> dict[str, int]:
             for p in sorted(run_dir.glob("checkpoint_*")) if (p / "state.json").is_file()}
 
 
+def checkpoint_part(where: Path, epoch: int, files: dict[str, bytes | Path] | None = None) -> Path:
+    """A rank-0 part of a checkpoint as :func:`pipeline.train.checkpoint.save` leaves it in its local
+    folder (real files, their sizes and digests listed last); a ``Path`` value is linked, not copied."""
+    from preprocessing.shards import sha256_file
+
+    files = {"state.json": json.dumps({"epoch": epoch, "world_size": 1}).encode(),
+             "ds/last/mp_rank_00_model_states.pt": os.urandom(300_000), "best_model.pt": os.urandom(1000),
+             **(files or {})}
+    for name, data in files.items():
+        (where / name).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(data, Path):
+            (where / name).symlink_to(data)
+        else:
+            (where / name).write_bytes(data)
+    listed = {name: {"size": len(data), "sha256": sha256_file(where / name)} for name, data in files.items()
+              if not isinstance(data, Path)}
+    listed |= {name: {"size": 1 << 40, "sha256": "0" * 64} for name, data in files.items() if isinstance(data, Path)}
+    (where / "rank_0.json").write_text(json.dumps({"files": listed}))
+    return where
+
+
 class Drain:
     """A process's standard error, read as it comes (so that a long run never blocks on a full pipe)."""
 

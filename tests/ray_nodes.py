@@ -2,7 +2,9 @@
 
 Each node is a ``ray start --block`` process with its own ports, in one temporary directory (their
 storage: one machine's file system is what every node sees; on a real cluster ``shards.root``,
-``train.storage_path`` and the MLflow store are shared storage). A node is "lost" the hard way:
+``train.storage_path`` and the MLflow store are shared storage), or, with ``own_folders``, each in a
+folder of its own, as nodes without a shared disk are: its Ray temporary folder, ``TMPDIR`` and
+``HOME`` (the shard cache's default) there. A node is "lost" the hard way:
 SIGKILL to its ``ray start``, raylet and agents (its process group) and to every worker its raylet
 started (Ray gives each worker a process group of its own). Ray's node health check is tightened
 (1 s x 3) so that a node's death is declared in seconds. The nodes' Train workers are forked from one
@@ -73,10 +75,18 @@ def _all_procs() -> dict[int, tuple[int, int, str]]:
 class Node:
     """One ``ray start --block`` node of the test cluster, and the processes that are the node."""
 
-    def __init__(self, temp: str, env: dict, gcs_port: int, head: bool, cpus: int) -> None:
+    def __init__(self, temp: str, env: dict, gcs_port: int, head: bool, cpus: int, own_folder: bool = False) -> None:
         self.temp, self.env, self.gcs_port, self.head, self.cpus = temp, env, gcs_port, head, cpus
         self.proc = None
         self.log = Path(temp) / f"{'head' if head else 'node'}-{time.time_ns()}.log"
+        #: the node's own disk (Ray's temporary folder, TMPDIR, HOME), or None: the cluster's folder (a
+        #: short name: Ray's socket paths below it must fit 107 bytes)
+        self.folder = Path(tempfile.mkdtemp(prefix="h" if head else "n", dir=temp)) if own_folder else None
+        if self.folder is not None:
+            for sub in ("ray", "tmp", "home"):
+                (self.folder / sub).mkdir()
+            self.env = dict(env, TMPDIR=str(self.folder / "tmp"), HOME=str(self.folder / "home"))
+            self.env.pop("XDG_CACHE_HOME", None)
 
     def start(self) -> "Node":
         p = free_ports(7)
@@ -86,10 +96,11 @@ class Node:
                "--disable-usage-stats"]
         if self.head:
             cmd += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false", f"--ray-client-server-port={p[6]}",
-                    f"--temp-dir={self.temp}",
                     "--system-config=" + json.dumps({"health_check_period_ms": 1000, "health_check_failure_threshold": 3})]
         else:
             cmd += [f"--address=127.0.0.1:{self.gcs_port}"]
+        if self.head or self.folder is not None:
+            cmd.append(f"--temp-dir={self.folder / 'ray' if self.folder is not None else self.temp}")
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         return self
@@ -140,10 +151,11 @@ class Node:
 
 
 @contextlib.contextmanager
-def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1) -> Iterator[dict]:
-    """A head node of ``head_cpus`` CPUs; yields ``{"address", "env", "add_node", "base"}``, where
-    ``add_node()`` starts one more node of ``node_cpus`` CPUs and returns it once it runs, and
-    ``base`` is the nodes' shared temporary directory. Every node is stopped at the end."""
+def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1, own_folders: bool = False) -> Iterator[dict]:
+    """A head node of ``head_cpus`` CPUs; yields ``{"address", "env", "add_node", "base", "head"}``, where
+    ``add_node()`` starts one more node of ``node_cpus`` CPUs and returns it once it runs, ``base`` is
+    the nodes' temporary directory and ``head`` the head :class:`Node` (``own_folders``: each node has
+    its own folder in ``base``, see the module docstring). Every node is stopped at the end."""
     temp = tempfile.mkdtemp(prefix="satpn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     fork_socket = str(Path(temp) / fork_server.SOCKET_NAME)
     env = dict(env, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", OUTDATED_IGNORE="1", DS_ACCELERATOR="cpu",
@@ -158,7 +170,7 @@ def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1) -> Iterator[dic
 
     def started(head: bool, gcs: int, cpus: int, attempts: int = 3) -> Node:
         for attempt in range(attempts):
-            node = Node(temp, env, gcs, head=head, cpus=cpus).start()
+            node = Node(temp, env, gcs, head=head, cpus=cpus, own_folder=own_folders).start()
             nodes.append(node)
             try:
                 node.wait_started()
@@ -170,12 +182,12 @@ def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1) -> Iterator[dic
                 gcs = free_ports(1)[0] if head else gcs
 
     try:
-        gcs = started(True, free_ports(1)[0], head_cpus).gcs_port
+        head = started(True, free_ports(1)[0], head_cpus)
 
         def add_node() -> Node:
-            return started(False, gcs, node_cpus)
+            return started(False, head.gcs_port, node_cpus)
 
-        yield {"address": f"127.0.0.1:{gcs}", "env": env, "add_node": add_node, "base": Path(temp)}
+        yield {"address": f"127.0.0.1:{head.gcs_port}", "env": env, "add_node": add_node, "base": Path(temp), "head": head}
     finally:
         for node in reversed(nodes):
             node.stop()

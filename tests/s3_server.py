@@ -1,8 +1,8 @@
 """A real S3 API server on loopback for the tests: moto in server mode, started by the session.
 
 :func:`s3_server` (session-scoped) starts ``moto_server`` on a free loopback port, creates a
-bucket and two IAM users through it, an admin (every action) and a reader (only ``s3:GetObject``
-and ``s3:ListBucket``), then turns moto's IAM checks on: from then on every request must be signed
+bucket and two IAM users through it, an admin (every action) and a reader (only reads and
+listings: :data:`READER_ACTIONS`), then turns moto's IAM checks on: from then on every request must be signed
 with a key moto knows, and the reader's writes are refused as AWS refuses them (``AccessDenied``).
 The test process's environment names the endpoint and the admin's key (``AWS_*``), as a user's
 would; :meth:`S3Server.env` gives the variables for a subprocess, with other keys when asked.
@@ -25,7 +25,8 @@ import pytest
 from runtime.ports import free_ports
 
 BUCKET = "satp-tests"
-READER_ACTIONS = ["s3:GetObject", "s3:ListBucket"]
+#: what the reader may do (moto 5.2.6 checks ListObjectsV2 under its own name, AWS under s3:ListBucket)
+READER_ACTIONS = ["s3:GetObject", "s3:ListBucket", "s3:ListObjectsV2"]
 
 
 @dataclass

@@ -62,8 +62,9 @@ def _train(job: Path, address: str, env: dict, log: Path, **extra) -> subprocess
 
 def _note(run_dir: Path) -> dict:
     from pipeline.train.elastic import read_note
+    from runtime.storage import resolve
 
-    return read_note(run_dir) or {"global_step": 0, "world_size": 0}
+    return read_note(resolve(run_dir)) or {"global_step": 0, "world_size": 0}
 
 
 def _registered(run_dir: Path, steps: int) -> bool:

@@ -69,10 +69,12 @@ def test_the_configuration_hash_keeps_the_global_batch_and_drops_the_worker_coun
 
 def test_worker_group_events_name_the_counts_the_steps_lost_and_the_time_without_progress(tmp_path):
     from pipeline.train.elastic import ProgressNote, describe, read_note, resize_event
+    from runtime.storage import resolve
 
-    assert read_note(tmp_path) is None and resize_event(None, 1.0, 2, 0, 10.0) is None  # a fresh run
-    ProgressNote(tmp_path, command=1.0, world_size=2).write(7, force=True)
-    note = read_note(tmp_path)
+    run = resolve(tmp_path)
+    assert read_note(run) is None and resize_event(None, 1.0, 2, 0, 10.0) is None  # a fresh run
+    ProgressNote(run, command=1.0, world_size=2).write(7, force=True)
+    note = read_note(run)
     event = resize_event(note, 1.0, 1, 6, note["time"] + 41.25)
     assert {k: event[k] for k in ("kind", "from", "to", "step", "steps_lost", "seconds")} == \
         {"kind": "resize", "from": 2, "to": 1, "step": 6, "steps_lost": 1, "seconds": 41.25}

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import (Drain, checkpoint_epochs, fault_job, process_state, run_satp_train, satp_env, satp_lines,
-                           tiny_job_dict, tracebacks, train_command, wait_until)
+from tests.helpers import (Drain, checkpoint_epochs, checkpoint_part, fault_job, process_state, run_satp_train,
+                           satp_env, satp_lines, tiny_job_dict, tracebacks, train_command, wait_until)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,32 +44,11 @@ def _stop(command: subprocess.Popen) -> None:
 
 
 # ============================================================================= checkpoints
-def _local_part(where: Path, epoch: int, files: dict[str, bytes | Path] | None = None) -> Path:
-    """A rank-0 part of a checkpoint as :func:`pipeline.train.checkpoint.save` leaves it in its local
-    folder (real files, their sizes and digests listed last); a ``Path`` value is linked, not copied."""
-    from preprocessing.shards import sha256_file
-
-    files = {"state.json": json.dumps({"epoch": epoch, "world_size": 1}).encode(),
-             "ds/last/mp_rank_00_model_states.pt": os.urandom(300_000), "best_model.pt": os.urandom(1000),
-             **(files or {})}
-    for name, data in files.items():
-        (where / name).parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(data, Path):
-            (where / name).symlink_to(data)
-        else:
-            (where / name).write_bytes(data)
-    listed = {name: {"size": len(data), "sha256": sha256_file(where / name)} for name, data in files.items()
-              if not isinstance(data, Path)}
-    listed |= {name: {"size": 1 << 40, "sha256": "0" * 64} for name, data in files.items() if isinstance(data, Path)}
-    (where / "rank_0.json").write_text(json.dumps({"files": listed}))
-    return where
-
-
 def _write_checkpoint(run_dir: Path, epoch: int, tmp: Path) -> Path:
     """A checkpoint written into ``run_dir`` by satp's own writer (:meth:`pipeline.train.checkpoint.CheckpointManager.write`)."""
     from pipeline.train.checkpoint import CheckpointManager
 
-    name = CheckpointManager(run_dir).write(_local_part(tmp / f"local-{epoch}", epoch), rank=0, epoch=epoch)
+    name = CheckpointManager(run_dir).write(checkpoint_part(tmp / f"local-{epoch}", epoch), rank=0, epoch=epoch)
     time.sleep(0.01)  # names are timestamps to the microsecond
     return run_dir / name
 
@@ -90,7 +69,7 @@ def test_checkpoint_killed_mid_write_is_named_and_never_resumed_from(tmp_path, c
     run_dir = tmp_path / "run"
     intact = _write_checkpoint(run_dir, 0, tmp_path)
     (run_dir / SNAPSHOT).write_text(json.dumps({"checkpoint_results": [{"checkpoint_dir_name": intact.name}]}))
-    endless = _local_part(tmp_path / "local-1", 1, {"ds/last/mp_rank_00_model_states.pt": Path("/dev/zero")})
+    endless = checkpoint_part(tmp_path / "local-1", 1, {"ds/last/mp_rank_00_model_states.pt": Path("/dev/zero")})
     writer = subprocess.Popen([sys.executable, "-c", PERSIST, str(endless), str(run_dir), "1"], cwd=ROOT)
     partial = lambda: [p for p in run_dir.glob("checkpoint_*/ds/last/mp_rank_00_model_states.pt")  # noqa: E731
                        if p.stat().st_size > 1 << 20]

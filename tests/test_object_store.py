@@ -199,6 +199,36 @@ def test_a_deleted_or_corrupted_object_is_fetched_again_then_refused_by_name(bui
         assert not list((tmp_path / "cache").glob(f".{bad['sha256']}.arrow.tmp-*"))
 
 
+def test_a_changed_or_deleted_checkpoint_object_is_named_and_the_intact_one_before_resumed(s3_server, tmp_path, capfd):
+    """Checkpoints on the store, uploaded by satp's writer: an object of the newest changed behind its
+    back (same size, other bytes), then one of the next deleted. Each is named by its URI in one
+    warning line, never resumed from; the intact one before is, downloaded whole."""
+    from pipeline.train.checkpoint import CheckpointManager
+    from tests.helpers import checkpoint_part, satp_lines
+
+    run = f"{s3_server.prefix('runs')}/r"
+    parts = [checkpoint_part(tmp_path / f"local-{epoch}", epoch) for epoch in range(3)]
+    names = [CheckpointManager(run).write(part, rank=0, epoch=epoch) for epoch, part in enumerate(parts)]
+    client, (bucket, prefix) = s3_server.client(), _key(run)
+    states = "ds/last/mp_rank_00_model_states.pt"
+    changed = bytearray(client.get_object(Bucket=bucket, Key=f"{prefix}/{names[2]}/{states}")["Body"].read())
+    changed[7] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=f"{prefix}/{names[2]}/{states}", Body=bytes(changed))
+    client.delete_object(Bucket=bucket, Key=f"{prefix}/{names[1]}/best_model.pt")
+    capfd.readouterr()
+    manager = CheckpointManager(run)
+    assert manager.newest_intact() == names[0]
+    assert satp_lines(capfd.readouterr().err) == [
+        f"satp: warning: {run}/{names[2]}/{states}: its content differs from what was written (sha256 mismatch: "
+        f"changed since); checkpoint {names[2]} (epoch 2) is damaged and not resumed from; the run goes on from "
+        f"{names[0]} (epoch 0)",
+        f"satp: warning: {run}/{names[1]}/best_model.pt: missing; checkpoint {names[1]} (epoch 1) is damaged and not "
+        f"resumed from; the run goes on from {names[0]} (epoch 0)"]
+    with manager.local(names[0]) as folder:
+        assert {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()} == \
+            {p.relative_to(parts[0]).as_posix(): p.read_bytes() for p in parts[0].rglob("*") if p.is_file()}
+
+
 def test_a_damaged_or_evicted_cached_copy_is_fetched_again(built, tmp_path):
     _, local, _, remote = built
     settings = _cache(tmp_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import small_python_source
-from s3_server import s3_server  # noqa: F401  (the session's server, a fixture)
+from tests.s3_server import s3_server  # noqa: F401  (the session's server, a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,21 +69,6 @@ def test_satp_train_names_a_fault_of_its_storage_path_in_one_line_before_ray(s3_
     assert lines[0].startswith(f"satp: error: {uri}: ") and said in lines[0], lines[0]
     assert seconds < 60  # no Ray started, no retries waited out
     assert list(tmp_path.iterdir()) == []  # nothing written here, no folder named "s3:"
-
-
-def test_the_issues_own_command_is_refused_before_ray_and_writes_nothing(s3_server, job_file, tmp_path):
-    """The shards on the store and the run there too: the store answers and may be written, and the
-    run is refused in one line (its checkpoints are local paths only), not written into ``./s3:``."""
-    shards, runs = s3_server.prefix("shards"), s3_server.prefix("runs")
-    status, lines, _ = _satp("train", job_file, tmp_path, f"shards.root={shards}", f"train.storage_path={runs}")
-    assert status == 2 and lines == [f"satp: error: train.storage_path: {runs}: checkpoints on an object store are "
-                                     "not written by this version; use a path every node mounts (shards.root may be "
-                                     "an s3:// URI)"], lines
-    assert list(tmp_path.iterdir()) == []
-    bucket, prefix = runs.removeprefix("s3://").split("/", 1)
-    listed = s3_server.client().list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
-    assert [o["Key"] for o in listed if not o["Key"].endswith("/")] == []  # the write probe deleted again
-    # (pyarrow keeps an empty "directory" marker, PREFIX/, where it deleted the prefix's last object)
 
 
 @pytest.mark.parametrize("setting, value, said", [

@@ -22,12 +22,12 @@ def _job(space, **tune):
 
 def test_sweep_jobs_validate():
     from pipeline.config import load_job
-    from pipeline.sweep.space import check_space, data_variants
+    from pipeline.sweep.space import data_variants, space_jobs
 
     for name in ("code2-sweep.yaml", "code2-sweep-local.yaml"):
         job = load_job(ROOT / "jobs" / name)
         assert job.tune is not None and job.tune.num_samples >= 4
-        check_space(job)
+        space_jobs(job)
         assert data_variants(job) == [{}]
 
 
@@ -47,24 +47,24 @@ def test_bad_tune_sections_are_rejected(space, match):
 
 def test_bad_keys_and_values_name_the_key():
     from pipeline.config import load_job
-    from pipeline.sweep.space import check_space
+    from pipeline.sweep.space import space_jobs
 
     with pytest.raises(ValueError, match=r"tune\.space\.model\.dropout = 1\.5"):
-        check_space(_job({"model.dropout": {"choice": [0.1, 1.5]}}))
+        space_jobs(_job({"model.dropout": {"choice": [0.1, 1.5]}}))
     with pytest.raises(ValueError, match=r"tune\.space\.model\.no_such_key"):
-        check_space(_job({"model.no_such_key": {"choice": [1, 2]}}))
+        space_jobs(_job({"model.no_such_key": {"choice": [1, 2]}}))
     with pytest.raises(ValueError, match=r"tune\.space\.model\.gnn_type = 'gat'"):
-        check_space(_job({"model.gnn_type": {"choice": ["gcn", "gat"]}}))
+        space_jobs(_job({"model.gnn_type": {"choice": ["gcn", "gat"]}}))
     with pytest.raises(ValueError, match=r"tune.*unknown key"):
         load_job(ROOT / "jobs" / "code2-sweep-local.yaml", ["tune.asha.patience=3"])
 
 
 def test_linked_keys_and_data_variants():
-    from pipeline.sweep.space import apply_config, base_job_dict, check_space, data_variants
+    from pipeline.sweep.space import apply_config, base_job_dict, data_variants, space_jobs
 
     job = _job({"transform.rwpe_steps, model.pe_dim": {"choice": [4, 8]}, "model.pe": {"value": "rwpe"},
                 "train.lr": {"loguniform": [1e-4, 1e-3]}})
-    check_space(job)
+    space_jobs(job)
     assert data_variants(job) == [{"transform.rwpe_steps, model.pe_dim": 4}, {"transform.rwpe_steps, model.pe_dim": 8}]
     raw = apply_config(base_job_dict(job), {"transform.rwpe_steps, model.pe_dim": 8, "train.lr": 3e-4})
     assert raw["transform"]["rwpe_steps"] == 8 and raw["model"]["pe_dim"] == 8 and raw["train"]["lr"] == 3e-4

@@ -47,10 +47,8 @@ def _sbm(args: argparse.Namespace) -> int:
 
 
 def _preprocess(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from pipeline.config import load_job
-    from pipeline.train.preflight import check_data_root, check_writable_dir
+    from pipeline.train.preflight import check_data_root, check_shards_root
     from runtime.ray_address import probe, resolve_address
 
     job = load_job(args.job, args.overrides)
@@ -59,8 +57,7 @@ def _preprocess(args: argparse.Namespace) -> int:
         probe(target)
     # the path checks of satp train's pre-flight, before torch and Ray load (~10 s): one line naming the key
     check_data_root(job.data)
-    if not Path(job.shards.root).expanduser().is_dir():  # one that exists may be read-only: built already
-        check_writable_dir("shards.root", job.shards.root)
+    check_shards_root(job)
     from preprocessing.build import preprocess
 
     if target:
@@ -68,7 +65,7 @@ def _preprocess(args: argparse.Namespace) -> int:
 
         connect(args.address, log_to_driver=False)
     out = preprocess(job.data, job.transform, job.shards, address=args.address, progress=not args.no_progress,
-                     force=args.force)
+                     force=args.force, storage=job.storage.settings())
     print(out)
     return 0
 

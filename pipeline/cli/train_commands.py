@@ -96,9 +96,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from pipeline.cli.submit import enter_workdir
     from pipeline.config import load_job
-    from pipeline.train.checkpoint import CheckpointManager
     from pipeline.train.lease import RunLease
-    from pipeline.train.plan import resolve_job, run_dir
+    from pipeline.train.plan import resolve_job, run_checkpoints, run_dir, store_env
     from pipeline.train.preflight import early_checks
     from runtime.interrupts import deferred
 
@@ -114,13 +113,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     # the run's lease, held to the end: a run another command holds is refused here, before Ray
     lease = RunLease(run_dir(resolved), resolved.train.run_name, storage=resolved.storage.settings()).acquire()
     try:
-        if args.restart or not CheckpointManager(run_dir(resolved)).list():
+        if args.restart or not run_checkpoints(resolved).list():
             # nothing to decide (a new run, or one started over): Ray joined (or a local cluster
             # started) in a thread while the driver's modules load below; a run with checkpoints
             # joins Ray once its plan decided that it trains (a finished one needs no Ray)
             from runtime.ray_cluster import connect_in_background
 
-            connect_in_background(args.address)
+            connect_in_background(args.address, env_vars=store_env(resolved))
         from pipeline.train.driver import train_plan
         from pipeline.train.plan import JobPlan
         from runtime.ray_logs import RetryNotice
@@ -153,12 +152,11 @@ def _divert_ray_output(job):
 
 def kept_after_interrupt(job) -> str:
     """What an interrupted ``satp train`` of ``job`` (resolved) kept, and how to go on (one line)."""
-    from pipeline.train.checkpoint import CheckpointManager
-    from pipeline.train.plan import run_dir
+    from pipeline.train.plan import run_checkpoints
     from pipeline.train.rerun import previous_run
 
     train = job.train
-    previous = previous_run(CheckpointManager(run_dir(job)), warn=False)  # the rerun names what is damaged
+    previous = previous_run(run_checkpoints(job), warn=False)  # the rerun names what is damaged
     if previous is None:
         return (f"run {train.run_name} had written no checkpoint yet (finished shards are kept): the same command "
                 "starts it again")

@@ -112,12 +112,13 @@ def _trial(config: dict[str, Any], ctx: SweepContext) -> None:
 
     started = time.time()  # the trial's start-up counts from here (its process may have started long before)
     from pipeline.train.driver import train_job
+    from pipeline.train.plan import run_dir
 
     trial_id = ray.tune.get_context().get_trial_id()
     overrides = {k: v for k, v in config.items() if k != VARIANT}
     job = trial_job(ctx, overrides, trial_id)
-    train_job(job, shard_dir=ctx.shard_dirs[config[VARIANT]], register=False, callbacks=[report_callback()],
-              started_at=started)
+    train_job(job, shard_dir=ctx.shard_dirs[config[VARIANT]], register=False,
+              callbacks=[report_callback(str(run_dir(job)))], started_at=started)
 
 
 # ----------------------------------------------------------------------------- results
@@ -319,8 +320,9 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     import preprocessing
     from pipeline.train.preflight import preflight
     from pipeline.registry.addresses import check_reachable
-    from pipeline.train.plan import resolve_job
+    from pipeline.train.plan import resolve_job, store_env
     from preprocessing.config import config_hash
+    from runtime.storage import absolute, ray_storage
 
     start = time.time()
     if job.compare is None:
@@ -331,42 +333,45 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     job = resolve_job(job)
     if not job.mlflow.enabled:
         raise ValueError("compare: the comparison logs to MLflow; mlflow.enabled must be true")
-    base = resolve_paths(base_dict(job), Path.cwd())
+    base = resolve_paths(base_dict(job))
     base["mlflow"]["enabled"] = False
     digest = comparison_digest(base, cmp)
     name = cmp.name or f"{job.name}-compare-{digest[:8]}"
+    settings = job.storage.settings()
     storage = sweep_storage(cmp.storage_path, job, "compare.storage_path")
-    sweep_dir = storage / name
-    with hold_sweep(sweep_dir, name, "satp compare", "compare.name"):  # one writer per comparison
+    sweep_dir = f"{storage}/{name}"
+    with hold_sweep(sweep_dir, name, "satp compare", "compare.name", settings):  # one writer per comparison
         ran = record.recorded_job(base, "compare", cmp.model_dump(mode="json"))
-        record.check_rerun(sweep_dir, ran, what="comparison", name=name, key="compare.name", restart=restart)  # before Ray
+        record.check_rerun(sweep_dir, ran, what="comparison", name=name, key="compare.name", restart=restart,
+                           storage=settings)  # before Ray
         tracking_uri = job.mlflow.tracking_uri
         check_reachable(tracking_uri)
 
         workers = max(j.resources.max_workers * j.resources.cpus_per_worker for j in jobs.values())
         preflight({f"compare.variants.{vname}": vjob for vname, vjob in jobs.items()}, address=address,
                   num_workers=max(j.resources.max_workers for j in jobs.values()), extra_cpus=cmp.trial_cpus,
-                  ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+                  ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0", **store_env(job)})
 
         # every distinct preprocessing once, here; then each variant's model size
         built: dict[str, str] = {}
         shard_dirs: dict[str, str] = {}
         for vname, v in variant_jobs(job, base).items():  # paths resolved
-            key = config_hash(v.data, v.transform, v.shards) + str(Path(v.shards.root))
+            key = config_hash(v.data, v.transform, v.shards) + v.shards.root
             if key not in built:
-                built[key] = str(Path(preprocessing.preprocess(v.data, v.transform, v.shards, address=address)).resolve())
+                built[key] = absolute(preprocessing.preprocess(v.data, v.transform, v.shards, address=address,
+                                                               storage=settings))
                 log.info("shards for %s: %s", vname, built[key])
             shard_dirs[vname] = built[key]
         parameters = {vname: count_parameters(vjob, shard_dirs[vname]) for vname, vjob in jobs.items()}
 
-        ctx = SweepContext(name=name, base=base, shard_dirs=shard_dirs, data_keys=[], train_storage=str(sweep_dir / "train"),
+        ctx = SweepContext(name=name, base=base, shard_dirs=shard_dirs, data_keys=[], train_storage=f"{sweep_dir}/train",
                            max_epochs=job.train.epochs)
 
         # MLflow: experiment and parent run before any trial starts (one writer: this process)
         client = tracking.client(tracking_uri)
         exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)
-        sweep_key = str(sweep_dir)
-        record.start(sweep_dir, ran, restart)
+        sweep_key = sweep_dir
+        record.start(sweep_dir, ran, restart, settings)
         if restart:
             retire_sweep_runs(client, exp_id, sweep_key, "comparison started over (--restart)")
         parent_id = open_parent_run(client, exp_id, sweep_key, KIND, name, {**base, "compare": cmp.model_dump(mode="json")},
@@ -395,16 +400,16 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
                                             search_alg=BasicVariantGenerator(max_concurrent=concurrent),
                                             reuse_actors=True),
                 run_config=tune.RunConfig(
-                    name=name, storage_path=str(storage),
+                    name=name, **ray_storage(storage, settings, "compare.storage_path"),
                     failure_config=tune.FailureConfig(max_failures=cmp.max_failures),
                     callbacks=[SweepLogger(tracking_uri, exp_id, parent_id, sweep_key, ctx, job.train.epochs)],
                     verbose=verbose,
                 ),
             )
 
-        results, resumed = fit_trials(sweep_dir, trainable, new_tuner, client, parent_id)
+        results, resumed = fit_trials(sweep_dir, trainable, new_tuner, client, parent_id, settings)
 
-        summaries = summarize(results, metric, mode, metric, job.train.epochs, saved_states(sweep_dir))
+        summaries = summarize(results, metric, mode, metric, job.train.epochs, saved_states(sweep_dir, settings), settings)
         trials = trial_results(results, summaries, m)
         for t in trials:
             found = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, TRIAL_TAG: t.trial_id})
@@ -412,7 +417,7 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
                 t.run_id = found.info.run_id
                 client.set_tag(t.run_id, "mlflow.runName", f"{t.variant}-seed{t.seed}")
                 client.set_tag(t.run_id, "satp.variant", t.variant)
-        outcome = CompareOutcome(name=name, path=str(sweep_dir), metric=m, epochs=job.train.epochs,
+        outcome = CompareOutcome(name=name, path=sweep_dir, metric=m, epochs=job.train.epochs,
                                  variants=summarize_variants(job, trials, parameters), trials=trials,
                                  parent_run_id=parent_id, tracking_uri=tracking_uri, resumed=resumed,
                                  seconds=time.time() - start,

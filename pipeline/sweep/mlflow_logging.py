@@ -67,13 +67,13 @@ def retire_sweep_runs(client, exp_id: str, sweep_key: str, why: str) -> int:
     return len(runs)
 
 
-def catch_up_metrics(client, run_id: str, checkpoint_path: str) -> int:
+def catch_up_metrics(client, run_id: str, checkpoint_path: str, storage=None) -> int:
     """Log the epochs of a trial's Train history (its last checkpoint's ``state.json``) that its
     MLflow run lacks: an epoch reported just before an interruption never reached the driver's
     callback. Returns the number of epochs logged."""
     from mlflow.entities import Metric
 
-    history = checkpoint_history(checkpoint_path)
+    history = checkpoint_history(checkpoint_path, storage)
     logged = {int(m.step) for m in client.get_metric_history(run_id, "epoch")}
     now = int(time.time() * 1000)
     count = 0

@@ -22,12 +22,12 @@ each trial sets itself (``train.run_name``, ``train.storage_path``).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.lease import LEASE_FILE
 from pipeline.train.rerun import differences
+from runtime.storage import resolve
 
 RECORD_FILE = "satp-sweep.json"
 SECTIONS = ("tune", "compare")
@@ -42,16 +42,18 @@ def recorded_job(base: dict, section: str, settings: dict) -> dict:
     return json.loads(json.dumps(job, default=str))  # as it reads back
 
 
-def check_rerun(sweep_dir: Path, record: dict, *, what: str, name: str, key: str, restart: bool) -> None:
-    """Refuse (a one-line ``ValueError``) to resume a sweep folder that ran another job than
-    ``record``, or that records none (run by an earlier satp); ``key``: the job key naming it."""
-    sweep_dir = Path(sweep_dir)
-    if restart or not sweep_dir.is_dir():
+def check_rerun(sweep_dir: str | Path, record: dict, *, what: str, name: str, key: str, restart: bool,
+                storage=None) -> None:
+    """Refuse (a one-line ``ValueError``) to resume a sweep folder (a path, or a URI on the store the
+    job's ``storage`` settings reach) that ran another job than ``record``, or that records none (run
+    by an earlier satp); ``key``: the job key naming it."""
+    folder = resolve(sweep_dir, storage, "tune.storage_path")
+    if restart:
         return
     try:
-        recorded = json.loads((sweep_dir / RECORD_FILE).read_text())
+        recorded = json.loads(folder.join(RECORD_FILE).read_bytes())
     except FileNotFoundError:
-        if not any(path.name != LEASE_FILE for path in sweep_dir.iterdir()):
+        if not any(info.base_name != LEASE_FILE for info in folder.children()):
             return  # nothing ran there yet
         held = f"a {what} that records no job (run before satp recorded one)"
     except (OSError, ValueError) as exc:
@@ -67,17 +69,11 @@ def check_rerun(sweep_dir: Path, record: dict, *, what: str, name: str, key: str
                      f"Train runs are deleted; MLflow runs and registered versions stay)")
 
 
-def start(sweep_dir: Path, record: dict, restart: bool) -> None:
+def start(sweep_dir: str | Path, record: dict, restart: bool, storage=None) -> None:
     """Once the sweep is sure to start: with ``restart``, empty its folder (Tune's state and its
     trials' Train runs; the lease, which this command holds, stays), then write ``record`` (whole or
     not at all)."""
-    sweep_dir = Path(sweep_dir)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
+    folder = resolve(sweep_dir, storage, "tune.storage_path")
     if restart:
-        CheckpointManager(sweep_dir).clear(keep=LEASE_FILE)
-    tmp = sweep_dir / f".{RECORD_FILE}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(record, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, sweep_dir / RECORD_FILE)
+        CheckpointManager(folder).clear(keep=LEASE_FILE)
+    folder.join(RECORD_FILE).write_bytes(json.dumps(record, indent=1, sort_keys=True).encode())

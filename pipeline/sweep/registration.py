@@ -2,7 +2,6 @@
 child run; the alias moves to it only if it beats the current holder's validation metric."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from pipeline.config import JobConfig
@@ -30,28 +29,25 @@ def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, 
 
     if not best.checkpoint_path:
         raise RuntimeError(f"trial {best.trial_id} reported no checkpoint")
-    directory = Path(best.checkpoint_path)
-    state = ckpt.load_state(directory)
-    weights = ckpt.load_best_weights(directory)
+    storage = job.storage.settings()
+    checkpoints, name = ckpt.checkpoint_at(best.checkpoint_path, storage)
+    state, weights = checkpoints.load(name)
     if weights is None:
-        raise RuntimeError(f"{directory}: no best weights in the trial's checkpoint")
+        raise RuntimeError(f"{best.checkpoint_path}: no best weights in the trial's checkpoint")
     config = SATConfig.from_dict(state["model_config"])
     model = build_model(config)
     model.load_state_dict(weights)
     model.eval()
     shard_dir = best.config.get("__shard_dir__")
-    task_state = dict(state["task"])
-    vocab = None
-    if shard_dir:
-        vocab = open_split(shard_dir, "train").vocab
-    task = make_task(task_state.pop("name"), vocab=vocab, **task_state)
     extra = {"run_name": f"{sweep_name}-{best.trial_id}", "job": best.config.get("__job__"),
              "sweep": {"name": sweep_name, "trial_id": best.trial_id, "parent_run_id": parent_run_id}}
+    vocab, manifest_hash = None, ""
     if shard_dir:
-        extra.update(input_spec(shard_dir))
-    manifest_hash = ""
-    if shard_dir:
-        manifest_hash = (open_split(shard_dir, "train").manifest or {}).get("config_hash", "")
+        train = open_split(shard_dir, "train", storage)
+        vocab, manifest_hash = train.vocab, (train.manifest or {}).get("config_hash", "")
+        extra.update(input_spec(shard_dir, storage))
+    task_state = dict(state["task"])
+    task = make_task(task_state.pop("name"), vocab=vocab, **task_state)
     with torch.no_grad():
         reg = register(model, job=job, task=task, model_config=config, best=state["best"],
                        constant=state.get("constant"), run_id=best.run_id, tracking_uri=tracking_uri,

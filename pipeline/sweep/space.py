@@ -6,8 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from pipeline.config import JobConfig, format_validation_error, set_dotted
 from pipeline.config.tune import DATA_SECTIONS, split_key
@@ -49,11 +48,6 @@ def space_jobs(job: JobConfig) -> list[JobConfig]:
     return jobs or [validate_raw(raw, "job")]
 
 
-def check_space(job: JobConfig) -> None:
-    """Every value the space can sample must give a valid job (one-line error naming the key)."""
-    space_jobs(job)
-
-
 def data_variants(job: JobConfig) -> list[dict[str, Any]]:
     """Every combination of the preprocessing-changing keys of the space (``[{}]`` when none)."""
     keys = [k for k in job.tune.space if any(p.split(".")[0] in DATA_SECTIONS for p in split_key(k))]
@@ -65,24 +59,20 @@ def variant_key(config: dict[str, Any], keys: list[str]) -> str:
     return json.dumps({k: config[k] for k in sorted(keys)}, sort_keys=True, default=str)
 
 
-def _absolute(path: Optional[str], base: Path) -> Optional[str]:
-    if path is None:
-        return None
-    p = Path(path).expanduser()
-    return str(p if p.is_absolute() else (base / p).resolve())
+def resolve_paths(raw: dict) -> dict:
+    """Relative data/shard roots and source dirs resolved against the driver's cwd (trials run
+    elsewhere); a URI stays as written."""
+    from runtime.storage import absolute
 
-
-def resolve_paths(raw: dict, cwd: Path) -> dict:
-    """Relative data/shard roots and source dirs resolved against the driver's cwd (trials run elsewhere)."""
     raw = copy.deepcopy(raw)
     data = raw.get("data") or {}
     if data.get("root"):
-        data["root"] = _absolute(data["root"], cwd)
+        data["root"] = absolute(data["root"])
     if data.get("source_dirs"):
-        data["source_dirs"] = [_absolute(d, cwd) for d in data["source_dirs"]]
+        data["source_dirs"] = [absolute(d) for d in data["source_dirs"]]
     shards = raw.get("shards") or {}
     if shards.get("root"):
-        shards["root"] = _absolute(shards["root"], cwd)
+        shards["root"] = absolute(shards["root"])
     return raw
 
 

@@ -49,21 +49,28 @@ class SweepOutcome:
         return [t for t in self.trials if t.status == "early_stopped"]
 
 
-def saved_states(path: str | Path) -> dict[str, str]:
-    """Trial states in the sweep's saved experiment state. After an interruption (Ctrl-C) Tune
+def saved_states(path: str | Path, storage=None) -> dict[str, str]:
+    """Trial states in the sweep's saved experiment state (``path``: the sweep's folder, a path or a
+    URI on the store the job's ``storage`` settings reach). After an interruption (Ctrl-C) Tune
     stops the running trials and marks them TERMINATED in memory, but it saves them first as
     PENDING/RUNNING so that ``Tuner.restore`` resumes them: the saved state tells."""
     try:
         from ray.tune import ExperimentAnalysis
 
-        return {t.trial_id: t.status for t in ExperimentAnalysis(str(path)).trials}
+        from runtime.storage import ray_storage
+
+        where = ray_storage(str(path), storage, "tune.storage_path")
+        analysis = ExperimentAnalysis(where["storage_path"], storage_filesystem=where.get("storage_filesystem"))
+        return {t.trial_id: t.status for t in analysis.trials}
     except Exception as exc:  # unreadable state: trust the in-memory results
         log.debug("no saved experiment state at %s: %s", path, exc)
         return {}
 
 
 def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
-              states: Optional[dict[str, str]] = None) -> list[TrialSummary]:
+              states: Optional[dict[str, str]] = None, storage=None) -> list[TrialSummary]:
+    """The trials of Tune's ``results`` (``states``: :func:`saved_states`; ``storage``: the job's
+    settings of checkpoints on a store)."""
     try:  # Tune's trials, in the order of the results
         tune_trials = list(results._experiment_analysis.trials)
     except AttributeError:
@@ -90,7 +97,7 @@ def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
                 checkpoint_path = row["checkpoint_path"]
                 best_val = row.get(f"best_{val_metric}", best_val)
                 best_test = row.get(f"best_{val_metric.replace('val_', 'test_', 1)}", best_test)
-        for row in checkpoint_history(checkpoint_path):  # checkpointed epochs whose report never reached Tune
+        for row in checkpoint_history(checkpoint_path, storage):  # checkpointed epochs whose report never reached Tune
             by_epoch.setdefault(int(row["epoch"]), row)
         epochs = max(by_epoch, default=-1) + 1
         curve = [(e, float(r[val_metric])) for e, r in sorted(by_epoch.items()) if _finite(r.get(val_metric))]
@@ -116,8 +123,9 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def checkpoint_history(checkpoint_path: Optional[str]) -> list[dict]:
-    """Every epoch of a trial's Train run, as its last checkpoint records them (``state.json``).
+def checkpoint_history(checkpoint_path: Optional[str], storage=None) -> list[dict]:
+    """Every epoch of a trial's Train run, as its last checkpoint (a path, or a URI on the store
+    ``storage`` reaches) records them (``state.json``).
 
     Tune's results miss the epochs whose report had not reached its driver when a sweep was
     interrupted: the trial's Train run had checkpointed them, and, resumed from that checkpoint,
@@ -127,7 +135,8 @@ def checkpoint_history(checkpoint_path: Optional[str]) -> list[dict]:
     from pipeline.train import checkpoint as ckpt
 
     try:
-        history = ckpt.load_state(checkpoint_path).get("history") or []
+        manager, name = ckpt.checkpoint_at(checkpoint_path, storage)
+        history = manager.state(name).get("history") or []
     except (ValueError, OSError):
         return []
     return [row for row in history if isinstance(row, dict) and isinstance(row.get("epoch"), int)]

@@ -43,8 +43,10 @@ def trial_job(ctx: SweepContext, config: dict[str, Any], trial_id: str) -> JobCo
 TIME_ATTR = "epochs_done"
 
 
-def report_callback():
-    """Tune's ``TuneReportCallback`` (Train -> Tune metrics), adding :data:`TIME_ATTR`."""
+def report_callback(run: str):
+    """Tune's ``TuneReportCallback`` (Train -> Tune metrics), adding :data:`TIME_ATTR` and the
+    checkpoint as ``checkpoint_path`` in the trial's run folder ``run`` (a path, or a URI: Ray's path of
+    a checkpoint on a store is the one in its file system, without the scheme)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class EpochReportCallback(TuneReportCallback):
@@ -52,7 +54,9 @@ def report_callback():
             if metrics and "epoch" not in metrics[0]:
                 return  # a checkpoint within an epoch: Tune's iterations are epochs
             metrics = [dict(m, **{TIME_ATTR: int(m["epoch"]) + 1}) if "epoch" in m else m for m in metrics]
-            super().after_report(run_context, metrics, checkpoint)
+            if checkpoint is not None:
+                metrics[0] = dict(metrics[0], checkpoint_path=f"{run}/{checkpoint.path.rstrip('/').rsplit('/', 1)[-1]}")
+            super().after_report(run_context, metrics, None)
 
     return EpochReportCallback()
 
@@ -66,35 +70,37 @@ def trial_trainable(trial_fn, ctx: SweepContext, trial_cpus: float):
     return tune.with_resources(tune.with_parameters(trial_fn, ctx=ctx), resources)
 
 
-def sweep_storage(value: Optional[str], job, key: str) -> Path:
-    """The folder that holds a sweep's folder: ``value`` (``tune.storage_path`` / ``compare.storage_path``,
-    named by ``key``), default ``<runs>/tune``. A URI is checked before anything is written
-    (:func:`pipeline.train.preflight.check_run_store`), never taken for a local folder."""
+def sweep_storage(value: Optional[str], job, key: str) -> str:
+    """The folder that holds a sweep's folder, an absolute path or a URI: ``value`` (``tune.storage_path``
+    / ``compare.storage_path``, named by ``key``), default ``<runs>/tune``. A URI is checked before
+    anything is written (:func:`pipeline.train.preflight.check_run_store`), never taken for a local folder."""
     from pipeline.config.train import runs_dir
     from pipeline.train.preflight import check_run_store
-    from runtime.storage import is_uri
+    from runtime.storage import absolute, is_uri
 
     if value and is_uri(value):
         check_run_store(key, value, job.storage.settings())
-    return Path(value or runs_dir() / "tune").expanduser().resolve()
+    return absolute(value or runs_dir() / "tune")
 
 
 @contextlib.contextmanager
-def hold_sweep(sweep_dir: Path, name: str, command: str, key: str) -> Iterator[None]:
+def hold_sweep(sweep_dir: str | Path, name: str, command: str, key: str, storage=None) -> Iterator[None]:
     """Hold the sweep's lease while the block runs: one writer per sweep folder, as per run
     (:class:`pipeline.train.lease.RunLease`, ``<sweep_dir>/satp-lease.json``). Two sweeps of one
     name would share Tune's state and the trials' runs, and take each other's trial leases; the
     second is refused at once, in one line naming the holder (``key``: the job key to change), and
     a sweep whose holder died is taken over with one warning line. The folders the lease created
-    are removed again if the sweep wrote nothing into them (its pre-flight failed)."""
+    are removed again if the sweep wrote nothing into them (its pre-flight failed). ``storage``: the
+    job's settings of a sweep folder on a store."""
     from pipeline.train.lease import RunLease
     from runtime.interrupts import deferred
+    from runtime.storage import is_uri
 
     created, node = [], Path(sweep_dir).absolute()
-    while not node.exists() and node != node.parent:
+    while not is_uri(sweep_dir) and not node.exists() and node != node.parent:
         created.append(node)
         node = node.parent
-    lease = RunLease(sweep_dir, name, command=command, kind="sweep", key=key).acquire()
+    lease = RunLease(sweep_dir, name, command=command, kind="sweep", key=key, storage=storage).acquire()
     try:
         yield
     finally:
@@ -115,18 +121,23 @@ class _NoRestoreHint(logging.Filter):
         return "Tuner.restore(" not in record.getMessage()
 
 
-def fit_trials(sweep_dir: Path, trainable, new_tuner, client, parent_id: str):
-    """Fit the trials: a new ``Tuner`` (``new_tuner()``), or the interrupted one in ``sweep_dir``
-    restored. Returns ``(results, resumed)``; any failure marks the parent run FAILED."""
+def fit_trials(sweep_dir: str | Path, trainable, new_tuner, client, parent_id: str, storage=None):
+    """Fit the trials: a new ``Tuner`` (``new_tuner()``), or the interrupted one in ``sweep_dir`` (a
+    path, or a URI on the store that the job's ``storage`` settings reach) restored. Returns
+    ``(results, resumed)``; any failure marks the parent run FAILED."""
     from ray import tune
 
-    resumed = tune.Tuner.can_restore(str(sweep_dir))
+    from runtime.storage import ray_storage
+
+    where = ray_storage(str(sweep_dir), storage, "tune.storage_path")
+    place = {"path": where["storage_path"], "storage_filesystem": where.get("storage_filesystem")}
+    resumed = tune.Tuner.can_restore(**place)
     tune_log, hint = logging.getLogger("ray.tune.tune"), _NoRestoreHint()
     tune_log.addFilter(hint)
     try:
         if resumed:
             log.info("resuming %s", sweep_dir)
-            tuner = tune.Tuner.restore(str(sweep_dir), trainable=trainable, resume_unfinished=True, resume_errored=True)
+            tuner = tune.Tuner.restore(**place, trainable=trainable, resume_unfinished=True, resume_errored=True)
         else:
             tuner = new_tuner()
         results = tuner.fit()

@@ -66,10 +66,13 @@ def _trial(config: dict[str, Any], ctx: SweepContext) -> None:
     started = time.time()  # the trial's start-up counts from here (its process may have started long before)
     from pipeline.train.driver import train_job
 
+    from pipeline.train.plan import run_dir
+
     trial_id = ray.tune.get_context().get_trial_id()
     job = trial_job(ctx, config, trial_id)
     shard_dir = ctx.shard_dirs[variant_key(config, ctx.data_keys)]
-    train_job(job, shard_dir=shard_dir, register=False, callbacks=[report_callback()], started_at=started)
+    train_job(job, shard_dir=shard_dir, register=False, callbacks=[report_callback(str(run_dir(job)))],
+              started_at=started)
 
 
 def concurrency_cap(job: JobConfig, tune_cfg: TuneConfig, cluster: dict[str, float]) -> int:
@@ -100,7 +103,8 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    from pipeline.train.plan import resolve_job
+    from pipeline.train.plan import resolve_job, store_env
+    from runtime.storage import absolute, ray_storage
 
     start = time.time()
     if job.tune is None:
@@ -122,13 +126,15 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
     if not job.mlflow.enabled:
         raise ValueError("tune: the sweep logs to MLflow; mlflow.enabled must be true")
     name = tune_cfg.name or f"{job.name}-sweep"
+    settings = job.storage.settings()
     storage = sweep_storage(tune_cfg.storage_path, job, "tune.storage_path")
-    sweep_dir = storage / name
-    with hold_sweep(sweep_dir, name, "satp tune", "tune.name"):  # one writer per sweep, like a run
-        base = resolve_paths(base_job_dict(job), Path.cwd())
+    sweep_dir = f"{storage}/{name}"
+    with hold_sweep(sweep_dir, name, "satp tune", "tune.name", settings):  # one writer per sweep, like a run
+        base = resolve_paths(base_job_dict(job))
         base["mlflow"]["enabled"] = False
         ran = record.recorded_job(base, "tune", tune_cfg.model_dump(mode="json"))
-        record.check_rerun(sweep_dir, ran, what="sweep", name=name, key="tune.name", restart=restart)  # before Ray
+        record.check_rerun(sweep_dir, ran, what="sweep", name=name, key="tune.name", restart=restart,  # before Ray
+                           storage=settings)
         tracking_uri = job.mlflow.tracking_uri
         from pipeline.registry.addresses import check_reachable
 
@@ -139,7 +145,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
         from pipeline.train.preflight import preflight
 
         preflight(space, address=address, num_workers=max_workers(job, tune_cfg), extra_cpus=tune_cfg.trial_cpus,
-                  ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+                  ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0", **store_env(job)})
 
         # preprocessing variants, built once here
         import preprocessing
@@ -151,18 +157,18 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
         for variant in variants:
             raw = apply_config(base, variant)
             out = preprocessing.preprocess(DataConfig.model_validate(raw["data"]), TransformConfig.model_validate(raw["transform"]),
-                                           ShardConfig.model_validate(raw["shards"]), address=address)
-            shard_dirs[variant_key(variant, data_keys)] = str(Path(out).resolve())
+                                           ShardConfig.model_validate(raw["shards"]), address=address, storage=settings)
+            shard_dirs[variant_key(variant, data_keys)] = absolute(out)
             log.info("shards for %s: %s", variant or "the job", out)
 
         ctx = SweepContext(name=name, base=base, shard_dirs=shard_dirs, data_keys=data_keys,
-                           train_storage=str(sweep_dir / "train"), max_epochs=max_epochs)
+                           train_storage=f"{sweep_dir}/train", max_epochs=max_epochs)
 
         # MLflow: experiment and parent run before any trial starts (one writer: this process)
         client = tracking.client(tracking_uri)
         exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)
-        sweep_key = str(sweep_dir)
-        record.start(sweep_dir, ran, restart)
+        sweep_key = sweep_dir
+        record.start(sweep_dir, ran, restart, settings)
         if restart:
             retire_sweep_runs(client, exp_id, sweep_key, "sweep started over (--restart)")
         parent_id = open_parent_run(client, exp_id, sweep_key, "sweep", name, {**base, "tune": job.tune.model_dump(mode="json")})
@@ -188,16 +194,16 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
                     search_alg=BasicVariantGenerator(random_state=tune_cfg.seed, max_concurrent=concurrent),
                 ),
                 run_config=tune.RunConfig(
-                    name=name, storage_path=str(storage),
+                    name=name, **ray_storage(storage, settings, "tune.storage_path"),
                     failure_config=tune.FailureConfig(max_failures=tune_cfg.max_failures),
                     callbacks=[SweepLogger(tracking_uri, exp_id, parent_id, sweep_key, ctx, max_epochs)],
                     verbose=verbose,
                 ),
             )
 
-        results, resumed = fit_trials(sweep_dir, trainable, new_tuner, client, parent_id)
+        results, resumed = fit_trials(sweep_dir, trainable, new_tuner, client, parent_id, settings)
 
-        trials = summarize(results, metric, mode, val_metric, max_epochs, saved_states(sweep_dir))
+        trials = summarize(results, metric, mode, val_metric, max_epochs, saved_states(sweep_dir, settings), settings)
         for t in trials:
             found = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, TRIAL_TAG: t.trial_id})
             t.run_id = found.info.run_id if found is not None else None
@@ -206,11 +212,11 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
                                              t.trial_id).model_dump(mode="json")}
         for t in trials:
             if t.run_id and t.checkpoint_path:
-                catch_up_metrics(client, t.run_id, t.checkpoint_path)
+                catch_up_metrics(client, t.run_id, t.checkpoint_path, settings)
         if any(t.status == "interrupted" for t in trials):
             client.set_tag(parent_id, "satp.interrupted", "true")
             client.set_terminated(parent_id, status="KILLED")
-            return SweepOutcome(name=name, path=str(sweep_dir), metric=metric, mode=mode, trials=trials, best=None,
+            return SweepOutcome(name=name, path=sweep_dir, metric=metric, mode=mode, trials=trials, best=None,
                                 parent_run_id=parent_id, tracking_uri=tracking_uri, registered=None, resumed=resumed,
                                 seconds=time.time() - start, interrupted=True)
         ok = [t for t in trials if t.status != "error" and t.best is not None]
@@ -264,7 +270,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
                 client.set_tag(parent_id, REGISTERED_TAG, f"{best.trial_id}/{registered['version']}")
                 client.set_tag(parent_id, "satp.registered_uri", registered["registered_uri"])
         client.set_terminated(parent_id, status="FINISHED")
-        return SweepOutcome(name=name, path=str(sweep_dir), metric=metric, mode=mode, trials=trials, best=best,
+        return SweepOutcome(name=name, path=sweep_dir, metric=metric, mode=mode, trials=trials, best=best,
                             parent_run_id=parent_id, tracking_uri=tracking_uri, registered=registered, resumed=resumed,
                             seconds=time.time() - start)
 

@@ -44,7 +44,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from runtime.storage import Location, resolve
+from runtime.storage import Location, StorageSettings, resolve
 
 DS_DIR = "ds"
 TAG = "last"
@@ -122,18 +122,31 @@ def checkpoint_name() -> str:
     return f"{PREFIX}{datetime.datetime.now().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
 
 
+def checkpoint_at(path: str, storage: Optional[StorageSettings] = None) -> tuple["CheckpointManager", str]:
+    """The manager of the run folder that holds checkpoint ``path`` (a path or a URI), and its name."""
+    run, name = str(path).rstrip("/").rsplit("/", 1)
+    return CheckpointManager(run, storage=storage), name
+
+
 class CheckpointManager:
-    """The checkpoints of one run folder ``run`` (a path, a URI or a :class:`~runtime.storage.Location`).
+    """The checkpoints of one run folder ``run`` (a path, a URI or a :class:`~runtime.storage.Location`;
+    ``storage``: the job's settings of a URI's store).
 
     ``damaged``: what was named damaged already (problem -> which checkpoint; the driver's, handed to
     the workers), so that each damaged checkpoint is named once per run, not once per process."""
 
-    def __init__(self, run: str | os.PathLike | Location, damaged: Optional[dict[str, str]] = None) -> None:
-        self.location = run if isinstance(run, Location) else resolve(run, key="train.storage_path")
+    def __init__(self, run: str | os.PathLike | Location, damaged: Optional[dict[str, str]] = None,
+                 storage: Optional[StorageSettings] = None) -> None:
+        self.location = run if isinstance(run, Location) else resolve(run, storage, key="train.storage_path")
         self.fs, self.root = self.location.fs, self.location.path.rstrip("/")
+        self.named = self.root if self.location.local else self.location.uri.rstrip("/")  # as messages name it
         self.damaged: dict[str, str] = dict(damaged or {})
 
     def path(self, name: str, *parts: str) -> str:
+        """Checkpoint ``name`` (or a file in it) as messages name it: a path, or a URI on a store."""
+        return "/".join((self.named, name, *parts))
+
+    def _at(self, name: str, *parts: str) -> str:
         """The path of checkpoint ``name`` (or of a file in it) in the file system."""
         return "/".join((self.root, name, *parts))
 
@@ -147,11 +160,11 @@ class CheckpointManager:
 
         local = Path(local)
         name = broadcast_from_rank_zero(checkpoint_name() if rank == 0 else None)
-        problem, writing = None, self.path(name)
+        problem, relative = None, ""
         try:
             rank_file = RANK_FILE.format(rank=rank)
             for copied, relative in enumerate([*json.loads((local / rank_file).read_text())["files"], rank_file], 1):
-                writing = self.path(name, relative)  # the list last
+                writing = self._at(name, relative)  # the list last
                 self.fs.create_dir(writing.rsplit("/", 1)[0], recursive=True)
                 with open(local / relative, "rb") as source, self.fs.open_output_stream(writing) as out:
                     while chunk := source.read(CHUNK):
@@ -159,7 +172,7 @@ class CheckpointManager:
                 if after_file is not None:
                     after_file(copied)
         except OSError as exc:
-            problem = (_errno(exc), writing, exc.strerror or str(exc).splitlines()[0])
+            problem = (_errno(exc), self.path(name, relative).rstrip("/"), exc.strerror or str(exc).splitlines()[0])
         problems = [p for p in gather_objects(problem) if p is not None]
         if problems:
             if rank == 0:  # every rank has stopped writing (they all reached the gather)
@@ -175,7 +188,7 @@ class CheckpointManager:
     def state(self, name: str) -> dict[str, Any]:
         """The loop state of checkpoint ``name``; ``ValueError`` when it is missing or unreadable."""
         try:
-            return json.loads(self._read(self.path(name, STATE_FILE)))
+            return json.loads(self.location.join(name, STATE_FILE).read_bytes())
         except (OSError, ValueError) as exc:
             raise ValueError(f"{self.path(name, STATE_FILE)}: unreadable ({exc})") from None
 
@@ -192,7 +205,7 @@ class CheckpointManager:
         """The checkpoint names Ray Train's record (``checkpoint_manager_snapshot.json``) lists for
         the run: the ones it resumes from and deletes beyond ``checkpoints_to_keep``."""
         try:
-            snapshot = json.loads(self._read(f"{self.root}/{SNAPSHOT}"))
+            snapshot = json.loads(self.location.join(SNAPSHOT).read_bytes())
         except (OSError, ValueError):
             return []
         return [r["checkpoint_dir_name"] for r in snapshot.get("checkpoint_results") or [] if r.get("checkpoint_dir_name")]
@@ -202,7 +215,7 @@ class CheckpointManager:
         import pyarrow.fs as pafs
 
         try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+            infos = self.location.children()
         except OSError:
             return []
         names = [i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith(PREFIX)]
@@ -215,7 +228,7 @@ class CheckpointManager:
         files counts by its state; one listing sizes only (before digests) by its sizes."""
         state_path = self.path(name, STATE_FILE)
         try:
-            state = json.loads(self._read(state_path))
+            state = json.loads(self.location.join(name, STATE_FILE).read_bytes())
         except FileNotFoundError:
             return f"{state_path}: missing (rank 0's part was never completely written)"
         except (OSError, ValueError) as exc:
@@ -224,14 +237,14 @@ class CheckpointManager:
         for rank in range(int(world or 0)):
             listing = self.path(name, RANK_FILE.format(rank=rank))
             try:
-                files = json.loads(self._read(listing))
+                files = json.loads(self.location.join(name, RANK_FILE.format(rank=rank)).read_bytes())
                 files = files["files"] if "files" in files else {f: {"size": size} for f, size in files.items()}
             except FileNotFoundError:
                 return f"{listing}: missing (rank {rank}'s part was never completely written)"
             except (OSError, ValueError, TypeError, AttributeError) as exc:
                 return f"{listing}: unreadable ({exc})"
             for relative, recorded in files.items():
-                problem = self._file_problem(self.path(name, relative), recorded)
+                problem = self._file_problem(self._at(name, relative), recorded)
                 if problem:
                     return f"{self.path(name, relative)}: {problem}"
         return None
@@ -265,17 +278,26 @@ class CheckpointManager:
                       f"{instead}", file=sys.stderr, flush=True)
         return chosen
 
+    def load(self, name: str) -> tuple[dict[str, Any], Optional[dict]]:
+        """The loop state and the best weights of checkpoint ``name``, verified first: a damaged one
+        raises ``ValueError`` naming what is wrong (nothing registers weights from it)."""
+        problem = self.verify(name)
+        if problem:
+            raise ValueError(problem)
+        with self.local(name) as directory:
+            return load_state(directory), load_best_weights(directory)
+
     @contextlib.contextmanager
     def local(self, name: str) -> Iterator[Path]:
         """A local directory holding checkpoint ``name`` (itself on a local file system, else a
         temporary copy), for DeepSpeed and ``torch.load``, which read local files."""
         if self.location.local:
-            yield Path(self.path(name))
+            yield Path(self._at(name))
             return
         import pyarrow.fs as pafs
 
         with tempfile.TemporaryDirectory(prefix="satp-restore-") as tmp:
-            pafs.copy_files(self.path(name), tmp, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
+            pafs.copy_files(self._at(name), tmp, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
             yield Path(tmp)
 
     # ------------------------------------------------------------------ delete
@@ -288,7 +310,7 @@ class CheckpointManager:
         import logging
 
         registered = set(self.registered())
-        if not registered and not self._exists(f"{self.root}/{SNAPSHOT}"):
+        if not registered and not self._exists(self._at(SNAPSHOT)):
             return []
         removed = sorted(n for n in self.list() if n not in registered and n != keep)
         for name in removed:
@@ -314,7 +336,7 @@ class CheckpointManager:
                 else:
                     path.unlink()
             return
-        for info in self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)):
+        for info in self.location.children():
             if info.base_name == keep:
                 continue
             if info.type == pafs.FileType.Directory:
@@ -323,14 +345,6 @@ class CheckpointManager:
                 self.fs.delete_file(info.path)
 
     # ------------------------------------------------------------------ file system
-    def _read(self, path: str) -> bytes:
-        import pyarrow.fs as pafs
-
-        if self.fs.get_file_info(path).type == pafs.FileType.NotFound:
-            raise FileNotFoundError(path)
-        with self.fs.open_input_stream(path) as f:
-            return f.read()
-
     def _exists(self, path: str) -> bool:
         import pyarrow.fs as pafs
 
@@ -338,7 +352,7 @@ class CheckpointManager:
 
     def _delete(self, name: str) -> None:
         with contextlib.suppress(OSError):
-            self.fs.delete_dir(self.path(name))
+            self.fs.delete_dir(self._at(name))
 
     def _file_problem(self, path: str, recorded: dict) -> Optional[str]:
         import pyarrow.fs as pafs

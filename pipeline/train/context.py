@@ -15,8 +15,6 @@ from typing import Any, Optional
 
 import torch
 
-from pipeline.train.checkpoint import CheckpointManager
-
 
 class TrainContext:
     """What a trainer asks of the place it runs in (see the module docstring)."""
@@ -25,9 +23,6 @@ class TrainContext:
     world: int
     device: torch.device
     run_dir: str  # the run's folder in its storage (a path or a URI): checkpoints, progress notes
-
-    def checkpoints(self, damaged: Optional[dict] = None) -> CheckpointManager:
-        return CheckpointManager(self.run_dir, damaged)
 
     def restored_checkpoint(self) -> Optional[str]:
         """The name of the checkpoint the run's engine last registered (None: none)."""
@@ -43,16 +38,18 @@ class TrainContext:
 
 
 class RayContext(TrainContext):
-    """A Ray Train worker's context (``use_gpu``: the worker's GPU is its device)."""
+    """A Ray Train worker's context in a run of ``job`` (``resources.use_gpu``: the worker's GPU is its device)."""
 
-    def __init__(self, use_gpu: bool) -> None:
+    def __init__(self, job) -> None:
         import ray.train
+
+        from pipeline.train.plan import run_dir
 
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self._storage = ctx.get_storage()
-        self.run_dir = self._storage.experiment_fs_path  # satp's storage paths are file systems
-        if use_gpu:
+        self.run_dir = str(run_dir(job))  # Ray's experiment folder, as satp names it (a path or a URI)
+        if job.resources.use_gpu:
             import ray.train.torch as rtt
 
             self.device = rtt.get_device()
@@ -69,8 +66,8 @@ class RayContext(TrainContext):
     def report(self, metrics: dict[str, Any], checkpoint: str) -> None:
         import ray.train
 
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint(path=f"{self.run_dir.rstrip('/')}/{checkpoint}",
-                                                                  filesystem=self._storage.storage_filesystem),
+        path = f"{self._storage.experiment_fs_path.rstrip('/')}/{checkpoint}"  # in Ray's file system
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint(path=path, filesystem=self._storage.storage_filesystem),
                          checkpoint_dir_name=checkpoint,
                          checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
 

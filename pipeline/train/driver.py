@@ -51,7 +51,7 @@ from typing import Any, Optional
 from pipeline.config import JobConfig
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mlflow_run, rerun, startup
-from pipeline.train.plan import JobPlan
+from pipeline.train.plan import JobPlan, run_checkpoints, store_env
 from pipeline.train.worker import worker_loop
 from pipeline.train.worker_setup import WorkerSetup
 from runtime.command import command_pid
@@ -83,8 +83,9 @@ class TrainOutcome:
     target: Optional[dict[str, Any]] = None  # the job's train.target, if any
 
 
-def prepare_data(job: JobConfig, address: Optional[str] = None) -> Path:
-    """Build (or validate) the job's shards through the preprocessing stage; return their directory."""
+def prepare_data(job: JobConfig, address: Optional[str] = None) -> Path | str:
+    """Build (or validate) the job's shards through the preprocessing stage; return their directory
+    (a URI when ``shards.root`` is one)."""
     import preprocessing
     from pipeline.console import show_progress
 
@@ -92,8 +93,8 @@ def prepare_data(job: JobConfig, address: Optional[str] = None) -> Path:
         if not hasattr(job, section):
             raise ValueError(f"job {job.name!r} has no {section!r} section (preprocessing not configured)")
     log.info("preprocessing: %s into %s", job.data.name, job.shards.root)
-    return Path(preprocessing.preprocess(job.data, job.transform, job.shards, address=address,
-                                         progress=show_progress()))
+    return preprocessing.preprocess(job.data, job.transform, job.shards, address=address, progress=show_progress(),
+                                    storage=job.storage.settings())
 
 
 def train_job(
@@ -174,9 +175,9 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
         mlflow_run.check_tracking_store(plan)
     if early is not None and early.action == "finished" and shard_dir is None:  # no Ray started
         return _already_finished(plan.with_shards(rerun.job_shard_dir(job)), early, register)
-    connect_and_check([job], address=plan.address)
+    connect_and_check([job], address=plan.address, ray_env=store_env(job))
     marks["ray"] = startup.now()
-    plan = plan.with_shards(Path(shard_dir) if shard_dir is not None else prepare_data(job, plan.address))
+    plan = plan.with_shards(shard_dir if shard_dir is not None else prepare_data(job, plan.address))
     _say_padding_cost(plan)
     marks["shards"] = startup.now()
     decision = plan.decision()
@@ -185,7 +186,7 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
     checkpoints = plan.checkpoints
     resume_from = None
     if decision.action == "restart":
-        log.info("restarting run %s: deleting its checkpoints in %s", train.run_name, checkpoints.root)
+        log.info("restarting run %s: deleting its checkpoints in %s", train.run_name, checkpoints.named)
         from pipeline.train.lease import LEASE_FILE
 
         checkpoints.clear(keep=LEASE_FILE)
@@ -206,12 +207,7 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
     try:
         result = _fit(job, plan.setup, callbacks)
         name = Path(result.checkpoint.path).name
-        problem = checkpoints.verify(name)  # nothing registers weights from a damaged checkpoint
-        if problem:
-            raise ValueError(problem)
-        with checkpoints.local(name) as directory:
-            state = ckpt.load_state(directory)
-            best_weights = ckpt.load_best_weights(directory)
+        state, best_weights = checkpoints.load(name)
         checkpoint_path = checkpoints.path(name)
         checkpoints.prune(keep=name)
         if state["epoch"] != train.epochs - 1 and not state.get("stopped"):
@@ -239,7 +235,8 @@ def _say_padding_cost(plan: JobPlan) -> None:
     from pipeline.train.step_cost import padding_cost
     from sat.config import SATConfig
 
-    line = padding_cost(plan.job, SATConfig.from_dict(plan.setup.model_config), open_split(plan.setup.shard_dir, "train"))
+    line = padding_cost(plan.job, SATConfig.from_dict(plan.setup.model_config),
+                        open_split(plan.setup.shard_dir, "train", plan.job.storage.settings()))
     if line:
         print(f"satp: warning: {line}", file=sys.stderr, flush=True)
 
@@ -300,8 +297,7 @@ def _already_finished(plan: JobPlan, decision, register: bool) -> TrainOutcome:
         if registered is None and register:
             if plan.setup.run_id is None:
                 plan, _ = mlflow_run.open_run(plan, "resume")
-            with plan.checkpoints.local(previous.name) as directory:
-                best_weights = ckpt.load_best_weights(directory)
+            _, best_weights = plan.checkpoints.load(previous.name)
             if best_weights is not None:
                 log.info("run %s finished before its model was registered: registering it now", job.train.run_name)
                 registered = mlflow_run.log_best_model(plan, state, best_weights)
@@ -402,11 +398,12 @@ def _group_start_timeout(elastic: bool):
 def worker_runtime_env(job: JobConfig) -> dict:
     """The Train workers' runtime environment: only the variables that must be set before a process
     imports the training modules and that the cluster's workers lack (DeepSpeed reads
-    ``DS_ACCELERATOR`` on import); what can be set later goes to :attr:`WorkerSetup.process_env`. The
+    ``DS_ACCELERATOR`` on import) and the store's credentials and endpoint of a job on one
+    (:func:`pipeline.train.plan.store_env`); what can be set later goes to :attr:`WorkerSetup.process_env`. The
     job's own runtime environment (its setup hook, a satp cluster's fork server) applies beneath it."""
     from runtime.ray_cluster import missing_worker_env
 
-    needed = {"OUTDATED_IGNORE": "1", "DS_ACCELERATOR": "cuda" if job.resources.use_gpu else "cpu"}
+    needed = {"OUTDATED_IGNORE": "1", "DS_ACCELERATOR": "cuda" if job.resources.use_gpu else "cpu", **store_env(job)}
     missing = missing_worker_env(needed)
     return {"env_vars": missing} if missing else {}
 
@@ -415,7 +412,7 @@ def _storage_full(job: JobConfig, full: dict) -> OSError:
     """The one-line error of a checkpoint that did not fit on its disk (see :func:`worker_main`)."""
     import errno
 
-    checkpoints = ckpt.CheckpointManager(Path(job.train.storage_path) / job.train.run_name)
+    checkpoints = run_checkpoints(job)
     kept = checkpoints.newest_intact()
     what = (f"the checkpoint of epoch {checkpoints.state(kept)['epoch']} ({checkpoints.path(kept)}) is kept: free space "
             f"there and run the same command to resume after it" if kept is not None else

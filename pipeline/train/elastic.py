@@ -25,10 +25,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional
+
+from runtime.storage import Location
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ NOTE_EVERY_S = 0.2  # at most this often: a small file replaced on shared storag
 class ProgressNote:
     """Rank 0's note of a worker group's progress (see the module docstring)."""
 
-    run_dir: Path
+    run_dir: Location  # the run's folder (a local or shared one, or a prefix of an object store)
     command: Optional[float]  # when the satp command that started the fit began (its identity)
     world_size: int
     _written: float = float("-inf")
@@ -51,20 +51,19 @@ class ProgressNote:
         if not force and now - self._written < NOTE_EVERY_S:
             return
         record = {"global_step": global_step, "world_size": self.world_size, "time": now, "command": self.command}
-        tmp = self.run_dir / f".{NOTE_FILE}.{os.getpid()}.tmp"
+        note = self.run_dir.join(NOTE_FILE)
         try:
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self.run_dir / NOTE_FILE)
+            note.write_bytes(json.dumps(record).encode())
         except OSError as exc:  # a note is worth less than the step: the event then says less
-            log.warning("%s: progress note not written (%s)", self.run_dir / NOTE_FILE, exc)
+            log.warning("%s: progress note not written (%s)", note.uri, exc)
             return
         self._written = now
 
 
-def read_note(run_dir: str | Path) -> Optional[dict[str, Any]]:
+def read_note(run_dir: Location) -> Optional[dict[str, Any]]:
     """The previous worker group's note, or None (a fresh run, or an unreadable note)."""
     try:
-        note = json.loads((Path(run_dir) / NOTE_FILE).read_text())
+        note = json.loads(run_dir.join(NOTE_FILE).read_bytes())
     except (OSError, ValueError):
         return None
     return note if isinstance(note, dict) and "global_step" in note and "world_size" in note else None

@@ -174,16 +174,6 @@ def expiry(holder: Holder, now: Optional[float] = None) -> Optional[str]:
     return None
 
 
-def held(run_dir: str | Path, storage=None) -> bool:
-    """Whether another live command holds ``run_dir``'s lease now (a peek: nothing is written; the
-    lease's own :meth:`RunLease.acquire` decides). ``storage``: the job's store settings."""
-    try:
-        seen = lease_record(run_dir, storage).read()
-        return seen is not None and expiry(decode(seen.data)) is None
-    except (OSError, ValueError):
-        return False
-
-
 def _say(line: str) -> None:
     print(f"satp: warning: {line}", file=sys.stderr, flush=True)
 

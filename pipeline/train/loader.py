@@ -36,11 +36,12 @@ from sat.config import SATConfig
 from sat.padding import Capacity
 
 
-def open_split(shard_dir: str | Path, split: str):
-    """A split of a shard directory (:class:`preprocessing.reader.ShardDataset`)."""
+def open_split(shard_dir: str | Path, split: str, storage=None):
+    """A split of a shard directory (:class:`preprocessing.reader.ShardDataset`; ``storage``: the job's
+    :class:`~runtime.storage.StorageSettings`, for shards on a store)."""
     from preprocessing.reader import ShardDataset
 
-    return ShardDataset(shard_dir, split)
+    return ShardDataset(shard_dir, split, storage)
 
 
 class BatchCollator:

@@ -221,7 +221,8 @@ def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
             model, job=job, task=task, model_config=config, best=state["best"], constant=state.get("constant"),
             run_id=setup.run_id, tracking_uri=job.mlflow.tracking_uri, data_manifest_hash=manifest_hash(plan.manifest),
             # what prediction needs to featurise new inputs (transform, code2 node tables)
-            extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json"), **input_spec(setup.shard_dir)},
+            extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json"),
+                   **input_spec(setup.shard_dir, job.storage.settings())},
             provenance=state.get("provenance") or setup.provenance,  # the configuration and code that trained them
         )
     name = registered["registered_model"]
@@ -256,7 +257,7 @@ def _log_attention_plot(plan: JobPlan, model: torch.nn.Module) -> None:
         import matplotlib.pyplot as plt
         from mlflow.tracking import MlflowClient
 
-        test = open_split(plan.shard_dir, "test")
+        test = open_split(plan.shard_dir, "test", plan.job.storage.settings())
         sizes = np.asarray(test.num_nodes)
         index = int(np.argsort(sizes)[len(sizes) // 2])  # a median-size graph
         from torch_geometric.data import Batch

@@ -38,7 +38,7 @@ from pipeline.train import rerun
 from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.rerun import Decision, Previous
 from pipeline.train.worker_setup import WorkerSetup
-from runtime.storage import is_uri
+from runtime.storage import absolute, forwarded_env, is_uri
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,7 @@ def resolve_job(job: JobConfig) -> JobConfig:
     job = job.model_copy(deep=True)
     train = job.train
     train.run_name = train.run_name or job.name
-    if not is_uri(train.storage_path or ""):  # a URI stays as written (a path would lose a slash)
-        train.storage_path = str(Path(train.storage_path or runs_dir() / "ray").expanduser().resolve())
+    train.storage_path = absolute(train.storage_path or runs_dir() / "ray")  # a URI stays as written
     if job.mlflow.enabled:
         job.mlflow.tracking_uri = job.mlflow.tracking_uri or default_tracking_uri()
     return job
@@ -64,6 +63,19 @@ def run_dir(job: JobConfig) -> Path | str:
     if is_uri(job.train.storage_path):
         return f"{job.train.storage_path.rstrip('/')}/{job.train.run_name}"
     return Path(job.train.storage_path) / job.train.run_name
+
+
+def run_checkpoints(job: JobConfig) -> CheckpointManager:
+    """The checkpoints of the run folder (:func:`run_dir`) of a resolved job, reached with its storage settings."""
+    return CheckpointManager(run_dir(job), storage=job.storage.settings())
+
+
+def store_env(job: JobConfig) -> dict[str, str]:
+    """What the job's Ray processes need in their environment to reach its object store as this driver
+    does (:func:`runtime.storage.forwarded_env`: credentials, endpoint, region) when a path of the job
+    is a URI, else nothing."""
+    paths = (job.shards.root, job.train.storage_path, job.tune.storage_path if job.tune is not None else None)
+    return forwarded_env() if any(is_uri(p or "") for p in paths) else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +105,7 @@ class JobPlan:
         job = resolve_job(job)
         task_name = task_name_for(job.train.task, getattr(getattr(job, "data", None), "name", None))
         stopping.check_target(job.train.target, TASK_CLASSES[task_name].metric)
-        return cls(job=job, task_name=task_name, checkpoints=CheckpointManager(run_dir(job)), address=address,
+        return cls(job=job, task_name=task_name, checkpoints=run_checkpoints(job), address=address,
                    restart=restart, early_checked=early_checked)
 
     @property
@@ -214,11 +226,12 @@ def _against_shards(job: JobConfig, task_name: str, shard_dir: str | Path) -> tu
     from pipeline.train.loader import open_split
     from pipeline.train.preflight import check_shard_features
 
-    train_ds = open_split(shard_dir, "train")
+    storage = job.storage.settings()
+    train_ds = open_split(shard_dir, "train", storage)
     if len(train_ds) == 0:
         raise ValueError(f"{shard_dir}: the train split is empty")
     for split in ("valid", "test"):
-        if len(open_split(shard_dir, split)) == 0:
+        if len(open_split(shard_dir, split, storage)) == 0:
             raise ValueError(f"{shard_dir}: the {split} split is empty")
     task = make_task(task_name, vocab=train_ds.vocab)
     model_config = task.configure(job.model, train_ds[0])
@@ -232,7 +245,7 @@ def _against_shards(job: JobConfig, task_name: str, shard_dir: str | Path) -> tu
         raise ValueError(f"model: {str(exc).splitlines()[0]}") from None
     setup = WorkerSetup(
         job=job,
-        shard_dir=str(Path(shard_dir).resolve()),
+        shard_dir=absolute(shard_dir),
         model_config=dataclasses.asdict(model_config),
         task_name=task_name,
         task_state={k: v for k, v in task.state().items() if k != "name"},

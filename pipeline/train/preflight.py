@@ -374,20 +374,14 @@ def _ray_connected() -> bool:
 
 
 def check_output_dirs(job) -> None:
-    """Step 2 for what a run reads and writes: ``shards.root`` can be created (:func:`check_writable_dir`;
-    one that exists may be read-only: shared shards, built already), or on a store
-    (:func:`runtime.storage.check`) answers, takes the credentials, holds the bucket and can be
-    listed (the build checks writing when it has shards to write); ``train.storage_path`` (unset:
-    the runs directory's ``ray/``) and ``tune.storage_path`` can be written (:func:`check_run_store`
-    where a URI)."""
+    """Step 2 for what a run reads and writes: ``shards.root`` (:func:`check_shards_root`);
+    ``train.storage_path`` (unset: the runs directory's ``ray/``) and ``tune.storage_path`` can be
+    written (:func:`check_run_store` where a URI)."""
     from pipeline.config.train import runs_dir
-    from runtime.storage import check, is_uri
+    from runtime.storage import is_uri
 
     storage = job.storage.settings()
-    if is_uri(job.shards.root):
-        check(job.shards.root, write=False, settings=storage, key="shards.root")
-    elif not Path(job.shards.root).expanduser().is_dir():
-        check_writable_dir("shards.root", job.shards.root)
+    check_shards_root(job)
     sweep_path = job.tune.storage_path if job.tune is not None else None
     for key, value in (("train.storage_path", job.train.storage_path), ("tune.storage_path", sweep_path)):
         if value and is_uri(value):
@@ -396,6 +390,18 @@ def check_output_dirs(job) -> None:
         check_writable_dir("train.storage_path", runs_dir() / "ray", default=" (unset: <runs dir>/ray)")
     elif not is_uri(job.train.storage_path):
         check_writable_dir("train.storage_path", job.train.storage_path)
+
+
+def check_shards_root(job) -> None:
+    """``shards.root`` can be created (:func:`check_writable_dir`; one that exists may be read-only:
+    shared shards, built already), or on a store (:func:`runtime.storage.check`) answers, takes the
+    credentials, holds the bucket and can be listed (the build checks writing when it has shards to write)."""
+    from runtime.storage import check, is_uri
+
+    if is_uri(job.shards.root):
+        check(job.shards.root, write=False, settings=job.storage.settings(), key="shards.root")
+    elif not Path(job.shards.root).expanduser().is_dir():
+        check_writable_dir("shards.root", job.shards.root)
 
 
 def check_run_store(key: str, uri: str, storage=None) -> None:
@@ -409,10 +415,6 @@ def check_run_store(key: str, uri: str, storage=None) -> None:
         raise ValueError(f"{key}: {uri}: a run or sweep on a store holds its one-writer lease by a conditional "
                          "write, which satp makes on S3 only; use s3://BUCKET/PREFIX, or a path every node mounts")
     check(uri, write=True, settings=storage, key=key)
-    # The checkpoint code still reads and writes run folders as local paths: until it goes through
-    # pyarrow.fs, a run there is refused rather than written into a local folder named after the URI.
-    raise ValueError(f"{key}: {uri}: checkpoints on an object store are not written by this version; use a path "
-                     "every node mounts (shards.root may be an s3:// URI)")
 
 
 def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None,

@@ -148,7 +148,7 @@ class Previous:
 
     @property
     def run_dir(self) -> str:
-        return self.checkpoints.root
+        return self.checkpoints.named
 
     @property
     def checkpoint(self) -> str:
@@ -202,7 +202,7 @@ def stopped_by_rules(job, task_name: str, state: dict) -> Optional[str]:
     return stopping.stopped_within(state.get("history") or [], job.train, task.metric, task.mode)
 
 
-def job_shard_dir(job, fingerprint: Optional[str] = None) -> Optional[Path]:
+def job_shard_dir(job, fingerprint: Optional[str] = None) -> Optional[Path | str]:
     """Where the job's shards are (or will be), for its raw files as they are now:
     ``<shards.root>/<dataset>-<config hash>-<raw fingerprint>`` (:func:`preprocessing.shard_dir`;
     ``fingerprint``: the raw files', when the caller has it). None while the dataset folder is
@@ -212,15 +212,17 @@ def job_shard_dir(job, fingerprint: Optional[str] = None) -> Optional[Path]:
 
     if fingerprint is None and not dataset_dir(job.data).exists():
         return None
-    return Path(preprocessing.shard_dir(job.data, job.transform, job.shards, fingerprint))
+    return preprocessing.shard_dir(job.data, job.transform, job.shards, fingerprint)  # a URI on a store
 
 
 def job_manifest(job, fingerprint: Optional[str] = None) -> Optional[dict]:
     """The manifest of the job's shard directory (:func:`job_shard_dir`) when it exists (nothing
     is built or checked)."""
+    from preprocessing.shard_places import open_place
+
     out = job_shard_dir(job, fingerprint)
     try:
-        return json.loads((out / "manifest.json").read_text()) if out is not None else None
+        return json.loads(open_place(out, job.storage.settings()).read("manifest.json")) if out is not None else None
     except (OSError, ValueError):
         return None
 

@@ -36,7 +36,6 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -82,9 +81,10 @@ class Trainer:
         use_gpu = job.resources.use_gpu
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_gpu else "cpu")
         torch.set_num_threads(job.resources.torch_threads or max(1, int(job.resources.cpus_per_worker)))
-        self.checkpoints = context.checkpoints(setup.damaged)
+        storage = job.storage.settings()
+        self.checkpoints = ckpt.CheckpointManager(context.run_dir, setup.damaged, storage)
 
-        train_ds = open_split(setup.shard_dir, "train")
+        train_ds = open_split(setup.shard_dir, "train", storage)
         self.task = make_task(setup.task_name, vocab=train_ds.vocab, **setup.task_state)
         model_config = SATConfig.from_dict(setup.model_config)
         pin = self.device.type == "cuda"
@@ -92,7 +92,7 @@ class Trainer:
         self.batches = GlobalBatches(split_sampler(job, train_ds, shuffle=True), train.micro_batches_per_step,
                                      per_node=self.task.node_level)
         self.stream = RankStream(self.batches, self.rank, self.world)
-        eval_splits = {s: open_split(setup.shard_dir, s) for s in ("valid", "test")}
+        eval_splits = {s: open_split(setup.shard_dir, s, storage) for s in ("valid", "test")}
         eval_samplers = {s: split_sampler(job, ds, shuffle=False, rank=self.rank, world=self.world)
                          for s, ds in eval_splits.items()}
         # fixed batch capacities (train.step other than eager): what every padded batch's shapes are
@@ -151,7 +151,7 @@ class Trainer:
         self.preemption = elastic.PreemptionCheck(train.preemption_check_steps, context.preemption_notice)
         self._mark: Optional[float] = None  # wall-clock counted into elapsed_s up to here
         # rank 0: the previous worker group's progress note (read before this group writes its own)
-        run_dir = Path(context.run_dir)
+        run_dir = self.checkpoints.location
         command = (setup.startup or {}).get("command")
         self.previous_note = elastic.read_note(run_dir) if self.rank == 0 else None
         self.note = elastic.ProgressNote(run_dir, command, self.world) if self.rank == 0 else None

@@ -10,4 +10,4 @@ def worker_loop(config: dict) -> None:
     from pipeline.train.trainer import Trainer
 
     setup = config["setup"]
-    Trainer(setup, RayContext(setup.job.resources.use_gpu)).fit()
+    Trainer(setup, RayContext(setup.job)).fit()
