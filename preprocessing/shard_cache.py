@@ -120,6 +120,8 @@ class ShardCache:
         when it was downloaded (and so checked) here. ``ahead``: a read-ahead, given up (False) when
         the shards in use leave no room."""
         entry = self.folder / f"{sha256}.arrow"
+        if entry.is_file() and not damaged:
+            return False  # cached: other readers may hold it (shared), which the exclusive lock would wait out
         with self._lock(sha256, fcntl.LOCK_EX):
             if entry.is_file() and not damaged:
                 return False

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -113,3 +115,21 @@ def test_a_reader_keeps_none_of_the_shards_it_reads_resident(shards, tmp_path):
         ds[i]
     ds.batch(whole)
     assert _mapped_kib(tmp_path / "cache") <= 16 * len(train)  # a few pages a shard at most, of a MiB or more each
+
+
+
+def test_two_readers_of_one_cache_read_the_shards_the_other_holds(shards, tmp_path):
+    """Two readers of one node's cache (two ranks, a rank and its loader workers): a second process reads,
+    and downloads ahead, the shards this one holds open, without waiting for them to be closed."""
+    remote, _ = shards
+    settings = _settings(tmp_path, "shared")
+    first = ShardDataset(remote, "train", storage=settings)
+    first.batch(list(range(len(first))))  # every shard of the split open (held) here
+    second = ("from preprocessing.reader import ShardDataset; from runtime.storage import StorageSettings; "
+              f"ds = ShardDataset({remote!r}, 'train', storage=StorageSettings(cache_dir={settings.cache_dir!r})); "
+              "print(sum(int(ds[i].num_nodes) for i in range(len(ds))))")
+    # a reader that waits for this one's shards never returns: the timeout ends it
+    done = subprocess.run([sys.executable, "-c", second], capture_output=True, text=True, timeout=180,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) == int(first.num_nodes.sum())
