@@ -299,26 +299,28 @@ def _balance_table() -> str:
 
 
 def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
-    """Per-epoch costs of a run that grow with the ranks, measured on this CPU with the code2 task:
+    """Per-epoch costs of a run that grow with the ranks, measured on this machine with the code2 task:
 
     - the gathers (``pipeline.train.metrics.gather_objects``: ``all_gather_object`` of each rank's
       ``(predictions, targets)``): pickling a rank's lists, unpickling every rank's (each rank
       receives all), and OGB's F1 over them on rank 0; per graph, from ``graphs`` made-up entries
       shaped like pycode's (1-3 target subtokens, mean ~1.7; 1-5 predicted; 3-8 letters each);
-    - a checkpoint: ``torch.save`` of the code2 model's fp32 weights and AdamW state (what DeepSpeed's
-      ZeRO-0 ``mp_rank_00_model_states.pt`` holds) and of the best weights (``best_model.pt``), to a
-      temporary directory on this machine's disk, fsync'd: bytes and seconds.
+    - one checkpoint of ``jobs/code2.yaml``'s model as a run writes it: the product's trainer on this
+      CPU after one step (AdamW's state filled), its ``Reports.write`` (DeepSpeed's engine state, the
+      best weights, ``state.json``, the copy into the run's storage with its digests): seconds and MB.
     """
-    import os
     import pickle
+    import shutil
     import tempfile
 
     import torch
 
-    from benchmarks.graphs.jobs import job_graphs
-    from pipeline.config import load_job
+    from benchmarks.gpu.step import job_for
+    from benchmarks.graphs.jobs import job_shards
     from pipeline.tasks import Code2Task
-    from pipeline.train.engine import build_model
+    from pipeline.train.context import LocalContext
+    from pipeline.train.plan import worker_setup
+    from pipeline.train.trainer import Trainer
 
     rng = np.random.default_rng(seed)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
@@ -345,25 +347,32 @@ def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
     task.score(preds, targets)
     out["f1_us_per_graph"] = 1e6 * (time.perf_counter() - started) / graphs
 
-    _, _, config = job_graphs(load_job(ROOT / "jobs/code2.yaml"), 2)
-    model = build_model(config)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    out["parameters"] = sum(p.numel() for p in params)
-    with tempfile.TemporaryDirectory(prefix="satp-ckpt-probe-") as tmp:
-        for name, obj in (("model_states", {"module": model.state_dict(), "optimizer": optimizer.state_dict()}),
-                          ("best_model", {k: v.float() for k, v in model.state_dict().items()})):
-            path = os.path.join(tmp, name + ".pt")
-            started = time.perf_counter()
-            with open(path, "wb") as fh:
-                torch.save(obj, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            out[f"{name}_seconds"] = time.perf_counter() - started
-            out[f"{name}_mb"] = os.path.getsize(path) / 1e6
+    class OneStep(Exception):
+        pass
+
+    def stop(trainer, global_step: int) -> None:
+        raise OneStep
+
+    work = Path(tempfile.mkdtemp(prefix="satp-ckpt-probe-"))
+    try:
+        spec = {"job": "jobs/code2.yaml", "max_graphs": 4, "bucket_size": 4, "loader_workers": 0, "precision": "fp32"}
+        job = job_for(spec, work)
+        (work / "run").mkdir()
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else None
+        trainer = Trainer(worker_setup(job, job_shards(job, work / "shards", 8)), LocalContext(work / "run", device),
+                          on_step=stop)
+        try:
+            trainer.train_epoch(0)
+        except OneStep:
+            pass
+        out["parameters"] = sum(p.numel() for p in trainer.engine.module.parameters() if p.requires_grad)
+        best = {k: v.detach().float().cpu().clone() for k, v in trainer.engine.module.state_dict().items()}
+        started = time.perf_counter()
+        name = trainer.reports.write(trainer.state, best, {}, 0)
+        out["checkpoint_seconds"] = time.perf_counter() - started
+        out["checkpoint_mb"] = sum(f.stat().st_size for f in (work / "run" / name).rglob("*") if f.is_file()) / 1e6
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return out
 
 
