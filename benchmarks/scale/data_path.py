@@ -7,7 +7,8 @@ ogbg-ppa has 158,100 graphs), in a fresh directory D, the project's own commands
     satp preprocess jobs/ppa.yaml --set data.root=D/data --set data.source=synthetic \\
         --set shards.root=D/shards --no-progress
 
-each under ``/usr/bin/time -v`` when it exists (else ``os.wait4``'s rusage of the child), and:
+each with its peak RSS (``os.wait4``'s ``ru_maxrss``: the largest process of its tree, what ``/usr/bin/time -v``
+prints), and:
 
 - while ``satp preprocess`` runs, a thread of this process samples every second the processes of
   the run's own session (it is started with ``start_new_session=True``, so a concurrent run on the
@@ -51,7 +52,6 @@ FULL_GRAPHS = 158_100
 # bytes per graph at full size (measured: raw ~8 GB, columnar ~12 GB, shards ~25 GB for 158,100 graphs)
 BYTES_PER_GRAPH = {"raw": 8e9 / FULL_GRAPHS, "columnar": 12e9 / FULL_GRAPHS, "shards": 25e9 / FULL_GRAPHS}
 DISK_MARGIN = 1.15
-TIME = "/usr/bin/time"
 MIB = 2**20
 
 
@@ -90,16 +90,6 @@ def sidecars(shards_root: Path) -> int:
 
 # ---------------------------------------------------------------- /proc sampling
 
-def _stat_session(pid: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            text = fh.read()
-    except OSError:
-        return None
-    fields = text[text.rfind(b")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session ...
-    return int(fields[3]) if len(fields) > 3 else None
-
-
 def _status_kib(pid: str, key: bytes) -> int:
     try:
         with open(f"/proc/{pid}/status", "rb") as fh:
@@ -122,9 +112,12 @@ def _cmdline(pid: str) -> bytes:
 def session_pids(sid: int) -> list[int]:
     """The processes of session ``sid`` (this benchmark started it: ``start_new_session=True``)."""
     out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and _stat_session(pid) == sid:
-            out.append(int(pid))
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) == sid:
+                out.append(int(pid))
+        except OSError:  # gone meanwhile
+            pass
     return out
 
 
@@ -182,15 +175,13 @@ class Sampler(threading.Thread):
         if sid is None:
             return
         total, plasma, seen = 0, 0, set()
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit() or _stat_session(pid) != sid:
-                continue
+        for pid in map(str, session_pids(sid)):
             cmd = _cmdline(pid)
             if cmd.startswith(b"ray::"):
                 hwm = _status_kib(pid, b"VmHWM:")
                 self.worker_kib = max(self.worker_kib, hwm)
                 total += _status_kib(pid, b"VmRSS:")
-            elif b"pipeline.cli" in cmd and not cmd.startswith(TIME.encode()):
+            elif b"pipeline.cli" in cmd:
                 self.driver_kib = max(self.driver_kib, _status_kib(pid, b"VmHWM:"))
             elif b"raylet" in cmd.split(b"\0", 1)[0]:
                 plasma += plasma_bytes(pid, seen)
@@ -217,16 +208,6 @@ def _env(satp_home: Path) -> dict:
     return env
 
 
-def _maxrss_from_time(path: Path) -> int | None:
-    try:
-        for line in path.read_text().splitlines():
-            if "Maximum resident set size" in line:
-                return int(line.rsplit(":", 1)[1])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
 def _kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL to the run's process group, then to anything left in its session (Ray's processes)."""
     try:
@@ -248,14 +229,12 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 def timed(cmd: list[str], logs: Path, name: str, sampler: Sampler | None = None,
           kill_after: int = 0, shards_root: Path | None = None) -> dict:
-    """Run ``cmd`` in a new session; wall seconds, peak RSS (KiB, largest process of its tree: ``time -v``
-    or ``wait4``), and, with ``kill_after``, the sidecar count and seconds at which it was killed."""
+    """Run ``cmd`` in a new session; wall seconds, peak RSS (KiB, the largest process of its tree: ``wait4``),
+    and, with ``kill_after``, the sidecar count and seconds at which it was killed."""
     logs.mkdir(parents=True, exist_ok=True)
-    time_file = logs / f"{name}.time"
-    full = [TIME, "-v", "-o", str(time_file), *cmd] if os.access(TIME, os.X_OK) else list(cmd)
     with open(logs / f"{name}.out", "wb") as out, open(logs / f"{name}.err", "wb") as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(full, cwd=ROOT, env=_env(logs / "satp-home"), stdout=out, stderr=err,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(logs / "satp-home"), stdout=out, stderr=err,
                                 start_new_session=True)
         if sampler is not None:
             sampler.watch(proc.pid)
@@ -286,12 +265,9 @@ def timed(cmd: list[str], logs: Path, name: str, sampler: Sampler | None = None,
     if killed is None and proc.returncode != 0:
         tail = (logs / f"{name}.err").read_text(errors="replace").strip().splitlines()[-5:]
         raise RuntimeError(f"{' '.join(cmd[2:])} exited with {proc.returncode}:\n" + "\n".join(tail))
-    rss = _maxrss_from_time(time_file) if full[0] == TIME else None
-    if rss is None and killed is None:
-        rss = usage.ru_maxrss  # wait4: the child's own rusage (its waited-for descendants included)
     if killed is not None:
         _kill_session(proc)  # what a killed driver's Ray left behind
-    return {"wall": wall, "maxrss_kib": rss, "killed": killed,
+    return {"wall": wall, "maxrss_kib": None if killed else usage.ru_maxrss, "killed": killed,
             "stdout": (logs / f"{name}.out").read_text(errors="replace")}
 
 
@@ -415,8 +391,7 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
     lines = [
         "## Scale: synthetic ogbg-ppa, generate + preprocess (`BENCH=scale make bench`)",
         "",
-        "Per size N, in a fresh directory D, each command under `/usr/bin/time -v`"
-        + ("" if os.access(TIME, os.X_OK) else " (absent here: `os.wait4`'s rusage)") + ":",
+        "Per size N, in a fresh directory D, each command with its peak RSS (`wait4`, as `/usr/bin/time -v`):",
         "",
         "    satp data synthetic-ppa --out D/data --graphs N",
         "    satp preprocess jobs/ppa.yaml --set data.root=D/data --set data.source=synthetic "
@@ -437,7 +412,7 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
         "|" + "---|" * 13,
         *(_row(r) for r in rows),
         "",
-        "- generate peak RSS: `time -v`'s maximum, the largest process of the command's tree (the "
+        "- generate peak RSS: the largest process of the command's tree (the "
         "generator's worker processes included); driver and Ray worker peaks: high-water RSS (`VmHWM`) "
         "of the `satp preprocess` process and of its own `ray::` processes (its session), sampled every "
         "second over all of its runs; object store: peak bytes allocated in the run's own raylet's plasma "
@@ -450,7 +425,7 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
     for r in rows:
         finished = r["resume_rss_kib"] if r.get("killed") else r["pre_rss_kib"]
         lines.append(f"- {r['graphs']:,} graphs: {r['shards']} shards, {r['manifest_graphs']:,} graphs in the "
-                     f"manifest; `time -v` maximum RSS of the preprocess run that finished {_mib(finished)} MiB "
+                     f"manifest; maximum RSS of the preprocess run that finished {_mib(finished)} MiB "
                      f"(its largest waited-for process); all Ray workers together at most "
                      f"{_mib(r['workers_sum_kib'])} MiB RSS; `/dev/shm` peak above start (machine-wide) "
                      f"{_mb(r['shm_bytes'])} MiB")
