@@ -1,20 +1,14 @@
 """GPU check, part ``first`` (``benchmarks/gpu/run.sh first``): two questions in one device session.
 
-1. What a PATTERN training step costs at 32 graphs per step (the model of ``jobs/pattern.yaml``), eager,
-   compiled and captured (:func:`benchmarks.gpu.steps.step_row`: one process per mode, so that a CUDA
-   error in one leaves the others' rows): graphs/s, step ms against kernel ms, the warm-up's seconds
-   (compilation and capture). Meanwhile part ``pattern`` makes its data and shards (the full PATTERN,
-   generated and preprocessed on the machine: made apart, never counted against the run; on the
-   machine's other cores, which the step rows' eager dispatch shares).
-2. ``satp train jobs/pattern.yaml`` to ``train.target`` val_acc 0.865 (part ``pattern``,
-   :mod:`benchmarks.gpu.accuracy_sbm`, timed from the command's start) with the step mode that trains the
-   most graphs in the budget left (graphs/s x (time left - its warm-up)), for the rest of the budget. A
-   run that fails in that mode is run again in the next one (captured, compiled, eager: whichever
-   worked in 1.) while the budget allows a run.
+1. PATTERN's training step at 32 graphs per step, eager, compiled and captured (part ``steps``' rows, one
+   process each: a CUDA error in one mode leaves the others' rows), while part ``pattern`` makes its
+   data and shards beside them (not counted against the run);
+2. ``satp train jobs/pattern.yaml`` to val_acc 0.865 (part ``pattern``, timed from the command's start)
+   in the mode that trains the most graphs in the time left (graphs/s x (time left - its warm-up)); a
+   run that fails in that mode runs again in the next one while the budget allows.
 
-Budget ``SATP_GPU_BUDGET_S`` (default 480 s: with the kit's installation the part stays under 9 minutes).
-``SATP_GPU_DRY_RUN=1``: the tiny sizes and model of both parts on the CPU (``captured`` is measured as
-``compiled`` and trained as ``static``: no CUDA graphs there).
+``SATP_GPU_DRY_RUN=1``: both on the CPU with tiny sizes (``captured`` measured as ``compiled``, trained
+as ``static``: no CUDA graphs there).
 """
 from __future__ import annotations
 

@@ -1,33 +1,18 @@
 """GPU check, part ``multirank`` (``benchmarks/gpu/run.sh multirank``): the multi-rank path on CUDA, once.
 
-Two Ray Train workers share the one GPU (``resources.num_workers=2``, ``resources.gpus_per_worker=0.5``;
-``resources.collective_backend: auto`` resolves to gloo there, since NCCL refuses two ranks on one
-device), on small real data: ``satp data pycode`` over the machine's own standard library,
-``data.max_graphs_per_split`` graphs per split, ``jobs/code2.yaml``'s model at node budget 16384.
-
-1. ``satp train`` with ``train.epochs=1``: DeepSpeed's gradient all-reduce between the ranks every step,
-   the epoch's metrics summed over the ranks, validation and test predictions gathered to rank 0,
-   a checkpoint;
-2. the same job with ``train.epochs=2`` (README, "Reruns"): it resumes from that checkpoint in the same
-   MLflow run;
-3. checks, from the run's files and the pipeline's own classes:
-
-   - the global batch: every micro-batch of a step dealt to one rank
-     (:class:`pipeline.train.global_batch.GlobalBatches`, over the trainer's :func:`pipeline.train.batching.split_sampler`);
-     DeepSpeed's step counter in the checkpoint (rank 0's) equal to steps per epoch x epochs; the graphs
-     the epoch reports (summed over ranks by the worker: ``graphs_per_s x epoch_seconds``) equal to the
-     graphs of both ranks' shares: rank 1 ran all of its own;
-   - gathered evaluation: the checkpoint's best weights evaluated here in ONE process by the product's
-     trainer (:meth:`pipeline.train.trainer.Trainer.evaluate_epoch` in a ``LocalContext``: whole splits,
-     same batches, same precision) give the validation and test metrics the two ranks reported;
-   - the resume: the second run's log says it resumed after epoch 0, its history keeps epoch 0 as the
-     first run wrote it, the MLflow run is the same, the step counter went on.
+Two Ray Train workers share the one GPU (``resources.gpus_per_worker=0.5``: gloo, since NCCL refuses two
+ranks on one device) on ``satp data pycode`` over the machine's standard library, ``jobs/code2.yaml``'s
+model at node budget 16384: ``satp train`` for one epoch, then with ``train.epochs=2``, which resumes.
+Checked from the run's files and the product's classes: every micro-batch of a step dealt to one rank
+(:class:`pipeline.train.global_batch.GlobalBatches`) and the graphs the epoch reports equal to both
+ranks' shares; DeepSpeed's step counter; the gathered validation and test metrics equal to a 1-rank
+evaluation of the checkpoint's best weights (:meth:`pipeline.train.trainer.Trainer.evaluate_epoch`);
+the resume (its log, epoch 0 kept, the same MLflow run, the step counter going on).
 
 ``python -m benchmarks.gpu.multirank --balance`` prints the per-rank work imbalance of node-budget
-batches for several world sizes, ``--epoch-costs`` the per-epoch gather and checkpoint costs measured
-on the machine it runs on (both for docs/scale.md; no GPU needed).
-
-``SATP_GPU_DRY_RUN=1``: CPU workers, a tiny model and 150 graphs per split (the same commands and checks).
+batches for several world sizes, ``--epoch-costs`` the per-epoch gather and checkpoint costs on this
+machine (both for docs/scale.md; no GPU needed). ``SATP_GPU_DRY_RUN=1``: CPU workers, a tiny model,
+150 graphs per split.
 """
 from __future__ import annotations
 

@@ -1,23 +1,16 @@
 """GPU check, part ``steps`` (``benchmarks/gpu/run.sh steps``): what a training step costs, eager vs
 compiled vs captured (``train.step``), and where ``satp train``'s start-up goes.
 
-1. Step rows (:mod:`benchmarks.gpu.step`, one process each: the product's trainer on shards of the
-   jobs' layout, :func:`benchmarks.graphs.jobs.job_shards`): PATTERN with the model of
-   ``jobs/pattern.yaml`` at 32 and 128 random graphs per step, and code2 with the model of
-   ``jobs/code2.yaml`` at node budgets 16384 and 131072, each ``eager``, ``compiled`` and
-   ``captured`` (batch capacities from the sampler's first epoch, mean + 5 sd). Per row: graphs/s,
-   wall ms per step, kernel ms per step (GPU busy time, ``torch.profiler``) and their ratio (the
-   target: step <= 1.25 x kernels), kernels per step, the share of batches over capacity (run
-   eagerly), the warm-up's seconds (compilation and capture included), peak GPU memory.
-2. Start-up: ``satp train jobs/pattern.yaml`` for one epoch of a small PATTERN (``train.step
-   captured``) twice, the second with the compile caches the first left under the storage path;
-   the run's ``startup_*_s`` metrics (:mod:`pipeline.train.startup`) read back from MLflow (the
-   target: <= 15 s to the first step with warm caches).
+1. Step rows (:data:`ORDER`, :mod:`benchmarks.gpu.step` one process each, on shards of the jobs' layout):
+   PATTERN at 32 and 128 random graphs per step, code2 at node budgets 16384 and 131072: graphs/s, wall
+   ms per step against kernel ms (the target: step <= 1.25 x kernels), the share of batches over
+   capacity, the warm-up (compilation and capture), peak GPU memory.
+2. Start-up: one epoch of a small PATTERN (``train.step captured``) twice, the second with the compile
+   caches the first left; the run's ``startup_*_s`` metrics from MLflow.
 
-Rows run in order of importance until ``SATP_GPU_BUDGET_S`` (default 510 s) is spent; the compile
-caches of the step rows are shared (``TORCHINDUCTOR_CACHE_DIR`` under ``runs/gpu-steps``), so a second
-call on the same warm machine compiles nothing again. ``SATP_GPU_DRY_RUN=1``: tiny sizes and model on
-the CPU (``captured`` then runs as ``compiled``: no CUDA graphs there).
+The step rows share their compile caches under ``runs/gpu-steps``, so a second call on the same warm
+machine compiles nothing again. ``SATP_GPU_DRY_RUN=1``: tiny sizes and model on the CPU (``captured``
+runs as ``compiled``: no CUDA graphs there).
 """
 from __future__ import annotations
 

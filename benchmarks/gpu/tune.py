@@ -1,27 +1,18 @@
 """GPU check, part ``tune`` (``benchmarks/gpu/run.sh tune``): the sweep path on CUDA, once.
 
-``satp tune`` over ``jobs/code2-sweep.yaml``'s model on small real data (``satp data pycode`` over the
-machine's standard library, :data:`GRAPHS_PER_SPLIT` graphs per split): four trials of one Train worker
-each, sharing the one GPU (``resources.gpus_per_worker: 0.25``), at most three at once, 3 epochs, a
-learning-rate grid whose last value (1e-6) starts only once the first three trials passed ASHA's rung at
-epoch 1 with far lower training losses, so ASHA stops it there (the sweep ranks by ``train_loss`` as
-``tests/test_tune_sweep.py`` does on CPU: validation F1 after one epoch of a small split ties at 0).
-The best trial is registered.
-
-It reports the sweep's wall time (from the command's start), each trial (status, epochs, best
-training loss and validation F1, graphs/s of its last epoch and its run's seconds, from MLflow), the
-card's peak memory and the most processes on it at once (NVML), and checks: four trials, none
-failed; the 1e-6 trial stopped by ASHA after epoch 1; every trial stopped at a rung (epoch 1 or 2) or
-trained 3 epochs, one of them 3; the champion alias on the best trial's run; trials on the card together.
-
-``SATP_GPU_DRY_RUN=1``: CPU workers, a tiny model and 150 graphs per split (the same command and checks,
-but the card's).
+``satp tune`` of ``jobs/code2-sweep.yaml`` made small (:func:`sweep_job`: ``satp data pycode`` over the
+standard library): four one-worker trials sharing the GPU (0.25 each, at most three at once), 3 epochs,
+a learning-rate grid whose last value (1e-6) starts once the first three passed ASHA's rung at epoch 1
+with far lower training losses, so ASHA stops it there (ranked by ``train_loss``: validation F1 after one
+epoch of a small split ties at 0). Reported: the command's wall time, each trial from MLflow, the card's
+peak memory and most processes; checked: four trials, none failed; the 1e-6 one stopped after epoch 1;
+each stopped at a rung or trained 3 epochs, one of them 3; the champion alias on the best trial's run;
+trials on the card together. ``SATP_GPU_DRY_RUN=1``: CPU workers, a tiny model, 150 graphs per split.
 """
 from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -55,44 +46,6 @@ def sweep_job(name: str) -> dict:
         job["resources"] = {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 0.5}
         job["tune"]["trial_cpus"] = 0
     return job
-
-
-class CardProcesses:
-    """The most processes on the card at once, sampled every second while it runs (NVML; nothing
-    without it). The card's peak memory is :func:`benchmarks.gpu.measure.measure`'s."""
-
-    def __init__(self) -> None:
-        self.most = 0
-        self._stop = threading.Event()
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
-        except Exception:
-            self._nvml = None
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    @property
-    def available(self) -> bool:
-        return self._nvml is not None
-
-    def _sample(self) -> None:
-        while self._nvml is not None and not self._stop.is_set():
-            nvml, handle = self._nvml
-            try:
-                self.most = max(self.most, len(nvml.nvmlDeviceGetComputeRunningProcesses(handle)))
-            except Exception:
-                pass
-            self._stop.wait(1.0)
-
-    def __enter__(self) -> "CardProcesses":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def trial_rows(tracking_uri: str, parent_run_id: str) -> list[dict]:
@@ -164,14 +117,11 @@ def run() -> str:
 
     steps["pycode"] = pycode_data(WORK_DIR, clock.left() * 0.3, logs)
     save()
-    card = CardProcesses()
     if steps["pycode"]["ok"]:
         print(f"   satp tune ({clock.left():.0f} s left)", flush=True)
-        with card:
-            # the command's whole time: preprocessing (its shards), the sweep, the registration
-            steps["tune"] = measure(satp("tune", str(job_file), "--no-progress"), clock.left() - 20, logs / "tune.log",
-                                    grace_s=15)
-        raw["card"] = {"most_processes": card.most, "nvml": card.available}
+        # the command's whole time: preprocessing (its shards), the sweep, the registration
+        steps["tune"] = measure(satp("tune", str(job_file), "--no-progress"), clock.left() - 20, logs / "tune.log",
+                                grace_s=15)
         save()
 
     lines += step_lines(steps)
@@ -208,9 +158,9 @@ def run() -> str:
                        f"{best['trial_id'] if best else '-'}"))
     else:
         checks.append(("the sweep's outcome printed (its MLflow parent run)", False, tuned.get("tail", "not run")[:300]))
-    if card.available:
-        checks.append(("trials on the card together (most processes on it at once >= 2)", card.most >= 2,
-                       f"{card.most} processes; peak memory {tuned.get('gpu_mem_gb') or 0:.2f} GB"))
+    if tuned.get("gpu_processes") is not None:
+        checks.append(("trials on the card together (most processes on it at once >= 2)", tuned["gpu_processes"] >= 2,
+                       f"{tuned['gpu_processes']} processes; peak memory {tuned.get('gpu_mem_gb') or 0:.2f} GB"))
     raw["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
     lines += check_lines(checks, f"the sweep's command {tuned.get('seconds', 0):.0f} s; part wall time "
                                  f"{BUDGET_S - clock.left():.0f} s")
