@@ -89,7 +89,7 @@ def test_scale_benchmark_row_for_a_tiny_size(tmp_path, monkeypatch):
 
 
 def test_gpu_accuracy_fast_variant_scales_batch_lr_and_warmup(monkeypatch):
-    """`SATP_ACC_FAST=1` (benchmarks/gpu/accuracy.py): 4x the job's batch, lr by the square-root rule,
+    """`SATP_ACC_FAST=1` (benchmarks/gpu/accuracy_sbm.py): 4x the job's batch, lr by the square-root rule,
     a quarter of the warm-up in epochs; without it the part runs the job file's settings."""
     from benchmarks.gpu.accuracy_sbm import sbm_variant
     from pipeline.config import load_job

@@ -1,4 +1,4 @@
-"""GPU check, part ``code2batch`` (:mod:`benchmarks.gpu.accuracy`): the paper's code2 recipe (32 graphs
+"""GPU check, part ``code2batch`` (``benchmarks/gpu/run.sh code2batch``): the paper's code2 recipe (32 graphs
 per step, lr 1e-4) for 3 epochs against ``jobs/code2.yaml``'s default batch and lr on one GPU, to the
 recipe's validation F1: the pycode corpus from the image's own packages, the shards, the probe that
 sizes the runs (N training functions), the two runs, and the part's section."""
@@ -61,7 +61,7 @@ def choose_subset(left: float, rate: float, train_size: int, evals: int, cap: in
                "fits": fit, "rate": rate}
 
 
-def run_code2batch() -> str:
+def run() -> str:
     import numpy as np
     import torch
 

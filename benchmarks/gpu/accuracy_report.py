@@ -1,4 +1,4 @@
-"""How the GPU accuracy parts (:mod:`benchmarks.gpu.accuracy`) write up what they measured: number
+"""How the GPU accuracy parts (:mod:`~benchmarks.gpu.accuracy_runs`) write up what they measured: number
 formats, the per-epoch curve table, the device line and the metric-vs-time plot."""
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
-"""What the GPU accuracy parts (:mod:`benchmarks.gpu.accuracy`) share: the part and its budget, the
-reserves around ``satp train``, the dry runs' tiny model, ``satp`` command lines, the work folder and
-its ledger of earlier calls on the machine, ``satp preprocess`` and ``satp train`` run under
-:func:`benchmarks.gpu.measure.measure` with a watch on the run's checkpoints, and the run's history
-and time to target read back from them."""
+"""What the GPU check's time-to-accuracy parts share (``pattern``, ``cluster``:
+:mod:`~benchmarks.gpu.accuracy_sbm`; ``code2batch``: :mod:`~benchmarks.gpu.accuracy_code2`; docs/gpu.md,
+"Time to accuracy on one GPU"): the part and its budget, the reserves around ``satp train``, the dry
+runs' tiny model, the work folder (``SATP_ACC_DIR``, default ``runs/gpu-PART``, kept between calls on a
+warm machine: data and shards are made once and runs have fixed names, so a second call resumes a run
+the first call's budget cut) and its ledger of earlier calls, ``satp preprocess`` and ``satp train``
+under :func:`benchmarks.gpu.measure.measure` with a watch on the run's checkpoints, and the run's
+history and time to target read back from them."""
 from __future__ import annotations
 
 import hashlib

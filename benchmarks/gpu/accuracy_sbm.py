@@ -1,4 +1,4 @@
-"""GPU check, parts ``pattern`` and ``cluster`` (:mod:`benchmarks.gpu.accuracy`): time to accuracy of
+"""GPU check, parts ``pattern`` and ``cluster`` (``benchmarks/gpu/run.sh PART``): time to accuracy of
 ``jobs/pattern.yaml`` / ``jobs/cluster.yaml`` on one GPU, on the full benchmark regenerated on the
 machine: the benchmarks' settings, the variant the environment asks for (``SATP_ACC_*``), data,
 shards and the run to ``train.target``, and the part's section (verdict, calls, curve)."""
@@ -11,7 +11,7 @@ import shutil
 from typing import Any, Optional
 
 from benchmarks.gpu.accuracy_report import _device, _fmt, _pct, _save_plot, curve_table
-from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, PREPARE_ONLY, STARTUP_S, _begin,
+from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, PART, PREPARE_ONLY, STARTUP_S, _begin,
                                           _digest, _preprocess, history_of, run_state, time_to, train)
 from benchmarks.gpu.measure import DRY_RUN, ROOT, copy_logs, measure, satp, step_lines
 
@@ -54,11 +54,13 @@ def sbm_variant(job) -> tuple[str, list[str], list[str]]:
     return label, sets, notes
 
 
-def run_sbm(part: str) -> str:
+def run(part: Optional[str] = None) -> str:
+    """The part ``part`` (default ``SATP_GPU_PART``): its section."""
     import torch
 
     from pipeline.config import load_job
 
+    part = part or PART
     spec = SBM[part]
     title = f"### GPU check, part {part} (`benchmarks/gpu/run.sh {part}`): time to accuracy, `{spec['job']}` on one GPU"
     if not torch.cuda.is_available() and not DRY_RUN:

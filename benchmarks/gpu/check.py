@@ -254,7 +254,7 @@ def pipeline(clock: Clock, tmp: Path, pycode: subprocess.Popen, pycode_started: 
 
 #: part -> its module (``perf``: this one)
 MODULES = {"first": "first", "steps": "steps", "scale": "scale", "multirank": "multirank", "tune": "tune",
-           "pattern": "accuracy", "cluster": "accuracy", "code2batch": "accuracy"}
+           "pattern": "accuracy_sbm", "cluster": "accuracy_sbm", "code2batch": "accuracy_code2"}
 
 
 def run() -> str:

@@ -28,7 +28,7 @@ MODES = ("eager", "compiled", "captured")  # captured after compiled: it finds c
 STEPS_SHARE = 0.4  # of the budget, at most, for the step rows
 TRAIN_MIN_S = 150 if DRY_RUN else 120  # less left than this: no (further) training run
 #: the accuracy part's call, its section written to the file named by argv[1]
-ACCURACY = "import sys; from benchmarks.gpu.accuracy import run; open(sys.argv[1], 'w').write(run('pattern'))"
+ACCURACY = "import sys; from benchmarks.gpu.accuracy_sbm import run; open(sys.argv[1], 'w').write(run('pattern'))"
 
 
 def ranked(rows: dict[str, dict], left_s: float) -> list[str]:

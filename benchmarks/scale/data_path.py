@@ -1,7 +1,7 @@
-"""Scale benchmark: ``BENCH=scale make bench`` (or ``python -m benchmarks.scale.data_path --graphs N ...``).
+"""Scale benchmark: ``BENCH=scale make bench``.
 
-For each size N (``--graphs``, repeatable; default ``SATP_SCALE_GRAPHS``, "1581,15810"; the full
-ogbg-ppa has 158,100 graphs), in a fresh directory D, the project's own commands as subprocesses::
+For each size N (``SATP_SCALE_GRAPHS``, default "1581,15810"; the full ogbg-ppa has 158,100 graphs), in
+a fresh directory D (under ``SATP_SCALE_DIR``, default the system temporary directory), the project's own commands as subprocesses::
 
     satp data synthetic-ppa --out D/data --graphs N
     satp preprocess jobs/ppa.yaml --set data.root=D/data --set data.source=synthetic \\
@@ -15,23 +15,18 @@ prints), and:
   same machine is not counted): the driver's and each Ray worker's (``/proc/PID/cmdline`` starting
   with ``ray::``) high-water RSS (``VmHWM``), and the use of ``/dev/shm`` (Ray's object store;
   machine-wide, reported above its level when the size started);
-- ``--kill-after-shards K`` (default ``SATP_SCALE_KILL``, "half": half the shards the splits make;
-  0: no kill): the first preprocess run is killed (SIGKILL to its process group, then to anything
+- ``SATP_SCALE_KILL`` K (default "half": half the shards the splits make; 0: no kill): the first preprocess run is killed (SIGKILL to its process group, then to anything
   left in its session) once K shard sidecars (``D/shards/*/*.json`` but the manifest and the
   vocabulary) exist, and the rerun that resumes it is timed;
 - a last rerun on the finished directory (nothing to do) is timed;
 - disk use (``du -sb``): what the generator wrote (D/data before preprocessing), the columnar raw
   store ``D/data/ogbg_ppa/columnar`` and the shards.
 
-D is deleted after each size unless ``--keep DIR`` (then D = DIR/ppa-N); a size whose estimated
-disk use (~45 GB at full size: raw ~8, columnar ~12, shards ~25) does not fit the free space is
-skipped with a line saying so. ``--set KEY=VALUE`` adds overrides to the preprocess command (e.g.
-``shards.graphs_per_shard=10`` for a quick kill/resume check). ``SATP_SCALE_DIR`` (default: the
-system temporary directory) is where D is made when nothing is kept.
+D is deleted after each size; a size whose estimated disk use (~45 GB at full size: raw ~8, columnar
+~12, shards ~25) does not fit the free space is skipped with a line saying so.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -281,7 +276,7 @@ def _planned_shards(splits: dict, overrides: list[str]) -> int:
     return sum(math.ceil((min(n, cap) if cap else n) / per) for n in splits.values())
 
 
-def measure_size(graphs: int, d: Path, kill_after: int | str = 0, extra: tuple[str, ...] = ()) -> dict:
+def measure_size(graphs: int, d: Path, kill_after: int | str = 0) -> dict:
     """Generate, preprocess (killed and resumed with ``kill_after``), rerun; the figures of one size."""
     py = [sys.executable, "-m", "pipeline.cli"]
     logs = d / "logs"
@@ -289,7 +284,7 @@ def measure_size(graphs: int, d: Path, kill_after: int | str = 0, extra: tuple[s
     gen = timed([*py, "data", "synthetic-ppa", "--out", str(d / "data"), "--graphs", str(graphs)], logs, "generate")
     row["gen_wall"], row["gen_rss_kib"] = gen["wall"], gen["maxrss_kib"]
     row["raw_bytes"] = du_bytes(d / "data")
-    overrides = [f"data.root={d / 'data'}", "data.source=synthetic", f"shards.root={d / 'shards'}", *extra]
+    overrides = [f"data.root={d / 'data'}", "data.source=synthetic", f"shards.root={d / 'shards'}"]
     pre = [*py, "preprocess", JOB, *(a for o in overrides for a in ("--set", o)), "--no-progress"]
     if kill_after == "half":
         splits = json.loads(gen["stdout"].strip().splitlines()[-1])["splits"]
@@ -345,8 +340,7 @@ def _row(r: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def run(sizes: list[int] | None = None, kill_after: int | str | None = None, keep: str | None = None,
-        extra: tuple[str, ...] = ()) -> str:
+def run(sizes: list[int] | None = None, kill_after: int | str | None = None) -> str:
     """The markdown section (see the module docstring)."""
     if sizes is None:
         sizes = [int(s) for s in os.environ.get("SATP_SCALE_GRAPHS", "1581,15810").split(",") if s.strip()]
@@ -356,7 +350,7 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
         kill_after = int(kill_after)
     load0 = os.getloadavg()
     rows, notes = [], []
-    base = Path(keep) if keep else Path(os.environ.get("SATP_SCALE_DIR") or tempfile.gettempdir())
+    base = Path(os.environ.get("SATP_SCALE_DIR") or tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     for n in sizes:
         print(f"== scale: {n:,} graphs", file=sys.stderr, flush=True)
@@ -365,29 +359,20 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
             notes.append(f"- {n:,} graphs: **skipped**, needs ~{need / 1e9:.1f} GB of disk "
                          f"(estimate x{DISK_MARGIN}), {free / 1e9:.1f} GB free under {base}")
             continue
-        if keep:
-            d = base / f"ppa-{n}"
-            if d.exists():
-                notes.append(f"- {n:,} graphs: **skipped**, {d} already exists (remove it to measure again)")
-                continue
-            d.mkdir()
-        else:
-            d = Path(tempfile.mkdtemp(prefix=f"satp-scale-{n}-", dir=base))
+        d = Path(tempfile.mkdtemp(prefix=f"satp-scale-{n}-", dir=base))
         try:
-            row = measure_size(n, d, kill_after, tuple(extra))
+            row = measure_size(n, d, kill_after)
             rows.append(row)
             if row.get("planned_shards") is not None and row.get("killed") is None:
                 notes.append(f"- {n:,} graphs: the first preprocess run finished before "
                              f"{row['planned_shards'] // 2} of {row['planned_shards']} shards were seen: not killed")
             print(_row(row), file=sys.stderr, flush=True)
         finally:
-            if not keep:
-                shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(d, ignore_errors=True)
     load1 = os.getloadavg()
     cmd_kill = ("the first preprocess run is killed (SIGKILL to its process group and session) once "
                 + ("half of its shards" if kill_after == "half" else f"{kill_after} shards")
                 + " are finished, and the rerun that resumes it is timed; " if kill_after else "")
-    extra_set = "".join(f" --set {o}" for o in extra)
     lines = [
         "## Scale: synthetic ogbg-ppa, generate + preprocess (`BENCH=scale make bench`)",
         "",
@@ -395,11 +380,10 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
         "",
         "    satp data synthetic-ppa --out D/data --graphs N",
         "    satp preprocess jobs/ppa.yaml --set data.root=D/data --set data.source=synthetic "
-        f"--set shards.root=D/shards{extra_set} --no-progress",
+        "--set shards.root=D/shards --no-progress",
         "",
         f"then {cmd_kill}the same preprocess command once more on the finished directory (nothing to do). "
-        f"(`python -m benchmarks.scale.data_path --graphs N [--kill-after-shards K|half] [--keep DIR]`; "
-        f"sizes from `SATP_SCALE_GRAPHS`, full ogbg-ppa = {FULL_GRAPHS:,} graphs.)",
+        f"(Sizes from `SATP_SCALE_GRAPHS`, full ogbg-ppa = {FULL_GRAPHS:,} graphs; `SATP_SCALE_KILL` K, half or 0.)",
         "",
         f"CPU: {cpu_model()}, nproc {nproc()}. Load average (1/5/15 min) at start "
         f"{load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, at end {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}. "
@@ -433,23 +417,5 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale.data_path", description=__doc__.splitlines()[0])
-    parser.add_argument("--graphs", type=int, action="append", metavar="N",
-                        help="a size (repeatable; default SATP_SCALE_GRAPHS or 1581,15810)")
-    parser.add_argument("--kill-after-shards", default=None, metavar="K",
-                        help="kill the first preprocess run once K shards exist and time the resume "
-                             "(an integer, 'half', or 0 for no kill; default SATP_SCALE_KILL or half)")
-    parser.add_argument("--keep", metavar="DIR", help="keep each size's directory as DIR/ppa-N")
-    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
-                        help="an extra override for the preprocess command (repeatable)")
-    args = parser.parse_args(argv)
-    kill = args.kill_after_shards
-    if kill is not None and kill != "half":
-        kill = int(kill)
-    print(run(args.graphs, kill, args.keep, tuple(args.extra)))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    print(run())
