@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.gpu.accuracy_report import _device, _fmt, _save_plot, curve_table
+from benchmarks.gpu.accuracy_report import _fmt, _save_plot, curve_table
 from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, STARTUP_S, _begin, _digest,
                                           _preprocess, history_of, run_state, time_to, train)
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _step, copy_logs, measure, satp, step_lines
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _step, copy_logs, device, measure, satp, step_lines
 
 CPUS = min(16, os.cpu_count() or 1)
 CODE2_JOB = "jobs/code2.yaml"
@@ -63,14 +63,11 @@ def choose_subset(left: float, rate: float, train_size: int, evals: int, cap: in
 
 def run() -> str:
     import numpy as np
-    import torch
 
     from pipeline.config import load_job
     from pipeline.train.loader import open_split
 
     title = "### GPU check, part code2batch (`benchmarks/gpu/run.sh code2batch`): the paper's batch vs the job's, on one GPU"
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return f"{title}\n\nNo CUDA device: nothing measured."
     clock, work, logs, out_dir, ledger, call, storage, tracking = _begin("code2batch")
     max_train = int(os.environ.get("SATP_CODE2BATCH_TRAIN") or (300 if DRY_RUN else 100_000))
     common = [f"data.root={work / 'data'}", "data.source=pycode", f"data.max_graphs_per_split={max_train}",
@@ -227,7 +224,7 @@ def run() -> str:
 def _code2_section(title: str, raw: dict, recipe_hist, default_hist, records: dict, clock: Clock, work: Path) -> str:
     steps = raw["steps"]
     lines = [title, "",
-             f"Device: {_device()}, {os.cpu_count()} cores; budget {BUDGET_S:.0f} s (call {raw['call']} on this machine); "
+             f"Device: {device()}; budget {BUDGET_S:.0f} s (call {raw['call']} on this machine); "
              f"work directory `{work}`.", "",
              f"Corpus: `satp data pycode --source DIR ...{' --include-tests' if TESTS else ''} --workers {CPUS}` over "
              f"{len(raw['sources'])} "

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.gpu.measure import DRY_RUN
 
 
 def _fmt(value, spec: str = ".4f", none: str = "-") -> str:
@@ -53,9 +52,3 @@ def _save_plot(history: list[dict], metric: str, target: Optional[dict], path: P
             plot_metric_vs_time(history, metric, path, target)
     except Exception as exc:  # matplotlib may be missing on the image: the table has the same figures
         print(f"   (no plot: {exc})", flush=True)
-
-
-def _device() -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run, tiny sizes and model)"

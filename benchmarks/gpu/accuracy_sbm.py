@@ -10,10 +10,10 @@ import os
 import shutil
 from typing import Any, Optional
 
-from benchmarks.gpu.accuracy_report import _device, _fmt, _pct, _save_plot, curve_table
+from benchmarks.gpu.accuracy_report import _fmt, _pct, _save_plot, curve_table
 from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, PART, PREPARE_ONLY, STARTUP_S, _begin,
                                           _digest, _preprocess, history_of, run_state, time_to, train)
-from benchmarks.gpu.measure import DRY_RUN, ROOT, copy_logs, measure, satp, step_lines
+from benchmarks.gpu.measure import DRY_RUN, ROOT, copy_logs, device, measure, satp, step_lines
 
 SBM = {
     "pattern": dict(job="jobs/pattern.yaml", builder="sbm-pattern", folder="sbm_pattern", target=0.865, target_s=300,
@@ -56,15 +56,11 @@ def sbm_variant(job) -> tuple[str, list[str], list[str]]:
 
 def run(part: Optional[str] = None) -> str:
     """The part ``part`` (default ``SATP_GPU_PART``): its section."""
-    import torch
-
     from pipeline.config import load_job
 
     part = part or PART
     spec = SBM[part]
     title = f"### GPU check, part {part} (`benchmarks/gpu/run.sh {part}`): time to accuracy, `{spec['job']}` on one GPU"
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return f"{title}\n\nNo CUDA device: nothing measured."
     clock, work, logs, out_dir, ledger, call, storage, tracking = _begin(part)
     common = [f"data.root={work / 'data'}", f"shards.root={work / 'shards'}", f"train.storage_path={storage}",
               f"mlflow.tracking_uri={tracking}"] + (DRY_SETS if DRY_RUN else [])
@@ -147,7 +143,7 @@ def run(part: Optional[str] = None) -> str:
     t = job.train
     m = job.model
     lines = [title, "",
-             f"Device: {_device()}, {os.cpu_count()} cores; budget {BUDGET_S:.0f} s (call {call} of the part on this "
+             f"Device: {device()}; budget {BUDGET_S:.0f} s (call {call} of the part on this "
              f"machine); work directory `{work}`; run `{name}`.", ""]
     lines += [f"Job file: `{spec['job']}` ({m.num_layers} layers, hidden {m.hidden_dim}, {m.num_heads} heads, RWPE-{job.transform.rwpe_steps}, "
               f"k-subtree {m.gnn_type.upper()} k={m.k_hops}, dropout {m.dropout:g}; lr {t.lr:g}, {t.max_graphs_per_batch} graphs per "

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.gpu.measure import (DRY_RUN, ROOT, Clock, _finish, _last_line, _pipeline_metrics, _start, _step, copy_logs,
-                                    measure, overrides, satp, step_lines)
+                                    device, measure, out_dir, overrides, satp, step_lines)
 
 PARTS = ("perf", "first", "steps", "scale", "multirank", "tune", "pattern", "cluster", "code2batch")
 PART = os.environ.get("SATP_GPU_PART") or "perf"
@@ -259,22 +259,22 @@ MODULES = {"first": "first", "steps": "steps", "scale": "scale", "multirank": "m
 
 def run() -> str:
     """The part ``SATP_GPU_PART`` names (default ``perf``)."""
+    import torch
+
     if PART not in PARTS:
         raise SystemExit(f"SATP_GPU_PART={PART!r}: expected one of {', '.join(PARTS)}")
+    if not torch.cuda.is_available() and not DRY_RUN:
+        return f"### GPU check, part {PART}\n\nNo CUDA device: nothing measured."
     if PART in MODULES:
         return importlib.import_module(f"benchmarks.gpu.{MODULES[PART]}").run()
     return run_perf()
 
 
 def run_perf() -> str:
-    import torch
-
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return "### GPU check\n\nNo CUDA device: nothing measured."
     clock = Clock(BUDGET_S)
     sections = ["### GPU check, part perf (`benchmarks/gpu/run.sh [perf]`, or `BENCH=gpu make bench`)", "",
-                f"Device: {torch.cuda.get_device_name() if not DRY_RUN else 'CPU (dry run, tiny sizes)'}, "
-                f"torch {torch.__version__}; budget {BUDGET_S:.0f} s."]
+                f"Device: {device()}; budget {BUDGET_S:.0f} s."]
+    out = out_dir()
     raw: dict = {}
     with tempfile.TemporaryDirectory(prefix="satp-gpu-") as tmp:
         tmp_path = Path(tmp)
@@ -298,9 +298,9 @@ def run_perf() -> str:
             except Exception as exc:  # one failed part must not lose the others' figures
                 text, raw[name] = f"#### {name}\n\nfailed: {type(exc).__name__}: {str(exc)[:300]}", {"error": str(exc)}
             sections += ["", text]
-            if os.environ.get("OUT"):
-                Path(os.environ["OUT"], "gpu_results.json").write_text(json.dumps(raw, indent=1, default=str))
-        copy_logs(tmp_path, Path(os.environ["OUT"]) if os.environ.get("OUT") else None, "perf")
+            if out is not None:
+                (out / "gpu_results.json").write_text(json.dumps(raw, indent=1, default=str))
+        copy_logs(tmp_path, out, "perf")
     sections += ["", f"GPU check wall time: {BUDGET_S - clock.left():.0f} s."]
     return "\n".join(sections)
 

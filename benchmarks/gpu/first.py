@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _env, _finish, _start
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _env, _finish, _start, device, out_dir
 from benchmarks.gpu import steps
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or (360 if DRY_RUN else 480))
@@ -57,14 +57,10 @@ def _train_failed(out: Path) -> Optional[str]:
 
 
 def run() -> str:
-    import torch
-
     title = "### GPU check, part first (`benchmarks/gpu/run.sh first`): PATTERN's step modes, then time to 86.5"
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return f"{title}\n\nNo CUDA device: nothing measured."
     clock = Clock(BUDGET_S)
     steps.WORK.mkdir(parents=True, exist_ok=True)
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else steps.WORK / "first-out"
+    out = out_dir() or steps.WORK / "first-out"
     out.mkdir(parents=True, exist_ok=True)
     raw: dict = {"budget_s": BUDGET_S, "rows": {}, "trainings": []}
 
@@ -78,8 +74,7 @@ def run() -> str:
                      env=_accuracy_env(clock.left() - TRAIN_MIN_S, None, out, prepare_only=True))
     files = steps.shard_dirs(("pattern",))  # the shards part steps makes and reuses
     steps_clock = Clock(min(BUDGET_S * STEPS_SHARE, clock.left() - TRAIN_MIN_S))
-    lines = [title, "", f"Device: {torch.cuda.get_device_name() if not DRY_RUN else 'CPU (dry run, tiny sizes and model)'}, "
-             f"torch {torch.__version__}; budget {BUDGET_S:.0f} s.", "",
+    lines = [title, "", f"Device: {device()}; budget {BUDGET_S:.0f} s.", "",
              f"1. Training steps, {LABEL} (`benchmarks/gpu/steps.py`'s rows; {steps.PATTERN_GRAPHS} PATTERN graphs, "
              "bf16, the job's model), measured while part pattern made its data and shards:", ""] + steps.HEADER
     for mode in MODES:

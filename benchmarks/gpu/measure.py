@@ -29,6 +29,23 @@ class Clock:
         return self.budget - (time.monotonic() - self.start)
 
 
+def device() -> str:
+    """The device a part measured, for its section: the card, the cores, torch."""
+    import torch
+
+    card = torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run: tiny sizes and model, CPU workers)"
+    return f"{card}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def out_dir() -> Optional[Path]:
+    """``$OUT`` (the device tool's output folder), made if missing; None when unset."""
+    if not os.environ.get("OUT"):
+        return None
+    out = Path(os.environ["OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                 DS_ACCELERATOR="cpu" if DRY_RUN else "cuda", OUTDATED_IGNORE="1", RAY_USAGE_STATS_ENABLED="0")

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, check_lines, measure, overrides, pycode_data, satp, step_lines
+from benchmarks.gpu.measure import (DRY_RUN, ROOT, Clock, check_lines, device, measure, out_dir, overrides, pycode_data, satp,
+                                    step_lines)
 from pipeline.train.batching import split_sampler
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 330)
@@ -96,13 +97,11 @@ def _latest(run_dir: Path) -> Path | None:
 def run() -> str:
     import torch
 
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return "### GPU check, part multirank\n\nNo CUDA device: nothing measured."
     from pipeline.config import load_job
     from pipeline.train.loader import open_split
 
     clock = Clock(BUDGET_S)
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    out = out_dir()
     logs = WORK_DIR / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     run_name = f"gpu-multirank-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -112,12 +111,11 @@ def run() -> str:
     steps = raw["steps"]
 
     def save() -> None:
-        if out_dir is not None:
-            (out_dir / "gpu_multirank.json").write_text(json.dumps(raw, indent=1, default=str))
+        if out is not None:
+            (out / "gpu_multirank.json").write_text(json.dumps(raw, indent=1, default=str))
 
-    device_name = torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run: CPU workers, tiny model)"
     lines = ["### GPU check, part multirank (`benchmarks/gpu/run.sh multirank`)", "",
-             f"Device: {device_name}, torch {torch.__version__}; budget {BUDGET_S:.0f} s. `{JOB}` with `--set` "
+             f"Device: {device()}; budget {BUDGET_S:.0f} s. `{JOB}` with `--set` "
              + " ".join(f"`{s}`" for s in sets if not s.startswith(("data.root", "shards.root", "train.storage",
                                                                    "mlflow.tracking")))
              + f" (paths under `{WORK_DIR}`): {WORLD} Ray Train workers, collectives: "
@@ -202,9 +200,9 @@ def run() -> str:
                            f"{steps_first} -> {steps_second}"))
         final = second or first
         if clock.left() > 15:
-            device = torch.device("cuda" if not DRY_RUN else "cpu")
+            on = torch.device("cuda" if not DRY_RUN else "cpu")
             try:
-                one = single_rank_eval(sets, shard_dir, Path(final["checkpoint"]), device)
+                one = single_rank_eval(sets, shard_dir, Path(final["checkpoint"]), on)
                 raw["single_rank_eval"] = one
                 best = final["state"]["best"]
                 metric = one["metric"]
@@ -228,9 +226,9 @@ def run() -> str:
                          f"{h.get(f'test_{metric}', float('nan')):.4f} |")
     raw["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
     lines += check_lines(checks, f"part wall time {BUDGET_S - clock.left():.0f} s")
-    if out_dir is not None:
+    if out is not None:
         for log in logs.glob("*.log*"):
-            (out_dir / f"multirank-{log.name}").write_text(log.read_text()[-20000:])
+            (out / f"multirank-{log.name}").write_text(log.read_text()[-20000:])
     save()
     return "\n".join(lines)
 
@@ -343,8 +341,8 @@ def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
         spec = {"job": "jobs/code2.yaml", "max_graphs": 4, "bucket_size": 4, "loader_workers": 0, "precision": "fp32"}
         job = job_for(spec, work)
         (work / "run").mkdir()
-        device = torch.device("cuda", 0) if torch.cuda.is_available() else None
-        trainer = Trainer(worker_setup(job, job_shards(job, work / "shards", 8)), LocalContext(work / "run", device),
+        on = torch.device("cuda", 0) if torch.cuda.is_available() else None
+        trainer = Trainer(worker_setup(job, job_shards(job, work / "shards", 8)), LocalContext(work / "run", on),
                           on_step=stop)
         try:
             trainer.train_epoch(0)

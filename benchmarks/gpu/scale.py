@@ -17,7 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _pipeline_metrics, disk_gb, measure, overrides, satp, step_lines
+from benchmarks.gpu.measure import (DRY_RUN, ROOT, Clock, _pipeline_metrics, device, disk_gb, measure, out_dir, overrides, satp,
+                                    step_lines)
 
 FULL_GRAPHS = 158_100
 # a comma list (benchmarks/scale/data_path.py's form of the same variable) gives its largest size
@@ -67,20 +68,16 @@ def _fit_epoch(sizes: dict[str, int], left: float) -> tuple[int | None, int | No
 
 
 def run() -> str:
-    import torch
-
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return "### GPU check, part scale\n\nNo CUDA device: nothing measured."
     clock = Clock(BUDGET_S)
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    out = out_dir()
     SCALE_DIR.mkdir(parents=True, exist_ok=True)
     logs = SCALE_DIR / "logs"
     logs.mkdir(exist_ok=True)
     raw: dict = {"graphs_asked": GRAPHS, "budget_s": BUDGET_S, "workers": WORKERS, "dir": str(SCALE_DIR), "steps": {}}
 
     def save() -> None:
-        if out_dir is not None:
-            (out_dir / "gpu_scale.json").write_text(json.dumps(raw, indent=1, default=str))
+        if out is not None:
+            (out / "gpu_scale.json").write_text(json.dumps(raw, indent=1, default=str))
 
     graphs = GRAPHS
     free = shutil.disk_usage(SCALE_DIR).free
@@ -96,9 +93,8 @@ def run() -> str:
             graphs = fits
     raw.update(graphs=graphs, free_disk_gb_before=free / 1e9, reused_data=reuse)
     sets = _sets(graphs)
-    device = torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run, tiny sizes and model)"
     lines = ["### GPU check, part scale (`benchmarks/gpu/run.sh scale`)", "",
-             f"Device: {device}, {os.cpu_count()} cores, torch {torch.__version__}; budget {BUDGET_S:.0f} s; "
+             f"Device: {device()}; budget {BUDGET_S:.0f} s; "
              f"**{graphs:,} synthetic ogbg-ppa graphs** (`SATP_SCALE_GRAPHS`; ogbg-ppa has {FULL_GRAPHS:,}); "
              f"work directory `{SCALE_DIR}` ({free / 1e9:.0f} GB free at the start).", ""]
     lines += [f"- {n}" for n in notes] + ([""] if notes else [])
@@ -198,9 +194,9 @@ def run() -> str:
                       "bound): " + "; ".join(rates) + "."]
     lines += ["", f"Free disk: {free / 1e9:.1f} GB before, {raw['free_disk_gb_after']:.1f} GB after; "
                   f"part wall time {BUDGET_S - clock.left():.0f} s."]
-    if out_dir is not None:
+    if out is not None:
         for log in logs.glob("*.log*"):
-            (out_dir / f"scale-{log.name}").write_text(log.read_text()[-20000:])
+            (out / f"scale-{log.name}").write_text(log.read_text()[-20000:])
     save()
     return "\n".join(lines)
 

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _run, _step
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _run, _step, device, out_dir
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 510)
 WORK = Path(os.environ.get("SATP_GPU_STEPS_DIR") or ROOT / "runs" / ("gpu-steps-dry" if DRY_RUN else "gpu-steps"))
@@ -144,18 +144,13 @@ def _startup_lines(result: dict) -> list[str]:
 
 
 def run() -> str:
-    import torch
-
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return "### GPU check, part steps\n\nNo CUDA device: nothing measured."
     clock = Clock(BUDGET_S)
     WORK.mkdir(parents=True, exist_ok=True)
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    out = out_dir()
     raw: dict = {"rows": {}, "startup": None}
     files = shard_dirs()
     lines = ["### GPU check, part steps (`benchmarks/gpu/run.sh steps`): eager vs compiled vs captured steps", "",
-             f"Device: {torch.cuda.get_device_name() if not DRY_RUN else 'CPU (dry run, tiny sizes and model)'}, "
-             f"torch {torch.__version__}; budget {BUDGET_S:.0f} s. {PATTERN_GRAPHS} PATTERN graphs, {CODE2_GRAPHS} "
+             f"Device: {device()}; budget {BUDGET_S:.0f} s. {PATTERN_GRAPHS} PATTERN graphs, {CODE2_GRAPHS} "
              "code2-shaped graphs (`benchmarks/graphs/jobs.py`), bf16, the jobs' models; warm-up "
              f"{TIMING['warmup']} steps, then >= {TIMING['seconds']:g} s of whole steps; kernel ms: GPU busy time "
              "per step (torch.profiler, 3 steps).", ""] + HEADER
@@ -169,8 +164,8 @@ def run() -> str:
         raw["rows"][f"{label} / {mode}"] = result
         print(f"   {json.dumps(result)[:400]}", flush=True)
         lines.append(_row(label, mode, result))
-        if out_dir is not None:
-            (out_dir / "gpu_steps.json").write_text(json.dumps(raw, indent=1, default=str))
+        if out is not None:
+            (out / "gpu_steps.json").write_text(json.dumps(raw, indent=1, default=str))
     if raw["startup"] is not None:
         lines += _startup_lines(raw["startup"])
     lines += ["", f"Part wall time: {BUDGET_S - clock.left():.0f} s."]

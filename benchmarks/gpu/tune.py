@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, check_lines, copy_logs, measure, pycode_data, satp, step_lines
+from benchmarks.gpu.measure import (DRY_RUN, ROOT, Clock, check_lines, copy_logs, device, measure, out_dir, pycode_data, satp,
+                                    step_lines)
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 480)
 GRAPHS_PER_SPLIT = int(os.environ.get("SATP_TUNE_GRAPHS") or (150 if DRY_RUN else 1500))
@@ -86,12 +87,8 @@ def _parent_run_id(stdout: str) -> str | None:
 
 
 def run() -> str:
-    import torch
-
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return "### GPU check, part tune\n\nNo CUDA device: nothing measured."
     clock = Clock(BUDGET_S)
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    out = out_dir()
     logs = WORK_DIR / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     name = f"gpu-tune-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -102,12 +99,11 @@ def run() -> str:
     steps = raw["steps"]
 
     def save() -> None:
-        if out_dir is not None:
-            (out_dir / "gpu_tune.json").write_text(json.dumps(raw, indent=1, default=str))
+        if out is not None:
+            (out / "gpu_tune.json").write_text(json.dumps(raw, indent=1, default=str))
 
-    device_name = torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run: CPU workers, tiny model)"
     lines = ["### GPU check, part tune (`benchmarks/gpu/run.sh tune`)", "",
-             f"Device: {device_name}, torch {torch.__version__}; budget {BUDGET_S:.0f} s. `satp tune` of `{JOB}` made "
+             f"Device: {device()}; budget {BUDGET_S:.0f} s. `satp tune` of `{JOB}` made "
              f"small (`{job_file.relative_to(ROOT) if job_file.is_relative_to(ROOT) else job_file}`): "
              f"{GRAPHS_PER_SPLIT} graphs per split of `satp data pycode`, {len(LRS)} trials (train.lr {LRS}), at most "
              f"{job['tune']['max_concurrent_trials']} at once, 1 worker each "
@@ -164,7 +160,7 @@ def run() -> str:
     raw["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
     lines += check_lines(checks, f"the sweep's command {tuned.get('seconds', 0):.0f} s; part wall time "
                                  f"{BUDGET_S - clock.left():.0f} s")
-    copy_logs(logs, out_dir, "tune")
+    copy_logs(logs, out, "tune")
     save()
     return "\n".join(lines)
 
