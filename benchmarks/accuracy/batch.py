@@ -60,7 +60,7 @@ def sqrt_rule_lr(cfg: dict, graphs: int) -> float:
 
 
 # ----------------------------------------------------------------------------- job files, runs
-def job_dict(cfg: dict, graphs: int, lane: int, section: Optional[str] = None, lr: Optional[float] = None) -> dict:
+def job_dict(cfg: dict, graphs: int, section: Optional[str] = None, lr: Optional[float] = None) -> dict:
     """The job of one G: paths under the study's folder, G random graphs per step, a node budget that G of
     the largest graphs fit; with ``section`` its sweep (``tune``) or its seeds at ``lr`` (``compare``)."""
     import yaml
@@ -75,7 +75,7 @@ def job_dict(cfg: dict, graphs: int, lane: int, section: Optional[str] = None, l
     t.update(epochs=cfg["epochs"], warmup_epochs=round(WARMUP_FRACTION * cfg["epochs"], 4), max_graphs_per_batch=graphs,
              bucket_size=graphs, eval_subset=cfg["eval_subset"], lr=lr or sqrt_rule_lr(cfg, graphs),
              storage_path=str(d / "ray"), node_budget=max(int(t["node_budget"]), graphs * (largest_graph(cfg) + 48)))
-    raw["mlflow"]["tracking_uri"] = f"sqlite:///{d / f'mlflow-lane{lane}.db'}"
+    raw["mlflow"]["tracking_uri"] = f"sqlite:///{d / f'mlflow-g{graphs}.db'}"  # one store per G: lanes never share one
     if section == "tune":
         raw["tune"] = {"name": f"code2-batch-g{graphs}", "storage_path": str(d / "tune"), "num_samples": 1,
                        "metric": "val_f1", "mode": "max", "max_concurrent_trials": 1, "seed": 0, "register_best": False,
@@ -145,15 +145,15 @@ def best_trial(sweep: list[dict]) -> Optional[dict]:
     return max(done, key=lambda t: (t["best"]["val"], len(t["history"])), default=None)
 
 
-def run_lane(cfg: dict, lane: int, sizes: list[int], timings: dict, errors: list) -> None:
+def run_lane(cfg: dict, sizes: list[int], timings: dict, errors: list) -> None:
     for g in sizes:
         try:
-            if satp(cfg, "tune", job_dict(cfg, g, lane, "tune"), f"sweep-g{g}", timings):
+            if satp(cfg, "tune", job_dict(cfg, g, "tune"), f"sweep-g{g}", timings):
                 errors.append(f"G={g}: satp tune failed (logs/sweep-g{g}.log)")
             best = best_trial(trials(cfg, f"code2-batch-g{g}"))
             if best is None:
                 errors.append(f"G={g}: no trial of the sweep finished")
-            elif satp(cfg, "compare", job_dict(cfg, g, lane, "compare", best["lr"]), f"seeds-g{g}", timings):
+            elif satp(cfg, "compare", job_dict(cfg, g, "compare", best["lr"]), f"seeds-g{g}", timings):
                 errors.append(f"G={g}: satp compare failed (logs/seeds-g{g}.log)")
         except Exception as exc:  # one size's failure leaves the others' results
             errors.append(f"G={g}: {type(exc).__name__}: {exc}")
@@ -282,7 +282,7 @@ def section(result: dict, cfg: dict, timings: dict, loads: tuple, errors: list[s
         bound = "≤ " if first else ""
         history = [h for t in r["full"] for h in t["history"]]
         lines.append(
-            f"| {r['G']} | {r['best']['lr']:g} (x{r['best']['lr'] / sqrt_rule_lr(cfg, r['G']):g}) | {r['full'][0]['history'][0]['steps']} "
+            f"| {r['G']} | {r['best']['lr']:g} (x{r['best']['lr'] / sqrt_rule_lr(cfg, r['G']):.2g}) | {r['full'][0]['history'][0]['steps']} "
             f"| {statistics.fmean(h['epoch_seconds'] for h in history):.1f} | {statistics.fmean(h['eval_seconds'] for h in history):.1f} "
             f"| {_pm([t['history'][-1]['test_f1'] for t in r['full']])} (n={len(r['full'])}) "
             f"| {_pm([t['best']['test'] for t in r['full'] if t['best'].get('test') is not None])} "
@@ -317,10 +317,10 @@ def run() -> str:
                     cfg, "data", None, "data", timings, ("pycode", "--out", str(cfg["dir"] / "data"))):
                 raise RuntimeError(f"satp data pycode failed (see {cfg['dir'] / 'logs' / 'data.log'})")
             # the shards before the lanes: they would build the same folder
-            if satp(cfg, "preprocess", job_dict(cfg, cfg["sizes"][0], 0), "preprocess", timings, ("--no-progress",)):
+            if satp(cfg, "preprocess", job_dict(cfg, cfg["sizes"][0]), "preprocess", timings, ("--no-progress",)):
                 raise RuntimeError(f"satp preprocess failed (see {cfg['dir'] / 'logs' / 'preprocess.log'})")
-            lanes = [threading.Thread(target=run_lane, args=(cfg, i, sizes, timings, errors))
-                     for i, sizes in enumerate(lanes_of(cfg["sizes"], cfg["lanes"]))]
+            lanes = [threading.Thread(target=run_lane, args=(cfg, sizes, timings, errors))
+                     for sizes in lanes_of(cfg["sizes"], cfg["lanes"])]
             for lane in lanes:
                 lane.start()
             for lane in lanes:
