@@ -1,15 +1,10 @@
-"""`make bench`: run the benchmark modules and append their figures to benchmarks/RESULTS.md.
+"""`make bench`: run the benchmark modules and append their sections to benchmarks/RESULTS.md.
 
-Each area's module (:data:`MODULES`; the rooms of :mod:`benchmarks`) exposes ``run() -> str``, a
-markdown section with its own command line and figures. ``BENCH=model,preprocessing make bench`` selects areas; the
-default is the CPU areas below. ``BENCH=gpu`` is the GPU check (``benchmarks/gpu/run.sh`` runs it on
-a bare GPU machine). ``BENCH=scale`` (not in the default) is the scale run of ``satp data synthetic-ppa`` +
-``satp preprocess jobs/ppa.yaml`` at the sizes in ``SATP_SCALE_GRAPHS`` (``benchmarks/scale/data_path.py``).
-``BENCH=startup`` (not in the default; ~15 min) times ``satp train``'s start-up cold, on a warm ``satp
-cluster`` and per trial of a sweep (``benchmarks/cpu/startup.py``). ``BENCH=batch`` (not in the default;
-~35-40 min on 2 cores) is the batch-size study: per global batch, an ASHA lr sweep (``satp tune``) and 2
-more seeds (``satp compare``), F1 against wall-clock and steps, and the critical batch size
-(``benchmarks/accuracy/batch.py``, sizes from ``SATP_BATCH_*``).
+Each area's module (:data:`MODULES`) exposes ``run() -> str``, a markdown section with its own command
+line and figures. ``BENCH=model,preprocessing make bench`` selects areas; the default is :data:`AREAS`.
+Not in the default: ``startup`` (~15 min), ``scale`` (sizes from ``SATP_SCALE_GRAPHS``), ``batch`` (the
+batch-size study, ~35-40 min on 2 cores, ``SATP_BATCH_*``) and ``gpu`` (the GPU check;
+``benchmarks/gpu/run.sh`` runs it on a bare GPU machine).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The benchmarks' own parts on CPU: the shards of job-shaped graphs (benchmarks/graphs/jobs.py) the
 GPU train-step benchmark (benchmarks/gpu/step.py) measures the product's trainer on, and that
-benchmark's figures; the scale benchmark's row; the GPU accuracy parts' helpers."""
+benchmark's figures; the scale benchmark's row; the batch-size study's analysis; the GPU accuracy
+parts' helpers."""
 import json
 import os
 import subprocess
@@ -88,7 +89,7 @@ def test_scale_benchmark_row_for_a_tiny_size(tmp_path, monkeypatch):
 
 
 def test_gpu_accuracy_fast_variant_scales_batch_lr_and_warmup(monkeypatch):
-    """`SATP_ACC_FAST=1` (benchmarks/gpu/accuracy.py): 4x the job's batch, lr by the square-root rule,
+    """`SATP_ACC_FAST=1` (benchmarks/gpu/accuracy_sbm.py): 4x the job's batch, lr by the square-root rule,
     a quarter of the warm-up in epochs; without it the part runs the job file's settings."""
     from benchmarks.gpu.accuracy_sbm import sbm_variant
     from pipeline.config import load_job
@@ -165,3 +166,17 @@ def test_measure_stops_a_command_when_asked_with_sigint_first(tmp_path):
     r = measure([sys.executable, "-c", script], 60, tmp_path / "cmd.log", should_stop=stop, check_s=0.2, grace_s=5)
     assert r["stopped"] == "asked" and not r["ok"] and not r["timed_out"] and r["returncode"] == 3
     assert "got SIGINT" in (tmp_path / "cmd.log").read_text() and time.monotonic() - started < 20
+
+
+def test_batch_study_interpolates_the_crossing_and_fits_the_critical_batch():
+    """benchmarks/accuracy/batch.py: the first crossing of a target, linear between evaluations (only a
+    bound when the first one reaches it); the fit S(G) = S_min (1 + G_crit / G) recovers exact points'
+    parameters and refuses two points."""
+    from benchmarks.accuracy.batch import first_crossing, fit_critical
+
+    assert first_crossing([10, 20, 30], [0.1, 0.3, 0.5], 0.4) == (pytest.approx(25.0), False)
+    assert first_crossing([10, 20], [0.5, 0.6], 0.4) == (10, True)
+    assert first_crossing([10, 20], [0.1, 0.2], 0.4) == (None, False)
+    s_min, g_crit = fit_critical([(g, 7 * (1 + 550 / g)) for g in (32, 128, 512, 2048)])
+    assert (s_min, g_crit) == (pytest.approx(7), pytest.approx(550))
+    assert fit_critical([(32, 100.0), (128, 30.0)]) is None

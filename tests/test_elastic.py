@@ -1,7 +1,7 @@
 """An elastic run (``resources.num_workers: [1, 2]``) on a Ray cluster of several nodes on this
 machine (:mod:`ray_nodes`): a head and node B of 1 CPU each, one worker per node.
 
-One run answers the issue's questions: it starts at 2 workers; node B is lost (SIGKILL to all its
+One run answers the elastic path's questions: it starts at 2 workers; node B is lost (SIGKILL to all its
 processes) while the workers write a step checkpoint, the rank there half-way through copying its
 part (a test hook pauses it); the run goes on at 1 worker on the head from the checkpoint before,
 without waiting for B; node C joins and the run grows back to 2 workers at its next resize check

@@ -146,7 +146,7 @@ def test_the_range_of_code2_ids_is_the_datasets_mapping(datasets):
 
 @pytest.mark.ray
 def test_satp_preprocess_refuses_an_out_of_range_node_type(datasets, tmp_path, ray_cluster):
-    """The issue's reproduction through the command: one ``satp: error:`` line, exit 2, nothing written."""
+    """The out-of-range node type through the command: one ``satp: error:`` line, exit 2, nothing written."""
     shutil.copytree(datasets / "ogbg_code2", tmp_path / "data/ogbg_code2", ignore=shutil.ignore_patterns(STORE_DIR))
     folder = tmp_path / "data/ogbg_code2"
     rel, line = _edit_node_row({0: "99999"})(folder)

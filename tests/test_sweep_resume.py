@@ -2,7 +2,7 @@
 resumed trial counts the epochs it ran before the interruption, and Ray's own ``Tuner.restore(...)``
 hint is not printed beside satp's.
 
-The interruption lands where it did in the issue: a trial's Train run has checkpointed its best
+The interruption lands at the moment that exposed the bug: a trial's Train run has checkpointed its best
 epoch, whose report had not reached Tune's driver yet; the resumed run goes on from that checkpoint,
 so Tune's results never hold that epoch (the summary printed "best val_f1 0.0000"), while its
 checkpoint does (registration and MLflow's catch-up read it).

@@ -12,12 +12,9 @@ process only receives the batches, so the graphs/s are that worker's while the m
 up. "Graphs per loader CPU-s" divides the graphs by the CPU seconds the loader processes used
 (``/proc``): what one loader process delivers with a core of its own, whatever else the machine runs.
 
-``--step-ms S`` measures the data wait at epoch starts instead: a consumer taking S ms per batch (the
-GPU step), the worker's one iterator over all epochs against a new iterator per epoch.
-
 ``run()`` (``make bench``) builds small code2 (Python standard library) and ppa (synthetic) shards
 with the jobs' transforms and measures both paths at the jobs' budgets (jobs/code2.yaml 131072,
-jobs/ppa.yaml 16384 and its evaluation budget 65536), and the epoch starts of code2.
+jobs/ppa.yaml 16384 and its evaluation budget 65536).
 """
 from __future__ import annotations
 
@@ -110,39 +107,6 @@ def _one_rank(sampler):
     return RankStream(GlobalBatches(sampler, micro_batches_per_step=1), rank=0, world=1)
 
 
-def epoch_starts(shards: str | Path, budget: int, workers: int, step_s: float, job: str | Path | None = None,
-                 epochs: int = 4, pause_s: float = 0.3) -> dict:
-    """Data wait of a consumer taking ``step_s`` per batch (the GPU step) over ``epochs`` epochs after
-    a first one, with ``pause_s`` between epochs (evaluation, checkpoint): the worker's loader, one
-    iterator over all epochs (:class:`pipeline.train.global_batch.RankStream`), against a new iterator per
-    epoch over the same persistent workers. Seconds per epoch: the wait for an epoch's first batch
-    and for all its batches."""
-    from pipeline.train.loader import make_loader
-
-    out = {}
-    for mode in ("per-epoch iterator", "one iterator (RankStream)"):
-        config, dataset, sampler, collator = _parts(shards, budget, workers, job)
-        stream = mode.startswith("one")
-        loader = (make_loader(dataset, _one_rank(sampler), collator, config.train.loader_workers, pin_memory=False) if stream
-                  else make_loader(dataset, sampler, collator, workers, pin_memory=False))
-        batches, first, total = None, 0.0, 0.0
-        for epoch in range(epochs + 1):
-            sampler.set_epoch(epoch)
-            batches = batches if stream and batches is not None else iter(loader)
-            for step in range(len(sampler)):
-                started = time.perf_counter()
-                next(batches)
-                waited = time.perf_counter() - started
-                if epoch:  # the first epoch also starts the workers
-                    first += waited if step == 0 else 0.0
-                    total += waited
-                time.sleep(step_s)
-            time.sleep(pause_s)
-        del batches
-        out[mode] = {"first_batch_wait_s": first / epochs, "wait_s": total / epochs, "steps": len(sampler)}
-    return out
-
-
 def line(r: dict) -> str:
     return (f"{r['task']} budget {r['budget']}, {r['workers']} loader worker(s), {r['path']} path: "
             f"{r['graphs_per_s']:,.0f} graphs/s, {r['graphs_per_loader_cpu_s']:,.0f} graphs per loader CPU-s "
@@ -171,7 +135,6 @@ def _build_shards(base: Path) -> dict[str, Path]:
 def run() -> str:
     import ray
 
-    step_ms = 60  # about a code2 step at this budget on one H200 (the GPU check's step rows)
     rows = []
     with tempfile.TemporaryDirectory(prefix="satp-bench-loader-") as tmp:
         started = not ray.is_initialized()
@@ -184,23 +147,17 @@ def run() -> str:
             for per_item in (True, False):
                 rows.append(measure(shards[task], budget, workers=1, seconds=8.0, per_item=per_item))
                 print(line(rows[-1]), flush=True)
-        starts = epoch_starts(shards["code2"], 131072, workers=1, step_s=step_ms / 1000)
     table = ["| data | budget | path | graphs/batch | graphs/s (1 loader worker) | graphs per loader CPU-s |",
              "|---|---|---|---|---|---|"]
     table += [f"| {r['task']} | {r['budget']} | {r['path']} | {r['graphs_per_batch']:.0f} | "
               f"{r['graphs_per_s']:,.0f} | {r['graphs_per_loader_cpu_s']:,.0f} |" for r in rows]
-    waits = ["| code2 131072, 1 loader worker | data wait per epoch ms | of it, the first batch ms |", "|---|---|---|"]
-    waits += [f"| {mode} | {r['wait_s'] * 1000:.0f} | {r['first_batch_wait_s'] * 1000:.0f} |" for mode, r in starts.items()]
     return "\n".join([
         "### Loader: the training DataLoader alone (`python -m benchmarks.cpu.loader`)",
         f"Shards: {', '.join(PACKAGES)} of the standard library (code2) and {PPA_GRAPHS} synthetic ppa graphs, "
         "the jobs' transforms; one loader worker process (`--workers 1`), batches of the jobs' budgets. "
-        "`per-item`: `ds[i]` per graph and `Batch.from_data_list` (the path before `ShardDataset.batch`). "
-        f"Epoch starts: a consumer taking {step_ms} ms per batch, 0.3 s between epochs, epochs 1-4.",
+        "`per-item`: `ds[i]` per graph and `Batch.from_data_list` (the path before `ShardDataset.batch`).",
         "",
         *table,
-        "",
-        *waits,
     ])
 
 
@@ -212,15 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job", help="job file (default: jobs/<task>.yaml of the shards' task)")
     parser.add_argument("--seconds", type=float, default=10.0, help="measuring window after the first batch")
     parser.add_argument("--per-item", action="store_true", help="the per-item path, for comparison")
-    parser.add_argument("--step-ms", type=float,
-                        help="instead: the data wait at epoch starts of a consumer taking this long per batch")
     args = parser.parse_args(argv)
-    if args.step_ms is None:
-        print(line(measure(args.shards, args.budget, args.workers, args.job, args.seconds, args.per_item)))
-        return 0
-    for mode, r in epoch_starts(args.shards, args.budget, args.workers, args.step_ms / 1000, args.job).items():
-        print(f"{mode}: wait per epoch {r['wait_s'] * 1000:.0f} ms, of it for the first batch "
-              f"{r['first_batch_wait_s'] * 1000:.0f} ms ({r['steps']} steps of {args.step_ms:.0f} ms)")
+    print(line(measure(args.shards, args.budget, args.workers, args.job, args.seconds, args.per_item)))
     return 0
 
 

@@ -110,9 +110,9 @@ def run() -> str:
             _satp(["cluster", "start", "--no-dashboard"], _env(warm_home))
             cluster_s = time.monotonic() - started
             for i in (1, 2):
-                refill = _wait_warm(warm_home)
+                ready = _wait_warm(warm_home)
                 seconds, wall, phases = _train(job, f"warm{i}", _env(warm_home))
-                rows.append(f"| warm, command {i} on the satp cluster (pool refilled in {refill:.0f} s before it) | "
+                rows.append(f"| warm, command {i} on the satp cluster (ready {ready:.0f} s after the command before it) | "
                             f"{seconds:.1f} | {wall:.1f} | {phases} |")
             _wait_warm(warm_home)
             sweep_wall, trials = _sweep(job, _env(warm_home))

@@ -130,17 +130,22 @@ def _dispatched(event) -> bool:
     return True
 
 
-def _in_subprocess(job_path: str, graphs: int, mode: str, shards: str) -> dict:
+def in_subprocess(kwargs: dict, timeout: float = 1800, preexec_fn=None) -> dict:
+    """:func:`measure` of ``kwargs`` in a fresh process of 2 threads (so that its peak RSS is its own);
+    ``{"error": ...}`` when it fails."""
     code = ("import json, sys; from benchmarks.cpu.step import measure; "
-            "print('RESULT ' + json.dumps(measure(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])))")
+            "print('RESULT ' + json.dumps(measure(**json.loads(sys.argv[1]))))")
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # the trainer's LocalContext sets them (a group of one on a free port)
-    proc = subprocess.run([sys.executable, "-c", code, job_path, str(graphs), mode, shards], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1800)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout, preexec_fn=preexec_fn)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"bench_step {job_path} {graphs} {mode} failed: {proc.stderr[-2000:]}")
+        return {"error": ((proc.stderr or proc.stdout).strip().splitlines() or [f"exit code {proc.returncode}"])[-1][:300]}
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -161,7 +166,9 @@ def _rows(jobs, work: Path, rows: list[str]) -> None:
             eager_ms = None
             shards = shards_for(job_path, graphs, TIMED_STEPS, work)
             for mode in MODES:
-                r = _in_subprocess(job_path, graphs, mode, shards)
+                r = in_subprocess(dict(job_path=job_path, graphs=graphs, mode=mode, shards=shards))
+                if "error" in r:
+                    raise RuntimeError(f"step {job_path} {graphs} {mode} failed: {r['error']}")
                 eager_ms = r["step_ms"] if mode == "eager" else eager_ms
                 compile_s = f"{r['compile_s']:.0f}" if mode == "compiled" else "-"
                 rows.append(f"| {Path(job_path).name} | {graphs} graph{'s' if graphs > 1 else ''} | {r['nodes']} | "

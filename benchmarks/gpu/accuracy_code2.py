@@ -1,4 +1,4 @@
-"""GPU check, part ``code2batch`` (:mod:`benchmarks.gpu.accuracy`): the paper's code2 recipe (32 graphs
+"""GPU check, part ``code2batch`` (``benchmarks/gpu/run.sh code2batch``): the paper's code2 recipe (32 graphs
 per step, lr 1e-4) for 3 epochs against ``jobs/code2.yaml``'s default batch and lr on one GPU, to the
 recipe's validation F1: the pycode corpus from the image's own packages, the shards, the probe that
 sizes the runs (N training functions), the two runs, and the part's section."""
@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.gpu.accuracy_report import STEP_HEADER, _device, _fmt, _save_plot, curve_table, step_row
+from benchmarks.gpu.accuracy_report import _fmt, _save_plot, curve_table
 from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, STARTUP_S, _begin, _digest,
                                           _preprocess, history_of, run_state, time_to, train)
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _step, copy_logs, measure, satp
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _step, copy_logs, device, measure, satp, step_lines
 
 CPUS = min(16, os.cpu_count() or 1)
 CODE2_JOB = "jobs/code2.yaml"
@@ -60,16 +61,13 @@ def choose_subset(left: float, rate: float, train_size: int, evals: int, cap: in
                "fits": fit, "rate": rate}
 
 
-def run_code2batch() -> str:
+def run() -> str:
     import numpy as np
-    import torch
 
     from pipeline.config import load_job
     from pipeline.train.loader import open_split
 
     title = "### GPU check, part code2batch (`benchmarks/gpu/run.sh code2batch`): the paper's batch vs the job's, on one GPU"
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return f"{title}\n\nNo CUDA device: nothing measured."
     clock, work, logs, out_dir, ledger, call, storage, tracking = _begin("code2batch")
     max_train = int(os.environ.get("SATP_CODE2BATCH_TRAIN") or (300 if DRY_RUN else 100_000))
     common = [f"data.root={work / 'data'}", "data.source=pycode", f"data.max_graphs_per_split={max_train}",
@@ -116,7 +114,7 @@ def run_code2batch() -> str:
         steps["preprocess"] = {"skipped": "no corpus"}
     save()
     if not shard_dir:
-        return _code2_section(title, raw, None, None, {}, clock, work, [])
+        return _code2_section(title, raw, None, None, {}, clock, work)
 
     sizes = {s: len(open_split(shard_dir, s)) for s in ("train", "valid", "test")}
     largest = int(np.max(open_split(shard_dir, "train").num_nodes))
@@ -163,7 +161,6 @@ def run_code2batch() -> str:
 
     rec = runs.setdefault(recipe_name, {"segments": []})
     default_reserve = STARTUP_S + DEFAULT_CAP_MIN_S + GRACE_S + END_RESERVE_S
-    recipe_result: dict = {}
     if rec.get("ended"):
         steps["recipe"] = {"skipped": f"ended in an earlier call ({rec['ended']})"}
     elif clock.left() > default_reserve + STARTUP_S + 20:
@@ -185,7 +182,6 @@ def run_code2batch() -> str:
     target = float(f"{target:.6g}") if target is not None else None  # the value --set passes, exactly
     recipe_s = recipe_hist[-1].get("elapsed_s") if recipe_hist else None
     drec = runs.setdefault(default_name, {"segments": []})
-    default_result: dict = {}
     if target is None:
         steps["default"] = {"skipped": "the recipe has no evaluated epoch: no target"}
     elif drec.get("ended") and drec.get("target") == target:
@@ -219,18 +215,16 @@ def run_code2batch() -> str:
             if hist:
                 _save_plot(hist, "f1", {"metric": "val_f1", "value": target} if target else None,
                            out_dir / f"gpu_code2batch_{key}_f1_vs_time.png")
-    text = _code2_section(title, raw, recipe_hist, default_hist, {"recipe": rec, "default": drec}, clock, work,
-                          [recipe_result, default_result], job=job, budget32=budget32)
+    text = _code2_section(title, raw, recipe_hist, default_hist, {"recipe": rec, "default": drec}, clock, work)
     save()
     copy_logs(logs, out_dir, "code2batch")
     return text
 
 
-def _code2_section(title: str, raw: dict, recipe_hist, default_hist, records: dict, clock: Clock, work: Path,
-                   results: list, job=None, budget32: int = 0) -> str:
+def _code2_section(title: str, raw: dict, recipe_hist, default_hist, records: dict, clock: Clock, work: Path) -> str:
     steps = raw["steps"]
     lines = [title, "",
-             f"Device: {_device()}, {os.cpu_count()} cores; budget {BUDGET_S:.0f} s (call {raw['call']} on this machine); "
+             f"Device: {device()}; budget {BUDGET_S:.0f} s (call {raw['call']} on this machine); "
              f"work directory `{work}`.", "",
              f"Corpus: `satp data pycode --source DIR ...{' --include-tests' if TESTS else ''} --workers {CPUS}` over "
              f"{len(raw['sources'])} "
@@ -244,21 +238,16 @@ def _code2_section(title: str, raw: dict, recipe_hist, default_hist, records: di
         s = raw["split_sizes"]
         lines.append(f"Shards (`data.max_graphs_per_split`): train {s['train']:,}, valid {s['valid']:,}, test {s['test']:,} "
                      f"functions; largest training graph {raw['largest_train_graph']:,} nodes.")
-    lines += ["", *STEP_HEADER,
-              step_row("1. satp data pycode", steps.get("pycode", {"skipped": "-"})),
-              step_row("2. satp preprocess jobs/code2.yaml", steps.get("preprocess", {"skipped": "-"}))]
+    table = {"1. satp data pycode": steps.get("pycode", {"skipped": "-"}),
+             "2. satp preprocess jobs/code2.yaml": steps.get("preprocess", {"skipped": "-"})}
     probe = steps.get("probe")
     if probe is not None:
-        lines.append(step_row("3. probe: benchmarks/gpu/step.py, 32 graphs/step", dict(
-            probe, returncode=None if probe.get("ok") else "error", max_rss_gb=None, tree_rss_gb=None,
-            gpu_mem_gb=probe.get("peak_mem_gb"))))
+        table["3. probe: benchmarks/gpu/step.py, 32 graphs/step"] = dict(
+            probe, returncode="error", tail=probe.get("error"), gpu_mem_gb=probe.get("peak_mem_gb"))
     for key, label in (("recipe", "4. the paper's recipe (satp train)"), ("default", "5. the job's default (satp train)")):
         if key in steps:
-            lines.append(step_row(label, steps[key]))
-    for key in ("pycode", "preprocess", "recipe", "default"):
-        r = steps.get(key) or {}
-        if not r.get("ok") and not r.get("skipped") and r.get("returncode") not in (0, None) and not r.get("stopped"):
-            lines += ["", f"{key}: `{r.get('tail', '')[:400]}`"]
+            table[label] = steps[key]
+    lines += ["", *step_lines(table)]
     if recipe_hist is None:
         return "\n".join(lines + ["", f"Part wall time {BUDGET_S - clock.left():.0f} s."])
     n, sizing = raw["n"], raw["sizing"]
@@ -274,19 +263,12 @@ def _code2_section(title: str, raw: dict, recipe_hist, default_hist, records: di
                  f"(what lets 3 epochs at 85% of the probe's rate fit {sizing.get('recipe_train_room_s', 0):.0f} s, after "
                  f"{sizing.get('default_reserve_s', 0):.0f} s kept for the default run and ~{STARTUP_S:.0f} s of start-up each)"
                  + (" [N of an earlier call]" if sizing.get("reused") else "")) + "."]
-    t = job.train if job is not None else None
-    lines += ["", "Runs (`jobs/code2.yaml`'s model: "
-              + (f"{job.model.num_layers} layers, hidden {job.model.hidden_dim}, k-subtree {job.model.gnn_type.upper()} "
-                 f"k={job.model.k_hops}; {t.epochs}-epoch {t.scheduler} schedule after {t.warmup_epochs:g} warm-up epochs, "
-                 f"weight decay {t.weight_decay:g}, grad clip {t.grad_clip:g}, precision {t.precision}; one GPU worker"
-                 if job is not None else "") + "):", "",
-              f"1. the paper's recipe: `--set train.max_graphs_per_batch=32 --set train.bucket_size=32 --set "
-              f"train.node_budget={budget32} --set train.micro_batches_per_step=1 --set train.lr=1e-4`, stopped after its {RECIPE_EPOCHS}rd epoch (the paper's "
-              "schedule, not one squeezed into 3 epochs);",
-              f"2. the job's default (node budget {t.node_budget if t else '-'}, lr {t.lr if t else '-'}"
-              + (f" -> `{raw['runs']['default']['sets']}`" if raw.get("runs", {}).get("default", {}).get("sets") else "")
-              + "), with `--set train.target.metric=val_f1 --set train.target.value=<the recipe's 3-epoch val F1>`: the "
-                "product stops it there and reports its time to target.", ""]
+    runs = raw.get("runs", {})
+    lines += ["", f"Runs of `{CODE2_JOB}`'s model on one GPU worker: (1) the paper's recipe, `--set` "
+              + " ".join(f"`{s}`" for s in runs.get("recipe", {}).get("sets", [])) + f", stopped after its {RECIPE_EPOCHS}rd "
+              "epoch (the paper's schedule, not one squeezed into 3 epochs); (2) the job's default"
+              + "".join(f" `--set {s}`" for s in runs.get("default", {}).get("sets", [])) + " with `train.target` val_f1 = "
+              "the recipe's 3-epoch val F1: the product stops it there and reports its time to target.", ""]
     target = raw.get("runs", {}).get("default", {}).get("target_val_f1")
     recipe_s = recipe_hist[-1].get("elapsed_s") if recipe_hist else None
     done = len(recipe_hist) >= RECIPE_EPOCHS
@@ -315,7 +297,7 @@ def _code2_section(title: str, raw: dict, recipe_hist, default_hist, records: di
         per_epoch = recipe_hist[-1]["elapsed_s"] / len(recipe_hist)
         full = raw["split_sizes"]["train"]
         g = recipe_hist[-1].get("graphs_per_s") or 0
-        evals = statistics_mean([h.get("eval_seconds", 0) for h in recipe_hist])
+        evals = statistics.fmean(h.get("eval_seconds", 0) for h in recipe_hist)
         if g:
             lines += ["", f"The recipe on all {full:,} training functions, extrapolated from its measured epochs "
                           f"({g:,.0f} graphs/s in training, {evals:.1f} s per evaluation): 3 epochs ~ "
@@ -329,10 +311,6 @@ def _code2_section(title: str, raw: dict, recipe_hist, default_hist, records: di
             lines += curve_table(hist, "f1", observed, reached["epoch"] if key == "default" and reached else None)
     lines += ["", f"Part wall time {BUDGET_S - clock.left():.0f} s."]
     return "\n".join(lines)
-
-
-def statistics_mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 def _per_step(history, n: int) -> str:

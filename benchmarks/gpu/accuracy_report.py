@@ -1,12 +1,10 @@
-"""How the GPU accuracy parts (:mod:`benchmarks.gpu.accuracy`) write up what they measured: number
-formats, the per-epoch curve table, the table of the part's steps, the device line, the metric-vs-time
-plot and the logs' tails in ``$OUT``."""
+"""How the GPU accuracy parts (:mod:`~benchmarks.gpu.accuracy_runs`) write up what they measured: number
+formats, the per-epoch curve table, the device line and the metric-vs-time plot."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.gpu.measure import DRY_RUN, _gb
 
 
 def _fmt(value, spec: str = ".4f", none: str = "-") -> str:
@@ -46,25 +44,6 @@ def curve_table(history: list[dict], metric: str, observed: dict, target_epoch: 
     return lines
 
 
-def step_row(label: str, r: dict) -> str:
-    if r.get("skipped"):
-        return f"| {label} | skipped: {r['skipped']} | | | | |"
-    if r.get("ok"):
-        status = "ok"
-    elif r.get("stopped") and r["stopped"] != "timeout":
-        status = f"stopped: {r['stopped']}"
-    elif r.get("timed_out"):
-        status = "cut by the budget (SIGINT)"
-    else:
-        status = f"FAILED ({r.get('returncode')})"
-    return (f"| {label} | {status} | {r.get('seconds', 0):.0f} | {_gb(r.get('max_rss_gb'))} | {_gb(r.get('tree_rss_gb'))} "
-            f"| {_gb(r.get('gpu_mem_gb'))} |")
-
-
-STEP_HEADER = ["| step | status | wall s | peak RSS, largest process (GB) | peak RSS, process tree (GB) | peak GPU memory (GB) |",
-               "|---|---|---|---|---|---|"]
-
-
 def _save_plot(history: list[dict], metric: str, target: Optional[dict], path: Path) -> None:
     try:
         from pipeline.registry.tracking import plot_metric_vs_time
@@ -73,9 +52,3 @@ def _save_plot(history: list[dict], metric: str, target: Optional[dict], path: P
             plot_metric_vs_time(history, metric, path, target)
     except Exception as exc:  # matplotlib may be missing on the image: the table has the same figures
         print(f"   (no plot: {exc})", flush=True)
-
-
-def _device() -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run, tiny sizes and model)"

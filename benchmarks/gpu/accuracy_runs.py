@@ -1,8 +1,11 @@
-"""What the GPU accuracy parts (:mod:`benchmarks.gpu.accuracy`) share: the part and its budget, the
-reserves around ``satp train``, the dry runs' tiny model, ``satp`` command lines, the work folder and
-its ledger of earlier calls on the machine, ``satp preprocess`` and ``satp train`` run under
-:func:`benchmarks.gpu.measure.measure` with a watch on the run's checkpoints, and the run's history
-and time to target read back from them."""
+"""What the GPU check's time-to-accuracy parts share (``pattern``, ``cluster``:
+:mod:`~benchmarks.gpu.accuracy_sbm`; ``code2batch``: :mod:`~benchmarks.gpu.accuracy_code2`; docs/gpu.md,
+"Time to accuracy on one GPU"): the part and its budget, the reserves around ``satp train``, the dry
+runs' tiny model, the work folder (``SATP_ACC_DIR``, default ``runs/gpu-PART``, kept between calls on a
+warm machine: data and shards are made once and runs have fixed names, so a second call resumes a run
+the first call's budget cut) and its ledger of earlier calls, ``satp preprocess`` and ``satp train``
+under :func:`benchmarks.gpu.measure.measure` with a watch on the run's checkpoints, and the run's
+history and time to target read back from them."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, measure, overrides, satp
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, measure, out_dir, overrides, satp
 
 PART = os.environ.get("SATP_GPU_PART") or "pattern"
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or ((540 if PART == "code2batch" else 420) if DRY_RUN else 510))
@@ -133,7 +136,7 @@ def _begin(part: str):
     call = len(ledger.get("calls")) + 1
     if not PREPARE_ONLY:
         ledger.data["calls"][str(call)] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget_s": BUDGET_S}
-    return clock, work, logs, _out_dir(), ledger, call, work / "ray", f"sqlite:///{work / 'mlflow.db'}"
+    return clock, work, logs, out_dir(), ledger, call, work / "ray", f"sqlite:///{work / 'mlflow.db'}"
 
 
 def history_of(state: Optional[dict]) -> list[dict]:
@@ -146,12 +149,3 @@ def time_to(history: list[dict], metric: str, value: float) -> Optional[dict]:
     from pipeline.config.train import TargetConfig
 
     return stopping.time_to_target(history, TargetConfig(metric=metric, value=value), "max")
-
-
-def _out_dir() -> Optional[Path]:
-    """``$OUT`` (the device tool's output folder), made if missing; None when unset."""
-    if not os.environ.get("OUT"):
-        return None
-    out = Path(os.environ["OUT"])
-    out.mkdir(parents=True, exist_ok=True)
-    return out

@@ -1,4 +1,4 @@
-"""GPU check, parts ``pattern`` and ``cluster`` (:mod:`benchmarks.gpu.accuracy`): time to accuracy of
+"""GPU check, parts ``pattern`` and ``cluster`` (``benchmarks/gpu/run.sh PART``): time to accuracy of
 ``jobs/pattern.yaml`` / ``jobs/cluster.yaml`` on one GPU, on the full benchmark regenerated on the
 machine: the benchmarks' settings, the variant the environment asks for (``SATP_ACC_*``), data,
 shards and the run to ``train.target``, and the part's section (verdict, calls, curve)."""
@@ -10,11 +10,10 @@ import os
 import shutil
 from typing import Any, Optional
 
-from benchmarks.gpu.accuracy_report import (STEP_HEADER, _device, _fmt, _pct, _save_plot, curve_table,
-                                            step_row)
-from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, PREPARE_ONLY, STARTUP_S, _begin,
+from benchmarks.gpu.accuracy_report import _fmt, _pct, _save_plot, curve_table
+from benchmarks.gpu.accuracy_runs import (BUDGET_S, DRY_SETS, END_RESERVE_S, GRACE_S, PART, PREPARE_ONLY, STARTUP_S, _begin,
                                           _digest, _preprocess, history_of, run_state, time_to, train)
-from benchmarks.gpu.measure import DRY_RUN, ROOT, copy_logs, measure, satp
+from benchmarks.gpu.measure import DRY_RUN, ROOT, copy_logs, device, measure, satp, step_lines
 
 SBM = {
     "pattern": dict(job="jobs/pattern.yaml", builder="sbm-pattern", folder="sbm_pattern", target=0.865, target_s=300,
@@ -55,15 +54,13 @@ def sbm_variant(job) -> tuple[str, list[str], list[str]]:
     return label, sets, notes
 
 
-def run_sbm(part: str) -> str:
-    import torch
-
+def run(part: Optional[str] = None) -> str:
+    """The part ``part`` (default ``SATP_GPU_PART``): its section."""
     from pipeline.config import load_job
 
+    part = part or PART
     spec = SBM[part]
     title = f"### GPU check, part {part} (`benchmarks/gpu/run.sh {part}`): time to accuracy, `{spec['job']}` on one GPU"
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return f"{title}\n\nNo CUDA device: nothing measured."
     clock, work, logs, out_dir, ledger, call, storage, tracking = _begin(part)
     common = [f"data.root={work / 'data'}", f"shards.root={work / 'shards'}", f"train.storage_path={storage}",
               f"mlflow.tracking_uri={tracking}"] + (DRY_SETS if DRY_RUN else [])
@@ -108,8 +105,8 @@ def run_sbm(part: str) -> str:
         steps["preprocess"] = {"skipped": "no data"}
     save()
     if PREPARE_ONLY:
-        return "\n".join([STEP_HEADER[0], STEP_HEADER[1], step_row(f"satp data {spec['builder']}", steps["generate"]),
-                          step_row(f"satp preprocess {spec['job']}", steps["preprocess"])])
+        return "\n".join(step_lines({f"satp data {spec['builder']}": steps["generate"],
+                                     f"satp preprocess {spec['job']}": steps["preprocess"]}))
 
     # 3. training to the target, on one GPU worker, until the target or the budget
     record = ledger.get("runs").setdefault(name, {"segments": []})
@@ -146,7 +143,7 @@ def run_sbm(part: str) -> str:
     t = job.train
     m = job.model
     lines = [title, "",
-             f"Device: {_device()}, {os.cpu_count()} cores; budget {BUDGET_S:.0f} s (call {call} of the part on this "
+             f"Device: {device()}; budget {BUDGET_S:.0f} s (call {call} of the part on this "
              f"machine); work directory `{work}`; run `{name}`.", ""]
     lines += [f"Job file: `{spec['job']}` ({m.num_layers} layers, hidden {m.hidden_dim}, {m.num_heads} heads, RWPE-{job.transform.rwpe_steps}, "
               f"k-subtree {m.gnn_type.upper()} k={m.k_hops}, dropout {m.dropout:g}; lr {t.lr:g}, {t.max_graphs_per_batch} graphs per "
@@ -160,14 +157,8 @@ def run_sbm(part: str) -> str:
               f"The target: test accuracy >= {100 * spec['target']:.1f} within {spec['target_s'] // 60} minutes "
               f"(paper, k-subtree SAT: GCN {spec['paper_gcn']}, PNA {spec['paper_pna']}).", ""]
     lines += [f"- {n}" for n in notes] + ([""] if notes else [])
-    lines += STEP_HEADER
-    lines.append(step_row(f"1. satp data {spec['builder']}", steps["generate"]))
-    lines.append(step_row(f"2. satp preprocess {spec['job']}", steps["preprocess"]))
-    lines.append(step_row(f"3. satp train {spec['job']} (call {call})", steps["train"]))
-    for key in ("generate", "preprocess", "train"):
-        r = steps[key]
-        if not r.get("ok") and not r.get("skipped") and r.get("returncode") not in (0, None) and not r.get("stopped"):
-            lines += ["", f"{key}: `{r.get('tail', '')[:400]}`"]
+    lines += step_lines({f"1. satp data {spec['builder']}": steps["generate"], f"2. satp preprocess {spec['job']}":
+                         steps["preprocess"], f"3. satp train {spec['job']} (call {call})": steps["train"]})
     if result.get("summary"):
         lines += ["", "`satp train` said: " + " / ".join(f"`{s}`" for s in result["summary"])]
     train_s = sum(h.get("epoch_seconds", 0) + h.get("eval_seconds", 0) for h in history)
@@ -189,7 +180,7 @@ def run_sbm(part: str) -> str:
                      f"(best {metric_key} {_pct(max((h.get(metric_key) or 0 for h in history), default=None))}) |")
     lines += [f"| best validation epoch: val acc / **test acc** | {best.get('epoch', '-')}: {_pct(best.get('val'))} / "
               f"**{_pct(best.get('test'))}** |",
-              f"| issue target: test acc >= {100 * spec['target']:.1f} in <= {spec['target_s']} s | "
+              f"| target: test acc >= {100 * spec['target']:.1f} in <= {spec['target_s']} s | "
               + _verdict(reached, best, spec) + " |"]
     if len(record["segments"]) > 1 or (record["segments"] and record["segments"][0]["epochs_before"]):
         lines += ["", "Calls of this run on this machine (a call the budget cuts is resumed by the next; `elapsed_s` "
@@ -200,15 +191,10 @@ def run_sbm(part: str) -> str:
                          f"| {s['stopped'] or ('exit ' + str(s['returncode']))} |")
     if history:
         lines += ["", "Per epoch (the curve; `wall s`: seen by this call's watcher, +-2 s, this call's epochs only):", ""]
-        lines += curve_table(history, "acc", _observed_all(record["segments"], call), reached["epoch"] if reached else None)
-        lines += ["", f"Start-up and the rest of `satp train` besides training and evaluation (this call): "
-                      f"{_startup(result, history, record['segments'], call)}."]
+        observed = next((s.get("observed_s") or {} for s in record["segments"] if s["call"] == call), {})
+        lines += curve_table(history, "acc", observed, reached["epoch"] if reached else None)
     if not reached and history:
-        lines += ["", "Not reached in this call: the curve above is what to examine (the data draw: the same seed 0; "
-                      "the schedule: the paper's 5,000 warm-up steps are ~16 epochs at 32 graphs per step; the batch; "
-                      "training against evaluation mode: train acc rising while val and test fall together points at "
-                      "BatchNorm's statistics, which `train.precise_bn_batches` recomputes). "
-                      f"`benchmarks/gpu/run.sh {part}` again on the same machine resumes the run."]
+        lines += ["", f"Not reached in this call: `benchmarks/gpu/run.sh {part}` again on the same machine resumes the run."]
     if out_dir is not None and history:
         _save_plot(history, "acc", {"metric": metric_key, "value": target_value}, out_dir / f"gpu_{part}_metric_vs_time.png")
     lines += ["", f"Part wall time {BUDGET_S - clock.left():.0f} s; training + evaluation in this run's history {train_s:.0f} s."]
@@ -229,13 +215,6 @@ def _verdict(reached: Optional[dict], best: dict, spec: dict) -> str:
                f"{'met' if time_ok else 'NOT met'}" if reached else "target not reached"))
 
 
-def _observed_all(segments: list[dict], call: int) -> dict:
-    for s in segments:
-        if s["call"] == call:
-            return s.get("observed_s") or {}
-    return {}
-
-
 def _observed_wall(segments: list[dict], epoch: int) -> Optional[float]:
     for s in segments:
         seen = s.get("observed_s") or {}
@@ -243,20 +222,3 @@ def _observed_wall(segments: list[dict], epoch: int) -> Optional[float]:
         if value is not None and s["epochs_before"] <= epoch:
             return value
     return None
-
-
-def _startup(result: dict, history: list[dict], segments: list[dict], call: int) -> str:
-    seg = next((s for s in segments if s["call"] == call), None)
-    if not result or seg is None:
-        return "-"
-    mine = history[seg["epochs_before"]:seg["epochs_after"]]
-    if not mine:
-        return f"{result['seconds']:.0f} s of wall time without a finished epoch"
-    inside = sum(h.get("epoch_seconds", 0) + h.get("eval_seconds", 0) for h in mine)
-    first = (seg.get("observed_s") or {})
-    first_wall = first.get(mine[0]["epoch"], first.get(str(mine[0]["epoch"])))
-    text = f"{result['seconds'] - inside:.0f} s of {result['seconds']:.0f} s wall"
-    if first_wall is not None:
-        first_inside = mine[0].get("epoch_seconds", 0) + mine[0].get("eval_seconds", 0)
-        text += f" (before the first epoch: ~{first_wall - first_inside:.0f} s)"
-    return text

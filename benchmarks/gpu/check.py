@@ -1,55 +1,23 @@
-"""GPU check (`BENCH=gpu make bench`, or `benchmarks/gpu/run.sh [PART]` on a bare GPU machine): one
-part per run, each sized to one device session, each returning its own markdown section for
-benchmarks/RESULTS.md. ``SATP_GPU_PART`` picks it (run.sh's argument):
+"""GPU check (``benchmarks/gpu/run.sh [PART]`` on a bare GPU machine, or ``BENCH=gpu make bench``): one
+part per run, each sized to one device session and returning its own section for benchmarks/RESULTS.md;
+``SATP_GPU_PART`` picks it (:data:`PARTS`; docs/gpu.md, "The GPU check in parts"). :func:`run` dispatches;
+the ``perf`` part (the default) is this module:
 
-- ``perf`` (the default; this module, items 1-4 below): parity, step benchmarks, the pipeline;
-- ``first`` (:mod:`benchmarks.gpu.first`): two questions in one session: PATTERN's step at 32 graphs,
-  eager vs compiled vs captured, then ``jobs/pattern.yaml`` to val_acc 0.865 in the fastest mode;
-- ``steps`` (:mod:`benchmarks.gpu.steps`): eager vs compiled vs captured training steps (``train.step``)
-  on PATTERN and code2 at two batch sizes each, step time against kernel time, and ``satp train``'s
-  start-up breakdown with cold and warm compile caches;
-- ``scale`` (:mod:`benchmarks.gpu.scale`): a synthetic ogbg-ppa of ``SATP_SCALE_GRAPHS`` graphs built
-  on the machine, preprocessed, and one epoch of ``jobs/ppa.yaml`` on one GPU worker, with wall
-  times, peak memory and disk of every step;
-- ``multirank`` (:mod:`benchmarks.gpu.multirank`): two Ray Train workers sharing the one GPU
-  (gloo), equal batches per rank, gathered evaluation against a 1-rank one, checkpoint and resume.
-- ``tune`` (:mod:`benchmarks.gpu.tune`): a ``satp tune`` sweep whose trials share the one GPU
-  (fractional GPUs), ASHA stopping a trial, the best one registered.
-- ``pattern``, ``cluster`` (:mod:`benchmarks.gpu.accuracy`): time to accuracy of ``jobs/pattern.yaml`` /
-  ``jobs/cluster.yaml`` on one GPU (the full benchmark regenerated on the machine, ``train.target`` on
-  the validation accuracy, the test accuracy at the best validation epoch, the curve); a call the
-  budget cuts is resumed by the next call on the same machine;
-- ``code2batch`` (:mod:`benchmarks.gpu.accuracy`): the paper's code2 recipe (32 graphs per step, lr
-  1e-4) for 3 epochs vs ``jobs/code2.yaml``'s default batch and lr on one GPU, to the recipe's
-  validation F1, on a pycode corpus built from the image's own packages.
+1. parity: the CUDA tests (:data:`GPU_TESTS`: the attention implementations against each other, the fused
+   message kernels against torch, no host synchronisation in a training step);
+2. the train-step benchmark (:mod:`benchmarks.gpu.step`: the product's trainer, one process per row) on
+   shards of code2-shaped synthetic graphs with the model of ``jobs/code2.yaml`` (:data:`STEP_ROWS`:
+   bf16 and fp32, k-subtree and k-subgraph, node budgets, the SAT authors' 32-graph batches), and on
+   ppa-shaped ones with ``jobs/ppa.yaml`` (:data:`PPA_ROWS`);
+3. the pipeline on one GPU: ``satp data pycode`` -> ``satp preprocess`` -> ``satp train jobs/code2.yaml``
+   (per-epoch figures from MLflow) and the step benchmark on the same shards: the pipeline's overhead.
 
-The ``perf`` part:
-
-1. Parity: the CUDA tests (``tests/test_model_gpu.py``: packed ``varlen`` vs padded ``dense`` vs
-   ``sparse`` attention, outputs and gradients; ``tests/test_train_gpu.py``: no host
-   synchronisation in a training step, the model's and the worker's through DeepSpeed).
-2. Train-step benchmark (:mod:`benchmarks.gpu.step`: the product's trainer, one process per row) on
-   shards of code2-shaped synthetic graphs (:func:`benchmarks.graphs.jobs.job_shards`) with the model of
-   ``jobs/code2.yaml``: bf16 and fp32, k-subtree and k-subgraph (k=2), several node budgets, and
-   batches of 32 graphs for comparison with the SAT authors' code (:data:`REFERENCE`).
-3. The train-step benchmark on ogbg-ppa-shaped synthetic graphs with the model and task of
-   ``jobs/ppa.yaml``, at its node budget and a larger one (ppa's budget has no other GPU figure).
-4. The real pipeline on one GPU: ``satp data pycode`` -> ``satp preprocess`` -> ``satp train``
-   (Ray Train, DeepSpeed, NCCL, MLflow on SQLite, registration) with ``jobs/code2.yaml`` on one GPU
-   worker; per-epoch figures read back from MLflow; and the step benchmark on the same shards and
-   settings, for the pipeline's overhead.
-
-Rows run in order of importance until ``SATP_GPU_BUDGET_S`` (default 420 s; each part has its own
-default) is spent. Raw figures go to ``$OUT/gpu_results.json`` (``gpu_scale.json``,
-``gpu_multirank.json``, ``gpu_PART.json``) when ``OUT`` is set. ``SATP_GPU_DRY_RUN=1`` runs any part on the CPU with tiny
-sizes (to check the script on a machine without GPU before a GPU run).
-
-This module is the entry point (:func:`run`) and the ``perf`` part; the budget clock, the commands'
-environment and :func:`benchmarks.gpu.measure.measure`, which all parts use, are in
-:mod:`benchmarks.gpu.measure`.
+Rows run in order of importance until ``SATP_GPU_BUDGET_S`` (default 420 s) is spent; raw figures go to
+``$OUT/gpu_results.json``. ``SATP_GPU_DRY_RUN=1``: any part on the CPU with tiny sizes.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -58,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _finish, _last_line, _pipeline_metrics, _run, _start, _step
+from benchmarks.gpu.measure import (DRY_RUN, ROOT, Clock, _finish, _last_line, _pipeline_metrics, _start, _step, copy_logs,
+                                    device, measure, out_dir, overrides, satp, step_lines)
 
 PARTS = ("perf", "first", "steps", "scale", "multirank", "tune", "pattern", "cluster", "code2batch")
 PART = os.environ.get("SATP_GPU_PART") or "perf"
@@ -223,12 +192,9 @@ def _top_ops_tables(results: dict) -> list[str]:
     return lines
 
 
-def pycode_command(tmp: Path) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", "data", "pycode", "--out", str(tmp / "pipeline" / "data"),
-            "--include-tests", "--workers", str(PYCODE_WORKERS)]
-
-
 def pipeline(clock: Clock, tmp: Path, pycode: subprocess.Popen, pycode_started: float) -> tuple[str, dict]:
+    """``satp preprocess`` and ``satp train jobs/code2.yaml`` on the pycode data made in the background,
+    the epochs as MLflow has them, then the step benchmark on the same shards."""
     work = tmp / "pipeline"
     tracking = f"sqlite:///{work / 'mlflow.db'}"
     sets = [
@@ -240,46 +206,22 @@ def pipeline(clock: Clock, tmp: Path, pycode: subprocess.Popen, pycode_started: 
     if DRY_RUN:
         sets += ["resources.use_gpu=false", "resources.cpus_per_worker=2", "data.max_graphs_per_split=300",
                  "train.loader_workers=1", "model.hidden_dim=32", "model.num_layers=1"]
-    overrides = [a for s in sets for a in ("--set", s)]
-    cli = [sys.executable, "-m", "pipeline.cli"]
-    steps = [
-        ("satp preprocess jobs/code2.yaml", cli + ["preprocess", "jobs/code2.yaml", "--no-progress"] + overrides),
-        ("satp train jobs/code2.yaml", cli + ["train", "jobs/code2.yaml"] + overrides),
-    ]
-    out: dict = {"commands": {}}
-    lines = ["#### The pipeline on one GPU: `satp data pycode` -> `satp preprocess` -> `satp train`", ""]
-    lines.append(f"`jobs/code2.yaml` with `--set` {' '.join('`' + s + '`' for s in sets)} (paths under a temp dir).")
-    lines.append("")
     ok, output = _finish(pycode, clock.left() - 60)
-    label = "satp data pycode --include-tests"
-    out["commands"][label] = {"ok": ok, "seconds": time.monotonic() - pycode_started, "tail": _last_line(output)}
-    lines.append(f"- `{label}` (in the background, {PYCODE_WORKERS} parsing processes, while the step benchmark ran): "
-                 f"{'ok' if ok else 'FAILED'} ({_last_line(output, 200)})")
-    if not ok:
-        steps = []
-    shard_dir = None
-    for label, cmd in steps:
-        if clock.left() < 45:
-            lines.append(f"- {label}: skipped (time budget spent)")
-            out["commands"][label] = {"error": "skipped"}
-            continue
-        t0 = time.monotonic()
-        try:
-            proc = _run(cmd, clock.left() - 30)
-            ok, tail = proc.returncode == 0, _last_line(proc.stdout) if proc.returncode == 0 else _last_line(proc.stderr)
-            output = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            ok, tail, output = False, "timed out", f"{exc.stdout or ''}{exc.stderr or ''}"
-        seconds = time.monotonic() - t0
-        out["commands"][label] = {"ok": ok, "seconds": seconds, "tail": tail}
-        lines.append(f"- `{label}`: {'ok' if ok else 'FAILED'} in {seconds:.0f} s ({tail})")
-        if label.startswith("satp preprocess") and ok:
-            shard_dir = tail.strip()
-        if not ok:
-            (tmp / f"pipeline-{label.split()[1]}.log").write_text(output if isinstance(output, str) else output.decode())
+    corpus = _last_line(output, 200)
+    steps = {f"satp data pycode --include-tests ({PYCODE_WORKERS} processes, beside the step rows)":
+             {"ok": ok, "seconds": time.monotonic() - pycode_started, "tail": corpus}}
+    for label, args in (("satp preprocess jobs/code2.yaml", ("preprocess", "jobs/code2.yaml", "--no-progress")),
+                        ("satp train jobs/code2.yaml", ("train", "jobs/code2.yaml"))):
+        if not all(r.get("ok") for r in steps.values()):
             break
-    epochs = _pipeline_metrics(tracking, "gpu-check") if out["commands"].get("satp train jobs/code2.yaml", {}).get("ok") else []
-    out["epochs"] = epochs
+        steps[label] = (measure(satp(*args, *overrides(sets)), clock.left() - 30, tmp / f"pipeline-{args[0]}.log")
+                        if clock.left() >= 45 else {"skipped": "time budget spent"})
+    lines = ["#### The pipeline on one GPU: `satp data pycode` -> `satp preprocess` -> `satp train`", "",
+             f"`jobs/code2.yaml` with `--set` {' '.join('`' + s + '`' for s in sets)} (paths under a temp dir).", "",
+             *step_lines(steps), "", f"Corpus: `{corpus}`"]
+    trained = steps.get("satp train jobs/code2.yaml", {}).get("ok")
+    epochs = _pipeline_metrics(tracking, "gpu-check") if trained else []
+    out: dict = {"commands": steps, "epochs": epochs}
     if epochs:
         lines += ["", "| epoch | graphs/s | epoch s | data wait | eval s | train loss | val F1 | test F1 |", "|---|---|---|---|---|---|---|---|"]
         for e in epochs:
@@ -288,83 +230,59 @@ def pipeline(clock: Clock, tmp: Path, pycode: subprocess.Popen, pycode_started: 
                 f"| {100 * e.get('data_wait_frac', float('nan')):.1f}% | {e.get('eval_seconds', float('nan')):.1f} "
                 f"| {e.get('train_loss', float('nan')):.3f} | {e.get('val_f1', float('nan')):.4f} | {e.get('test_f1', float('nan')):.4f} |"
             )
-    if shard_dir and epochs and clock.left() > 60:
+    if epochs and clock.left() > 60:
         from pipeline.config import load_job
 
         job = load_job(ROOT / "jobs/code2.yaml")
         spec = dict(precision="bf16", extractor=job.model.extractor, node_budget=PIPELINE_NODE_BUDGET, top_ops=12,
-                    shards=shard_dir, **dict(STEP_TIMING, loader_workers=job.train.loader_workers))
+                    shards=steps["satp preprocess jobs/code2.yaml"]["tail"].strip(),
+                    **dict(STEP_TIMING, loader_workers=job.train.loader_workers))
         if DRY_RUN:
             spec.update(node_budget=2048, loader_workers=1)
-        rows = [("step benchmark, pycode shards", spec), ("the same inside a Ray Train worker", dict(spec, in_ray=True))]
+        label = "step benchmark, pycode shards"
+        r = out["step_on_shards"] = _step(spec, min(STEP_TIMEOUT_S, clock.left() - 20))
         lines += ["", "Step benchmark on the same shards and settings (bf16, the pipeline's node budget, the job's loader "
-                      "workers), in its own process and inside a one-worker Ray Train `TorchTrainer`:", ""]
-        lines += STEP_HEADER
-        same: dict = {}
-        for label, row_spec in rows:
-            if clock.left() < 45:
-                same[label] = {"error": "skipped: GPU check time budget spent"}
-            else:
-                same[label] = _step(row_spec, min(STEP_TIMEOUT_S, clock.left() - 20))
-            lines.append(_row(label, same[label]))
-        out["step_on_shards"] = same
-        last = epochs[-1]["graphs_per_s"]
-        for label, r in same.items():
-            if "error" not in r:
-                lines += ["", f"Pipeline (last epoch) / {label}: {last:,.0f} / {r['graphs_per_s']:,.0f} graphs/s "
-                              f"= {last / r['graphs_per_s']:.2f} (target >= 0.80); host CPU per step "
-                              f"{r.get('host_cpu_per_step_ms', float('nan')):.1f} ms."]
-        lines += _top_ops_tables(same)
+                      "workers):", "", *STEP_HEADER, _row(label, r)]
+        if "error" not in r:
+            last = epochs[-1]["graphs_per_s"]
+            lines += ["", f"Pipeline (last epoch) / {label}: {last:,.0f} / {r['graphs_per_s']:,.0f} graphs/s "
+                          f"= {last / r['graphs_per_s']:.2f} (target >= 0.80); host CPU per step "
+                          f"{r.get('host_cpu_per_step_ms', float('nan')):.1f} ms."]
+        lines += _top_ops_tables({label: r})
     return "\n".join(lines), out
+
+
+#: part -> its module (``perf``: this one)
+MODULES = {"first": "first", "steps": "steps", "scale": "scale", "multirank": "multirank", "tune": "tune",
+           "pattern": "accuracy_sbm", "cluster": "accuracy_sbm", "code2batch": "accuracy_code2"}
 
 
 def run() -> str:
     """The part ``SATP_GPU_PART`` names (default ``perf``)."""
+    import torch
+
     if PART not in PARTS:
         raise SystemExit(f"SATP_GPU_PART={PART!r}: expected one of {', '.join(PARTS)}")
-    if PART == "scale":
-        from benchmarks.gpu import scale as gpu_scale
-
-        return gpu_scale.run()
-    if PART == "multirank":
-        from benchmarks.gpu import multirank as gpu_multirank
-
-        return gpu_multirank.run()
-    if PART == "tune":
-        from benchmarks.gpu import tune as gpu_tune
-
-        return gpu_tune.run()
-    if PART == "first":
-        from benchmarks.gpu import first as gpu_first
-
-        return gpu_first.run()
-    if PART == "steps":
-        from benchmarks.gpu import steps as gpu_steps
-
-        return gpu_steps.run()
-    if PART in ("pattern", "cluster", "code2batch"):
-        from benchmarks.gpu import accuracy as gpu_accuracy
-
-        return gpu_accuracy.run(PART)
+    if not torch.cuda.is_available() and not DRY_RUN:
+        return f"### GPU check, part {PART}\n\nNo CUDA device: nothing measured."
+    if PART in MODULES:
+        return importlib.import_module(f"benchmarks.gpu.{MODULES[PART]}").run()
     return run_perf()
 
 
 def run_perf() -> str:
-    import torch
-
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return "### GPU check\n\nNo CUDA device: nothing measured."
     clock = Clock(BUDGET_S)
     sections = ["### GPU check, part perf (`benchmarks/gpu/run.sh [perf]`, or `BENCH=gpu make bench`)", "",
-                f"Device: {torch.cuda.get_device_name() if not DRY_RUN else 'CPU (dry run, tiny sizes)'}, "
-                f"torch {torch.__version__}; budget {BUDGET_S:.0f} s."]
+                f"Device: {device()}; budget {BUDGET_S:.0f} s."]
+    out = out_dir()
     raw: dict = {}
     with tempfile.TemporaryDirectory(prefix="satp-gpu-") as tmp:
         tmp_path = Path(tmp)
         parity_proc = _start(PARITY_CMD, tmp_path / "parity.log")  # both run while the graphs are made
         pycode_started = time.monotonic()
         (tmp_path / "pipeline").mkdir()
-        pycode_proc = _start(pycode_command(tmp_path), tmp_path / "pipeline-pycode.log")
+        pycode_proc = _start(satp("data", "pycode", "--out", str(tmp_path / "pipeline" / "data"), "--include-tests",
+                                  "--workers", str(PYCODE_WORKERS)), tmp_path / "pipeline-pycode.log")
         _shard_dirs(tmp_path)
         parts = (
             ("parity", lambda: parity(parity_proc, clock)),
@@ -380,11 +298,9 @@ def run_perf() -> str:
             except Exception as exc:  # one failed part must not lose the others' figures
                 text, raw[name] = f"#### {name}\n\nfailed: {type(exc).__name__}: {str(exc)[:300]}", {"error": str(exc)}
             sections += ["", text]
-            if os.environ.get("OUT"):
-                Path(os.environ["OUT"], "gpu_results.json").write_text(json.dumps(raw, indent=1, default=str))
-        for log in tmp_path.glob("*.log"):
-            if os.environ.get("OUT"):
-                Path(os.environ["OUT"], log.name).write_text(log.read_text()[-20000:])
+            if out is not None:
+                (out / "gpu_results.json").write_text(json.dumps(raw, indent=1, default=str))
+        copy_logs(tmp_path, out, "perf")
     sections += ["", f"GPU check wall time: {BUDGET_S - clock.left():.0f} s."]
     return "\n".join(sections)
 

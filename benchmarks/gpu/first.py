@@ -1,20 +1,14 @@
 """GPU check, part ``first`` (``benchmarks/gpu/run.sh first``): two questions in one device session.
 
-1. What a PATTERN training step costs at 32 graphs per step (the model of ``jobs/pattern.yaml``), eager,
-   compiled and captured (:func:`benchmarks.gpu.steps.step_row`: one process per mode, so that a CUDA
-   error in one leaves the others' rows): graphs/s, step ms against kernel ms, the warm-up's seconds
-   (compilation and capture). Meanwhile part ``pattern`` makes its data and shards (the full PATTERN,
-   generated and preprocessed on the machine: made apart, never counted against the run; on the
-   machine's other cores, which the step rows' eager dispatch shares).
-2. ``satp train jobs/pattern.yaml`` to ``train.target`` val_acc 0.865 (part ``pattern``,
-   :mod:`benchmarks.gpu.accuracy_sbm`, timed from the command's start) with the step mode that trains the
-   most graphs in the budget left (graphs/s x (time left - its warm-up)), for the rest of the budget. A
-   run that fails in that mode is run again in the next one (captured, compiled, eager: whichever
-   worked in 1.) while the budget allows a run.
+1. PATTERN's training step at 32 graphs per step, eager, compiled and captured (part ``steps``' rows, one
+   process each: a CUDA error in one mode leaves the others' rows), while part ``pattern`` makes its
+   data and shards beside them (not counted against the run);
+2. ``satp train jobs/pattern.yaml`` to val_acc 0.865 (part ``pattern``, timed from the command's start)
+   in the mode that trains the most graphs in the time left (graphs/s x (time left - its warm-up)); a
+   run that fails in that mode runs again in the next one while the budget allows.
 
-Budget ``SATP_GPU_BUDGET_S`` (default 480 s: with the kit's installation the part stays under 9 minutes).
-``SATP_GPU_DRY_RUN=1``: the tiny sizes and model of both parts on the CPU (``captured`` is measured as
-``compiled`` and trained as ``static``: no CUDA graphs there).
+``SATP_GPU_DRY_RUN=1``: both on the CPU with tiny sizes (``captured`` measured as ``compiled``, trained
+as ``static``: no CUDA graphs there).
 """
 from __future__ import annotations
 
@@ -25,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _env, _finish, _start
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _env, _finish, _start, device, out_dir
 from benchmarks.gpu import steps
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or (360 if DRY_RUN else 480))
@@ -34,7 +28,7 @@ MODES = ("eager", "compiled", "captured")  # captured after compiled: it finds c
 STEPS_SHARE = 0.4  # of the budget, at most, for the step rows
 TRAIN_MIN_S = 150 if DRY_RUN else 120  # less left than this: no (further) training run
 #: the accuracy part's call, its section written to the file named by argv[1]
-ACCURACY = "import sys; from benchmarks.gpu.accuracy import run; open(sys.argv[1], 'w').write(run('pattern'))"
+ACCURACY = "import sys; from benchmarks.gpu.accuracy_sbm import run; open(sys.argv[1], 'w').write(run('pattern'))"
 
 
 def ranked(rows: dict[str, dict], left_s: float) -> list[str]:
@@ -63,14 +57,10 @@ def _train_failed(out: Path) -> Optional[str]:
 
 
 def run() -> str:
-    import torch
-
     title = "### GPU check, part first (`benchmarks/gpu/run.sh first`): PATTERN's step modes, then time to 86.5"
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return f"{title}\n\nNo CUDA device: nothing measured."
     clock = Clock(BUDGET_S)
     steps.WORK.mkdir(parents=True, exist_ok=True)
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else steps.WORK / "first-out"
+    out = out_dir() or steps.WORK / "first-out"
     out.mkdir(parents=True, exist_ok=True)
     raw: dict = {"budget_s": BUDGET_S, "rows": {}, "trainings": []}
 
@@ -84,8 +74,7 @@ def run() -> str:
                      env=_accuracy_env(clock.left() - TRAIN_MIN_S, None, out, prepare_only=True))
     files = steps.shard_dirs(("pattern",))  # the shards part steps makes and reuses
     steps_clock = Clock(min(BUDGET_S * STEPS_SHARE, clock.left() - TRAIN_MIN_S))
-    lines = [title, "", f"Device: {torch.cuda.get_device_name() if not DRY_RUN else 'CPU (dry run, tiny sizes and model)'}, "
-             f"torch {torch.__version__}; budget {BUDGET_S:.0f} s.", "",
+    lines = [title, "", f"Device: {device()}; budget {BUDGET_S:.0f} s.", "",
              f"1. Training steps, {LABEL} (`benchmarks/gpu/steps.py`'s rows; {steps.PATTERN_GRAPHS} PATTERN graphs, "
              "bf16, the job's model), measured while part pattern made its data and shards:", ""] + steps.HEADER
     for mode in MODES:

@@ -175,12 +175,12 @@ for spec in "${BINARY[@]}"; do
   src=$(pick "$CACHE/$ABI" "$spec")
   dst=$packed_dir/$(basename "$src")
   if [[ ! -f $dst ]]; then
-    args=(--lzma-min-size "$LZMA_MIN")
+    drop=()
     if [[ $spec == ray==* ]]; then
-      for p in "${RAY_DROP[@]}"; do args+=(--drop "$p"); done
+      drop=("${RAY_DROP[@]}")
       log "repacking $(basename "$src") (~3 min)"
     fi
-    "$PY" "$ROOT/benchmarks/gpu/repack_wheel.py" "$src" "$dst.tmp" "${args[@]}" | sed "s/^/[make_wheels $ABI] /" >&2
+    "$PY" "$ROOT/benchmarks/gpu/repack_wheel.py" "$src" "$dst.tmp" "$LZMA_MIN" "${drop[@]}" | sed "s/^/[make_wheels $ABI] /" >&2
     mv "$dst.tmp" "$dst"
   fi
   files+=("$dst")

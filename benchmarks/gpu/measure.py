@@ -29,6 +29,23 @@ class Clock:
         return self.budget - (time.monotonic() - self.start)
 
 
+def device() -> str:
+    """The device a part measured, for its section: the card, the cores, torch."""
+    import torch
+
+    card = torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run: tiny sizes and model, CPU workers)"
+    return f"{card}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def out_dir() -> Optional[Path]:
+    """``$OUT`` (the device tool's output folder), made if missing; None when unset."""
+    if not os.environ.get("OUT"):
+        return None
+    out = Path(os.environ["OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                 DS_ACCELERATOR="cpu" if DRY_RUN else "cuda", OUTDATED_IGNORE="1", RAY_USAGE_STATS_ENABLED="0")
@@ -104,7 +121,8 @@ def measure(cmd: list[str], timeout: float, log: Path, sample_s: float = 1.0,
       processes are counted once per process, so this overstates shared memory);
     - ``machine_used_gb``: the peak of the machine's used memory (``psutil``'s ``used``: without page
       cache and /dev/shm) above its level at the start;
-    - ``gpu_mem_gb``: the peak of the device memory in use on GPU 0, all processes (NVML), when NVML loads.
+    - ``gpu_mem_gb``: the peak of the device memory in use on GPU 0, all processes (NVML), when NVML loads;
+      ``gpu_processes``: the most processes on it at once.
     """
     import threading
 
@@ -117,7 +135,7 @@ def measure(cmd: list[str], timeout: float, log: Path, sample_s: float = 1.0,
     out.close()
     err.close()
     base_used = psutil.virtual_memory().used
-    peaks = {"tree": 0, "used": 0, "gpu": 0}
+    peaks = {"tree": 0, "used": 0, "gpu": 0, "procs": 0}
     nvml = None
     try:
         import pynvml
@@ -148,6 +166,7 @@ def measure(cmd: list[str], timeout: float, log: Path, sample_s: float = 1.0,
             if nvml is not None:
                 try:
                     peaks["gpu"] = max(peaks["gpu"], nvml[0].nvmlDeviceGetMemoryInfo(nvml[1]).used)
+                    peaks["procs"] = max(peaks["procs"], len(nvml[0].nvmlDeviceGetComputeRunningProcesses(nvml[1])))
                 except Exception:
                     pass
             stop.wait(sample_s)
@@ -197,6 +216,7 @@ def measure(cmd: list[str], timeout: float, log: Path, sample_s: float = 1.0,
         "stopped": stopped,
         "seconds": seconds, "max_rss_gb": usage.ru_maxrss * 1024 / 1e9, "tree_rss_gb": peaks["tree"] / 1e9,
         "machine_used_gb": peaks["used"] / 1e9, "gpu_mem_gb": peaks["gpu"] / 1e9 if nvml is not None else None,
+        "gpu_processes": peaks["procs"] if nvml is not None else None,
         "tail": _last_line(stdout if proc.returncode == 0 else (stderr or stdout)),
         "stdout_tail": stdout[-4000:], "stderr_tail": stderr[-4000:],
     }
@@ -211,19 +231,21 @@ def pycode_data(work_dir: Path, timeout: float, logs: Path) -> dict:
                    timeout, logs / "pycode.log")
 
 
-def step_lines(steps: dict[str, dict]) -> list[str]:
-    """The table of a part's commands (:func:`measure` results by name): status, wall time, memory;
-    a failed one's last line below it."""
-    lines = ["| step | status | wall s | peak RSS, largest process (GB) | peak GPU memory (GB) |", "|---|---|---|---|---|"]
-    for key, r in steps.items():
-        status = ("reused (an earlier call's data)" if r.get("reused") else "ok" if r.get("ok")
-                  else (r.get("skipped") or ("timed out" if r.get("timed_out") else "FAILED")))
-        gpu = r.get("gpu_mem_gb")
-        lines.append(f"| {key} | {status} | {r.get('seconds', 0):.0f} | {r.get('max_rss_gb', 0):.2f} "
-                     f"| {'-' if gpu is None else f'{gpu:.2f}'} |")
-        if not r.get("ok") and r.get("tail"):
-            lines += ["", f"{key}: {r['tail'][:400]}", ""]
-    return lines
+def step_lines(steps: dict[str, dict], disk: Optional[dict[str, str]] = None) -> list[str]:
+    """The table of a part's commands (:func:`measure` results by label): status, wall time, memory, with
+    ``disk`` the disk use after each (by label); a failed one's last line below the table."""
+    lines = ["| step | status | wall s | peak RSS, largest process (GB) | peak RSS, process tree (GB) "
+             "| peak GPU memory (GB) |" + (" disk after (GB) |" if disk else ""), "|---" * (6 + bool(disk)) + "|"]
+    failed = []
+    for label, r in steps.items():
+        status = ("reused (an earlier call's data)" if r.get("reused") else f"skipped: {r['skipped']}" if r.get("skipped")
+                  else "ok" if r.get("ok") else "cut by the budget (SIGINT)" if r.get("timed_out")
+                  else f"stopped: {r['stopped']}" if r.get("stopped") else f"FAILED ({r.get('returncode')})")
+        lines.append(f"| {label} | {status} | {r.get('seconds', 0):.0f} | {_gb(r.get('max_rss_gb'))} "
+                     f"| {_gb(r.get('tree_rss_gb'))} | {_gb(r.get('gpu_mem_gb'))} |" + (f" {disk[label]} |" if disk else ""))
+        if not (r.get("ok") or r.get("skipped") or r.get("stopped") or r.get("timed_out")) and r.get("tail"):
+            failed.append(f"{label}: `{r['tail'][:400]}`")
+    return lines + [line for f in failed for line in ("", f)]
 
 
 def check_lines(checks: list[tuple[str, bool, str]], after: str) -> list[str]:

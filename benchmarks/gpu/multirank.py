@@ -1,33 +1,18 @@
 """GPU check, part ``multirank`` (``benchmarks/gpu/run.sh multirank``): the multi-rank path on CUDA, once.
 
-Two Ray Train workers share the one GPU (``resources.num_workers=2``, ``resources.gpus_per_worker=0.5``;
-``resources.collective_backend: auto`` resolves to gloo there, since NCCL refuses two ranks on one
-device), on small real data: ``satp data pycode`` over the machine's own standard library,
-``data.max_graphs_per_split`` graphs per split, ``jobs/code2.yaml``'s model at node budget 16384.
-
-1. ``satp train`` with ``train.epochs=1``: DeepSpeed's gradient all-reduce between the ranks every step,
-   the epoch's metrics summed over the ranks, validation and test predictions gathered to rank 0,
-   a checkpoint;
-2. the same job with ``train.epochs=2`` (README, "Reruns"): it resumes from that checkpoint in the same
-   MLflow run;
-3. checks, from the run's files and the pipeline's own classes:
-
-   - the global batch: every micro-batch of a step dealt to one rank
-     (:class:`pipeline.train.global_batch.GlobalBatches`, over the trainer's :func:`pipeline.train.batching.split_sampler`);
-     DeepSpeed's step counter in the checkpoint (rank 0's) equal to steps per epoch x epochs; the graphs
-     the epoch reports (summed over ranks by the worker: ``graphs_per_s x epoch_seconds``) equal to the
-     graphs of both ranks' shares: rank 1 ran all of its own;
-   - gathered evaluation: the checkpoint's best weights evaluated here in ONE process by the product's
-     trainer (:meth:`pipeline.train.trainer.Trainer.evaluate_epoch` in a ``LocalContext``: whole splits,
-     same batches, same precision) give the validation and test metrics the two ranks reported;
-   - the resume: the second run's log says it resumed after epoch 0, its history keeps epoch 0 as the
-     first run wrote it, the MLflow run is the same, the step counter went on.
+Two Ray Train workers share the one GPU (``resources.gpus_per_worker=0.5``: gloo, since NCCL refuses two
+ranks on one device) on ``satp data pycode`` over the machine's standard library, ``jobs/code2.yaml``'s
+model at node budget 16384: ``satp train`` for one epoch, then with ``train.epochs=2``, which resumes.
+Checked from the run's files and the product's classes: every micro-batch of a step dealt to one rank
+(:class:`pipeline.train.global_batch.GlobalBatches`) and the graphs the epoch reports equal to both
+ranks' shares; DeepSpeed's step counter; the gathered validation and test metrics equal to a 1-rank
+evaluation of the checkpoint's best weights (:meth:`pipeline.train.trainer.Trainer.evaluate_epoch`);
+the resume (its log, epoch 0 kept, the same MLflow run, the step counter going on).
 
 ``python -m benchmarks.gpu.multirank --balance`` prints the per-rank work imbalance of node-budget
-batches for several world sizes, ``--epoch-costs`` the per-epoch gather and checkpoint costs measured
-on the machine it runs on (both for docs/scale.md; no GPU needed).
-
-``SATP_GPU_DRY_RUN=1``: CPU workers, a tiny model and 150 graphs per split (the same commands and checks).
+batches for several world sizes, ``--epoch-costs`` the per-epoch gather and checkpoint costs on this
+machine (both for docs/scale.md; no GPU needed). ``SATP_GPU_DRY_RUN=1``: CPU workers, a tiny model,
+150 graphs per split.
 """
 from __future__ import annotations
 
@@ -39,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, check_lines, measure, overrides, pycode_data, satp, step_lines
+from benchmarks.gpu.measure import (DRY_RUN, ROOT, Clock, check_lines, device, measure, out_dir, overrides, pycode_data, satp,
+                                    step_lines)
 from pipeline.train.batching import split_sampler
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 330)
@@ -111,13 +97,11 @@ def _latest(run_dir: Path) -> Path | None:
 def run() -> str:
     import torch
 
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return "### GPU check, part multirank\n\nNo CUDA device: nothing measured."
     from pipeline.config import load_job
     from pipeline.train.loader import open_split
 
     clock = Clock(BUDGET_S)
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    out = out_dir()
     logs = WORK_DIR / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     run_name = f"gpu-multirank-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -127,12 +111,11 @@ def run() -> str:
     steps = raw["steps"]
 
     def save() -> None:
-        if out_dir is not None:
-            (out_dir / "gpu_multirank.json").write_text(json.dumps(raw, indent=1, default=str))
+        if out is not None:
+            (out / "gpu_multirank.json").write_text(json.dumps(raw, indent=1, default=str))
 
-    device_name = torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run: CPU workers, tiny model)"
     lines = ["### GPU check, part multirank (`benchmarks/gpu/run.sh multirank`)", "",
-             f"Device: {device_name}, torch {torch.__version__}; budget {BUDGET_S:.0f} s. `{JOB}` with `--set` "
+             f"Device: {device()}; budget {BUDGET_S:.0f} s. `{JOB}` with `--set` "
              + " ".join(f"`{s}`" for s in sets if not s.startswith(("data.root", "shards.root", "train.storage",
                                                                    "mlflow.tracking")))
              + f" (paths under `{WORK_DIR}`): {WORLD} Ray Train workers, collectives: "
@@ -217,9 +200,9 @@ def run() -> str:
                            f"{steps_first} -> {steps_second}"))
         final = second or first
         if clock.left() > 15:
-            device = torch.device("cuda" if not DRY_RUN else "cpu")
+            on = torch.device("cuda" if not DRY_RUN else "cpu")
             try:
-                one = single_rank_eval(sets, shard_dir, Path(final["checkpoint"]), device)
+                one = single_rank_eval(sets, shard_dir, Path(final["checkpoint"]), on)
                 raw["single_rank_eval"] = one
                 best = final["state"]["best"]
                 metric = one["metric"]
@@ -243,9 +226,9 @@ def run() -> str:
                          f"{h.get(f'test_{metric}', float('nan')):.4f} |")
     raw["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
     lines += check_lines(checks, f"part wall time {BUDGET_S - clock.left():.0f} s")
-    if out_dir is not None:
+    if out is not None:
         for log in logs.glob("*.log*"):
-            (out_dir / f"multirank-{log.name}").write_text(log.read_text()[-20000:])
+            (out / f"multirank-{log.name}").write_text(log.read_text()[-20000:])
     save()
     return "\n".join(lines)
 
@@ -299,26 +282,28 @@ def _balance_table() -> str:
 
 
 def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
-    """Per-epoch costs of a run that grow with the ranks, measured on this CPU with the code2 task:
+    """Per-epoch costs of a run that grow with the ranks, measured on this machine with the code2 task:
 
     - the gathers (``pipeline.train.metrics.gather_objects``: ``all_gather_object`` of each rank's
       ``(predictions, targets)``): pickling a rank's lists, unpickling every rank's (each rank
       receives all), and OGB's F1 over them on rank 0; per graph, from ``graphs`` made-up entries
       shaped like pycode's (1-3 target subtokens, mean ~1.7; 1-5 predicted; 3-8 letters each);
-    - a checkpoint: ``torch.save`` of the code2 model's fp32 weights and AdamW state (what DeepSpeed's
-      ZeRO-0 ``mp_rank_00_model_states.pt`` holds) and of the best weights (``best_model.pt``), to a
-      temporary directory on this machine's disk, fsync'd: bytes and seconds.
+    - one checkpoint of ``jobs/code2.yaml``'s model as a run writes it: the product's trainer on this
+      CPU after one step (AdamW's state filled), its ``Reports.write`` (DeepSpeed's engine state, the
+      best weights, ``state.json``, the copy into the run's storage with its digests): seconds and MB.
     """
-    import os
     import pickle
+    import shutil
     import tempfile
 
     import torch
 
-    from benchmarks.graphs.jobs import job_graphs
-    from pipeline.config import load_job
+    from benchmarks.gpu.step import job_for
+    from benchmarks.graphs.jobs import job_shards
     from pipeline.tasks import Code2Task
-    from pipeline.train.engine import build_model
+    from pipeline.train.context import LocalContext
+    from pipeline.train.plan import worker_setup
+    from pipeline.train.trainer import Trainer
 
     rng = np.random.default_rng(seed)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
@@ -345,25 +330,32 @@ def epoch_costs(graphs: int = 100_000, seed: int = 0) -> dict:
     task.score(preds, targets)
     out["f1_us_per_graph"] = 1e6 * (time.perf_counter() - started) / graphs
 
-    _, _, config = job_graphs(load_job(ROOT / "jobs/code2.yaml"), 2)
-    model = build_model(config)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    out["parameters"] = sum(p.numel() for p in params)
-    with tempfile.TemporaryDirectory(prefix="satp-ckpt-probe-") as tmp:
-        for name, obj in (("model_states", {"module": model.state_dict(), "optimizer": optimizer.state_dict()}),
-                          ("best_model", {k: v.float() for k, v in model.state_dict().items()})):
-            path = os.path.join(tmp, name + ".pt")
-            started = time.perf_counter()
-            with open(path, "wb") as fh:
-                torch.save(obj, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            out[f"{name}_seconds"] = time.perf_counter() - started
-            out[f"{name}_mb"] = os.path.getsize(path) / 1e6
+    class OneStep(Exception):
+        pass
+
+    def stop(trainer, global_step: int) -> None:
+        raise OneStep
+
+    work = Path(tempfile.mkdtemp(prefix="satp-ckpt-probe-"))
+    try:
+        spec = {"job": "jobs/code2.yaml", "max_graphs": 4, "bucket_size": 4, "loader_workers": 0, "precision": "fp32"}
+        job = job_for(spec, work)
+        (work / "run").mkdir()
+        on = torch.device("cuda", 0) if torch.cuda.is_available() else None
+        trainer = Trainer(worker_setup(job, job_shards(job, work / "shards", 8)), LocalContext(work / "run", on),
+                          on_step=stop)
+        try:
+            trainer.train_epoch(0)
+        except OneStep:
+            pass
+        out["parameters"] = sum(p.numel() for p in trainer.engine.module.parameters() if p.requires_grad)
+        best = {k: v.detach().float().cpu().clone() for k, v in trainer.engine.module.state_dict().items()}
+        started = time.perf_counter()
+        name = trainer.reports.write(trainer.state, best, {}, 0)
+        out["checkpoint_seconds"] = time.perf_counter() - started
+        out["checkpoint_mb"] = sum(f.stat().st_size for f in (work / "run" / name).rglob("*") if f.is_file()) / 1e6
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return out
 
 

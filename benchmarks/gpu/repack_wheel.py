@@ -1,20 +1,14 @@
-"""Repack a wheel without some of its files, with a RECORD that pip accepts.
+"""Repack a wheel for the GPU kit (``benchmarks/gpu/make_wheels.sh``), with a RECORD that pip accepts.
 
-    python benchmarks/gpu/repack_wheel.py SRC.whl DST.whl [--drop ray/jars/ --drop 'ray/x/*.map' ...] \
-        [--lzma ray/_raylet.so ...] [--lzma-min-size 262144]
+    python benchmarks/gpu/repack_wheel.py SRC.whl DST.whl MIN_BYTES [DROP ...]
 
-``--drop P`` removes every member whose path starts with ``P`` (a directory prefix ends in
-``/``), or matches ``P`` as an ``fnmatch`` pattern when ``P`` holds a ``*``. ``--lzma P``
-stores the members starting with ``P`` LZMA-compressed (preset 9e) instead of deflated, and so
-does ``--lzma-min-size N`` for every member of at least N bytes: a ZIP method that Python's
-``zipfile`` (and so pip) reads wherever the ``lzma`` module exists, ~30% smaller than deflate on
-native libraries; everything else is deflated at level 9. RECORD is rewritten from the bytes kept (``sha256=<urlsafe b64>,size``), the
-file name, METADATA and WHEEL stay as they were: pip sees the same distribution, less files.
-Only the standard library is used. Deterministic: same input, same output bytes.
+Members whose path starts with a DROP prefix (or matches it as an ``fnmatch`` pattern when it holds a
+``*``) are left out; members of at least MIN_BYTES are stored LZMA-compressed at preset 9e (a ZIP
+method that ``zipfile``, and so pip, reads wherever the ``lzma`` module exists: ~30% smaller than
+deflate on native libraries), the rest deflated at level 9. RECORD is rewritten from the bytes kept.
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import csv
 import fnmatch
@@ -26,12 +20,8 @@ import sys
 import zipfile
 
 
-class _Lzma9:
-    """zipfile's LZMA compressor (ZIP method 14: 2-byte version, 2-byte props size, props,
-    raw LZMA1 stream) at preset 9 | EXTREME instead of the library default (6)."""
-
-    def __init__(self) -> None:
-        self._comp = None
+class _Lzma9(zipfile.LZMACompressor):
+    """zipfile's LZMA member (2-byte version, 2-byte props size, props, raw LZMA1) at preset 9e, not 6."""
 
     def _init(self) -> bytes:
         filt = {"id": lzma.FILTER_LZMA1, "preset": 9 | lzma.PRESET_EXTREME}
@@ -39,114 +29,42 @@ class _Lzma9:
         self._comp = lzma.LZMACompressor(lzma.FORMAT_RAW, filters=[filt])
         return bytes([9, 4]) + len(props).to_bytes(2, "little") + props
 
-    def compress(self, data: bytes) -> bytes:
-        if self._comp is None:
-            return self._init() + self._comp.compress(data)
-        return self._comp.compress(data)
 
-    def flush(self) -> bytes:
-        if self._comp is None:
-            return self._init() + self._comp.flush()
-        return self._comp.flush()
+def repack(src: str, dst: str, min_bytes: int, drop: list[str]) -> None:
+    def dropped(name: str) -> list[str]:
+        return [p for p in drop if (fnmatch.fnmatchcase(name, p) if "*" in p else name.startswith(p))]
 
-
-def record_line(name: str, data: bytes) -> list[str]:
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    return [name, f"sha256={digest}", str(len(data))]
-
-
-def matches(name: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(name, pattern) if "*" in pattern else name.startswith(pattern)
-
-
-def repack(src: str, dst: str, drop: list[str], lzma_prefixes: list[str], lzma_min_size: int = 0) -> dict:
-    zin = zipfile.ZipFile(src)
-    names = [i.filename for i in zin.infolist()]
-    records = [n for n in names if n.count("/") == 1 and n.endswith(".dist-info/RECORD")]
-    if len(records) != 1:
-        raise SystemExit(f"{src}: expected one .dist-info/RECORD, found {records}")
-    record_name = records[0]
-    kept, dropped, dropped_bytes = [], [], 0
-    for info in zin.infolist():
-        if info.filename == record_name:
-            continue
-        if any(matches(info.filename, p) for p in drop):
-            dropped.append(info.filename)
-            dropped_bytes += info.compress_size
-            continue
-        kept.append(info)
-    unused = [p for p in drop if not any(matches(n, p) for n in dropped)]
-    if unused:
-        raise SystemExit(f"{src}: nothing matched --drop {unused}")
-
-    rows = []
-    orig_get_compressor = zipfile._get_compressor  # noqa: SLF001
-
-    def get_compressor(compress_type, compresslevel=None):
-        if compress_type == zipfile.ZIP_LZMA:
-            return _Lzma9()
-        return orig_get_compressor(compress_type, compresslevel)
-
-    zipfile._get_compressor = get_compressor  # noqa: SLF001
-    try:
-        with zipfile.ZipFile(dst, "w") as zout:
-            for info in kept:
-                data = zin.read(info)
-                out = zipfile.ZipInfo(info.filename, date_time=info.date_time)
-                out.external_attr = info.external_attr
-                out.create_system = info.create_system
-                if info.is_dir():
-                    zout.writestr(out, b"")
-                    continue
-                if any(info.filename.startswith(p) for p in lzma_prefixes) or (
-                        lzma_min_size and len(data) >= lzma_min_size):
-                    out.compress_type = zipfile.ZIP_LZMA
-                    zout.writestr(out, data)
-                else:
-                    out.compress_type = zipfile.ZIP_DEFLATED
-                    zout.writestr(out, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
-                rows.append(record_line(info.filename, data))
-            rows.append([record_name, "", ""])
-            buf = io.StringIO()
-            csv.writer(buf, lineterminator="\n").writerows(rows)
-            rec = zipfile.ZipInfo(record_name, date_time=zin.getinfo(record_name).date_time)
-            rec.external_attr = zin.getinfo(record_name).external_attr
-            zout.writestr(rec, buf.getvalue().encode(), compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
-    finally:
-        zipfile._get_compressor = orig_get_compressor  # noqa: SLF001
-    return {"dropped_files": len(dropped), "dropped_compressed_bytes": dropped_bytes, "kept_files": len(kept) + 1}
-
-
-def verify(path: str) -> None:
-    """Every member reads back and matches RECORD; every file is in RECORD."""
-    z = zipfile.ZipFile(path)
-    record_name = next(n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/RECORD"))
-    rows = {r[0]: r for r in csv.reader(io.StringIO(z.read(record_name).decode())) if r}
-    for info in z.infolist():
-        if info.is_dir() or info.filename == record_name:
-            continue
-        row = rows.get(info.filename)
-        if row is None:
-            raise SystemExit(f"{path}: {info.filename} missing from RECORD")
-        if record_line(info.filename, z.read(info)) != row:
-            raise SystemExit(f"{path}: {info.filename} does not match RECORD")
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("src")
-    ap.add_argument("dst")
-    ap.add_argument("--drop", action="append", default=[], help="member path prefix to leave out")
-    ap.add_argument("--lzma", action="append", default=[], help="member path prefix to store LZMA-compressed")
-    ap.add_argument("--lzma-min-size", type=int, default=0, help="store members of at least this many bytes LZMA-compressed")
-    args = ap.parse_args(argv)
-    stats = repack(args.src, args.dst, args.drop, args.lzma, args.lzma_min_size)
-    verify(args.dst)
-    print(f"repacked {os.path.basename(args.src)}: {os.path.getsize(args.src) / 2**20:.2f} -> "
-          f"{os.path.getsize(args.dst) / 2**20:.2f} MiB, left out {stats['dropped_files']} files "
-          f"({stats['dropped_compressed_bytes'] / 2**20:.1f} MiB compressed), kept {stats['kept_files']}")
-    return 0
+    zipfile.LZMACompressor = _Lzma9  # what zipfile's writer instantiates for ZIP_LZMA
+    rows, used = [], set()
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        record = next(n for n in zin.namelist() if n.count("/") == 1 and n.endswith(".dist-info/RECORD"))
+        for info in zin.infolist():
+            hits = dropped(info.filename)
+            used.update(hits)
+            if hits or info.filename == record:
+                continue
+            data = zin.read(info)
+            out = zipfile.ZipInfo(info.filename, info.date_time)
+            out.external_attr, out.create_system = info.external_attr, info.create_system
+            out.compress_type = (zipfile.ZIP_STORED if info.is_dir() else zipfile.ZIP_LZMA
+                                 if min_bytes and len(data) >= min_bytes else zipfile.ZIP_DEFLATED)
+            zout.writestr(out, data, compresslevel=9)
+            if not info.is_dir():
+                digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+                rows.append([info.filename, f"sha256={digest}", str(len(data))])
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerows(rows + [[record, "", ""]])
+        out = zipfile.ZipInfo(record, zin.getinfo(record).date_time)
+        out.external_attr = zin.getinfo(record).external_attr
+        zout.writestr(out, buf.getvalue(), compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+    if set(drop) - used:
+        raise SystemExit(f"{src}: nothing matched {sorted(set(drop) - used)}")
+    with zipfile.ZipFile(dst) as check:
+        bad = check.testzip()  # every member reads back with its CRC
+    if bad is not None:
+        raise SystemExit(f"{dst}: {bad} does not read back")
+    print(f"repacked {os.path.basename(src)}: {os.path.getsize(src) / 2**20:.2f} -> {os.path.getsize(dst) / 2**20:.2f} MiB")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    repack(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:])

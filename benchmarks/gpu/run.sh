@@ -25,7 +25,7 @@
 #   pattern    time to accuracy of jobs/pattern.yaml on one GPU: the full PATTERN generated on the machine
 #              (`satp data sbm-pattern`), `satp preprocess`, `satp train` with train.target val_acc >= 0.865
 #              (SATP_ACC_TARGET); time to target, test acc at the best val epoch, the per-epoch curve
-#              (benchmarks/gpu/accuracy.py); SATP_ACC_FAST=1 (or SATP_ACC_BATCH/_LR/_WARMUP_STEPS/_SET) for
+#              (benchmarks/gpu/accuracy_sbm.py); SATP_ACC_FAST=1 (or SATP_ACC_BATCH/_LR/_WARMUP_STEPS/_SET) for
 #              a GPU-fast variant; SATP_GPU_BUDGET_S=510; data and runs kept in runs/gpu-pattern: a second
 #              call on the same warm machine resumes a run the budget cut
 #   cluster    the same for jobs/cluster.yaml (target val_acc >= 0.774); its 10 minutes need two calls

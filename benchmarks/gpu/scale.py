@@ -1,36 +1,13 @@
 """GPU check, part ``scale`` (``benchmarks/gpu/run.sh scale``): the pipeline at ogbg-ppa's size on one GPU.
 
-On the device machine (16 cores, 128 GiB, 64 GiB disk), in ``SATP_GPU_SCALE_DIR`` (default
-``runs/gpu-scale``, git-ignored, kept between calls on a warm machine):
-
-1. ``satp data synthetic-ppa --out DIR/data --graphs N [--workers W]``: a synthetic ogbg-ppa of
-   ``N = SATP_SCALE_GRAPHS`` graphs (default 158,100, the real dataset's size), built there (too big
-   to carry). Reused when ``DIR/data`` already holds the same N (a rerun on a warm machine).
-2. ``satp preprocess jobs/ppa.yaml`` on it (``data.root``, ``data.source=synthetic``,
-   ``data.synthetic_graphs``, ``shards.root`` set with ``--set``); finished shards are reused by
-   preprocessing itself.
-3. ONE epoch of ``satp train jobs/ppa.yaml`` on one GPU worker (``resources.num_workers=1``,
-   ``train.epochs=1``, ``train.warmup_epochs=1``), evaluation and registration included. When the
-   part's time left cannot hold a whole epoch by the estimate below, ``train.train_subset`` and
-   ``train.eval_subset`` cut it to fit, and the section says so.
-
-Each step: wall time, exit status, peak RSS of the largest process (``wait4``'s ``ru_maxrss``, as
-``/usr/bin/time -v`` reports it), peak summed RSS of the process tree and of the machine's used
-memory, peak GPU memory (NVML), disk of each directory after it. The epoch's graphs/s, data-wait
-share, epoch and evaluation seconds and accuracy are read back from MLflow as the ``perf`` part's
-pipeline rows read them (:func:`benchmarks.gpu.measure._pipeline_metrics`).
-
-Sizes and why: the full size is the default because the rewritten generator and preprocessing stream
-(bounded memory) and run in parallel; at a 1/10-size run's figures (raw files 39 KB, shards 152 KB
-per graph) plus the columnar raw store (~85 KB per graph: int32 edge pairs and float32 features) the
-full size needs ~43 GB of the 64 GiB disk; the part checks the free disk first and lowers N to what
-fits (saying so). Time, estimated before any GPU run of this part: generation ~1.5-2 min on 16 cores,
-preprocessing a few minutes, the epoch ~1 min (ppa step: 1,629 graphs/s at budget 16384 on an H200)
-plus ~1 min of Ray and worker start and registration: the whole part is meant to fit one
-10-minute command; a rerun on the same warm machine reuses the data and the finished shards.
-``SATP_SCALE_GRAPHS=79050`` (half) leaves room for a second try in one device session.
-
-``SATP_GPU_DRY_RUN=1``: 300 graphs, a tiny model, CPU workers (the same commands and code path).
+In ``SATP_GPU_SCALE_DIR`` (default ``runs/gpu-scale``, kept between calls on a warm machine): ``satp data
+synthetic-ppa`` of ``N = SATP_SCALE_GRAPHS`` graphs (default 158,100, the real dataset's size; lowered to
+what the free disk holds at :data:`DISK_PER_GRAPH`; reused when the folder holds the same N), ``satp
+preprocess jobs/ppa.yaml`` on it (finished shards reused), then one epoch of ``satp train jobs/ppa.yaml``
+on one GPU worker, evaluation and registration included (``train.train_subset`` / ``eval_subset`` cut
+it when the time left cannot hold it by the estimate of :func:`_fit_epoch`). Per command:
+:func:`benchmarks.gpu.measure.measure`'s wall time and memory, and the disk after it; the epoch's
+figures from MLflow. ``SATP_GPU_DRY_RUN=1``: 300 graphs, a tiny model, CPU workers.
 """
 from __future__ import annotations
 
@@ -40,7 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _gb, _pipeline_metrics, disk_gb, measure, overrides, satp
+from benchmarks.gpu.measure import (DRY_RUN, ROOT, Clock, _pipeline_metrics, device, disk_gb, measure, out_dir, overrides, satp,
+                                    step_lines)
 
 FULL_GRAPHS = 158_100
 # a comma list (benchmarks/scale/data_path.py's form of the same variable) gives its largest size
@@ -70,14 +48,6 @@ def _sets(graphs: int) -> list[str]:
     return sets
 
 
-def _row(label: str, r: dict, disk: str) -> str:
-    status = "ok" if r.get("ok") else ("timed out" if r.get("timed_out") else f"FAILED ({r.get('returncode')})")
-    if r.get("skipped"):
-        return f"| {label} | skipped: {r['skipped']} | | | | | | |"
-    return (f"| {label} | {status} | {r['seconds']:.0f} | {_gb(r['max_rss_gb'])} | {_gb(r['tree_rss_gb'])} "
-            f"| {_gb(r['machine_used_gb'])} | {_gb(r.get('gpu_mem_gb'))} | {disk} |")
-
-
 def _split_sizes(shard_dir: str) -> dict[str, int]:
     from pipeline.train.loader import open_split
 
@@ -98,20 +68,16 @@ def _fit_epoch(sizes: dict[str, int], left: float) -> tuple[int | None, int | No
 
 
 def run() -> str:
-    import torch
-
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return "### GPU check, part scale\n\nNo CUDA device: nothing measured."
     clock = Clock(BUDGET_S)
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    out = out_dir()
     SCALE_DIR.mkdir(parents=True, exist_ok=True)
     logs = SCALE_DIR / "logs"
     logs.mkdir(exist_ok=True)
     raw: dict = {"graphs_asked": GRAPHS, "budget_s": BUDGET_S, "workers": WORKERS, "dir": str(SCALE_DIR), "steps": {}}
 
     def save() -> None:
-        if out_dir is not None:
-            (out_dir / "gpu_scale.json").write_text(json.dumps(raw, indent=1, default=str))
+        if out is not None:
+            (out / "gpu_scale.json").write_text(json.dumps(raw, indent=1, default=str))
 
     graphs = GRAPHS
     free = shutil.disk_usage(SCALE_DIR).free
@@ -127,9 +93,8 @@ def run() -> str:
             graphs = fits
     raw.update(graphs=graphs, free_disk_gb_before=free / 1e9, reused_data=reuse)
     sets = _sets(graphs)
-    device = torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run, tiny sizes and model)"
     lines = ["### GPU check, part scale (`benchmarks/gpu/run.sh scale`)", "",
-             f"Device: {device}, {os.cpu_count()} cores, torch {torch.__version__}; budget {BUDGET_S:.0f} s; "
+             f"Device: {device()}; budget {BUDGET_S:.0f} s; "
              f"**{graphs:,} synthetic ogbg-ppa graphs** (`SATP_SCALE_GRAPHS`; ogbg-ppa has {FULL_GRAPHS:,}); "
              f"work directory `{SCALE_DIR}` ({free / 1e9:.0f} GB free at the start).", ""]
     lines += [f"- {n}" for n in notes] + ([""] if notes else [])
@@ -196,18 +161,13 @@ def run() -> str:
               f"1. `satp data synthetic-ppa --out DIR/data --graphs {graphs} --workers {WORKERS}`",
               f"2. `satp preprocess {JOB} --no-progress --set ...`",
               f"3. `satp train {JOB} --set ... --set resources.num_workers=1 --set train.micro_batches_per_step=1 --set train.epochs=1 "
-              f"--set train.warmup_epochs=1` (one GPU worker, evaluation, checkpoint, registration)", "",
-              "| step | status | wall s | peak RSS, largest process (GB) | peak RSS, process tree (GB) "
-              "| machine memory used, peak above start (GB) | peak GPU memory (GB) | disk after (GB) |",
-              "|---|---|---|---|---|---|---|---|"]
-    gen_disk = f"{steps['generate']['disk_gb']:.2f} (raw + columnar: {steps['preprocess']['columnar_disk_gb']:.2f} after step 2)"
-    lines.append(_row("1. synthetic-ppa", steps["generate"], gen_disk))
-    lines.append(_row("2. preprocess", steps["preprocess"], f"{steps['preprocess']['disk_gb']:.2f} (shards)"))
-    lines.append(_row("3. train, 1 epoch", steps["train"], f"{steps['train']['disk_gb']:.2f} (checkpoints, MLflow)"))
-    for key in ("generate", "preprocess", "train"):
-        r = steps[key]
-        if not r.get("ok") and not r.get("skipped"):
-            lines += ["", f"{key}: {r.get('tail', '')[:300]}"]
+              f"--set train.warmup_epochs=1` (one GPU worker, evaluation, checkpoint, registration)", ""]
+    lines += step_lines({"1. synthetic-ppa": steps["generate"], "2. preprocess": steps["preprocess"],
+                         "3. train, 1 epoch": steps["train"]},
+                        {"1. synthetic-ppa": f"{steps['generate']['disk_gb']:.2f} (raw + columnar: "
+                                             f"{steps['preprocess']['columnar_disk_gb']:.2f} after step 2)",
+                         "2. preprocess": f"{steps['preprocess']['disk_gb']:.2f} (shards)",
+                         "3. train, 1 epoch": f"{steps['train']['disk_gb']:.2f} (checkpoints, MLflow)"})
     if steps["generate"].get("ok"):
         lines += ["", f"Generator output: `{steps['generate']['tail'][:400]}`"]
     if epochs:
@@ -234,9 +194,9 @@ def run() -> str:
                       "bound): " + "; ".join(rates) + "."]
     lines += ["", f"Free disk: {free / 1e9:.1f} GB before, {raw['free_disk_gb_after']:.1f} GB after; "
                   f"part wall time {BUDGET_S - clock.left():.0f} s."]
-    if out_dir is not None:
+    if out is not None:
         for log in logs.glob("*.log*"):
-            (out_dir / f"scale-{log.name}").write_text(log.read_text()[-20000:])
+            (out / f"scale-{log.name}").write_text(log.read_text()[-20000:])
     save()
     return "\n".join(lines)
 

@@ -25,14 +25,12 @@ Spec keys, each a setting of the job (:func:`job_for`): ``job`` (default ``jobs/
 ``step`` (``train.step``: eager | static | compiled | captured; ``warmup_s`` then includes compilation
 and capture), ``tiny`` (a small model, for dry runs on a CPU); one micro-batch per step. The data:
 ``shards`` (a shard directory). The measurement: ``seconds`` (timed window), ``warmup`` (steps),
-``detail``, ``top_ops``, ``in_ray`` (measure inside a one-worker Ray Train ``TorchTrainer``, where
-``satp train`` runs its steps). ``host_cpu_per_step_ms`` is the CPU time of the measuring process
-(all its threads) per step.
+``detail``, ``top_ops``. ``host_cpu_per_step_ms`` is the CPU time of the measuring process (all its
+threads) per step.
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -301,34 +299,6 @@ def measure(spec: dict) -> dict:
     })
 
 
-def measure_in_ray_worker(spec: dict) -> dict:
-    """:func:`measure` inside a one-worker Ray Train ``TorchTrainer`` (the process and thread a
-    ``satp train`` step runs in), on a local Ray cluster: separates what the worker's environment
-    costs from what the worker's loop costs."""
-    import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    def train_fn(config: dict) -> None:
-        Path(config["out"]).write_text(json.dumps(measure(config["spec"])))
-
-    use_gpu = _Device().cuda
-    cpus = min(spec.get("loader_workers", 4) + 2, os.cpu_count() or 1)  # the job's cpus_per_worker
-    work = Path(tempfile.mkdtemp(prefix="satp-step-ray-"))
-    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    try:
-        TorchTrainer(
-            train_fn, train_loop_config={"spec": spec, "out": str(work / "result.json")},
-            scaling_config=ScalingConfig(num_workers=1, use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),
-            run_config=RunConfig(storage_path=str(work)),
-        ).fit()
-        return json.loads((work / "result.json").read_text()) | {"in_ray_worker": True}
-    finally:
-        ray.shutdown()
-        shutil.rmtree(work, ignore_errors=True)
-
-
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    spec = json.loads(sys.argv[1])
-    print(json.dumps(measure_in_ray_worker(spec) if spec.pop("in_ray", False) else measure(spec)))
+    print(json.dumps(measure(json.loads(sys.argv[1]))))

@@ -1,23 +1,16 @@
 """GPU check, part ``steps`` (``benchmarks/gpu/run.sh steps``): what a training step costs, eager vs
 compiled vs captured (``train.step``), and where ``satp train``'s start-up goes.
 
-1. Step rows (:mod:`benchmarks.gpu.step`, one process each: the product's trainer on shards of the
-   jobs' layout, :func:`benchmarks.graphs.jobs.job_shards`): PATTERN with the model of
-   ``jobs/pattern.yaml`` at 32 and 128 random graphs per step, and code2 with the model of
-   ``jobs/code2.yaml`` at node budgets 16384 and 131072, each ``eager``, ``compiled`` and
-   ``captured`` (batch capacities from the sampler's first epoch, mean + 5 sd). Per row: graphs/s,
-   wall ms per step, kernel ms per step (GPU busy time, ``torch.profiler``) and their ratio (the
-   target: step <= 1.25 x kernels), kernels per step, the share of batches over capacity (run
-   eagerly), the warm-up's seconds (compilation and capture included), peak GPU memory.
-2. Start-up: ``satp train jobs/pattern.yaml`` for one epoch of a small PATTERN (``train.step
-   captured``) twice, the second with the compile caches the first left under the storage path;
-   the run's ``startup_*_s`` metrics (:mod:`pipeline.train.startup`) read back from MLflow (the
-   target: <= 15 s to the first step with warm caches).
+1. Step rows (:data:`ORDER`, :mod:`benchmarks.gpu.step` one process each, on shards of the jobs' layout):
+   PATTERN at 32 and 128 random graphs per step, code2 at node budgets 16384 and 131072: graphs/s, wall
+   ms per step against kernel ms (the target: step <= 1.25 x kernels), the share of batches over
+   capacity, the warm-up (compilation and capture), peak GPU memory.
+2. Start-up: one epoch of a small PATTERN (``train.step captured``) twice, the second with the compile
+   caches the first left; the run's ``startup_*_s`` metrics from MLflow.
 
-Rows run in order of importance until ``SATP_GPU_BUDGET_S`` (default 510 s) is spent; the compile
-caches of the step rows are shared (``TORCHINDUCTOR_CACHE_DIR`` under ``runs/gpu-steps``), so a second
-call on the same warm machine compiles nothing again. ``SATP_GPU_DRY_RUN=1``: tiny sizes and model on
-the CPU (``captured`` then runs as ``compiled``: no CUDA graphs there).
+The step rows share their compile caches under ``runs/gpu-steps``, so a second call on the same warm
+machine compiles nothing again. ``SATP_GPU_DRY_RUN=1``: tiny sizes and model on the CPU (``captured``
+runs as ``compiled``: no CUDA graphs there).
 """
 from __future__ import annotations
 
@@ -26,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _run, _step
+from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, _run, _step, device, out_dir
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 510)
 WORK = Path(os.environ.get("SATP_GPU_STEPS_DIR") or ROOT / "runs" / ("gpu-steps-dry" if DRY_RUN else "gpu-steps"))
@@ -151,18 +144,13 @@ def _startup_lines(result: dict) -> list[str]:
 
 
 def run() -> str:
-    import torch
-
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return "### GPU check, part steps\n\nNo CUDA device: nothing measured."
     clock = Clock(BUDGET_S)
     WORK.mkdir(parents=True, exist_ok=True)
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    out = out_dir()
     raw: dict = {"rows": {}, "startup": None}
     files = shard_dirs()
     lines = ["### GPU check, part steps (`benchmarks/gpu/run.sh steps`): eager vs compiled vs captured steps", "",
-             f"Device: {torch.cuda.get_device_name() if not DRY_RUN else 'CPU (dry run, tiny sizes and model)'}, "
-             f"torch {torch.__version__}; budget {BUDGET_S:.0f} s. {PATTERN_GRAPHS} PATTERN graphs, {CODE2_GRAPHS} "
+             f"Device: {device()}; budget {BUDGET_S:.0f} s. {PATTERN_GRAPHS} PATTERN graphs, {CODE2_GRAPHS} "
              "code2-shaped graphs (`benchmarks/graphs/jobs.py`), bf16, the jobs' models; warm-up "
              f"{TIMING['warmup']} steps, then >= {TIMING['seconds']:g} s of whole steps; kernel ms: GPU busy time "
              "per step (torch.profiler, 3 steps).", ""] + HEADER
@@ -176,8 +164,8 @@ def run() -> str:
         raw["rows"][f"{label} / {mode}"] = result
         print(f"   {json.dumps(result)[:400]}", flush=True)
         lines.append(_row(label, mode, result))
-        if out_dir is not None:
-            (out_dir / "gpu_steps.json").write_text(json.dumps(raw, indent=1, default=str))
+        if out is not None:
+            (out / "gpu_steps.json").write_text(json.dumps(raw, indent=1, default=str))
     if raw["startup"] is not None:
         lines += _startup_lines(raw["startup"])
     lines += ["", f"Part wall time: {BUDGET_S - clock.left():.0f} s."]

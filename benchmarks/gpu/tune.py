@@ -1,33 +1,25 @@
 """GPU check, part ``tune`` (``benchmarks/gpu/run.sh tune``): the sweep path on CUDA, once.
 
-``satp tune`` over ``jobs/code2-sweep.yaml``'s model on small real data (``satp data pycode`` over the
-machine's standard library, :data:`GRAPHS_PER_SPLIT` graphs per split): four trials of one Train worker
-each, sharing the one GPU (``resources.gpus_per_worker: 0.25``), at most three at once, 3 epochs, a
-learning-rate grid whose last value (1e-6) starts only once the first three trials passed ASHA's rung at
-epoch 1 with far lower training losses, so ASHA stops it there (the sweep ranks by ``train_loss`` as
-``tests/test_tune_sweep.py`` does on CPU: validation F1 after one epoch of a small split ties at 0).
-The best trial is registered.
-
-It reports the sweep's wall time (from the command's start), each trial (status, epochs, best
-training loss and validation F1, graphs/s of its last epoch and its run's seconds, from MLflow), the
-card's peak memory and the most processes on it at once (NVML), and checks: four trials, none
-failed; the 1e-6 trial stopped by ASHA after epoch 1; every trial stopped at a rung (epoch 1 or 2) or
-trained 3 epochs, one of them 3; the champion alias on the best trial's run; trials on the card together.
-
-``SATP_GPU_DRY_RUN=1``: CPU workers, a tiny model and 150 graphs per split (the same command and checks,
-but the card's).
+``satp tune`` of ``jobs/code2-sweep.yaml`` made small (:func:`sweep_job`: ``satp data pycode`` over the
+standard library): four one-worker trials sharing the GPU (0.25 each, at most three at once), 3 epochs,
+a learning-rate grid whose last value (1e-6) starts once the first three passed ASHA's rung at epoch 1
+with far lower training losses, so ASHA stops it there (ranked by ``train_loss``: validation F1 after one
+epoch of a small split ties at 0). Reported: the command's wall time, each trial from MLflow, the card's
+peak memory and most processes; checked: four trials, none failed; the 1e-6 one stopped after epoch 1;
+each stopped at a rung or trained 3 epochs, one of them 3; the champion alias on the best trial's run;
+trials on the card together. ``SATP_GPU_DRY_RUN=1``: CPU workers, a tiny model, 150 graphs per split.
 """
 from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
 import yaml
 
-from benchmarks.gpu.measure import DRY_RUN, ROOT, Clock, check_lines, copy_logs, measure, pycode_data, satp, step_lines
+from benchmarks.gpu.measure import (DRY_RUN, ROOT, Clock, check_lines, copy_logs, device, measure, out_dir, pycode_data, satp,
+                                    step_lines)
 
 BUDGET_S = float(os.environ.get("SATP_GPU_BUDGET_S") or 480)
 GRAPHS_PER_SPLIT = int(os.environ.get("SATP_TUNE_GRAPHS") or (150 if DRY_RUN else 1500))
@@ -55,44 +47,6 @@ def sweep_job(name: str) -> dict:
         job["resources"] = {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 0.5}
         job["tune"]["trial_cpus"] = 0
     return job
-
-
-class CardProcesses:
-    """The most processes on the card at once, sampled every second while it runs (NVML; nothing
-    without it). The card's peak memory is :func:`benchmarks.gpu.measure.measure`'s."""
-
-    def __init__(self) -> None:
-        self.most = 0
-        self._stop = threading.Event()
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
-        except Exception:
-            self._nvml = None
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    @property
-    def available(self) -> bool:
-        return self._nvml is not None
-
-    def _sample(self) -> None:
-        while self._nvml is not None and not self._stop.is_set():
-            nvml, handle = self._nvml
-            try:
-                self.most = max(self.most, len(nvml.nvmlDeviceGetComputeRunningProcesses(handle)))
-            except Exception:
-                pass
-            self._stop.wait(1.0)
-
-    def __enter__(self) -> "CardProcesses":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def trial_rows(tracking_uri: str, parent_run_id: str) -> list[dict]:
@@ -133,12 +87,8 @@ def _parent_run_id(stdout: str) -> str | None:
 
 
 def run() -> str:
-    import torch
-
-    if not torch.cuda.is_available() and not DRY_RUN:
-        return "### GPU check, part tune\n\nNo CUDA device: nothing measured."
     clock = Clock(BUDGET_S)
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    out = out_dir()
     logs = WORK_DIR / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     name = f"gpu-tune-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -149,12 +99,11 @@ def run() -> str:
     steps = raw["steps"]
 
     def save() -> None:
-        if out_dir is not None:
-            (out_dir / "gpu_tune.json").write_text(json.dumps(raw, indent=1, default=str))
+        if out is not None:
+            (out / "gpu_tune.json").write_text(json.dumps(raw, indent=1, default=str))
 
-    device_name = torch.cuda.get_device_name() if not DRY_RUN else "CPU (dry run: CPU workers, tiny model)"
     lines = ["### GPU check, part tune (`benchmarks/gpu/run.sh tune`)", "",
-             f"Device: {device_name}, torch {torch.__version__}; budget {BUDGET_S:.0f} s. `satp tune` of `{JOB}` made "
+             f"Device: {device()}; budget {BUDGET_S:.0f} s. `satp tune` of `{JOB}` made "
              f"small (`{job_file.relative_to(ROOT) if job_file.is_relative_to(ROOT) else job_file}`): "
              f"{GRAPHS_PER_SPLIT} graphs per split of `satp data pycode`, {len(LRS)} trials (train.lr {LRS}), at most "
              f"{job['tune']['max_concurrent_trials']} at once, 1 worker each "
@@ -164,14 +113,11 @@ def run() -> str:
 
     steps["pycode"] = pycode_data(WORK_DIR, clock.left() * 0.3, logs)
     save()
-    card = CardProcesses()
     if steps["pycode"]["ok"]:
         print(f"   satp tune ({clock.left():.0f} s left)", flush=True)
-        with card:
-            # the command's whole time: preprocessing (its shards), the sweep, the registration
-            steps["tune"] = measure(satp("tune", str(job_file), "--no-progress"), clock.left() - 20, logs / "tune.log",
-                                    grace_s=15)
-        raw["card"] = {"most_processes": card.most, "nvml": card.available}
+        # the command's whole time: preprocessing (its shards), the sweep, the registration
+        steps["tune"] = measure(satp("tune", str(job_file), "--no-progress"), clock.left() - 20, logs / "tune.log",
+                                grace_s=15)
         save()
 
     lines += step_lines(steps)
@@ -208,13 +154,13 @@ def run() -> str:
                        f"{best['trial_id'] if best else '-'}"))
     else:
         checks.append(("the sweep's outcome printed (its MLflow parent run)", False, tuned.get("tail", "not run")[:300]))
-    if card.available:
-        checks.append(("trials on the card together (most processes on it at once >= 2)", card.most >= 2,
-                       f"{card.most} processes; peak memory {tuned.get('gpu_mem_gb') or 0:.2f} GB"))
+    if tuned.get("gpu_processes") is not None:
+        checks.append(("trials on the card together (most processes on it at once >= 2)", tuned["gpu_processes"] >= 2,
+                       f"{tuned['gpu_processes']} processes; peak memory {tuned.get('gpu_mem_gb') or 0:.2f} GB"))
     raw["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
     lines += check_lines(checks, f"the sweep's command {tuned.get('seconds', 0):.0f} s; part wall time "
                                  f"{BUDGET_S - clock.left():.0f} s")
-    copy_logs(logs, out_dir, "tune")
+    copy_logs(logs, out, "tune")
     save()
     return "\n".join(lines)
 

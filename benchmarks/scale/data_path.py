@@ -1,36 +1,32 @@
-"""Scale benchmark: ``BENCH=scale make bench`` (or ``python -m benchmarks.scale.data_path --graphs N ...``).
+"""Scale benchmark: ``BENCH=scale make bench``.
 
-For each size N (``--graphs``, repeatable; default ``SATP_SCALE_GRAPHS``, "1581,15810"; the full
-ogbg-ppa has 158,100 graphs), in a fresh directory D, the project's own commands as subprocesses::
+For each size N (``SATP_SCALE_GRAPHS``, default "1581,15810"; the full ogbg-ppa has 158,100 graphs), in
+a fresh directory D (under ``SATP_SCALE_DIR``, default the system temporary directory), the project's own commands as subprocesses::
 
     satp data synthetic-ppa --out D/data --graphs N
     satp preprocess jobs/ppa.yaml --set data.root=D/data --set data.source=synthetic \\
         --set shards.root=D/shards --no-progress
 
-each under ``/usr/bin/time -v`` when it exists (else ``os.wait4``'s rusage of the child), and:
+each with its peak RSS (``os.wait4``'s ``ru_maxrss``: the largest process of its tree, what ``/usr/bin/time -v``
+prints), and:
 
 - while ``satp preprocess`` runs, a thread of this process samples every second the processes of
   the run's own session (it is started with ``start_new_session=True``, so a concurrent run on the
   same machine is not counted): the driver's and each Ray worker's (``/proc/PID/cmdline`` starting
   with ``ray::``) high-water RSS (``VmHWM``), and the use of ``/dev/shm`` (Ray's object store;
   machine-wide, reported above its level when the size started);
-- ``--kill-after-shards K`` (default ``SATP_SCALE_KILL``, "half": half the shards the splits make;
-  0: no kill): the first preprocess run is killed (SIGKILL to its process group, then to anything
+- ``SATP_SCALE_KILL`` K (default "half": half the shards the splits make; 0: no kill): the first preprocess run is killed (SIGKILL to its process group, then to anything
   left in its session) once K shard sidecars (``D/shards/*/*.json`` but the manifest and the
   vocabulary) exist, and the rerun that resumes it is timed;
 - a last rerun on the finished directory (nothing to do) is timed;
 - disk use (``du -sb``): what the generator wrote (D/data before preprocessing), the columnar raw
   store ``D/data/ogbg_ppa/columnar`` and the shards.
 
-D is deleted after each size unless ``--keep DIR`` (then D = DIR/ppa-N); a size whose estimated
-disk use (~45 GB at full size: raw ~8, columnar ~12, shards ~25) does not fit the free space is
-skipped with a line saying so. ``--set KEY=VALUE`` adds overrides to the preprocess command (e.g.
-``shards.graphs_per_shard=10`` for a quick kill/resume check). ``SATP_SCALE_DIR`` (default: the
-system temporary directory) is where D is made when nothing is kept.
+D is deleted after each size; a size whose estimated disk use (~45 GB at full size: raw ~8, columnar
+~12, shards ~25) does not fit the free space is skipped with a line saying so.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -51,7 +47,6 @@ FULL_GRAPHS = 158_100
 # bytes per graph at full size (measured: raw ~8 GB, columnar ~12 GB, shards ~25 GB for 158,100 graphs)
 BYTES_PER_GRAPH = {"raw": 8e9 / FULL_GRAPHS, "columnar": 12e9 / FULL_GRAPHS, "shards": 25e9 / FULL_GRAPHS}
 DISK_MARGIN = 1.15
-TIME = "/usr/bin/time"
 MIB = 2**20
 
 
@@ -90,16 +85,6 @@ def sidecars(shards_root: Path) -> int:
 
 # ---------------------------------------------------------------- /proc sampling
 
-def _stat_session(pid: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            text = fh.read()
-    except OSError:
-        return None
-    fields = text[text.rfind(b")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session ...
-    return int(fields[3]) if len(fields) > 3 else None
-
-
 def _status_kib(pid: str, key: bytes) -> int:
     try:
         with open(f"/proc/{pid}/status", "rb") as fh:
@@ -122,9 +107,12 @@ def _cmdline(pid: str) -> bytes:
 def session_pids(sid: int) -> list[int]:
     """The processes of session ``sid`` (this benchmark started it: ``start_new_session=True``)."""
     out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and _stat_session(pid) == sid:
-            out.append(int(pid))
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) == sid:
+                out.append(int(pid))
+        except OSError:  # gone meanwhile
+            pass
     return out
 
 
@@ -182,15 +170,13 @@ class Sampler(threading.Thread):
         if sid is None:
             return
         total, plasma, seen = 0, 0, set()
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit() or _stat_session(pid) != sid:
-                continue
+        for pid in map(str, session_pids(sid)):
             cmd = _cmdline(pid)
             if cmd.startswith(b"ray::"):
                 hwm = _status_kib(pid, b"VmHWM:")
                 self.worker_kib = max(self.worker_kib, hwm)
                 total += _status_kib(pid, b"VmRSS:")
-            elif b"pipeline.cli" in cmd and not cmd.startswith(TIME.encode()):
+            elif b"pipeline.cli" in cmd:
                 self.driver_kib = max(self.driver_kib, _status_kib(pid, b"VmHWM:"))
             elif b"raylet" in cmd.split(b"\0", 1)[0]:
                 plasma += plasma_bytes(pid, seen)
@@ -217,16 +203,6 @@ def _env(satp_home: Path) -> dict:
     return env
 
 
-def _maxrss_from_time(path: Path) -> int | None:
-    try:
-        for line in path.read_text().splitlines():
-            if "Maximum resident set size" in line:
-                return int(line.rsplit(":", 1)[1])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
 def _kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL to the run's process group, then to anything left in its session (Ray's processes)."""
     try:
@@ -248,14 +224,12 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 def timed(cmd: list[str], logs: Path, name: str, sampler: Sampler | None = None,
           kill_after: int = 0, shards_root: Path | None = None) -> dict:
-    """Run ``cmd`` in a new session; wall seconds, peak RSS (KiB, largest process of its tree: ``time -v``
-    or ``wait4``), and, with ``kill_after``, the sidecar count and seconds at which it was killed."""
+    """Run ``cmd`` in a new session; wall seconds, peak RSS (KiB, the largest process of its tree: ``wait4``),
+    and, with ``kill_after``, the sidecar count and seconds at which it was killed."""
     logs.mkdir(parents=True, exist_ok=True)
-    time_file = logs / f"{name}.time"
-    full = [TIME, "-v", "-o", str(time_file), *cmd] if os.access(TIME, os.X_OK) else list(cmd)
     with open(logs / f"{name}.out", "wb") as out, open(logs / f"{name}.err", "wb") as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(full, cwd=ROOT, env=_env(logs / "satp-home"), stdout=out, stderr=err,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(logs / "satp-home"), stdout=out, stderr=err,
                                 start_new_session=True)
         if sampler is not None:
             sampler.watch(proc.pid)
@@ -286,12 +260,9 @@ def timed(cmd: list[str], logs: Path, name: str, sampler: Sampler | None = None,
     if killed is None and proc.returncode != 0:
         tail = (logs / f"{name}.err").read_text(errors="replace").strip().splitlines()[-5:]
         raise RuntimeError(f"{' '.join(cmd[2:])} exited with {proc.returncode}:\n" + "\n".join(tail))
-    rss = _maxrss_from_time(time_file) if full[0] == TIME else None
-    if rss is None and killed is None:
-        rss = usage.ru_maxrss  # wait4: the child's own rusage (its waited-for descendants included)
     if killed is not None:
         _kill_session(proc)  # what a killed driver's Ray left behind
-    return {"wall": wall, "maxrss_kib": rss, "killed": killed,
+    return {"wall": wall, "maxrss_kib": None if killed else usage.ru_maxrss, "killed": killed,
             "stdout": (logs / f"{name}.out").read_text(errors="replace")}
 
 
@@ -305,7 +276,7 @@ def _planned_shards(splits: dict, overrides: list[str]) -> int:
     return sum(math.ceil((min(n, cap) if cap else n) / per) for n in splits.values())
 
 
-def measure_size(graphs: int, d: Path, kill_after: int | str = 0, extra: tuple[str, ...] = ()) -> dict:
+def measure_size(graphs: int, d: Path, kill_after: int | str = 0) -> dict:
     """Generate, preprocess (killed and resumed with ``kill_after``), rerun; the figures of one size."""
     py = [sys.executable, "-m", "pipeline.cli"]
     logs = d / "logs"
@@ -313,7 +284,7 @@ def measure_size(graphs: int, d: Path, kill_after: int | str = 0, extra: tuple[s
     gen = timed([*py, "data", "synthetic-ppa", "--out", str(d / "data"), "--graphs", str(graphs)], logs, "generate")
     row["gen_wall"], row["gen_rss_kib"] = gen["wall"], gen["maxrss_kib"]
     row["raw_bytes"] = du_bytes(d / "data")
-    overrides = [f"data.root={d / 'data'}", "data.source=synthetic", f"shards.root={d / 'shards'}", *extra]
+    overrides = [f"data.root={d / 'data'}", "data.source=synthetic", f"shards.root={d / 'shards'}"]
     pre = [*py, "preprocess", JOB, *(a for o in overrides for a in ("--set", o)), "--no-progress"]
     if kill_after == "half":
         splits = json.loads(gen["stdout"].strip().splitlines()[-1])["splits"]
@@ -369,8 +340,7 @@ def _row(r: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def run(sizes: list[int] | None = None, kill_after: int | str | None = None, keep: str | None = None,
-        extra: tuple[str, ...] = ()) -> str:
+def run(sizes: list[int] | None = None, kill_after: int | str | None = None) -> str:
     """The markdown section (see the module docstring)."""
     if sizes is None:
         sizes = [int(s) for s in os.environ.get("SATP_SCALE_GRAPHS", "1581,15810").split(",") if s.strip()]
@@ -380,7 +350,7 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
         kill_after = int(kill_after)
     load0 = os.getloadavg()
     rows, notes = [], []
-    base = Path(keep) if keep else Path(os.environ.get("SATP_SCALE_DIR") or tempfile.gettempdir())
+    base = Path(os.environ.get("SATP_SCALE_DIR") or tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     for n in sizes:
         print(f"== scale: {n:,} graphs", file=sys.stderr, flush=True)
@@ -389,42 +359,31 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
             notes.append(f"- {n:,} graphs: **skipped**, needs ~{need / 1e9:.1f} GB of disk "
                          f"(estimate x{DISK_MARGIN}), {free / 1e9:.1f} GB free under {base}")
             continue
-        if keep:
-            d = base / f"ppa-{n}"
-            if d.exists():
-                notes.append(f"- {n:,} graphs: **skipped**, {d} already exists (remove it to measure again)")
-                continue
-            d.mkdir()
-        else:
-            d = Path(tempfile.mkdtemp(prefix=f"satp-scale-{n}-", dir=base))
+        d = Path(tempfile.mkdtemp(prefix=f"satp-scale-{n}-", dir=base))
         try:
-            row = measure_size(n, d, kill_after, tuple(extra))
+            row = measure_size(n, d, kill_after)
             rows.append(row)
             if row.get("planned_shards") is not None and row.get("killed") is None:
                 notes.append(f"- {n:,} graphs: the first preprocess run finished before "
                              f"{row['planned_shards'] // 2} of {row['planned_shards']} shards were seen: not killed")
             print(_row(row), file=sys.stderr, flush=True)
         finally:
-            if not keep:
-                shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(d, ignore_errors=True)
     load1 = os.getloadavg()
     cmd_kill = ("the first preprocess run is killed (SIGKILL to its process group and session) once "
                 + ("half of its shards" if kill_after == "half" else f"{kill_after} shards")
                 + " are finished, and the rerun that resumes it is timed; " if kill_after else "")
-    extra_set = "".join(f" --set {o}" for o in extra)
     lines = [
         "## Scale: synthetic ogbg-ppa, generate + preprocess (`BENCH=scale make bench`)",
         "",
-        "Per size N, in a fresh directory D, each command under `/usr/bin/time -v`"
-        + ("" if os.access(TIME, os.X_OK) else " (absent here: `os.wait4`'s rusage)") + ":",
+        "Per size N, in a fresh directory D, each command with its peak RSS (`wait4`, as `/usr/bin/time -v`):",
         "",
         "    satp data synthetic-ppa --out D/data --graphs N",
         "    satp preprocess jobs/ppa.yaml --set data.root=D/data --set data.source=synthetic "
-        f"--set shards.root=D/shards{extra_set} --no-progress",
+        "--set shards.root=D/shards --no-progress",
         "",
         f"then {cmd_kill}the same preprocess command once more on the finished directory (nothing to do). "
-        f"(`python -m benchmarks.scale.data_path --graphs N [--kill-after-shards K|half] [--keep DIR]`; "
-        f"sizes from `SATP_SCALE_GRAPHS`, full ogbg-ppa = {FULL_GRAPHS:,} graphs.)",
+        f"(Sizes from `SATP_SCALE_GRAPHS`, full ogbg-ppa = {FULL_GRAPHS:,} graphs; `SATP_SCALE_KILL` K, half or 0.)",
         "",
         f"CPU: {cpu_model()}, nproc {nproc()}. Load average (1/5/15 min) at start "
         f"{load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, at end {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}. "
@@ -437,7 +396,7 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
         "|" + "---|" * 13,
         *(_row(r) for r in rows),
         "",
-        "- generate peak RSS: `time -v`'s maximum, the largest process of the command's tree (the "
+        "- generate peak RSS: the largest process of the command's tree (the "
         "generator's worker processes included); driver and Ray worker peaks: high-water RSS (`VmHWM`) "
         "of the `satp preprocess` process and of its own `ray::` processes (its session), sampled every "
         "second over all of its runs; object store: peak bytes allocated in the run's own raylet's plasma "
@@ -450,7 +409,7 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
     for r in rows:
         finished = r["resume_rss_kib"] if r.get("killed") else r["pre_rss_kib"]
         lines.append(f"- {r['graphs']:,} graphs: {r['shards']} shards, {r['manifest_graphs']:,} graphs in the "
-                     f"manifest; `time -v` maximum RSS of the preprocess run that finished {_mib(finished)} MiB "
+                     f"manifest; maximum RSS of the preprocess run that finished {_mib(finished)} MiB "
                      f"(its largest waited-for process); all Ray workers together at most "
                      f"{_mib(r['workers_sum_kib'])} MiB RSS; `/dev/shm` peak above start (machine-wide) "
                      f"{_mb(r['shm_bytes'])} MiB")
@@ -458,23 +417,5 @@ def run(sizes: list[int] | None = None, kill_after: int | str | None = None, kee
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale.data_path", description=__doc__.splitlines()[0])
-    parser.add_argument("--graphs", type=int, action="append", metavar="N",
-                        help="a size (repeatable; default SATP_SCALE_GRAPHS or 1581,15810)")
-    parser.add_argument("--kill-after-shards", default=None, metavar="K",
-                        help="kill the first preprocess run once K shards exist and time the resume "
-                             "(an integer, 'half', or 0 for no kill; default SATP_SCALE_KILL or half)")
-    parser.add_argument("--keep", metavar="DIR", help="keep each size's directory as DIR/ppa-N")
-    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
-                        help="an extra override for the preprocess command (repeatable)")
-    args = parser.parse_args(argv)
-    kill = args.kill_after_shards
-    if kill is not None and kill != "half":
-        kill = int(kill)
-    print(run(args.graphs, kill, args.keep, tuple(args.extra)))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    print(run())
