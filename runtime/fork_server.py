@@ -60,9 +60,11 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT)
 #: satp's packages, never kept from the server's imports in a forked process
 SATP_PACKAGES = ("runtime", "pipeline", "sat", "preprocessing")
 #: variables the imports read that are not compared: tempfile's folder (read again in a forked
-#: process), the shell's working folders (a forked process takes its client's) and ``$_`` (the last
-#: command's path, which means nothing to a module)
-NOT_COMPARED = frozenset({"TMPDIR", "TEMP", "TMP", "PWD", "OLDPWD", "_"})
+#: process), the shell's working folders (a forked process takes its client's), ``$_`` (the last
+#: command's path, which means nothing to a module), ``PYTHONPATH`` (a forked process imports from
+#: its client's ``sys.path``, sent with the request; Ray puts a job's working_dir on it) and
+#: ``PYTHONBREAKPOINT`` (read when ``breakpoint()`` is called; Ray sets it in its drivers and workers)
+NOT_COMPARED = frozenset({"TMPDIR", "TEMP", "TMP", "PWD", "OLDPWD", "_", "PYTHONPATH", "PYTHONBREAKPOINT"})
 
 
 class PeerRefused(OSError):
