@@ -53,8 +53,9 @@ CLIENT_PID_VAR = "SATP_FORK_CLIENT_PID"
 #: in a forked process: when its server had imported MODULES (wall clock)
 FORKED_FROM_VAR = "SATP_FORKED_FROM"
 #: what the server imports before it listens: what satp's Train workers and commands import that is
-#: neither Ray nor satp
-MODULES = ("torch", "torch_geometric", "deepspeed", "mlflow", "matplotlib.pyplot", "pyarrow.dataset", "pydantic")
+#: neither Ray nor satp (MLflow's SQL store: ~1 s of CPU in the driver and in each rank-0 worker)
+MODULES = ("torch", "torch_geometric", "deepspeed", "mlflow", "mlflow.store.tracking.sqlalchemy_store",
+           "matplotlib.pyplot", "pyarrow.dataset", "pydantic")
 #: signals the client passes on to the forked process (Ctrl-Z's SIGTSTP is handled apart: see _follow)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT)
 #: satp's packages, never kept from the server's imports in a forked process
