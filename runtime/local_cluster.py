@@ -14,11 +14,9 @@ one line and no use when widened or another user's). The record, ``$SATP_HOME/cl
 (default ``~/.satp``), is 0600 in a 0700 folder. Ray's token authentication is on (a token file
 made 0600 if missing: :func:`private_token`). On loopback: every port Ray opens is named on
 ``ray start``'s command line on 127.0.0.1, and :data:`LOOPBACK_ENV` makes Ray's processes take
-127.0.0.1 as the node's address where they work it out themselves (agents, client server, metrics);
-a command's own local Ray takes the same settings (:func:`runtime.ray_cluster.init_local_ray`). A
-cluster meant for several nodes (``host``: an address other hosts reach) advertises that address, on
-which its dashboard and runtime-env agent listen; Ray 2.60 binds its gRPC servers and metrics of such
-a node on every interface, where token authentication guards every call but the metrics' read.
+127.0.0.1 as the node's address where they work it out themselves (agents, client server, metrics),
+as a command's own local Ray does. ``host``: the head of a cluster other nodes join, token
+authentication required (what it exposes: docs/security.md).
 
 A command uses the cluster only when it runs the same Python environment: the interpreter and the
 versions of the packages its fork server imported. A record whose cluster is gone (stopped by hand,
@@ -52,11 +50,9 @@ LOOPBACK = "127.0.0.1"
 #: where a cluster's private folder is made: short, as Ray's socket paths in it must fit 107 bytes
 TEMP_ROOT = "/tmp"
 #: read by Ray's processes when they import Ray: a node whose address is worked out (not passed on a
-#: command line: the dashboard agent, the client server, the metrics exporters) takes 127.0.0.1, as
-#: Ray does on the platforms it runs no multi-node clusters on; with it, its gRPC servers bind there
-#: too. Every satp command has it (:func:`adopt_client_settings`): a client that lacks it takes the
-#: 127.0.0.1 of an address for this machine's network address, where a cluster on loopback does not
-#: listen. A node joining a cluster (``ray start --address``) must not have it: Ray refuses to start one.
+#: command line: the dashboard agent, the client server, the metrics exporters) takes 127.0.0.1, and its
+#: gRPC servers bind there. A client without it (every satp command has it: :func:`adopt_client_settings`)
+#: takes an address's 127.0.0.1 for the machine's network address; Ray refuses a joining node with it.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
@@ -130,12 +126,9 @@ class ClusterRecord:
     owner_pid: Optional[int] = None  # the process the cluster lives for (a test session), if not for good
     fork_socket: Optional[str] = None  # its fork server's socket (a CPU-only cluster)
 
-    def save(self, path: Optional[Path] = None) -> None:
-        path = path or record_path()
-        if path == record_path():
-            _private_home()
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
+    def save(self) -> None:
+        path = record_path()
+        _private_home()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
@@ -143,11 +136,10 @@ class ClusterRecord:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Optional[Path] = None) -> Optional["ClusterRecord"]:
-        path = path or record_path()
+    def load(cls) -> Optional["ClusterRecord"]:
+        path = record_path()
         try:
-            raw = json.loads(path.read_text())
-            return cls(**raw)
+            return cls(**json.loads(path.read_text()))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError) as exc:
@@ -263,7 +255,7 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, dashbo
         record = _start_recorded(cmd, env, folder, f"{host}:{gcs}", f"http://{host}:{dash}" if dashboard else None,
                                  cpus, gpus, worker_env, auth_mode, owner_pid, fork_socket)
         check_private(record)  # Ray started: its folder above Ray's is still its user's only
-        if wait and fork_socket and not wait_ready(record):
+        if wait and fork_socket and not fork_server.wait_ready(fork_socket, START_TIMEOUT_S):
             raise ValueError(f"the fork server did not answer on {fork_socket} within {START_TIMEOUT_S:g} s "
                              f"(its log: {Path(folder) / fork_server.LOG_NAME})")
     except BaseException:  # failed, or interrupted (Ctrl-C, a timeout): nothing left running
@@ -275,13 +267,6 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, dashbo
                 record_path().unlink(missing_ok=True)
         raise
     return record
-
-
-def wait_ready(record: ClusterRecord, timeout_s: float = START_TIMEOUT_S) -> bool:
-    """Whether the cluster's fork server answers within ``timeout_s`` (True: it has none)."""
-    if not record.fork_socket:
-        return True
-    return fork_server.wait_ready(record.fork_socket, timeout_s)
 
 
 def private_token(env: dict) -> Path:
@@ -306,10 +291,13 @@ def _start_recorded(cmd: list[str], env: dict, folder: str, address: str, dashbo
                     gpus: int, worker_env: dict, auth_mode: str, owner_pid: Optional[int],
                     fork_socket: Optional[str]) -> ClusterRecord:
     """Start the fork server (a CPU-only cluster) and ``ray start`` the head in ``folder``; save the record."""
-    if fork_socket:  # importing meanwhile, while Ray starts
-        # the environment of Ray's workers (the forked ones are compared with it); satp's folder as its cwd
-        _start_logged([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env,
-                      Path(folder) / fork_server.LOG_NAME)
+    if fork_socket:  # importing meanwhile, while Ray starts, in a session of its own
+        # the environment of Ray's workers (the forked ones are compared with it); satp's checkout as its
+        # cwd, which `-m runtime...` imports from
+        with open(Path(folder) / fork_server.LOG_NAME, "w") as log_file:
+            subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env=env,
+                             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                             cwd=Path(__file__).resolve().parents[1])
     log_path = Path(folder) / "ray-start.log"
     with open(log_path, "w") as log_file:
         done = subprocess.run(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
@@ -324,17 +312,6 @@ def _start_recorded(cmd: list[str], env: dict, folder: str, address: str, dashbo
         auth_mode=auth_mode, started=time.time(), owner_pid=owner_pid, fork_socket=fork_socket)
     record.save()
     return record
-
-
-def _start_logged(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    """Start the cluster's fork server beside it, in a session of its own, logging to ``log_path``."""
-    with open(log_path, "w") as log_file:
-        return subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=_project_root())  # `-m runtime...` imports satp's checkout from there
-
-
-def _project_root() -> str:
-    return str(Path(__file__).resolve().parents[1])
 
 
 def _gpus_on_this_machine() -> int:

@@ -32,11 +32,9 @@ About the local cluster (see :func:`runtime.local_cluster.cluster_env` for its e
   driver, which Ray Train passes on to every actor of a run): it watches nodes being drained (spot
   instances); a local cluster is never drained. Its controller polls the workers every 0.5 s (Ray's
   default: 2 s), so that a run's end is seen sooner (the tests' and a sweep's many short runs).
-* On loopback and private to its user, as ``satp cluster start``'s (:mod:`runtime.local_cluster`):
-  every port on 127.0.0.1 (this process imported Ray with :data:`runtime.local_cluster.LOOPBACK_ENV`,
-  which every satp command sets first; refused otherwise), and Ray's files (sessions, logs, sockets)
-  in the user's own folder (:func:`runtime.local_cluster.user_folder`), not in Ray's default
-  ``/tmp/ray``, which every user may write.
+* As ``satp cluster start``'s, on 127.0.0.1 only (Ray imported with ``LOOPBACK_ENV``, which every
+  satp command sets first: :mod:`runtime.local_cluster`), Ray's files in the user's 0700 folder
+  (:func:`runtime.local_cluster.user_folder`), not in ``/tmp/ray``, which every user may write.
 * The head's processes (dashboard, raylet, workers) get a private ``TMPDIR``, removed when this
   process exits after Ray's own shutdown: the dashboard leaves a ``pymp-*`` directory in the
   temporary directory each time it is killed, and workers are killed too. A command killed with
@@ -250,9 +248,7 @@ def _recorded_cluster_at(target: str):
         record = local_cluster.ClusterRecord.load()
     except ValueError:
         return None
-    if record is not None and target.split("://")[-1] in (record.address, record.address.replace("127.0.0.1", "localhost")):
-        return record
-    return None
+    return record if record is not None and record.named_by(target.split("://")[-1]) else None
 
 
 def _warn(line: str) -> None:
