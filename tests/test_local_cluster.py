@@ -106,6 +106,14 @@ def test_a_cluster_for_several_nodes_is_at_the_address_named_with_token_authenti
     assert stopped.returncode == 0, stopped.stderr
 
 
+def test_a_cluster_for_other_hosts_without_token_authentication_is_refused_before_it_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("SATP_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(ValueError, match=r"^--host 127\.0\.0\.2: a cluster other hosts reach runs with Ray's token "
+                                         r"authentication, not RAY_AUTH_MODE=disabled$"):
+        local_cluster.start(host="127.0.0.2")
+
+
 def test_a_widened_folder_is_refused_in_one_line(cluster, tmp_path):
     folder = Path(cluster["record"]["folder"])
     folder.chmod(0o755)
