@@ -70,9 +70,8 @@ def check_private(record_or_folder, advice: str = "satp cluster stop, then satp 
 
 
 def user_folder() -> str:
-    """``/tmp/satp-UID``: this user's folder (0700) for the Ray files of the local Ray a command starts
-    for itself (Ray's default, ``/tmp/ray``, is open to every user; short, as the satp cluster's folder);
-    made on first use, refused in one line when another user's or widened (:func:`check_private`)."""
+    """``/tmp/satp-UID``, made 0700 on first use: Ray's folder for the local Ray a command starts for itself
+    (Ray's ``/tmp/ray`` is open to every user); refused in one line when another user's or widened."""
     folder = Path(TEMP_ROOT) / f"satp-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700)
@@ -86,14 +85,6 @@ def satp_home() -> Path:
 
 def record_path() -> Path:
     return satp_home() / "cluster.json"
-
-
-def _private_home() -> Path:
-    """``$SATP_HOME``, made (or narrowed to) 0700."""
-    home = satp_home()
-    home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    home.chmod(0o700)
-    return home
 
 
 def environment() -> dict[str, str]:
@@ -128,7 +119,8 @@ class ClusterRecord:
 
     def save(self) -> None:
         path = record_path()
-        _private_home()
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.chmod(0o700)  # $SATP_HOME, narrowed to 0700
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
