@@ -11,3 +11,6 @@ the CPU areas and appends their sections to ``benchmarks/RESULTS.md``, ``BENCH=.
 Benchmarks import the product (``sat``, ``runtime``, ``preprocessing``, ``pipeline``), never the
 reverse, and no room imports a room it is imported by (``tests/test_layering.py``).
 """
+from runtime.command import set_command_environment
+
+set_command_environment()  # as every satp command: a local Ray on 127.0.0.1 (Ray reads it when it is imported)

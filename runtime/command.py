@@ -22,4 +22,4 @@ def set_command_environment() -> None:
     os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's PyPI version check
     from runtime.local_cluster import adopt_client_settings
 
-    adopt_client_settings()  # the satp cluster's authentication, before anything imports Ray
+    adopt_client_settings()  # Ray on loopback, the satp cluster's authentication: before anything imports Ray

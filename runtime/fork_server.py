@@ -53,16 +53,19 @@ CLIENT_PID_VAR = "SATP_FORK_CLIENT_PID"
 #: in a forked process: when its server had imported MODULES (wall clock)
 FORKED_FROM_VAR = "SATP_FORKED_FROM"
 #: what the server imports before it listens: what satp's Train workers and commands import that is
-#: neither Ray nor satp
-MODULES = ("torch", "torch_geometric", "deepspeed", "mlflow", "matplotlib.pyplot", "pyarrow.dataset", "pydantic")
+#: neither Ray nor satp (MLflow's SQL store: ~1 s of CPU in the driver and in each rank-0 worker)
+MODULES = ("torch", "torch_geometric", "deepspeed", "mlflow", "mlflow.store.tracking.sqlalchemy_store",
+           "matplotlib.pyplot", "pyarrow.dataset", "pydantic")
 #: signals the client passes on to the forked process (Ctrl-Z's SIGTSTP is handled apart: see _follow)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT)
 #: satp's packages, never kept from the server's imports in a forked process
 SATP_PACKAGES = ("runtime", "pipeline", "sat", "preprocessing")
 #: variables the imports read that are not compared: tempfile's folder (read again in a forked
-#: process), the shell's working folders (a forked process takes its client's) and ``$_`` (the last
-#: command's path, which means nothing to a module)
-NOT_COMPARED = frozenset({"TMPDIR", "TEMP", "TMP", "PWD", "OLDPWD", "_"})
+#: process), the shell's working folders (a forked process takes its client's), ``$_`` (the last
+#: command's path, which means nothing to a module), ``PYTHONPATH`` (a forked process imports from
+#: its client's ``sys.path``, sent with the request; Ray puts a job's working_dir on it) and
+#: ``PYTHONBREAKPOINT`` (read when ``breakpoint()`` is called; Ray sets it in its drivers and workers)
+NOT_COMPARED = frozenset({"TMPDIR", "TEMP", "TMP", "PWD", "OLDPWD", "_", "PYTHONPATH", "PYTHONBREAKPOINT"})
 
 
 class PeerRefused(OSError):

@@ -14,7 +14,9 @@ one line and no use when widened or another user's). The record, ``$SATP_HOME/cl
 (default ``~/.satp``), is 0600 in a 0700 folder. Ray's token authentication is on (a token file
 made 0600 if missing: :func:`private_token`). On loopback: every port Ray opens is named on
 ``ray start``'s command line on 127.0.0.1, and :data:`LOOPBACK_ENV` makes Ray's processes take
-127.0.0.1 as the node's address where they work it out themselves (agents, client server, metrics).
+127.0.0.1 as the node's address where they work it out themselves (agents, client server, metrics),
+as a command's own local Ray does. ``host``: the head of a cluster other nodes join, token
+authentication required (what it exposes: docs/security.md).
 
 A command uses the cluster only when it runs the same Python environment: the interpreter and the
 versions of the packages its fork server imported. A record whose cluster is gone (stopped by hand,
@@ -44,14 +46,18 @@ from runtime.ports import free_ports
 #: packages whose versions are part of the environment a warm process runs (what it imported ahead)
 ENVIRONMENT_PACKAGES = ("torch", "torch_geometric", "deepspeed", "ray", "mlflow", "numpy", "pyarrow")
 START_TIMEOUT_S = 120.0
+LOOPBACK = "127.0.0.1"
+#: where a cluster's private folder is made: short, as Ray's socket paths in it must fit 107 bytes
+TEMP_ROOT = "/tmp"
 #: read by Ray's processes when they import Ray: a node whose address is worked out (not passed on a
-#: command line: the dashboard agent, the client server, the metrics exporters) takes 127.0.0.1, as
-#: Ray does on the platforms it runs no multi-node clusters on; with it, its gRPC servers bind there too
+#: command line: the dashboard agent, the client server, the metrics exporters) takes 127.0.0.1, and its
+#: gRPC servers bind there. A client without it (every satp command has it: :func:`adopt_client_settings`)
+#: takes an address's 127.0.0.1 for the machine's network address; Ray refuses a joining node with it.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def check_private(record_or_folder) -> None:
-    """Raise a one-line ``ValueError`` unless the cluster's folder is this user's, mode 0700."""
+def check_private(record_or_folder, advice: str = "satp cluster stop, then satp cluster start") -> None:
+    """Raise a one-line ``ValueError`` ending in ``advice`` unless the (cluster's) folder is this user's, mode 0700."""
     folder = Path(getattr(record_or_folder, "folder", record_or_folder))
     try:
         st = folder.stat()
@@ -59,9 +65,18 @@ def check_private(record_or_folder) -> None:
         raise ValueError(f"{folder}: the satp cluster's folder is gone; satp cluster stop removes what is left") from None
     mode = st.st_mode & 0o777
     if st.st_uid != os.getuid() or mode != 0o700:
-        raise ValueError(f"{folder}: the satp cluster's folder is mode {mode:o} of user id {st.st_uid}, expected 700 "
-                         f"of user id {os.getuid()}: not used (another user may have entered it); "
-                         "satp cluster stop, then satp cluster start")
+        raise ValueError(f"{folder}: mode {mode:o} of user id {st.st_uid}, expected 700 of user id {os.getuid()}: "
+                         f"not used (another user may have entered it); {advice}")
+
+
+def user_folder() -> str:
+    """``/tmp/satp-UID``, made 0700 on first use: Ray's folder for the local Ray a command starts for itself
+    (Ray's ``/tmp/ray`` is open to every user); refused in one line when another user's or widened."""
+    folder = Path(TEMP_ROOT) / f"satp-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    check_private(folder, "remove it (or narrow it to 700) and run the command again")
+    return str(folder)
 
 
 def satp_home() -> Path:
@@ -70,14 +85,6 @@ def satp_home() -> Path:
 
 def record_path() -> Path:
     return satp_home() / "cluster.json"
-
-
-def _private_home() -> Path:
-    """``$SATP_HOME``, made (or narrowed to) 0700."""
-    home = satp_home()
-    home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    home.chmod(0o700)
-    return home
 
 
 def environment() -> dict[str, str]:
@@ -110,12 +117,10 @@ class ClusterRecord:
     owner_pid: Optional[int] = None  # the process the cluster lives for (a test session), if not for good
     fork_socket: Optional[str] = None  # its fork server's socket (a CPU-only cluster)
 
-    def save(self, path: Optional[Path] = None) -> None:
-        path = path or record_path()
-        if path == record_path():
-            _private_home()
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
+    def save(self) -> None:
+        path = record_path()
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.chmod(0o700)  # $SATP_HOME, narrowed to 0700
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
@@ -123,11 +128,10 @@ class ClusterRecord:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Optional[Path] = None) -> Optional["ClusterRecord"]:
-        path = path or record_path()
+    def load(cls) -> Optional["ClusterRecord"]:
+        path = record_path()
         try:
-            raw = json.loads(path.read_text())
-            return cls(**raw)
+            return cls(**json.loads(path.read_text()))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError) as exc:
@@ -174,9 +178,8 @@ class ClusterRecord:
 
     def connect_env(self) -> dict[str, str]:
         """What a client process needs in its environment to connect, before it imports Ray (which reads
-        it then): the cluster's authentication, and :data:`LOOPBACK_ENV` (else Ray takes the 127.0.0.1
-        of the address for this machine's network address, where the cluster does not listen)."""
-        return {**LOOPBACK_ENV, **({"RAY_AUTH_MODE": self.auth_mode} if self.auth_mode == "token" else {})}
+        it then), besides :data:`LOOPBACK_ENV`: the cluster's authentication."""
+        return {"RAY_AUTH_MODE": self.auth_mode} if self.auth_mode == "token" else {}
 
 
 def cluster_env(use_gpu: bool, api_server: str, fork_socket: Optional[str] = None) -> dict[str, str]:
@@ -202,43 +205,49 @@ def cluster_env(use_gpu: bool, api_server: str, fork_socket: Optional[str] = Non
 
 
 def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, dashboard: bool = True,
-          wait: bool = True, owner_pid: Optional[int] = None) -> ClusterRecord:
+          wait: bool = True, owner_pid: Optional[int] = None, host: str = LOOPBACK) -> ClusterRecord:
     """Start the satp cluster (see the module docstring); raise a one-line ``ValueError`` when one
     runs already. ``wait``: return once its fork server answers. ``owner_pid``: the cluster counts
-    as gone once that process has ended (the next command stops what it left)."""
+    as gone once that process has ended (the next command stops what it left). ``host``: the node's
+    address (another than 127.0.0.1: a cluster other nodes join, token authentication required)."""
     existing = ClusterRecord.load()
     if existing is not None and existing.alive():
         raise ValueError(f"a satp cluster runs already at {existing.address} (record {record_path()}); "
                          "satp cluster stop stops it")
+    auth_mode = os.environ.get("RAY_AUTH_MODE") or "token"
+    if auth_mode != "token" and host != LOOPBACK:
+        raise ValueError(f"--host {host}: a cluster other hosts reach runs with Ray's token authentication, "
+                         f"not RAY_AUTH_MODE={auth_mode}")
     if existing is not None:
         stop(existing)
     cpus = int(num_cpus if num_cpus is not None else os.cpu_count() or 1)
     gpus = int(num_gpus if num_gpus is not None else _gpus_on_this_machine())
-    folder = tempfile.mkdtemp(prefix="satpc-", dir="/tmp")  # 0700; short: Ray's socket paths must fit 107 bytes
+    folder = tempfile.mkdtemp(prefix="satpc-", dir=TEMP_ROOT)  # 0700
     (Path(folder) / "tmp").mkdir(mode=0o700)
     gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om = free_ports(9)
     # a CPU-only cluster forks its processes (a process that initialised CUDA cannot fork one that uses it)
     fork_socket = None if gpus else str(Path(folder) / fork_server.SOCKET_NAME)
-    worker_env = cluster_env(use_gpu=gpus > 0, api_server=f"http://127.0.0.1:{dash if dashboard else 9}",
+    worker_env = cluster_env(use_gpu=gpus > 0, api_server=f"http://{host}:{dash if dashboard else 9}",
                              fork_socket=fork_socket)
     env = dict(os.environ, **worker_env, **LOOPBACK_ENV, TMPDIR=str(Path(folder) / "tmp"))
-    env.pop("RAY_ADDRESS", None)
-    auth_mode = env.get("RAY_AUTH_MODE") or "token"
+    # a node other hosts reach works out its other addresses itself: LOOPBACK_ENV would name 127.0.0.1 there
+    for key in ["RAY_ADDRESS"] + ([] if host == LOOPBACK else list(LOOPBACK_ENV)):
+        env.pop(key, None)
     env["RAY_AUTH_MODE"] = auth_mode
     if auth_mode == "token":
         private_token(env)
     ray_bin = Path(sys.executable).with_name("ray")
-    cmd = [str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+    cmd = [str(ray_bin), "start", "--head", f"--node-ip-address={host}", f"--port={gcs}",
            f"--num-cpus={cpus}", f"--num-gpus={gpus}", f"--temp-dir={Path(folder) / 'ray'}", "--disable-usage-stats",
            f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
            f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
            f"--runtime-env-agent-port={rt_env}", f"--node-manager-port={nm}", f"--object-manager-port={om}"]
-    cmd += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"] if dashboard else ["--include-dashboard=false"]
+    cmd += [f"--dashboard-host={host}", f"--dashboard-port={dash}"] if dashboard else ["--include-dashboard=false"]
     try:
-        record = _start_recorded(cmd, env, folder, gcs, dash if dashboard else None, cpus, gpus, worker_env,
-                                 auth_mode, owner_pid, fork_socket)
+        record = _start_recorded(cmd, env, folder, f"{host}:{gcs}", f"http://{host}:{dash}" if dashboard else None,
+                                 cpus, gpus, worker_env, auth_mode, owner_pid, fork_socket)
         check_private(record)  # Ray started: its folder above Ray's is still its user's only
-        if wait and fork_socket and not wait_ready(record):
+        if wait and fork_socket and not fork_server.wait_ready(fork_socket, START_TIMEOUT_S):
             raise ValueError(f"the fork server did not answer on {fork_socket} within {START_TIMEOUT_S:g} s "
                              f"(its log: {Path(folder) / fork_server.LOG_NAME})")
     except BaseException:  # failed, or interrupted (Ctrl-C, a timeout): nothing left running
@@ -250,13 +259,6 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, dashbo
                 record_path().unlink(missing_ok=True)
         raise
     return record
-
-
-def wait_ready(record: ClusterRecord, timeout_s: float = START_TIMEOUT_S) -> bool:
-    """Whether the cluster's fork server answers within ``timeout_s`` (True: it has none)."""
-    if not record.fork_socket:
-        return True
-    return fork_server.wait_ready(record.fork_socket, timeout_s)
 
 
 def private_token(env: dict) -> Path:
@@ -277,14 +279,17 @@ def private_token(env: dict) -> Path:
     return path
 
 
-def _start_recorded(cmd: list[str], env: dict, folder: str, gcs: int, dash: Optional[int], cpus: int, gpus: int,
-                    worker_env: dict, auth_mode: str, owner_pid: Optional[int],
+def _start_recorded(cmd: list[str], env: dict, folder: str, address: str, dashboard: Optional[str], cpus: int,
+                    gpus: int, worker_env: dict, auth_mode: str, owner_pid: Optional[int],
                     fork_socket: Optional[str]) -> ClusterRecord:
     """Start the fork server (a CPU-only cluster) and ``ray start`` the head in ``folder``; save the record."""
-    if fork_socket:  # importing meanwhile, while Ray starts
-        # the environment of Ray's workers (the forked ones are compared with it); satp's folder as its cwd
-        _start_logged([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env,
-                      Path(folder) / fork_server.LOG_NAME)
+    if fork_socket:  # importing meanwhile, while Ray starts, in a session of its own
+        # the environment of Ray's workers (the forked ones are compared with it); satp's checkout as its
+        # cwd, which `-m runtime...` imports from
+        with open(Path(folder) / fork_server.LOG_NAME, "w") as log_file:
+            subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env=env,
+                             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                             cwd=Path(__file__).resolve().parents[1])
     log_path = Path(folder) / "ray-start.log"
     with open(log_path, "w") as log_file:
         done = subprocess.run(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
@@ -294,22 +299,11 @@ def _start_recorded(cmd: list[str], env: dict, folder: str, gcs: int, dash: Opti
         tail = log_path.read_text()[-600:].strip().splitlines()
         raise ValueError(f"ray start failed (status {done.returncode}): {tail[-1] if tail else 'no output'}")
     record = ClusterRecord(
-        address=f"127.0.0.1:{gcs}", dashboard=f"http://127.0.0.1:{dash}" if dash is not None else None, folder=folder,
+        address=address, dashboard=dashboard, folder=folder,
         raylet_pid=raylet, cpus=float(cpus), gpus=float(gpus), worker_env=worker_env, environment=environment(),
         auth_mode=auth_mode, started=time.time(), owner_pid=owner_pid, fork_socket=fork_socket)
     record.save()
     return record
-
-
-def _start_logged(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    """Start the cluster's fork server beside it, in a session of its own, logging to ``log_path``."""
-    with open(log_path, "w") as log_file:
-        return subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=_project_root())  # `-m runtime...` imports satp's checkout from there
-
-
-def _project_root() -> str:
-    return str(Path(__file__).resolve().parents[1])
 
 
 def _gpus_on_this_machine() -> int:
@@ -462,16 +456,15 @@ def stop(record: Optional[ClusterRecord] = None) -> Optional[ClusterRecord]:
 
 
 def adopt_client_settings() -> None:
-    """Set what this process needs to be a client of the satp cluster, before Ray is imported (Ray
-    reads ``RAY_AUTH_MODE`` once, when it loads): commands call this first. A value the user set
-    stays; without a record nothing changes."""
-    try:
+    """Set what this process needs as a client of a local cluster before Ray is imported (Ray reads
+    these once, when it loads): :data:`LOOPBACK_ENV`, and the satp cluster's authentication when one
+    is recorded. Commands call this first. A value the user set stays."""
+    env = dict(LOOPBACK_ENV)
+    with contextlib.suppress(ValueError):
         record = ClusterRecord.load()
-    except ValueError:
-        return
-    if record is not None:
-        for key, value in record.connect_env().items():
-            os.environ.setdefault(key, value)
+        env.update(record.connect_env() if record is not None else {})
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
 
 
 def for_command(warn) -> Optional[ClusterRecord]:

@@ -32,6 +32,9 @@ About the local cluster (see :func:`runtime.local_cluster.cluster_env` for its e
   driver, which Ray Train passes on to every actor of a run): it watches nodes being drained (spot
   instances); a local cluster is never drained. Its controller polls the workers every 0.5 s (Ray's
   default: 2 s), so that a run's end is seen sooner (the tests' and a sweep's many short runs).
+* As ``satp cluster start``'s, on 127.0.0.1 only (Ray imported with ``LOOPBACK_ENV``, which every
+  satp command sets first: :mod:`runtime.local_cluster`), Ray's files in the user's 0700 folder
+  (:func:`runtime.local_cluster.user_folder`), not in ``/tmp/ray``, which every user may write.
 * The head's processes (dashboard, raylet, workers) get a private ``TMPDIR``, removed when this
   process exits after Ray's own shutdown: the dashboard leaves a ``pymp-*`` directory in the
   temporary directory each time it is killed, and workers are killed too. A command killed with
@@ -49,7 +52,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from runtime import fork_server
+from runtime import fork_server, local_cluster
 from runtime.ports import free_ports
 from runtime.ray_address import probe, resolve_address
 
@@ -160,8 +163,6 @@ def connect(address: Optional[str] = None, env_vars: Optional[dict] = None, log_
 
 
 def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bool, **local) -> bool:
-    from runtime import local_cluster
-
     global _worker_env
     target = resolve_address(address)
     record = None
@@ -243,15 +244,11 @@ def _local_train_env() -> None:
 
 def _recorded_cluster_at(target: str):
     """The satp cluster's record when ``target`` is its address (its clients need its settings)."""
-    from runtime import local_cluster
-
     try:
         record = local_cluster.ClusterRecord.load()
     except ValueError:
         return None
-    if record is not None and target.split("://")[-1] in (record.address, record.address.replace("127.0.0.1", "localhost")):
-        return record
-    return None
+    return record if record is not None and record.named_by(target.split("://")[-1]) else None
 
 
 def _warn(line: str) -> None:
@@ -307,17 +304,12 @@ def sweep_orphans() -> list[str]:
     still be writing a checkpoint). Returns the folders removed."""
     import psutil
 
-    from runtime import local_cluster
-
     removed = []
     for folder in Path(tempfile.gettempdir()).glob(f"{ORPHAN_PREFIX}*"):
         owner = folder.name[len(ORPHAN_PREFIX):].split("-", 1)[0]
-        if owner.isdigit():
-            if psutil.pid_exists(int(owner)):
-                continue
-            local_cluster.stop_processes(str(folder))
-        elif local_cluster.processes_of(str(folder)):  # named before folders carried their owner: in use
-            continue
+        if not owner.isdigit() or psutil.pid_exists(int(owner)) or folder.stat().st_uid != os.getuid():
+            continue  # its command runs, or another user's
+        local_cluster.stop_processes(str(folder))
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(str(folder))
     return removed
@@ -329,26 +321,31 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_
     127.0.0.1 (off by default: a command's own cluster lives as long as the command, and the
     dashboard's processes cost seconds of its start on 2 cores and ~0.9 GiB; ``satp cluster start``
     has one)."""
-    from runtime import local_cluster
+    import ipaddress
+
+    import ray
 
     global _worker_env
+    if not ipaddress.ip_address(ray.util.get_node_ip_address()).is_loopback:
+        needed = " ".join(f"{key}={value}" for key, value in local_cluster.LOOPBACK_ENV.items())
+        raise ValueError(f"a local Ray listens on 127.0.0.1 only: set {needed} in the environment before Ray is "
+                         "imported (satp commands do: runtime.command.set_command_environment)")
     for folder in sweep_orphans():
         log.info("removed %s, left by a satp command that was killed", folder)
     port = free_ports(1)[0]
     use_gpu = (env_vars or {}).get("DS_ACCELERATOR") == "cuda"
-    env = {**local_cluster.cluster_env(use_gpu=use_gpu, api_server=f"http://127.0.0.1:{port if dashboard else 9}"),
-           **(env_vars or {})}
+    api_server = f"http://{local_cluster.LOOPBACK}:{port if dashboard else 9}"
+    env = {**local_cluster.cluster_env(use_gpu=use_gpu, api_server=api_server), **(env_vars or {})}
     kwargs = dict(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=log_to_driver,
                   resources=resources, runtime_env=job_env())
     if dashboard:
-        kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
+        kwargs.update(dashboard_host=local_cluster.LOOPBACK, dashboard_port=port)
     auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
     level = auth_log.level
     # the cluster's processes inherit this process's environment: set while ray.init starts them
     saved = {key: os.environ.get(key) for key in ("TMPDIR", "RAY_TMPDIR", *env)}
     os.environ.update(env)
-    # Ray's own files stay where they always are (Ray's default on Linux), the processes' TMPDIR is private
-    os.environ["RAY_TMPDIR"] = saved["RAY_TMPDIR"] or "/tmp"
+    os.environ["RAY_TMPDIR"] = local_cluster.user_folder()  # Ray's own files: below it, in ray/
     os.environ["TMPDIR"] = _private_tmpdir()  # inherited by the processes ray.init starts
     auth_log.setLevel(logging.ERROR)
     try:

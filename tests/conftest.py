@@ -26,6 +26,9 @@ def satp_home_for_tests() -> Path:
 
 
 os.environ["SATP_HOME"] = str(satp_home_for_tests())
+from runtime.command import set_command_environment  # noqa: E402
+
+set_command_environment()  # as a satp command: a local Ray on loopback (Ray reads it when first imported)
 
 import pytest
 import torch

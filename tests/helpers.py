@@ -37,6 +37,27 @@ def is_running(pid: int) -> bool:
     return state != "Z"
 
 
+#: the addresses a socket bound to loopback has (IPv4, IPv4 on an IPv6 socket, IPv6)
+LOOPBACK_IPS = ("127.0.0.1", "::ffff:127.0.0.1", "::1")
+
+
+def listening_sockets(folder: str) -> list[tuple[str, str, int]]:
+    """``(process name, address, port)`` of every TCP port the processes of the Ray cluster in ``folder``
+    listen on (:func:`runtime.local_cluster.processes_of`)."""
+    import psutil
+
+    from runtime.local_cluster import processes_of
+
+    found = []
+    for proc in processes_of(folder):
+        try:
+            found += [(proc.name(), *c.laddr) for c in proc.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 def wait_until(condition, what: str, timeout: float = 300, proc: subprocess.Popen | None = None,
                every: float = 0.05) -> None:
     """Poll ``condition()`` every ``every`` s; fail naming ``what`` when ``timeout`` passes or ``proc``

@@ -30,7 +30,7 @@ from typing import Iterator
 import psutil
 
 from runtime import fork_server
-from runtime.local_cluster import stop_in_order
+from runtime.local_cluster import LOOPBACK_ENV, stop_in_order
 from runtime.ports import free_ports
 from runtime.ray_cluster import LOCAL_TRAIN_ENV
 
@@ -162,6 +162,8 @@ def local_cluster(env: dict, head_cpus: int, node_cpus: int = 1, own_folders: bo
                PATH=f"{BIN}:{os.environ.get('PATH', '')}", **{fork_server.SOCKET_VAR: fork_socket}, **NO_DRAIN,
                **HEALTH_CHECK)
     env.pop("RAY_ADDRESS", None)
+    for key in LOOPBACK_ENV:  # Ray refuses to start a node that joins a head with it
+        env.pop(key, None)
     nodes: list[Node] = []
     # one fork server for the nodes of this machine (docs/scale.md); the commands' environment names it
     with open(Path(temp) / fork_server.LOG_NAME, "w") as log:

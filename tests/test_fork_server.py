@@ -160,12 +160,14 @@ def test_the_server_refuses_a_client_of_another_user(server, tmp_path):
     assert f"refused a client of user id {OTHER_UID}" in server["log"].read_text()
 
 
-@AS_ROOT_ONLY
-def test_a_client_sends_nothing_to_a_server_of_another_user(tmp_path):
+@pytest.fixture
+def other_users_listener():
+    """Another user's listener at a fork server's path (in a folder every user may enter): yields the
+    path and what it received, read once the client has closed its connection."""
     shared = Path(tempfile.mkdtemp(prefix="satpo", dir="/tmp"))
     shared.chmod(0o777)
     path, got = shared / "fork.sock", shared / "received"
-    # another user's listener at the path: it records what it receives, and says it listens
+    # it records what it receives, and says it listens
     code = textwrap.dedent(f"""
         import os, socket
         listener = socket.socket(socket.AF_UNIX)
@@ -188,18 +190,45 @@ def test_a_client_sends_nothing_to_a_server_of_another_user(tmp_path):
     try:
         _wait(lambda: (shared / "ready").exists() or other.poll() is not None, "the other user's listener", 30)
         assert other.poll() is None
-        warned = []
-        env_secret = "SECRET_TOKEN"
-        os.environ[env_secret] = "s3cr3t"
-        try:
-            assert fork_server.run_command(str(path), ["train", "job.yaml"], warned.append) is None
-        finally:
-            os.environ.pop(env_secret)
-        other.wait(timeout=30)
-        assert got.read_bytes() == b""
-        assert len(warned) == 1 and f"belongs to user id {OTHER_UID}" in warned[0] and "nothing sent" in warned[0]
-        assert str(path) in warned[0]
+
+        def received() -> bytes:
+            other.wait(timeout=30)
+            return got.read_bytes()
+
+        yield path, received
     finally:
         if other.poll() is None:
             other.kill()
         subprocess.run(["rm", "-rf", str(shared)])
+
+
+@AS_ROOT_ONLY
+def test_a_client_sends_nothing_to_a_server_of_another_user(other_users_listener):
+    path, received = other_users_listener
+    warned = []
+    env_secret = "SECRET_TOKEN"
+    os.environ[env_secret] = "s3cr3t"
+    try:
+        assert fork_server.run_command(str(path), ["train", "job.yaml"], warned.append) is None
+    finally:
+        os.environ.pop(env_secret)
+    assert received() == b""
+    assert len(warned) == 1 and f"belongs to user id {OTHER_UID}" in warned[0] and "nothing sent" in warned[0]
+    assert str(path) in warned[0]
+
+
+@AS_ROOT_ONLY
+def test_a_worker_sends_nothing_to_a_server_of_another_user_and_runs_in_its_own_process(other_users_listener,
+                                                                                          tmp_path):
+    path, received = other_users_listener
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys\nprint('pid', os.getpid(), 'args', sys.argv[1:])\nsys.exit(3)\n")
+    client = subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--worker", str(path), str(script), "a"],
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    out, err = client.communicate(timeout=120)
+    assert client.returncode == 3, err  # Ray's worker ran, as Ray would have run it: in the client's own process
+    assert out.split() == ["pid", str(client.pid), "args", "['a']"]
+    assert received() == b""
+    assert err.strip().splitlines() == [f"satp: warning: {path} belongs to user id {OTHER_UID}, not to this user "
+                                        f"({os.getuid()}); nothing sent; the worker runs in its own process"]

@@ -11,6 +11,7 @@ another test session on the machine is theirs.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -28,7 +29,7 @@ import yaml
 from runtime import fork_server
 from runtime.local_cluster import stop_processes
 from runtime.ports import free_ports
-from tests.helpers import tiny_data, tiny_job_dict
+from tests.helpers import tiny_data, tiny_job_dict, wait_until
 from tests.ray_nodes import NO_DRAIN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -310,26 +311,39 @@ def test_satp_submit_without_a_cluster_names_what_it_tried(shards, tmp_path, mon
 @pytest.mark.ray
 def test_satp_submit_finds_the_satp_cluster_by_itself(shards, tmp_path):
     """Without ``--address`` and ``$RAY_ADDRESS``: the satp cluster of this machine (its job server
-    is on a port of its own, not Ray's 8265), named in one line."""
+    is on a port of its own, not Ray's 8265), named in one line. The job's driver is forked by the
+    cluster's fork server, with no warning in the job's log, though Ray put the job's upload on its
+    ``PYTHONPATH`` (here the checkout's too, as a user who runs satp from a checkout has it)."""
     from ray.job_submission import JobSubmissionClient
 
     base, _ = shards
-    env = dict(os.environ, SATP_HOME=str(tmp_path / "home"), **NO_DRAIN)
+    env = dict(os.environ, SATP_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}", **NO_DRAIN)  # the job's `python` is this one
     env.pop("RAY_ADDRESS", None)
     job = _job_file(tmp_path / "wd", base, "found")
-    start = subprocess.run([sys.executable, "-m", "pipeline.cli", "cluster", "start", "--num-cpus", "1",
-                            "--no-wait"],
-                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    start = subprocess.run([sys.executable, "-m", "pipeline.cli", "cluster", "start", "--num-cpus", "1"],
+                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     try:
         assert start.returncode == 0, start.stdout + start.stderr
         dashboard = re.search(r"dashboard (http://127\.0\.0\.1:\d+)", start.stdout).group(1)
-        _wait_for_dashboard(dashboard, lambda: True, Path(os.devnull))
         proc = _satp_submit(env, str(job), "--working-dir", str(tmp_path / "wd"), "--no-wait", timeout=180)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         lines = proc.stdout.splitlines()
         assert lines[0] == f"satp submit: the satp cluster's job server at {dashboard} (satp cluster status)", lines
         job_id = re.fullmatch(rf"submitted (\S+) to {re.escape(dashboard)}: tiny", lines[1]).group(1)
-        assert JobSubmissionClient(dashboard).get_job_info(job_id).entrypoint.endswith("train job.yaml")
+        client = JobSubmissionClient(dashboard)
+        assert client.get_job_info(job_id).entrypoint.endswith("train job.yaml")
+        folder = Path(json.loads((tmp_path / "home" / "cluster.json").read_text())["folder"])
+        server_log = folder / fork_server.LOG_NAME
+        asked = r"^(forked pid \d+ for client pid \d+: train job\.yaml|refused command)"
+        wait_until(lambda: re.search(asked, server_log.read_text(), re.M) or client.get_job_status(job_id).is_terminal(),
+                   "the job's driver at the fork server", 300, every=0.5)
+        client.stop_job(job_id)  # only its start mattered here
+        wait_until(lambda: client.get_job_status(job_id).is_terminal(), "the job's end", 120, every=0.5)
+        job_log = client.get_job_logs(job_id)
+        assert re.search(asked, server_log.read_text(), re.M), job_log[-3000:]
+        assert "refused" not in server_log.read_text(), server_log.read_text()
+        assert "fork server did not run this command" not in job_log
     finally:
         stop = subprocess.run([sys.executable, "-m", "pipeline.cli", "cluster", "stop"], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=120)

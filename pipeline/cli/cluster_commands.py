@@ -4,6 +4,7 @@ uses it while it runs."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -17,6 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--no-dashboard", action="store_true",
                        help="no dashboard (saves ~0.9 GiB; satp submit and ray job submit need it)")
     start.add_argument("--no-wait", action="store_true", help="return once Ray runs, before the fork server is ready")
+    start.add_argument("--host", metavar="ADDR",
+                       help="the head's address, for a cluster other nodes join (Ray's token authentication on; "
+                            "default: 127.0.0.1, this machine only)")
     start.set_defaults(func=cmd_start)
     status = verbs.add_parser("status", help="where it runs, and what its fork server forked")
     status.set_defaults(func=cmd_status)
@@ -32,8 +36,12 @@ def cmd_start(args: argparse.Namespace) -> int:
         print("satp cluster: starting Ray and the fork server (it imports torch, PyG, DeepSpeed and MLflow once)",
               file=sys.stderr, flush=True)
     record = local_cluster.start(num_cpus=args.num_cpus, num_gpus=args.num_gpus, dashboard=not args.no_dashboard,
-                                 wait=not args.no_wait)
+                                 wait=not args.no_wait, host=args.host or local_cluster.LOOPBACK)
     print(_describe(record))
+    if args.host:
+        token = "$RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else local_cluster.private_token(dict(os.environ))
+        print(f"other nodes join it with: RAY_AUTH_MODE=token ray start --address={record.address}, this cluster's "
+              f"token ({token}) there as ~/.ray/auth_token (mode 600) or in $RAY_AUTH_TOKEN")
     print(f"started in {time.monotonic() - started:.0f} s; satp commands on this machine run there until "
           f"satp cluster stop")
     return 0
