@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -147,13 +148,12 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_when_one_joins(cluster, tmp_path
     # sum the same gradients in another order, ~1e-7 relative, which AdamW carries on: seen 4e-8
     # relative here. The bound is loose (AdamW's normalised update can turn a rounding difference in a
     # near-zero gradient into a full step for that weight) and still far below what another global
-    # batch makes: the fixed run's loss changes by more from one step to the next
+    # batch makes: a tenth of the fixed run's median change from one step to the next
     reference, _ = _history(base, "fixed", "train_step_loss")
     assert [s for s, _ in reference] == steps
     deviation = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(losses, reference))
-    assert deviation < 1e-3, deviation
     changes = [abs(a - b) / abs(b) for (_, a), (_, b) in zip(reference[1:], reference)]
-    assert sum(c > 1e-3 for c in changes) > len(changes) / 2, changes
+    assert deviation < statistics.median(changes) / 10, (deviation, changes)
     with capsys.disabled():  # the cost of a resize (docs/scale.md): the shrink from the node's loss on
         print(f"\nresize 2 -> 1: {resizes[0]['time'] - killed_at:.1f} s from the node's loss to the first step, "
               f"{resizes[0]['steps_lost']} step(s) lost; resize 1 -> 2: {resizes[1]['time'] - joined_at:.1f} s from "

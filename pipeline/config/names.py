@@ -42,8 +42,8 @@ def registered_model_problem(name: str) -> Optional[str]:
 
 def experiment_problem(name: str) -> Optional[str]:
     """MLflow's rule for experiment names (``_validate_experiment_name``), or None."""
-    if not name:
-        return "empty"
+    if not name.strip():
+        return "empty or only spaces"
     if len(name) > MAX_EXPERIMENT_NAME:
         return f"{len(name)} characters; MLflow takes at most {MAX_EXPERIMENT_NAME}"
     return None
