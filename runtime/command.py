@@ -1,9 +1,5 @@
-"""A satp command's process: the one the user started (or runs it for), and what it sets first.
-
-A ``satp train`` on a CPU-only satp cluster is run by a process forked from the cluster's fork
-server (:mod:`runtime.fork_server`), while the process the user started (the one their terminal,
-``ps`` and ``kill`` see) waits for it and forwards its signals. What names or times the command,
-a run's lease (its holder) and its start-up (counted from the command's start), means that one.
+"""A satp command's process: the one the user started (a forked ``satp train`` runs for it:
+:mod:`runtime.fork_server`), and what it sets first.
 """
 from __future__ import annotations
 

@@ -1,33 +1,19 @@
 """One process per CPU-only satp cluster that imported the heavy stack once, and forks on request.
 
-A Ray Train worker, and a ``satp train`` command, each start as a new interpreter that imports
-torch, PyG, DeepSpeed and MLflow before doing anything: ~10 s of CPU on 2 cores, every time. The
-fork server (``python -m runtime.fork_server --serve SOCKET``, started beside the cluster by
-:mod:`runtime.local_cluster`) imports :data:`MODULES` once and then forks, for each request on its
-Unix socket, a process that runs what was asked:
+A Ray Train worker, and a ``satp train`` command, otherwise start as a new interpreter that imports
+torch, PyG, DeepSpeed and MLflow first. The fork server (``python -m runtime.fork_server --serve
+SOCKET``, started by :mod:`runtime.local_cluster`) imports :data:`MODULES` once and then forks, per
+request on its Unix socket, a Ray worker (the job's ``py_executable`` is :func:`executable`) or a
+``satp train`` command (:func:`run_command`). The client sends its argv, environment, folder and
+import path with its standard streams (``SCM_RIGHTS``); a *runner* forks the process and reports its
+pid and end; the client waits, forwarding signals, and exits with its status; should the client die
+first, the runner kills the process.
 
-* a Ray worker process: the job's runtime environment names the client as its Python
-  (``py_executable``: :func:`executable`), so where Ray would run ``python default_worker.py ARGS``
-  it runs ``python -m runtime.fork_server --worker SOCKET default_worker.py ARGS``;
-* a ``satp train`` command (:func:`run_command`, called by :mod:`pipeline.cli`).
-
-The client sends its argv, environment, working folder and import path, with its standard streams
-(their descriptors, ``SCM_RIGHTS``). The server forks a *runner* for the connection, which forks the
-process and tells the client its pid; the client waits, forwarding signals to it, and exits with its
-status. Should the client die first, the runner kills the process at once. The forked process execs
-nothing: it returns up the server's stack to :func:`main`, which runs the worker's script or satp's
-CLI there and exits as any interpreter does.
-
-Never imported ahead: Ray (its C++ core reads the job's id from the environment when it loads) and
-satp's own packages (an edited checkout is what the next process imports). A client whose
-interpreter or whose values of the variables the server's imports read differ (:func:`identity`) is
-refused and runs in its own process, the server's log saying why.
-
-Security: the socket is its owner's only (0600, in the cluster's 0700 folder), and both ends check
-the peer's user id (``SO_PEERCRED``) before anything is sent: the server refuses a client of another
-user; the client sends nothing to a server of another user (:class:`PeerRefused`).
-
-Standard library only at import: the client's side runs in processes that import nothing else first.
+Never imported ahead: Ray (its core reads the job's id when it loads) and satp's own packages (an
+edited checkout is what the next process imports). A client whose interpreter or whose values of the
+variables the server's imports read differ (:func:`identity`) is refused and runs in its own process.
+The socket is 0600 in the cluster's 0700 folder, and both ends check the peer's user id
+(``SO_PEERCRED``) before anything is sent. Standard library only at import.
 """
 from __future__ import annotations
 
@@ -60,11 +46,7 @@ MODULES = ("torch", "torch_geometric", "deepspeed", "mlflow", "mlflow.store.trac
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT)
 #: satp's packages, never kept from the server's imports in a forked process
 SATP_PACKAGES = ("runtime", "pipeline", "sat", "preprocessing")
-#: variables the imports read that are not compared: tempfile's folder (read again in a forked
-#: process), the shell's working folders (a forked process takes its client's), ``$_`` (the last
-#: command's path, which means nothing to a module), ``PYTHONPATH`` (a forked process imports from
-#: its client's ``sys.path``, sent with the request; Ray puts a job's working_dir on it) and
-#: ``PYTHONBREAKPOINT`` (read when ``breakpoint()`` is called; Ray sets it in its drivers and workers)
+#: variables the imports read that a forked process reads again or takes from its client: not compared
 NOT_COMPARED = frozenset({"TMPDIR", "TEMP", "TMP", "PWD", "OLDPWD", "_", "PYTHONPATH", "PYTHONBREAKPOINT"})
 
 
@@ -171,9 +153,8 @@ def _follow(socket_path: str, conn: socket.socket, lines, pid: int) -> int:
 
 def run_command(socket_path: str, argv: list[str], warn, defaults: Optional[dict] = None) -> Optional[int]:
     """Run ``satp argv`` forked by the server at ``socket_path``; return its exit status. None: no
-    server there, it refused, or it is another user's (``warn(line)`` says why): the caller runs the
-    command in its own process. ``defaults``: environment of the cluster's processes, the command's
-    where it sets no value of its own."""
+    server there, it refused, or it is another user's (``warn(line)`` says why). ``defaults``:
+    environment of the cluster's processes, the command's where it sets no value of its own."""
     if forked_for() is not None:  # a forked process never asks again
         return None
     message = _message("command", argv, sys.path)
@@ -229,8 +210,7 @@ def wait_ready(socket_path: str, timeout_s: float, alive=lambda: True) -> bool:
 
 # ----------------------------------------------------------------------------- the server's side
 class _RecordingEnviron(MutableMapping):
-    """``os.environ`` while the server imports: remembers which variables were looked up (a module
-    that kept a reference to it reads the live environment through it later)."""
+    """``os.environ`` while the server imports: remembers which variables were looked up."""
 
     def __init__(self, environ) -> None:
         self.environ, self.read = environ, set()

@@ -1,30 +1,16 @@
-"""Where data live: a plain path (the local or shared file system, as always) or a URI of an object
-store or any other file system, resolved into a ``pyarrow.fs`` file system and a path inside it.
+"""Where data live: a plain path or a URI of an object store or any other file system, resolved into
+a ``pyarrow.fs`` file system and a path inside it.
 
 >>> loc = resolve("s3://bucket/shards", StorageSettings(endpoint_url="http://127.0.0.1:9000"))
->>> loc.fs, loc.path, loc.join("train-00000.arrow").uri
 >>> check("s3://bucket/shards", write=True)   # the pre-flight: one ValueError line, in seconds
 
-Schemes: ``s3://bucket/prefix`` (the S3 API, also MinIO, Ceph or moto at ``endpoint_url``);
-``file:///path`` (a plain path); any other scheme ``pyarrow.fs.FileSystem.from_uri`` knows
-(``gs://bucket/prefix``, ``hdfs://``, ``abfs://``); else a protocol fsspec knows, wrapped for pyarrow
-(``PyFileSystem(FSSpecHandler(...))``). Anything else is refused in one line: a value such as
-``s3:/bucket`` (a URI that lost a slash, as ``pathlib.Path`` makes of one) is never taken for a
-local folder named ``s3:``.
-
-Settings (:class:`StorageSettings`, the job's ``storage`` section), each over the standard
-variables: the S3 endpoint is ``endpoint_url``, else ``AWS_ENDPOINT_URL_S3``, else
-``AWS_ENDPOINT_URL`` (passed to pyarrow explicitly: it reads only the last one itself); the region
-``region``, else ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else the profile's (``~/.aws/config``).
-Credentials come from the standard chain only, never from a job file: ``AWS_ACCESS_KEY_ID`` /
-``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and ``~/.aws/credentials``, the
-instance's role; for Google Cloud Storage ``GOOGLE_APPLICATION_CREDENTIALS`` or the machine's
-default account. :func:`forwarded_env` is what of that a Ray task on another node needs from the
-driver's environment. A bucket is never created: a missing one is an error saying so.
-
-Faults (:func:`storage_error`) are one line naming the URI, what failed and what to do: an endpoint
-that cannot be reached or does not answer (connections time out after seconds), credentials the
-store refuses, a missing bucket, no permission to read or to write.
+Schemes: ``s3://bucket/prefix`` (also MinIO, Ceph or moto at ``endpoint_url``); ``file:///path``;
+any other scheme ``pyarrow.fs`` knows (``gs://``, ``hdfs://``); else a protocol fsspec knows. Anything
+else is refused in one line (``s3:/bucket``, a URI that lost a slash, is never a local folder).
+Settings (the job's ``storage`` section) override the standard variables (``AWS_ENDPOINT_URL_S3``,
+``AWS_ENDPOINT_URL``, ``AWS_REGION``); credentials come from the standard chain only, never from a
+job file (:func:`forwarded_env`: what a Ray task on another node needs of them). A bucket is never
+created. Faults (:func:`storage_error`) are one line naming the URI, what failed and what to do.
 """
 from __future__ import annotations
 
@@ -181,6 +167,14 @@ def s3_endpoint(settings: Optional[StorageSettings]) -> tuple[Optional[str], Opt
     return None, None
 
 
+def _s3_place(settings: Optional[StorageSettings]) -> tuple[Optional[tuple[str, str]], Optional[str]]:
+    """``(endpoint's (scheme, host:port) or None, region)`` of S3, each the job's, else the standard variables'."""
+    endpoint, named = s3_endpoint(settings)
+    region = (settings.region if settings is not None else None) or os.environ.get("AWS_REGION") \
+        or os.environ.get("AWS_DEFAULT_REGION")
+    return (endpoint_parts(endpoint, named) if endpoint else None), region
+
+
 def resolve(value: str | os.PathLike, settings: Optional[StorageSettings] = None, key: str = "path",
             quick: bool = False) -> Location:
     """The :class:`Location` of a path or URI (see the module docstring); ``quick``: the
@@ -190,12 +184,8 @@ def resolve(value: str | os.PathLike, settings: Optional[StorageSettings] = None
         return Location(text, _local_fs(), os.path.abspath(os.path.expanduser(text)))
     scheme = _URI.match(text).group(1).lower()
     if scheme == "s3":
-        endpoint, named = s3_endpoint(settings)
-        region = (settings.region if settings is not None else None) or os.environ.get("AWS_REGION") \
-            or os.environ.get("AWS_DEFAULT_REGION")
-        fs = _s3(endpoint_parts(endpoint, named) if endpoint else None, region, quick, os.getpid(),
-                 tuple(sorted(forwarded_env().items())))
-        return Location(text, fs, text[len("s3://"):], endpoint)
+        fs = _s3(*_s3_place(settings), quick, os.getpid(), tuple(sorted(forwarded_env().items())))
+        return Location(text, fs, text[len("s3://"):], s3_endpoint(settings)[0])
     import pyarrow as pa
     import pyarrow.fs as pafs
 
@@ -265,14 +255,11 @@ def s3_client(settings: Optional[StorageSettings] = None):
     import boto3
     from botocore.config import Config
 
-    endpoint, named = s3_endpoint(settings)
-    if endpoint:
-        endpoint_parts(endpoint, named)
-    region = (settings.region if settings is not None else None) or os.environ.get("AWS_REGION") \
-        or os.environ.get("AWS_DEFAULT_REGION")
+    _, region = _s3_place(settings)  # the endpoint checked
     config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=REQUEST_TIMEOUT_S,
                     retries={"max_attempts": ATTEMPTS, "mode": "standard"})
-    return boto3.session.Session().client("s3", endpoint_url=endpoint, region_name=region, config=config)
+    return boto3.session.Session().client("s3", endpoint_url=s3_endpoint(settings)[0], region_name=region,
+                                          config=config)
 
 
 def s3_request_error(uri: str, exc: BaseException, doing: str, settings: Optional[StorageSettings] = None) -> ValueError:
