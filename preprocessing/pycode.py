@@ -84,11 +84,8 @@ def process_pool(workers: int):
 
 
 # ----------------------------------------------------------------------------- bounded-memory build
-# Parsing processes write the graphs of a chunk of files to a part file (compact arrays: int32
-# parents, depths, type and attribute ids into the part's own string tables) and return only
-# the number of graphs per file; the parent then streams the parts twice, in order: the counts
-# of the train split (vocabularies, statistics), then encoding and writing. Peak memory is that
-# of one part plus the train split's attribute counts, whatever the size of the corpus.
+# Parsers write a chunk's graphs to a part file (int32 arrays, the part's own string tables); the
+# parent streams the parts twice: the train split's counts, then encoding and writing.
 _CHUNK_BYTES = 1 << 20  # source bytes per part (at least one file)
 _CHUNK_FILES = 512
 

@@ -3,15 +3,13 @@
 >>> ds = ShardDataset(shard_dir, "train")   # len(ds), ds[i], ds.num_nodes, ds.vocab, ds.manifest
 >>> ds.batch([5, 2, 9])                    # == Batch.from_data_list([ds[5], ds[2], ds[9]])
 
-Items are decoded from the mapping and own their tensors. :meth:`ShardDataset.batch` decodes a
-mini-batch column by column (one ``np.concatenate`` per column, PyG's offsets added at once) instead
-of per item. Every shard must have its recorded size on construction; its sha256 is checked when it
-is first opened. A shard file's tensor values are read (``pread``) as items need them, not mapped:
-the kernel maps the whole large folio of each page read, so one batch of random graphs would keep
-most of a shard resident; a reader's memory is the same whatever the data size. Pickling keeps only the path and settings. A directory on an
-object store is read through the node's shard cache (:mod:`preprocessing.shard_cache`), with
-read-ahead; a reader closes the shards it read longest ago when the cache needs their room.
-:func:`featurise` turns new raw graphs into ``SATData`` exactly as training data were made."""
+Items own their tensors. :meth:`ShardDataset.batch` decodes a mini-batch column by column (PyG's
+offsets added at once). Every shard must have its recorded size on construction; its sha256 is
+checked when it is first opened. Tensor values are read (``pread``) as items need them, not mapped,
+so a reader's memory is the same whatever the data size. Pickling keeps only the path and settings.
+A directory on an object store is read through the node's shard cache
+(:mod:`preprocessing.shard_cache`), with read-ahead. :func:`featurise` turns new raw graphs into
+``SATData`` exactly as training data were made."""
 from __future__ import annotations
 
 import hashlib
@@ -59,10 +57,9 @@ class _FileValues:
 
 
 class _Shard:
-    """One shard: its offsets and scalar columns in memory, its tensor values read from ``source``
-    when sliced (:class:`_FileValues`; numpy views of an in-memory buffer); ``source``: the file to
-    read (default ``path``) or the shard's bytes; ``path`` is named in messages; ``holder``: kept while
-    the shard is open."""
+    """One shard: its offsets and scalar columns in memory, its tensor values read when sliced;
+    ``source``: the file to read (default ``path``) or the shard's bytes; ``path`` is named in
+    messages; ``holder``: kept while the shard is open."""
 
     def __init__(self, path: Path | str, specs: dict[str, dict], source: Path | pa.Buffer | None = None,
                  holder=None):
@@ -372,12 +369,16 @@ class ShardDataset(torch.utils.data.Dataset):
                 columns[name], counts[name] = rows.concat(name, spec)
         return _collated(columns, counts, nodes)
 
+    def _per_item(self, of) -> np.ndarray:
+        """``of(shard)`` of every shard (one value per item), concatenated, int64."""
+        parts = [of(self._shard(k, verify=False)) for k in range(len(self._entries))]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
     @property
     def num_nodes(self) -> np.ndarray:
         """Node count of every item (int64), without decoding graphs."""
         if self._num_nodes is None:
-            parts = [self._shard(k, verify=False).num_nodes for k in range(len(self._entries))]
-            self._num_nodes = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+            self._num_nodes = self._per_item(lambda shard: shard.num_nodes)
         return self._num_nodes
 
     def sizes(self, name: str) -> np.ndarray:
@@ -390,8 +391,7 @@ class ShardDataset(torch.utils.data.Dataset):
         shape = spec["shape"]
         axis = _cat_axis(name, len(shape))
         width = math.prod(d for i, d in enumerate(shape) if i != axis and d != -1)
-        parts = [np.diff(self._shard(k, verify=False).columns[name][0]) // width for k in range(len(self._entries))]
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+        return self._per_item(lambda shard: np.diff(shard.columns[name][0]) // width)
 
     def in_degree_histogram(self) -> list[int]:
         """``hist[d]``: nodes of the split with in-degree ``d`` (PNA's ``deg``), one shard mapped at a time."""
@@ -414,8 +414,7 @@ class ShardDataset(torch.utils.data.Dataset):
     @property
     def graph_ids(self) -> np.ndarray:
         """Index in the source OGB dataset of every item."""
-        parts = [self._shard(k, verify=False).graph_id for k in range(len(self._entries))]
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+        return self._per_item(lambda shard: shard.graph_id)
 
     @property
     def vocab(self) -> list[str] | None:

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
+from preprocessing.config import SPLITS
 from preprocessing.ogb_layout import (OGB_DIR, atomic_dataset_dir, check_out_dir, write_gz_array, write_mapping,
                                       write_splits)
 
-SPLITS = ("train", "valid", "test")
-_GZIP_LEVEL = 1  # ~45 MB/s: PATTERN's edges are ~290 MB of text
+_GZIP_LEVEL = 1  # PATTERN's edges are ~290 MB of text
 
 
 @dataclass(frozen=True)

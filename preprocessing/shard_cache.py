@@ -2,14 +2,12 @@
 
 ``<storage.cache_dir>/<sha256>.arrow`` (named by content), ``.<sha256>.lock`` (shared while mapped,
 exclusive while downloading), ``.<sha256>.arrow.tmp-<id>`` (a download in progress). A download is
-one streamed GET on S3 (every ranged GET is a request of its own, and some servers read the whole
-object for each), :data:`PIECE`-byte ranges elsewhere; hashed as it comes, renamed once its size
-and sha256 match; a mismatch or missing object is fetched once more, then refused in one line.
-Readers download the shards after the one they read, :data:`READ_AHEAD_BYTES` of them,
-:data:`DOWNLOADS` at once per process. The cache holds at most ``storage.cache_max_gb`` (default
-:data:`FREE_SHARE` of the disk's free space, at most :data:`DEFAULT_CAP_GB`); room is made by evicting
-the least recently used shards no reader maps, so a split larger than the cache streams through it;
-a cache that cannot hold a shard and the next is refused."""
+one streamed GET on S3 (some servers read the whole object for each ranged GET), :data:`PIECE`-byte
+reads elsewhere; hashed as it comes, renamed once its size and sha256 match; a mismatch or missing
+object is fetched once more, then refused in one line. The cache holds at most
+``storage.cache_max_gb`` (default :data:`FREE_SHARE` of the disk's free space, at most
+:data:`DEFAULT_CAP_GB`); room is made by evicting the least recently used shards no reader maps, so
+a split larger than the cache streams through it."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -96,9 +94,9 @@ class ShardCache:
         return fh
 
     def open(self, obj: Location, size: int, sha256: str, verify: bool, keep: frozenset[str]) -> tuple:
-        """``(path, holder)`` of the cached copy of the shard at ``obj``, downloaded unless cached.
-        Keep ``holder`` as long as the file is mapped (no process evicts it). ``verify``: check a
-        cached copy; ``keep``: sha256s not to evict."""
+        """``(path, holder)`` of the cached copy of the shard at ``obj``, downloaded unless cached; no
+        process evicts it while ``holder`` is kept. ``verify``: check a cached copy; ``keep``: sha256s
+        not to evict."""
         entry = self.folder / f"{sha256}.arrow"
         checked = False
         for _ in range(3):  # a copy evicted by another process between its download and its lock: again
@@ -116,9 +114,8 @@ class ShardCache:
 
     def fetch(self, obj: Location, size: int, sha256: str, keep: frozenset[str], damaged: bool = False,
               ahead: bool = False) -> bool:
-        """Download ``obj`` into the cache unless it is there (``damaged``: replace the copy there); True
-        when it was downloaded (and so checked) here. ``ahead``: a read-ahead, given up (False) when
-        the shards in use leave no room."""
+        """Download ``obj`` into the cache unless it is there (``damaged``: replace it); True when it was
+        downloaded (and so checked) here. ``ahead``: a read-ahead, given up (False) when there is no room."""
         entry = self.folder / f"{sha256}.arrow"
         if entry.is_file() and not damaged:
             return False  # cached: other readers may hold it (shared), which the exclusive lock would wait out
@@ -254,7 +251,7 @@ def fetcher() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _s3(settings: Optional[StorageSettings]):
-    """This process's boto3 client of ``settings`` (thread-safe; made once: making one takes ~0.2 s)."""
+    """This process's boto3 client of ``settings`` (thread-safe, made once)."""
     key = (settings, tuple(sorted(forwarded_env().items())))
     with _process_lock:
         if key not in _process:

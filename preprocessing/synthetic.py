@@ -49,8 +49,7 @@ def synthetic_ppa_graph(rng: np.random.Generator, label: int, prototypes: np.nda
     starts = np.searchsorted(block_of, np.arange(blocks))
     sizes = np.bincount(block_of, minlength=blocks)
     m = int(round(n * mean_degree / 2 * 1.08))  # a few duplicates are dropped below
-    # m endpoints drawn from the weights, twice: as counts per node (4x faster than choice(p=...));
-    # the pairs are m independent draws once one side is shuffled
+    # m endpoints drawn from the weights, twice, as counts per node; independent pairs once one side is shuffled
     nodes = np.arange(n)
     u = np.repeat(nodes, rng.multinomial(m, weights))
     v_any = rng.permutation(np.repeat(nodes, rng.multinomial(m, weights)))
@@ -59,7 +58,7 @@ def synthetic_ppa_graph(rng: np.random.Generator, label: int, prototypes: np.nda
     v = np.where(rng.random(m) < within, v_in, v_any)
     lo, hi = np.minimum(u, v), np.maximum(u, v)
     codes = np.sort((lo * n + hi)[lo != hi])  # sorted as the (lo, hi) pairs
-    codes = codes[np.concatenate(([True], codes[1:] != codes[:-1]))]  # distinct; 15x faster than np.unique
+    codes = codes[np.concatenate(([True], codes[1:] != codes[:-1]))]  # distinct
     if codes.size == 0:
         codes = np.array([1])  # the edge (0, 1)
     pairs = np.stack([codes // n, codes % n], axis=1)[rng.permutation(codes.size)]
