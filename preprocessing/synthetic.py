@@ -30,6 +30,7 @@ BLOCK_GRAPHS = 256
 #: The blocks a parent lets its workers compute ahead of the one it writes, per worker.
 BLOCKS_AHEAD_PER_WORKER = 2
 _PARETO_SHAPE = (4.0, 2.5, 1.8, 1.4)
+MEAN_NODES, MEAN_DEGREE = 243.0, 18.0  # the real dataset's
 
 
 def class_prototypes(seed: int = 0) -> np.ndarray:
@@ -37,10 +38,9 @@ def class_prototypes(seed: int = 0) -> np.ndarray:
     return rng.uniform(0.15, 0.85, size=(NUM_CLASSES, NUM_EDGE_FEATURES))
 
 
-def synthetic_ppa_graph(rng: np.random.Generator, label: int, prototypes: np.ndarray,
-                        mean_nodes: float = 243.0, mean_degree: float = 18.0) -> tuple[np.ndarray, np.ndarray, int]:
+def synthetic_ppa_graph(rng: np.random.Generator, label: int, prototypes: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """One graph of class ``label``: ``(edges [E, 2] one direction, edge features [E, 7] float32, N)``."""
-    n = int(np.clip(round(rng.normal(mean_nodes, 50.0)), 60, 600))
+    n = int(np.clip(round(rng.normal(MEAN_NODES, 50.0)), 60, 600))
     blocks = 1 + label % 4
     within = (0.5, 0.725, 0.95)[(label // 4) % 3]
     weights = rng.pareto(_PARETO_SHAPE[min(label // 12, 3)], size=n) + 1.0
@@ -48,7 +48,7 @@ def synthetic_ppa_graph(rng: np.random.Generator, label: int, prototypes: np.nda
     block_of = np.sort(rng.integers(0, blocks, size=n))
     starts = np.searchsorted(block_of, np.arange(blocks))
     sizes = np.bincount(block_of, minlength=blocks)
-    m = int(round(n * mean_degree / 2 * 1.08))  # a few duplicates are dropped below
+    m = int(round(n * MEAN_DEGREE / 2 * 1.08))  # a few duplicates are dropped below
     # m endpoints drawn from the weights, twice, as counts per node; independent pairs once one side is shuffled
     nodes = np.arange(n)
     u = np.repeat(nodes, rng.multinomial(m, weights))

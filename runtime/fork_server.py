@@ -155,8 +155,6 @@ def run_command(socket_path: str, argv: list[str], warn, defaults: Optional[dict
     """Run ``satp argv`` forked by the server at ``socket_path``; return its exit status. None: no
     server there, it refused, or it is another user's (``warn(line)`` says why). ``defaults``:
     environment of the cluster's processes, the command's where it sets no value of its own."""
-    if forked_for() is not None:  # a forked process never asks again
-        return None
     message = _message("command", argv, sys.path)
     message["env"] = {**(defaults or {}), **message["env"]}
     try:
@@ -192,11 +190,10 @@ def worker_client(socket_path: str, argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
-def wait_ready(socket_path: str, timeout_s: float, alive=lambda: True) -> bool:
-    """Whether the server at ``socket_path`` answers a ping within ``timeout_s`` (``alive()``: whether
-    the server's process still runs; polled meanwhile)."""
+def wait_ready(socket_path: str, timeout_s: float) -> bool:
+    """Whether the server at ``socket_path`` answers a ping within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and alive():
+    while time.monotonic() < deadline:
         with contextlib.suppress(OSError, ValueError):
             conn = _connect(socket_path)
             if conn is not None:
@@ -392,8 +389,8 @@ def _run(request: dict) -> int:
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+def main() -> None:
+    args = sys.argv[1:]
     if len(args) >= 2 and args[0] == "--serve":
         sys.exit(_run(serve(args[1])))  # only a forked process gets here: it exits as an interpreter does
     elif len(args) >= 3 and args[0] == "--worker":

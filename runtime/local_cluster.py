@@ -100,7 +100,6 @@ class ClusterRecord:
     environment: dict[str, str]
     auth_mode: str  # Ray's RAY_AUTH_MODE of the cluster
     started: float
-    owner_pid: Optional[int] = None  # the process the cluster lives for (a test session), if not for good
     fork_socket: Optional[str] = None  # its fork server's socket (a CPU-only cluster)
 
     def save(self) -> None:
@@ -124,11 +123,9 @@ class ClusterRecord:
             raise ValueError(f"{path}: not a satp cluster record ({exc}); remove it (satp cluster stop)") from None
 
     def alive(self) -> bool:
-        """The head's raylet runs and its GCS accepts connections (and its owner, if it has one, runs)."""
+        """The head's raylet runs and its GCS accepts connections."""
         import psutil
 
-        if self.owner_pid is not None and not psutil.pid_exists(self.owner_pid):
-            return False
         try:
             if psutil.Process(self.raylet_pid).status() == psutil.STATUS_ZOMBIE:
                 return False
@@ -185,10 +182,10 @@ def cluster_env(use_gpu: bool, api_server: str, fork_socket: Optional[str] = Non
 
 
 def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, dashboard: bool = True,
-          wait: bool = True, owner_pid: Optional[int] = None, host: str = LOOPBACK) -> ClusterRecord:
+          wait: bool = True, host: str = LOOPBACK) -> ClusterRecord:
     """Start the satp cluster; raise a one-line ``ValueError`` when one runs already. ``wait``: return
-    once its fork server answers. ``owner_pid``: the cluster counts as gone once that process has
-    ended. ``host``: the node's address (another than 127.0.0.1 needs token authentication)."""
+    once its fork server answers. ``host``: the node's address (another than 127.0.0.1 needs token
+    authentication)."""
     existing = ClusterRecord.load()
     if existing is not None and existing.alive():
         raise ValueError(f"a satp cluster runs already at {existing.address} (record {record_path()}); "
@@ -224,7 +221,7 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, dashbo
     cmd += [f"--dashboard-host={host}", f"--dashboard-port={dash}"] if dashboard else ["--include-dashboard=false"]
     try:
         record = _start_recorded(cmd, env, folder, f"{host}:{gcs}", f"http://{host}:{dash}" if dashboard else None,
-                                 cpus, gpus, worker_env, auth_mode, owner_pid, fork_socket)
+                                 cpus, gpus, worker_env, auth_mode, fork_socket)
         check_private(record)  # Ray started: its folder above Ray's is still its user's only
         if wait and fork_socket and not fork_server.wait_ready(fork_socket, START_TIMEOUT_S):
             raise ValueError(f"the fork server did not answer on {fork_socket} within {START_TIMEOUT_S:g} s "
@@ -258,8 +255,7 @@ def private_token(env: dict) -> Path:
 
 
 def _start_recorded(cmd: list[str], env: dict, folder: str, address: str, dashboard: Optional[str], cpus: int,
-                    gpus: int, worker_env: dict, auth_mode: str, owner_pid: Optional[int],
-                    fork_socket: Optional[str]) -> ClusterRecord:
+                    gpus: int, worker_env: dict, auth_mode: str, fork_socket: Optional[str]) -> ClusterRecord:
     """Start the fork server (a CPU-only cluster) and ``ray start`` the head in ``folder``; save the record."""
     if fork_socket:  # importing while Ray starts; satp's checkout as its cwd, which `-m runtime...` imports from
         with open(Path(folder) / fork_server.LOG_NAME, "w") as log_file:
@@ -277,7 +273,7 @@ def _start_recorded(cmd: list[str], env: dict, folder: str, address: str, dashbo
     record = ClusterRecord(
         address=address, dashboard=dashboard, folder=folder,
         raylet_pid=raylet, cpus=float(cpus), gpus=float(gpus), worker_env=worker_env, environment=environment(),
-        auth_mode=auth_mode, started=time.time(), owner_pid=owner_pid, fork_socket=fork_socket)
+        auth_mode=auth_mode, started=time.time(), fork_socket=fork_socket)
     record.save()
     return record
 

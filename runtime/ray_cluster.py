@@ -243,7 +243,7 @@ def sweep_orphans() -> list[str]:
 
 
 def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_to_driver: bool = True,
-                   env_vars: Optional[dict] = None, resources: Optional[dict] = None) -> None:
+                   env_vars: Optional[dict] = None) -> None:
     """Start a new local Ray instance on 127.0.0.1, its files in the user's 0700 folder; see the module
     docstring. ``dashboard``: Ray's dashboard (off by default: it costs seconds of the start)."""
     import ipaddress
@@ -262,7 +262,7 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_
     api_server = f"http://{local_cluster.LOOPBACK}:{port if dashboard else 9}"
     env = {**local_cluster.cluster_env(use_gpu=use_gpu, api_server=api_server), **(env_vars or {})}
     kwargs = dict(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=log_to_driver,
-                  resources=resources, runtime_env=job_env())
+                  runtime_env=job_env())
     if dashboard:
         kwargs.update(dashboard_host=local_cluster.LOOPBACK, dashboard_port=port)
     auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")

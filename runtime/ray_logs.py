@@ -95,8 +95,10 @@ class RetryNotice(UserCallback):
     resumes from, and the retry ``k of max_failures`` (the job's ``setting``); ``report``: where the
     command keeps Ray's own report of it."""
 
-    def __init__(self, max_failures: int, setting: str, report: str, step_key: str = "global_step") -> None:
-        self.max_failures, self.setting, self.report, self.step_key = max_failures, setting, report, step_key
+    step_key = "global_step"
+
+    def __init__(self, max_failures: int, setting: str, report: str) -> None:
+        self.max_failures, self.setting, self.report = max_failures, setting, report
         self.step, self.checkpoint, self.failures = None, None, 0
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint: Optional[Any]) -> None:
