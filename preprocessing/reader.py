@@ -25,8 +25,8 @@ import torch
 from torch_geometric.data import Batch
 
 from preprocessing.shard_cache import READ_AHEAD_BYTES, ShardCache, fetcher
-from preprocessing.shard_places import open_place
-from preprocessing.shards import read_manifest, sha256_file
+from preprocessing.shard_places import open_place, sha256_file
+from preprocessing.shards import read_manifest
 from runtime.storage import StorageSettings
 from sat.data import SATData
 
@@ -99,23 +99,13 @@ class _Shard:
         if self._holder is not None:
             self._holder.close()
 
-    def item(self, i: int) -> SATData:
-        n = int(self.num_nodes[i])
-        values_of: dict = {"graph_id": torch.tensor([int(self.graph_id[i])])}
-        for name, (offsets, values, spec) in self.columns.items():
-            a, b = int(offsets[i]), int(offsets[i + 1])
-            if spec["decode"] == "str":
-                values_of[name] = values.slice(a, b - a).to_pylist()
-                continue
-            arr = values[a:b].astype(spec["decode"])  # a copy: tensors never view the shard
-            if name == "subgraph_size":
-                values_of["subgraph_indicator"] = torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64), arr))
-                continue
-            shape = spec["shape"]
-            values_of[name] = torch.from_numpy(arr.reshape(shape) if len(shape) > 1 else arr)
-        if n == 0 or "x" not in self.columns:
-            values_of["num_nodes"] = n
-        return SATData(**values_of)
+    def item(self, i: int, specs: dict[str, dict]) -> SATData:
+        """Row ``i`` as one graph, decoded as :meth:`ShardDataset.batch` decodes a mini-batch."""
+        columns, _, nodes = _decoded([self], np.zeros(1, dtype=np.int64), np.array([i]), specs)
+        data = SATData(**{name: value[0] if isinstance(value, list) else value for name, value in columns.items()})
+        if nodes[0] == 0 or "x" not in specs:
+            data.num_nodes = int(nodes[0])
+        return data
 
 
 def _cat_axis(name: str, ndim: int) -> int:
@@ -214,6 +204,27 @@ class _Rows:
         out_shape = list(shape)
         out_shape[axis] = int(counts.sum())
         return out.view(out.numpy().reshape(out_shape).shape), counts
+
+
+def _decoded(shards: list[_Shard], shard_of: np.ndarray, rows: np.ndarray, specs: dict[str, dict]) -> tuple:
+    """``(columns, counts, nodes)`` of rows ``rows`` of ``shards`` (``shard_of``: each row's shard):
+    every column decoded and concatenated along its cat axis, each graph's size along it, and the
+    graphs' node counts (what :func:`_collated` takes)."""
+    rows = _Rows(shards, shard_of, rows)
+    nodes = rows.scalar("num_nodes")
+    columns: dict = {"graph_id": torch.from_numpy(rows.scalar("graph_id"))}
+    counts = {"graph_id": np.ones(rows.size, dtype=np.int64)}
+    for name, spec in specs.items():
+        if spec["decode"] == "str":
+            columns[name] = rows.strings(name)
+        elif name == "subgraph_size":  # subgraph_indicator: each graph's centres c, size[c] times each
+            sizes, _ = rows.concat(name, spec)
+            local = np.arange(int(nodes.sum())) - np.repeat(_offsets(nodes)[:-1], nodes)
+            columns["subgraph_indicator"] = torch.from_numpy(np.repeat(local, sizes.numpy()))
+            counts["subgraph_indicator"] = np.diff(_offsets(sizes.numpy())[_offsets(nodes)])
+        else:
+            columns[name], counts[name] = rows.concat(name, spec)
+    return columns, counts, nodes
 
 
 class ShardDataset(torch.utils.data.Dataset):
@@ -344,7 +355,7 @@ class ShardDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> SATData:
         shard, row = self._locate(int(index))
-        return self._shard(int(shard[0])).item(int(row[0]))
+        return self._shard(int(shard[0])).item(int(row[0]), self._specs)
 
     def batch(self, indices) -> Batch:
         """The items ``indices`` as one PyG ``Batch``, equal to ``Batch.from_data_list`` of them."""
@@ -353,21 +364,8 @@ class ShardDataset(torch.utils.data.Dataset):
             raise ValueError("a batch needs at least one item")
         used, shard_of = np.unique(shard, return_inverse=True)
         pinned = frozenset(used.tolist())
-        rows = _Rows([self._shard(k, pinned=pinned) for k in used.tolist()], shard_of.reshape(-1), row)
-        nodes = rows.scalar("num_nodes")
-        columns: dict = {"graph_id": torch.from_numpy(rows.scalar("graph_id"))}
-        counts = {"graph_id": np.ones(rows.size, dtype=np.int64)}
-        for name, spec in self._specs.items():
-            if spec["decode"] == "str":
-                columns[name] = rows.strings(name)
-            elif name == "subgraph_size":  # subgraph_indicator: each graph's centres c, size[c] times each
-                sizes, _ = rows.concat(name, spec)
-                local = np.arange(int(nodes.sum())) - np.repeat(_offsets(nodes)[:-1], nodes)
-                columns["subgraph_indicator"] = torch.from_numpy(np.repeat(local, sizes.numpy()))
-                counts["subgraph_indicator"] = np.diff(_offsets(sizes.numpy())[_offsets(nodes)])
-            else:
-                columns[name], counts[name] = rows.concat(name, spec)
-        return _collated(columns, counts, nodes)
+        shards = [self._shard(k, pinned=pinned) for k in used.tolist()]
+        return _collated(*_decoded(shards, shard_of.reshape(-1), row, self._specs))
 
     def _per_item(self, of) -> np.ndarray:
         """``of(shard)`` of every shard (one value per item), concatenated, int64."""
@@ -463,4 +461,4 @@ def featurise(raws: list[dict], task: str, transform, vocab: list[str] | None = 
         rows.append(transform_graph(raw, task, cfg, vocab_index))
     specs = column_specs(task, cfg)
     shard = _Shard(Path("<memory>"), specs, encode_shard(rows, specs))
-    return [shard.item(i) for i in range(len(rows))]
+    return [shard.item(i, specs) for i in range(len(rows))]

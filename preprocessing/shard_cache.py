@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
-import threading
 import uuid
 from pathlib import Path
 from typing import IO, Iterator, Optional
@@ -180,7 +180,8 @@ class ShardCache:
 
         bucket, key = obj.path.split("/", 1)
         try:
-            yield from _s3(self.settings).get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(PIECE)
+            client = _s3(self.settings, tuple(sorted(forwarded_env().items())), os.getpid())
+            yield from client.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(PIECE)
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 raise FileNotFoundError(obj.uri) from None
@@ -228,32 +229,17 @@ _FIX = {
 }
 
 
-#: This process's download threads and S3 clients (a forked child, without its parent's threads, makes its own).
-_process: dict = {}
-_process_lock = threading.Lock()
-
-
-def _forget_parent() -> None:
-    global _process_lock
-    _process.clear()
-    _process_lock = threading.Lock()  # a parent's thread may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_forget_parent)
-
-
 def fetcher() -> concurrent.futures.ThreadPoolExecutor:
-    """This process's download threads."""
-    with _process_lock:
-        if "threads" not in _process:
-            _process["threads"] = concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="satp-shard-fetch")
-        return _process["threads"]
+    """This process's download threads (a forked child, without its parent's threads, makes its own)."""
+    return _fetcher(os.getpid())
 
 
-def _s3(settings: Optional[StorageSettings]):
-    """This process's boto3 client of ``settings`` (thread-safe, made once)."""
-    key = (settings, tuple(sorted(forwarded_env().items())))
-    with _process_lock:
-        if key not in _process:
-            _process[key] = s3_client(settings)
-        return _process[key]
+@functools.lru_cache(maxsize=None)
+def _fetcher(pid: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="satp-shard-fetch")
+
+
+@functools.lru_cache(maxsize=None)
+def _s3(settings: Optional[StorageSettings], env: tuple, pid: int):
+    """The boto3 client of ``settings`` and the standard variables ``env`` in process ``pid``."""
+    return s3_client(settings)

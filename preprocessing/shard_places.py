@@ -130,10 +130,8 @@ class StorePlace(_Place):
         return self.loc.join(name).uri
 
     def _listing(self) -> list:
-        import pyarrow.fs as pafs
-
         try:
-            return self.loc.fs.get_file_info(pafs.FileSelector(self.loc.path, allow_not_found=True))
+            return self.loc.children()
         except OSError as exc:
             raise storage_error(self.loc, exc, "listing") from None
 
@@ -153,8 +151,7 @@ class StorePlace(_Place):
     def read(self, name: str) -> bytes:
         obj = self.loc.join(name)
         try:
-            with obj.fs.open_input_stream(obj.path) as src:
-                return src.read()
+            return obj.read_bytes()
         except FileNotFoundError:
             raise FileNotFoundError(f"{obj.uri}: missing") from None
         except OSError as exc:

@@ -16,12 +16,8 @@ import numpy as np
 import pyarrow as pa
 
 from preprocessing.config import SBM_DATASETS
-from preprocessing.shard_places import file_place, open_place, sha256_file
+from preprocessing.shard_places import file_place, open_place
 from runtime.storage import StorageSettings
-
-__all__ = ["MANIFEST", "SCHEMA_VERSION", "VOCAB_FILE", "arrow_schema",
-           "column_specs", "encode_shard", "json_bytes", "read_manifest", "sha256_file", "shard_batch",
-           "write_shard_file"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"

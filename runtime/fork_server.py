@@ -1,19 +1,13 @@
 """One process per CPU-only satp cluster that imported the heavy stack once, and forks on request.
 
-A Ray Train worker, and a ``satp train`` command, otherwise start as a new interpreter that imports
-torch, PyG, DeepSpeed and MLflow first. The fork server (``python -m runtime.fork_server --serve
-SOCKET``, started by :mod:`runtime.local_cluster`) imports :data:`MODULES` once and then forks, per
-request on its Unix socket, a Ray worker (the job's ``py_executable`` is :func:`executable`) or a
-``satp train`` command (:func:`run_command`). The client sends its argv, environment, folder and
-import path with its standard streams (``SCM_RIGHTS``); a *runner* forks the process and reports its
-pid and end; the client waits, forwarding signals, and exits with its status; should the client die
-first, the runner kills the process.
-
-Never imported ahead: Ray (its core reads the job's id when it loads) and satp's own packages (an
-edited checkout is what the next process imports). A client whose interpreter or whose values of the
-variables the server's imports read differ (:func:`identity`) is refused and runs in its own process.
-The socket is 0600 in the cluster's 0700 folder, and both ends check the peer's user id
-(``SO_PEERCRED``) before anything is sent. Standard library only at import.
+The server (``python -m runtime.fork_server --serve SOCKET``, started by :mod:`runtime.local_cluster`)
+imports :data:`MODULES` once, then forks per request on its Unix socket a Ray worker (the job's
+``py_executable``: :func:`executable`) or a ``satp train`` command (:func:`run_command`), with the
+client's argv, environment, folder, import path and standard streams; the client waits, forwarding
+signals, and exits with its status (should it die first, the process is killed). Ray and satp's own
+packages are never imported ahead, and a client whose interpreter or whose values of the variables
+the imports read differ (:func:`identity`) is refused. The socket is 0600 in the cluster's 0700
+folder; both ends check the peer's user id (``SO_PEERCRED``). Standard library only at import.
 """
 from __future__ import annotations
 

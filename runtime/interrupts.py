@@ -1,15 +1,11 @@
 """Ctrl-C and SIGTERM in satp's commands: an exception that unwinds, so the command can say what
 it kept and shut Ray down, instead of dying where the signal landed.
 
-``ray.init`` and Ray Train's ``fit`` install signal handlers of their own that exit, so every place
-that starts or joins Ray calls :func:`install` after it. The CLI turns :class:`Interrupted` into one
-line and status 130 (SIGINT) or 143 (SIGTERM), the first signal's (:func:`as_interrupted`).
-
-More signals while the first is handled must not cut the clean-up short: it runs under
-:func:`deferred`, where a signal waits for the end of the block, and once the command has caught its
-interrupt it calls :func:`ending`, after which signals are ignored (SIGKILL or Ctrl-\\ still end it).
-An :class:`Interrupted` raised inside a finalizer, where Python drops it, arrives again through
-:data:`sys.unraisablehook`.
+Every place that starts or joins Ray calls :func:`install` after it (Ray installs exiting handlers).
+The CLI turns :class:`Interrupted` into one line and status 130 / 143 of the first signal. Clean-up
+runs under :func:`deferred`, where a signal waits for the end of the block, then :func:`ending`
+ignores signals until exit. An :class:`Interrupted` a finalizer dropped arrives again
+(:data:`sys.unraisablehook`).
 """
 from __future__ import annotations
 

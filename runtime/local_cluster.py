@@ -1,17 +1,11 @@
 """``satp cluster``: one local Ray cluster that outlives commands, private to its user, on loopback.
 
-``satp cluster start`` starts a head node once (``ray start --head``) and, on a CPU-only machine, a
-fork server beside it (:mod:`runtime.fork_server`), so that commands skip Ray's start and their
-workers skip the heavy imports. Every satp command without ``--address`` then finds it
-(:func:`for_command`) when it runs the same Python environment; a record whose cluster is gone is
-cleaned up by the next command, which says so in one line and starts its own.
-
-Private to its user: everything lies in a folder made 0700 (``mkdtemp``), checked whenever a
-command uses it (:func:`check_private`); the record ``$SATP_HOME/cluster.json`` is 0600; Ray's
-token authentication is on (:func:`private_token`). On loopback: every port Ray opens is named on
-127.0.0.1, and :data:`LOOPBACK_ENV` makes Ray's processes take 127.0.0.1 where they work the
-address out themselves. ``host``: the head of a cluster other nodes join (docs/security.md).
-``satp cluster stop`` stops exactly this cluster's processes (never ``ray stop``) and removes its folder.
+``satp cluster start`` starts a head node (``ray start --head``) and, on a CPU-only machine, a fork
+server (:mod:`runtime.fork_server`); every satp command without ``--address`` that runs the same
+Python environment then uses it (:func:`for_command`). Private: everything lies in a 0700 folder
+(:func:`check_private`), the record ``$SATP_HOME/cluster.json`` is 0600, Ray's token authentication
+is on. On loopback: every port on 127.0.0.1 (:data:`LOOPBACK_ENV`); ``host``: the head of a cluster
+other nodes join (docs/security.md). ``satp cluster stop`` stops exactly this cluster's processes.
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """Connecting to Ray: the satp cluster, a named cluster (fast failure when it does not answer), or a
 new local one.
 
-:func:`connect` is how every satp command reaches Ray. An address (``--address``, or
-``$RAY_ADDRESS``, which Ray sets inside a Ray job) is probed first (:func:`runtime.ray_address.probe`):
-a dead one is a one-line error, not ``ray.init``'s minute of retries. Without one, the satp cluster
-of this machine when one runs (:mod:`runtime.local_cluster`), else :func:`init_local_ray` starts a
-new local cluster (``address="local"``: plain ``ray.init()`` may attach to someone else's).
-
-Every process of a job runs :data:`SETUP_HOOK` first; on a CPU-only satp cluster each is forked by
-the cluster's fork server (:mod:`runtime.fork_server`). The local cluster's environment
-(:func:`runtime.local_cluster.cluster_env`) pins Ray Train's placement-group cleaner to our own
-dashboard, so that with several clusters on one machine it never asks another one about our run.
-Its processes get a private ``TMPDIR`` (the dashboard leaves a ``pymp-*`` folder there when it is
-killed), removed at exit; a command killed with SIGKILL leaves it to the next one
-(:func:`sweep_orphans`).
+:func:`connect`: an address (``--address`` or ``$RAY_ADDRESS``) is probed first
+(:func:`runtime.ray_address.probe`); without one, the satp cluster of this machine when one runs
+(:mod:`runtime.local_cluster`), else :func:`init_local_ray` starts a new local cluster
+(``address="local"``: plain ``ray.init()`` may attach to someone else's). Every process of a job runs
+:data:`SETUP_HOOK` first. The local cluster's processes get a private ``TMPDIR``, removed at exit;
+one left by a command killed with SIGKILL is removed by the next (:func:`sweep_orphans`).
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """Ray Train's console noise kept off the console, in the worker processes of satp's clusters.
 
-:func:`quiet_ray_train_noise` (the job's ``worker_process_setup_hook``: :mod:`runtime.ray_cluster`)
-lowers to DEBUG the "safe to ignore" ``GetTimeoutError`` tracebacks of Ray Train V2's autoscaling
-coordinator client, drops the placement-group cleaner's every-second "Failed to query Ray Train
-Controller actor state" of a cluster without a dashboard, and marks satp's own log records in an
-actor's process with :data:`MARK` (:func:`mark_satp_records`), by which the command tells them from
-Ray's lines. :class:`RetryNotice`, a Ray Train callback, says in one line what was lost when Ray
-Train restarts the worker group, and where the run went on from.
+:func:`quiet_ray_train_noise` (the job's ``worker_process_setup_hook``) lowers Ray Train's "safe to
+ignore" ``GetTimeoutError`` tracebacks to DEBUG, drops the placement-group cleaner's every-second
+warning, and marks satp's own log records in an actor with :data:`MARK`. :class:`RetryNotice` says
+in one line what was lost when Ray Train restarts the worker group, and where the run went on from.
 """
 from __future__ import annotations
 
@@ -17,11 +14,11 @@ from typing import Any, Optional
 
 from ray.train import UserCallback
 
+from runtime.fork_server import SATP_PACKAGES
+
 #: what starts the lines of satp's own code in Ray's processes (``satp: warning: ...`` as printed,
 #: ``satp: epoch 0: ...`` for a log record of satp's packages)
 MARK = "satp: "
-#: the packages whose log records :func:`mark_satp_records` marks
-SATP_PACKAGES = ("pipeline", "runtime", "sat", "preprocessing")
 
 #: Ray Train's loggers that log a timed-out request to the autoscaling coordinator as "safe to ignore".
 COORDINATOR_LOGGERS = (

@@ -1,16 +1,12 @@
 """Where data live: a plain path or a URI of an object store or any other file system, resolved into
 a ``pyarrow.fs`` file system and a path inside it.
 
->>> loc = resolve("s3://bucket/shards", StorageSettings(endpoint_url="http://127.0.0.1:9000"))
->>> check("s3://bucket/shards", write=True)   # the pre-flight: one ValueError line, in seconds
-
-Schemes: ``s3://bucket/prefix`` (also MinIO, Ceph or moto at ``endpoint_url``); ``file:///path``;
-any other scheme ``pyarrow.fs`` knows (``gs://``, ``hdfs://``); else a protocol fsspec knows. Anything
-else is refused in one line (``s3:/bucket``, a URI that lost a slash, is never a local folder).
-Settings (the job's ``storage`` section) override the standard variables (``AWS_ENDPOINT_URL_S3``,
-``AWS_ENDPOINT_URL``, ``AWS_REGION``); credentials come from the standard chain only, never from a
-job file (:func:`forwarded_env`: what a Ray task on another node needs of them). A bucket is never
-created. Faults (:func:`storage_error`) are one line naming the URI, what failed and what to do.
+Schemes: ``s3://bucket/prefix`` (also MinIO or moto at ``endpoint_url``); ``file:///path``; any other
+scheme ``pyarrow.fs`` knows (``gs://``, ``hdfs://``); else a protocol fsspec knows. Anything else is
+refused in one line (``s3:/bucket``, a URI that lost a slash, is never a local folder). The job's
+``storage`` settings override the standard variables; credentials come from the standard chain
+only (:func:`forwarded_env`). A bucket is never created. Faults (:func:`storage_error`) are one
+line naming the URI, what failed and what to do; :func:`check` is the pre-flight.
 """
 from __future__ import annotations
 
@@ -284,11 +280,10 @@ def forwarded_env() -> dict[str, str]:
     return {k: os.environ[k] for k in STANDARD_VARIABLES if os.environ.get(k)}
 
 
-def storage_error(loc: Location, exc: BaseException, doing: str, uri: Optional[str] = None) -> ValueError:
+def storage_error(loc: Location, exc: BaseException, doing: str) -> ValueError:
     """The one-line ``ValueError`` of an operation on ``loc`` (``doing``: ``reading``, ``writing``,
-    ``listing``) that failed with ``exc``: what is wrong, in words, and what to do. ``uri``: the
-    object named (default ``loc.uri``)."""
-    uri = uri or loc.uri
+    ``listing``) that failed with ``exc``: what is wrong, in words, and what to do."""
+    uri = loc.uri
     text = str(exc).replace("\n", " ")
     code = re.search(r"AWS Error ([A-Z_]+)", text)
     code = code.group(1) if code else ""
@@ -318,13 +313,11 @@ def check(uri: str, write: bool = True, settings: Optional[StorageSettings] = No
     deleted again). One ``ValueError`` line naming the URI and what to do, within seconds (one
     attempt, short timeouts). A plain path: nothing to do here (the local file system's checks
     are the pre-flight's own)."""
-    import pyarrow.fs as pafs
-
     loc = resolve(uri, settings, key, quick=True)
     if loc.local:
         return
     try:
-        loc.fs.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True))
+        loc.children()
     except OSError as exc:
         raise storage_error(loc, exc, "listing") from None
     if not write:
