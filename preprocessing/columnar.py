@@ -216,6 +216,7 @@ class ColumnarStore:
             raise ValueError(f"{self.path}: not a finished columnar store") from None
         self.name: str = meta["dataset"]
         self.fingerprint: str = meta["fingerprint"]
+        self.undirected = self.name in UNDIRECTED
         self.specs = {s.key: s for s in file_specs(self.name)}
         for key, record in (meta.get("files") or {}).items():  # truncated or replaced since: named here
             path = self.path / self.specs[key].arrow
@@ -229,14 +230,6 @@ class ColumnarStore:
         self.edge_ptr = np.concatenate([[0], np.cumsum(edges * (2 if self.undirected else 1))]).astype(np.int64)
         self.splits = {s: read_column(self.path / f"split-{s}.arrow").astype(np.int64) for s in ("train", "valid", "test")}
         self.y = read_column(self.path / "y.arrow").astype(np.int64) if "y" in self.specs else None
-
-    @property
-    def undirected(self) -> bool:
-        return self.name in UNDIRECTED
-
-    @property
-    def task(self) -> str:
-        return TASK[self.name]
 
     @property
     def num_graphs(self) -> int:

@@ -11,9 +11,8 @@ import json
 import os
 import sys
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -77,20 +76,11 @@ def _parse(block: bytes, spec: FileSpec, path: Path) -> np.ndarray | list[str]:
 
 
 # ----------------------------------------------------------------------------- counts
-@dataclass
-class _Counts:
+class _Counts(NamedTuple):
     """Per-graph node and edge counts (as in the raw files: one direction per undirected edge)."""
 
     nodes: np.ndarray
     edges: np.ndarray
-
-    @property
-    def node_ptr(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.nodes)])
-
-    @property
-    def edge_ptr(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.edges)])
 
 
 def _check_counts(folder: Path, counts: _Counts) -> None:
@@ -131,7 +121,8 @@ def _checked_rows(folder: Path, name: str, spec: FileSpec, counts: _Counts | Non
     """The parsed, checked blocks of one raw file, then its line count against ``counts`` (None: the
     count files themselves)."""
     src = folder / spec.rel
-    ptr = None if counts is None else {"node": counts.node_ptr, "edge": counts.edge_ptr}.get(spec.per)
+    per_graph = None if counts is None else {"node": counts.nodes, "edge": counts.edges}.get(spec.per)
+    ptr = None if per_graph is None else np.concatenate([[0], np.cumsum(per_graph)])
     check = Checker(name, spec, folder, ptr, None if counts is None else counts.nodes)
     rows = 0
     for values in (_parse(block, spec, src) for block in _line_blocks(src)):

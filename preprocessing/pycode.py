@@ -47,7 +47,7 @@ def _parse_error(path: Path, exc: Exception) -> str:
 def _parse_file(item: tuple[Path, Path, str]) -> tuple[list[FunctionGraph], str | None]:
     """The function graphs of one file (``(path, rel, group)``), in source order, or the reason it
     does not parse."""
-    path, rel, group = item
+    path = item[0]
     try:
         with tokenize.open(path) as fh:
             text = fh.read()
@@ -64,7 +64,6 @@ def _parse_file(item: tuple[Path, Path, str]) -> tuple[list[FunctionGraph], str 
             g = function_graph(node)
             label = " ".join(g.label)
             if g.label and label not in _PANDAS_NA:
-                g.group, g.path = group, str(rel)
                 graphs.append(g)
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
     return graphs, None

@@ -108,12 +108,12 @@ class ClusterRecord:
 
     @classmethod
     def load(cls) -> Optional["ClusterRecord"]:
-        path = record_path()
-        try:
-            return cls(**json.loads(path.read_text()))
+        path, known = record_path(), {f.name for f in dataclasses.fields(cls)}
+        try:  # a key this version does not know (another version's record) is left out
+            return cls(**{k: v for k, v in json.loads(path.read_text()).items() if k in known})
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, TypeError) as exc:
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
             raise ValueError(f"{path}: not a satp cluster record ({exc}); remove it (satp cluster stop)") from None
 
     def alive(self) -> bool:
