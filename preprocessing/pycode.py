@@ -37,13 +37,6 @@ NUM_VOCAB, MAX_SEQ_LEN = 5000, 5  # the target side of OGB's code2 example (stat
 _PANDAS_NA = frozenset({"nan", "null", "n/a", "na", "-nan", "none", "<na>", "-na"})
 
 
-def _parse_error(path: Path, exc: Exception) -> str:
-    """``path:LINE: reason`` of a file that does not parse (one line)."""
-    line = getattr(exc, "lineno", None)
-    reason = getattr(exc, "msg", None) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    return f"{path}{f':{line}' if line else ''}: {type(exc).__name__}: {reason}"
-
-
 def _parse_file(item: tuple[Path, Path, str]) -> tuple[list[FunctionGraph], str | None]:
     """The function graphs of one file (``(path, rel, group)``), in source order, or the reason it
     does not parse."""
@@ -54,8 +47,10 @@ def _parse_file(item: tuple[Path, Path, str]) -> tuple[list[FunctionGraph], str 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tree = ast.parse(text, filename=str(path))
-    except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, OSError) as exc:
-        return [], _parse_error(path, exc)
+    except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, OSError) as exc:  # path:LINE: reason
+        line = getattr(exc, "lineno", None)
+        reason = getattr(exc, "msg", None) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return [], f"{path}{f':{line}' if line else ''}: {type(exc).__name__}: {reason}"
     graphs = []
     stack = [tree]
     while stack:  # pre-order over the file, so functions come in source order

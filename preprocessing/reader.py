@@ -113,13 +113,6 @@ def _cat_axis(name: str, ndim: int) -> int:
     return SATData().__cat_dim__(name, torch.empty((0,) * ndim)) % ndim
 
 
-def _incremented_by(name: str) -> str | None:
-    """The per-graph count PyG adds into attribute ``name``'s values when batching (``SATData.__inc__``)."""
-    if name in _INCREMENTED_BY:
-        return _INCREMENTED_BY[name]
-    return "num_nodes" if "index" in name else None
-
-
 def _offsets(counts: np.ndarray) -> np.ndarray:
     """``[0, c0, c0 + c1, ...]`` (int64, one longer than ``counts``)."""
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
@@ -136,7 +129,7 @@ def _collated(columns: dict, counts: dict, nodes: np.ndarray) -> Batch:
         if isinstance(value, list):  # PyG keeps a non-tensor attribute as the list of the graphs' values
             out[name], slices[name], incs[name] = value, torch.arange(size + 1), None
             continue
-        by = _incremented_by(name)
+        by = _INCREMENTED_BY.get(name, "num_nodes" if "index" in name else None)
         inc = _offsets(counts[by])[:-1] if by else np.zeros(size, dtype=np.int64)
         if inc[-1]:
             axis = _cat_axis(name, value.dim())
@@ -319,8 +312,9 @@ class ShardDataset(torch.utils.data.Dataset):
         for j in window:
             if j not in self._fetches:
                 entry = self._entries[j]
-                self._fetches[j] = fetcher().submit(self._cache.fetch, self._place.loc.join(entry["file"]),
-                                                    entry["bytes"], entry["sha256"], keep, ahead=True)
+                self._fetches[j] = fetcher(os.getpid()).submit(
+                    self._cache.fetch, self._place.loc.join(entry["file"]), entry["bytes"], entry["sha256"], keep,
+                    ahead=True)
         job, entry = self._fetches.pop(k), self._entries[k]
         obj = self._place.loc.join(entry["file"])
         downloaded = self._cache.fetch(obj, entry["bytes"], entry["sha256"], keep) if job.cancel() \

@@ -229,13 +229,9 @@ _FIX = {
 }
 
 
-def fetcher() -> concurrent.futures.ThreadPoolExecutor:
-    """This process's download threads (a forked child, without its parent's threads, makes its own)."""
-    return _fetcher(os.getpid())
-
-
 @functools.lru_cache(maxsize=None)
-def _fetcher(pid: int) -> concurrent.futures.ThreadPoolExecutor:
+def fetcher(pid: int) -> concurrent.futures.ThreadPoolExecutor:
+    """Process ``pid``'s download threads (a forked child, without its parent's threads, makes its own)."""
     return concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="satp-shard-fetch")
 
 

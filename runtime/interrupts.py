@@ -54,7 +54,10 @@ def install(keep: Any = None) -> None:
         if _deferring:
             _pending = signum if _pending is None else _pending
             return
-        _stop_printing_cluster_logs()
+        if "ray" in sys.modules:  # after an interrupt the cluster's forwarded logs are its actors going down
+            from runtime.ray_private import stop_printing_cluster_logs
+
+            stop_printing_cluster_logs()
         raise Interrupted(signum)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -81,14 +84,6 @@ def _arrive_again(unraisable: Any) -> None:
 
 
 _ARRIVE_AGAIN_S = 0.05
-
-
-def _stop_printing_cluster_logs() -> None:
-    """Stop printing the Ray cluster's forwarded logs: after an interrupt they are its actors going down."""
-    if "ray" in sys.modules:
-        from runtime.ray_private import stop_printing_cluster_logs
-
-        stop_printing_cluster_logs()
 
 
 def reset() -> None:

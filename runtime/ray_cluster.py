@@ -112,7 +112,12 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
     target = resolve_address(address)
     if target:
         probe(target)
-        record = _recorded_cluster_at(target)
+        try:  # the satp cluster named by its address: its clients need its settings
+            record = local_cluster.ClusterRecord.load()
+        except ValueError:
+            record = None
+        if record is not None and not record.named_by(target.split("://")[-1]):
+            record = None
     else:
         record = local_cluster.for_command(warn=_warn)
         target = record.address if record is not None else None
@@ -177,15 +182,6 @@ def _local_train_env() -> None:
     """Set :data:`LOCAL_TRAIN_ENV`; a value the user set stays."""
     for key, value in LOCAL_TRAIN_ENV.items():
         os.environ.setdefault(key, value)
-
-
-def _recorded_cluster_at(target: str):
-    """The satp cluster's record when ``target`` is its address (its clients need its settings)."""
-    try:
-        record = local_cluster.ClusterRecord.load()
-    except ValueError:
-        return None
-    return record if record is not None and record.named_by(target.split("://")[-1]) else None
 
 
 def _warn(line: str) -> None:

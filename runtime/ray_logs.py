@@ -12,6 +12,7 @@ import sys
 from pathlib import PurePosixPath
 from typing import Any, Optional
 
+import ray
 from ray.train import UserCallback
 
 from runtime.fork_server import SATP_PACKAGES
@@ -72,18 +73,13 @@ def mark_satp_records() -> None:
     def marked(*args, **kwargs) -> logging.LogRecord:
         record = made(*args, **kwargs)
         if (record.name.split(".")[0] in SATP_PACKAGES and isinstance(record.msg, str)
-                and not record.msg.startswith(MARK) and _in_an_actor()):
+                and not record.msg.startswith(MARK) and ray.is_initialized()
+                and ray.get_runtime_context().get_actor_id() is not None):
             record.msg = MARK + record.msg
         return record
 
     marked.marks_satp_records = True
     logging.setLogRecordFactory(marked)
-
-
-def _in_an_actor() -> bool:
-    import ray
-
-    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 class RetryNotice(UserCallback):

@@ -177,7 +177,9 @@ def resolve(value: str | os.PathLike, settings: Optional[StorageSettings] = None
     pre-flight's short timeouts and single attempts (S3). Connects to nothing yet."""
     text = validate(value, key)
     if not is_uri(text):
-        return Location(text, _local_fs(), os.path.abspath(os.path.expanduser(text)))
+        import pyarrow.fs as pafs
+
+        return Location(text, pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(text)))
     scheme = _URI.match(text).group(1).lower()
     if scheme == "s3":
         fs = _s3(*_s3_place(settings), quick, os.getpid(), tuple(sorted(forwarded_env().items())))
@@ -214,13 +216,6 @@ def _fsspec(text: str, scheme: str, key: str) -> Location:
     except (ImportError, ValueError, OSError) as exc:  # the protocol's package missing, bad options
         raise ValueError(f"{key}: {text}: fsspec cannot open it ({str(exc).splitlines()[0]})") from None
     return Location(text, pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path)
-
-
-@functools.lru_cache(maxsize=None)
-def _local_fs():
-    import pyarrow.fs as pafs
-
-    return pafs.LocalFileSystem()
 
 
 @functools.lru_cache(maxsize=16)
