@@ -283,9 +283,6 @@ class ShardDataset(torch.utils.data.Dataset):
         self._shards[k] = shard  # the most recently used, last
         return shard
 
-    def _close(self, k: int) -> None:
-        self._shards.pop(k).close()
-
     def _make_room(self, k: int, pinned: frozenset[int]) -> None:
         """Close the shards read longest ago (but ``pinned``) until shard ``k`` and the next fit the cache beside the rest."""
         need = sum(e["bytes"] for e in self._entries[k:k + 2]) + sum(self._entries[j]["bytes"] for j in self._shards)
@@ -293,7 +290,7 @@ class ShardDataset(torch.utils.data.Dataset):
             if need <= self._cache.limit:
                 return
             need -= self._entries[j]["bytes"]
-            self._close(j)
+            self._shards.pop(j).close()
 
     def _fetched(self, k: int) -> tuple:
         """``(path, holder)`` of store shard ``k`` in the cache, the shards after it downloading meanwhile
@@ -392,7 +389,7 @@ class ShardDataset(torch.utils.data.Dataset):
             was_open = k in self._shards
             shard = self._shard(k)
             if not was_open:
-                self._close(k)  # one shard mapped at a time: memory stays flat over the split
+                self._shards.pop(k).close()  # one shard mapped at a time: memory stays flat over the split
             offsets, values, _spec = shard.columns["edge_index"]
             for i in range(shard.rows):
                 a, b = int(offsets[i]), int(offsets[i + 1])

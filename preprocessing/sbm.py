@@ -13,12 +13,9 @@ benchmark's distribution, they are not the released graphs.
 - CLUSTER (6 classes): an SBM of 6 communities (p = 0.55, q = 0.25), shuffled; one random node
   per community gets input ``1 + label``, the others 0. 10,000 / 1,000 / 1,000 graphs.
 
-Edge statistics count both directions, as the table of Chen et al. (ICML 2022) does; PATTERN's
-depend on the seed's draw of its 100 patterns (``docs/results.md``).
-Layout: OGB-like gzip CSVs (``raw/edge.csv.gz`` one line per undirected edge, ``u < v``;
-``node-feat``, ``node-label``, ``split/benchmark/``, PATTERN's ``mapping/graphidx2pattern``), built
-under a temporary name (:mod:`preprocessing.ogb_layout`); the same ``(name, graphs, seed)`` gives
-byte-identical files."""
+Edge statistics count both directions, as the table of Chen et al. (ICML 2022) does. Layout: OGB-like
+gzip CSVs (``raw/edge.csv.gz`` one line per undirected edge, ``u < v``), built under a temporary
+name (:mod:`preprocessing.ogb_layout`); the same ``(name, graphs, seed)`` gives byte-identical files."""
 from __future__ import annotations
 
 import functools

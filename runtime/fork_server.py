@@ -243,7 +243,13 @@ def _import_recording_reads() -> frozenset:
     return frozenset(k for k in recording.read if isinstance(k, str)) - NOT_COMPARED
 
 
-def _listen(socket_path: str) -> socket.socket:
+def serve(socket_path: str) -> dict:
+    """Import :data:`MODULES`, then fork a runner per connection. Returns only in a forked process,
+    the request it runs (see :func:`main`)."""
+    before = dict(os.environ)
+    mine = identity(before, _import_recording_reads())  # the environment the imports saw
+    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}  # kept in a forked process
+    imported = time.time()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
@@ -254,17 +260,6 @@ def _listen(socket_path: str) -> socket.socket:
         os.umask(old_mask)
     listener.listen(64)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # runners are reaped by the kernel
-    return listener
-
-
-def serve(socket_path: str) -> dict:
-    """Import :data:`MODULES`, then fork a runner per connection. Returns only in a forked process,
-    the request it runs (see :func:`main`)."""
-    before = dict(os.environ)
-    mine = identity(before, _import_recording_reads())  # the environment the imports saw
-    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}  # kept in a forked process
-    imported = time.time()
-    listener = _listen(socket_path)
     print(f"fork server pid {os.getpid()} on {socket_path}", flush=True)
     while True:
         conn, _ = listener.accept()

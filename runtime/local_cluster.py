@@ -214,8 +214,24 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, dashbo
            f"--runtime-env-agent-port={rt_env}", f"--node-manager-port={nm}", f"--object-manager-port={om}"]
     cmd += [f"--dashboard-host={host}", f"--dashboard-port={dash}"] if dashboard else ["--include-dashboard=false"]
     try:
-        record = _start_recorded(cmd, env, folder, f"{host}:{gcs}", f"http://{host}:{dash}" if dashboard else None,
-                                 cpus, gpus, worker_env, auth_mode, fork_socket)
+        if fork_socket:  # importing while Ray starts; satp's checkout as its cwd, which `-m runtime...` imports from
+            with open(Path(folder) / fork_server.LOG_NAME, "w") as log_file:
+                subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env=env,
+                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                 cwd=Path(__file__).resolve().parents[1])
+        log_path = Path(folder) / "ray-start.log"
+        with open(log_path, "w") as log_file:
+            done = subprocess.run(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                  timeout=START_TIMEOUT_S)
+        raylet = _raylet_of(folder)
+        if done.returncode != 0 or raylet is None:
+            tail = log_path.read_text()[-600:].strip().splitlines()
+            raise ValueError(f"ray start failed (status {done.returncode}): {tail[-1] if tail else 'no output'}")
+        record = ClusterRecord(
+            address=f"{host}:{gcs}", dashboard=f"http://{host}:{dash}" if dashboard else None, folder=folder,
+            raylet_pid=raylet, cpus=float(cpus), gpus=float(gpus), worker_env=worker_env, environment=environment(),
+            auth_mode=auth_mode, started=time.time(), fork_socket=fork_socket)
+        record.save()
         check_private(record)  # Ray started: its folder above Ray's is still its user's only
         if wait and fork_socket and not fork_server.wait_ready(fork_socket, START_TIMEOUT_S):
             raise ValueError(f"the fork server did not answer on {fork_socket} within {START_TIMEOUT_S:g} s "
@@ -246,30 +262,6 @@ def private_token(env: dict) -> Path:
             out.write(secrets.token_hex(32))
     path.chmod(0o600)
     return path
-
-
-def _start_recorded(cmd: list[str], env: dict, folder: str, address: str, dashboard: Optional[str], cpus: int,
-                    gpus: int, worker_env: dict, auth_mode: str, fork_socket: Optional[str]) -> ClusterRecord:
-    """Start the fork server (a CPU-only cluster) and ``ray start`` the head in ``folder``; save the record."""
-    if fork_socket:  # importing while Ray starts; satp's checkout as its cwd, which `-m runtime...` imports from
-        with open(Path(folder) / fork_server.LOG_NAME, "w") as log_file:
-            subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env=env,
-                             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                             cwd=Path(__file__).resolve().parents[1])
-    log_path = Path(folder) / "ray-start.log"
-    with open(log_path, "w") as log_file:
-        done = subprocess.run(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                              timeout=START_TIMEOUT_S)
-    raylet = _raylet_of(folder)
-    if done.returncode != 0 or raylet is None:
-        tail = log_path.read_text()[-600:].strip().splitlines()
-        raise ValueError(f"ray start failed (status {done.returncode}): {tail[-1] if tail else 'no output'}")
-    record = ClusterRecord(
-        address=address, dashboard=dashboard, folder=folder,
-        raylet_pid=raylet, cpus=float(cpus), gpus=float(gpus), worker_env=worker_env, environment=environment(),
-        auth_mode=auth_mode, started=time.time(), fork_socket=fork_socket)
-    record.save()
-    return record
 
 
 def _gpus_on_this_machine() -> int:
@@ -405,17 +397,6 @@ def stop(record: Optional[ClusterRecord] = None) -> Optional[ClusterRecord]:
     if current is not None and current.folder == record.folder:
         record_path().unlink(missing_ok=True)
     return record
-
-
-def adopt_client_settings() -> None:
-    """Set :data:`LOOPBACK_ENV` and the satp cluster's authentication before Ray is imported (Ray reads
-    them when it loads); a value the user set stays."""
-    env = dict(LOOPBACK_ENV)
-    with contextlib.suppress(ValueError):
-        record = ClusterRecord.load()
-        env.update(record.connect_env() if record is not None else {})
-    for key, value in env.items():
-        os.environ.setdefault(key, value)
 
 
 def for_command(warn) -> Optional[ClusterRecord]:
