@@ -6,7 +6,7 @@ imports :data:`MODULES` once, then forks per request on its Unix socket a Ray wo
 client's argv, environment, folder, import path and standard streams; the client waits, forwarding
 signals, and exits with its status (should it die first, the process is killed). Ray and satp's own
 packages are never imported ahead, and a client whose interpreter or whose values of the variables
-the imports read differ (:func:`identity`) is refused. The socket is 0600 in the cluster's 0700
+the imports read differ is refused. The socket is 0600 in the cluster's 0700
 folder; both ends check the peer's user id (``SO_PEERCRED``). Standard library only at import.
 """
 from __future__ import annotations
@@ -70,20 +70,6 @@ def peer_uid(conn: socket.socket) -> int:
     """The user id of the process at the other end of the Unix socket ``conn`` (``SO_PEERCRED``)."""
     _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return uid
-
-
-def identity(env, read: frozenset) -> dict:
-    """What a forked process shares with the server and must be its own: the interpreter, and the values
-    of the environment variables the server's imports read (``read``)."""
-    return {"python": os.path.realpath(sys.executable), "env": {k: env.get(k) for k in sorted(read)}}
-
-
-def difference(mine: dict, theirs: dict) -> Optional[str]:
-    """What differs between two identities, in a few words (None: nothing)."""
-    if mine["python"] != theirs.get("python"):
-        return f"another interpreter ({theirs.get('python')})"
-    keys = sorted(k for k in mine["env"] if mine["env"][k] != theirs["env"].get(k))
-    return f"another {', '.join(keys)} in the environment" if keys else None
 
 
 # ----------------------------------------------------------------------------- the client's side
@@ -247,7 +233,10 @@ def serve(socket_path: str) -> dict:
     """Import :data:`MODULES`, then fork a runner per connection. Returns only in a forked process,
     the request it runs (see :func:`main`)."""
     before = dict(os.environ)
-    mine = identity(before, _import_recording_reads())  # the environment the imports saw
+    # what a forked process shares with the server and must be its client's: the interpreter, and the
+    # values of the environment variables the imports read
+    mine = {"python": os.path.realpath(sys.executable),
+            "env": {k: before.get(k) for k in sorted(_import_recording_reads())}}
     set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}  # kept in a forked process
     imported = time.time()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -294,8 +283,12 @@ def _runner(conn: socket.socket, mine: dict) -> Optional[dict]:
         return None
     if not request:
         return None
-    why = difference(mine, {"python": request.get("python"), "env": request.get("env", {})})
-    if why is None and len(fds) != 3:
+    theirs, why = request.get("env", {}), None
+    if mine["python"] != request.get("python"):
+        why = f"another interpreter ({request.get('python')})"
+    elif keys := sorted(k for k in mine["env"] if mine["env"][k] != theirs.get(k)):
+        why = f"another {', '.join(keys)} in the environment"
+    elif len(fds) != 3:
         why = "no standard streams"
     if why is not None:
         print(f"refused {request.get('kind')} for client pid {request.get('client')} ({why})", flush=True)
