@@ -66,7 +66,7 @@ def _parse_file(item: tuple[Path, Path, str]) -> tuple[list[FunctionGraph], str 
 
 def default_workers() -> int:
     """Parsing processes: the CPUs this process may use, at most 16."""
-    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    return max(1, min(16, len(os.sched_getaffinity(0))))
 
 
 def process_pool(workers: int):
@@ -327,9 +327,8 @@ def _write_corpus(out: str | Path, force: bool, items: list[tuple[Path, Path, st
     with atomic_dataset_dir(Path(out), name, force=force) as folder:
         raw = folder / "raw"
         keys = ("edge", "node-feat", "node_is_attributed", "node_dfs_order", "node_depth", "num-node-list",
-                "num-edge-list")
+                "num-edge-list", "graph-label")
         paths = {k: raw / f"{k}.csv.gz" for k in keys}
-        paths["graph-label"] = raw / "graph-label.csv.gz"
         paths["source"] = folder / "mapping" / "graphidx2source.csv.gz"
         with _gz_streams(paths) as write:
             # provenance (not part of OGB's layout): the source file of each graph

@@ -206,8 +206,7 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, dashbo
     env["RAY_AUTH_MODE"] = auth_mode
     if auth_mode == "token":
         private_token(env)
-    ray_bin = Path(sys.executable).with_name("ray")
-    cmd = [str(ray_bin), "start", "--head", f"--node-ip-address={host}", f"--port={gcs}",
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--node-ip-address={host}", f"--port={gcs}",
            f"--num-cpus={cpus}", f"--num-gpus={gpus}", f"--temp-dir={Path(folder) / 'ray'}", "--disable-usage-stats",
            f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
            f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
