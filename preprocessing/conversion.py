@@ -238,9 +238,8 @@ def _say(store: Path, spec: FileSpec, why: str) -> None:
 
 def build_store(folder: Path, name: str, fingerprint: str, run: Runner | None = None) -> "ColumnarStore":
     """Convert ``folder`` into its columnar store unless it holds a finished, intact one for
-    ``fingerprint``; return the opened store. Only damaged files are converted again, named on stderr;
-    a second command waits for the store's writer lock. ``run`` runs the :func:`convert_file` calls
-    (default: here; the build passes Ray tasks)."""
+    ``fingerprint``; return the opened store. Only damaged files are converted again, named on stderr.
+    ``run`` runs the :func:`convert_file` calls (default: here; the build passes Ray tasks)."""
     folder = Path(folder)
     store = folder / STORE_DIR
     if store_is_current(folder, fingerprint) and not _verify(store, name, fingerprint):

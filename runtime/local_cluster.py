@@ -161,10 +161,8 @@ class ClusterRecord:
 
 def cluster_env(use_gpu: bool, api_server: str, fork_socket: Optional[str] = None) -> dict[str, str]:
     """The environment of a satp cluster's processes (inherited by every worker the raylet starts).
-
     ``api_server``: the dashboard Ray Train's placement-group cleaner asks (else it may ask another
-    cluster of the machine and remove our placement group); without a dashboard an unreachable
-    address. ``fork_socket``: the cluster's fork server, named to every process of the cluster."""
+    cluster of the machine, and remove our placement group). ``fork_socket``: the cluster's fork server."""
     return {
         "OUTDATED_IGNORE": "1",
         "RAY_USAGE_STATS_ENABLED": "0",

@@ -143,9 +143,7 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
 
 def job_env(env_vars: Optional[dict] = None, fork_socket: Optional[str] = None) -> dict:
     """The runtime environment of a satp job: every process runs :data:`SETUP_HOOK` first, has
-    ``env_vars``, and is forked by the fork server at ``fork_socket`` (if any: a CPU-only satp
-    cluster's, or on a cluster satp did not start the one its nodes run, named by
-    ``$SATP_FORK_SOCKET``: docs/scale.md)."""
+    ``env_vars``, and is forked by the fork server at ``fork_socket`` (if any; docs/scale.md)."""
     env: dict = {"worker_process_setup_hook": SETUP_HOOK}
     if env_vars:
         env["env_vars"] = dict(env_vars)

@@ -234,8 +234,7 @@ def _s3(endpoint: Optional[tuple[str, str]], region: Optional[str], quick: bool,
 
 def ray_storage(value: str, settings: Optional[StorageSettings] = None, key: str = "train.storage_path") -> dict:
     """Ray's ``RunConfig`` arguments of a storage path: ``storage_path`` alone for a plain path; for a
-    URI the path inside its file system and ``storage_filesystem`` (Ray takes the path
-    prefix-stripped then), so that Ray reaches the store with this job's endpoint and region."""
+    URI the path inside its file system and ``storage_filesystem`` (this job's endpoint and region)."""
     loc = resolve(value, settings, key)
     return {"storage_path": value} if loc.local else {"storage_path": loc.path, "storage_filesystem": loc.fs}
 
@@ -303,11 +302,9 @@ def storage_error(loc: Location, exc: BaseException, doing: str) -> ValueError:
 
 
 def check(uri: str, write: bool = True, settings: Optional[StorageSettings] = None, key: str = "shards.root") -> None:
-    """The pre-flight of a URI setting ``key``: the store answers, takes the credentials, holds the
-    bucket, lets them list the prefix and, with ``write``, write below it (an object written and
-    deleted again). One ``ValueError`` line naming the URI and what to do, within seconds (one
-    attempt, short timeouts). A plain path: nothing to do here (the local file system's checks
-    are the pre-flight's own)."""
+    """The pre-flight of a URI setting ``key``, within seconds: the store answers, takes the credentials,
+    holds the bucket, lets them list the prefix and, with ``write``, write below it (an object written
+    and deleted again); else one ``ValueError`` line. A plain path: nothing to do here."""
     loc = resolve(uri, settings, key, quick=True)
     if loc.local:
         return
