@@ -245,14 +245,16 @@ def build_store(folder: Path, name: str, fingerprint: str, run: Runner | None = 
     if store_is_current(folder, fingerprint) and not _verify(store, name, fingerprint):
         return ColumnarStore(folder)
     with writer_lock(store / LOCK_FILE, f"the columnar store {store}"):
-        if store_is_current(folder, fingerprint):  # again: another command may have repaired it meanwhile
-            for spec, why in _verify(store, name, fingerprint):
-                if why:
-                    _say(store, spec, why)
-                (store / (spec.arrow + ".json")).unlink(missing_ok=True)
-                (store / spec.arrow).unlink(missing_ok=True)
+        damaged = _verify(store, name, fingerprint) if store_is_current(folder, fingerprint) else None
+        if damaged == []:  # another command finished or repaired it meanwhile: left as it is
+            return ColumnarStore(folder)
+        for spec, why in damaged or []:
+            if why:
+                _say(store, spec, why)
+            (store / (spec.arrow + ".json")).unlink(missing_ok=True)
+            (store / spec.arrow).unlink(missing_ok=True)
         _convert(folder, name, fingerprint, run)
-    return ColumnarStore(folder)
+        return ColumnarStore(folder)
 
 
 def _convert(folder: Path, name: str, fingerprint: str, run: Runner | None) -> None:
