@@ -80,14 +80,6 @@ class SBMGraph:
     y: np.ndarray
 
 
-@dataclass
-class Pattern:
-    """A PATTERN instance: ``edges`` [E0, 2] among its ``attributes.size`` nodes, ``attributes`` [n0]."""
-
-    edges: np.ndarray
-    attributes: np.ndarray
-
-
 # ----------------------------------------------------------------------------- one graph
 @functools.lru_cache(maxsize=512)
 def _upper_pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -120,25 +112,27 @@ def _shuffled(rng: np.random.Generator, edges: np.ndarray, *node_arrays: np.ndar
     return (out, *(arr[perm] for arr in node_arrays))
 
 
-def draw_pattern(rng: np.random.Generator, recipe: SBMRecipe) -> Pattern:
-    """A PATTERN instance: ``n0 ~ U{5..34}`` nodes, Erdos-Renyi edges (``pattern_p``), attributes."""
+def draw_pattern(rng: np.random.Generator, recipe: SBMRecipe) -> tuple[np.ndarray, np.ndarray]:
+    """A PATTERN instance: ``n0 ~ U{5..34}`` nodes, Erdos-Renyi edges (``pattern_p``): ``(edges [E0, 2],
+    attributes [n0])``."""
     n0 = int(rng.integers(recipe.size_low, recipe.size_high))
     edges = _block_edges(rng, np.zeros(n0, dtype=np.int64), np.array([[recipe.pattern_p]]))
-    return Pattern(edges=edges, attributes=rng.integers(0, recipe.node_vocab, size=n0))
+    return edges, rng.integers(0, recipe.node_vocab, size=n0)
 
 
-def pattern_graph(rng: np.random.Generator, recipe: SBMRecipe, pattern: Pattern) -> SBMGraph:
+def pattern_graph(rng: np.random.Generator, recipe: SBMRecipe, pattern: tuple[np.ndarray, np.ndarray]) -> SBMGraph:
     """One PATTERN graph: SBM + the planted ``pattern`` (see the module docstring)."""
     sizes = _community_sizes(rng, recipe)
     n, k = int(sizes.sum()), recipe.communities
-    n0 = pattern.attributes.size
+    pattern_edges, attributes = pattern
+    n0 = attributes.size
     block = np.concatenate([np.repeat(np.arange(k), sizes), np.full(n0, k)])  # the pattern is block k
     prob = np.full((k + 1, k + 1), recipe.q)
     np.fill_diagonal(prob, recipe.p)
     prob[k, :] = prob[:, k] = recipe.pattern_q
     prob[k, k] = 0.0  # the pattern's own edges are the instance's, fixed
-    edges = np.concatenate([_block_edges(rng, block, prob), pattern.edges + n])
-    x = np.concatenate([rng.integers(0, recipe.node_vocab, size=n), pattern.attributes]).astype(np.int8)
+    edges = np.concatenate([_block_edges(rng, block, prob), pattern_edges + n])
+    x = np.concatenate([rng.integers(0, recipe.node_vocab, size=n), attributes]).astype(np.int8)
     y = (block == k).astype(np.int8)
     edges, x, y = _shuffled(rng, edges, x, y)
     return SBMGraph(edges, x, y)
