@@ -119,7 +119,8 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
         if record is not None and not record.named_by(target.split("://")[-1]):
             record = None
     else:
-        record = local_cluster.for_command(warn=_warn)
+        record = local_cluster.for_command(warn=lambda line: print(f"satp: warning: {line}", file=sys.stderr,
+                                                                   flush=True))
         target = record.address if record is not None else None
     if target:
         log.info("connecting to the %s at %s", "satp cluster" if record is not None else "Ray cluster", target)
@@ -180,10 +181,6 @@ def _local_train_env() -> None:
     """Set :data:`LOCAL_TRAIN_ENV`; a value the user set stays."""
     for key, value in LOCAL_TRAIN_ENV.items():
         os.environ.setdefault(key, value)
-
-
-def _warn(line: str) -> None:
-    print(f"satp: warning: {line}", file=sys.stderr, flush=True)
 
 
 def missing_worker_env(needed: dict[str, str]) -> dict[str, str]:
