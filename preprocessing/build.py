@@ -1,13 +1,11 @@
 """Build, resume and validate a shard directory, one Ray task per shard.
 
 :func:`preprocess` names the directory by the configuration and the raw files' fingerprint
-(:func:`shard_dir`), has the raw files converted into the columnar store unless it is current
-(:mod:`preprocessing.conversion`), plans the shards (each split in OGB's order, optionally a seeded
-subset), skips the finished ones (sidecar with the same key and sha256), computes the others as Ray
-tasks that read their graphs from the memory-mapped store and write their shard themselves (to a
-folder, or an object store: :mod:`preprocessing.shard_places`), and writes ``manifest.json`` last.
-The driver holds per-graph arrays only, never the dataset. Ray is started locally unless it is
-initialised already, ``address`` names a cluster, or ``RAY_ADDRESS`` is set."""
+(:func:`shard_dir`), converts the raw files into the columnar store unless it is current
+(:mod:`preprocessing.conversion`), plans the shards, skips the finished ones (sidecar with the same
+key and sha256), computes the others as Ray tasks that read the memory-mapped store and write their
+shard themselves (:mod:`preprocessing.shard_places`), and writes ``manifest.json`` last. The driver
+holds per-graph arrays only, never the dataset."""
 from __future__ import annotations
 
 import hashlib
@@ -24,7 +22,7 @@ import numpy as np
 
 from preprocessing.config import SPLITS, DataConfig, ShardConfig, TransformConfig, config_hash
 from preprocessing.shard_places import open_place
-from preprocessing.shards import MANIFEST, SCHEMA_VERSION, VOCAB_FILE, column_specs, encode_shard, json_bytes, write_shard_file
+from preprocessing.shards import MANIFEST, SCHEMA_VERSION, VOCAB_FILE, column_specs, json_bytes, write_shard_file
 from preprocessing.sbm import NUM_CLASSES
 from preprocessing.columnar import TASK, ColumnarStore, raw_fingerprint
 from preprocessing.conversion import build_store, convert_file
@@ -71,8 +69,8 @@ def plan_shards(store: ColumnarStore, data: DataConfig, shards: ShardConfig) -> 
     return plans
 
 
-def _transformed_rows(chunk: dict, task: str, transform: dict, vocab: list[str] | None) -> tuple[list[dict], dict]:
-    """One shard's transformed rows and its column specs."""
+def shard_rows(chunk: dict, task: str, transform: dict, vocab: list[str] | None) -> tuple[list[dict], dict]:
+    """One shard's transformed rows (of a :meth:`ColumnarStore.chunk`) and its column specs."""
     import torch
 
     torch.set_num_threads(1)
@@ -81,25 +79,19 @@ def _transformed_rows(chunk: dict, task: str, transform: dict, vocab: list[str] 
     return [transform_graph(g, task, cfg, vocab_index) for g in iter_chunk(chunk)], column_specs(task, cfg)
 
 
-def compute_shard(chunk: dict, task: str, transform: dict, vocab: list[str] | None):
-    """Transform one shard's raw graphs (a :meth:`ColumnarStore.chunk`) and encode them (in memory)."""
-    return encode_shard(*_transformed_rows(chunk, task, transform, vocab))
-
-
 def write_shard(path: str, store: str, ids: np.ndarray, task: str, transform: dict, vocab: list[str] | None,
                 storage: StorageSettings | None = None) -> dict:
     """The body of a shard task: graphs ``ids`` of the store in folder ``store`` into shard ``path``;
     returns its size and sha256. ``SATP_TESTING_SHARD_DELAY_S``: a fault-injection test's minimum duration."""
     started = time.monotonic()
-    rows, specs = _transformed_rows(ColumnarStore(store).chunk(ids), task, transform, vocab)
+    rows, specs = shard_rows(ColumnarStore(store).chunk(ids), task, transform, vocab)
     time.sleep(max(0.0, float(os.environ.get("SATP_TESTING_SHARD_DELAY_S", 0)) - (time.monotonic() - started)))
     return write_shard_file(path, rows, specs, storage)
 
 
 def _shard_state(place, plan: ShardPlan, key: dict, present: dict[str, int | None]) -> tuple[dict | None, str | None]:
     """``(sidecar, None)`` of a finished shard (``present``: the directory's file sizes), else ``(None,
-    why it is computed again)``, said on stderr so that a corrupt shard is never silently rebuilt
-    (``why`` None: it was never written)."""
+    why it is computed again)`` (``why`` None: it was never written)."""
     if present[plan.sidecar] is None:
         return None, "its build was interrupted before it was recorded" if present[plan.file] is not None else None
     if present[plan.file] is None:
@@ -152,8 +144,7 @@ def preprocess(data: DataConfig, transform: TransformConfig, shards: ShardConfig
     """Build (or resume, or just validate) the shards of a configuration; return their directory.
 
     ``force``: build them again into a temporary sibling that replaces the directory only once
-    complete (on an object store: in place, the manifest removed first). Raises ``ValueError`` in one
-    line for bad input, another configuration's directory, or a store that cannot be reached."""
+    complete (on an object store: in place, the manifest removed first). Faults are one-line ``ValueError``s."""
     chash = config_hash(data, transform, shards)
     folder = ensure_dataset(data)
     fingerprint = raw_fingerprint(folder, data.name)
@@ -397,8 +388,7 @@ def _run_shard_tasks(ray, pending: list[ShardPlan], store: ColumnarStore, task: 
     from runtime.ray_cluster import missing_worker_env
 
     results: dict[str, dict] = {}
-    # SPREAD: shard tasks go to every node, not first to the node holding their arguments (the
-    # driver's); a task lost with its node is retried elsewhere (max_retries)
+    # SPREAD: shard tasks go to every node, not first to the driver's (which holds their arguments)
     remote = ray.remote(num_cpus=shards.cpus_per_task, max_retries=2, scheduling_strategy="SPREAD")(write_shard)
     env = {} if place.local else missing_worker_env(forwarded_env())  # the store's endpoint and credentials
     if env:

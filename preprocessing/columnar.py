@@ -1,10 +1,9 @@
 """The columnar raw store: a dataset's OGB raw layout as memory-mapped Arrow files.
 
-OGB's loader reads a whole dataset into memory (ogbg-ppa: ~80 GB), so the raw CSVs are converted
-once per raw fingerprint (:mod:`preprocessing.conversion`) into ``<dataset>/columnar/``: one Arrow
-IPC file per raw CSV (column ``values``, narrowest exact dtype), a sidecar per finished file
-(fingerprint, rows, bytes, xxh3), ``store.json`` last, and ``fingerprint.json``
-(:func:`raw_fingerprint`'s cache). :class:`ColumnarStore` holds per-graph arrays only;
+OGB's loader reads a whole dataset into memory, so the raw CSVs are converted once per raw
+fingerprint (:mod:`preprocessing.conversion`) into ``<dataset>/columnar/``: one Arrow IPC file per
+raw CSV (column ``values``, narrowest exact dtype), a sidecar per finished file (fingerprint, rows,
+bytes, xxh3), ``store.json`` last, and ``fingerprint.json`` (:func:`raw_fingerprint`'s cache).
 :meth:`ColumnarStore.chunk` reads some graphs' rows and adds the reverse of every undirected edge
 right after it, as OGB's loader does. Sizes are checked at every open, checksums once per build."""
 from __future__ import annotations
@@ -23,6 +22,7 @@ import xxhash
 
 from preprocessing.config import SBM_DATASETS
 from preprocessing.ogb_layout import SPLIT_KIND
+from preprocessing.shard_places import digest_file
 
 STORE_DIR = "columnar"
 STORE_FILE = "store.json"
@@ -112,8 +112,7 @@ def _signature(folder: Path, name: str) -> list[list]:
 
 def raw_fingerprint(folder: Path, name: str) -> str:
     """sha256 of the dataset's raw and split files, kept in ``columnar/fingerprint.json`` with their stat
-    signature and reused while it holds (git's "racy clean" rule: not cached for files changed within
-    :data:`RACY_NS` of hashing, nor where the folder is read-only)."""
+    signature and reused while it holds (not cached for files changed within :data:`RACY_NS` of hashing)."""
     folder = Path(folder)
     if not (folder / "RELEASE_v1.txt").is_file():
         raise ValueError(f"{folder}: RELEASE_v1.txt missing, not a complete OGB dataset folder (delete it to rebuild)")
@@ -129,9 +128,7 @@ def raw_fingerprint(folder: Path, name: str) -> str:
     digest = hashlib.sha256(name.encode())
     for rel in required_files(name):
         digest.update(rel.encode() + b"\0")
-        with open(folder / rel, "rb") as fh:
-            while chunk := fh.read(1 << 22):
-                digest.update(chunk)
+        digest_file(folder / rel, digest)
     fingerprint = digest.hexdigest()
     settled = all(max(mtime, ctime) < started - RACY_NS for _, _, mtime, ctime, _ in signature)
     if settled and _signature(folder, name) == signature:
@@ -147,8 +144,6 @@ def raw_fingerprint(folder: Path, name: str) -> str:
 
 def file_digest(path: Path) -> str:
     """xxh3-64 of a file's bytes (hex): a checksum for damage, not an identity (sha256 names data)."""
-    from preprocessing.shard_places import digest_file
-
     return digest_file(path, xxhash.xxh3_64())
 
 
@@ -221,6 +216,7 @@ class ColumnarStore:
             raise ValueError(f"{self.path}: not a finished columnar store") from None
         self.name: str = meta["dataset"]
         self.fingerprint: str = meta["fingerprint"]
+        self.undirected = self.name in UNDIRECTED
         self.specs = {s.key: s for s in file_specs(self.name)}
         for key, record in (meta.get("files") or {}).items():  # truncated or replaced since: named here
             path = self.path / self.specs[key].arrow
@@ -234,14 +230,6 @@ class ColumnarStore:
         self.edge_ptr = np.concatenate([[0], np.cumsum(edges * (2 if self.undirected else 1))]).astype(np.int64)
         self.splits = {s: read_column(self.path / f"split-{s}.arrow").astype(np.int64) for s in ("train", "valid", "test")}
         self.y = read_column(self.path / "y.arrow").astype(np.int64) if "y" in self.specs else None
-
-    @property
-    def undirected(self) -> bool:
-        return self.name in UNDIRECTED
-
-    @property
-    def task(self) -> str:
-        return TASK[self.name]
 
     @property
     def num_graphs(self) -> int:

@@ -1,9 +1,9 @@
 """OGB's raw layout into the columnar raw store (:mod:`preprocessing.columnar`), streaming.
 
-One pass per raw file in bounded memory: decompressed :data:`BLOCK_BYTES` at a time, cut at line
-ends, parsed by Arrow's CSV reader, checked (:mod:`preprocessing.raw_checks`), written as record
-batches of :data:`BATCH_ROWS` rows under a temporary name, renamed, then its sidecar; ``store.json``
-last. Every error is one line naming the file (and line, graph); a failed write names the store file."""
+One pass per raw file in bounded memory: :data:`BLOCK_BYTES` at a time, parsed by Arrow's CSV
+reader, checked (:mod:`preprocessing.raw_checks`), written as record batches of :data:`BATCH_ROWS`
+rows under a temporary name, renamed, then its sidecar; ``store.json`` last. Every error is one line
+naming the file (and line, graph)."""
 from __future__ import annotations
 
 import gzip
@@ -11,9 +11,8 @@ import json
 import os
 import sys
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -77,20 +76,11 @@ def _parse(block: bytes, spec: FileSpec, path: Path) -> np.ndarray | list[str]:
 
 
 # ----------------------------------------------------------------------------- counts
-@dataclass
-class _Counts:
+class _Counts(NamedTuple):
     """Per-graph node and edge counts (as in the raw files: one direction per undirected edge)."""
 
     nodes: np.ndarray
     edges: np.ndarray
-
-    @property
-    def node_ptr(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.nodes)])
-
-    @property
-    def edge_ptr(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.edges)])
 
 
 def _check_counts(folder: Path, counts: _Counts) -> None:
@@ -131,7 +121,8 @@ def _checked_rows(folder: Path, name: str, spec: FileSpec, counts: _Counts | Non
     """The parsed, checked blocks of one raw file, then its line count against ``counts`` (None: the
     count files themselves)."""
     src = folder / spec.rel
-    ptr = None if counts is None else {"node": counts.node_ptr, "edge": counts.edge_ptr}.get(spec.per)
+    per_graph = None if counts is None else {"node": counts.nodes, "edge": counts.edges}.get(spec.per)
+    ptr = None if per_graph is None else np.concatenate([[0], np.cumsum(per_graph)])
     check = Checker(name, spec, folder, ptr, None if counts is None else counts.nodes)
     rows = 0
     for values in (_parse(block, spec, src) for block in _line_blocks(src)):
@@ -247,22 +238,23 @@ def _say(store: Path, spec: FileSpec, why: str) -> None:
 
 def build_store(folder: Path, name: str, fingerprint: str, run: Runner | None = None) -> "ColumnarStore":
     """Convert ``folder`` into its columnar store unless it holds a finished, intact one for
-    ``fingerprint``; return the opened store. Only damaged files are converted again, named on stderr;
-    a second command waits for the store's writer lock. ``run`` runs the :func:`convert_file` calls
-    (default: here; the build passes Ray tasks)."""
+    ``fingerprint``; return the opened store. Only damaged files are converted again, named on stderr.
+    ``run`` runs the :func:`convert_file` calls (default: here; the build passes Ray tasks)."""
     folder = Path(folder)
     store = folder / STORE_DIR
     if store_is_current(folder, fingerprint) and not _verify(store, name, fingerprint):
         return ColumnarStore(folder)
     with writer_lock(store / LOCK_FILE, f"the columnar store {store}"):
-        if store_is_current(folder, fingerprint):  # again: another command may have repaired it meanwhile
-            for spec, why in _verify(store, name, fingerprint):
-                if why:
-                    _say(store, spec, why)
-                (store / (spec.arrow + ".json")).unlink(missing_ok=True)
-                (store / spec.arrow).unlink(missing_ok=True)
+        damaged = _verify(store, name, fingerprint) if store_is_current(folder, fingerprint) else None
+        if damaged == []:  # another command finished or repaired it meanwhile: left as it is
+            return ColumnarStore(folder)
+        for spec, why in damaged or []:
+            if why:
+                _say(store, spec, why)
+            (store / (spec.arrow + ".json")).unlink(missing_ok=True)
+            (store / spec.arrow).unlink(missing_ok=True)
         _convert(folder, name, fingerprint, run)
-    return ColumnarStore(folder)
+        return ColumnarStore(folder)
 
 
 def _convert(folder: Path, name: str, fingerprint: str, run: Runner | None) -> None:

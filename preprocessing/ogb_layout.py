@@ -47,7 +47,7 @@ def format_int_csv(array: np.ndarray) -> bytes:
     magnitude = np.abs(flat).astype(np.uint64)  # abs(int64 min) wraps; as uint64 it is right
     most = len(str(int(magnitude.max())))  # digits of the largest magnitude
     if most < 10:
-        magnitude = magnitude.astype(np.uint32)  # 4x faster division
+        magnitude = magnitude.astype(np.uint32)  # faster division
     unsigned = magnitude.dtype.type
     digits = np.ones(flat.size, dtype=np.uint8)
     for power in range(1, most):
@@ -67,8 +67,7 @@ def format_int_csv(array: np.ndarray) -> bytes:
 
 
 def format_fixed_csv(array: np.ndarray, decimals: int) -> bytes:
-    """Rows of values in ``[0, 10)`` as CSV bytes with ``decimals`` (1..8) digits, vectorised (~20x
-    ``np.savetxt``). Rounds ``np.rint(value * 10**decimals)``, half to even (Python's formatting when
+    """Rows of values in ``[0, 10)`` as CSV bytes with ``decimals`` (1..8) digits, vectorised. Rounds ``np.rint(value * 10**decimals)``, half to even (Python's formatting when
     the product is exact); zero unsigned; other values outside ``[0, 10)`` or NaN: ValueError."""
     if not 1 <= decimals <= 8:
         raise ValueError(f"decimals: expected 1 to 8, got {decimals}")
@@ -89,7 +88,7 @@ def format_fixed_csv(array: np.ndarray, decimals: int) -> bytes:
         rest = quotient
     cells[:, 0] = rest
     # every byte so far is a digit value; store the others less ord("0") (mod 256), then one
-    # contiguous += ord("0") makes all of them ASCII (3x faster than adding to the digit columns)
+    # contiguous += ord("0") makes all of them ASCII
     cells[:, 1] = (ord(".") - ord("0")) % 256
     cells[:, -1] = (ord(",") - ord("0")) % 256
     cells[arr.shape[1] - 1 :: arr.shape[1], -1] = (ord("\n") - ord("0")) % 256

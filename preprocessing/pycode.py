@@ -37,25 +37,20 @@ NUM_VOCAB, MAX_SEQ_LEN = 5000, 5  # the target side of OGB's code2 example (stat
 _PANDAS_NA = frozenset({"nan", "null", "n/a", "na", "-nan", "none", "<na>", "-na"})
 
 
-def _parse_error(path: Path, exc: Exception) -> str:
-    """``path:LINE: reason`` of a file that does not parse (one line)."""
-    line = getattr(exc, "lineno", None)
-    reason = getattr(exc, "msg", None) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    return f"{path}{f':{line}' if line else ''}: {type(exc).__name__}: {reason}"
-
-
 def _parse_file(item: tuple[Path, Path, str]) -> tuple[list[FunctionGraph], str | None]:
     """The function graphs of one file (``(path, rel, group)``), in source order, or the reason it
     does not parse."""
-    path, rel, group = item
+    path = item[0]
     try:
         with tokenize.open(path) as fh:
             text = fh.read()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tree = ast.parse(text, filename=str(path))
-    except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, OSError) as exc:
-        return [], _parse_error(path, exc)
+    except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, OSError) as exc:  # path:LINE: reason
+        line = getattr(exc, "lineno", None)
+        reason = getattr(exc, "msg", None) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return [], f"{path}{f':{line}' if line else ''}: {type(exc).__name__}: {reason}"
     graphs = []
     stack = [tree]
     while stack:  # pre-order over the file, so functions come in source order
@@ -64,7 +59,6 @@ def _parse_file(item: tuple[Path, Path, str]) -> tuple[list[FunctionGraph], str 
             g = function_graph(node)
             label = " ".join(g.label)
             if g.label and label not in _PANDAS_NA:
-                g.group, g.path = group, str(rel)
                 graphs.append(g)
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
     return graphs, None
@@ -72,7 +66,7 @@ def _parse_file(item: tuple[Path, Path, str]) -> tuple[list[FunctionGraph], str 
 
 def default_workers() -> int:
     """Parsing processes: the CPUs this process may use, at most 16."""
-    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    return max(1, min(16, len(os.sched_getaffinity(0))))
 
 
 def process_pool(workers: int):
@@ -84,11 +78,8 @@ def process_pool(workers: int):
 
 
 # ----------------------------------------------------------------------------- bounded-memory build
-# Parsing processes write the graphs of a chunk of files to a part file (compact arrays: int32
-# parents, depths, type and attribute ids into the part's own string tables) and return only
-# the number of graphs per file; the parent then streams the parts twice, in order: the counts
-# of the train split (vocabularies, statistics), then encoding and writing. Peak memory is that
-# of one part plus the train split's attribute counts, whatever the size of the corpus.
+# Parsers write a chunk's graphs to a part file (int32 arrays, the part's own string tables); the
+# parent streams the parts twice: the train split's counts, then encoding and writing.
 _CHUNK_BYTES = 1 << 20  # source bytes per part (at least one file)
 _CHUNK_FILES = 512
 
@@ -336,9 +327,8 @@ def _write_corpus(out: str | Path, force: bool, items: list[tuple[Path, Path, st
     with atomic_dataset_dir(Path(out), name, force=force) as folder:
         raw = folder / "raw"
         keys = ("edge", "node-feat", "node_is_attributed", "node_dfs_order", "node_depth", "num-node-list",
-                "num-edge-list")
+                "num-edge-list", "graph-label")
         paths = {k: raw / f"{k}.csv.gz" for k in keys}
-        paths["graph-label"] = raw / "graph-label.csv.gz"
         paths["source"] = folder / "mapping" / "graphidx2source.csv.gz"
         with _gz_streams(paths) as write:
             # provenance (not part of OGB's layout): the source file of each graph

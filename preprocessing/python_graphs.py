@@ -46,8 +46,6 @@ class FunctionGraph:
     depth: list[int]
     parent: list[int]  # parent of node i (i >= 1), -1 for the root
     label: list[str]
-    group: str = ""
-    path: str = ""
 
 
 def function_graph(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> FunctionGraph:

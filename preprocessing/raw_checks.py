@@ -1,14 +1,9 @@
-"""What every value of OGB's raw files must be, checked block by block while they are converted.
-
-OGB's loader takes any integer, and a bad one surfaces later as a tensor error naming neither file
-nor graph, so each parsed block is checked (vectorised) before anything is written, and the first
-bad value is refused in one line::
+"""What every value of OGB's raw files must be, checked block by block while they are converted (a
+bad one would surface later as a tensor error naming neither file nor graph); the first bad value
+is refused in one line::
 
     data/ogbg_code2/raw/node-feat.csv.gz: line 2346, graph 17: node type id 99999 outside [0, 98) (...)
-
-Ranges: counts >= 1; endpoints and DFS positions inside the graph; code2 type and attribute ids
-inside the mapping tables and the model's embeddings; flags 0/1; depths >= 0; classes and SBM
-inputs in range; split ids inside the dataset; floats finite."""
+"""
 from __future__ import annotations
 
 import csv

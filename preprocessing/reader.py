@@ -3,15 +3,13 @@
 >>> ds = ShardDataset(shard_dir, "train")   # len(ds), ds[i], ds.num_nodes, ds.vocab, ds.manifest
 >>> ds.batch([5, 2, 9])                    # == Batch.from_data_list([ds[5], ds[2], ds[9]])
 
-Items are decoded from the mapping and own their tensors. :meth:`ShardDataset.batch` decodes a
-mini-batch column by column (one ``np.concatenate`` per column, PyG's offsets added at once) instead
-of per item. Every shard must have its recorded size on construction; its sha256 is checked when it
-is first opened. A shard file's tensor values are read (``pread``) as items need them, not mapped:
-the kernel maps the whole large folio of each page read, so one batch of random graphs would keep
-most of a shard resident; a reader's memory is the same whatever the data size. Pickling keeps only the path and settings. A directory on an
-object store is read through the node's shard cache (:mod:`preprocessing.shard_cache`), with
-read-ahead; a reader closes the shards it read longest ago when the cache needs their room.
-:func:`featurise` turns new raw graphs into ``SATData`` exactly as training data were made."""
+Items own their tensors. :meth:`ShardDataset.batch` decodes a mini-batch column by column (PyG's
+offsets added at once). Every shard must have its recorded size on construction; its sha256 is
+checked when it is first opened. Tensor values are read (``pread``) as items need them, not mapped,
+so a reader's memory is the same whatever the data size. Pickling keeps only the path and settings.
+A directory on an object store is read through the node's shard cache
+(:mod:`preprocessing.shard_cache`), with read-ahead. :func:`featurise` turns new raw graphs into
+``SATData`` exactly as training data were made."""
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +25,8 @@ import torch
 from torch_geometric.data import Batch
 
 from preprocessing.shard_cache import READ_AHEAD_BYTES, ShardCache, fetcher
-from preprocessing.shard_places import open_place
-from preprocessing.shards import read_manifest, sha256_file
+from preprocessing.shard_places import open_place, sha256_file
+from preprocessing.shards import read_manifest
 from runtime.storage import StorageSettings
 from sat.data import SATData
 
@@ -59,10 +57,9 @@ class _FileValues:
 
 
 class _Shard:
-    """One shard: its offsets and scalar columns in memory, its tensor values read from ``source``
-    when sliced (:class:`_FileValues`; numpy views of an in-memory buffer); ``source``: the file to
-    read (default ``path``) or the shard's bytes; ``path`` is named in messages; ``holder``: kept while
-    the shard is open."""
+    """One shard: its offsets and scalar columns in memory, its tensor values read when sliced;
+    ``source``: the file to read (default ``path``) or the shard's bytes; ``path`` is named in
+    messages; ``holder``: kept while the shard is open."""
 
     def __init__(self, path: Path | str, specs: dict[str, dict], source: Path | pa.Buffer | None = None,
                  holder=None):
@@ -102,35 +99,18 @@ class _Shard:
         if self._holder is not None:
             self._holder.close()
 
-    def item(self, i: int) -> SATData:
-        n = int(self.num_nodes[i])
-        values_of: dict = {"graph_id": torch.tensor([int(self.graph_id[i])])}
-        for name, (offsets, values, spec) in self.columns.items():
-            a, b = int(offsets[i]), int(offsets[i + 1])
-            if spec["decode"] == "str":
-                values_of[name] = values.slice(a, b - a).to_pylist()
-                continue
-            arr = values[a:b].astype(spec["decode"])  # a copy: tensors never view the shard
-            if name == "subgraph_size":
-                values_of["subgraph_indicator"] = torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64), arr))
-                continue
-            shape = spec["shape"]
-            values_of[name] = torch.from_numpy(arr.reshape(shape) if len(shape) > 1 else arr)
-        if n == 0 or "x" not in self.columns:
-            values_of["num_nodes"] = n
-        return SATData(**values_of)
+    def item(self, i: int, specs: dict[str, dict]) -> SATData:
+        """Row ``i`` as one graph, decoded as :meth:`ShardDataset.batch` decodes a mini-batch."""
+        columns, _, nodes = _decoded([self], np.zeros(1, dtype=np.int64), np.array([i]), specs)
+        data = SATData(**{name: value[0] if isinstance(value, list) else value for name, value in columns.items()})
+        if nodes[0] == 0 or "x" not in specs:
+            data.num_nodes = int(nodes[0])
+        return data
 
 
 def _cat_axis(name: str, ndim: int) -> int:
     """The axis along which PyG concatenates attribute ``name`` of ``ndim`` dims (``SATData.__cat_dim__``)."""
     return SATData().__cat_dim__(name, torch.empty((0,) * ndim)) % ndim
-
-
-def _incremented_by(name: str) -> str | None:
-    """The per-graph count PyG adds into attribute ``name``'s values when batching (``SATData.__inc__``)."""
-    if name in _INCREMENTED_BY:
-        return _INCREMENTED_BY[name]
-    return "num_nodes" if "index" in name else None
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
@@ -149,7 +129,7 @@ def _collated(columns: dict, counts: dict, nodes: np.ndarray) -> Batch:
         if isinstance(value, list):  # PyG keeps a non-tensor attribute as the list of the graphs' values
             out[name], slices[name], incs[name] = value, torch.arange(size + 1), None
             continue
-        by = _incremented_by(name)
+        by = _INCREMENTED_BY.get(name, "num_nodes" if "index" in name else None)
         inc = _offsets(counts[by])[:-1] if by else np.zeros(size, dtype=np.int64)
         if inc[-1]:
             axis = _cat_axis(name, value.dim())
@@ -219,6 +199,27 @@ class _Rows:
         return out.view(out.numpy().reshape(out_shape).shape), counts
 
 
+def _decoded(shards: list[_Shard], shard_of: np.ndarray, rows: np.ndarray, specs: dict[str, dict]) -> tuple:
+    """``(columns, counts, nodes)`` of rows ``rows`` of ``shards`` (``shard_of``: each row's shard):
+    every column decoded and concatenated along its cat axis, each graph's size along it, and the
+    graphs' node counts (what :func:`_collated` takes)."""
+    rows = _Rows(shards, shard_of, rows)
+    nodes = rows.scalar("num_nodes")
+    columns: dict = {"graph_id": torch.from_numpy(rows.scalar("graph_id"))}
+    counts = {"graph_id": np.ones(rows.size, dtype=np.int64)}
+    for name, spec in specs.items():
+        if spec["decode"] == "str":
+            columns[name] = rows.strings(name)
+        elif name == "subgraph_size":  # subgraph_indicator: each graph's centres c, size[c] times each
+            sizes, _ = rows.concat(name, spec)
+            local = np.arange(int(nodes.sum())) - np.repeat(_offsets(nodes)[:-1], nodes)
+            columns["subgraph_indicator"] = torch.from_numpy(np.repeat(local, sizes.numpy()))
+            counts["subgraph_indicator"] = np.diff(_offsets(sizes.numpy())[_offsets(nodes)])
+        else:
+            columns[name], counts[name] = rows.concat(name, spec)
+    return columns, counts, nodes
+
+
 class ShardDataset(torch.utils.data.Dataset):
     """Items of one split of a shard directory (see the module docstring)."""
 
@@ -282,9 +283,6 @@ class ShardDataset(torch.utils.data.Dataset):
         self._shards[k] = shard  # the most recently used, last
         return shard
 
-    def _close(self, k: int) -> None:
-        self._shards.pop(k).close()
-
     def _make_room(self, k: int, pinned: frozenset[int]) -> None:
         """Close the shards read longest ago (but ``pinned``) until shard ``k`` and the next fit the cache beside the rest."""
         need = sum(e["bytes"] for e in self._entries[k:k + 2]) + sum(self._entries[j]["bytes"] for j in self._shards)
@@ -292,7 +290,7 @@ class ShardDataset(torch.utils.data.Dataset):
             if need <= self._cache.limit:
                 return
             need -= self._entries[j]["bytes"]
-            self._close(j)
+            self._shards.pop(j).close()
 
     def _fetched(self, k: int) -> tuple:
         """``(path, holder)`` of store shard ``k`` in the cache, the shards after it downloading meanwhile
@@ -311,8 +309,9 @@ class ShardDataset(torch.utils.data.Dataset):
         for j in window:
             if j not in self._fetches:
                 entry = self._entries[j]
-                self._fetches[j] = fetcher().submit(self._cache.fetch, self._place.loc.join(entry["file"]),
-                                                    entry["bytes"], entry["sha256"], keep, ahead=True)
+                self._fetches[j] = fetcher(os.getpid()).submit(
+                    self._cache.fetch, self._place.loc.join(entry["file"]), entry["bytes"], entry["sha256"], keep,
+                    ahead=True)
         job, entry = self._fetches.pop(k), self._entries[k]
         obj = self._place.loc.join(entry["file"])
         downloaded = self._cache.fetch(obj, entry["bytes"], entry["sha256"], keep) if job.cancel() \
@@ -347,7 +346,7 @@ class ShardDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> SATData:
         shard, row = self._locate(int(index))
-        return self._shard(int(shard[0])).item(int(row[0]))
+        return self._shard(int(shard[0])).item(int(row[0]), self._specs)
 
     def batch(self, indices) -> Batch:
         """The items ``indices`` as one PyG ``Batch``, equal to ``Batch.from_data_list`` of them."""
@@ -356,28 +355,19 @@ class ShardDataset(torch.utils.data.Dataset):
             raise ValueError("a batch needs at least one item")
         used, shard_of = np.unique(shard, return_inverse=True)
         pinned = frozenset(used.tolist())
-        rows = _Rows([self._shard(k, pinned=pinned) for k in used.tolist()], shard_of.reshape(-1), row)
-        nodes = rows.scalar("num_nodes")
-        columns: dict = {"graph_id": torch.from_numpy(rows.scalar("graph_id"))}
-        counts = {"graph_id": np.ones(rows.size, dtype=np.int64)}
-        for name, spec in self._specs.items():
-            if spec["decode"] == "str":
-                columns[name] = rows.strings(name)
-            elif name == "subgraph_size":  # subgraph_indicator: each graph's centres c, size[c] times each
-                sizes, _ = rows.concat(name, spec)
-                local = np.arange(int(nodes.sum())) - np.repeat(_offsets(nodes)[:-1], nodes)
-                columns["subgraph_indicator"] = torch.from_numpy(np.repeat(local, sizes.numpy()))
-                counts["subgraph_indicator"] = np.diff(_offsets(sizes.numpy())[_offsets(nodes)])
-            else:
-                columns[name], counts[name] = rows.concat(name, spec)
-        return _collated(columns, counts, nodes)
+        shards = [self._shard(k, pinned=pinned) for k in used.tolist()]
+        return _collated(*_decoded(shards, shard_of.reshape(-1), row, self._specs))
+
+    def _per_item(self, of) -> np.ndarray:
+        """``of(shard)`` of every shard (one value per item), concatenated, int64."""
+        parts = [of(self._shard(k, verify=False)) for k in range(len(self._entries))]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
     @property
     def num_nodes(self) -> np.ndarray:
         """Node count of every item (int64), without decoding graphs."""
         if self._num_nodes is None:
-            parts = [self._shard(k, verify=False).num_nodes for k in range(len(self._entries))]
-            self._num_nodes = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+            self._num_nodes = self._per_item(lambda shard: shard.num_nodes)
         return self._num_nodes
 
     def sizes(self, name: str) -> np.ndarray:
@@ -390,8 +380,7 @@ class ShardDataset(torch.utils.data.Dataset):
         shape = spec["shape"]
         axis = _cat_axis(name, len(shape))
         width = math.prod(d for i, d in enumerate(shape) if i != axis and d != -1)
-        parts = [np.diff(self._shard(k, verify=False).columns[name][0]) // width for k in range(len(self._entries))]
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+        return self._per_item(lambda shard: np.diff(shard.columns[name][0]) // width)
 
     def in_degree_histogram(self) -> list[int]:
         """``hist[d]``: nodes of the split with in-degree ``d`` (PNA's ``deg``), one shard mapped at a time."""
@@ -400,7 +389,7 @@ class ShardDataset(torch.utils.data.Dataset):
             was_open = k in self._shards
             shard = self._shard(k)
             if not was_open:
-                self._close(k)  # one shard mapped at a time: memory stays flat over the split
+                self._shards.pop(k).close()  # one shard mapped at a time: memory stays flat over the split
             offsets, values, _spec = shard.columns["edge_index"]
             for i in range(shard.rows):
                 a, b = int(offsets[i]), int(offsets[i + 1])
@@ -414,8 +403,7 @@ class ShardDataset(torch.utils.data.Dataset):
     @property
     def graph_ids(self) -> np.ndarray:
         """Index in the source OGB dataset of every item."""
-        parts = [self._shard(k, verify=False).graph_id for k in range(len(self._entries))]
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+        return self._per_item(lambda shard: shard.graph_id)
 
     @property
     def vocab(self) -> list[str] | None:
@@ -464,4 +452,4 @@ def featurise(raws: list[dict], task: str, transform, vocab: list[str] | None = 
         rows.append(transform_graph(raw, task, cfg, vocab_index))
     specs = column_specs(task, cfg)
     shard = _Shard(Path("<memory>"), specs, encode_shard(rows, specs))
-    return [shard.item(i) for i in range(len(rows))]
+    return [shard.item(i, specs) for i in range(len(rows))]

@@ -13,12 +13,9 @@ benchmark's distribution, they are not the released graphs.
 - CLUSTER (6 classes): an SBM of 6 communities (p = 0.55, q = 0.25), shuffled; one random node
   per community gets input ``1 + label``, the others 0. 10,000 / 1,000 / 1,000 graphs.
 
-Edge statistics count both directions, as the table of Chen et al. (ICML 2022) does; PATTERN's
-depend on the seed's draw of its 100 patterns (``docs/results.md``).
-Layout: OGB-like gzip CSVs (``raw/edge.csv.gz`` one line per undirected edge, ``u < v``;
-``node-feat``, ``node-label``, ``split/benchmark/``, PATTERN's ``mapping/graphidx2pattern``), built
-under a temporary name (:mod:`preprocessing.ogb_layout`); the same ``(name, graphs, seed)`` gives
-byte-identical files."""
+Edge statistics count both directions, as the table of Chen et al. (ICML 2022) does. Layout: OGB-like
+gzip CSVs (``raw/edge.csv.gz`` one line per undirected edge, ``u < v``), built under a temporary
+name (:mod:`preprocessing.ogb_layout`); the same ``(name, graphs, seed)`` gives byte-identical files."""
 from __future__ import annotations
 
 import functools
@@ -28,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from preprocessing.config import SPLITS
 from preprocessing.ogb_layout import (OGB_DIR, atomic_dataset_dir, check_out_dir, write_gz_array, write_mapping,
                                       write_splits)
 
-SPLITS = ("train", "valid", "test")
-_GZIP_LEVEL = 1  # ~45 MB/s: PATTERN's edges are ~290 MB of text
+_GZIP_LEVEL = 1  # PATTERN's edges are ~290 MB of text
 
 
 @dataclass(frozen=True)
@@ -83,14 +80,6 @@ class SBMGraph:
     y: np.ndarray
 
 
-@dataclass
-class Pattern:
-    """A PATTERN instance: ``edges`` [E0, 2] among its ``attributes.size`` nodes, ``attributes`` [n0]."""
-
-    edges: np.ndarray
-    attributes: np.ndarray
-
-
 # ----------------------------------------------------------------------------- one graph
 @functools.lru_cache(maxsize=512)
 def _upper_pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,25 +112,27 @@ def _shuffled(rng: np.random.Generator, edges: np.ndarray, *node_arrays: np.ndar
     return (out, *(arr[perm] for arr in node_arrays))
 
 
-def draw_pattern(rng: np.random.Generator, recipe: SBMRecipe) -> Pattern:
-    """A PATTERN instance: ``n0 ~ U{5..34}`` nodes, Erdos-Renyi edges (``pattern_p``), attributes."""
+def draw_pattern(rng: np.random.Generator, recipe: SBMRecipe) -> tuple[np.ndarray, np.ndarray]:
+    """A PATTERN instance: ``n0 ~ U{5..34}`` nodes, Erdos-Renyi edges (``pattern_p``): ``(edges [E0, 2],
+    attributes [n0])``."""
     n0 = int(rng.integers(recipe.size_low, recipe.size_high))
     edges = _block_edges(rng, np.zeros(n0, dtype=np.int64), np.array([[recipe.pattern_p]]))
-    return Pattern(edges=edges, attributes=rng.integers(0, recipe.node_vocab, size=n0))
+    return edges, rng.integers(0, recipe.node_vocab, size=n0)
 
 
-def pattern_graph(rng: np.random.Generator, recipe: SBMRecipe, pattern: Pattern) -> SBMGraph:
+def pattern_graph(rng: np.random.Generator, recipe: SBMRecipe, pattern: tuple[np.ndarray, np.ndarray]) -> SBMGraph:
     """One PATTERN graph: SBM + the planted ``pattern`` (see the module docstring)."""
     sizes = _community_sizes(rng, recipe)
     n, k = int(sizes.sum()), recipe.communities
-    n0 = pattern.attributes.size
+    pattern_edges, attributes = pattern
+    n0 = attributes.size
     block = np.concatenate([np.repeat(np.arange(k), sizes), np.full(n0, k)])  # the pattern is block k
     prob = np.full((k + 1, k + 1), recipe.q)
     np.fill_diagonal(prob, recipe.p)
     prob[k, :] = prob[:, k] = recipe.pattern_q
     prob[k, k] = 0.0  # the pattern's own edges are the instance's, fixed
-    edges = np.concatenate([_block_edges(rng, block, prob), pattern.edges + n])
-    x = np.concatenate([rng.integers(0, recipe.node_vocab, size=n), pattern.attributes]).astype(np.int8)
+    edges = np.concatenate([_block_edges(rng, block, prob), pattern_edges + n])
+    x = np.concatenate([rng.integers(0, recipe.node_vocab, size=n), attributes]).astype(np.int8)
     y = (block == k).astype(np.int8)
     edges, x, y = _shuffled(rng, edges, x, y)
     return SBMGraph(edges, x, y)

@@ -2,22 +2,20 @@
 
 ``<storage.cache_dir>/<sha256>.arrow`` (named by content), ``.<sha256>.lock`` (shared while mapped,
 exclusive while downloading), ``.<sha256>.arrow.tmp-<id>`` (a download in progress). A download is
-one streamed GET on S3 (every ranged GET is a request of its own, and some servers read the whole
-object for each), :data:`PIECE`-byte ranges elsewhere; hashed as it comes, renamed once its size
-and sha256 match; a mismatch or missing object is fetched once more, then refused in one line.
-Readers download the shards after the one they read, :data:`READ_AHEAD_BYTES` of them,
-:data:`DOWNLOADS` at once per process. The cache holds at most ``storage.cache_max_gb`` (default
-:data:`FREE_SHARE` of the disk's free space, at most :data:`DEFAULT_CAP_GB`); room is made by evicting
-the least recently used shards no reader maps, so a split larger than the cache streams through it;
-a cache that cannot hold a shard and the next is refused."""
+one streamed GET on S3 (some servers read the whole object for each ranged GET), :data:`PIECE`-byte
+reads elsewhere; hashed as it comes, renamed once its size and sha256 match; a mismatch or missing
+object is fetched once more, then refused in one line. The cache holds at most
+``storage.cache_max_gb`` (default :data:`FREE_SHARE` of the disk's free space, at most
+:data:`DEFAULT_CAP_GB`); room is made by evicting the least recently used shards no reader maps, so
+a split larger than the cache streams through it."""
 from __future__ import annotations
 
 import concurrent.futures
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
-import threading
 import uuid
 from pathlib import Path
 from typing import IO, Iterator, Optional
@@ -96,9 +94,9 @@ class ShardCache:
         return fh
 
     def open(self, obj: Location, size: int, sha256: str, verify: bool, keep: frozenset[str]) -> tuple:
-        """``(path, holder)`` of the cached copy of the shard at ``obj``, downloaded unless cached.
-        Keep ``holder`` as long as the file is mapped (no process evicts it). ``verify``: check a
-        cached copy; ``keep``: sha256s not to evict."""
+        """``(path, holder)`` of the cached copy of the shard at ``obj``, downloaded unless cached; no
+        process evicts it while ``holder`` is kept. ``verify``: check a cached copy; ``keep``: sha256s
+        not to evict."""
         entry = self.folder / f"{sha256}.arrow"
         checked = False
         for _ in range(3):  # a copy evicted by another process between its download and its lock: again
@@ -116,9 +114,8 @@ class ShardCache:
 
     def fetch(self, obj: Location, size: int, sha256: str, keep: frozenset[str], damaged: bool = False,
               ahead: bool = False) -> bool:
-        """Download ``obj`` into the cache unless it is there (``damaged``: replace the copy there); True
-        when it was downloaded (and so checked) here. ``ahead``: a read-ahead, given up (False) when
-        the shards in use leave no room."""
+        """Download ``obj`` into the cache unless it is there (``damaged``: replace it); True when it was
+        downloaded (and so checked) here. ``ahead``: a read-ahead, given up (False) when there is no room."""
         entry = self.folder / f"{sha256}.arrow"
         if entry.is_file() and not damaged:
             return False  # cached: other readers may hold it (shared), which the exclusive lock would wait out
@@ -183,7 +180,8 @@ class ShardCache:
 
         bucket, key = obj.path.split("/", 1)
         try:
-            yield from _s3(self.settings).get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(PIECE)
+            client = _s3(self.settings, tuple(sorted(forwarded_env().items())), os.getpid())
+            yield from client.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(PIECE)
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 raise FileNotFoundError(obj.uri) from None
@@ -231,32 +229,13 @@ _FIX = {
 }
 
 
-#: This process's download threads and S3 clients (a forked child, without its parent's threads, makes its own).
-_process: dict = {}
-_process_lock = threading.Lock()
+@functools.lru_cache(maxsize=None)
+def fetcher(pid: int) -> concurrent.futures.ThreadPoolExecutor:
+    """Process ``pid``'s download threads (a forked child, without its parent's threads, makes its own)."""
+    return concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="satp-shard-fetch")
 
 
-def _forget_parent() -> None:
-    global _process_lock
-    _process.clear()
-    _process_lock = threading.Lock()  # a parent's thread may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_forget_parent)
-
-
-def fetcher() -> concurrent.futures.ThreadPoolExecutor:
-    """This process's download threads."""
-    with _process_lock:
-        if "threads" not in _process:
-            _process["threads"] = concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="satp-shard-fetch")
-        return _process["threads"]
-
-
-def _s3(settings: Optional[StorageSettings]):
-    """This process's boto3 client of ``settings`` (thread-safe; made once: making one takes ~0.2 s)."""
-    key = (settings, tuple(sorted(forwarded_env().items())))
-    with _process_lock:
-        if key not in _process:
-            _process[key] = s3_client(settings)
-        return _process[key]
+@functools.lru_cache(maxsize=None)
+def _s3(settings: Optional[StorageSettings], env: tuple, pid: int):
+    """The boto3 client of ``settings`` and the standard variables ``env`` in process ``pid``."""
+    return s3_client(settings)

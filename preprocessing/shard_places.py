@@ -2,10 +2,8 @@
 behind one set of operations, so that the build and the readers run the same code on both.
 
 ``writer``/``write``: in a folder a temporary file, fsync, rename; on a store one upload, visible
-only once complete. ``digest_matches``: a file's sha256; on a store True (the build compares the
-size, the reader the sha256). ``lock()``: ``flock`` beside the folder; on a store on this machine.
-Writes are ordered (shard, its sidecar; all of them, the manifest), so a rerun writes only what is
-missing and a reader trusting the manifest never reads an interrupted build."""
+only once complete. ``digest_matches``: a file's sha256; on a store True (the reader checks it).
+``lock()``: ``flock`` beside the folder; for a store on this machine."""
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +32,7 @@ def digest_file(path: Path, digest) -> str:
 
 
 class HashingSink:
-    """A binary sink that passes every write on to ``sink`` and counts and hashes (sha256) what it
-    wrote: a shard's size and checksum come out of its one write, nothing is read back."""
+    """A binary sink that passes every write on to ``sink`` and counts and hashes (sha256) it."""
 
     closed = False
 
@@ -56,7 +53,14 @@ class HashingSink:
         pass
 
 
-class FolderPlace:
+class _Place:
+    def write(self, name: str, payload: bytes) -> None:
+        """Replace file ``name`` by ``payload`` whole (see :meth:`writer`)."""
+        with self.writer(name, "the previous version, if any, is kept") as sink:
+            sink.write(payload)
+
+
+class FolderPlace(_Place):
     """A shard directory in a folder of the local (or a shared) file system."""
 
     def __init__(self, path: str | Path) -> None:
@@ -80,10 +84,6 @@ class FolderPlace:
     def read(self, name: str) -> bytes:
         """The file's bytes (``OSError`` when it cannot be read, ``FileNotFoundError`` when missing)."""
         return (self.path / name).read_bytes()
-
-    def write(self, name: str, payload: bytes) -> None:
-        with self.writer(name, "the previous version, if any, is kept") as sink:
-            sink.write(payload)
 
     def delete(self, name: str) -> None:
         (self.path / name).unlink(missing_ok=True)
@@ -117,7 +117,7 @@ class FolderPlace:
             tmp.unlink(missing_ok=True)
 
 
-class StorePlace:
+class StorePlace(_Place):
     """A shard directory under a prefix of an object store (or another file system of pyarrow.fs);
     every failure is one line naming the object (:func:`runtime.storage.storage_error`)."""
 
@@ -130,10 +130,8 @@ class StorePlace:
         return self.loc.join(name).uri
 
     def _listing(self) -> list:
-        import pyarrow.fs as pafs
-
         try:
-            return self.loc.fs.get_file_info(pafs.FileSelector(self.loc.path, allow_not_found=True))
+            return self.loc.children()
         except OSError as exc:
             raise storage_error(self.loc, exc, "listing") from None
 
@@ -153,16 +151,11 @@ class StorePlace:
     def read(self, name: str) -> bytes:
         obj = self.loc.join(name)
         try:
-            with obj.fs.open_input_stream(obj.path) as src:
-                return src.read()
+            return obj.read_bytes()
         except FileNotFoundError:
             raise FileNotFoundError(f"{obj.uri}: missing") from None
         except OSError as exc:
             raise storage_error(obj, exc, "reading") from None
-
-    def write(self, name: str, payload: bytes) -> None:
-        with self.writer(name, "") as sink:
-            sink.write(payload)
 
     def delete(self, name: str) -> None:
         obj = self.loc.join(name)

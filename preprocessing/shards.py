@@ -16,12 +16,8 @@ import numpy as np
 import pyarrow as pa
 
 from preprocessing.config import SBM_DATASETS
-from preprocessing.shard_places import file_place, open_place, sha256_file
+from preprocessing.shard_places import file_place, open_place
 from runtime.storage import StorageSettings
-
-__all__ = ["MANIFEST", "SCHEMA_VERSION", "VOCAB_FILE", "arrow_schema",
-           "column_specs", "encode_shard", "json_bytes", "read_manifest", "sha256_file", "shard_batch",
-           "write_shard_file"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -65,17 +61,13 @@ def column_specs(task: str, transform) -> dict[str, dict]:
     return specs
 
 
-def arrow_schema(specs: dict[str, dict]) -> pa.Schema:
+def shard_batch(rows: list[dict], specs: dict[str, dict]) -> pa.RecordBatch:
+    """Rows (as :func:`preprocessing.transforms.transform_graph` returns them) -> the shard's one record batch."""
     fields = [pa.field(k, t, nullable=False) for k, t in _SCALARS.items()]
     for name, spec in specs.items():
         value_type = pa.string() if spec["type"] == "string" else pa.from_numpy_dtype(np.dtype(spec["type"]))
         fields.append(pa.field(name, pa.large_list(pa.field("item", value_type, nullable=False)), nullable=False))
-    return pa.schema(fields, metadata={"satp.schema_version": str(SCHEMA_VERSION)})
-
-
-def shard_batch(rows: list[dict], specs: dict[str, dict]) -> pa.RecordBatch:
-    """Rows (as :func:`preprocessing.transforms.transform_graph` returns them) -> the shard's one record batch."""
-    schema = arrow_schema(specs)
+    schema = pa.schema(fields, metadata={"satp.schema_version": str(SCHEMA_VERSION)})
     arrays = [
         pa.array([int(r["graph_id"]) for r in rows], type=pa.int64()),
         pa.array([int(r["num_nodes"]) for r in rows], type=pa.int32()),

@@ -34,11 +34,6 @@ def environment_roots() -> list[Path]:
     return roots
 
 
-def _canonical(name: str) -> str:
-    """A distribution's name as PEP 503 compares them (``Foo_Bar.baz`` -> ``foo-bar-baz``)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def _reserved_in(root: Path, reserved: frozenset[str]) -> tuple[set[str], set[str]]:
     """``(top-level names, file paths)`` that the distributions named in ``reserved`` installed
     under ``root`` (their ``top_level.txt`` and ``RECORD``): e.g. hypothesis' ``_hypothesis_*.py``."""
@@ -51,7 +46,7 @@ def _reserved_in(root: Path, reserved: frozenset[str]) -> tuple[set[str], set[st
             name = dist.metadata["Name"] or ""
         except Exception:  # a broken metadata file is no reserved distribution
             continue
-        if _canonical(name) not in reserved:
+        if re.sub(r"[-_.]+", "-", name).lower() not in reserved:  # PEP 503's comparison
             continue
         top_level = dist.read_text("top_level.txt") or ""
         names.update(line.strip().lower() for line in top_level.splitlines() if line.strip())

@@ -1,12 +1,11 @@
 """A synthetic ogbg-ppa in OGB's raw layout (``satp data synthetic-ppa --out ROOT [--graphs N] [--workers N]``).
 
 Shaped like the real dataset (~243 nodes, average degree ~18, 7 float edge features in [0, 1],
-37 classes, split by species): each graph is a degree-corrected SBM whose class ``c`` sets the
-number of blocks (``1 + c % 4``), the share of within-block edges (``(c // 4) % 3``), the degree
-heterogeneity (``c // 12``) and a prototype of its edge features (plus noise). Groups of ~10
-graphs ("species") go whole to train/valid/test (~60/20/20). Streaming: graphs are made in blocks
-of :data:`BLOCK_GRAPHS`, each with its own random stream, in ``workers`` processes, each block a
-gzip member appended in order; the bytes depend on ``(graphs, seed)`` only."""
+37 classes, split by species): each graph is a degree-corrected SBM whose class sets its number of
+blocks, share of within-block edges, degree heterogeneity and edge-feature prototype. Groups of ~10
+graphs ("species") go whole to train/valid/test (~60/20/20). Graphs are made in blocks of
+:data:`BLOCK_GRAPHS`, each with its own random stream and gzip member; the bytes depend on
+``(graphs, seed)`` only."""
 from __future__ import annotations
 
 import sys
@@ -30,6 +29,7 @@ BLOCK_GRAPHS = 256
 #: The blocks a parent lets its workers compute ahead of the one it writes, per worker.
 BLOCKS_AHEAD_PER_WORKER = 2
 _PARETO_SHAPE = (4.0, 2.5, 1.8, 1.4)
+MEAN_NODES, MEAN_DEGREE = 243.0, 18.0  # the real dataset's
 
 
 def class_prototypes(seed: int = 0) -> np.ndarray:
@@ -37,10 +37,9 @@ def class_prototypes(seed: int = 0) -> np.ndarray:
     return rng.uniform(0.15, 0.85, size=(NUM_CLASSES, NUM_EDGE_FEATURES))
 
 
-def synthetic_ppa_graph(rng: np.random.Generator, label: int, prototypes: np.ndarray,
-                        mean_nodes: float = 243.0, mean_degree: float = 18.0) -> tuple[np.ndarray, np.ndarray, int]:
+def synthetic_ppa_graph(rng: np.random.Generator, label: int, prototypes: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """One graph of class ``label``: ``(edges [E, 2] one direction, edge features [E, 7] float32, N)``."""
-    n = int(np.clip(round(rng.normal(mean_nodes, 50.0)), 60, 600))
+    n = int(np.clip(round(rng.normal(MEAN_NODES, 50.0)), 60, 600))
     blocks = 1 + label % 4
     within = (0.5, 0.725, 0.95)[(label // 4) % 3]
     weights = rng.pareto(_PARETO_SHAPE[min(label // 12, 3)], size=n) + 1.0
@@ -48,9 +47,8 @@ def synthetic_ppa_graph(rng: np.random.Generator, label: int, prototypes: np.nda
     block_of = np.sort(rng.integers(0, blocks, size=n))
     starts = np.searchsorted(block_of, np.arange(blocks))
     sizes = np.bincount(block_of, minlength=blocks)
-    m = int(round(n * mean_degree / 2 * 1.08))  # a few duplicates are dropped below
-    # m endpoints drawn from the weights, twice: as counts per node (4x faster than choice(p=...));
-    # the pairs are m independent draws once one side is shuffled
+    m = int(round(n * MEAN_DEGREE / 2 * 1.08))  # a few duplicates are dropped below
+    # m endpoints drawn from the weights, twice, as counts per node; independent pairs once one side is shuffled
     nodes = np.arange(n)
     u = np.repeat(nodes, rng.multinomial(m, weights))
     v_any = rng.permutation(np.repeat(nodes, rng.multinomial(m, weights)))
@@ -59,7 +57,7 @@ def synthetic_ppa_graph(rng: np.random.Generator, label: int, prototypes: np.nda
     v = np.where(rng.random(m) < within, v_in, v_any)
     lo, hi = np.minimum(u, v), np.maximum(u, v)
     codes = np.sort((lo * n + hi)[lo != hi])  # sorted as the (lo, hi) pairs
-    codes = codes[np.concatenate(([True], codes[1:] != codes[:-1]))]  # distinct; 15x faster than np.unique
+    codes = codes[np.concatenate(([True], codes[1:] != codes[:-1]))]  # distinct
     if codes.size == 0:
         codes = np.array([1])  # the edge (0, 1)
     pairs = np.stack([codes // n, codes % n], axis=1)[rng.permutation(codes.size)]

@@ -1,15 +1,13 @@
-"""A satp command's process: the one the user started (or runs it for), and what it sets first.
-
-A ``satp train`` on a CPU-only satp cluster is run by a process forked from the cluster's fork
-server (:mod:`runtime.fork_server`), while the process the user started (the one their terminal,
-``ps`` and ``kill`` see) waits for it and forwards its signals. What names or times the command,
-a run's lease (its holder) and its start-up (counted from the command's start), means that one.
+"""A satp command's process: the one the user started (a forked ``satp train`` runs for it:
+:mod:`runtime.fork_server`), and what it sets first.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 from runtime.fork_server import forked_for
+from runtime.local_cluster import LOOPBACK_ENV, ClusterRecord
 
 
 def command_pid() -> int:
@@ -18,8 +16,12 @@ def command_pid() -> int:
 
 
 def set_command_environment() -> None:
-    """What every satp command's process sets in its environment before anything imports a library."""
-    os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's PyPI version check
-    from runtime.local_cluster import adopt_client_settings
-
-    adopt_client_settings()  # Ray on loopback, the satp cluster's authentication: before anything imports Ray
+    """What every satp command's process sets before anything imports a library (Ray reads it when it
+    loads): ogb's version check off, :data:`~runtime.local_cluster.LOOPBACK_ENV`, the satp cluster's
+    authentication. A value the user set stays."""
+    env = {"OUTDATED_IGNORE": "1", **LOOPBACK_ENV}
+    with contextlib.suppress(ValueError):
+        record = ClusterRecord.load()
+        env.update(record.connect_env() if record is not None else {})
+    for key, value in env.items():
+        os.environ.setdefault(key, value)

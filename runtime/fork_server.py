@@ -1,33 +1,13 @@
 """One process per CPU-only satp cluster that imported the heavy stack once, and forks on request.
 
-A Ray Train worker, and a ``satp train`` command, each start as a new interpreter that imports
-torch, PyG, DeepSpeed and MLflow before doing anything: ~10 s of CPU on 2 cores, every time. The
-fork server (``python -m runtime.fork_server --serve SOCKET``, started beside the cluster by
-:mod:`runtime.local_cluster`) imports :data:`MODULES` once and then forks, for each request on its
-Unix socket, a process that runs what was asked:
-
-* a Ray worker process: the job's runtime environment names the client as its Python
-  (``py_executable``: :func:`executable`), so where Ray would run ``python default_worker.py ARGS``
-  it runs ``python -m runtime.fork_server --worker SOCKET default_worker.py ARGS``;
-* a ``satp train`` command (:func:`run_command`, called by :mod:`pipeline.cli`).
-
-The client sends its argv, environment, working folder and import path, with its standard streams
-(their descriptors, ``SCM_RIGHTS``). The server forks a *runner* for the connection, which forks the
-process and tells the client its pid; the client waits, forwarding signals to it, and exits with its
-status. Should the client die first, the runner kills the process at once. The forked process execs
-nothing: it returns up the server's stack to :func:`main`, which runs the worker's script or satp's
-CLI there and exits as any interpreter does.
-
-Never imported ahead: Ray (its C++ core reads the job's id from the environment when it loads) and
-satp's own packages (an edited checkout is what the next process imports). A client whose
-interpreter or whose values of the variables the server's imports read differ (:func:`identity`) is
-refused and runs in its own process, the server's log saying why.
-
-Security: the socket is its owner's only (0600, in the cluster's 0700 folder), and both ends check
-the peer's user id (``SO_PEERCRED``) before anything is sent: the server refuses a client of another
-user; the client sends nothing to a server of another user (:class:`PeerRefused`).
-
-Standard library only at import: the client's side runs in processes that import nothing else first.
+The server (``python -m runtime.fork_server --serve SOCKET``, started by :mod:`runtime.local_cluster`)
+imports :data:`MODULES` once, then forks per request on its Unix socket a Ray worker (the job's
+``py_executable``: :func:`executable`) or a ``satp train`` command (:func:`run_command`), with the
+client's argv, environment, folder, import path and standard streams; the client waits, forwarding
+signals, and exits with its status (should it die first, the process is killed). Ray and satp's own
+packages are never imported ahead, and a client whose interpreter or whose values of the variables
+the imports read differ is refused. The socket is 0600 in the cluster's 0700
+folder; both ends check the peer's user id (``SO_PEERCRED``). Standard library only at import.
 """
 from __future__ import annotations
 
@@ -60,11 +40,7 @@ MODULES = ("torch", "torch_geometric", "deepspeed", "mlflow", "mlflow.store.trac
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT)
 #: satp's packages, never kept from the server's imports in a forked process
 SATP_PACKAGES = ("runtime", "pipeline", "sat", "preprocessing")
-#: variables the imports read that are not compared: tempfile's folder (read again in a forked
-#: process), the shell's working folders (a forked process takes its client's), ``$_`` (the last
-#: command's path, which means nothing to a module), ``PYTHONPATH`` (a forked process imports from
-#: its client's ``sys.path``, sent with the request; Ray puts a job's working_dir on it) and
-#: ``PYTHONBREAKPOINT`` (read when ``breakpoint()`` is called; Ray sets it in its drivers and workers)
+#: variables the imports read that a forked process reads again or takes from its client: not compared
 NOT_COMPARED = frozenset({"TMPDIR", "TEMP", "TMP", "PWD", "OLDPWD", "_", "PYTHONPATH", "PYTHONBREAKPOINT"})
 
 
@@ -94,20 +70,6 @@ def peer_uid(conn: socket.socket) -> int:
     """The user id of the process at the other end of the Unix socket ``conn`` (``SO_PEERCRED``)."""
     _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return uid
-
-
-def identity(env, read: frozenset) -> dict:
-    """What a forked process shares with the server and must be its own: the interpreter, and the values
-    of the environment variables the server's imports read (``read``)."""
-    return {"python": os.path.realpath(sys.executable), "env": {k: env.get(k) for k in sorted(read)}}
-
-
-def difference(mine: dict, theirs: dict) -> Optional[str]:
-    """What differs between two identities, in a few words (None: nothing)."""
-    if mine["python"] != theirs.get("python"):
-        return f"another interpreter ({theirs.get('python')})"
-    keys = sorted(k for k in mine["env"] if mine["env"][k] != theirs["env"].get(k))
-    return f"another {', '.join(keys)} in the environment" if keys else None
 
 
 # ----------------------------------------------------------------------------- the client's side
@@ -171,11 +133,8 @@ def _follow(socket_path: str, conn: socket.socket, lines, pid: int) -> int:
 
 def run_command(socket_path: str, argv: list[str], warn, defaults: Optional[dict] = None) -> Optional[int]:
     """Run ``satp argv`` forked by the server at ``socket_path``; return its exit status. None: no
-    server there, it refused, or it is another user's (``warn(line)`` says why): the caller runs the
-    command in its own process. ``defaults``: environment of the cluster's processes, the command's
-    where it sets no value of its own."""
-    if forked_for() is not None:  # a forked process never asks again
-        return None
+    server there, it refused, or it is another user's (``warn(line)`` says why). ``defaults``:
+    environment of the cluster's processes, the command's where it sets no value of its own."""
     message = _message("command", argv, sys.path)
     message["env"] = {**(defaults or {}), **message["env"]}
     try:
@@ -211,11 +170,10 @@ def worker_client(socket_path: str, argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
-def wait_ready(socket_path: str, timeout_s: float, alive=lambda: True) -> bool:
-    """Whether the server at ``socket_path`` answers a ping within ``timeout_s`` (``alive()``: whether
-    the server's process still runs; polled meanwhile)."""
+def wait_ready(socket_path: str, timeout_s: float) -> bool:
+    """Whether the server at ``socket_path`` answers a ping within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and alive():
+    while time.monotonic() < deadline:
         with contextlib.suppress(OSError, ValueError):
             conn = _connect(socket_path)
             if conn is not None:
@@ -229,8 +187,7 @@ def wait_ready(socket_path: str, timeout_s: float, alive=lambda: True) -> bool:
 
 # ----------------------------------------------------------------------------- the server's side
 class _RecordingEnviron(MutableMapping):
-    """``os.environ`` while the server imports: remembers which variables were looked up (a module
-    that kept a reference to it reads the live environment through it later)."""
+    """``os.environ`` while the server imports: remembers which variables were looked up."""
 
     def __init__(self, environ) -> None:
         self.environ, self.read = environ, set()
@@ -272,7 +229,16 @@ def _import_recording_reads() -> frozenset:
     return frozenset(k for k in recording.read if isinstance(k, str)) - NOT_COMPARED
 
 
-def _listen(socket_path: str) -> socket.socket:
+def serve(socket_path: str) -> dict:
+    """Import :data:`MODULES`, then fork a runner per connection. Returns only in a forked process,
+    the request it runs (see :func:`main`)."""
+    before = dict(os.environ)
+    # what a forked process shares with the server and must be its client's: the interpreter, and the
+    # values of the environment variables the imports read
+    mine = {"python": os.path.realpath(sys.executable),
+            "env": {k: before.get(k) for k in sorted(_import_recording_reads())}}
+    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}  # kept in a forked process
+    imported = time.time()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
@@ -283,17 +249,6 @@ def _listen(socket_path: str) -> socket.socket:
         os.umask(old_mask)
     listener.listen(64)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # runners are reaped by the kernel
-    return listener
-
-
-def serve(socket_path: str) -> dict:
-    """Import :data:`MODULES`, then fork a runner per connection. Returns only in a forked process,
-    the request it runs (see :func:`main`)."""
-    before = dict(os.environ)
-    mine = identity(before, _import_recording_reads())  # the environment the imports saw
-    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}  # kept in a forked process
-    imported = time.time()
-    listener = _listen(socket_path)
     print(f"fork server pid {os.getpid()} on {socket_path}", flush=True)
     while True:
         conn, _ = listener.accept()
@@ -328,8 +283,12 @@ def _runner(conn: socket.socket, mine: dict) -> Optional[dict]:
         return None
     if not request:
         return None
-    why = difference(mine, {"python": request.get("python"), "env": request.get("env", {})})
-    if why is None and len(fds) != 3:
+    theirs, why = request.get("env", {}), None
+    if mine["python"] != request.get("python"):
+        why = f"another interpreter ({request.get('python')})"
+    elif keys := sorted(k for k in mine["env"] if mine["env"][k] != theirs.get(k)):
+        why = f"another {', '.join(keys)} in the environment"
+    elif len(fds) != 3:
         why = "no standard streams"
     if why is not None:
         print(f"refused {request.get('kind')} for client pid {request.get('client')} ({why})", flush=True)
@@ -412,8 +371,8 @@ def _run(request: dict) -> int:
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+def main() -> None:
+    args = sys.argv[1:]
     if len(args) >= 2 and args[0] == "--serve":
         sys.exit(_run(serve(args[1])))  # only a forked process gets here: it exits as an interpreter does
     elif len(args) >= 3 and args[0] == "--worker":

@@ -1,29 +1,11 @@
 """Ctrl-C and SIGTERM in satp's commands: an exception that unwinds, so the command can say what
 it kept and shut Ray down, instead of dying where the signal landed.
 
-``ray.init`` installs its own SIGTERM handling in the driver: a Python handler that exits (and
-the C++ core worker's failure-signal handler, which satp turns off in its drivers:
-:func:`runtime.ray_private.disable_failure_signal_handler`). Ray Train's ``fit`` installs a
-SIGINT handler that aborts the run and then exits with status 0. So every place that starts or joins Ray calls
-:func:`install` after it, which puts :func:`_raise` back on both signals.
-
-The CLI turns :class:`Interrupted` (or a plain ``KeyboardInterrupt``) into one line and the
-conventional status: 130 for SIGINT, 143 for SIGTERM.
-
-More signals while the first is handled (Ctrl-C pressed again, a terminal's Ctrl-C reaching every
-process of the command's group, a scheduler's SIGTERM after its SIGINT) must not cut the clean-up
-short: the last line, Ray's shutdown (which stops the local cluster's processes) and the removal
-of the cluster's private temporary folder at exit. So clean-up on the way out runs under
-:func:`deferred`, where a signal waits for the end of the block, and once the command has caught
-its interrupt it calls :func:`ending`: from then until the process exits, signals are ignored.
-The status is the first signal's (:func:`as_interrupted`). A command that must end at once takes
-SIGKILL, or Ctrl-\\ (SIGQUIT).
-
-Python runs a signal's handler between any two bytecodes, also inside a finalizer (a weakref's
-callback, a ``__del__``, which Ray's and torch's objects have many of), where an exception is
-printed as "Exception ignored" and dropped: the interrupt would be lost and the command run on.
-:func:`install` also hooks :data:`sys.unraisablehook` so that such a dropped :class:`Interrupted`
-arrives again, once the finalizer has returned.
+Every place that starts or joins Ray calls :func:`install` after it (Ray installs exiting handlers).
+The CLI turns :class:`Interrupted` into one line and status 130 / 143 of the first signal. Clean-up
+runs under :func:`deferred`, where a signal waits for the end of the block, then :func:`ending`
+ignores signals until exit. An :class:`Interrupted` a finalizer dropped arrives again
+(:data:`sys.unraisablehook`).
 """
 from __future__ import annotations
 
@@ -57,13 +39,9 @@ class Interrupted(KeyboardInterrupt):
 
 
 def install(keep: Any = None) -> None:
-    """Raise :class:`Interrupted` on SIGINT and SIGTERM in the main thread from now on.
-
-    ``keep`` stays referenced as long as these handlers are installed: Ray Train's controller
-    actor, whose last handle would otherwise go with the frames the exception unwinds, and an
-    actor without handles is killed at once, while the driver still prints the cluster's logs
-    (its clean-up actor's tracebacks). The CLI drops it when the command ends (:func:`ending`).
-    Elsewhere (a Tune trial's thread) nothing changes: only the main thread may set handlers."""
+    """Raise :class:`Interrupted` on SIGINT and SIGTERM in the main thread from now on (elsewhere
+    nothing changes). ``keep`` stays referenced while these handlers are installed: Ray Train's
+    controller actor, which its last handle going with the unwound frames would kill at once."""
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -76,7 +54,10 @@ def install(keep: Any = None) -> None:
         if _deferring:
             _pending = signum if _pending is None else _pending
             return
-        _stop_printing_cluster_logs()
+        if "ray" in sys.modules:  # after an interrupt the cluster's forwarded logs are its actors going down
+            from runtime.ray_private import stop_printing_cluster_logs
+
+            stop_printing_cluster_logs()
         raise Interrupted(signum)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -90,12 +71,9 @@ _unraisablehook = sys.unraisablehook  # the hook _arrive_again passes everything
 
 
 def _arrive_again(unraisable: Any) -> None:
-    """An :class:`Interrupted` that a finalizer dropped (Python passes it here, the message empty):
-    its signal is sent to the main thread again after a moment, from a thread (a handler run from
-    here would still be inside the finalizer, and dropped again; one still running by then drops
-    it once more, and so on); a wait in the main thread ends, and the handler installed for the
-    signal runs, as the first time. Anything else, and what an exit handler dropped (the command
-    is ending), goes on as before."""
+    """An :class:`Interrupted` that a finalizer dropped (the message empty): its signal is sent to the
+    main thread again after a moment, from a thread (a handler run from here would still be inside
+    the finalizer). Anything else goes on to the previous hook."""
     if isinstance(unraisable.exc_value, Interrupted) and unraisable.err_msg is None:
         again = threading.Timer(_ARRIVE_AGAIN_S, signal.pthread_kill,
                                 (threading.main_thread().ident, unraisable.exc_value.signum))
@@ -108,16 +86,6 @@ def _arrive_again(unraisable: Any) -> None:
 _ARRIVE_AGAIN_S = 0.05
 
 
-def _stop_printing_cluster_logs() -> None:
-    """Stop printing the Ray cluster's forwarded logs in this driver: after an interrupt they are
-    its actors going down (Ray Train's placement-group cleaner logs a traceback when the controller
-    is gone), which tells the user nothing (:func:`runtime.ray_private.stop_printing_cluster_logs`)."""
-    if "ray" in sys.modules:
-        from runtime.ray_private import stop_printing_cluster_logs
-
-        stop_printing_cluster_logs()
-
-
 def reset() -> None:
     """A new command in this process: no signal seen, none deferred (see the module docstring)."""
     global _first_signal, _deferring, _pending, _ending
@@ -126,10 +94,8 @@ def reset() -> None:
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM wait while the block runs, a clean-up that a signal must not cut short
-    (closing the MLflow run, releasing the run's lease): one that arrived meanwhile is raised when
-    the block ends (the outermost one; not once the command is :func:`ending`). Main thread only:
-    signals are handled there."""
+    """SIGINT and SIGTERM wait while the block runs (a clean-up a signal must not cut short): one that
+    arrived meanwhile is raised when the outermost block ends, unless the command is :func:`ending`."""
     global _deferring, _pending
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -145,12 +111,9 @@ def deferred() -> Iterator[None]:
 
 
 def ending() -> None:
-    """The command caught its interrupt and only ends now: from here until the process exits,
-    SIGINT and SIGTERM are ignored (what Ray and satp clean up at exit runs whole, and the status
-    stays the first signal's). Ignored, not handled: the interpreter puts the default action (to
-    die of the signal) back in place of a Python handler while it finalises, after the clean-up at
-    exit; it leaves "ignore" as it is. This also drops what :func:`install` kept alive for the
-    training."""
+    """The command caught its interrupt and only ends now: SIGINT and SIGTERM are ignored until the
+    process exits (ignored, not handled: the interpreter restores the default action in place of a
+    Python handler while it finalises)."""
     global _ending
     _ending = True
     if threading.current_thread() is threading.main_thread():
@@ -159,8 +122,7 @@ def ending() -> None:
 
 
 def as_interrupted(exc: KeyboardInterrupt) -> Interrupted:
-    """``exc`` as an :class:`Interrupted` of the command's first signal (the exit status says what
-    stopped it, not what arrived while it stopped; SIGINT when no handler saw one: ``ray.get`` turns
-    the exception a signal handler raised into a plain ``KeyboardInterrupt``), keeping what it kept."""
+    """``exc`` as an :class:`Interrupted` of the command's first signal (SIGINT when no handler saw
+    one: ``ray.get`` turns a handler's exception into a plain ``KeyboardInterrupt``), keeping ``kept``."""
     signum = _first_signal if _first_signal is not None else getattr(exc, "signum", signal.SIGINT)
     return Interrupted(signum, kept=getattr(exc, "kept", None))

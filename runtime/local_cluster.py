@@ -1,28 +1,11 @@
 """``satp cluster``: one local Ray cluster that outlives commands, private to its user, on loopback.
 
-A satp command without ``--address`` otherwise starts a Ray cluster of its own and stops it at the
-end: ~10 s of Ray's processes starting, then new worker processes importing torch, PyG and DeepSpeed,
-every time. ``satp cluster start`` starts a head node once (``ray start --head``) and, on a CPU-only
-machine, a fork server beside it (:mod:`runtime.fork_server`) from which every worker process of a
-satp job and every ``satp train`` command is forked, its imports done. Every satp command on this
-machine then finds it (:func:`for_command`) and runs there; ``--address`` still names any other cluster.
-
-Private to its user: everything of the cluster lies in a folder made 0700 when it is created
-(``mkdtemp``), Ray's ``--temp-dir`` inside it (Ray widens its own folders; the one above them stays
-0700), checked again after Ray starts and whenever a command uses the cluster (:func:`check_private`:
-one line and no use when widened or another user's). The record, ``$SATP_HOME/cluster.json``
-(default ``~/.satp``), is 0600 in a 0700 folder. Ray's token authentication is on (a token file
-made 0600 if missing: :func:`private_token`). On loopback: every port Ray opens is named on
-``ray start``'s command line on 127.0.0.1, and :data:`LOOPBACK_ENV` makes Ray's processes take
-127.0.0.1 as the node's address where they work it out themselves (agents, client server, metrics),
-as a command's own local Ray does. ``host``: the head of a cluster other nodes join, token
-authentication required (what it exposes: docs/security.md).
-
-A command uses the cluster only when it runs the same Python environment: the interpreter and the
-versions of the packages its fork server imported. A record whose cluster is gone (stopped by hand,
-killed, the machine restarted) is cleaned up by the next command, which says so in one line and
-starts its own. ``satp cluster stop`` stops exactly this cluster's processes (never ``ray stop``,
-which stops every Ray cluster on the machine) and removes its folder.
+``satp cluster start`` starts a head node (``ray start --head``) and, on a CPU-only machine, a fork
+server (:mod:`runtime.fork_server`); every satp command without ``--address`` that runs the same
+Python environment then uses it (:func:`for_command`). Private: everything lies in a 0700 folder
+(:func:`check_private`), the record ``$SATP_HOME/cluster.json`` is 0600, Ray's token authentication
+is on. On loopback: every port on 127.0.0.1 (:data:`LOOPBACK_ENV`); ``host``: the head of a cluster
+other nodes join (docs/security.md). ``satp cluster stop`` stops exactly this cluster's processes.
 """
 from __future__ import annotations
 
@@ -49,10 +32,7 @@ START_TIMEOUT_S = 120.0
 LOOPBACK = "127.0.0.1"
 #: where a cluster's private folder is made: short, as Ray's socket paths in it must fit 107 bytes
 TEMP_ROOT = "/tmp"
-#: read by Ray's processes when they import Ray: a node whose address is worked out (not passed on a
-#: command line: the dashboard agent, the client server, the metrics exporters) takes 127.0.0.1, and its
-#: gRPC servers bind there. A client without it (every satp command has it: :func:`adopt_client_settings`)
-#: takes an address's 127.0.0.1 for the machine's network address; Ray refuses a joining node with it.
+#: read by Ray's processes when they import Ray: a node address they work out themselves is 127.0.0.1
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
@@ -70,8 +50,8 @@ def check_private(record_or_folder, advice: str = "satp cluster stop, then satp 
 
 
 def user_folder() -> str:
-    """``/tmp/satp-UID``, made 0700 on first use: Ray's folder for the local Ray a command starts for itself
-    (Ray's ``/tmp/ray`` is open to every user); refused in one line when another user's or widened."""
+    """``/tmp/satp-UID``, made 0700 on first use: Ray's folder for a command's own local Ray (Ray's
+    ``/tmp/ray`` is open to every user); refused in one line when another user's or widened."""
     folder = Path(TEMP_ROOT) / f"satp-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700)
@@ -114,7 +94,6 @@ class ClusterRecord:
     environment: dict[str, str]
     auth_mode: str  # Ray's RAY_AUTH_MODE of the cluster
     started: float
-    owner_pid: Optional[int] = None  # the process the cluster lives for (a test session), if not for good
     fork_socket: Optional[str] = None  # its fork server's socket (a CPU-only cluster)
 
     def save(self) -> None:
@@ -129,20 +108,18 @@ class ClusterRecord:
 
     @classmethod
     def load(cls) -> Optional["ClusterRecord"]:
-        path = record_path()
-        try:
-            return cls(**json.loads(path.read_text()))
+        path, known = record_path(), {f.name for f in dataclasses.fields(cls)}
+        try:  # a key this version does not know (another version's record) is left out
+            return cls(**{k: v for k, v in json.loads(path.read_text()).items() if k in known})
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, TypeError) as exc:
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
             raise ValueError(f"{path}: not a satp cluster record ({exc}); remove it (satp cluster stop)") from None
 
     def alive(self) -> bool:
-        """The head's raylet runs and its GCS accepts connections (and its owner, if it has one, runs)."""
+        """The head's raylet runs and its GCS accepts connections."""
         import psutil
 
-        if self.owner_pid is not None and not psutil.pid_exists(self.owner_pid):
-            return False
         try:
             if psutil.Process(self.raylet_pid).status() == psutil.STATUS_ZOMBIE:
                 return False
@@ -184,32 +161,23 @@ class ClusterRecord:
 
 def cluster_env(use_gpu: bool, api_server: str, fork_socket: Optional[str] = None) -> dict[str, str]:
     """The environment of a satp cluster's processes (inherited by every worker the raylet starts).
-
-    ``api_server``: the dashboard whose State API Ray Train's placement-group cleaner asks (in a Ray
-    Train run other than satp's, which start none); it otherwise resolves "the" cluster of the
-    machine, and with several clusters on one machine may ask another one whether our controller is
-    alive, get "no", and remove our placement group; without a dashboard an unreachable address,
-    where its queries fail and it only warns. ``fork_socket``: the cluster's fork server, named to
-    every process of the cluster (a job's driver that ``ray job submit`` started reads it there)."""
+    ``api_server``: the dashboard Ray Train's placement-group cleaner asks (else it may ask another
+    cluster of the machine, and remove our placement group). ``fork_socket``: the cluster's fork server."""
     return {
         "OUTDATED_IGNORE": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
         "DS_ACCELERATOR": "cuda" if use_gpu else "cpu",
-        # Ray's log monitor looks for new log files every 0.5 s, not every 0.1 s (it does so below this
-        # many files): ~3% of a core on a cluster of hundreds of worker logs; a new worker's first lines
-        # reach the driver <= 0.5 s later
-        "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+        "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",  # the log monitor polls every 0.5 s, not 0.1 s
         "RAY_API_SERVER_ADDRESS": api_server,
         **({fork_server.SOCKET_VAR: fork_socket} if fork_socket else {}),
     }
 
 
 def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, dashboard: bool = True,
-          wait: bool = True, owner_pid: Optional[int] = None, host: str = LOOPBACK) -> ClusterRecord:
-    """Start the satp cluster (see the module docstring); raise a one-line ``ValueError`` when one
-    runs already. ``wait``: return once its fork server answers. ``owner_pid``: the cluster counts
-    as gone once that process has ended (the next command stops what it left). ``host``: the node's
-    address (another than 127.0.0.1: a cluster other nodes join, token authentication required)."""
+          wait: bool = True, host: str = LOOPBACK) -> ClusterRecord:
+    """Start the satp cluster; raise a one-line ``ValueError`` when one runs already. ``wait``: return
+    once its fork server answers. ``host``: the node's address (another than 127.0.0.1 needs token
+    authentication)."""
     existing = ClusterRecord.load()
     if existing is not None and existing.alive():
         raise ValueError(f"a satp cluster runs already at {existing.address} (record {record_path()}); "
@@ -236,16 +204,31 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, dashbo
     env["RAY_AUTH_MODE"] = auth_mode
     if auth_mode == "token":
         private_token(env)
-    ray_bin = Path(sys.executable).with_name("ray")
-    cmd = [str(ray_bin), "start", "--head", f"--node-ip-address={host}", f"--port={gcs}",
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--node-ip-address={host}", f"--port={gcs}",
            f"--num-cpus={cpus}", f"--num-gpus={gpus}", f"--temp-dir={Path(folder) / 'ray'}", "--disable-usage-stats",
            f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
            f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
            f"--runtime-env-agent-port={rt_env}", f"--node-manager-port={nm}", f"--object-manager-port={om}"]
     cmd += [f"--dashboard-host={host}", f"--dashboard-port={dash}"] if dashboard else ["--include-dashboard=false"]
     try:
-        record = _start_recorded(cmd, env, folder, f"{host}:{gcs}", f"http://{host}:{dash}" if dashboard else None,
-                                 cpus, gpus, worker_env, auth_mode, owner_pid, fork_socket)
+        if fork_socket:  # importing while Ray starts; satp's checkout as its cwd, which `-m runtime...` imports from
+            with open(Path(folder) / fork_server.LOG_NAME, "w") as log_file:
+                subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env=env,
+                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                 cwd=Path(__file__).resolve().parents[1])
+        log_path = Path(folder) / "ray-start.log"
+        with open(log_path, "w") as log_file:
+            done = subprocess.run(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                  timeout=START_TIMEOUT_S)
+        raylet = _raylet_of(folder)
+        if done.returncode != 0 or raylet is None:
+            tail = log_path.read_text()[-600:].strip().splitlines()
+            raise ValueError(f"ray start failed (status {done.returncode}): {tail[-1] if tail else 'no output'}")
+        record = ClusterRecord(
+            address=f"{host}:{gcs}", dashboard=f"http://{host}:{dash}" if dashboard else None, folder=folder,
+            raylet_pid=raylet, cpus=float(cpus), gpus=float(gpus), worker_env=worker_env, environment=environment(),
+            auth_mode=auth_mode, started=time.time(), fork_socket=fork_socket)
+        record.save()
         check_private(record)  # Ray started: its folder above Ray's is still its user's only
         if wait and fork_socket and not fork_server.wait_ready(fork_socket, START_TIMEOUT_S):
             raise ValueError(f"the fork server did not answer on {fork_socket} within {START_TIMEOUT_S:g} s "
@@ -263,8 +246,7 @@ def start(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, dashbo
 
 def private_token(env: dict) -> Path:
     """The token Ray's token authentication reads (``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``),
-    made on first use as ``ray get-auth-token --generate`` would, readable by its owner only: ``ray start``
-    refuses to start without one."""
+    made 0600 on first use (``ray start`` refuses to start without one)."""
     if env.get("RAY_AUTH_TOKEN"):
         return Path()
     path = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
@@ -279,33 +261,6 @@ def private_token(env: dict) -> Path:
     return path
 
 
-def _start_recorded(cmd: list[str], env: dict, folder: str, address: str, dashboard: Optional[str], cpus: int,
-                    gpus: int, worker_env: dict, auth_mode: str, owner_pid: Optional[int],
-                    fork_socket: Optional[str]) -> ClusterRecord:
-    """Start the fork server (a CPU-only cluster) and ``ray start`` the head in ``folder``; save the record."""
-    if fork_socket:  # importing meanwhile, while Ray starts, in a session of its own
-        # the environment of Ray's workers (the forked ones are compared with it); satp's checkout as its
-        # cwd, which `-m runtime...` imports from
-        with open(Path(folder) / fork_server.LOG_NAME, "w") as log_file:
-            subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env=env,
-                             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                             cwd=Path(__file__).resolve().parents[1])
-    log_path = Path(folder) / "ray-start.log"
-    with open(log_path, "w") as log_file:
-        done = subprocess.run(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                              timeout=START_TIMEOUT_S)
-    raylet = _raylet_of(folder)
-    if done.returncode != 0 or raylet is None:
-        tail = log_path.read_text()[-600:].strip().splitlines()
-        raise ValueError(f"ray start failed (status {done.returncode}): {tail[-1] if tail else 'no output'}")
-    record = ClusterRecord(
-        address=address, dashboard=dashboard, folder=folder,
-        raylet_pid=raylet, cpus=float(cpus), gpus=float(gpus), worker_env=worker_env, environment=environment(),
-        auth_mode=auth_mode, started=time.time(), owner_pid=owner_pid, fork_socket=fork_socket)
-    record.save()
-    return record
-
-
 def _gpus_on_this_machine() -> int:
     if shutil.which("nvidia-smi") is None:
         return 0
@@ -318,25 +273,16 @@ def _gpus_on_this_machine() -> int:
 
 def _raylet_of(temp: str) -> Optional[int]:
     for proc in processes_of(temp):
-        try:
+        with contextlib.suppress(Exception):
             if proc.name() == "raylet":
                 return proc.pid
-        except Exception:
-            continue
     return None
-
-
-def _environ(proc) -> dict:
-    try:
-        return proc.environ()
-    except Exception:  # gone, or another user's
-        return {}
 
 
 def _cmdline(proc) -> list:
     try:
         return proc.cmdline()
-    except Exception:
+    except Exception:  # gone, or another user's
         return []
 
 
@@ -348,15 +294,15 @@ def processes_of(temp: str) -> list:
 
     roots = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if proc.pid == os.getpid():
-                continue
-            tmpdir = _environ(proc).get("TMPDIR", "")
-            if any(temp in part for part in proc.info["cmdline"] or ()) or tmpdir == temp or \
-                    tmpdir.startswith(temp + os.sep):
-                roots.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+        if proc.pid == os.getpid():
             continue
+        try:
+            tmpdir = proc.environ().get("TMPDIR", "")
+        except Exception:  # gone, or another user's
+            tmpdir = ""
+        if any(temp in part for part in proc.info["cmdline"] or ()) or tmpdir == temp or \
+                tmpdir.startswith(temp + os.sep):
+            roots.append(proc)
     found = {p.pid: p for p in roots}
     for proc in roots:
         try:
@@ -367,14 +313,11 @@ def processes_of(temp: str) -> list:
     return list(found.values())
 
 
-#: Ray's autoscaler monitor: on SIGTERM it reports its end to the drivers through GCS, and waits on a GCS
-#: that has gone until it is killed
+#: Ray's autoscaler monitor: it waits on a GCS that has gone until it is killed
 MONITOR = "autoscaler/_private/monitor.py"
 #: what of a cluster gets SIGTERM first, each once the one before has ended (a program's path ends so):
-#: ``ray start --block``'s process (it stops its node in Ray's order itself, after draining it: Ray's
-#: ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``), the monitor (SIGKILL once GCS has gone), the raylet (SIGTERMed
-#: together with GCS it waited ~10 s, and GCS longer, for the kill after the grace: a stop took 8 s).
-#: In this order the stop of a satp cluster takes <1 s
+#: ``ray start --block``'s process (it stops its node in Ray's order), the monitor, the raylet; in this
+#: order a stop takes <1 s, not the raylet's and GCS's grace periods
 STOP_FIRST = ("bin/ray", MONITOR, "raylet/raylet")
 
 
@@ -405,8 +348,8 @@ def _runs(proc, program: str) -> bool:
 
 
 def _signal_and_wait(procs: list, sig: int, timeout_s: float) -> list:
-    """Send ``sig`` to the ``procs`` still running and wait until they have ended (a zombie has: see
-    :func:`_ended`; psutil's ``wait_procs`` waits for it until its timeout); return those left."""
+    """Send ``sig`` to the ``procs`` still running and wait until they have ended (:func:`_ended`);
+    return those left."""
     import psutil
 
     procs = [p for p in procs if not _ended(p)]
@@ -427,8 +370,7 @@ def _signal_and_wait(procs: list, sig: int, timeout_s: float) -> list:
 
 
 def _ended(proc) -> bool:
-    """Gone, or a zombie: ended, its status not yet collected by its parent (the fork server of a
-    cluster that a process other than ``satp cluster start`` started, a test, until it reaps it)."""
+    """Gone, or a zombie (ended, its status not yet collected by its parent)."""
     import psutil
 
     try:
@@ -438,9 +380,8 @@ def _ended(proc) -> bool:
 
 
 def stop(record: Optional[ClusterRecord] = None) -> Optional[ClusterRecord]:
-    """Stop the satp cluster: every process of its folder (its fork server and what it forked too),
-    the folder, the record. Returns the record stopped (None: there was none). Raises ``ValueError``
-    when processes stay."""
+    """Stop the satp cluster: every process of its folder, the folder, the record. Returns the record
+    stopped (None: there was none); raises ``ValueError`` when processes stay."""
     record = record or ClusterRecord.load()
     if record is None:
         return None
@@ -455,23 +396,10 @@ def stop(record: Optional[ClusterRecord] = None) -> Optional[ClusterRecord]:
     return record
 
 
-def adopt_client_settings() -> None:
-    """Set what this process needs as a client of a local cluster before Ray is imported (Ray reads
-    these once, when it loads): :data:`LOOPBACK_ENV`, and the satp cluster's authentication when one
-    is recorded. Commands call this first. A value the user set stays."""
-    env = dict(LOOPBACK_ENV)
-    with contextlib.suppress(ValueError):
-        record = ClusterRecord.load()
-        env.update(record.connect_env() if record is not None else {})
-    for key, value in env.items():
-        os.environ.setdefault(key, value)
-
-
 def for_command(warn) -> Optional[ClusterRecord]:
-    """The satp cluster a command without ``--address`` should use, or None (it starts its own).
-
-    ``warn(line)`` is told, in one line, about a record whose cluster is gone (its leftovers are
-    removed here) or that runs another Python environment (left running: ``satp cluster stop``)."""
+    """The satp cluster a command without ``--address`` should use, or None (it starts its own);
+    ``warn(line)`` is told about a record whose cluster is gone (its leftovers removed here) or that
+    runs another Python environment (left running)."""
     try:
         record = ClusterRecord.load()
     except ValueError as exc:

@@ -13,12 +13,9 @@ LOWEST_PORT = 20000
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports free now (for a Ray node's listeners, a server's), picked at random
-    below the kernel's ephemeral range: there no outgoing connection takes one between this check and
-    the listener's bind. A port the kernel handed out (``bind(0)``) comes from that range, where the
-    gRPC clients of every Ray process on the machine take theirs: a GCS port taken in that gap failed
-    ``ray start`` ("Please check gcs_server.out", the suite under load). A kernel whose range starts at
-    or below :data:`LOWEST_PORT` hands them out."""
+    """``n`` distinct loopback ports free now, picked at random below the kernel's ephemeral range, where
+    no outgoing connection (Ray's gRPC clients) takes one before the listener binds it; a kernel whose
+    range starts at or below :data:`LOWEST_PORT` hands them out."""
     try:
         low = int(EPHEMERAL_PORTS.read_text().split()[0])
     except (OSError, ValueError, IndexError):

@@ -1,9 +1,5 @@
-"""Which Ray cluster a command names, and whether it answers as one, in seconds.
-
-``ray.init`` on an address where nothing listens retries its GCS connection for a minute or more,
-printing warnings, and then fails with a traceback; :func:`probe` makes a dead address a one-line
-error instead, and so one where something else answers (a web server, a dashboard's port): it is
-told apart by its answer to HTTP/2's preface (gRPC speaks HTTP/2) before the GCS method is called.
+"""Which Ray cluster a command names, and whether it answers as one, in seconds (``ray.init`` on a
+dead address retries for a minute, then fails with a traceback).
 """
 from __future__ import annotations
 
@@ -24,11 +20,8 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
     """Raise ``ValueError`` (one line) unless ``address`` answers as a Ray cluster within ~2 x ``timeout``.
 
     ``address``: ``host:port`` (a GCS), ``ray://host:port`` or ``http(s)://host:port``; ``auto``
-    and ``local`` are left to Ray (they name no host). First a TCP connection (refused, unroutable:
-    fails here); then, for a GCS address, the port must answer HTTP/2 (:func:`_grpc_problem`) and
-    the GCS its cluster's id (:func:`_gcs_problem`) (a port where something else listens, such as a
-    web server or a proxy, or a silent listener, fails here instead of in ``ray.init``'s minute of
-    retries)."""
+    and ``local`` are left to Ray. First a TCP connection; then, for a GCS address, the port must
+    answer HTTP/2 (:func:`_grpc_problem`) and the GCS its cluster's id (:func:`_gcs_problem`)."""
     if address in ("auto", "local"):
         return
     parsed = urlparse(address if "://" in address else f"tcp://{address}")
@@ -54,8 +47,7 @@ _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 
 
 def _grpc_problem(host: str, port: int, timeout: float) -> Optional[str]:
     """None when ``host:port`` answers HTTP/2's connection preface with a SETTINGS frame, as Ray's
-    GCS (gRPC) does, or speaks TLS (``RAY_USE_TLS``: left to Ray); else what answered instead (a
-    web server, a dashboard's port), told apart before any gRPC call."""
+    GCS (gRPC) does, or speaks TLS (``RAY_USE_TLS``: left to Ray); else what answered instead."""
     if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
         return None
     first = b""
@@ -83,9 +75,8 @@ GCS_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 
 
 def _gcs_problem(address: str, timeout: float) -> Optional[str]:
-    """None when a Ray GCS answers at ``address`` within ``timeout`` (an authentication error counts
-    as an answer: ``ray.init`` then says what is missing), else what went wrong. Asked with gRPC's
-    generic call of :data:`GCS_METHOD` (no Ray client: it needs no connection to be set up)."""
+    """None when a Ray GCS answers :data:`GCS_METHOD` at ``address`` within ``timeout`` (an
+    authentication error counts as an answer: ``ray.init`` then says what is missing), else what went wrong."""
     import grpc
 
     with grpc.insecure_channel(address) as channel:
@@ -93,11 +84,11 @@ def _gcs_problem(address: str, timeout: float) -> Optional[str]:
         try:
             call(b"", timeout=timeout)
         except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
+            code = exc.code()
             if code == grpc.StatusCode.UNAUTHENTICATED:
                 return None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return f"no answer from a Ray GCS within {timeout:g} s"
-            details = (exc.details() if hasattr(exc, "details") else "") or str(code)
+            details = exc.details() or str(code)
             return f"it answers, but not as a Ray cluster: {details.strip().splitlines()[0]}"
     return None

@@ -1,27 +1,9 @@
 """Ray Train's console noise kept off the console, in the worker processes of satp's clusters.
 
-Two warnings that Ray Train logs over and over while a run goes well:
-
-* Ray Train V2's controller asks Ray's autoscaling coordinator for the workers' resources every
-  20 s, waiting 5 s; on a busy machine the answer is late and the controller logs a whole
-  ``GetTimeoutError`` traceback that it says itself is safe to ignore.
-* Ray Train's placement-group cleaner asks the dashboard every second whether the run's controller
-  lives, and on a cluster without a dashboard logs "Failed to query Ray Train Controller actor
-  state" every second (satp's runs start no cleaner; another run's may).
-
-:func:`quiet_ray_train_noise` lowers the first to DEBUG (it stays in Ray Train's own log files) and
-drops the second. It runs in the cluster's worker processes as the job's
-``worker_process_setup_hook`` (:mod:`runtime.ray_cluster`), and holds no training code.
-
-Two more pieces keep what a user reads of a run to satp's own lines (the command sends the rest of
-what Ray forwards to the run's log file: :func:`pipeline.console.divert_ray_output`):
-
-* :func:`mark_satp_records`, run with the filters: in an actor's process (Ray Train's controller and
-  workers), the log records of satp's packages start with :data:`MARK`, by which the command tells
-  them from Ray's lines;
-* :class:`RetryNotice`, a Ray Train callback in the controller: when a worker fails or is lost and
-  Ray Train restarts the worker group, one ``satp: warning`` line says what was lost, where the run
-  went on from and which retry this is; Ray's own report of it stays in the log file.
+:func:`quiet_ray_train_noise` (the job's ``worker_process_setup_hook``) lowers Ray Train's "safe to
+ignore" ``GetTimeoutError`` tracebacks to DEBUG, drops the placement-group cleaner's every-second
+warning, and marks satp's own log records in an actor with :data:`MARK`. :class:`RetryNotice` says
+in one line what was lost when Ray Train restarts the worker group, and where the run went on from.
 """
 from __future__ import annotations
 
@@ -30,13 +12,14 @@ import sys
 from pathlib import PurePosixPath
 from typing import Any, Optional
 
+import ray
 from ray.train import UserCallback
+
+from runtime.fork_server import SATP_PACKAGES
 
 #: what starts the lines of satp's own code in Ray's processes (``satp: warning: ...`` as printed,
 #: ``satp: epoch 0: ...`` for a log record of satp's packages)
 MARK = "satp: "
-#: the packages whose log records :func:`mark_satp_records` marks
-SATP_PACKAGES = ("pipeline", "runtime", "sat", "preprocessing")
 
 #: Ray Train's loggers that log a timed-out request to the autoscaling coordinator as "safe to ignore".
 COORDINATOR_LOGGERS = (
@@ -62,9 +45,8 @@ CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cl
 
 
 class UnansweredStateQueries(logging.Filter):
-    """Drop the cleaner's "Failed to query Ray Train Controller actor state" warning. The cleaner is
-    an actor of its own, whose records reach only Ray's default console handler, which has no level:
-    a record lowered to DEBUG would still be printed, every second of the run."""
+    """Drop the cleaner's "Failed to query Ray Train Controller actor state" warning (lowered to DEBUG,
+    Ray's console handler of the cleaner's actor, which has no level, would still print it)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno == logging.WARNING and record.getMessage().startswith(
@@ -82,10 +64,8 @@ def quiet_ray_train_noise() -> None:
 
 
 def mark_satp_records() -> None:
-    """Make the log records of :data:`SATP_PACKAGES` start with :data:`MARK` in an actor's process.
-    Through the record factory, since Ray Train sets the handlers of a worker's root logger itself
-    when its group starts; not in a driver (no actor id), whose own lines reach the terminal as
-    they are."""
+    """Make the log records of :data:`SATP_PACKAGES` start with :data:`MARK` in an actor's process,
+    through the record factory (Ray Train sets a worker's handlers itself)."""
     made = logging.getLogRecordFactory()
     if getattr(made, "marks_satp_records", False):
         return
@@ -93,7 +73,8 @@ def mark_satp_records() -> None:
     def marked(*args, **kwargs) -> logging.LogRecord:
         record = made(*args, **kwargs)
         if (record.name.split(".")[0] in SATP_PACKAGES and isinstance(record.msg, str)
-                and not record.msg.startswith(MARK) and _in_an_actor()):
+                and not record.msg.startswith(MARK) and ray.is_initialized()
+                and ray.get_runtime_context().get_actor_id() is not None):
             record.msg = MARK + record.msg
         return record
 
@@ -101,21 +82,16 @@ def mark_satp_records() -> None:
     logging.setLogRecordFactory(marked)
 
 
-def _in_an_actor() -> bool:
-    import ray
-
-    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
-
-
 class RetryNotice(UserCallback):
-    """Ray Train's controller says, in one line, each failure the run goes on after: what was lost,
-    the global step of the checkpoint the new worker group resumes from (the newest one reported in
-    this fit, with ``step_key`` in its metrics; before the first, the group starts where the command
-    started it), and the retry ``k of max_failures`` (the job's ``setting``); ``report`` is where the
-    command keeps Ray's own report of it. After the last retry the run ends, and the command says why."""
+    """Ray Train's controller says, in one line, each failure the run goes on after: what was lost, the
+    global step of the newest checkpoint reported (``step_key`` in its metrics) the new worker group
+    resumes from, and the retry ``k of max_failures`` (the job's ``setting``); ``report``: where the
+    command keeps Ray's own report of it."""
 
-    def __init__(self, max_failures: int, setting: str, report: str, step_key: str = "global_step") -> None:
-        self.max_failures, self.setting, self.report, self.step_key = max_failures, setting, report, step_key
+    step_key = "global_step"
+
+    def __init__(self, max_failures: int, setting: str, report: str) -> None:
+        self.max_failures, self.setting, self.report = max_failures, setting, report
         self.step, self.checkpoint, self.failures = None, None, 0
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint: Optional[Any]) -> None:
@@ -134,10 +110,8 @@ class RetryNotice(UserCallback):
 
 
 def lost(worker_exceptions: dict[int, Exception]) -> str:
-    """What failed, from Ray Train's errors by rank: an exception the training function raised
-    reaches the controller wrapped with its traceback (Ray Train's ``UserExceptionWithTraceback``,
-    whose text is that traceback); a worker whose process or node died, as a failed health check.
-    A rank that raised because another died (its collective's peer gone) is not the cause."""
+    """What failed, from Ray Train's errors by rank: a training function's exception arrives as a
+    ``UserExceptionWithTraceback``, a dead worker or node as anything else (then it is the cause)."""
     raised = {rank: error for rank, error in worker_exceptions.items()
               if type(error).__name__ == "UserExceptionWithTraceback"}
     gone = sorted(set(worker_exceptions) - set(raised))

@@ -1,30 +1,12 @@
-"""Where data live: a plain path (the local or shared file system, as always) or a URI of an object
-store or any other file system, resolved into a ``pyarrow.fs`` file system and a path inside it.
+"""Where data live: a plain path or a URI of an object store or any other file system, resolved into
+a ``pyarrow.fs`` file system and a path inside it.
 
->>> loc = resolve("s3://bucket/shards", StorageSettings(endpoint_url="http://127.0.0.1:9000"))
->>> loc.fs, loc.path, loc.join("train-00000.arrow").uri
->>> check("s3://bucket/shards", write=True)   # the pre-flight: one ValueError line, in seconds
-
-Schemes: ``s3://bucket/prefix`` (the S3 API, also MinIO, Ceph or moto at ``endpoint_url``);
-``file:///path`` (a plain path); any other scheme ``pyarrow.fs.FileSystem.from_uri`` knows
-(``gs://bucket/prefix``, ``hdfs://``, ``abfs://``); else a protocol fsspec knows, wrapped for pyarrow
-(``PyFileSystem(FSSpecHandler(...))``). Anything else is refused in one line: a value such as
-``s3:/bucket`` (a URI that lost a slash, as ``pathlib.Path`` makes of one) is never taken for a
-local folder named ``s3:``.
-
-Settings (:class:`StorageSettings`, the job's ``storage`` section), each over the standard
-variables: the S3 endpoint is ``endpoint_url``, else ``AWS_ENDPOINT_URL_S3``, else
-``AWS_ENDPOINT_URL`` (passed to pyarrow explicitly: it reads only the last one itself); the region
-``region``, else ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else the profile's (``~/.aws/config``).
-Credentials come from the standard chain only, never from a job file: ``AWS_ACCESS_KEY_ID`` /
-``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and ``~/.aws/credentials``, the
-instance's role; for Google Cloud Storage ``GOOGLE_APPLICATION_CREDENTIALS`` or the machine's
-default account. :func:`forwarded_env` is what of that a Ray task on another node needs from the
-driver's environment. A bucket is never created: a missing one is an error saying so.
-
-Faults (:func:`storage_error`) are one line naming the URI, what failed and what to do: an endpoint
-that cannot be reached or does not answer (connections time out after seconds), credentials the
-store refuses, a missing bucket, no permission to read or to write.
+Schemes: ``s3://bucket/prefix`` (also MinIO or moto at ``endpoint_url``); ``file:///path``; any other
+scheme ``pyarrow.fs`` knows (``gs://``, ``hdfs://``); else a protocol fsspec knows. Anything else is
+refused in one line (``s3:/bucket``, a URI that lost a slash, is never a local folder). The job's
+``storage`` settings override the standard variables; credentials come from the standard chain
+only (:func:`forwarded_env`). A bucket is never created. Faults (:func:`storage_error`) are one
+line naming the URI, what failed and what to do; :func:`check` is the pre-flight.
 """
 from __future__ import annotations
 
@@ -181,21 +163,27 @@ def s3_endpoint(settings: Optional[StorageSettings]) -> tuple[Optional[str], Opt
     return None, None
 
 
+def _s3_place(settings: Optional[StorageSettings]) -> tuple[Optional[tuple[str, str]], Optional[str]]:
+    """``(endpoint's (scheme, host:port) or None, region)`` of S3, each the job's, else the standard variables'."""
+    endpoint, named = s3_endpoint(settings)
+    region = (settings.region if settings is not None else None) or os.environ.get("AWS_REGION") \
+        or os.environ.get("AWS_DEFAULT_REGION")
+    return (endpoint_parts(endpoint, named) if endpoint else None), region
+
+
 def resolve(value: str | os.PathLike, settings: Optional[StorageSettings] = None, key: str = "path",
             quick: bool = False) -> Location:
     """The :class:`Location` of a path or URI (see the module docstring); ``quick``: the
     pre-flight's short timeouts and single attempts (S3). Connects to nothing yet."""
     text = validate(value, key)
     if not is_uri(text):
-        return Location(text, _local_fs(), os.path.abspath(os.path.expanduser(text)))
+        import pyarrow.fs as pafs
+
+        return Location(text, pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(text)))
     scheme = _URI.match(text).group(1).lower()
     if scheme == "s3":
-        endpoint, named = s3_endpoint(settings)
-        region = (settings.region if settings is not None else None) or os.environ.get("AWS_REGION") \
-            or os.environ.get("AWS_DEFAULT_REGION")
-        fs = _s3(endpoint_parts(endpoint, named) if endpoint else None, region, quick, os.getpid(),
-                 tuple(sorted(forwarded_env().items())))
-        return Location(text, fs, text[len("s3://"):], endpoint)
+        fs = _s3(*_s3_place(settings), quick, os.getpid(), tuple(sorted(forwarded_env().items())))
+        return Location(text, fs, text[len("s3://"):], s3_endpoint(settings)[0])
     import pyarrow as pa
     import pyarrow.fs as pafs
 
@@ -230,13 +218,6 @@ def _fsspec(text: str, scheme: str, key: str) -> Location:
     return Location(text, pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path)
 
 
-@functools.lru_cache(maxsize=None)
-def _local_fs():
-    import pyarrow.fs as pafs
-
-    return pafs.LocalFileSystem()
-
-
 @functools.lru_cache(maxsize=16)
 def _s3(endpoint: Optional[tuple[str, str]], region: Optional[str], quick: bool, pid: int, env: tuple):
     """One S3 client per setting, process (``pid``: a forked child makes its own) and value of the
@@ -253,8 +234,7 @@ def _s3(endpoint: Optional[tuple[str, str]], region: Optional[str], quick: bool,
 
 def ray_storage(value: str, settings: Optional[StorageSettings] = None, key: str = "train.storage_path") -> dict:
     """Ray's ``RunConfig`` arguments of a storage path: ``storage_path`` alone for a plain path; for a
-    URI the path inside its file system and ``storage_filesystem`` (Ray takes the path
-    prefix-stripped then), so that Ray reaches the store with this job's endpoint and region."""
+    URI the path inside its file system and ``storage_filesystem`` (this job's endpoint and region)."""
     loc = resolve(value, settings, key)
     return {"storage_path": value} if loc.local else {"storage_path": loc.path, "storage_filesystem": loc.fs}
 
@@ -265,14 +245,11 @@ def s3_client(settings: Optional[StorageSettings] = None):
     import boto3
     from botocore.config import Config
 
-    endpoint, named = s3_endpoint(settings)
-    if endpoint:
-        endpoint_parts(endpoint, named)
-    region = (settings.region if settings is not None else None) or os.environ.get("AWS_REGION") \
-        or os.environ.get("AWS_DEFAULT_REGION")
+    _, region = _s3_place(settings)  # the endpoint checked
     config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=REQUEST_TIMEOUT_S,
                     retries={"max_attempts": ATTEMPTS, "mode": "standard"})
-    return boto3.session.Session().client("s3", endpoint_url=endpoint, region_name=region, config=config)
+    return boto3.session.Session().client("s3", endpoint_url=s3_endpoint(settings)[0], region_name=region,
+                                          config=config)
 
 
 def s3_request_error(uri: str, exc: BaseException, doing: str, settings: Optional[StorageSettings] = None) -> ValueError:
@@ -297,11 +274,10 @@ def forwarded_env() -> dict[str, str]:
     return {k: os.environ[k] for k in STANDARD_VARIABLES if os.environ.get(k)}
 
 
-def storage_error(loc: Location, exc: BaseException, doing: str, uri: Optional[str] = None) -> ValueError:
+def storage_error(loc: Location, exc: BaseException, doing: str) -> ValueError:
     """The one-line ``ValueError`` of an operation on ``loc`` (``doing``: ``reading``, ``writing``,
-    ``listing``) that failed with ``exc``: what is wrong, in words, and what to do. ``uri``: the
-    object named (default ``loc.uri``)."""
-    uri = uri or loc.uri
+    ``listing``) that failed with ``exc``: what is wrong, in words, and what to do."""
+    uri = loc.uri
     text = str(exc).replace("\n", " ")
     code = re.search(r"AWS Error ([A-Z_]+)", text)
     code = code.group(1) if code else ""
@@ -326,18 +302,14 @@ def storage_error(loc: Location, exc: BaseException, doing: str, uri: Optional[s
 
 
 def check(uri: str, write: bool = True, settings: Optional[StorageSettings] = None, key: str = "shards.root") -> None:
-    """The pre-flight of a URI setting ``key``: the store answers, takes the credentials, holds the
-    bucket, lets them list the prefix and, with ``write``, write below it (an object written and
-    deleted again). One ``ValueError`` line naming the URI and what to do, within seconds (one
-    attempt, short timeouts). A plain path: nothing to do here (the local file system's checks
-    are the pre-flight's own)."""
-    import pyarrow.fs as pafs
-
+    """The pre-flight of a URI setting ``key``, within seconds: the store answers, takes the credentials,
+    holds the bucket, lets them list the prefix and, with ``write``, write below it (an object written
+    and deleted again); else one ``ValueError`` line. A plain path: nothing to do here."""
     loc = resolve(uri, settings, key, quick=True)
     if loc.local:
         return
     try:
-        loc.fs.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True))
+        loc.children()
     except OSError as exc:
         raise storage_error(loc, exc, "listing") from None
     if not write:

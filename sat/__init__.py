@@ -35,7 +35,3 @@ def __getattr__(name: str):
         globals()[name] = value  # later lookups skip this function
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))

@@ -168,8 +168,7 @@ def _kernels():
 
 
 # Launch configurations (BLOCK_E edges per loop step, BLOCK_D columns per program, warps per
-# program), chosen by benchmarks/gpu/messages.py: one program per row and few warps keep many short
-# rows in flight; long rows (the first layer's gradient into graph nodes) want wide edge tiles.
+# program): few warps keep many short rows in flight; long rows want wide edge tiles.
 KERNEL_CONFIGS = {"short": (1, 256, 2), "long": (32, 64, 2)}
 LONG_ROWS = 16  # mean edges per row from which the "long" configuration applies
 
@@ -195,13 +194,10 @@ def _launch(kernel_index: int, reference: Tensor, rows: int, width: int, edges: 
 
 
 class _FusedAggregate(torch.autograd.Function):
-    """The root edges read the bias as row ``Nb`` of ``b``, appended here (widened to the bias's
-    dtype where that is wider, so that the ReLU sees ``a + bias`` as torch computes it). The bias's
-    gradient, a sum over all outputs (one very long kernel row), is a chunked torch reduction.
-
-    With a linear map (``weight``, ``lin_bias``), ``a = F.linear(x, weight, lin_bias)`` is formed
-    here under the caller's autocast, and again in the backward pass in the same dtype. The edges
-    stay on ``ctx``, not among the saved tensors: they belong to the batch, shared by its sums."""
+    """The root edges read the bias as row ``Nb`` of ``b``, appended here (widened as torch's
+    ``a + bias`` would be); the bias's gradient is a chunked torch reduction. With a linear map,
+    ``a = F.linear(x, weight, lin_bias)`` is formed here under the caller's autocast, and again in
+    the backward pass in the same dtype."""
 
     @staticmethod
     def forward(ctx, x, weight, lin_bias, b, bias, edges: MessageEdges):

@@ -114,7 +114,7 @@ def checkpoint_epochs(run_dir: Path) -> dict[str, int]:
 def checkpoint_part(where: Path, epoch: int, files: dict[str, bytes | Path] | None = None) -> Path:
     """A rank-0 part of a checkpoint as :func:`pipeline.train.checkpoint.save` leaves it in its local
     folder (real files, their sizes and digests listed last); a ``Path`` value is linked, not copied."""
-    from preprocessing.shards import sha256_file
+    from preprocessing.shard_places import sha256_file
 
     files = {"state.json": json.dumps({"epoch": epoch, "world_size": 1}).encode(),
              "ds/last/mp_rank_00_model_states.pt": os.urandom(300_000), "best_model.pt": os.urandom(1000),

@@ -60,7 +60,7 @@ def server():
         proc = subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", str(path)], env=env, cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        assert fork_server.wait_ready(str(path), 180, alive=lambda: proc.poll() is None), log.read_text()
+        assert fork_server.wait_ready(str(path), 180), log.read_text()
         yield {"path": path, "log": log, "env": env, "folder": folder, "proc": proc}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

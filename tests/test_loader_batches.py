@@ -25,7 +25,8 @@ from pipeline.train.loader import BatchCollator, PackedBatch, make_loader, to_de
 from pipeline.tasks import make_task
 from preprocessing.config import TransformConfig
 from preprocessing.reader import ShardDataset
-from preprocessing.shards import MANIFEST, SCHEMA_VERSION, column_specs, encode_shard, sha256_file
+from preprocessing.shard_places import sha256_file
+from preprocessing.shards import MANIFEST, SCHEMA_VERSION, column_specs, encode_shard
 from preprocessing.transforms import transform_graph
 from sat import GraphLayout, SATConfig
 

@@ -204,7 +204,7 @@ def test_cli_prints_statistics(tmp_path, capsys):
 
 def test_loads_into_a_raw_store(roots):
     store = load_source(DataConfig(name="cluster", source="sbm", root=str(roots)))
-    assert store.task == "cluster" and store.num_graphs == 36
+    assert store.name == "cluster" and store.num_graphs == 36
     assert {k: v.size for k, v in store.splits.items()} == {"train": 30, "valid": 3, "test": 3}
     everything = store.chunk(np.arange(store.num_graphs))
     assert everything["x"].shape == everything["node_label"].shape == (store.node_ptr[-1],)

@@ -136,8 +136,12 @@ def test_cli_environment_flag(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- helpers
 def collect_functions(sources: list[Path]):
-    """Every graph of the files, in memory: ``(graphs, parse failures, files read)``."""
-    parsed = [pycode._parse_file(item) for item in source_items([Path(s) for s in sources], False)]
+    """Every graph of the files, in memory, with its project and path: ``(graphs, parse failures, files read)``."""
+    items = source_items([Path(s) for s in sources], False)
+    parsed = [pycode._parse_file(item) for item in items]
+    for (_, rel, group), (graphs, _) in zip(items, parsed):
+        for g in graphs:
+            g.group, g.path = group, str(rel)
     return [g for graphs, _ in parsed for g in graphs], [r for _, r in parsed if r is not None], len(parsed)
 
 

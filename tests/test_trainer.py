@@ -99,7 +99,8 @@ def test_a_part_never_completely_written_is_not_intact(tmp_path):
 def _write_pattern_shards(out: Path, graphs: dict[str, int]) -> Path:
     """A PATTERN shard directory (node classification, RWPE) in the layout of :mod:`preprocessing.shards`."""
     from preprocessing.config import TransformConfig
-    from preprocessing.shards import MANIFEST, SCHEMA_VERSION, column_specs, encode_shard, sha256_file
+    from preprocessing.shard_places import sha256_file
+    from preprocessing.shards import MANIFEST, SCHEMA_VERSION, column_specs, encode_shard
     from preprocessing.transforms import transform_graph
 
     rng = np.random.default_rng(0)

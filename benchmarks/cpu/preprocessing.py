@@ -95,11 +95,12 @@ def stream_worker(num_graphs: int, seed: int, checkpoints: tuple[int, ...], shar
     """Generate, transform and encode ``num_graphs`` graphs shard by shard; peak RSS (KiB) at checkpoints."""
     import torch
 
-    from preprocessing.build import compute_shard
+    from preprocessing.build import shard_rows
+    from preprocessing.shards import encode_shard
 
     torch.set_num_threads(1)
     warm = code2_raw_chunk(10, seed)
-    compute_shard(warm, "code2", FULL, _vocab(warm))
+    encode_shard(*shard_rows(warm, "code2", FULL, _vocab(warm)))
     out = {"rss_base_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "peaks": {}}
     done, t0 = 0, time.perf_counter()
     vocab = None
@@ -107,7 +108,7 @@ def stream_worker(num_graphs: int, seed: int, checkpoints: tuple[int, ...], shar
         n = min(shard, num_graphs - done)
         chunk = code2_raw_chunk(n, seed * 1_000_003 + done, first_id=done)
         vocab = vocab or _vocab(chunk)
-        compute_shard(chunk, "code2", FULL, vocab)
+        encode_shard(*shard_rows(chunk, "code2", FULL, vocab))
         del chunk
         done += n
         if done in checkpoints:
@@ -127,7 +128,7 @@ def _single_core(lines: list[str]) -> None:
     import torch
     from torch_geometric.utils import k_hop_subgraph, to_undirected
 
-    from preprocessing.build import compute_shard
+    from preprocessing.build import shard_rows
     from preprocessing.config import TransformConfig
     from preprocessing.shards import column_specs, encode_shard
     from preprocessing.sources import iter_chunk
@@ -142,11 +143,11 @@ def _single_core(lines: list[str]) -> None:
     torch.set_num_threads(1)
     chunk = code2_raw_chunk(1000, seed=0)
     vocab = _vocab(chunk)
-    compute_shard(code2_raw_chunk(20, seed=9), "code2", FULL, vocab)  # warm-up
+    encode_shard(*shard_rows(code2_raw_chunk(20, seed=9), "code2", FULL, vocab))  # warm-up
     runs, cpu = [], []
     for _ in range(2):
         t0, c0 = time.perf_counter(), time.process_time()
-        compute_shard(chunk, "code2", FULL, vocab)
+        encode_shard(*shard_rows(chunk, "code2", FULL, vocab))
         runs.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     n = len(chunk["graph_id"])
@@ -272,13 +273,14 @@ def _ray_part(lines: list[str], ray) -> None:
             f"- full features (augment_edge, RWPE-20, 2-hop indices, degree): **{arrow_bytes / total / 1024:.1f} KiB/graph**"
             f" ({arrow_bytes / 2**20:.0f} MiB for {total} graphs)",
         ]
-    from preprocessing.build import compute_shard
+    from preprocessing.build import shard_rows
+    from preprocessing.shards import encode_shard
 
     small = code2_raw_chunk(500, seed=3)
     for label, cfg in (("augment_edge only (jobs/code2.yaml: no PE, k_hops 0)", dict(rwpe_steps=0, k_hops=0)),
                        ("augment_edge + RWPE-20", dict(rwpe_steps=20, k_hops=0)),
                        ("augment_edge + 2-hop indices", dict(rwpe_steps=0, k_hops=2))):
-        size = len(compute_shard(small, "code2", cfg, _vocab(small)))
+        size = len(encode_shard(*shard_rows(small, "code2", cfg, _vocab(small))))
         lines.append(f"- {label}: {size / 500 / 1024:.1f} KiB/graph")
     lines.append("")
 
