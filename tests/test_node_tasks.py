@@ -180,12 +180,13 @@ def test_compare_variant_values_are_checked_against_the_job():
 
 def test_compare_grid_samples_each_variants_values():
     """The Tune space: variant x seed, and every key some variant sets, resolved from the variant."""
-    from pipeline.sweep.compare import base_dict, param_space
+    from pipeline.sweep.compare import param_space
+    from pipeline.sweep.space import base_job_dict
     from pipeline.config import JobConfig
 
     job = JobConfig.model_validate(_job_with_compare({"seeds": [0, 1], "variants": {
         "gcn": {"model.architecture": "gnn"}, "sub": {"model.extractor": "subgraph", "transform.k_hops": 1}}}))
-    space = param_space(job, base_dict(job))
+    space = param_space(job, base_job_dict(job))
     assert space["variant"] == {"grid_search": ["gcn", "sub"]} and space["train.seed"] == {"grid_search": [0, 1]}
     pick = {key: space[key].func for key in ("model.architecture", "model.extractor", "transform.k_hops")}
     assert {k: f({"variant": "gcn"}) for k, f in pick.items()} == {"model.architecture": "gnn", "model.extractor": "subtree",

@@ -140,8 +140,6 @@ class TuneConfig(TrialsConfig):
     asha: AshaConfig = AshaConfig()
     #: Register the best trial's model (under ``mlflow.registered_model``) at the end.
     register_best: bool = True
-    #: Alias moved to the new version only when it beats the current holder's validation metric.
-    champion_alias: str = "champion"
 
     @field_validator("space")
     @classmethod

@@ -8,6 +8,8 @@ import math
 import time
 from typing import Any, Optional
 
+from ray.tune import Callback
+
 from pipeline.registry import tracking
 from pipeline.sweep.space import apply_config
 from pipeline.sweep.summary import checkpoint_history
@@ -98,23 +100,15 @@ def _numeric(values: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _import_tune_callback():
-    from ray.tune import Callback
-
-    return Callback
-
-
-class SweepLogger(_import_tune_callback()):
+class SweepLogger(Callback):
     """Tune callback in the driver: one MLflow child run per trial (params, per-epoch metrics)."""
 
-    def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, sweep_key: str, ctx: SweepContext,
-                 max_epochs: int) -> None:
+    def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, sweep_key: str, ctx: SweepContext) -> None:
         self.tracking_uri = tracking_uri
         self.experiment_id = experiment_id
         self.parent_run_id = parent_run_id
         self.sweep_key = sweep_key
         self.ctx = ctx
-        self.max_epochs = max_epochs
         self._runs: dict[str, str] = {}
         self._client = None
 
@@ -146,7 +140,7 @@ class SweepLogger(_import_tune_callback()):
             run = client.create_run(self.experiment_id, run_name=f"{self.ctx.name}-{tid}", tags=tags)
             run_id = run.info.run_id
             params = apply_config(self.ctx.base, trial.config)
-            params["train"]["epochs"] = self.max_epochs
+            params["train"]["epochs"] = self.ctx.max_epochs
             tracking.log_params(client, run_id, params)
         self._runs[tid] = run_id
         return run_id
@@ -176,7 +170,7 @@ class SweepLogger(_import_tune_callback()):
         last = trial.last_result or {}
         epochs = int(last.get("epoch", -1)) + 1
         run_id = self.run_id(trial)
-        early = epochs < self.max_epochs
+        early = epochs < self.ctx.max_epochs
         self.client.set_tag(run_id, "satp.early_stopped", str(early).lower())
         self.client.set_tag(run_id, "satp.epochs_run", str(epochs))
         self.client.set_terminated(run_id, status="KILLED" if early else "FINISHED")

@@ -1,12 +1,12 @@
 """The best trial of a sweep registered from its checkpoint (the best epoch's weights), into its
-child run; the alias moves to it only if it beats the current holder's validation metric."""
+child run; the champion alias moves to it only if it beats the current champion's validation metric."""
 from __future__ import annotations
 
 from typing import Any
 
 from pipeline.config import JobConfig
 from pipeline.registry import tracking
-from pipeline.registry.versions import promote
+from pipeline.registry.versions import CHAMPION, promote
 from pipeline.sweep.summary import TrialSummary
 
 #: the parent run's record of what it registered (``<trial id>/<version>``): a rerun registers nothing again
@@ -14,9 +14,9 @@ REGISTERED_TAG = "satp.registered_version"
 
 
 def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, mode: str, tracking_uri: str,
-                  alias: str, sweep_name: str, parent_run_id: str) -> dict[str, Any]:
-    """Log the best trial's best-epoch model into its child run, register it, and move ``alias``
-    to it if it beats the current holder's validation metric."""
+                  sweep_name: str, parent_run_id: str) -> dict[str, Any]:
+    """Log the best trial's best-epoch model into its child run, register it, and move the
+    champion alias to it if it beats the current champion's validation metric."""
     import torch
 
     from pipeline.train import checkpoint as ckpt
@@ -55,6 +55,6 @@ def register_best(job: JobConfig, best: TrialSummary, *, task_metric_name: str, 
     name = reg["registered_model"]
     client = tracking.client(tracking_uri)
     client.set_model_version_tag(name, str(reg["version"]), "satp.sweep", sweep_name)
-    reg.update(promote(client, name, reg["version"], state["best"]["val"], f"best_val_{task_metric_name}", mode, alias,
-                       sweep_name))
+    reg.update(promote(client, name, reg["version"], state["best"]["val"], f"best_val_{task_metric_name}", mode,
+                       CHAMPION, sweep_name))
     return reg

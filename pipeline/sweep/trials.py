@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from pipeline.config import JobConfig
-from pipeline.sweep.space import apply_config, validate_raw
+from pipeline.sweep.space import apply_config, validate_raw, variant_key
 
 log = logging.getLogger(__name__)
 
@@ -21,11 +21,29 @@ class SweepContext:
     """What every trial needs (plain and picklable; shipped with ``tune.with_parameters``)."""
 
     name: str
-    base: dict  # the job (paths absolute, MLflow off), without the tune section
+    base: dict  # the job (paths absolute, MLflow off), without its tune and compare sections
     shard_dirs: dict[str, str]  # variant_key -> shard directory
     data_keys: list[str]
     train_storage: str  # the trials' Train runs live here
     max_epochs: int
+
+
+#: a comparison's trial config names its variant under this key (not a key of the job)
+VARIANT = "variant"
+
+
+def run_trial(config: dict[str, Any], ctx: SweepContext) -> None:
+    """A Tune trial: one full Ray Train run of the job with ``config`` applied."""
+    started = time.time()  # the trial's start-up counts from here (its process may have started long before)
+    import ray.tune
+
+    from pipeline.train.driver import train_job
+    from pipeline.train.plan import run_dir
+
+    trial_id = ray.tune.get_context().get_trial_id()
+    job = trial_job(ctx, {k: v for k, v in config.items() if k != VARIANT}, trial_id)
+    train_job(job, shard_dir=ctx.shard_dirs[variant_key(config, ctx.data_keys)], register=False,
+              callbacks=[report_callback(str(run_dir(job)))], started_at=started)
 
 
 def trial_job(ctx: SweepContext, config: dict[str, Any], trial_id: str) -> JobConfig:
@@ -61,13 +79,13 @@ def report_callback(run: str):
     return EpochReportCallback()
 
 
-def trial_trainable(trial_fn, ctx: SweepContext, trial_cpus: float):
-    """The Tune trainable of ``trial_fn``. The Tune function only drives its Train run; a resource
+def trial_trainable(ctx: SweepContext, trial_cpus: float):
+    """The Tune trainable of :func:`run_trial`. The Tune function only drives its Train run; a resource
     request cannot be empty, so with ``trial_cpus`` 0 it asks for 1 MiB of Ray's logical memory."""
     from ray import tune
 
     resources = {"cpu": trial_cpus} if trial_cpus > 0 else {"cpu": 0, "memory": 2**20}
-    return tune.with_resources(tune.with_parameters(trial_fn, ctx=ctx), resources)
+    return tune.with_resources(tune.with_parameters(run_trial, ctx=ctx), resources)
 
 
 def sweep_storage(value: Optional[str], job, key: str) -> str:
