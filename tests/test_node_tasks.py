@@ -208,11 +208,13 @@ def test_a_comparisons_digest_names_its_configuration():
 
 
 def test_compare_table_and_plot(tmp_path):
-    from pipeline.sweep.compare import CompareOutcome, TrialResult, VariantSummary, format_table, plot_compare
+    from pipeline.sweep.compare import CompareOutcome, VariantSummary, format_table, plot_compare
+    from pipeline.sweep.summary import TrialSummary
 
-    curves = {"val_acc": [(0, 0.6), (1, 0.7)], "test_acc": [(0, 0.6), (1, 0.69)], "train_loss": [(0, 0.6), (1, 0.5)]}
-    trials = [TrialResult("gcn", s, f"t{s}", "finished", 2, 1, 0.7, 0.69 + 0.01 * s, 30.0, curves) for s in (0, 1)]
-    trials.append(TrialResult("sat", 0, "t9", "error", 0, None, None, None, None, {}))
+    curves = {"val": [(0, 0.6), (1, 0.7)], "test": [(0, 0.6), (1, 0.69)], "train_loss": [(0, 0.6), (1, 0.5)]}
+    trials = [TrialSummary(f"t{s}", {"variant": "gcn", "train.seed": s}, "finished", 2, 0.7, 0.7, 0.69 + 0.01 * s,
+                           curves, None, seconds=30.0) for s in (0, 1)]
+    trials.append(TrialSummary("t9", {"variant": "sat", "train.seed": 0}, "error", 0, None, None, None, {}, None))
     variants = [VariantSummary("gcn", {"model.architecture": "gnn"}, [0, 1], [0.69, 0.70], [0.7, 0.7], 1234, 30.0),
                 VariantSummary("sat", {}, [], [], [], None, None)]
     outcome = CompareOutcome("c", "/tmp/c", "acc", 2, variants, trials, None, None, False, 1.0)

@@ -140,8 +140,8 @@ def test_plot_marks_early_stops(tmp_path):
     from pipeline.sweep.summary import TrialSummary, plot_sweep
 
     trials = [
-        TrialSummary("a", {}, "finished", 3, 0.3, 0.3, 0.2, [(0, 0.1), (1, 0.2), (2, 0.3)], None),
-        TrialSummary("b", {}, "early_stopped", 1, 0.05, 0.05, 0.04, [(0, 0.05)], None),
+        TrialSummary("a", {}, "finished", 3, 0.3, 0.3, 0.2, {"val": [(0, 0.1), (1, 0.2), (2, 0.3)]}, None),
+        TrialSummary("b", {}, "early_stopped", 1, 0.05, 0.05, 0.04, {"val": [(0, 0.05)]}, None),
     ]
     plot_sweep(trials, "val_f1", tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000

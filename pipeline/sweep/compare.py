@@ -45,6 +45,7 @@ from pipeline.config.names import check_names
 from pipeline.console import plural
 from pipeline.registry import tracking
 from pipeline.sweep.runner import run_trials
+from pipeline.sweep.summary import TrialSummary
 from pipeline.sweep.space import apply_config, base_job_dict, resolve_paths, task_metric, validate_raw, variant_key
 from pipeline.sweep.trials import VARIANT
 
@@ -95,21 +96,6 @@ def param_space(job: JobConfig, raw: dict) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- results
 @dataclasses.dataclass
-class TrialResult:
-    variant: str
-    seed: int
-    trial_id: str
-    status: str  # finished | error | interrupted | incomplete
-    epochs: int
-    best_epoch: Optional[int]
-    best_val: Optional[float]
-    best_test: Optional[float]  # test metric at the best validation epoch
-    seconds: Optional[float]  # the trial's wall time (Tune's time_total_s)
-    curves: dict[str, list[tuple[int, float]]]  # val_<m>, test_<m>, train_loss per epoch
-    run_id: Optional[str] = None
-
-
-@dataclasses.dataclass
 class VariantSummary:
     name: str
     overrides: dict[str, Any]
@@ -141,7 +127,7 @@ class CompareOutcome:
     metric: str  # the task metric (acc, f1)
     epochs: int
     variants: list[VariantSummary]
-    trials: list[TrialResult]
+    trials: list[TrialSummary]
     parent_run_id: Optional[str]
     tracking_uri: Optional[str]
     resumed: bool
@@ -152,34 +138,7 @@ class CompareOutcome:
         return format_table(self)
 
 
-def trial_results(results, summaries, metric: str) -> list[TrialResult]:
-    """One :class:`TrialResult` per Tune result (``summaries``: :func:`pipeline.sweep.summary.summarize`'s)."""
-    out = []
-    keys = (f"val_{metric}", f"test_{metric}", "train_loss")
-    for result, summary in zip(results, summaries):
-        curves: dict[str, list[tuple[int, float]]] = {k: [] for k in keys}
-        best_epoch = seconds = None
-        df = result.metrics_dataframe
-        for row in (df.to_dict("records") if df is not None else []):
-            epoch = row.get("epoch")
-            if not isinstance(epoch, (int, float)) or math.isnan(epoch):
-                continue
-            for k in keys:
-                v = row.get(k)
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    curves[k].append((int(epoch), float(v)))
-            if isinstance(row.get("best_epoch"), (int, float)) and row["best_epoch"] >= 0:
-                best_epoch = int(row["best_epoch"])
-            if isinstance(row.get("time_total_s"), (int, float)):
-                seconds = float(row["time_total_s"])
-        status = summary.status if summary.status in ("error", "interrupted", "finished") else "incomplete"
-        config = summary.config
-        out.append(TrialResult(str(config.get(VARIANT)), int(config.get(SEED, 0)), summary.trial_id, status,
-                               summary.epochs, best_epoch, summary.best_val, summary.best_test, seconds, curves))
-    return out
-
-
-def summarize_variants(job: JobConfig, trials: list[TrialResult], parameters: dict[str, Optional[int]]) -> list[VariantSummary]:
+def summarize_variants(job: JobConfig, trials: list[TrialSummary], parameters: dict[str, Optional[int]]) -> list[VariantSummary]:
     out = []
     for name, overrides in job.compare.variants.items():
         done = sorted((t for t in trials if t.variant == name and t.status == "finished" and t.best_test is not None),
@@ -242,7 +201,7 @@ def plot_compare(outcome: CompareOutcome, path: str | Path) -> None:
     if finite:
         lo = min(min(v.test) for v in outcome.variants if v.test)
         ax.set_ylim(max(0.0, lo - 0.1 * (max(finite) - lo + 1e-3) - 0.02), None)
-    for ax, key, label in ((axes[1], f"val_{m}", f"val {m}"), (axes[2], "train_loss", "train loss")):
+    for ax, key, label in ((axes[1], "val", f"val {m}"), (axes[2], "train_loss", "train loss")):
         for t in outcome.trials:
             if t.curves.get(key):
                 xs, ys = zip(*t.curves[key])
@@ -311,10 +270,9 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
         shard_dirs = run.ctx.shard_dirs
         parameters = {v: count_parameters(vjob, shard_dirs[variant_key({VARIANT: v}, [VARIANT])])
                       for v, vjob in jobs.items()}
-        trials = trial_results(run.results, run.trials, m)
-        for t, summary in zip(trials, run.trials):
-            if summary.run_id is not None:
-                t.run_id = summary.run_id
+        trials = run.trials
+        for t in trials:
+            if t.run_id is not None:
                 client.set_tag(t.run_id, "mlflow.runName", f"{t.variant}-seed{t.seed}")
                 client.set_tag(t.run_id, "satp.variant", t.variant)
         outcome = CompareOutcome(name=name, path=run.path, metric=m, epochs=job.train.epochs,

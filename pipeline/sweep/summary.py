@@ -24,9 +24,22 @@ class TrialSummary:
     best: Optional[float]  # the sweep metric at its best epoch
     best_val: Optional[float]  # best_val_<task metric> (the registered model's)
     best_test: Optional[float]
-    curve: list[tuple[int, float]]  # (epoch, val metric)
+    curves: dict[str, list[tuple[int, float]]]  # "val", "test" (the task metric), "train_loss": (epoch, value)
     checkpoint_path: Optional[str]
     run_id: Optional[str] = None
+    seconds: Optional[float] = None  # the trial's wall time (Tune's time_total_s)
+
+    @property
+    def curve(self) -> list[tuple[int, float]]:
+        return self.curves.get("val", [])
+
+    @property
+    def variant(self) -> str:  # of a comparison's trial
+        return str(self.config.get("variant"))
+
+    @property
+    def seed(self) -> int:
+        return int(self.config.get("train.seed", 0))
 
 
 @dataclasses.dataclass
@@ -86,13 +99,14 @@ def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
         if trial is not None and tid not in states:
             states[tid] = trial.status
         best_val = best_test = None
-        checkpoint_path = None
+        checkpoint_path = seconds = None
         by_epoch: dict[int, dict] = {}
         for row in (df.to_dict("records") if df is not None and len(df) else []):
             epoch = row.get("epoch")
             if epoch is None or (isinstance(epoch, float) and math.isnan(epoch)):
                 continue
             by_epoch[int(epoch)] = row
+            seconds = float(row["time_total_s"]) if _finite(row.get("time_total_s")) else seconds
             if row.get("checkpoint_path") and isinstance(row.get("checkpoint_path"), str):
                 checkpoint_path = row["checkpoint_path"]
                 best_val = row.get(f"best_{val_metric}", best_val)
@@ -100,7 +114,9 @@ def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
         for row in checkpoint_history(checkpoint_path, storage):  # checkpointed epochs whose report never reached Tune
             by_epoch.setdefault(int(row["epoch"]), row)
         epochs = max(by_epoch, default=-1) + 1
-        curve = [(e, float(r[val_metric])) for e, r in sorted(by_epoch.items()) if _finite(r.get(val_metric))]
+        keys = {"val": val_metric, "test": val_metric.replace("val_", "test_", 1), "train_loss": "train_loss"}
+        curves = {name: [(e, float(r[k])) for e, r in sorted(by_epoch.items()) if _finite(r.get(k))]
+                  for name, k in keys.items()}
         best = None
         for _, row in sorted(by_epoch.items()):
             if _finite(row.get(metric)) and (best is None or better(row[metric], best, mode)):
@@ -114,8 +130,8 @@ def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
         else:
             status = "finished"
         config = dict(result.config or (trial.config if trial is not None else {}) or {})
-        out.append(TrialSummary(tid, config, status, epochs, best,
-                                finite_float(best_val), finite_float(best_test), curve, checkpoint_path))
+        out.append(TrialSummary(tid, config, status, epochs, best, finite_float(best_val), finite_float(best_test),
+                                curves, checkpoint_path, seconds=seconds))
     return out
 
 

@@ -176,39 +176,32 @@ def fit_trials(sweep_dir: str | Path, trainable, new_tuner, client, parent_id: s
 _seen_in_use: set[str] = set()
 
 
-def release_orphaned_placement_groups(with_pending: bool = False):
+def release_orphaned_placement_groups() -> tuple[int, int]:
     """Remove this job's placement groups that were in use and are entirely free now; return how
-    many (``with_pending``: and how many are in use).
+    many, and how many are in use.
 
-    When ASHA stops a trial, Tune ends the trial's actor, which kills its Train controller
-    (an owned actor) and the Train workers, but not the workers' placement group: Ray keeps a
-    placement group until its job ends, so the CPUs would stay reserved and the next trials wait
-    forever. satp's runs start no Train ``PlacementGroupCleaner`` (a process per run, which polls
-    the State API and so needs a dashboard: :func:`pipeline.train.driver._trainer_class`); this
-    releases them instead, on Ray's public API. Ray's table of placement groups
-    (``ray.util.placement_group_table``) does not say who created a group, nor whether its creator
-    lives; what is in use is public: Ray lists a group's resources as ``<resource>_group_<id>`` in
-    ``ray.cluster_resources()``, and what is free of them in ``ray.available_resources()``. A Train
-    run's group is in use from its workers' start until Ray Train removes it at the run's end (if
-    it is removed here first, in between, Ray Train's removal does nothing); a group seen in use
-    and entirely free later has lost its workers. A group never seen in use (just created, its
-    workers not started yet) is never touched. The sweep's driver looks when a trial reports (its
-    workers are running) and every few seconds (:class:`pipeline.sweep.mlflow_logging.SweepLogger`).
-    Only this job's groups, by their id: a placement group's id ends with its job's id (Ray's
-    ``PlacementGroupID.of(job_id)``).
+    When ASHA stops a trial, Tune ends its actor and with it the Train controller and workers, but
+    Ray keeps their placement group until the job ends, so its CPUs would stay reserved (satp's runs
+    start no Train ``PlacementGroupCleaner``: :func:`pipeline.train.driver._trainer_class`). Ray's
+    public API does not say who created a group, but it lists a group's resources as
+    ``<resource>_group_<id>`` in ``ray.cluster_resources()`` and what is free of them in
+    ``ray.available_resources()``: a group seen in use and entirely free later has lost its workers;
+    one never seen in use (its workers not started yet) is never touched. Only this job's groups, by
+    their id (Ray's ``PlacementGroupID.of(job_id)`` ends with the job's id). The driver looks when a
+    trial reports and every few seconds (:class:`pipeline.sweep.mlflow_logging.SweepLogger`).
     """
     import ray
     from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
     if not ray.is_initialized():
-        return (0, 0) if with_pending else 0
+        return 0, 0
     try:
         job_id = ray.get_runtime_context().get_job_id()
         table = placement_group_table()
         total, free = ray.cluster_resources(), ray.available_resources()
     except Exception as exc:  # best effort: never fail a sweep over housekeeping
         log.debug("placement group table unavailable: %s", exc)
-        return (0, 0) if with_pending else 0
+        return 0, 0
     removed = in_use = 0
     placed = set()
     for group_id, info in table.items():
@@ -230,7 +223,7 @@ def release_orphaned_placement_groups(with_pending: bool = False):
     _seen_in_use.intersection_update(placed)
     if removed:
         log.info("released %d placement group(s) of stopped trials", removed)
-    return (removed, in_use) if with_pending else removed
+    return removed, in_use
 
 
 def release_after_sweep(timeout_s: float = 20.0) -> None:
@@ -238,7 +231,7 @@ def release_after_sweep(timeout_s: float = 20.0) -> None:
     their placement groups, so that the cluster's resources are free again."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        _, pending = release_orphaned_placement_groups(with_pending=True)
+        _, pending = release_orphaned_placement_groups()
         if not pending:
             return
         time.sleep(0.5)

@@ -117,7 +117,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
             png = Path(tmp) / "sweep_val_curves.png"
             plot_sweep(trials, val_metric, png, title=f"{name}: {val_metric} per trial ({plural(len(trials), 'trial')})")
             client.log_artifact(parent_id, str(png), artifact_path="plots")
-            table = [{k: v for k, v in dataclasses.asdict(t).items() if k not in ("curve",)} | {
+            table = [{k: v for k, v in dataclasses.asdict(t).items() if k != "curves"} | {
                 "config": {k: v for k, v in t.config.items() if not k.startswith("__")}} for t in trials]
             (Path(tmp) / "trials.json").write_text(json.dumps(table, indent=1, default=str))
             client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
