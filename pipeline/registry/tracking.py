@@ -129,20 +129,29 @@ def log_params(mlflow_client, run_id: str, params: dict) -> None:
         mlflow_client.log_batch(run_id, params=items[i : i + 100])
 
 
+def reopen_run(mlflow_client, experiment_id: str, key: dict[str, str], run_name: str, params: dict,
+               tags: Optional[dict[str, str]] = None):
+    """The run carrying the ``key`` tags, set RUNNING again, or a new one with them, ``tags`` and
+    ``params``; returns ``(run id, the run found or None)``."""
+    found = find_run(mlflow_client, experiment_id, key)
+    if found is not None:
+        if found.info.status != "RUNNING":
+            mlflow_client.update_run(found.info.run_id, status="RUNNING")
+        return found.info.run_id, found
+    run_id = mlflow_client.create_run(experiment_id, run_name=run_name, tags={**key, **(tags or {})}).info.run_id
+    log_params(mlflow_client, run_id, params)
+    return run_id, None
+
+
 def open_run(tracking_uri: str, experiment: str, run_key: str, run_name: str, params: dict, config_text: str) -> str:
     """Return the id of the MLflow run for ``run_key``, creating it (with params and config) if needed."""
     mlflow_client = client(tracking_uri)
     exp_id = ensure_experiment(mlflow_client, experiment, tracking_uri)
-    found = find_run(mlflow_client, exp_id, {RUN_KEY_TAG: run_key})
+    run_id, found = reopen_run(mlflow_client, exp_id, {RUN_KEY_TAG: run_key}, run_name, params)
     if found is not None:
-        run_id = found.info.run_id
-        if found.info.status != "RUNNING":
-            mlflow_client.update_run(run_id, status="RUNNING")
         _note_changed_params(mlflow_client, found, params, config_text)
-        return run_id
-    run_id = mlflow_client.create_run(exp_id, run_name=run_name, tags={RUN_KEY_TAG: run_key}).info.run_id
-    log_params(mlflow_client, run_id, params)
-    _log_job(mlflow_client, run_id, config_text)
+    else:
+        _log_job(mlflow_client, run_id, config_text)
     return run_id
 
 

@@ -1,30 +1,15 @@
 """Variants of a job compared at equal budget over seeds (``satp compare JOB.yaml``), on Ray Tune + MLflow.
 
-:func:`run_compare` reads the job's ``compare:`` section (:mod:`pipeline.config.compare`). Every
-variant trains once per seed, and each trial is a full Ray Train run of the job with the
-variant's keys and ``train.seed`` set. The machinery is that of ``satp tune`` (:mod:`pipeline.sweep.runner`):
+:func:`run_compare` runs the job's ``compare:`` section (:mod:`pipeline.config.compare`) on the driver
+of :mod:`pipeline.sweep.runner`: a Tune grid over variant x seed, each trial a full Ray Train run of the
+job with the variant's keys and ``train.seed`` set, all to the last epoch (no scheduler). The variant's
+keys reach the trial as sampled values (``tune.sample_from`` on the variant's name), so each trial's
+config holds every key it sets. The default name ends in the hash of job, variants and seeds, so a
+rerun of the same configuration resumes.
 
-* a Ray Tune grid over variant x seed, run by :func:`pipeline.train.driver.train_job` in each trial with
-  Tune's report callback. There is no scheduler: every trial runs all its epochs, the same data
-  and the same seeds. The variant's keys reach the trial as sampled values
-  (``tune.sample_from`` on the variant's name), so each trial's config holds every key it sets;
-* the checks before any trial starts: every variant against the job's schema, the pre-flight of
-  ``satp train``, and every distinct preprocessing built once;
-* MLflow, with the driver as the only writer: one parent run (tag ``satp.kind = compare``) and one
-  child run per trial (:class:`pipeline.sweep.mlflow_logging.SweepLogger`), named ``<variant>-seed<seed>``, with
-  the trial's params and per-epoch metrics;
-* a rerun of the same configuration (job, variants and seeds; the default name ends in their hash)
-  resumes with ``Tuner.restore``. The comparison records the job it runs in its folder: a rerun of
-  another job (a named comparison's, or one of the same hash with other settings of the ``compare:``
-  section) is refused before Ray starts, in one line naming what differs; ``restart`` starts it over
-  (:mod:`pipeline.sweep.record`).
-
-The result of a trial is its test metric at its best validation epoch (``best_test_<metric>``,
-what ``satp train`` reports). Per variant: the mean and the sample standard deviation over the
-seeds (``ddof=1``). They are logged to the parent run as metrics ``<variant>.test_<metric>_mean``
-and ``_std``, together with a markdown table (``compare.md``), a figure (``plots/compare.png``:
-bars with error bars, validation curves and training losses) and ``trials.json``. The table is
-also printed.
+A trial's result is its test metric at its best validation epoch; per variant, the mean and the
+sample standard deviation (``ddof=1``) over seeds go to the parent run as ``<variant>.test_<metric>_mean``
+and ``_std``, with ``compare.md`` (the printed table), ``plots/compare.png`` and ``trials.json``.
 """
 from __future__ import annotations
 
@@ -51,7 +36,6 @@ from pipeline.sweep.trials import VARIANT
 
 log = logging.getLogger(__name__)
 
-DIGEST_TAG = "satp.compare_digest"
 SEED = "train.seed"
 
 
@@ -253,8 +237,6 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     _, m, mode = task_metric(job)
     jobs = variant_jobs(job)
     job = resolve_job(job)
-    if not job.mlflow.enabled:
-        raise ValueError("compare: the comparison logs to MLflow; mlflow.enabled must be true")
     base = resolve_paths(base_job_dict(job))
     base["mlflow"]["enabled"] = False
     digest = comparison_digest(base, cmp)
@@ -265,7 +247,7 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     with run_trials(job, "compare", name, base, {f"compare.variants.{v}": vjob for v, vjob in jobs.items()},
                     shard_jobs, [VARIANT], param_space=param_space(job, base), metric=f"val_{m}", mode=mode,
                     val_metric=f"val_{m}", max_epochs=job.train.epochs, address=address, restart=restart,
-                    verbose=verbose, parent_tags={DIGEST_TAG: digest}, num_samples=1, reuse_actors=True) as run:
+                    verbose=verbose, num_samples=1, reuse_actors=True) as run:
         client, parent_id = run.client, run.parent_id
         shard_dirs = run.ctx.shard_dirs
         parameters = {v: count_parameters(vjob, shard_dirs[variant_key({VARIANT: v}, [VARIANT])])

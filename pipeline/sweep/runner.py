@@ -12,7 +12,7 @@ from typing import Any, Iterator, Mapping
 from pipeline.config import JobConfig
 from pipeline.registry import tracking
 from pipeline.sweep import record
-from pipeline.sweep.mlflow_logging import SWEEP_KEY_TAG, TRIAL_TAG, SweepLogger, open_parent_run, retire_sweep_runs
+from pipeline.sweep.mlflow_logging import SWEEP_KEY_TAG, TRIAL_TAG, SweepLogger, retire_sweep_runs
 from pipeline.sweep.summary import TrialSummary, saved_states, summarize
 from pipeline.sweep.trials import SweepContext, fit_trials, hold_sweep, sweep_storage, trial_trainable
 
@@ -51,7 +51,7 @@ def concurrency_cap(jobs: list[JobConfig], trial_cpus: float, cluster: dict[str,
 def run_trials(job: JobConfig, section: str, name: str, base: dict, jobs: Mapping[str, JobConfig] | list[JobConfig],
                variants: dict[str, JobConfig], data_keys: list[str], *, param_space: dict, metric: str, mode: str,
                val_metric: str, max_epochs: int, address, restart: bool, verbose: int, seed=None,
-               parent_tags=None, **tune_options) -> Iterator[TrialsRun]:
+               **tune_options) -> Iterator[TrialsRun]:
     """Run (or resume) the trials of ``job``'s ``section`` in the folder ``name`` and yield them, the
     folder's lease held until the block ends. ``base``: the job as a dict, paths resolved, MLflow off;
     ``jobs``: every variant, pre-flighted; ``variants``: the shard key of each preprocessing (see
@@ -69,6 +69,8 @@ def run_trials(job: JobConfig, section: str, name: str, base: dict, jobs: Mappin
     from runtime.storage import absolute, ray_storage
 
     cfg, what, key = getattr(job, section), WHAT[section], f"{section}.name"
+    if not job.mlflow.enabled:
+        raise ValueError(f"{section}: the {what} logs to MLflow; mlflow.enabled must be true")
     settings = job.storage.settings()
     storage = sweep_storage(cfg.storage_path, job, f"{section}.storage_path")
     sweep_dir = f"{storage}/{name}"
@@ -99,8 +101,8 @@ def run_trials(job: JobConfig, section: str, name: str, base: dict, jobs: Mappin
         record.start(sweep_dir, ran, restart, settings)
         if restart:
             retire_sweep_runs(client, exp_id, sweep_dir, f"{what} started over (--restart)")
-        parent_id = open_parent_run(client, exp_id, sweep_dir, KIND[section], name,
-                                    {**base, section: cfg.model_dump(mode="json")}, tags=parent_tags)
+        parent_id, _ = tracking.reopen_run(client, exp_id, {SWEEP_KEY_TAG: sweep_dir, "satp.kind": KIND[section]}, name,
+                                           {**base, section: cfg.model_dump(mode="json")})
 
         cluster = ray.cluster_resources()
         cap = concurrency_cap(listed, cfg.trial_cpus, cluster)

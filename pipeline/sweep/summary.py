@@ -63,10 +63,8 @@ class SweepOutcome:
 
 
 def saved_states(path: str | Path, storage=None) -> dict[str, str]:
-    """Trial states in the sweep's saved experiment state (``path``: the sweep's folder, a path or a
-    URI on the store the job's ``storage`` settings reach). After an interruption (Ctrl-C) Tune
-    stops the running trials and marks them TERMINATED in memory, but it saves them first as
-    PENDING/RUNNING so that ``Tuner.restore`` resumes them: the saved state tells."""
+    """Trial states in the sweep's saved experiment state: after Ctrl-C Tune marks the stopped trials
+    TERMINATED in memory, but saves them as PENDING/RUNNING so that ``Tuner.restore`` resumes them."""
     try:
         from ray.tune import ExperimentAnalysis
 
@@ -82,8 +80,7 @@ def saved_states(path: str | Path, storage=None) -> dict[str, str]:
 
 def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
               states: Optional[dict[str, str]] = None, storage=None) -> list[TrialSummary]:
-    """The trials of Tune's ``results`` (``states``: :func:`saved_states`; ``storage``: the job's
-    settings of checkpoints on a store)."""
+    """The trials of Tune's ``results`` (``states``: :func:`saved_states`)."""
     try:  # Tune's trials, in the order of the results
         tune_trials = list(results._experiment_analysis.trials)
     except AttributeError:
@@ -140,12 +137,8 @@ def _finite(value) -> bool:
 
 
 def checkpoint_history(checkpoint_path: Optional[str], storage=None) -> list[dict]:
-    """Every epoch of a trial's Train run, as its last checkpoint (a path, or a URI on the store
-    ``storage`` reaches) records them (``state.json``).
-
-    Tune's results miss the epochs whose report had not reached its driver when a sweep was
-    interrupted: the trial's Train run had checkpointed them, and, resumed from that checkpoint,
-    never reports them again. The checkpoint carries the whole history."""
+    """Every epoch of a trial's Train run, as its last checkpoint records them (``state.json``):
+    Tune's results miss the epochs reported just before an interruption, never reported again."""
     if not checkpoint_path:
         return []
     from pipeline.train import checkpoint as ckpt

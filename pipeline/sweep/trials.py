@@ -80,8 +80,8 @@ def report_callback(run: str):
 
 
 def trial_trainable(ctx: SweepContext, trial_cpus: float):
-    """The Tune trainable of :func:`run_trial`. The Tune function only drives its Train run; a resource
-    request cannot be empty, so with ``trial_cpus`` 0 it asks for 1 MiB of Ray's logical memory."""
+    """The Tune trainable of :func:`run_trial`; a resource request cannot be empty, so with
+    ``trial_cpus`` 0 it asks for 1 MiB of Ray's logical memory."""
     from ray import tune
 
     resources = {"cpu": trial_cpus} if trial_cpus > 0 else {"cpu": 0, "memory": 2**20}
@@ -89,9 +89,8 @@ def trial_trainable(ctx: SweepContext, trial_cpus: float):
 
 
 def sweep_storage(value: Optional[str], job, key: str) -> str:
-    """The folder that holds a sweep's folder, an absolute path or a URI: ``value`` (``tune.storage_path``
-    / ``compare.storage_path``, named by ``key``), default ``<runs>/tune``. A URI is checked before
-    anything is written (:func:`pipeline.train.preflight.check_run_store`), never taken for a local folder."""
+    """The folder that holds a sweep's folder, an absolute path or a URI: ``value`` (named by ``key``),
+    default ``<runs>/tune``; a URI is checked before anything is written."""
     from pipeline.config.train import runs_dir
     from pipeline.train.preflight import check_run_store
     from runtime.storage import absolute, is_uri
@@ -103,13 +102,10 @@ def sweep_storage(value: Optional[str], job, key: str) -> str:
 
 @contextlib.contextmanager
 def hold_sweep(sweep_dir: str | Path, name: str, command: str, key: str, storage=None) -> Iterator[None]:
-    """Hold the sweep's lease while the block runs: one writer per sweep folder, as per run
-    (:class:`pipeline.train.lease.RunLease`, ``<sweep_dir>/satp-lease.json``). Two sweeps of one
-    name would share Tune's state and the trials' runs, and take each other's trial leases; the
-    second is refused at once, in one line naming the holder (``key``: the job key to change), and
-    a sweep whose holder died is taken over with one warning line. The folders the lease created
-    are removed again if the sweep wrote nothing into them (its pre-flight failed). ``storage``: the
-    job's settings of a sweep folder on a store."""
+    """Hold the sweep's lease while the block runs (:class:`pipeline.train.lease.RunLease`,
+    ``<sweep_dir>/satp-lease.json``): two sweeps of one name would share Tune's state and the trials'
+    runs, so the second is refused in one line naming the holder (``key``: the job key to change).
+    The folders the lease created are removed again if the sweep wrote nothing into them."""
     from pipeline.train.lease import RunLease
     from runtime.interrupts import deferred
     from runtime.storage import is_uri
@@ -140,9 +136,8 @@ class _NoRestoreHint(logging.Filter):
 
 
 def fit_trials(sweep_dir: str | Path, trainable, new_tuner, client, parent_id: str, storage=None):
-    """Fit the trials: a new ``Tuner`` (``new_tuner()``), or the interrupted one in ``sweep_dir`` (a
-    path, or a URI on the store that the job's ``storage`` settings reach) restored. Returns
-    ``(results, resumed)``; any failure marks the parent run FAILED."""
+    """Fit the trials: a new ``Tuner`` (``new_tuner()``), or the interrupted one in ``sweep_dir``
+    restored. Returns ``(results, resumed)``; any failure marks the parent run FAILED."""
     from ray import tune
 
     from runtime.storage import ray_storage
@@ -171,8 +166,7 @@ def fit_trials(sweep_dir: str | Path, trainable, new_tuner, client, parent_id: s
     return results, resumed
 
 
-#: ids of this job's placement groups seen in use (something running in them): one seen entirely
-#: free afterwards has lost what ran there (see :func:`release_orphaned_placement_groups`)
+#: ids of this job's placement groups seen in use (see :func:`release_orphaned_placement_groups`)
 _seen_in_use: set[str] = set()
 
 

@@ -1,33 +1,10 @@
 """ASHA hyperparameter sweeps of a job (``satp tune JOB.yaml``), logged to MLflow.
 
-:func:`run_sweep` reads the job's ``tune:`` section (:mod:`pipeline.config.tune`)
-and runs a Ray Tune ``Tuner`` whose trials are full Ray Train runs (the Train V2
-pattern: a Tune function, :func:`pipeline.sweep.trials.run_trial`, builds and fits the ``TorchTrainer``
-through :func:`pipeline.train.driver.train_job`, with Tune's ``TuneReportCallback`` in
-the Train run's callbacks, so every epoch's metrics reach Tune and ASHA).
-
-* Before any trial starts, the driver validates every sampled value against the
-  job's schema, and builds the shards of every preprocessing variant of the
-  space (keys under ``data``/``transform``/``shards``; shard directories are
-  keyed by the config hash), so trials only read shards.
-* Concurrency is capped by the cluster's resources (each trial needs
-  ``num_workers x cpus_per_worker`` CPUs, and GPUs when ``use_gpu``).
-* MLflow (one writer: the driver): a parent run for the sweep and a child run
-  per trial (tag ``mlflow.parentRunId``) with the trial's params and per-epoch
-  metrics, logged by a Tune callback (:class:`SweepLogger`) in the driver; the
-  trials themselves run with MLflow off. At the end: a plot of every trial's
-  validation curve with early stops marked, logged to the parent run.
-* The best trial (by the sweep's metric, best epoch) is logged and registered
-  from its last Train checkpoint (the best-epoch weights it holds), into its
-  child run; the ``champion`` alias moves to the new version only if it beats
-  the current champion's validation metric (the replaced version keeps tags
-  saying why). A worse sweep leaves the alias where it is.
-* Rerunning an interrupted sweep (same ``tune.name`` and storage path) resumes
-  it with ``Tuner.restore``; unfinished trials resume their Train runs from
-  their last checkpoints, and MLflow runs are found again by their tags. The
-  sweep records the job it runs in its folder: a rerun of another job is
-  refused before Ray starts, and ``restart`` starts the sweep over
-  (:mod:`pipeline.sweep.record`).
+:func:`run_sweep` runs the job's ``tune:`` section (:mod:`pipeline.config.tune`) on the driver of
+:mod:`pipeline.sweep.runner`: every trial is a full Ray Train run reporting each epoch to Tune and
+ASHA. At the end the sweep's plot, table and metrics go to its parent run, and the best trial (by the
+sweep's metric, best epoch) is registered from its last checkpoint, into its child run; the
+``champion`` alias moves to it only if it beats the current champion's validation metric.
 """
 from __future__ import annotations
 
@@ -79,8 +56,6 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
         raise ValueError(f"tune.asha.grace_period: {tune_cfg.asha.grace_period} > max_epochs {max_epochs}")
 
     job = resolve_job(job)
-    if not job.mlflow.enabled:
-        raise ValueError("tune: the sweep logs to MLflow; mlflow.enabled must be true")
     name = tune_cfg.name or f"{job.name}-sweep"
     base = resolve_paths(base_job_dict(job))
     base["mlflow"]["enabled"] = False
