@@ -282,15 +282,29 @@ class RankZeroLogger:
             self.monitor = None
 
 
-def plot_curves(history: list[dict[str, Any]], metric: str, path: str | os.PathLike) -> None:
-    """Loss and train/val/test ``metric`` per epoch, as a PNG."""
+def subplots(*grid, **options):
+    """matplotlib's ``plt.subplots`` without a display (the Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt.subplots(*grid, **options)
+
+
+def save_figure(fig, path: str | os.PathLike) -> None:
+    """``fig`` written as a PNG, and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_curves(history: list[dict[str, Any]], metric: str, path: str | os.PathLike) -> None:
+    """Loss and train/val/test ``metric`` per epoch, as a PNG."""
     epochs = [h["epoch"] for h in history]
-    fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_loss, ax_metric) = subplots(1, 2, figsize=(10, 4))
     ax_loss.plot(epochs, [h.get("train_loss") for h in history], marker="o", label="train loss")
     ax_loss.set_xlabel("epoch")
     ax_loss.set_ylabel("loss")
@@ -306,21 +320,14 @@ def plot_curves(history: list[dict[str, Any]], metric: str, path: str | os.PathL
     ax_metric.set_xlabel("epoch")
     ax_metric.set_ylabel(metric)
     ax_metric.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_metric_vs_time(history: list[dict[str, Any]], metric: str, path: str | os.PathLike,
                         target: Optional[dict[str, Any]] = None) -> None:
     """Validation and test ``metric`` against the run's wall-clock (``elapsed_s``: training and
     evaluation since the first step), the target as a line and the time it was reached, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(figsize=(6, 4))
     for split in ("val", "test"):
         key = f"{split}_{metric}"
         points = [(h["elapsed_s"] / 60, h[key]) for h in history if h.get(key) is not None and h.get("elapsed_s") is not None]
@@ -335,6 +342,4 @@ def plot_metric_vs_time(history: list[dict[str, Any]], metric: str, path: str | 
     ax.set_xlabel("wall-clock of training and evaluation (min)")
     ax.set_ylabel(metric)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -2,10 +2,9 @@
 
 :func:`run_compare` runs the job's ``compare:`` section (:mod:`pipeline.config.compare`) on the driver
 of :mod:`pipeline.sweep.runner`: a Tune grid over variant x seed, each trial a full Ray Train run of the
-job with the variant's keys and ``train.seed`` set, all to the last epoch (no scheduler). The variant's
-keys reach the trial as sampled values (``tune.sample_from`` on the variant's name), so each trial's
-config holds every key it sets. The default name ends in the hash of job, variants and seeds, so a
-rerun of the same configuration resumes.
+job with the variant's keys (:meth:`pipeline.sweep.trials.SweepContext.settings`) and ``train.seed``
+set, all to the last epoch (no scheduler). The default name ends in the hash of job, variants and
+seeds, so a rerun of the same configuration resumes.
 
 A trial's result is its test metric at its best validation epoch; per variant, the mean and the
 sample standard deviation (``ddof=1``) over seeds go to the parent run as ``<variant>.test_<metric>_mean``
@@ -13,9 +12,7 @@ and ``_std``, with ``compare.md`` (the printed table), ``plots/compare.png`` and
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -39,15 +36,6 @@ log = logging.getLogger(__name__)
 SEED = "train.seed"
 
 
-def get_dotted(raw: dict, key: str) -> Any:
-    node: Any = raw
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise ValueError(f"{key}: not a key of the job")
-        node = node[part]
-    return node
-
-
 def variant_jobs(job: JobConfig, raw: Optional[dict] = None) -> dict[str, JobConfig]:
     """Every variant's job (with the first seed), built on ``raw`` (default: the job as a dict,
     :func:`pipeline.sweep.space.base_job_dict`); a one-line error names a variant that gives an invalid job."""
@@ -58,24 +46,6 @@ def variant_jobs(job: JobConfig, raw: Optional[dict] = None) -> dict[str, JobCon
     seed = job.compare.seeds[0]
     return {name: validate_raw(apply_config(raw, {**overrides, SEED: seed}), f"compare.variants.{name}")
             for name, overrides in job.compare.variants.items()}
-
-
-def _pick(values: dict[str, Any], config: dict) -> Any:
-    """``tune.sample_from`` function: the value of one key for the trial's variant (``config``: the
-    trial's config, its grid values resolved)."""
-    return copy.deepcopy(values[config[VARIANT]])
-
-
-def param_space(job: JobConfig, raw: dict) -> dict[str, Any]:
-    """The Tune grid: variant x seed, plus every key some variant sets, sampled from the variant."""
-    from ray import tune
-
-    variants = job.compare.variants
-    space: dict[str, Any] = {VARIANT: tune.grid_search(list(variants)), SEED: tune.grid_search(list(job.compare.seeds))}
-    for key in sorted({k for overrides in variants.values() for k in overrides}):
-        values = {name: overrides[key] if key in overrides else get_dotted(raw, key) for name, overrides in variants.items()}
-        space[key] = tune.sample_from(functools.partial(_pick, values))
-    return space
 
 
 # ----------------------------------------------------------------------------- results
@@ -118,9 +88,6 @@ class CompareOutcome:
     seconds: float
     interrupted: bool = False
 
-    def table(self) -> str:
-        return format_table(self)
-
 
 def summarize_variants(job: JobConfig, trials: list[TrialSummary], parameters: dict[str, Optional[int]]) -> list[VariantSummary]:
     out = []
@@ -162,13 +129,8 @@ def format_table(outcome: CompareOutcome) -> str:
 
 def plot_compare(outcome: CompareOutcome, path: str | Path) -> None:
     """Bars (test metric mean ± std, each seed a dot), validation curves and training losses."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     m = outcome.metric
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = tracking.subplots(1, 3, figsize=(15, 4.5))
     colors = {v.name: f"C{i}" for i, v in enumerate(outcome.variants)}
     names = [v.name for v in outcome.variants]
     means = [v.test_mean_std[0] for v in outcome.variants]
@@ -196,9 +158,7 @@ def plot_compare(outcome: CompareOutcome, path: str | Path) -> None:
         ax.set_ylabel(label)
         ax.set_title(f"{label} per trial")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tracking.save_figure(fig, path)
 
 
 def count_parameters(job: JobConfig, shard_dir: str) -> Optional[int]:
@@ -228,6 +188,8 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
                 restart: bool = False) -> CompareOutcome:
     """Run (or resume) the comparison of ``job.compare``; see the module docstring. ``restart``:
     start over a comparison that ran another job (:mod:`pipeline.sweep.record`)."""
+    from ray import tune
+
     from pipeline.train.plan import resolve_job
 
     start = time.time()
@@ -244,10 +206,11 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     shard_jobs = {variant_key({VARIANT: vname}, [VARIANT]): v for vname, v in variant_jobs(job, base).items()}
     # no scheduler: every trial asks for the same resources and runs to its end, so a trial's process
     # (its imports done) goes on to the next trial; ASHA's stopped trials would not leave theirs
+    grid = {VARIANT: tune.grid_search(list(cmp.variants)), SEED: tune.grid_search(list(cmp.seeds))}
     with run_trials(job, "compare", name, base, {f"compare.variants.{v}": vjob for v, vjob in jobs.items()},
-                    shard_jobs, [VARIANT], param_space=param_space(job, base), metric=f"val_{m}", mode=mode,
-                    val_metric=f"val_{m}", max_epochs=job.train.epochs, address=address, restart=restart,
-                    verbose=verbose, num_samples=1, reuse_actors=True) as run:
+                    shard_jobs, [VARIANT], param_space=grid, metric=f"val_{m}", mode=mode, val_metric=f"val_{m}",
+                    max_epochs=job.train.epochs, address=address, restart=restart, verbose=verbose,
+                    trial_variants=cmp.variants, num_samples=1, reuse_actors=True) as run:
         client, parent_id = run.client, run.parent_id
         shard_dirs = run.ctx.shard_dirs
         parameters = {v: count_parameters(vjob, shard_dirs[variant_key({VARIANT: v}, [VARIANT])])

@@ -88,7 +88,7 @@ class SweepLogger(Callback):
     def run_id(self, trial) -> str:
         tid = trial.trial_id
         if tid not in self._runs:
-            params = apply_config(self.ctx.base, trial.config)
+            params = apply_config(self.ctx.base, self.ctx.settings(trial.config))
             params["train"]["epochs"] = self.ctx.max_epochs
             self._runs[tid], _ = tracking.reopen_run(self.client, self.experiment_id,
                                                      {SWEEP_KEY_TAG: self.sweep_key, TRIAL_TAG: tid},

@@ -51,12 +51,12 @@ def concurrency_cap(jobs: list[JobConfig], trial_cpus: float, cluster: dict[str,
 def run_trials(job: JobConfig, section: str, name: str, base: dict, jobs: Mapping[str, JobConfig] | list[JobConfig],
                variants: dict[str, JobConfig], data_keys: list[str], *, param_space: dict, metric: str, mode: str,
                val_metric: str, max_epochs: int, address, restart: bool, verbose: int, seed=None,
-               **tune_options) -> Iterator[TrialsRun]:
+               trial_variants=None, **tune_options) -> Iterator[TrialsRun]:
     """Run (or resume) the trials of ``job``'s ``section`` in the folder ``name`` and yield them, the
     folder's lease held until the block ends. ``base``: the job as a dict, paths resolved, MLflow off;
     ``jobs``: every variant, pre-flighted; ``variants``: the shard key of each preprocessing (see
-    :func:`pipeline.sweep.space.variant_key` of ``data_keys``) -> its job; ``tune_options``: more of
-    Tune's ``TuneConfig``."""
+    :func:`pipeline.sweep.space.variant_key` of ``data_keys``) -> its job; ``trial_variants``: see
+    :class:`pipeline.sweep.trials.SweepContext`; ``tune_options``: more of Tune's ``TuneConfig``."""
     import ray
     from ray import tune
     from ray.tune.search.basic_variant import BasicVariantGenerator
@@ -94,7 +94,7 @@ def run_trials(job: JobConfig, section: str, name: str, base: dict, jobs: Mappin
                 log.info("shards for %s: %s", variant, built[digest])
             shard_dirs[variant] = built[digest]
         ctx = SweepContext(name=name, base=base, shard_dirs=shard_dirs, data_keys=data_keys,
-                           train_storage=f"{sweep_dir}/train", max_epochs=max_epochs)
+                           train_storage=f"{sweep_dir}/train", max_epochs=max_epochs, variants=trial_variants or {})
 
         client = tracking.client(tracking_uri)  # the parent run before any trial starts (one writer: this process)
         exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from pipeline.registry import tracking
 from pipeline.registry.versions import better, finite_float
 
 log = logging.getLogger(__name__)
@@ -153,18 +154,13 @@ def checkpoint_history(checkpoint_path: Optional[str], storage=None) -> list[dic
 
 def plot_sweep(trials: list[TrialSummary], val_metric: str, path: str | os.PathLike, title: str = "") -> None:
     """Every trial's validation curve; an early stop is marked with a red cross at its last epoch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = tracking.subplots(figsize=(8, 5))
     for t in trials:
         if not t.curve:
             continue
         xs, ys = zip(*t.curve)
         style = "--" if t.status != "finished" else "-"
-        (line,) = ax.plot(xs, ys, style, marker="o", markersize=3, label=f"{t.trial_id} ({t.status})")
+        ax.plot(xs, ys, style, marker="o", markersize=3, label=f"{t.trial_id} ({t.status})")
         if t.status == "early_stopped":
             ax.plot(xs[-1], ys[-1], "x", color="red", markersize=10, markeredgewidth=2)
     ax.plot([], [], "x", color="red", markersize=10, markeredgewidth=2, label="stopped early (ASHA)")
@@ -175,6 +171,4 @@ def plot_sweep(trials: list[TrialSummary], val_metric: str, path: str | os.PathL
     ax.set_ylabel(val_metric)
     ax.set_title(title or f"{val_metric} per trial")
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tracking.save_figure(fig, path)

@@ -26,6 +26,11 @@ class SweepContext:
     data_keys: list[str]
     train_storage: str  # the trials' Train runs live here
     max_epochs: int
+    variants: dict[str, dict] = dataclasses.field(default_factory=dict)  # a comparison's: name -> its keys
+
+    def settings(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The dotted keys a trial sets: its sampled ``config``, a comparison's variant as its keys."""
+        return {**self.variants.get(config.get(VARIANT), {}), **{k: v for k, v in config.items() if k != VARIANT}}
 
 
 #: a comparison's trial config names its variant under this key (not a key of the job)
@@ -41,13 +46,13 @@ def run_trial(config: dict[str, Any], ctx: SweepContext) -> None:
     from pipeline.train.plan import run_dir
 
     trial_id = ray.tune.get_context().get_trial_id()
-    job = trial_job(ctx, {k: v for k, v in config.items() if k != VARIANT}, trial_id)
+    job = trial_job(ctx, config, trial_id)
     train_job(job, shard_dir=ctx.shard_dirs[variant_key(config, ctx.data_keys)], register=False,
               callbacks=[report_callback(str(run_dir(job)))], started_at=started)
 
 
 def trial_job(ctx: SweepContext, config: dict[str, Any], trial_id: str) -> JobConfig:
-    raw = apply_config(ctx.base, config)
+    raw = apply_config(ctx.base, ctx.settings(config))
     raw["train"]["run_name"] = f"{ctx.name}-{trial_id}"
     raw["train"]["storage_path"] = ctx.train_storage
     raw["train"]["epochs"] = ctx.max_epochs
