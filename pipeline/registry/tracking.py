@@ -186,13 +186,18 @@ def find_training_run(tracking_uri: str, experiment: str, run_key: str):
 
 
 def retire_run(tracking_uri: str, run_id: str, run_key: str, why: str) -> None:
-    """Detach an MLflow run from its run key (tags ``satp.retired``, ``satp.retired_run_key``), so that
-    the key's next training run gets a new one; its status, metrics and versions stay."""
+    """Detach a training run's MLflow run from its run key (:func:`retire`)."""
+    retire(client(tracking_uri), run_id, RUN_KEY_TAG, run_key, why)
+
+
+def retire(mlflow_client, run_id: str, key_tag: str, key: str, why: str) -> None:
+    """Detach an MLflow run from its ``key`` (tag ``key_tag``: ``satp.run_key``, ``satp.sweep_key``), so that
+    the key's next run gets a new one; tagged ``satp.retired`` (why) and ``satp.retired_<key>`` (the key it
+    had), its status, metrics and versions stay."""
     import time
 
-    mlflow_client = client(tracking_uri)
-    mlflow_client.set_tag(run_id, RUN_KEY_TAG, f"{run_key}#retired-{int(time.time())}")
-    mlflow_client.set_tag(run_id, "satp.retired_run_key", run_key)
+    mlflow_client.set_tag(run_id, key_tag, f"{key}#retired-{int(time.time())}")
+    mlflow_client.set_tag(run_id, f"satp.retired_{key_tag.removeprefix('satp.')}", key)
     mlflow_client.set_tag(run_id, "satp.retired", why[:500])
 
 

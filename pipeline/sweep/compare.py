@@ -224,7 +224,7 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
                                  variants=summarize_variants(job, trials, parameters), trials=trials,
                                  parent_run_id=parent_id, tracking_uri=run.tracking_uri, resumed=run.resumed,
                                  seconds=time.time() - start,
-                                 interrupted=any(t.status == "interrupted" for t in trials))
+                                 interrupted=run.interrupted)
 
         values: dict[str, float] = {}
         for v in outcome.variants:
@@ -242,10 +242,7 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
             rows = [dataclasses.asdict(t) for t in trials]
             (Path(tmp) / "trials.json").write_text(json.dumps(rows, indent=1, default=str))
             client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
-        if outcome.interrupted:
-            client.set_tag(parent_id, "satp.interrupted", "true")
-            client.set_terminated(parent_id, status="KILLED")
-        else:
+        if not outcome.interrupted:
             failed = all(t.status != "finished" for t in trials)
             client.set_terminated(parent_id, status="FAILED" if failed else "FINISHED")
         return outcome

@@ -28,7 +28,7 @@ _TUNE_KEYS = {
 }
 
 
-def retire_sweep_runs(client, exp_id: str, sweep_key: str, why: str) -> int:
+def retire_sweep_runs(client, exp_id: str, sweep_key: str, why: str) -> None:
     """Detach the MLflow runs of a sweep started over (``--restart``) from its key, so that the new
     sweep gets new ones; they stay, tagged with why (``satp.retired``) and the key they had."""
     key = sweep_key.replace("'", "\\'")
@@ -39,12 +39,8 @@ def retire_sweep_runs(client, exp_id: str, sweep_key: str, why: str) -> int:
         token = page.token
         if not token:
             break
-    retired = f"{sweep_key}#retired-{int(time.time())}"
     for run in runs:
-        client.set_tag(run.info.run_id, SWEEP_KEY_TAG, retired)
-        client.set_tag(run.info.run_id, "satp.retired_sweep_key", sweep_key)
-        client.set_tag(run.info.run_id, "satp.retired", why)
-    return len(runs)
+        tracking.retire(client, run.info.run_id, SWEEP_KEY_TAG, sweep_key, why)
 
 
 def catch_up_metrics(client, run_id: str, checkpoint_path: str, storage=None) -> None:

@@ -37,6 +37,10 @@ class TrialsRun:
     resumed: bool
     trials: list[TrialSummary]
 
+    @property
+    def interrupted(self) -> bool:
+        return any(t.status == "interrupted" for t in self.trials)
+
 
 def concurrency_cap(jobs: list[JobConfig], trial_cpus: float, cluster: dict[str, float]) -> int:
     """How many trials the cluster's resources run at once (each as the largest of ``jobs`` asks)."""
@@ -133,4 +137,8 @@ def run_trials(job: JobConfig, section: str, name: str, base: dict, jobs: Mappin
         for t in trials:
             found = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_dir, TRIAL_TAG: t.trial_id})
             t.run_id = found.info.run_id if found is not None else None
-        yield TrialsRun(name, sweep_dir, ctx, client, parent_id, tracking_uri, results, resumed, trials)
+        run = TrialsRun(name, sweep_dir, ctx, client, parent_id, tracking_uri, results, resumed, trials)
+        yield run
+        if run.interrupted:  # resumed by the same command; the command sets the status otherwise
+            client.set_tag(parent_id, "satp.interrupted", "true")
+            client.set_terminated(parent_id, status="KILLED")

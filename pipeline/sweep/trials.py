@@ -177,18 +177,11 @@ _seen_in_use: set[str] = set()
 
 def release_orphaned_placement_groups() -> tuple[int, int]:
     """Remove this job's placement groups that were in use and are entirely free now; return how
-    many, and how many are in use.
-
-    When ASHA stops a trial, Tune ends its actor and with it the Train controller and workers, but
-    Ray keeps their placement group until the job ends, so its CPUs would stay reserved (satp's runs
-    start no Train ``PlacementGroupCleaner``: :func:`pipeline.train.driver._trainer_class`). Ray's
-    public API does not say who created a group, but it lists a group's resources as
+    many, and how many are in use. When ASHA stops a trial, Ray keeps its Train workers' placement
+    group until the job ends, so its CPUs would stay reserved. Ray lists a group's resources as
     ``<resource>_group_<id>`` in ``ray.cluster_resources()`` and what is free of them in
     ``ray.available_resources()``: a group seen in use and entirely free later has lost its workers;
-    one never seen in use (its workers not started yet) is never touched. Only this job's groups, by
-    their id (Ray's ``PlacementGroupID.of(job_id)`` ends with the job's id). The driver looks when a
-    trial reports and every few seconds (:class:`pipeline.sweep.mlflow_logging.SweepLogger`).
-    """
+    one never seen in use is never touched; only this job's groups (their ids end with its id)."""
     import ray
     from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 

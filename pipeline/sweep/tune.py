@@ -27,7 +27,7 @@ from pipeline.sweep.runner import run_trials
 from pipeline.sweep.space import (apply_config, base_job_dict, data_variants, resolve_paths, space_jobs, task_metric,
                                   validate_raw, variant_key)
 from pipeline.sweep.summary import SweepOutcome, plot_sweep
-from pipeline.sweep.trials import TIME_ATTR, trial_job
+from pipeline.sweep.trials import TIME_ATTR
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +74,9 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
                                parent_run_id=parent_id, tracking_uri=run.tracking_uri, registered=None,
                                resumed=run.resumed, seconds=0.0)
         for t in trials:
-            t.config = {**t.config, "__shard_dir__": run.ctx.shard_dirs[variant_key(t.config, data_keys)],
-                        "__job__": trial_job(run.ctx, {k: v for k, v in t.config.items() if not k.startswith("__")},
-                                             t.trial_id).model_dump(mode="json")}
             if t.run_id and t.checkpoint_path:
                 catch_up_metrics(client, t.run_id, t.checkpoint_path, settings)
-        if any(t.status == "interrupted" for t in trials):
-            client.set_tag(parent_id, "satp.interrupted", "true")
-            client.set_terminated(parent_id, status="KILLED")
+        if run.interrupted:
             return dataclasses.replace(outcome, seconds=time.time() - start, interrupted=True)
         best = None
         for t in trials:
@@ -92,8 +87,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
             png = Path(tmp) / "sweep_val_curves.png"
             plot_sweep(trials, val_metric, png, title=f"{name}: {val_metric} per trial ({plural(len(trials), 'trial')})")
             client.log_artifact(parent_id, str(png), artifact_path="plots")
-            table = [{k: v for k, v in dataclasses.asdict(t).items() if k != "curves"} | {
-                "config": {k: v for k, v in t.config.items() if not k.startswith("__")}} for t in trials]
+            table = [{k: v for k, v in dataclasses.asdict(t).items() if k != "curves"} for t in trials]
             (Path(tmp) / "trials.json").write_text(json.dumps(table, indent=1, default=str))
             client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
 
@@ -121,8 +115,8 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
                               "registered_uri": f"models:/{name_reg}/{version}", "champion": None,
                               "reason": "registered by an earlier run of this sweep"}
             else:
-                registered = register_best(job, best, task_metric_name=m, mode=task_mode, tracking_uri=run.tracking_uri,
-                                           sweep_name=name, parent_run_id=parent_id)
+                registered = register_best(job, best, run.ctx, task_metric_name=m, mode=task_mode,
+                                           tracking_uri=run.tracking_uri, parent_run_id=parent_id)
                 client.set_tag(parent_id, REGISTERED_TAG, f"{best.trial_id}/{registered['version']}")
                 client.set_tag(parent_id, "satp.registered_uri", registered["registered_uri"])
         client.set_terminated(parent_id, status="FINISHED")
@@ -133,7 +127,7 @@ def format_outcome(outcome: SweepOutcome) -> str:
     lines = [f"sweep {outcome.name}{' (resumed)' if outcome.resumed else ''}: {plural(len(outcome.trials), 'trial')}, "
              f"{len(outcome.early_stopped)} stopped early by ASHA, {outcome.seconds:.0f} s"]
     for t in sorted(outcome.trials, key=lambda t: t.trial_id):
-        shown = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in t.config.items() if not k.startswith("__")}
+        shown = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in t.config.items()}
         best = "-" if t.best is None else f"{t.best:.4f}"
         lines.append(f"  {t.trial_id:<14} {t.status:<14} epochs {t.epochs:<3} best {outcome.metric} {best}  {shown}")
     if outcome.best is not None:
