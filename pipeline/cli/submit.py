@@ -104,9 +104,8 @@ def preflight(job, working_dir: Path, local: bool) -> None:
 
 
 def check_cluster(job, address: str) -> None:
-    """The cluster's alive nodes, asked through the State API of its dashboard (the job server), against
-    the job's workers (:func:`pipeline.train.preflight.check_resources`, as ``satp train`` checks them once
-    it has joined the cluster)."""
+    """The cluster's alive nodes (the State API of its job server) against the job's workers, as ``satp
+    train`` checks them once it has joined the cluster (:func:`pipeline.train.preflight.check_resources`)."""
     from ray.util.state import list_nodes
 
     from pipeline.train.preflight import check_resources
