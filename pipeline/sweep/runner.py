@@ -18,9 +18,8 @@ from pipeline.sweep.trials import SweepContext, fit_trials, hold_sweep, sweep_st
 
 log = logging.getLogger(__name__)
 
-#: what each section's command is called in its messages, and the ``satp.kind`` tag of its parent run
+#: what each section's command is called in its messages
 WHAT = {"tune": "sweep", "compare": "comparison"}
-KIND = {"tune": "sweep", "compare": "compare"}
 
 
 @dataclasses.dataclass
@@ -105,7 +104,8 @@ def run_trials(job: JobConfig, section: str, name: str, base: dict, jobs: Mappin
         record.start(sweep_dir, ran, restart, settings)
         if restart:
             retire_sweep_runs(client, exp_id, sweep_dir, f"{what} started over (--restart)")
-        parent_id, _ = tracking.reopen_run(client, exp_id, {SWEEP_KEY_TAG: sweep_dir, "satp.kind": KIND[section]}, name,
+        kind = "sweep" if section == "tune" else "compare"  # the parent run's satp.kind
+        parent_id, _ = tracking.reopen_run(client, exp_id, {SWEEP_KEY_TAG: sweep_dir, "satp.kind": kind}, name,
                                            {**base, section: cfg.model_dump(mode="json")})
 
         cluster = ray.cluster_resources()
