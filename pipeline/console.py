@@ -1,15 +1,11 @@
 """What the ``satp`` command writes to the terminal, and what it writes to files.
 
 :func:`setup` decides once, before Ray or tqdm are imported (Ray's log handler keeps the stream it
-finds at import): with standard error not a terminal, colour codes are stripped from standard output
-and error, Ray is told not to colour (``RAY_COLOR_PREFIX=0``) and tqdm bars are off
-(``TQDM_DISABLE=1``, which reaches the bars of libraries such as OGB); ``--no-progress`` turns the
-bars off on a terminal too. A variable the user set already is left as it is.
-
-``satp train`` also keeps Ray's own output off the terminal (:func:`divert_ray_output`): what Ray
-forwards from its processes (tracebacks of every rank when a worker is lost, ``ActorDiedError``, ...)
-goes to the run's log file; the terminal shows only satp's own lines, which satp's code in Ray's
-processes marks (:data:`runtime.ray_logs.MARK`).
+finds): with standard error not a terminal, colour codes are stripped from standard output and error,
+Ray does not colour and tqdm bars are off (``--no-progress`` turns them off on a terminal too); a
+variable the user set already is left as it is. ``satp train`` keeps Ray's own output (tracebacks of
+every rank when a worker is lost, ...) in the run's log file, the terminal showing only satp's own
+lines, which satp's code in Ray's processes marks (:func:`divert_ray_output`).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """PyG's generated ``propagate`` modules, kept in memory instead of the temporary directory.
 
-PyG renders a ``propagate()`` per ``MessagePassing`` class the first time one is built, writes it to
-``$TMPDIR/<module>_<Class>_propagate_<random>.py``, imports it and never deletes it, so every process
-that builds a SAT model would leave files behind. :func:`install` wraps PyG's ``module_from_template``:
-once imported, the module's source goes to :mod:`linecache` (tracebacks and ``inspect.getsource``,
-which TorchScript uses, still show it) and the file is deleted.
+PyG writes a ``propagate()`` per ``MessagePassing`` class to ``$TMPDIR`` and never deletes it.
+:func:`install` wraps PyG's ``module_from_template``: once imported, the module's source goes to
+:mod:`linecache` (tracebacks and ``inspect.getsource`` still show it) and the file is deleted.
 """
 from __future__ import annotations
 

@@ -57,7 +57,9 @@ def test_every_variant_trains_with_every_seed(comparison):
         assert v.parameters and v.parameters > 0
     gcn, sat = out.variants
     assert gcn.parameters < sat.parameters  # no attention, no FFN
-    table = out.table()
+    from pipeline.sweep.compare import format_table
+
+    table = format_table(out)
     assert "| gcn |" in table and "| sat | (the job) |" in table and "4 trials, 1 epoch each" in table
 
 

@@ -178,20 +178,21 @@ def test_compare_variant_values_are_checked_against_the_job():
         variant_jobs(unknown)
 
 
-def test_compare_grid_samples_each_variants_values():
-    """The Tune space: variant x seed, and every key some variant sets, resolved from the variant."""
-    from pipeline.sweep.compare import base_dict, param_space
+def test_a_comparisons_trial_sets_its_variants_keys():
+    """A trial's config is its variant and seed: the trial's job takes the variant's keys, the rest the job's."""
     from pipeline.config import JobConfig
+    from pipeline.sweep.space import base_job_dict
+    from pipeline.sweep.trials import SweepContext, trial_job
 
     job = JobConfig.model_validate(_job_with_compare({"seeds": [0, 1], "variants": {
         "gcn": {"model.architecture": "gnn"}, "sub": {"model.extractor": "subgraph", "transform.k_hops": 1}}}))
-    space = param_space(job, base_dict(job))
-    assert space["variant"] == {"grid_search": ["gcn", "sub"]} and space["train.seed"] == {"grid_search": [0, 1]}
-    pick = {key: space[key].func for key in ("model.architecture", "model.extractor", "transform.k_hops")}
-    assert {k: f({"variant": "gcn"}) for k, f in pick.items()} == {"model.architecture": "gnn", "model.extractor": "subtree",
-                                                     "transform.k_hops": job.transform.k_hops}
-    assert {k: f({"variant": "sub"}) for k, f in pick.items()} == {"model.architecture": "sat", "model.extractor": "subgraph",
-                                                     "transform.k_hops": 1}
+    ctx = SweepContext("c", base_job_dict(job), {}, ["variant"], "/tmp/c", 1, variants=job.compare.variants)
+    assert ctx.settings({"variant": "sub", "train.seed": 1}) == {"model.extractor": "subgraph", "transform.k_hops": 1,
+                                                                "train.seed": 1}
+    gcn, sub = (trial_job(ctx, {"variant": v, "train.seed": 1}, "t") for v in ("gcn", "sub"))
+    assert (gcn.model.architecture, gcn.model.extractor, gcn.transform.k_hops) == ("gnn", "subtree", job.transform.k_hops)
+    assert (sub.model.architecture, sub.model.extractor, sub.transform.k_hops) == ("sat", "subgraph", 1)
+    assert gcn.train.seed == sub.train.seed == 1
 
 
 def test_a_comparisons_digest_names_its_configuration():
@@ -207,11 +208,13 @@ def test_a_comparisons_digest_names_its_configuration():
 
 
 def test_compare_table_and_plot(tmp_path):
-    from pipeline.sweep.compare import CompareOutcome, TrialResult, VariantSummary, format_table, plot_compare
+    from pipeline.sweep.compare import CompareOutcome, VariantSummary, format_table, plot_compare
+    from pipeline.sweep.summary import TrialSummary
 
-    curves = {"val_acc": [(0, 0.6), (1, 0.7)], "test_acc": [(0, 0.6), (1, 0.69)], "train_loss": [(0, 0.6), (1, 0.5)]}
-    trials = [TrialResult("gcn", s, f"t{s}", "finished", 2, 1, 0.7, 0.69 + 0.01 * s, 30.0, curves) for s in (0, 1)]
-    trials.append(TrialResult("sat", 0, "t9", "error", 0, None, None, None, None, {}))
+    curves = {"val": [(0, 0.6), (1, 0.7)], "test": [(0, 0.6), (1, 0.69)], "train_loss": [(0, 0.6), (1, 0.5)]}
+    trials = [TrialSummary(f"t{s}", {"variant": "gcn", "train.seed": s}, "finished", 2, 0.7, 0.7, 0.69 + 0.01 * s,
+                           curves, None, seconds=30.0) for s in (0, 1)]
+    trials.append(TrialSummary("t9", {"variant": "sat", "train.seed": 0}, "error", 0, None, None, None, {}, None))
     variants = [VariantSummary("gcn", {"model.architecture": "gnn"}, [0, 1], [0.69, 0.70], [0.7, 0.7], 1234, 30.0),
                 VariantSummary("sat", {}, [], [], [], None, None)]
     outcome = CompareOutcome("c", "/tmp/c", "acc", 2, variants, trials, None, None, False, 1.0)

@@ -27,8 +27,9 @@ COMMAND = textwrap.dedent('''
     import argparse, sys
     from pipeline.cli.sweep_commands import run_section_command
 
-    args = argparse.Namespace(job=sys.argv[1], overrides=[], address=sys.argv[2], restart=False)
-    sys.exit(run_section_command(args, "tune", "jobs/code2-sweep-local.yaml", "tests.test_sweep_summary_last:chatty_run"))
+    args = argparse.Namespace(job=sys.argv[1], overrides=[], address=sys.argv[2], restart=False, section="tune",
+                              example="jobs/code2-sweep-local.yaml", run="tests.test_sweep_summary_last:chatty_run")
+    sys.exit(run_section_command(args))
 ''')
 
 

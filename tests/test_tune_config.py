@@ -73,18 +73,21 @@ def test_linked_keys_and_data_variants():
 
 
 def test_concurrency_is_capped_by_resources():
-    from pipeline.sweep.tune import concurrency_cap
+    from pipeline.sweep.runner import concurrency_cap
+    from pipeline.sweep.space import space_jobs
 
     job = _job({"train.lr": {"choice": [1e-3]}})
     job.resources.num_workers, job.resources.cpus_per_worker = 1, 1
-    assert concurrency_cap(job, job.tune, {"CPU": 2.0}) == 2
+    assert concurrency_cap(space_jobs(job), job.tune.trial_cpus, {"CPU": 2.0}) == 2
     job.resources.cpus_per_worker = 0.5
-    assert concurrency_cap(job, job.tune, {"CPU": 2.0}) == 4
+    assert concurrency_cap(space_jobs(job), job.tune.trial_cpus, {"CPU": 2.0}) == 4
     job.resources.use_gpu, job.resources.num_workers = True, 2
-    assert concurrency_cap(job, job.tune, {"CPU": 64.0, "GPU": 8.0}) == 4
-    assert concurrency_cap(job, job.tune, {"CPU": 64.0}) == 1  # nothing fits: one at a time (autoscaler)
+    assert concurrency_cap(space_jobs(job), job.tune.trial_cpus, {"CPU": 64.0, "GPU": 8.0}) == 4
+    assert concurrency_cap(space_jobs(job), 0, {"CPU": 64.0}) == 1  # nothing fits: one at a time (autoscaler)
     job = _job({"resources.num_workers": {"choice": [1, 4]}})
-    assert concurrency_cap(job, job.tune, {"CPU": 8.0}) == 2
+    assert concurrency_cap(space_jobs(job), job.tune.trial_cpus, {"CPU": 8.0}) == 2
+    jobs = [job.model_copy(update={"resources": job.resources.model_copy(update={"num_workers": n})}) for n in (1, 2)]
+    assert concurrency_cap(jobs, 1.0, {"CPU": 9.0}) == 3  # a comparison: its largest variant, and the trial's CPU
 
 
 class FakeVersion:
@@ -137,8 +140,8 @@ def test_plot_marks_early_stops(tmp_path):
     from pipeline.sweep.summary import TrialSummary, plot_sweep
 
     trials = [
-        TrialSummary("a", {}, "finished", 3, 0.3, 0.3, 0.2, [(0, 0.1), (1, 0.2), (2, 0.3)], None),
-        TrialSummary("b", {}, "early_stopped", 1, 0.05, 0.05, 0.04, [(0, 0.05)], None),
+        TrialSummary("a", {}, "finished", 3, 0.3, 0.3, 0.2, {"val": [(0, 0.1), (1, 0.2), (2, 0.3)]}, None),
+        TrialSummary("b", {}, "early_stopped", 1, 0.05, 0.05, 0.04, {"val": [(0, 0.05)]}, None),
     ]
     plot_sweep(trials, "val_f1", tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000

@@ -62,7 +62,8 @@ def sweep(ray_cluster, tmp_path_factory):
     src = small_python_source(tmp / "src")
     job = sweep_job(tmp, src)
     outcome = run_sweep(job, verbose=0)
-    return {"tmp": tmp, "src": src, "job": job, "outcome": outcome, "uri": job.mlflow.tracking_uri}
+    (shards,) = [p.parent for p in (tmp / "shards").glob("*/manifest.json")]  # the one preprocessing of the space
+    return {"tmp": tmp, "src": src, "job": job, "outcome": outcome, "uri": job.mlflow.tracking_uri, "shards": shards}
 
 
 def test_asha_stops_a_trial_early(sweep):
@@ -152,7 +153,7 @@ def test_loaded_model_equals_model_at_end_of_training(sweep):
     out = sweep["outcome"]
     trained = _checkpoint_model(out.best)
     loaded = load("models:/sat-t@champion", tracking_uri=sweep["uri"])
-    test = ShardDataset(out.best.config["__shard_dir__"], "test")
+    test = ShardDataset(sweep["shards"], "test")
     graphs = [test[i] for i in range(len(test))]
     with torch.no_grad():
         for batch in _chunks(graphs):
@@ -163,7 +164,7 @@ def test_loaded_model_equals_model_at_end_of_training(sweep):
     for key, value in loaded.model.state_dict().items():
         assert torch.equal(value, state[key]), key
     # a shard directory as predict's input: every graph of the split, in order
-    pairs = loaded.predict_file(out.best.config["__shard_dir__"], split="test")
+    pairs = loaded.predict_file(sweep["shards"], split="test")
     with torch.no_grad():
         expected_tokens = [p for b in _chunks(graphs) for p in loaded.task.predict(trained(b))]
     assert [p for _, p in pairs] == expected_tokens and pairs[0][0].startswith("test[0] graph ")
@@ -182,7 +183,7 @@ def test_source_graphs_match_the_training_shards(sweep):
     folder = sweep["tmp"] / "data" / "ogbg_code2"
     with gzip.open(folder / "mapping" / "graphidx2source.csv.gz", "rt") as fh:
         ids = [int(r[0]) for r in list(csv.reader(fh))[1:] if r[2] == "shlex.py"]
-    shard_dir = out.best.config["__shard_dir__"]
+    shard_dir = sweep["shards"]
     by_id = {}
     for split in ("train", "valid", "test"):
         ds = ShardDataset(shard_dir, split)

@@ -1,13 +1,8 @@
 """The ``satp`` command. Each area registers its own subcommands; errors print one line.
 
-The top room of :mod:`pipeline`: it parses arguments, reads the job and calls one room below
-(:mod:`pipeline.train`, :mod:`pipeline.sweep`, :mod:`pipeline.registry`, :mod:`preprocessing`);
-nothing imports it, so the library can be used without the command line. The data commands live
-here too (:mod:`~pipeline.cli.data_commands`): their job arguments are those of every job command.
-
-Building the parser imports no heavy library (see :mod:`pipeline.cli.args`): ``satp --help`` and
-a job file's validation error come back in well under a second; torch, Ray and MLflow load only
-in the command that needs them.
+The top room of :mod:`pipeline`: nothing imports it, so the library can be used without the command
+line. Building the parser imports no heavy library: ``satp --help`` and a job file's validation error
+come back in well under a second; torch, Ray and MLflow load only in the command that needs them.
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""``satp submit JOB.yaml``: run a job on a Ray cluster through Ray's job-submission client.
+"""``satp submit JOB.yaml``: ``satp train JOB.yaml`` as a Ray job (:class:`ray.job_submission.JobSubmissionClient`,
+whose CLI takes no job YAML), its logs streamed, its exit status the job's (:func:`exit_status`).
 
-Ray's CLI has no form that takes a job YAML (``ray job submit`` runs the command after ``--``); this
-wraps :class:`ray.job_submission.JobSubmissionClient` with the entrypoint ``python -m pipeline.cli
-train JOB.yaml``, streams the logs and exits with the job's status (:func:`exit_status`). The
-cluster: ``--address``, else ``$RAY_ADDRESS``, else this machine's satp cluster (:func:`job_server`).
-
-Before anything is uploaded it runs ``satp train``'s pre-flight (:func:`preflight`,
-:func:`check_cluster`) and sums what Ray would upload by its documented rules for a local
-``working_dir`` (``excludes`` and the ``.gitignore`` / ``.rayignore`` files, gitignore syntax:
+Before anything is uploaded it runs ``satp train``'s pre-flight (:func:`preflight`, :func:`check_cluster`)
+and sums what Ray would upload by its documented rules (``excludes``, ``.gitignore`` / ``.rayignore``:
 :class:`IgnoreRules`), refusing in one line what Ray's job server would refuse after zipping it
 (:func:`check_upload_size`). For a cluster on this machine the job's relative paths resolve against
 the local project directory (``SATP_WORKDIR``, :func:`enter_workdir`).
@@ -109,9 +104,8 @@ def preflight(job, working_dir: Path, local: bool) -> None:
 
 
 def check_cluster(job, address: str) -> None:
-    """The cluster's alive nodes, asked through the State API of its dashboard (the job server), against
-    the job's workers (:func:`pipeline.train.preflight.check_resources`, as ``satp train`` checks them once
-    it has joined the cluster)."""
+    """The cluster's alive nodes (the State API of its job server) against the job's workers, as ``satp
+    train`` checks them once it has joined the cluster (:func:`pipeline.train.preflight.check_resources`)."""
     from ray.util.state import list_nodes
 
     from pipeline.train.preflight import check_resources

@@ -14,27 +14,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="ASHA hyperparameter sweep of a job (its tune: section), logged to MLflow")
     add_job_arguments(p, "tune.num_samples=8")
     p.add_argument("--restart", action="store_true", help=RESTART_HELP.format(what="sweep"))
-    p.set_defaults(func=cmd_tune)
+    p.set_defaults(func=run_section_command, section="tune", example="jobs/code2-sweep-local.yaml",
+                   run="pipeline.sweep.tune:run_sweep")
 
     p = sub.add_parser("compare", help="variants of a job x seeds at equal budget (its compare: section), "
                                        "mean ± std per variant, logged to MLflow")
     add_job_arguments(p, "compare.seeds=[0,1]")
     p.add_argument("--restart", action="store_true", help=RESTART_HELP.format(what="comparison"))
-    p.set_defaults(func=cmd_compare)
+    p.set_defaults(func=run_section_command, section="compare", example="jobs/pattern-local.yaml",
+                   run="pipeline.sweep.compare:run_compare")
 
 
-def cmd_tune(args: argparse.Namespace) -> int:
-    return run_section_command(args, "tune", "jobs/code2-sweep-local.yaml", "pipeline.sweep.tune:run_sweep")
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    return run_section_command(args, "compare", "jobs/pattern-local.yaml", "pipeline.sweep.compare:run_compare")
-
-
-def run_section_command(args, section: str, example: str, run: str) -> int:
-    """``satp tune`` / ``satp compare`` of a job with a ``section:`` (see ``example``): ``run``
-    (``module:function``) returns an outcome, printed by that module's ``format_outcome`` after Ray has
-    shut down, as the command's last output; a Tune stopped on Ctrl-C ends with status 130."""
+def run_section_command(args: argparse.Namespace) -> int:
+    """``satp tune`` / ``satp compare`` of a job with a ``section:``: ``run`` (``module:function``)
+    returns an outcome, printed by that module's ``format_outcome`` after Ray has shut down, as the
+    command's last output; a Tune stopped on Ctrl-C ends with status 130."""
     import importlib
     import logging
     import signal
@@ -47,21 +41,21 @@ def run_section_command(args, section: str, example: str, run: str) -> int:
 
     job_path = Path(args.job).resolve()
     enter_workdir()
-    job = load_job(job_path, args.overrides)
+    job, section = load_job(job_path, args.overrides), args.section
     if getattr(job, section) is None:
-        raise ValueError(f"{job_path}: no {section}: section (see {example})")
+        raise ValueError(f"{job_path}: no {section}: section (see {args.example})")
     check_names(job)  # before the heavy imports: seconds
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    module_name, function = run.split(":")
+    module_name, function = args.run.split(":")
     module = importlib.import_module(module_name)
     outcome = getattr(module, function)(job, address=args.address, restart=args.restart)
     shut_ray_down()
     print(module.format_outcome(outcome), flush=True)
     if outcome.interrupted:  # Tune stopped on Ctrl-C: the CLI's last line says so, after the summary (pipeline.cli)
+        from pipeline.sweep.runner import WHAT
         from runtime.interrupts import Interrupted
 
-        what = {"tune": "sweep", "compare": "comparison"}[section]
-        raise Interrupted(signal.SIGINT, kept=f"{what} {outcome.name} kept its finished trials and the unfinished "
+        raise Interrupted(signal.SIGINT, kept=f"{WHAT[section]} {outcome.name} kept its finished trials and the unfinished "
                                            f"ones' checkpoints in {outcome.path}: the same command resumes it")
     return 0
 

@@ -1,16 +1,6 @@
-"""The ``compare:`` section of a job YAML: variants of the job, compared at equal budget over seeds.
-
-Example (``jobs/pattern-local.yaml``)::
-
-    compare:
-      seeds: [0, 1, 2]              # every variant trains once per seed (train.seed)
-      variants:                     # name -> dotted keys of the job set for that variant
-        transformer: {model.k_hops: 0}
-        subtree: {}                 # the job as it is
-        subgraph: {model.extractor: subgraph, transform.k_hops: 1}
-
-``satp compare JOB.yaml`` trains every variant with every seed at the same budget: ``data``, the
-epochs, the subsets and the seed cannot vary (:data:`FORBIDDEN_PREFIXES`).
+"""The ``compare:`` section of a job YAML: variants of the job (name -> the dotted keys it sets; ``{}``:
+the job as it is), each trained once per seed (``jobs/pattern-local.yaml``). At the same budget: ``data``,
+the epochs, the subsets and the seed cannot vary (:data:`FORBIDDEN_PREFIXES`).
 """
 from __future__ import annotations
 

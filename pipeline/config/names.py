@@ -56,7 +56,7 @@ def _names(job) -> Iterator[tuple[str, str, Optional[str]]]:
     key = "train.run_name" if train.run_name else "name (the default train.run_name)"
     yield key, train.run_name or job.name, path_name_problem(train.run_name or job.name)
     for section, suffix in (("tune", "-sweep"), ("compare", "-compare")):
-        cfg = getattr(job, section, None)
+        cfg = getattr(job, section)
         if cfg is None:
             continue
         value = cfg.name or f"{job.name}{suffix}"

@@ -1,18 +1,8 @@
-"""The ``storage`` section of a job: how an object store is reached and what a node caches of it.
-
-Used when ``shards.root`` is a URI (``s3://bucket/prefix``: :mod:`runtime.storage`)::
-
-    storage:
-      endpoint_url: http://minio.internal:9000   # the S3 API's endpoint (default: AWS_ENDPOINT_URL_S3,
-                                                 # AWS_ENDPOINT_URL, else AWS itself)
-      region: eu-central-1                       # default: AWS_REGION / AWS_DEFAULT_REGION, the profile's
-      cache_dir: /local/ssd/satp-shards          # default: ~/.cache/satp/shards
-      cache_max_gb: 400                          # default: half the cache disk's free space, at most 200
-
-Credentials never go in a job file: the standard variables and files supply them
-(``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws``, the instance's
-role; ``GOOGLE_APPLICATION_CREDENTIALS``). Strict like every section: unknown keys and mistyped
-values are errors, the endpoint must be ``http(s)://HOST[:PORT]``.
+"""The ``storage`` section of a job: how an object store is reached (``endpoint_url``, ``region``) and
+what a node caches of it (``cache_dir``, ``cache_max_gb``), when ``shards.root`` is a URI
+(:mod:`runtime.storage`; defaults in docs/nodes.md). Credentials never go in a job file: the standard
+variables and files supply them (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``~/.aws``, the instance's
+role; ``GOOGLE_APPLICATION_CREDENTIALS``).
 """
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""The ``tune:`` section of a job YAML: an ASHA sweep over dotted keys of the job.
-
-Example (a whole one: ``jobs/code2-sweep-local.yaml``)::
-
-    tune:
-      num_samples: 4              # trials, each a full Ray Train run
-      asha: {grace_period: 1, reduction_factor: 2}
-      space:                      # dotted key into the job -> distribution
-        train.lr: {loguniform: [1.0e-4, 3.0e-3]}
-        "transform.rwpe_steps,model.pe_dim": {choice: [8, 16]}   # one value, set at both keys
-
-Distributions (one key each): ``choice``, ``grid`` (every value, times ``num_samples``), ``uniform``,
-``loguniform``, ``randint`` (``hi`` exclusive), ``quniform`` or ``value``. Keys under ``data``,
-``transform`` and ``shards`` change the shards: they take ``choice``/``grid``/``value``, so that every
-variant is built once, before the trials.
+"""The ``tune:`` section of a job YAML: an ASHA sweep over dotted keys of the job (a whole one:
+``jobs/code2-sweep-local.yaml``; every key in docs/jobs.md). A key such as ``"transform.rwpe_steps,
+model.pe_dim"`` sets one value at both keys. Keys under ``data``, ``transform`` and ``shards`` change
+the shards: they take ``choice``/``grid``/``value``, so that every variant is built once, before the trials.
 """
 from __future__ import annotations
 
@@ -140,8 +129,6 @@ class TuneConfig(TrialsConfig):
     asha: AshaConfig = AshaConfig()
     #: Register the best trial's model (under ``mlflow.registered_model``) at the end.
     register_best: bool = True
-    #: Alias moved to the new version only when it beats the current holder's validation metric.
-    champion_alias: str = "champion"
 
     @field_validator("space")
     @classmethod

@@ -1,9 +1,8 @@
 """What one request to a served model may ask of it: caps on its size (:data:`SETTINGS`), and a deadline.
 
-``mlflow models serve`` only answers 504 after ``MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT`` while its
-thread works on, and a graph costs the square of its nodes; so a request over a cap is refused before
-any graph is built (caps sized for one CPU core and ``jobs/code2.yaml``'s model: 15-30 s at the caps),
-and its work stops at the deadline (checked between functions and batches)."""
+``mlflow models serve`` answers 504 at its timeout while its thread works on, and a graph costs the
+square of its nodes: so a request over a cap is refused before any graph is built, and its work stops
+at the deadline (checked between functions and batches)."""
 from __future__ import annotations
 
 import dataclasses

@@ -29,9 +29,8 @@ JSON_TASKS = ("ppa", "pattern", "cluster")  # the tasks whose inputs are JSON gr
 
 # ----------------------------------------------------------------------------- what a model carries
 def input_spec(shard_dir: str | Path, storage=None) -> dict[str, Any]:
-    """``{"input": {...}}`` to log with a model trained on ``shard_dir`` (a URI: on the store the job's
-    ``storage`` settings reach): the shards' task and transform and, for code2, the dataset's node-type
-    / attribute tables (in id order)."""
+    """``{"input": {...}}`` to log with a model trained on ``shard_dir``: the shards' task and transform
+    and, for code2, the dataset's node-type / attribute tables (in id order)."""
     from preprocessing.shards import read_manifest
 
     manifest = read_manifest(shard_dir, storage)

@@ -29,9 +29,8 @@ class ModelInput(pydantic.BaseModel):
 
 
 class RequestRefused(MlflowException):
-    """A request the model does not serve: answered ``status`` with ``line`` as the whole message
-    (MLflow's scoring server answers an ``MlflowException`` by ``serialize_as_json()`` at
-    ``get_http_status_code()``, after prefixing ``message`` with the whole input: both are built from ``line``)."""
+    """A request the model does not serve: answered ``status`` with ``line`` as the whole message (MLflow's
+    scoring server prefixes ``message`` with the whole input, so the answer is built from ``line``)."""
 
     CODES = {400: INVALID_PARAMETER_VALUE, 413: REQUEST_LIMIT_EXCEEDED, 504: DEADLINE_EXCEEDED}
 

@@ -1,11 +1,9 @@
 """What the registry recorded for a version when it was registered, checked against what it serves.
 
-Whoever can write the stores can replace a version's files and rewrite its tags, so tags and files
-alone can be made to agree. What MLflow's API cannot change afterwards is the trust root: the
-version's ``run_id`` and ``source`` (``models:/<logged model id>``), and that logged model's
-``source_run_id`` and parameters, which satp logs before the files (``satp.weights_sha256``,
-``satp.files_sha256``). :func:`record_problem` compares the files with all of it; loading refuses a
-version that differs, and ``satp models`` marks it. No torch: the listing checks every version."""
+Tags and files can both be rewritten; what MLflow's API cannot change afterwards is the trust root:
+the version's ``run_id`` and ``source`` (its logged model), and that logged model's ``source_run_id``
+and parameters, logged before the files. :func:`record_problem` compares the files with all of it;
+loading refuses a version that differs, and ``satp models`` marks it."""
 from __future__ import annotations
 
 import hashlib

@@ -129,20 +129,29 @@ def log_params(mlflow_client, run_id: str, params: dict) -> None:
         mlflow_client.log_batch(run_id, params=items[i : i + 100])
 
 
+def reopen_run(mlflow_client, experiment_id: str, key: dict[str, str], run_name: str, params: dict,
+               tags: Optional[dict[str, str]] = None):
+    """The run carrying the ``key`` tags, set RUNNING again, or a new one with them, ``tags`` and
+    ``params``; returns ``(run id, the run found or None)``."""
+    found = find_run(mlflow_client, experiment_id, key)
+    if found is not None:
+        if found.info.status != "RUNNING":
+            mlflow_client.update_run(found.info.run_id, status="RUNNING")
+        return found.info.run_id, found
+    run_id = mlflow_client.create_run(experiment_id, run_name=run_name, tags={**key, **(tags or {})}).info.run_id
+    log_params(mlflow_client, run_id, params)
+    return run_id, None
+
+
 def open_run(tracking_uri: str, experiment: str, run_key: str, run_name: str, params: dict, config_text: str) -> str:
     """Return the id of the MLflow run for ``run_key``, creating it (with params and config) if needed."""
     mlflow_client = client(tracking_uri)
     exp_id = ensure_experiment(mlflow_client, experiment, tracking_uri)
-    found = find_run(mlflow_client, exp_id, {RUN_KEY_TAG: run_key})
+    run_id, found = reopen_run(mlflow_client, exp_id, {RUN_KEY_TAG: run_key}, run_name, params)
     if found is not None:
-        run_id = found.info.run_id
-        if found.info.status != "RUNNING":
-            mlflow_client.update_run(run_id, status="RUNNING")
         _note_changed_params(mlflow_client, found, params, config_text)
-        return run_id
-    run_id = mlflow_client.create_run(exp_id, run_name=run_name, tags={RUN_KEY_TAG: run_key}).info.run_id
-    log_params(mlflow_client, run_id, params)
-    _log_job(mlflow_client, run_id, config_text)
+    else:
+        _log_job(mlflow_client, run_id, config_text)
     return run_id
 
 
@@ -177,13 +186,18 @@ def find_training_run(tracking_uri: str, experiment: str, run_key: str):
 
 
 def retire_run(tracking_uri: str, run_id: str, run_key: str, why: str) -> None:
-    """Detach an MLflow run from its run key (tags ``satp.retired``, ``satp.retired_run_key``), so that
-    the key's next training run gets a new one; its status, metrics and versions stay."""
+    """Detach a training run's MLflow run from its run key (:func:`retire`)."""
+    retire(client(tracking_uri), run_id, RUN_KEY_TAG, run_key, why)
+
+
+def retire(mlflow_client, run_id: str, key_tag: str, key: str, why: str) -> None:
+    """Detach an MLflow run from its ``key`` (tag ``key_tag``: ``satp.run_key``, ``satp.sweep_key``), so that
+    the key's next run gets a new one; tagged ``satp.retired`` (why) and ``satp.retired_<key>`` (the key it
+    had), its status, metrics and versions stay."""
     import time
 
-    mlflow_client = client(tracking_uri)
-    mlflow_client.set_tag(run_id, RUN_KEY_TAG, f"{run_key}#retired-{int(time.time())}")
-    mlflow_client.set_tag(run_id, "satp.retired_run_key", run_key)
+    mlflow_client.set_tag(run_id, key_tag, f"{key}#retired-{int(time.time())}")
+    mlflow_client.set_tag(run_id, f"satp.retired_{key_tag.removeprefix('satp.')}", key)
     mlflow_client.set_tag(run_id, "satp.retired", why[:500])
 
 
@@ -273,15 +287,29 @@ class RankZeroLogger:
             self.monitor = None
 
 
-def plot_curves(history: list[dict[str, Any]], metric: str, path: str | os.PathLike) -> None:
-    """Loss and train/val/test ``metric`` per epoch, as a PNG."""
+def subplots(*grid, **options):
+    """matplotlib's ``plt.subplots`` without a display (the Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt.subplots(*grid, **options)
+
+
+def save_figure(fig, path: str | os.PathLike) -> None:
+    """``fig`` written as a PNG, and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_curves(history: list[dict[str, Any]], metric: str, path: str | os.PathLike) -> None:
+    """Loss and train/val/test ``metric`` per epoch, as a PNG."""
     epochs = [h["epoch"] for h in history]
-    fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_loss, ax_metric) = subplots(1, 2, figsize=(10, 4))
     ax_loss.plot(epochs, [h.get("train_loss") for h in history], marker="o", label="train loss")
     ax_loss.set_xlabel("epoch")
     ax_loss.set_ylabel("loss")
@@ -297,21 +325,14 @@ def plot_curves(history: list[dict[str, Any]], metric: str, path: str | os.PathL
     ax_metric.set_xlabel("epoch")
     ax_metric.set_ylabel(metric)
     ax_metric.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_metric_vs_time(history: list[dict[str, Any]], metric: str, path: str | os.PathLike,
                         target: Optional[dict[str, Any]] = None) -> None:
     """Validation and test ``metric`` against the run's wall-clock (``elapsed_s``: training and
     evaluation since the first step), the target as a line and the time it was reached, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(figsize=(6, 4))
     for split in ("val", "test"):
         key = f"{split}_{metric}"
         points = [(h["elapsed_s"] / 60, h[key]) for h in history if h.get(key) is not None and h.get("elapsed_s") is not None]
@@ -326,6 +347,4 @@ def plot_metric_vs_time(history: list[dict[str, Any]], metric: str, path: str | 
     ax.set_xlabel("wall-clock of training and evaluation (min)")
     ax.set_ylabel(metric)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -140,8 +140,8 @@ def version_holding(client, name: str, run_id: str, weights_sha256: str):
 def log_weights(state: Mapping[str, torch.Tensor], meta: dict[str, Any], run_id: str,
                 tracking_uri: str) -> tuple[str, str]:
     """Log the two files as a pyfunc model from code into run ``run_id``; return its URI and the files'
-    digests. The logged model is made first, so that ``satp_model.json`` names it, and gets the
-    weights' and files' sha256 as parameters, which MLflow writes once (:mod:`pipeline.registry.record`)."""
+    digests. The logged model is made first: ``satp_model.json`` names it, and its parameters (written
+    once) hold the weights' and files' sha256 (:mod:`pipeline.registry.record`)."""
     import mlflow
     import mlflow.pyfunc
     from mlflow.tracking import MlflowClient

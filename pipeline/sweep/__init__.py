@@ -1,9 +1,3 @@
-"""``satp tune`` and ``satp compare``: many trainings of one job, on Ray Tune.
-
-:mod:`~pipeline.sweep.tune` runs a hyperparameter sweep (ASHA), :mod:`~pipeline.sweep.compare` a
-fixed set of variants over seeds. Both share the trial machinery: the search space
-(:mod:`~pipeline.sweep.space`), the trials on the cluster (:mod:`~pipeline.sweep.trials`), their
-MLflow runs (:mod:`~pipeline.sweep.mlflow_logging`), the summary and plot
-(:mod:`~pipeline.sweep.summary`) and the registration of the best trial
-(:mod:`~pipeline.sweep.registration`). Each trial is a :func:`pipeline.train.driver.train_job`.
-"""
+"""``satp tune`` (:mod:`~pipeline.sweep.tune`, an ASHA sweep) and ``satp compare``
+(:mod:`~pipeline.sweep.compare`, variants over seeds): many trainings of one job on Ray Tune, run by
+one driver (:mod:`~pipeline.sweep.runner`); each trial is a :func:`pipeline.train.driver.train_job`."""

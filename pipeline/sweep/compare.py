@@ -1,36 +1,18 @@
 """Variants of a job compared at equal budget over seeds (``satp compare JOB.yaml``), on Ray Tune + MLflow.
 
-:func:`run_compare` reads the job's ``compare:`` section (:mod:`pipeline.config.compare`). Every
-variant trains once per seed, and each trial is a full Ray Train run of the job with the
-variant's keys and ``train.seed`` set. The machinery is that of :mod:`pipeline.sweep.tune`:
+:func:`run_compare` runs the job's ``compare:`` section (:mod:`pipeline.config.compare`) on the driver
+of :mod:`pipeline.sweep.runner`: a Tune grid over variant x seed, each trial a full Ray Train run of the
+job with the variant's keys (:meth:`pipeline.sweep.trials.SweepContext.settings`) and ``train.seed``
+set, all to the last epoch (no scheduler). The default name ends in the hash of job, variants and
+seeds, so a rerun of the same configuration resumes.
 
-* a Ray Tune grid over variant x seed, run by :func:`pipeline.train.driver.train_job` in each trial with
-  Tune's report callback. There is no scheduler: every trial runs all its epochs, the same data
-  and the same seeds. The variant's keys reach the trial as sampled values
-  (``tune.sample_from`` on the variant's name), so each trial's config holds every key it sets;
-* the checks before any trial starts: every variant against the job's schema, the pre-flight of
-  ``satp train``, and every distinct preprocessing built once;
-* MLflow, with the driver as the only writer: one parent run (tag ``satp.kind = compare``) and one
-  child run per trial (:class:`pipeline.sweep.mlflow_logging.SweepLogger`), named ``<variant>-seed<seed>``, with
-  the trial's params and per-epoch metrics;
-* a rerun of the same configuration (job, variants and seeds; the default name ends in their hash)
-  resumes with ``Tuner.restore``. The comparison records the job it runs in its folder: a rerun of
-  another job (a named comparison's, or one of the same hash with other settings of the ``compare:``
-  section) is refused before Ray starts, in one line naming what differs; ``restart`` starts it over
-  (:mod:`pipeline.sweep.record`).
-
-The result of a trial is its test metric at its best validation epoch (``best_test_<metric>``,
-what ``satp train`` reports). Per variant: the mean and the sample standard deviation over the
-seeds (``ddof=1``). They are logged to the parent run as metrics ``<variant>.test_<metric>_mean``
-and ``_std``, together with a markdown table (``compare.md``), a figure (``plots/compare.png``:
-bars with error bars, validation curves and training losses) and ``trials.json``. The table is
-also printed.
+A trial's result is its test metric at its best validation epoch; per variant, the mean and the
+sample standard deviation (``ddof=1``) over seeds go to the parent run as ``<variant>.test_<metric>_mean``
+and ``_std``, with ``compare.md`` (the printed table), ``plots/compare.png`` and ``trials.json``.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -40,103 +22,33 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline.registry import tracking
 from pipeline.config import JobConfig
 from pipeline.config.names import check_names
 from pipeline.console import plural
-from pipeline.sweep import record
-from pipeline.sweep.mlflow_logging import SWEEP_KEY_TAG, TRIAL_TAG, SweepLogger, open_parent_run, retire_sweep_runs
-from pipeline.sweep.space import apply_config, resolve_paths, task_metric, validate_raw
-from pipeline.sweep.summary import saved_states, summarize
-from pipeline.sweep.trials import (SweepContext, fit_trials, hold_sweep, report_callback, sweep_storage, trial_job,
-                                   trial_trainable)
+from pipeline.registry import tracking
+from pipeline.sweep.runner import run_trials
+from pipeline.sweep.summary import TrialSummary
+from pipeline.sweep.space import apply_config, base_job_dict, resolve_paths, task_metric, validate_raw, variant_key
+from pipeline.sweep.trials import VARIANT
 
 log = logging.getLogger(__name__)
 
-KIND = "compare"
-DIGEST_TAG = "satp.compare_digest"
-VARIANT = "variant"  # the trial config's key naming its variant
 SEED = "train.seed"
-
-
-# ----------------------------------------------------------------------------- the variants
-def base_dict(job: JobConfig) -> dict:
-    """The job as a dict, without its ``tune`` and ``compare`` sections."""
-    return job.model_dump(mode="json", exclude={"tune", "compare"})
-
-
-def get_dotted(raw: dict, key: str) -> Any:
-    node: Any = raw
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise ValueError(f"{key}: not a key of the job")
-        node = node[part]
-    return node
 
 
 def variant_jobs(job: JobConfig, raw: Optional[dict] = None) -> dict[str, JobConfig]:
     """Every variant's job (with the first seed), built on ``raw`` (default: the job as a dict,
-    :func:`base_dict`); a one-line error names a variant that gives an invalid job."""
+    :func:`pipeline.sweep.space.base_job_dict`); a one-line error names a variant that gives an invalid job."""
     if job.compare is None:
         raise ValueError(f"job {job.name!r} has no compare: section")
     check_names(job)  # compare.name is a folder: before anything is written under it
-    raw = base_dict(job) if raw is None else raw
+    raw = base_job_dict(job) if raw is None else raw
     seed = job.compare.seeds[0]
     return {name: validate_raw(apply_config(raw, {**overrides, SEED: seed}), f"compare.variants.{name}")
             for name, overrides in job.compare.variants.items()}
 
 
-def _pick(values: dict[str, Any], config: dict) -> Any:
-    """``tune.sample_from`` function: the value of one key for the trial's variant (``config``: the
-    trial's config, its grid values resolved)."""
-    return copy.deepcopy(values[config[VARIANT]])
-
-
-def param_space(job: JobConfig, raw: dict) -> dict[str, Any]:
-    """The Tune grid: variant x seed, plus every key some variant sets, sampled from the variant."""
-    from ray import tune
-
-    variants = job.compare.variants
-    space: dict[str, Any] = {VARIANT: tune.grid_search(list(variants)), SEED: tune.grid_search(list(job.compare.seeds))}
-    for key in sorted({k for overrides in variants.values() for k in overrides}):
-        values = {name: overrides[key] if key in overrides else get_dotted(raw, key) for name, overrides in variants.items()}
-        space[key] = tune.sample_from(functools.partial(_pick, values))
-    return space
-
-
-def _trial(config: dict[str, Any], ctx: SweepContext) -> None:
-    """A Tune trial: one full Ray Train run of a variant with a seed."""
-    import time
-
-    import ray.tune
-
-    started = time.time()  # the trial's start-up counts from here (its process may have started long before)
-    from pipeline.train.driver import train_job
-    from pipeline.train.plan import run_dir
-
-    trial_id = ray.tune.get_context().get_trial_id()
-    overrides = {k: v for k, v in config.items() if k != VARIANT}
-    job = trial_job(ctx, overrides, trial_id)
-    train_job(job, shard_dir=ctx.shard_dirs[config[VARIANT]], register=False,
-              callbacks=[report_callback(str(run_dir(job)))], started_at=started)
-
-
 # ----------------------------------------------------------------------------- results
-@dataclasses.dataclass
-class TrialResult:
-    variant: str
-    seed: int
-    trial_id: str
-    status: str  # finished | error | interrupted | incomplete
-    epochs: int
-    best_epoch: Optional[int]
-    best_val: Optional[float]
-    best_test: Optional[float]  # test metric at the best validation epoch
-    seconds: Optional[float]  # the trial's wall time (Tune's time_total_s)
-    curves: dict[str, list[tuple[int, float]]]  # val_<m>, test_<m>, train_loss per epoch
-    run_id: Optional[str] = None
-
-
 @dataclasses.dataclass
 class VariantSummary:
     name: str
@@ -169,45 +81,15 @@ class CompareOutcome:
     metric: str  # the task metric (acc, f1)
     epochs: int
     variants: list[VariantSummary]
-    trials: list[TrialResult]
+    trials: list[TrialSummary]
     parent_run_id: Optional[str]
     tracking_uri: Optional[str]
     resumed: bool
     seconds: float
     interrupted: bool = False
 
-    def table(self) -> str:
-        return format_table(self)
 
-
-def trial_results(results, summaries, metric: str) -> list[TrialResult]:
-    """One :class:`TrialResult` per Tune result (``summaries``: :func:`pipeline.sweep.summary.summarize`'s)."""
-    out = []
-    keys = (f"val_{metric}", f"test_{metric}", "train_loss")
-    for result, summary in zip(results, summaries):
-        curves: dict[str, list[tuple[int, float]]] = {k: [] for k in keys}
-        best_epoch = seconds = None
-        df = result.metrics_dataframe
-        for row in (df.to_dict("records") if df is not None else []):
-            epoch = row.get("epoch")
-            if not isinstance(epoch, (int, float)) or math.isnan(epoch):
-                continue
-            for k in keys:
-                v = row.get(k)
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    curves[k].append((int(epoch), float(v)))
-            if isinstance(row.get("best_epoch"), (int, float)) and row["best_epoch"] >= 0:
-                best_epoch = int(row["best_epoch"])
-            if isinstance(row.get("time_total_s"), (int, float)):
-                seconds = float(row["time_total_s"])
-        status = summary.status if summary.status in ("error", "interrupted", "finished") else "incomplete"
-        config = summary.config
-        out.append(TrialResult(str(config.get(VARIANT)), int(config.get(SEED, 0)), summary.trial_id, status,
-                               summary.epochs, best_epoch, summary.best_val, summary.best_test, seconds, curves))
-    return out
-
-
-def summarize_variants(job: JobConfig, trials: list[TrialResult], parameters: dict[str, Optional[int]]) -> list[VariantSummary]:
+def summarize_variants(job: JobConfig, trials: list[TrialSummary], parameters: dict[str, Optional[int]]) -> list[VariantSummary]:
     out = []
     for name, overrides in job.compare.variants.items():
         done = sorted((t for t in trials if t.variant == name and t.status == "finished" and t.best_test is not None),
@@ -247,13 +129,8 @@ def format_table(outcome: CompareOutcome) -> str:
 
 def plot_compare(outcome: CompareOutcome, path: str | Path) -> None:
     """Bars (test metric mean ± std, each seed a dot), validation curves and training losses."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     m = outcome.metric
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = tracking.subplots(1, 3, figsize=(15, 4.5))
     colors = {v.name: f"C{i}" for i, v in enumerate(outcome.variants)}
     names = [v.name for v in outcome.variants]
     means = [v.test_mean_std[0] for v in outcome.variants]
@@ -270,7 +147,7 @@ def plot_compare(outcome: CompareOutcome, path: str | Path) -> None:
     if finite:
         lo = min(min(v.test) for v in outcome.variants if v.test)
         ax.set_ylim(max(0.0, lo - 0.1 * (max(finite) - lo + 1e-3) - 0.02), None)
-    for ax, key, label in ((axes[1], f"val_{m}", f"val {m}"), (axes[2], "train_loss", "train loss")):
+    for ax, key, label in ((axes[1], "val", f"val {m}"), (axes[2], "train_loss", "train loss")):
         for t in outcome.trials:
             if t.curves.get(key):
                 xs, ys = zip(*t.curves[key])
@@ -281,9 +158,7 @@ def plot_compare(outcome: CompareOutcome, path: str | Path) -> None:
         ax.set_ylabel(label)
         ax.set_title(f"{label} per trial")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tracking.save_figure(fig, path)
 
 
 def count_parameters(job: JobConfig, shard_dir: str) -> Optional[int]:
@@ -313,16 +188,9 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
                 restart: bool = False) -> CompareOutcome:
     """Run (or resume) the comparison of ``job.compare``; see the module docstring. ``restart``:
     start over a comparison that ran another job (:mod:`pipeline.sweep.record`)."""
-    import ray
     from ray import tune
-    from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    import preprocessing
-    from pipeline.train.preflight import preflight
-    from pipeline.registry.addresses import check_reachable
-    from pipeline.train.plan import resolve_job, store_env
-    from preprocessing.config import config_hash
-    from runtime.storage import absolute, ray_storage
+    from pipeline.train.plan import resolve_job
 
     start = time.time()
     if job.compare is None:
@@ -331,107 +199,39 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     _, m, mode = task_metric(job)
     jobs = variant_jobs(job)
     job = resolve_job(job)
-    if not job.mlflow.enabled:
-        raise ValueError("compare: the comparison logs to MLflow; mlflow.enabled must be true")
-    base = resolve_paths(base_dict(job))
+    base = resolve_paths(base_job_dict(job))
     base["mlflow"]["enabled"] = False
     digest = comparison_digest(base, cmp)
     name = cmp.name or f"{job.name}-compare-{digest[:8]}"
-    settings = job.storage.settings()
-    storage = sweep_storage(cmp.storage_path, job, "compare.storage_path")
-    sweep_dir = f"{storage}/{name}"
-    with hold_sweep(sweep_dir, name, "satp compare", "compare.name", settings):  # one writer per comparison
-        ran = record.recorded_job(base, "compare", cmp.model_dump(mode="json"))
-        record.check_rerun(sweep_dir, ran, what="comparison", name=name, key="compare.name", restart=restart,
-                           storage=settings)  # before Ray
-        tracking_uri = job.mlflow.tracking_uri
-        check_reachable(tracking_uri)
-
-        workers = max(j.resources.max_workers * j.resources.cpus_per_worker for j in jobs.values())
-        preflight({f"compare.variants.{vname}": vjob for vname, vjob in jobs.items()}, address=address,
-                  num_workers=max(j.resources.max_workers for j in jobs.values()), extra_cpus=cmp.trial_cpus,
-                  ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0", **store_env(job)})
-
-        # every distinct preprocessing once, here; then each variant's model size
-        built: dict[str, str] = {}
-        shard_dirs: dict[str, str] = {}
-        for vname, v in variant_jobs(job, base).items():  # paths resolved
-            key = config_hash(v.data, v.transform, v.shards) + v.shards.root
-            if key not in built:
-                built[key] = absolute(preprocessing.preprocess(v.data, v.transform, v.shards, address=address,
-                                                               storage=settings))
-                log.info("shards for %s: %s", vname, built[key])
-            shard_dirs[vname] = built[key]
-        parameters = {vname: count_parameters(vjob, shard_dirs[vname]) for vname, vjob in jobs.items()}
-
-        ctx = SweepContext(name=name, base=base, shard_dirs=shard_dirs, data_keys=[], train_storage=f"{sweep_dir}/train",
-                           max_epochs=job.train.epochs)
-
-        # MLflow: experiment and parent run before any trial starts (one writer: this process)
-        client = tracking.client(tracking_uri)
-        exp_id = tracking.ensure_experiment(client, job.mlflow.experiment, tracking_uri)
-        sweep_key = sweep_dir
-        record.start(sweep_dir, ran, restart, settings)
-        if restart:
-            retire_sweep_runs(client, exp_id, sweep_key, "comparison started over (--restart)")
-        parent_id = open_parent_run(client, exp_id, sweep_key, KIND, name, {**base, "compare": cmp.model_dump(mode="json")},
-                                    tags={DIGEST_TAG: digest})
-
-        cluster = ray.cluster_resources()
-        need = workers + cmp.trial_cpus
-        cap = max(1, int(cluster.get("CPU", 0) // need)) if need > 0 else 1
-        concurrent = min(cap, cmp.max_concurrent_trials or cap)
-        trials_total = len(cmp.variants) * len(cmp.seeds)
-        log.info("comparison %s: %s x %s = %s of %s, at most %d at once", name, plural(len(cmp.variants), "variant"),
-                 plural(len(cmp.seeds), "seed"), plural(trials_total, "trial"), plural(job.train.epochs, "epoch"), concurrent)
-
-        trainable = trial_trainable(_trial, ctx, cmp.trial_cpus)
-        metric = f"val_{m}"
-
-        def new_tuner():
-            return tune.Tuner(
-                trainable,
-                param_space=param_space(job, base),
-                # every trial asks for the same resources and runs to its end (no scheduler stops one):
-                # a trial's process, its driver's imports done (torch, PyG, DeepSpeed, satp: ~7 s of
-                # CPU on 2 cores), goes on to the next trial. Not in `satp tune`: a trial ASHA stops is
-                # still inside its fit, and Tune would fail the next trial on its actor
-                tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=1,
-                                            search_alg=BasicVariantGenerator(max_concurrent=concurrent),
-                                            reuse_actors=True),
-                run_config=tune.RunConfig(
-                    name=name, **ray_storage(storage, settings, "compare.storage_path"),
-                    failure_config=tune.FailureConfig(max_failures=cmp.max_failures),
-                    callbacks=[SweepLogger(tracking_uri, exp_id, parent_id, sweep_key, ctx, job.train.epochs)],
-                    verbose=verbose,
-                ),
-            )
-
-        results, resumed = fit_trials(sweep_dir, trainable, new_tuner, client, parent_id, settings)
-
-        summaries = summarize(results, metric, mode, metric, job.train.epochs, saved_states(sweep_dir, settings), settings)
-        trials = trial_results(results, summaries, m)
+    shard_jobs = {variant_key({VARIANT: vname}, [VARIANT]): v for vname, v in variant_jobs(job, base).items()}
+    # no scheduler: every trial asks for the same resources and runs to its end, so a trial's process
+    # (its imports done) goes on to the next trial; ASHA's stopped trials would not leave theirs
+    grid = {VARIANT: tune.grid_search(list(cmp.variants)), SEED: tune.grid_search(list(cmp.seeds))}
+    with run_trials(job, "compare", name, base, {f"compare.variants.{v}": vjob for v, vjob in jobs.items()},
+                    shard_jobs, [VARIANT], param_space=grid, metric=f"val_{m}", mode=mode, val_metric=f"val_{m}",
+                    max_epochs=job.train.epochs, address=address, restart=restart, verbose=verbose,
+                    trial_variants=cmp.variants, num_samples=1, reuse_actors=True) as run:
+        client, parent_id = run.client, run.parent_id
+        shard_dirs = run.ctx.shard_dirs
+        parameters = {v: count_parameters(vjob, shard_dirs[variant_key({VARIANT: v}, [VARIANT])])
+                      for v, vjob in jobs.items()}
+        trials = run.trials
         for t in trials:
-            found = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, TRIAL_TAG: t.trial_id})
-            if found is not None:
-                t.run_id = found.info.run_id
+            if t.run_id is not None:
                 client.set_tag(t.run_id, "mlflow.runName", f"{t.variant}-seed{t.seed}")
                 client.set_tag(t.run_id, "satp.variant", t.variant)
-        outcome = CompareOutcome(name=name, path=sweep_dir, metric=m, epochs=job.train.epochs,
+        outcome = CompareOutcome(name=name, path=run.path, metric=m, epochs=job.train.epochs,
                                  variants=summarize_variants(job, trials, parameters), trials=trials,
-                                 parent_run_id=parent_id, tracking_uri=tracking_uri, resumed=resumed,
+                                 parent_run_id=parent_id, tracking_uri=run.tracking_uri, resumed=run.resumed,
                                  seconds=time.time() - start,
-                                 interrupted=any(t.status == "interrupted" for t in trials))
+                                 interrupted=run.interrupted)
 
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
         values: dict[str, float] = {}
         for v in outcome.variants:
             for split, (mean, std) in (("test", v.test_mean_std), ("val", v.val_mean_std)):
                 values[f"{v.name}.{split}_{m}_mean"] = mean
                 values[f"{v.name}.{split}_{m}_std"] = std
-        client.log_batch(parent_id, metrics=[Metric(k, float(v), now, 0) for k, v in values.items() if math.isfinite(v)])
+        tracking.log_metrics(client, parent_id, values, step=0)
         table = format_table(outcome)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "compare.md").write_text(f"# {name}\n\n{table}\n")
@@ -442,10 +242,7 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
             rows = [dataclasses.asdict(t) for t in trials]
             (Path(tmp) / "trials.json").write_text(json.dumps(rows, indent=1, default=str))
             client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
-        if outcome.interrupted:
-            client.set_tag(parent_id, "satp.interrupted", "true")
-            client.set_terminated(parent_id, status="KILLED")
-        else:
+        if not outcome.interrupted:
             failed = all(t.status != "finished" for t in trials)
             client.set_terminated(parent_id, status="FAILED" if failed else "FINISHED")
         return outcome

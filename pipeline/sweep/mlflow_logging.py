@@ -1,12 +1,12 @@
-"""MLflow for sweeps, with the driver as the only writer: the parent run, one child run per trial
+"""MLflow for sweeps, with the driver as the only writer: one child run per trial
 (params and per-epoch metrics, logged by the Tune callback :class:`SweepLogger`), and the epochs a
 trial reported just before an interruption, caught up from its checkpoint."""
 from __future__ import annotations
 
-import json
-import math
 import time
-from typing import Any, Optional
+from typing import Any
+
+from ray.tune import Callback
 
 from pipeline.registry import tracking
 from pipeline.sweep.space import apply_config
@@ -15,11 +15,7 @@ from pipeline.sweep.trials import SweepContext, release_orphaned_placement_group
 
 
 SWEEP_KEY_TAG = "satp.sweep_key"
-
-
 TRIAL_TAG = "satp.trial_id"
-
-
 PARENT_TAG = "mlflow.parentRunId"
 
 
@@ -32,25 +28,9 @@ _TUNE_KEYS = {
 }
 
 
-def open_parent_run(client, exp_id: str, sweep_key: str, kind: str, name: str, params: dict,
-                    tags: Optional[dict[str, str]] = None) -> str:
-    """The parent MLflow run of a sweep or comparison (``kind``), made before any trial starts (one
-    writer: the driver). A rerun finds it by its key and sets it RUNNING again."""
-    parent = tracking.find_run(client, exp_id, {SWEEP_KEY_TAG: sweep_key, "satp.kind": kind})
-    if parent is None:
-        run_tags = {SWEEP_KEY_TAG: sweep_key, "satp.kind": kind, **(tags or {})}
-        parent_id = client.create_run(exp_id, run_name=name, tags=run_tags).info.run_id
-        tracking.log_params(client, parent_id, params)
-        return parent_id
-    if parent.info.status != "RUNNING":
-        client.update_run(parent.info.run_id, status="RUNNING")
-    return parent.info.run_id
-
-
-def retire_sweep_runs(client, exp_id: str, sweep_key: str, why: str) -> int:
-    """Detach the MLflow runs of a sweep started over (``--restart``: its parent and child runs)
-    from its key, so that the new sweep gets new ones; they stay, with their params, metrics and
-    registered versions, tagged with why (``satp.retired``) and the key they had. Returns how many."""
+def retire_sweep_runs(client, exp_id: str, sweep_key: str, why: str) -> None:
+    """Detach the MLflow runs of a sweep started over (``--restart``) from its key, so that the new
+    sweep gets new ones; they stay, tagged with why (``satp.retired``) and the key they had."""
     key = sweep_key.replace("'", "\\'")
     runs, token = [], None
     while True:
@@ -59,62 +39,33 @@ def retire_sweep_runs(client, exp_id: str, sweep_key: str, why: str) -> int:
         token = page.token
         if not token:
             break
-    retired = f"{sweep_key}#retired-{int(time.time())}"
     for run in runs:
-        client.set_tag(run.info.run_id, SWEEP_KEY_TAG, retired)
-        client.set_tag(run.info.run_id, "satp.retired_sweep_key", sweep_key)
-        client.set_tag(run.info.run_id, "satp.retired", why)
-    return len(runs)
+        tracking.retire(client, run.info.run_id, SWEEP_KEY_TAG, sweep_key, why)
 
 
-def catch_up_metrics(client, run_id: str, checkpoint_path: str, storage=None) -> int:
-    """Log the epochs of a trial's Train history (its last checkpoint's ``state.json``) that its
-    MLflow run lacks: an epoch reported just before an interruption never reached the driver's
-    callback. Returns the number of epochs logged."""
-    from mlflow.entities import Metric
-
-    history = checkpoint_history(checkpoint_path, storage)
+def catch_up_metrics(client, run_id: str, checkpoint_path: str, storage=None) -> None:
+    """Log the epochs of a trial's checkpointed history that its MLflow run lacks (reported just
+    before an interruption, they never reached the driver's callback)."""
     logged = {int(m.step) for m in client.get_metric_history(run_id, "epoch")}
-    now = int(time.time() * 1000)
-    count = 0
-    for entry in history:
-        epoch = entry["epoch"]
-        if epoch < 0 or epoch in logged:
-            continue
-        items = [Metric(k, v, now, epoch) for k, v in _numeric(entry).items()]
-        if items:
-            client.log_batch(run_id, metrics=items)
-            count += 1
-    return count
+    for entry in checkpoint_history(checkpoint_path, storage):
+        if entry["epoch"] >= 0 and entry["epoch"] not in logged:
+            tracking.log_metrics(client, run_id, _metrics(entry), step=entry["epoch"])
 
 
-def _numeric(values: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for k, v in values.items():
-        if k in _TUNE_KEYS or isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
-        if math.isfinite(float(v)):
-            out[k] = float(v)
-    return out
+def _metrics(values: dict[str, Any]) -> dict[str, Any]:
+    """A Tune result or history entry without Tune's bookkeeping and flags."""
+    return {k: v for k, v in values.items() if k not in _TUNE_KEYS and not isinstance(v, bool)}
 
 
-def _import_tune_callback():
-    from ray.tune import Callback
-
-    return Callback
-
-
-class SweepLogger(_import_tune_callback()):
+class SweepLogger(Callback):
     """Tune callback in the driver: one MLflow child run per trial (params, per-epoch metrics)."""
 
-    def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, sweep_key: str, ctx: SweepContext,
-                 max_epochs: int) -> None:
+    def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, sweep_key: str, ctx: SweepContext) -> None:
         self.tracking_uri = tracking_uri
         self.experiment_id = experiment_id
         self.parent_run_id = parent_run_id
         self.sweep_key = sweep_key
         self.ctx = ctx
-        self.max_epochs = max_epochs
         self._runs: dict[str, str] = {}
         self._client = None
 
@@ -132,24 +83,13 @@ class SweepLogger(_import_tune_callback()):
 
     def run_id(self, trial) -> str:
         tid = trial.trial_id
-        if tid in self._runs:
-            return self._runs[tid]
-        client = self.client
-        found = tracking.find_run(client, self.experiment_id, {SWEEP_KEY_TAG: self.sweep_key, TRIAL_TAG: tid})
-        if found is not None:
-            run_id = found.info.run_id
-            if found.info.status != "RUNNING":
-                client.update_run(run_id, status="RUNNING")
-        else:
-            tags = {PARENT_TAG: self.parent_run_id, SWEEP_KEY_TAG: self.sweep_key, TRIAL_TAG: tid,
-                    "satp.trial_config": json.dumps(trial.config, default=str)[:5000]}
-            run = client.create_run(self.experiment_id, run_name=f"{self.ctx.name}-{tid}", tags=tags)
-            run_id = run.info.run_id
-            params = apply_config(self.ctx.base, trial.config)
-            params["train"]["epochs"] = self.max_epochs
-            tracking.log_params(client, run_id, params)
-        self._runs[tid] = run_id
-        return run_id
+        if tid not in self._runs:
+            params = apply_config(self.ctx.base, self.ctx.settings(trial.config))
+            params["train"]["epochs"] = self.ctx.max_epochs
+            self._runs[tid], _ = tracking.reopen_run(self.client, self.experiment_id,
+                                                     {SWEEP_KEY_TAG: self.sweep_key, TRIAL_TAG: tid},
+                                                     f"{self.ctx.name}-{tid}", params, {PARENT_TAG: self.parent_run_id})
+        return self._runs[tid]
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self.run_id(trial)
@@ -161,22 +101,15 @@ class SweepLogger(_import_tune_callback()):
             release_orphaned_placement_groups()
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
-        from mlflow.entities import Metric
-
         release_orphaned_placement_groups()  # the trial's workers run: its group is seen in use
-
-        metrics = _numeric(result)
         step = int(result.get("epoch", result.get("training_iteration", 1) - 1))
-        now = int(time.time() * 1000)
-        items = [Metric(k, v, now, step) for k, v in metrics.items()]
-        if items:
-            self.client.log_batch(self.run_id(trial), metrics=items)
+        tracking.log_metrics(self.client, self.run_id(trial), _metrics(result), step=step)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         last = trial.last_result or {}
         epochs = int(last.get("epoch", -1)) + 1
         run_id = self.run_id(trial)
-        early = epochs < self.max_epochs
+        early = epochs < self.ctx.max_epochs
         self.client.set_tag(run_id, "satp.early_stopped", str(early).lower())
         self.client.set_tag(run_id, "satp.epochs_run", str(epochs))
         self.client.set_terminated(run_id, status="KILLED" if early else "FINISHED")

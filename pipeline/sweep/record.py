@@ -1,23 +1,10 @@
 """What a sweep or comparison ran, recorded in its folder, so that its reruns behave like a run's.
 
-A sweep is named by its folder (``<storage_path>/<name>``: Tune's state and its trials' Train runs).
-Rerun, Tune restores the sweep as it ran: its search space, scheduler and samples, and the finished
-trials' results; a job changed meanwhile would reach only the trials that had not finished (one
-sweep, two configurations), under MLflow params of the first. So the sweep records its job as
-resolved, with its ``tune:`` (or ``compare:``) section (:func:`recorded_job`; ``satp-sweep.json``,
-written whole or not at all when its trials are about to start), and a rerun compares, before Ray
-starts (:func:`check_rerun`):
-
-==================  ===========================================================================
-the same job        the sweep resumes (a finished one reports its result again)
-another job         nothing starts: one line naming what differs and the two ways on, a new name
-                    or ``--restart`` (:func:`start`: the folder is emptied, its trials' Train runs
-                    with it, and the sweep starts over in new MLflow runs; the old MLflow runs and
-                    registered versions stay)
-==================  ===========================================================================
-
-Not in the record: what names the folder (the section's ``name`` and ``storage_path``) and what
-each trial sets itself (``train.run_name``, ``train.storage_path``).
+Tune restores a sweep as it first ran (space, scheduler, finished trials): a job changed meanwhile
+would reach only the unfinished trials. So the sweep records its job as resolved, with its section
+(:func:`recorded_job`, ``satp-sweep.json``), and a rerun of another job is refused before Ray starts
+(:func:`check_rerun`) unless ``--restart`` empties the folder first (:func:`start`; the old MLflow
+runs and registered versions stay). Not recorded: what names the folder and what each trial sets itself.
 """
 from __future__ import annotations
 

@@ -22,9 +22,8 @@ def apply_config(raw: dict, config: dict[str, Any]) -> dict:
 
 
 def base_job_dict(job: JobConfig) -> dict:
-    raw = job.model_dump(mode="json", exclude={"tune"})
-    raw.pop("tune", None)
-    return raw
+    """The job as a dict, without its ``tune`` and ``compare`` sections."""
+    return job.model_dump(mode="json", exclude={"tune", "compare"})
 
 
 def validate_raw(raw: dict, where: str) -> JobConfig:
@@ -45,7 +44,7 @@ def space_jobs(job: JobConfig) -> list[JobConfig]:
     for key, dist in job.tune.space.items():
         for value in dist.candidates():
             jobs.append(validate_raw(apply_config(raw, {**first, key: value}), f"tune.space.{key} = {value!r}"))
-    return jobs or [validate_raw(raw, "job")]
+    return jobs
 
 
 def data_variants(job: JobConfig) -> list[dict[str, Any]]:
@@ -65,14 +64,11 @@ def resolve_paths(raw: dict) -> dict:
     from runtime.storage import absolute
 
     raw = copy.deepcopy(raw)
-    data = raw.get("data") or {}
-    if data.get("root"):
-        data["root"] = absolute(data["root"])
+    data = raw["data"]
+    data["root"] = absolute(data["root"])
     if data.get("source_dirs"):
         data["source_dirs"] = [absolute(d) for d in data["source_dirs"]]
-    shards = raw.get("shards") or {}
-    if shards.get("root"):
-        shards["root"] = absolute(shards["root"])
+    raw["shards"]["root"] = absolute(raw["shards"]["root"])
     return raw
 
 
@@ -80,8 +76,5 @@ def task_metric(job: JobConfig) -> tuple[str, str, str]:
     """``(task name, task metric, task mode)`` of the job (without reading any data)."""
     from pipeline.tasks import TASK_CLASSES, task_name_for
 
-    name = task_name_for(job.train.task, getattr(job.data, "name", None))
-    classes = TASK_CLASSES
-    if name not in classes:
-        raise ValueError(f"unknown task {name!r}")
-    return name, classes[name].metric, classes[name].mode
+    name = task_name_for(job.train.task, job.data.name)
+    return name, TASK_CLASSES[name].metric, TASK_CLASSES[name].mode

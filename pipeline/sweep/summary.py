@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from pipeline.registry import tracking
 from pipeline.registry.versions import better, finite_float
 
 log = logging.getLogger(__name__)
@@ -24,9 +25,22 @@ class TrialSummary:
     best: Optional[float]  # the sweep metric at its best epoch
     best_val: Optional[float]  # best_val_<task metric> (the registered model's)
     best_test: Optional[float]
-    curve: list[tuple[int, float]]  # (epoch, val metric)
+    curves: dict[str, list[tuple[int, float]]]  # "val", "test" (the task metric), "train_loss": (epoch, value)
     checkpoint_path: Optional[str]
     run_id: Optional[str] = None
+    seconds: Optional[float] = None  # the trial's wall time (Tune's time_total_s)
+
+    @property
+    def curve(self) -> list[tuple[int, float]]:
+        return self.curves.get("val", [])
+
+    @property
+    def variant(self) -> str:  # of a comparison's trial
+        return str(self.config.get("variant"))
+
+    @property
+    def seed(self) -> int:
+        return int(self.config.get("train.seed", 0))
 
 
 @dataclasses.dataclass
@@ -50,10 +64,8 @@ class SweepOutcome:
 
 
 def saved_states(path: str | Path, storage=None) -> dict[str, str]:
-    """Trial states in the sweep's saved experiment state (``path``: the sweep's folder, a path or a
-    URI on the store the job's ``storage`` settings reach). After an interruption (Ctrl-C) Tune
-    stops the running trials and marks them TERMINATED in memory, but it saves them first as
-    PENDING/RUNNING so that ``Tuner.restore`` resumes them: the saved state tells."""
+    """Trial states in the sweep's saved experiment state: after Ctrl-C Tune marks the stopped trials
+    TERMINATED in memory, but saves them as PENDING/RUNNING so that ``Tuner.restore`` resumes them."""
     try:
         from ray.tune import ExperimentAnalysis
 
@@ -69,8 +81,7 @@ def saved_states(path: str | Path, storage=None) -> dict[str, str]:
 
 def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
               states: Optional[dict[str, str]] = None, storage=None) -> list[TrialSummary]:
-    """The trials of Tune's ``results`` (``states``: :func:`saved_states`; ``storage``: the job's
-    settings of checkpoints on a store)."""
+    """The trials of Tune's ``results`` (``states``: :func:`saved_states`)."""
     try:  # Tune's trials, in the order of the results
         tune_trials = list(results._experiment_analysis.trials)
     except AttributeError:
@@ -86,13 +97,14 @@ def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
         if trial is not None and tid not in states:
             states[tid] = trial.status
         best_val = best_test = None
-        checkpoint_path = None
+        checkpoint_path = seconds = None
         by_epoch: dict[int, dict] = {}
         for row in (df.to_dict("records") if df is not None and len(df) else []):
             epoch = row.get("epoch")
             if epoch is None or (isinstance(epoch, float) and math.isnan(epoch)):
                 continue
             by_epoch[int(epoch)] = row
+            seconds = float(row["time_total_s"]) if _finite(row.get("time_total_s")) else seconds
             if row.get("checkpoint_path") and isinstance(row.get("checkpoint_path"), str):
                 checkpoint_path = row["checkpoint_path"]
                 best_val = row.get(f"best_{val_metric}", best_val)
@@ -100,7 +112,9 @@ def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
         for row in checkpoint_history(checkpoint_path, storage):  # checkpointed epochs whose report never reached Tune
             by_epoch.setdefault(int(row["epoch"]), row)
         epochs = max(by_epoch, default=-1) + 1
-        curve = [(e, float(r[val_metric])) for e, r in sorted(by_epoch.items()) if _finite(r.get(val_metric))]
+        keys = {"val": val_metric, "test": val_metric.replace("val_", "test_", 1), "train_loss": "train_loss"}
+        curves = {name: [(e, float(r[k])) for e, r in sorted(by_epoch.items()) if _finite(r.get(k))]
+                  for name, k in keys.items()}
         best = None
         for _, row in sorted(by_epoch.items()):
             if _finite(row.get(metric)) and (best is None or better(row[metric], best, mode)):
@@ -114,8 +128,8 @@ def summarize(results, metric: str, mode: str, val_metric: str, max_epochs: int,
         else:
             status = "finished"
         config = dict(result.config or (trial.config if trial is not None else {}) or {})
-        out.append(TrialSummary(tid, config, status, epochs, best,
-                                finite_float(best_val), finite_float(best_test), curve, checkpoint_path))
+        out.append(TrialSummary(tid, config, status, epochs, best, finite_float(best_val), finite_float(best_test),
+                                curves, checkpoint_path, seconds=seconds))
     return out
 
 
@@ -124,12 +138,8 @@ def _finite(value) -> bool:
 
 
 def checkpoint_history(checkpoint_path: Optional[str], storage=None) -> list[dict]:
-    """Every epoch of a trial's Train run, as its last checkpoint (a path, or a URI on the store
-    ``storage`` reaches) records them (``state.json``).
-
-    Tune's results miss the epochs whose report had not reached its driver when a sweep was
-    interrupted: the trial's Train run had checkpointed them, and, resumed from that checkpoint,
-    never reports them again. The checkpoint carries the whole history."""
+    """Every epoch of a trial's Train run, as its last checkpoint records them (``state.json``):
+    Tune's results miss the epochs reported just before an interruption, never reported again."""
     if not checkpoint_path:
         return []
     from pipeline.train import checkpoint as ckpt
@@ -144,18 +154,13 @@ def checkpoint_history(checkpoint_path: Optional[str], storage=None) -> list[dic
 
 def plot_sweep(trials: list[TrialSummary], val_metric: str, path: str | os.PathLike, title: str = "") -> None:
     """Every trial's validation curve; an early stop is marked with a red cross at its last epoch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = tracking.subplots(figsize=(8, 5))
     for t in trials:
         if not t.curve:
             continue
         xs, ys = zip(*t.curve)
         style = "--" if t.status != "finished" else "-"
-        (line,) = ax.plot(xs, ys, style, marker="o", markersize=3, label=f"{t.trial_id} ({t.status})")
+        ax.plot(xs, ys, style, marker="o", markersize=3, label=f"{t.trial_id} ({t.status})")
         if t.status == "early_stopped":
             ax.plot(xs[-1], ys[-1], "x", color="red", markersize=10, markeredgewidth=2)
     ax.plot([], [], "x", color="red", markersize=10, markeredgewidth=2, label="stopped early (ASHA)")
@@ -166,6 +171,4 @@ def plot_sweep(trials: list[TrialSummary], val_metric: str, path: str | os.PathL
     ax.set_ylabel(val_metric)
     ax.set_title(title or f"{val_metric} per trial")
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tracking.save_figure(fig, path)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from pipeline.config import JobConfig
-from pipeline.sweep.space import apply_config, validate_raw
+from pipeline.sweep.space import apply_config, validate_raw, variant_key
 
 log = logging.getLogger(__name__)
 
@@ -21,15 +21,38 @@ class SweepContext:
     """What every trial needs (plain and picklable; shipped with ``tune.with_parameters``)."""
 
     name: str
-    base: dict  # the job (paths absolute, MLflow off), without the tune section
+    base: dict  # the job (paths absolute, MLflow off), without its tune and compare sections
     shard_dirs: dict[str, str]  # variant_key -> shard directory
     data_keys: list[str]
     train_storage: str  # the trials' Train runs live here
     max_epochs: int
+    variants: dict[str, dict] = dataclasses.field(default_factory=dict)  # a comparison's: name -> its keys
+
+    def settings(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The dotted keys a trial sets: its sampled ``config``, a comparison's variant as its keys."""
+        return {**self.variants.get(config.get(VARIANT), {}), **{k: v for k, v in config.items() if k != VARIANT}}
+
+
+#: a comparison's trial config names its variant under this key (not a key of the job)
+VARIANT = "variant"
+
+
+def run_trial(config: dict[str, Any], ctx: SweepContext) -> None:
+    """A Tune trial: one full Ray Train run of the job with ``config`` applied."""
+    started = time.time()  # the trial's start-up counts from here (its process may have started long before)
+    import ray.tune
+
+    from pipeline.train.driver import train_job
+    from pipeline.train.plan import run_dir
+
+    trial_id = ray.tune.get_context().get_trial_id()
+    job = trial_job(ctx, config, trial_id)
+    train_job(job, shard_dir=ctx.shard_dirs[variant_key(config, ctx.data_keys)], register=False,
+              callbacks=[report_callback(str(run_dir(job)))], started_at=started)
 
 
 def trial_job(ctx: SweepContext, config: dict[str, Any], trial_id: str) -> JobConfig:
-    raw = apply_config(ctx.base, config)
+    raw = apply_config(ctx.base, ctx.settings(config))
     raw["train"]["run_name"] = f"{ctx.name}-{trial_id}"
     raw["train"]["storage_path"] = ctx.train_storage
     raw["train"]["epochs"] = ctx.max_epochs
@@ -61,19 +84,18 @@ def report_callback(run: str):
     return EpochReportCallback()
 
 
-def trial_trainable(trial_fn, ctx: SweepContext, trial_cpus: float):
-    """The Tune trainable of ``trial_fn``. The Tune function only drives its Train run; a resource
-    request cannot be empty, so with ``trial_cpus`` 0 it asks for 1 MiB of Ray's logical memory."""
+def trial_trainable(ctx: SweepContext, trial_cpus: float):
+    """The Tune trainable of :func:`run_trial`; a resource request cannot be empty, so with
+    ``trial_cpus`` 0 it asks for 1 MiB of Ray's logical memory."""
     from ray import tune
 
     resources = {"cpu": trial_cpus} if trial_cpus > 0 else {"cpu": 0, "memory": 2**20}
-    return tune.with_resources(tune.with_parameters(trial_fn, ctx=ctx), resources)
+    return tune.with_resources(tune.with_parameters(run_trial, ctx=ctx), resources)
 
 
 def sweep_storage(value: Optional[str], job, key: str) -> str:
-    """The folder that holds a sweep's folder, an absolute path or a URI: ``value`` (``tune.storage_path``
-    / ``compare.storage_path``, named by ``key``), default ``<runs>/tune``. A URI is checked before
-    anything is written (:func:`pipeline.train.preflight.check_run_store`), never taken for a local folder."""
+    """The folder that holds a sweep's folder, an absolute path or a URI: ``value`` (named by ``key``),
+    default ``<runs>/tune``; a URI is checked before anything is written."""
     from pipeline.config.train import runs_dir
     from pipeline.train.preflight import check_run_store
     from runtime.storage import absolute, is_uri
@@ -85,13 +107,10 @@ def sweep_storage(value: Optional[str], job, key: str) -> str:
 
 @contextlib.contextmanager
 def hold_sweep(sweep_dir: str | Path, name: str, command: str, key: str, storage=None) -> Iterator[None]:
-    """Hold the sweep's lease while the block runs: one writer per sweep folder, as per run
-    (:class:`pipeline.train.lease.RunLease`, ``<sweep_dir>/satp-lease.json``). Two sweeps of one
-    name would share Tune's state and the trials' runs, and take each other's trial leases; the
-    second is refused at once, in one line naming the holder (``key``: the job key to change), and
-    a sweep whose holder died is taken over with one warning line. The folders the lease created
-    are removed again if the sweep wrote nothing into them (its pre-flight failed). ``storage``: the
-    job's settings of a sweep folder on a store."""
+    """Hold the sweep's lease while the block runs (:class:`pipeline.train.lease.RunLease`,
+    ``<sweep_dir>/satp-lease.json``): two sweeps of one name would share Tune's state and the trials'
+    runs, so the second is refused in one line naming the holder (``key``: the job key to change).
+    The folders the lease created are removed again if the sweep wrote nothing into them."""
     from pipeline.train.lease import RunLease
     from runtime.interrupts import deferred
     from runtime.storage import is_uri
@@ -122,9 +141,8 @@ class _NoRestoreHint(logging.Filter):
 
 
 def fit_trials(sweep_dir: str | Path, trainable, new_tuner, client, parent_id: str, storage=None):
-    """Fit the trials: a new ``Tuner`` (``new_tuner()``), or the interrupted one in ``sweep_dir`` (a
-    path, or a URI on the store that the job's ``storage`` settings reach) restored. Returns
-    ``(results, resumed)``; any failure marks the parent run FAILED."""
+    """Fit the trials: a new ``Tuner`` (``new_tuner()``), or the interrupted one in ``sweep_dir``
+    restored. Returns ``(results, resumed)``; any failure marks the parent run FAILED."""
     from ray import tune
 
     from runtime.storage import ray_storage
@@ -153,44 +171,29 @@ def fit_trials(sweep_dir: str | Path, trainable, new_tuner, client, parent_id: s
     return results, resumed
 
 
-#: ids of this job's placement groups seen in use (something running in them): one seen entirely
-#: free afterwards has lost what ran there (see :func:`release_orphaned_placement_groups`)
+#: ids of this job's placement groups seen in use (see :func:`release_orphaned_placement_groups`)
 _seen_in_use: set[str] = set()
 
 
-def release_orphaned_placement_groups(with_pending: bool = False):
+def release_orphaned_placement_groups() -> tuple[int, int]:
     """Remove this job's placement groups that were in use and are entirely free now; return how
-    many (``with_pending``: and how many are in use).
-
-    When ASHA stops a trial, Tune ends the trial's actor, which kills its Train controller
-    (an owned actor) and the Train workers, but not the workers' placement group: Ray keeps a
-    placement group until its job ends, so the CPUs would stay reserved and the next trials wait
-    forever. satp's runs start no Train ``PlacementGroupCleaner`` (a process per run, which polls
-    the State API and so needs a dashboard: :func:`pipeline.train.driver._trainer_class`); this
-    releases them instead, on Ray's public API. Ray's table of placement groups
-    (``ray.util.placement_group_table``) does not say who created a group, nor whether its creator
-    lives; what is in use is public: Ray lists a group's resources as ``<resource>_group_<id>`` in
-    ``ray.cluster_resources()``, and what is free of them in ``ray.available_resources()``. A Train
-    run's group is in use from its workers' start until Ray Train removes it at the run's end (if
-    it is removed here first, in between, Ray Train's removal does nothing); a group seen in use
-    and entirely free later has lost its workers. A group never seen in use (just created, its
-    workers not started yet) is never touched. The sweep's driver looks when a trial reports (its
-    workers are running) and every few seconds (:class:`pipeline.sweep.mlflow_logging.SweepLogger`).
-    Only this job's groups, by their id: a placement group's id ends with its job's id (Ray's
-    ``PlacementGroupID.of(job_id)``).
-    """
+    many, and how many are in use. When ASHA stops a trial, Ray keeps its Train workers' placement
+    group until the job ends, so its CPUs would stay reserved. Ray lists a group's resources as
+    ``<resource>_group_<id>`` in ``ray.cluster_resources()`` and what is free of them in
+    ``ray.available_resources()``: a group seen in use and entirely free later has lost its workers;
+    one never seen in use is never touched; only this job's groups (their ids end with its id)."""
     import ray
     from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
     if not ray.is_initialized():
-        return (0, 0) if with_pending else 0
+        return 0, 0
     try:
         job_id = ray.get_runtime_context().get_job_id()
         table = placement_group_table()
         total, free = ray.cluster_resources(), ray.available_resources()
     except Exception as exc:  # best effort: never fail a sweep over housekeeping
         log.debug("placement group table unavailable: %s", exc)
-        return (0, 0) if with_pending else 0
+        return 0, 0
     removed = in_use = 0
     placed = set()
     for group_id, info in table.items():
@@ -212,7 +215,7 @@ def release_orphaned_placement_groups(with_pending: bool = False):
     _seen_in_use.intersection_update(placed)
     if removed:
         log.info("released %d placement group(s) of stopped trials", removed)
-    return (removed, in_use) if with_pending else removed
+    return removed, in_use
 
 
 def release_after_sweep(timeout_s: float = 20.0) -> None:
@@ -220,7 +223,7 @@ def release_after_sweep(timeout_s: float = 20.0) -> None:
     their placement groups, so that the cluster's resources are free again."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        _, pending = release_orphaned_placement_groups(with_pending=True)
+        _, pending = release_orphaned_placement_groups()
         if not pending:
             return
         time.sleep(0.5)
