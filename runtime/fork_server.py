@@ -64,8 +64,10 @@ SATP_PACKAGES = ("runtime", "pipeline", "sat", "preprocessing")
 #: process), the shell's working folders (a forked process takes its client's), ``$_`` (the last
 #: command's path, which means nothing to a module), ``PYTHONPATH`` (a forked process imports from
 #: its client's ``sys.path``, sent with the request; Ray puts a job's working_dir on it) and
-#: ``PYTHONBREAKPOINT`` (read when ``breakpoint()`` is called; Ray sets it in its drivers and workers)
-NOT_COMPARED = frozenset({"TMPDIR", "TEMP", "TMP", "PWD", "OLDPWD", "_", "PYTHONPATH", "PYTHONBREAKPOINT"})
+#: ``PYTHONBREAKPOINT`` (read when ``breakpoint()`` is called; Ray sets it in its drivers and workers),
+#: and a terminal's size (``shutil.get_terminal_size``, read again when asked)
+NOT_COMPARED = frozenset({"TMPDIR", "TEMP", "TMP", "PWD", "OLDPWD", "_", "PYTHONPATH", "PYTHONBREAKPOINT",
+                          "COLUMNS", "LINES"})
 
 
 class PeerRefused(OSError):
