@@ -40,8 +40,10 @@ MODULES = ("torch", "torch_geometric", "deepspeed", "mlflow", "mlflow.store.trac
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT)
 #: satp's packages, never kept from the server's imports in a forked process
 SATP_PACKAGES = ("runtime", "pipeline", "sat", "preprocessing")
-#: variables the imports read that a forked process reads again or takes from its client: not compared
-NOT_COMPARED = frozenset({"TMPDIR", "TEMP", "TMP", "PWD", "OLDPWD", "_", "PYTHONPATH", "PYTHONBREAKPOINT"})
+#: variables the imports read that a forked process reads again or takes from its client, or a
+#: terminal's size (``shutil.get_terminal_size`` reads it again when asked): not compared
+NOT_COMPARED = frozenset({"TMPDIR", "TEMP", "TMP", "PWD", "OLDPWD", "_", "PYTHONPATH", "PYTHONBREAKPOINT",
+                          "COLUMNS", "LINES"})
 
 
 class PeerRefused(OSError):

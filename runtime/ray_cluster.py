@@ -144,7 +144,8 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
 
 def job_env(env_vars: Optional[dict] = None, fork_socket: Optional[str] = None) -> dict:
     """The runtime environment of a satp job: every process runs :data:`SETUP_HOOK` first, has
-    ``env_vars``, and is forked by the fork server at ``fork_socket`` (if any; docs/scale.md)."""
+    ``env_vars``, and is forked by the fork server at ``fork_socket`` (if any, with or without an
+    address; docs/scale.md)."""
     env: dict = {"worker_process_setup_hook": SETUP_HOOK}
     if env_vars:
         env["env_vars"] = dict(env_vars)
@@ -246,7 +247,7 @@ def init_local_ray(num_cpus: Optional[int] = None, dashboard: bool = False, log_
     api_server = f"http://{local_cluster.LOOPBACK}:{port if dashboard else 9}"
     env = {**local_cluster.cluster_env(use_gpu=use_gpu, api_server=api_server), **(env_vars or {})}
     kwargs = dict(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=log_to_driver,
-                  runtime_env=job_env())
+                  runtime_env=job_env(fork_socket=os.environ.get(fork_server.SOCKET_VAR)))
     if dashboard:
         kwargs.update(dashboard_host=local_cluster.LOOPBACK, dashboard_port=port)
     auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")

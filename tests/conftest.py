@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,22 +41,36 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(tmp_path_factory):
     """One local Ray cluster for the whole test session, started in this process the way a user's
-    command without ``satp cluster`` starts one (the default, cold path:
-    :func:`runtime.ray_cluster.connect` without an address). The ``satp`` commands the tests run
-    reach it through ``RAY_ADDRESS``, set here for the session."""
+    command without ``satp cluster`` starts one (:func:`runtime.ray_cluster.connect` without an
+    address). The ``satp`` commands the tests run reach it through ``RAY_ADDRESS``, set here for the
+    session; each starts cold, in its own interpreter, as a user's command on a cluster satp did not
+    start does. Their Ray workers are forked by a fork server that ``SATP_FORK_SOCKET`` names, as
+    docs/scale.md sets one up for such a cluster: a worker that imported torch, PyG and DeepSpeed
+    again for each of the session's few hundred runs made most of the suite's time."""
     import ray
 
+    from runtime import fork_server
     from runtime.ray_cluster import connect
 
+    folder = tempfile.mkdtemp(prefix="satpf", dir="/tmp")  # short: a socket's path must fit 107 bytes
+    socket_path = str(Path(folder) / fork_server.SOCKET_NAME)
     os.environ.pop("RAY_ADDRESS", None)
+    with open(tmp_path_factory.getbasetemp() / fork_server.LOG_NAME, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", socket_path],
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    os.environ[fork_server.SOCKET_VAR] = socket_path
     if not ray.is_initialized():
         connect(None, num_cpus=2, log_to_driver=False)
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     yield ray
+    os.environ.pop(fork_server.SOCKET_VAR, None)
     os.environ.pop("RAY_ADDRESS", None)
     ray.shutdown()
+    os.killpg(server.pid, signal.SIGTERM)
+    server.wait(timeout=30)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 #: the modules ``--beside`` runs in a second pytest process, in this order (none uses the session's
