@@ -1,42 +1,24 @@
 """Distributed training, the driver side: :func:`train_plan` checks a job, builds and fits the trainer.
 
-:func:`train_job` is the reusable entry point (the demo, Tune trials and Python callers); it
-resolves the job into a :class:`~pipeline.train.plan.JobPlan` once and hands it to
-:func:`train_plan`, which ``satp train`` calls with the plan it built. In order, each step before
-the costly ones:
+:func:`train_job` (the demo, Tune trials, Python callers) resolves the job into a
+:class:`~pipeline.train.plan.JobPlan` and hands it to :func:`train_plan`, which ``satp train``
+calls with the plan it built. In order, each step before the costly ones:
 
-0. the run's lease (:mod:`pipeline.train.lease`), held to the end: a second command of the same run
-   name stops here, in one line naming the one that holds it;
-1. :func:`pipeline.train.preflight.early_checks`: the job alone, its data root, the Ray address;
-   then the plan's decision (:meth:`pipeline.train.plan.JobPlan.decision`, before the data): a run
-   name that holds a checkpoint of another configuration stops here, a finished one whose shards
-   exist needs no Ray; a tracking store that
-   does not know the MLflow run the run's checkpoints log to stops here too
-   (:func:`pipeline.train.mlflow_run.check_tracking_store`); then
-   :func:`pipeline.train.preflight.connect_and_check`: Ray connected, its resources against the
-   request;
-2. :func:`prepare_data` (the preprocessing stage; reuses finished shards) and
-   :meth:`JobPlan.with_shards <pipeline.train.plan.JobPlan.with_shards>`: the model against
-   the shards' features, the model built once;
-3. the plan's decision again, on the shards: what the run name already holds. A run of
-   another configuration is never resumed into; a finished run of the same
-   configuration is not trained or registered again (its model is reported);
-4. the MLflow run (:mod:`pipeline.train.mlflow_run`), then a Ray Train V2
-   ``TorchTrainer`` whose workers run :func:`pipeline.train.worker.worker_loop` (a
-   :class:`~pipeline.train.trainer.Trainer` in a Ray Train context);
-5. only when the fit succeeded: the best model logged and registered, with the
-   configuration hash and commits its checkpoint recorded.
+0. the run's lease (:mod:`pipeline.train.lease`), held to the end;
+1. the plan's decision before the data (:meth:`pipeline.train.plan.JobPlan.decision`): a checkpoint
+   of another configuration stops here, a finished run whose shards exist needs no Ray; the
+   tracking store must know the run's MLflow run (:func:`pipeline.train.mlflow_run.check_tracking_store`);
+   then Ray connected and its resources checked (:func:`pipeline.train.preflight.connect_and_check`);
+2. :func:`prepare_data` and :meth:`JobPlan.with_shards <pipeline.train.plan.JobPlan.with_shards>`;
+3. the plan's decision on the shards: restart, resume, or finished (its model is reported);
+4. the MLflow run (:mod:`pipeline.train.mlflow_run`), then a Ray Train ``TorchTrainer`` whose
+   workers run :func:`pipeline.train.worker.worker_loop`;
+5. only when the fit succeeded: the best model logged and registered.
 
-The workers (:mod:`pipeline.train.trainer`) train, evaluate, checkpoint and report every
-epoch; Ray Train's controller logs each epoch to MLflow once it has registered
-the epoch's checkpoint (:mod:`pipeline.train.epoch_logger`). A retry after a worker or a node was lost
-(``FailureConfig``), and a resize of an elastic run (``resources.num_workers: [min, max]``: Ray Train's
-elastic scaling, :mod:`pipeline.train.elastic`), resume from the newest checkpoint, in the same MLflow run. A full disk under
-``train.storage_path`` is not retried: the run ends with one line (:func:`worker_main`, :func:`_fit`).
-A failed attempt marks its own MLflow run FAILED, except a run that had
-FINISHED before (a continuation with more epochs): it stays FINISHED, with the
-failure in its ``satp.last_attempt`` tag, since its registered versions are
-sound.
+A retry after a lost worker or node (``FailureConfig``) and a resize of an elastic run
+(:mod:`pipeline.train.elastic`) resume from the newest checkpoint, in the same MLflow run. A full
+disk under ``train.storage_path`` is not retried (:func:`worker_main`). A failed attempt marks its
+MLflow run FAILED, unless it had FINISHED before (:func:`pipeline.train.mlflow_run.close_failed`).
 """
 from __future__ import annotations
 
@@ -51,7 +33,7 @@ from typing import Any, Optional
 from pipeline.config import JobConfig
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mlflow_run, rerun, startup
-from pipeline.train.plan import JobPlan, run_checkpoints, store_env
+from pipeline.train.plan import JobPlan, store_env
 from pipeline.train.worker import worker_loop
 from pipeline.train.worker_setup import WorkerSetup
 from runtime.command import command_pid
@@ -89,9 +71,6 @@ def prepare_data(job: JobConfig, address: Optional[str] = None) -> Path | str:
     import preprocessing
     from pipeline.console import show_progress
 
-    for section in ("data", "transform", "shards"):
-        if not hasattr(job, section):
-            raise ValueError(f"job {job.name!r} has no {section!r} section (preprocessing not configured)")
     log.info("preprocessing: %s into %s", job.data.name, job.shards.root)
     return preprocessing.preprocess(job.data, job.transform, job.shards, address=address, progress=show_progress(),
                                     storage=job.storage.settings())
@@ -132,7 +111,9 @@ def train_job(
     (:mod:`pipeline.train.rerun`); raises :class:`pipeline.train.rerun.RerunConflict` otherwise.
     """
     from pipeline.train.lease import WAIT_S
+    from pipeline.train.preflight import early_checks
 
+    early_checks([job], address=address)
     return train_plan(JobPlan.resolve(job, address=address, restart=restart), shard_dir=shard_dir, register=register,
                       callbacks=callbacks, fault=fault, lease_wait_s=WAIT_S, started_at=started_at)
 
@@ -140,8 +121,8 @@ def train_job(
 def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, register: bool = True,
                callbacks: Optional[list] = None, fault: Optional[dict] = None, lease_wait_s: float = 0.0,
                started_at: Optional[float] = None, lease=None) -> TrainOutcome:
-    """:func:`train_job` of a job resolved into ``plan`` (``satp train`` builds it at the edge), under
-    the run's lease (:mod:`pipeline.train.lease`): ``lease``, the one the caller holds, else taken
+    """:func:`train_job` of a job resolved into ``plan`` whose :func:`~pipeline.train.preflight.early_checks`
+    passed (``satp train`` runs them at the edge), under the run's lease (:mod:`pipeline.train.lease`): ``lease``, the one the caller holds, else taken
     here; another command holding it is an error (a one-line :class:`~pipeline.train.lease.LeaseHeld`)
     unless it expires within ``lease_wait_s``."""
     from pipeline.train.lease import RunLease
@@ -161,14 +142,12 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
 def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], register: bool, callbacks: Optional[list],
                        fault: Optional[dict], started_at: Optional[float]) -> TrainOutcome:
     from pipeline import pyg_templates
-    from pipeline.train.preflight import connect_and_check, early_checks
+    from pipeline.train.preflight import connect_and_check
 
     pyg_templates.install()
     # start-up events (pipeline.train.startup)
     marks = {"command": started_at or startup.process_started(command_pid()), "plan": startup.now()}
     job, train = plan.job, plan.job.train
-    if not plan.early_checked:
-        early_checks([job], address=plan.address, task=False)  # the task was resolved with the plan
     plan = plan.examine()  # what the run name holds, found once (the lease keeps other commands from changing it)
     early = plan.decision()
     if job.mlflow.enabled and not plan.restart:
@@ -194,7 +173,6 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
         previous = decision.previous
         log.info("resuming run %s after epoch %d, at global step %d (%s)", train.run_name, previous.epoch,
                  previous.steps, previous.checkpoint)
-        # the newest complete checkpoint, which Ray may not have registered (an interrupted run)
         resume_from = previous.name
         checkpoints.prune(keep=previous.name)
     plan = plan.with_setup(damaged=checkpoints.damaged,  # said once here: the workers do not say it again
@@ -206,12 +184,12 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
         plan, previous_status = mlflow_run.open_run(plan, decision.action)
     try:
         result = _fit(job, plan.setup, callbacks)
+        if (result.return_value or {}).get("storage_full"):
+            raise _storage_full(checkpoints, result.return_value["storage_full"])
         name = Path(result.checkpoint.path).name
         state, best_weights = checkpoints.load(name)
         checkpoint_path = checkpoints.path(name)
         checkpoints.prune(keep=name)
-        if state["epoch"] != train.epochs - 1 and not state.get("stopped"):
-            raise RuntimeError(f"training stopped after epoch {state['epoch']} of {train.epochs}")
         registered = None
         if job.mlflow.enabled and register and best_weights is not None:
             registered = mlflow_run.log_best_model(plan, state, best_weights)
@@ -319,10 +297,10 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
 
     from runtime.storage import ray_storage
 
+    from pipeline.train.preflight import worker_resources
+
     train, res = job.train, job.resources
-    resources = {"CPU": res.cpus_per_worker}
-    if res.use_gpu:
-        resources["GPU"] = res.gpus_per_worker
+    resources = worker_resources(res)
     process_env = {"OMP_NUM_THREADS": str(res.torch_threads or max(1, int(res.cpus_per_worker)))}
     for key in ("RAY_COLOR_PREFIX", "TQDM_DISABLE"):  # what this command's console asks for
         if os.environ.get(key):
@@ -357,12 +335,9 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
              ", ".join(f"{v:g} {k}" for k, v in resources.items()), res.torch_backend)
     with _group_start_timeout(res.elastic):
         result = trainer.fit()
-    if getattr(result, "error", None) is not None:
+    if result.error is not None:
         raise result.error
-    full = (getattr(result, "return_value", None) or {}).get("storage_full")
-    if full:
-        raise _storage_full(job, full)
-    if result.checkpoint is None:
+    if result.checkpoint is None and not (result.return_value or {}).get("storage_full"):
         raise RuntimeError("training finished without a checkpoint")
     return result
 
@@ -370,12 +345,8 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
 #: Ray Train's setting (read by its controller, passed on from the driver's environment): how long a
 #: new worker group waits for its placement group before the controller tries again
 GROUP_START_TIMEOUT_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-#: its value in elastic runs (Train's default: 60 s). Ray Train's elastic policy sizes a new group by
-#: the resources it last saw, which count a lost node's CPUs for a while after the node is marked dead:
-#: the group that replaces a lost node's first asks for the old size and waits out this timeout, then
-#: the next attempt takes what the cluster holds (seen in tests/test_elastic.py: 78 s from the node's
-#: loss to the first step, 60 of them this wait). A placement group of resources that exist is ready
-#: in well under a second; an elastic policy only asks for what it saw free.
+#: its value in elastic runs (Train's default: 60 s): the group that replaces a lost node's first asks
+#: for the old size (Ray still counts the dead node's CPUs) and waits this out before it takes what is left
 ELASTIC_GROUP_START_TIMEOUT_S = 15.0
 
 
@@ -383,8 +354,7 @@ ELASTIC_GROUP_START_TIMEOUT_S = 15.0
 def _group_start_timeout(elastic: bool):
     """While an elastic run's ``fit`` starts its controller: :data:`GROUP_START_TIMEOUT_VAR` at
     :data:`ELASTIC_GROUP_START_TIMEOUT_S` in this process's environment, which Ray Train passes on to
-    the controller (and its workers; their runtime environment so differs from a fixed-size run's, and
-    the warm pool keeps processes of it once an elastic run used them). A value the user set stays."""
+    the controller. A value the user set stays."""
     if not elastic or GROUP_START_TIMEOUT_VAR in os.environ:
         yield
         return
@@ -408,11 +378,10 @@ def worker_runtime_env(job: JobConfig) -> dict:
     return {"env_vars": missing} if missing else {}
 
 
-def _storage_full(job: JobConfig, full: dict) -> OSError:
+def _storage_full(checkpoints: ckpt.CheckpointManager, full: dict) -> OSError:
     """The one-line error of a checkpoint that did not fit on its disk (see :func:`worker_main`)."""
     import errno
 
-    checkpoints = run_checkpoints(job)
     kept = checkpoints.newest_intact()
     what = (f"the checkpoint of epoch {checkpoints.state(kept)['epoch']} ({checkpoints.path(kept)}) is kept: free space "
             f"there and run the same command to resume after it" if kept is not None else

@@ -257,7 +257,7 @@ def _log_attention_plot(plan: JobPlan, model: torch.nn.Module) -> None:
         import matplotlib.pyplot as plt
         from mlflow.tracking import MlflowClient
 
-        test = open_split(plan.shard_dir, "test", plan.job.storage.settings())
+        test = open_split(plan.setup.shard_dir, "test", plan.job.storage.settings())
         sizes = np.asarray(test.num_nodes)
         index = int(np.argsort(sizes)[len(sizes) // 2])  # a median-size graph
         from torch_geometric.data import Batch
