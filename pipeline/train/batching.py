@@ -29,11 +29,8 @@ import numpy as np
 def pack(order: np.ndarray, sizes: np.ndarray, node_budget: int, max_graphs: Optional[int] = None) -> list[np.ndarray]:
     """Cut ``order`` (graph indices, sorted by size, ascending) greedily into batches of at most
     ``node_budget`` padded node slots (graphs x largest graph) and ``max_graphs`` graphs; a graph
-    larger than the budget gets a batch of its own.
-
-    Sorted, a batch's last graph is its largest, and its slots grow with every graph added, so a
-    batch is the longest run from its first graph whose slots fit: one vectorised test per batch
-    (the epoch's batches are cut in the main process, at the start of every epoch)."""
+    larger than the budget gets a batch of its own. Sorted, a batch is the longest run from its first
+    graph whose slots fit: one vectorised test per batch."""
     ordered = np.asarray(sizes, dtype=np.int64)[order]
     if ordered.size > 1 and bool((ordered[1:] < ordered[:-1]).any()):
         raise ValueError("pack needs the graphs sorted by size")
@@ -73,8 +70,7 @@ class NodeBudgetSampler:
     a ``torch.utils.data.DataLoader`` with ``batch_size=None`` over a dataset indexed by whole
     batches (:class:`pipeline.train.loader.GraphBatches`).
 
-    Its whole state is ``(seed, epoch)``: the batches of an epoch are a pure
-    function of them, which is what a checkpoint stores (``state_dict``).
+    The batches of an epoch are a pure function of ``(seed, epoch)``.
     """
 
     def __init__(
@@ -105,17 +101,9 @@ class NodeBudgetSampler:
         if shuffle:
             self._per_rank = max(1, len(self.global_batches(0)) // world_size)
 
-    # -- state ---------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
-    def state_dict(self) -> dict:
-        return {"seed": self.seed, "epoch": self.epoch}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
-
-    # -- batches -------------------------------------------------------------
     def global_batches(self, epoch: int) -> list[np.ndarray]:
         """Every rank's batches of ``epoch`` before they are dealt (training: before the count per rank
         is evened out): what the fixed batch capacities are measured on (:mod:`pipeline.train.capacity`)."""

@@ -1,23 +1,16 @@
 """The global batch: optimizer steps that are the same at any worker count.
 
-A step is ``train.micro_batches_per_step`` (k) node-budget micro-batches, taken in order from one
-sequence per epoch: :meth:`NodeBudgetSampler.global_batches <pipeline.train.batching.NodeBudgetSampler.global_batches>`,
-a pure function of ``train.seed`` and the epoch. An epoch is ``steps_per_epoch`` steps, fixed by the
-first epoch's sequence (``len // k``, at least 1); later epochs trim or repeat a few micro-batches to
-fill as many, so the learning-rate schedule knows its length and neither depends on the workers.
+A step is ``train.micro_batches_per_step`` (k) micro-batches, taken in order from one sequence per
+epoch (:meth:`NodeBudgetSampler.global_batches <pipeline.train.batching.NodeBudgetSampler.global_batches>`,
+a pure function of ``train.seed`` and the epoch). An epoch is ``steps_per_epoch`` steps, fixed by the
+first epoch's sequence; later epochs trim or repeat a few micro-batches to fill as many.
 
-The k micro-batches of a step are dealt round-robin: micro-batch ``j`` goes to rank ``j % W`` of W
-workers, so rank r accumulates ``len(range(r, k, W))`` of them, between 0 (W > k) and ceil(k / W).
-Each micro-batch's loss (a mean over its units: graphs, or nodes for node tasks) is scaled by
-``W x units_j / units_of_the_step`` before its backward pass: DeepSpeed averages the ranks' summed
-gradients (divides by W), which leaves ``sum_j units_j x grad_j / units_of_the_step``, the gradient of
-the mean loss over the step's units, the same at every W (:meth:`GlobalBatches.scales`). The units
-of every micro-batch of the step are known to every rank from the sequence, so the scale needs no
-communication.
-
-Megatron keeps its global batch the same way (one sample stream sliced per rank, resumed from the
-samples consumed); here the position is ``(epoch, step)`` (:class:`Position`), recorded in every
-checkpoint, and a run resumed at another worker count takes the same next global batch.
+Micro-batch ``j`` of a step goes to rank ``j % W`` of W workers (0 to ceil(k / W) per rank). Its loss
+(a mean over its units: graphs, or nodes for node tasks) is scaled by ``W x units_j / units of the
+step`` before its backward pass: DeepSpeed's average over the ranks then leaves the gradient of the
+mean loss over the step's units, the same at every W (:meth:`GlobalBatches.scales`), with no
+communication. The position is ``(epoch, step)`` (:class:`Position`), recorded in every checkpoint:
+a run resumed at another worker count takes the same next global batch (as Megatron does).
 """
 from __future__ import annotations
 
@@ -47,11 +40,6 @@ def share(micro_batches: int, rank: int, world: int) -> range:
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside a world of {world}")
     return range(rank, micro_batches, world)
-
-
-def shares(micro_batches: int, world: int) -> list[int]:
-    """How many micro-batches each of ``world`` ranks accumulates per step."""
-    return [len(share(micro_batches, r, world)) for r in range(world)]
 
 
 class GlobalBatches:
