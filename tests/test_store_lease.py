@@ -142,6 +142,6 @@ def test_a_store_that_refuses_the_lease_is_one_line_naming_the_object(s3_server,
 
 def test_a_local_lease_is_still_a_file(tmp_path):
     with RunLease(tmp_path / "run", "run") as mine:
-        on_file = lease.decode(lease.lease_path(tmp_path / "run").read_bytes())
+        on_file = lease.decode((tmp_path / "run" / lease.LEASE_FILE).read_bytes())
         assert dataclasses.asdict(on_file) == dataclasses.asdict(mine.holder)
-    assert not lease.lease_path(tmp_path / "run").exists()
+    assert not (tmp_path / "run" / lease.LEASE_FILE).exists()

@@ -1,34 +1,25 @@
 """Checkpoints (at epoch ends, every ``train.checkpoint_every_steps`` steps, on a preemption notice):
 DeepSpeed engine state + the loop's state + the best weights.
 
-Layout of a checkpoint directory (each rank writes its own files into a local folder, :func:`save`,
-then :meth:`CheckpointManager.write` copies them into the run's storage; the ranks' parts make one
-directory there, which Ray Train registers once every rank has reported it)::
+Each rank writes its part into a local folder (:func:`save`), then :meth:`CheckpointManager.write`
+copies it into the run's storage, where the parts make one directory::
 
     ds/latest, ds/<tag>/...   DeepSpeed engine: module, optimizer (per ZeRO rank), lr scheduler
     best_model.pt             rank 0: fp32 state dict of the best epoch by validation
-    state.json                rank 0: last epoch done, global step, the position in the epoch's
-                              sequence (pipeline.train.global_batch.Position), wall-clock,
-                              best-so-far, metric history, MLflow run id, model config, task,
-                              world size (the ranks that wrote parts), worker-group events
-    rank_<r>.json             every rank, written last: its files, their sizes and sha256 digests
+    state.json                rank 0: epoch, global step, position (pipeline.train.global_batch),
+                              wall-clock, best, history, MLflow run id, model config, task,
+                              world size, worker-group events, provenance
+    rank_<r>.json             every rank, written last: its files' sizes and sha256 digests
 
-:class:`CheckpointManager` is the one place that writes, verifies, lists, picks and prunes the
-checkpoints of a run folder, over a ``pyarrow.fs`` file system (:func:`runtime.storage.resolve`: a
-local folder or an object store alike). A checkpoint is resumed from only when
-:meth:`~CheckpointManager.verify` finds it whole: every rank's list is there, and every file it lists
-has the size and the digest recorded when it was written. That catches a part never written (a rank
-killed, or the run interrupted, between the upload and Ray Train's registration), a file cut short
-(a disk error, a copy stopped half-way) and one changed since (a flipped bit, an overwrite). What fails
-is named in one warning line, once per run, and the newest intact checkpoint is used instead.
+:class:`CheckpointManager` is the one place that writes, verifies, lists, picks and prunes a run
+folder's checkpoints (a local folder or an object store alike). One is resumed from only when
+:meth:`~CheckpointManager.verify` finds it whole (a part never written, a file cut short or changed
+since fails), else the newest intact one is, with one warning line.
 
-The copy into storage is satp's, not Ray Train's upload, so that a full disk ends the run: a worker
-whose upload fails is a failed worker, which Ray Train restarts ``max_failures`` times, each attempt
-leaving another partial checkpoint on the disk that is full. Here every rank copies its part, the
-ranks compare outcomes, and on any failure rank 0 removes the partial checkpoint and all ranks raise
-together: :class:`StorageFull` when the disk (or a quota) is full, which the workers' entry turns into
-the end of the run (:func:`pipeline.train.driver.worker_main`), else the ``OSError`` (a worker
-failure, retried as before). The checkpoint is then reported to Ray Train as it lies in storage.
+The copy into storage is satp's, not Ray Train's upload, so that a full disk ends the run instead
+of being retried ``max_failures`` times: the ranks compare outcomes, rank 0 removes a partial
+checkpoint and all raise together (:class:`StorageFull`, turned into the run's end by
+:func:`pipeline.train.driver.worker_main`; any other ``OSError`` is a worker failure).
 """
 from __future__ import annotations
 

@@ -1,24 +1,14 @@
 """What an elastic run records about its worker groups: progress notes, resize events, preemption.
 
-Ray Train (2.60) changes a run's worker count by tearing the whole worker group down and starting
-a new one from the newest reported checkpoint: on a lost node (fewer workers, down to the job's
-minimum), and when a node joins (at the next resize check, ``resources.resize_check_s``). It tells
-the workers nothing beforehand, so what was trained since the last checkpoint is lost, and the new
-group cannot ask the old one how far it had got. So rank 0 of every group leaves a note on the
-run's storage, :data:`NOTE_FILE`, with the global step it has reached, its worker count and the
-time (:class:`ProgressNote`, written after a step at most every :data:`NOTE_EVERY_S`, and before every
-checkpoint), and rank 0 of
-the next group reads it before its first step: the previous count, how many steps were done after
-the checkpoint it resumes from (lost, trained again), and, once its first step is done, how long
-the run made no progress (:func:`resize_event`). The run's storage is shared by every node, so the
-note outlives the node that wrote it.
+Ray Train changes a run's worker count by tearing the worker group down and starting a new one from
+the newest checkpoint, telling the workers nothing beforehand. So rank 0 of every group leaves a
+note on the run's storage (:class:`ProgressNote`: global step, worker count, time; at most every
+:data:`NOTE_EVERY_S`, and before every checkpoint), and rank 0 of the next group reads it: the
+previous count, the steps trained again, how long the run made no progress (:func:`resize_event`).
 
-A preemption notice (a node drained with ``ray drain-node ... --reason DRAIN_NODE_REASON_PREEMPTION``,
-which a cloud's spot reclaim or an autoscaler sends) reaches the workers through
-``ray.train.get_preemption_info()`` (alpha in Ray 2.60): a collective through Ray's synchronisation
-actor (a few milliseconds), so the workers ask every ``train.preemption_check_steps`` steps, all at
-the same global steps (:class:`PreemptionCheck`), and write a checkpoint at once on the first
-notice; Ray Train keeps them running until the node's deadline, then restarts the group without it.
+A preemption notice (a node drained with reason preemption) reaches the workers through
+``ray.train.get_preemption_info()``, a collective: the workers ask every
+``train.preemption_check_steps`` steps (:class:`PreemptionCheck`) and checkpoint at once on the first.
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """MLflow logging from Ray Train's controller, once a report's checkpoint is registered: each
-epoch's metrics (step = epoch), and each step's loss and worker count (``train_step_loss`` and
-``world_size``, step = global step; :mod:`pipeline.train.reporting`).
+epoch's metrics (step = epoch), and each step's loss and worker count (step = global step).
 
-A worker's ``ray.train.report`` hands its checkpoint to the controller, which registers it when it
-next polls the worker group. A worker (or its node) lost between the two resumes from the
-checkpoint before, and re-runs the epoch. Had rank 0 logged that epoch itself, MLflow would hold it
-twice (once for the lost attempt). The controller calls its report callbacks only after the
-checkpoint manager has registered the report, so logging here writes each epoch that the run keeps,
-once. What a failed write misses, the next resume catches up from the checkpoint's history
+Logged here, not by rank 0: a worker lost between its report and the registration re-runs the epoch,
+which MLflow would then hold twice. The controller calls this only for registered reports, so each
+epoch the run keeps is logged once; what a failed write misses, the next resume catches up
 (:meth:`pipeline.registry.tracking.RankZeroLogger.resume`).
 """
 from __future__ import annotations

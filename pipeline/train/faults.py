@@ -1,16 +1,12 @@
 """Test hooks of a worker: faults at chosen moments of a real run (``$SATP_TEST_FAULT``, JSON, or
-``train_job(fault=...)``), so that tests see what a user would after a crash, an interrupt or a lost
-node. Each fires once per run (its ``marker`` file says it has); a worker without a ``fault`` never
-calls them.
+``train_job(fault=...)``). Each fires once per run (its ``marker`` file says it has).
 
 * ``{rank, epoch, step, seconds, marker}``: :func:`maybe_fail`, the worker dies (SIGKILL);
 * ``{signal, pid, epoch, marker}``: :func:`maybe_signal`, the driver gets a signal after a checkpoint;
 * ``{pause_in_checkpoint: {rank, step, seconds}, marker}``: :func:`pause_in_checkpoint`, a rank
-  stops half-way through copying its part of the checkpoint of global step ``step`` into storage, so
-  that a test can take its node away while a checkpoint is being written;
-* ``{hold: {step, world_size}}``: :func:`maybe_hold`, a worker group of ``world_size`` workers stops
-  after global step ``step`` until Ray Train tears it down (a resize): what it would train next is
-  left to the next group, however fast the machine is.
+  pauses half-way through copying its part of a checkpoint;
+* ``{hold: {step, world_size}}``: :func:`maybe_hold`, a group of that size stops after that global
+  step until Ray Train tears it down (a resize).
 """
 from __future__ import annotations
 

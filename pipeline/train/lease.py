@@ -1,47 +1,26 @@
 """The run lease: one command at a time per run name (``train.storage_path`` + ``train.run_name``),
 and per sweep (``tune.storage_path`` + ``tune.name``: :mod:`pipeline.sweep.trials`).
 
-Two commands training one run name at once write into one checkpoint folder and one MLflow run:
-each deletes the other's checkpoints as "never registered", epochs are logged twice, and one of
-them dies in the middle of an upload. So ``satp train`` (and every :func:`pipeline.train.driver.train_job`)
-holds a lease on the run before anything else: a file ``<storage_path>/<run_name>/satp-lease.json``
-that says who holds it (host, pid, since when, last heartbeat). A second command finds it and
-stops, before Ray starts, in one line naming the holder.
+Two commands on one run name would write into one checkpoint folder and one MLflow run. So every
+command holds a lease on the run before anything else: ``<run folder>/satp-lease.json``, saying
+who holds it (host, pid, since when, last heartbeat); a second command stops, before Ray starts,
+in one line naming the holder. A file with a heartbeat, not ``flock``: the folder may be on storage
+that several nodes mount (NFS), where advisory locks are unreliable, and a lock outlives a killed holder.
 
-Why a file with a heartbeat, and not ``flock``: the run's folder may be on storage that several
-nodes mount (README, *Several nodes*), where advisory locks are unreliable (NFS) or absent, and a
-lock file alone outlives a holder that was killed. The rules:
+* created atomically (:mod:`pipeline.train.lease_records`: a hard link on a file system, a
+  conditional put on S3);
+* refreshed by its holder every :data:`HEARTBEAT_S` seconds (a holder that finds another's record
+  stops refreshing and says so);
+* expired when its holder is gone: on the same machine (boot and pid namespace) when its process no
+  longer runs; from another machine when its heartbeat is older than :data:`EXPIRES_S` (clocks
+  agree within that, as NTP keeps them); an unreadable one when unmodified for as long;
+* an expired lease is taken over with one ``satp: warning:`` line, only if it is still the record
+  judged expired;
+* released (deleted, if still this holder's) when the command ends, however it ends.
 
-* created atomically: the record is written to a temporary file, then hard-linked to the lease's
-  name (``link`` fails if the name exists, atomically also over NFS, unlike ``O_EXCL`` on old
-  NFS clients; a lost reply is told apart by the temporary file's link count);
-* refreshed by its holder every :data:`HEARTBEAT_S` seconds (a daemon thread writes a new record
-  and renames it over the lease; a holder that finds another holder's record in it stops
-  refreshing and says so);
-* expired when its holder is gone: on the same machine (same boot and pid namespace) when its
-  process no longer runs (or its pid now belongs to a process started later); from another
-  machine when its heartbeat is older than :data:`EXPIRES_S` seconds (the machines' clocks are
-  assumed to agree within that, as NTP keeps them). A lease that cannot be read (cut short,
-  bytes flipped: its checksum fails) expires when its file was not modified for that long;
-* an expired lease is taken over with one ``satp: warning:`` line naming it and its holder: it is
-  renamed aside, and put back if what was renamed is no longer the record that was judged
-  expired (its holder refreshed it meanwhile, or another command took it over first);
-* released (deleted, if it is still this holder's) when the command ends: normally, with an
-  error, or interrupted.
-
-On an object store (``train.storage_path`` / ``tune.storage_path`` an ``s3://`` URI, no disk that
-the nodes share) the lease is the object ``<storage_path>/<run_name>/satp-lease.json``, under the
-same rules, each made atomic by a conditional request of the S3 API (:mod:`runtime.storage`):
-created with ``If-None-Match: *`` (refused if the object exists: of two commands on two nodes, one
-creates it), refreshed and released with ``If-Match: <ETag>`` of the record its holder last read or
-wrote (refused if another command replaced it meanwhile), an expired one deleted with ``If-Match``
-of the record judged expired; an unreadable object expires when it was not modified for
-:data:`EXPIRES_S`, by the store's clock.
-
-Waiting: ``satp train`` refuses at once; :func:`pipeline.train.driver.train_job` (Tune trials, the
-demo, Python callers) waits up to :data:`WAIT_S` for a lease held from another machine to expire,
-so that a trial that Tune retries on another node after its node died is not refused for the
-minute its old heartbeat still looks fresh.
+``satp train`` refuses at once; :func:`pipeline.train.driver.train_job` (Tune trials, the demo)
+waits up to :data:`WAIT_S`, so that a trial retried on another node after its node died is not
+refused while the old heartbeat still looks fresh.
 """
 from __future__ import annotations
 
@@ -91,10 +70,6 @@ class Holder:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         return (f"{self.command} on host {self.host}, pid {self.pid}, since {since} "
                 f"(last heartbeat {max(0.0, now - self.heartbeat):.0f} s ago)")
-
-
-def lease_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / LEASE_FILE
 
 
 # ----------------------------------------------------------------------------- this machine
@@ -184,7 +159,7 @@ def lease_record(run_dir: str | Path, storage=None):
     from runtime.storage import is_uri
 
     if not is_uri(str(run_dir)):
-        return FileRecord(lease_path(run_dir))
+        return FileRecord(Path(run_dir) / LEASE_FILE)
     uri = f"{str(run_dir).rstrip('/')}/{LEASE_FILE}"
     if not uri.startswith("s3://"):
         raise ValueError(f"{uri}: a run's lease needs conditional writes, which satp makes on S3 only; use an "
@@ -217,7 +192,7 @@ class RunLease:
         self.record.prepare(EXPIRES_S)
         while True:
             now = time.time()
-            pid = command_pid()  # the process the user started (the warm driver's caller, if it ran it)
+            pid = command_pid()  # the process the user started
             mine = Holder(host=socket.gethostname(), machine=this_machine(), pid=pid,
                           pid_started=process_started(pid), started=now, heartbeat=now,
                           token=uuid.uuid4().hex, command=self.command)

@@ -6,14 +6,13 @@ read: an expired lease taken over, or released)."""
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import time
 import uuid
 from pathlib import Path
 from typing import Optional
 
-FULL = (errno.ENOSPC, errno.EDQUOT)
+from pipeline.train.checkpoint import FULL
 
 
 def lease_error(exc: OSError, path: Path, doing: str) -> OSError:
@@ -25,7 +24,6 @@ def lease_error(exc: OSError, path: Path, doing: str) -> OSError:
         error = OSError(f"{path}: cannot {doing} ({exc.strerror or exc})")
     error.errno = exc.errno
     return error
-
 
 
 def _write_new(path: Path, data: bytes) -> Path:

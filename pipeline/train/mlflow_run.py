@@ -22,6 +22,7 @@ import torch
 
 from pipeline.registry import tracking
 from pipeline.registry.empty_store import database_path
+from pipeline.train.checkpoint import FULL
 from pipeline.train.loader import open_split
 from pipeline.train.plan import JobPlan
 from pipeline.train.engine import build_model
@@ -29,7 +30,6 @@ from sat.config import SATConfig
 
 log = logging.getLogger(__name__)
 
-FULL = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota, is full
 LAST_ATTEMPT = "satp.last_attempt"  # how the last attempt to continue a FINISHED run ended (close_failed)
 
 

@@ -1,27 +1,13 @@
 """BatchNorm statistics recomputed before an evaluation ("precise BN", ``train.precise_bn_batches``).
 
-In training, BatchNorm normalises with each batch's own statistics and keeps an exponential moving
-average of them (momentum 0.1: about the last 10 batches) for evaluation. Two things can make that
-average a poor stand-in for the statistics the evaluated model actually sees:
-
-* the average mixes batches taken under different weights and carries the noise of the last few
-  batches (Wu & Johnson, "Rethinking 'Batch' in BatchNorm", 2021, Sec. 3: "precise BN");
-* dropout in front of a BatchNorm layer changes the variance it sees between training and
-  evaluation (Li et al., "Understanding the Disharmony between Dropout and Batch Normalization by
-  Variance Shift", CVPR 2019); SAT's layers add the dropped-out attention and FFN outputs to the
-  residual right before their BatchNorm.
-
-:func:`recompute_batchnorm_stats` replaces every BatchNorm layer's running mean and variance by
-their plain average over a few training batches, run forward with dropout off (the model in
-evaluation mode, only the BatchNorm layers in training mode) and nothing else changed: the
-statistics the evaluated model will use, under its current weights. :class:`StatisticsBatches`
-picks those batches: the first ``count`` batches of a shuffled pass over the training split, with a
-seed of their own, so neither the training order nor its random state moves.
-
-It also says how far the moving averages were from the recomputed statistics
-(:class:`StatisticsShift`), which tells the two causes above apart: dropout's variance shift
-inflates the running variance (a ratio above 1 in every epoch), a stale or noisy average moves the
-running mean (a mean shift, in units of the recomputed standard deviation).
+Training's moving averages of BatchNorm's statistics mix batches taken under different weights
+(Wu & Johnson, "Rethinking 'Batch' in BatchNorm", 2021, Sec. 3), and dropout in front of a
+BatchNorm layer shifts the variance it sees between training and evaluation (Li et al., CVPR 2019);
+SAT's layers add dropped-out outputs to the residual right before their BatchNorm.
+:func:`recompute_batchnorm_stats` replaces every layer's running mean and variance by their plain
+average over a few training batches (:class:`StatisticsBatches`, a seed of their own) run with
+dropout off, and says how far the moving averages were (:class:`StatisticsShift`: a variance ratio
+above 1 is dropout's shift, a mean shift a stale average).
 """
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """A worker's checkpoints and reports to Ray Train, and the per-step losses they carry.
 
-A checkpoint is written at every epoch's end, every ``train.checkpoint_every_steps`` global steps and
-on a preemption notice (:mod:`pipeline.train.elastic`); each is a collective of every rank, at the
-same global steps on every rank, as Ray Train and DeepSpeed require: ``engine.save_checkpoint``,
-satp's copy into the run's storage (:meth:`pipeline.train.checkpoint.CheckpointManager.write`, all ranks
-succeed or all raise) and the context's report (``ray.train.report`` in a Ray Train worker: every rank,
-the same number of times). The report carries, from
-rank 0, the loss of every step since the previous report (``step_losses``: ``[global step, loss]``
-pairs) and the worker count, which Ray Train's controller logs to MLflow over the global step once
-it has registered the checkpoint (:mod:`pipeline.train.epoch_logger`): steps trained again after a
-resize are logged once, as the run kept them.
-
-A step's loss is the mean over the units of the whole global batch: each rank adds its micro-batches'
-losses weighted by ``units_j / units of the step`` on the device (no host read per step), and the
-parts are summed over the ranks once per report (one all-reduce of a vector).
+A checkpoint (epoch end, ``train.checkpoint_every_steps``, a preemption notice) is a collective of
+every rank at the same global step: ``engine.save_checkpoint``, satp's copy into the run's storage
+(:meth:`pipeline.train.checkpoint.CheckpointManager.write`) and the context's report. The report
+carries the loss of every step since the previous one (``step_losses``, summed over the ranks in one
+all-reduce) and the worker count, which Ray Train's controller logs once it has registered the
+checkpoint (:mod:`pipeline.train.epoch_logger`).
 """
 from __future__ import annotations
 

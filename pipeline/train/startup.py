@@ -1,14 +1,8 @@
 """Where the time from ``satp train`` to the first training step goes.
 
-A run's start-up is a chain of events, each stamped with the wall clock where it happens: in the
-driver (the command's process started, the plan made, Ray connected and the cluster checked, the
-shards ready, the Ray Train workers asked for) and in the rank-0 worker (its process started, the worker running, its
-data loaders and batch capacities ready, the DeepSpeed engine built and restored, the first batch
-in hand, the first step done: compilation and CUDA-graph capture happen in it). The durations
-between consecutive events are the phases of :data:`PHASES`; the worker logs them in one line and
-reports them with its first epoch (``startup_<phase>_s`` and ``startup_to_first_step_s`` in MLflow).
-The clocks of the driver's node and the worker's are assumed to agree (NTP), as Ray's own
-timestamps do.
+A run's start-up is a chain of wall-clock events in the driver and the rank-0 worker; the durations
+between consecutive ones are the phases of :data:`PHASES`, which the worker logs in one line and
+reports with its first epoch (``startup_<phase>_s``). The nodes' clocks are assumed to agree (NTP).
 """
 from __future__ import annotations
 

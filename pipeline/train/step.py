@@ -1,34 +1,18 @@
 """One optimisation step of a worker, and evaluation over a split: nothing read back to the host.
 
-:class:`TrainStep` moves a micro-batch to the device, runs forward (``validate=False``: the data
-loader checked the batch on the CPU, see :mod:`pipeline.train.loader`), the task's loss scaled for
-the global batch (:mod:`pipeline.train.global_batch`) and DeepSpeed's backward
-(:meth:`TrainStep.accumulate`), returning the detached output and loss as device tensors; once a rank
-has accumulated its share of the step, :meth:`TrainStep.finish` reduces the gradients over the ranks
-and steps the optimizer (:func:`pipeline.train.engine.optimizer_step`). A rank's share may be empty
-(more workers than micro-batches): it still joins the reduction, with zero gradients. At ZeRO stage 0
-the reduction is one explicit all-reduce per step on every rank, whatever the shares; ZeRO stages 1
-and 2 reduce in DeepSpeed's own gradient accumulation (``gradient_accumulation_steps`` = the share,
-which must then be the same on every rank: :func:`pipeline.train.engine.accumulation_steps`).
-:func:`evaluate` keeps each batch's predictions on the device and decodes them once.
+:meth:`TrainStep.accumulate` runs a micro-batch's forward (``validate=False``: the loader checked it),
+its loss scaled for the global batch (:mod:`pipeline.train.global_batch`) and DeepSpeed's backward;
+:meth:`TrainStep.finish` then reduces the gradients over the ranks and steps the optimizer (a rank
+with an empty share still joins the reduction). At ZeRO stage 0 that is one explicit all-reduce per
+step; stages 1 and 2 reduce in DeepSpeed's own gradient accumulation
+(:func:`pipeline.train.engine.accumulation_steps`).
 
-How a step runs is ``train.step`` (:data:`STEP_MODES`):
-
-* ``eager``: batches as the sampler cuts them, every operator dispatched from Python (~3,200 per
-  step of the PATTERN model, each a kernel launch on a GPU: the step costs what the host takes to
-  issue them, ~50 ms on an H100/H200 whatever the batch);
-* ``static``: batches padded to fixed capacities (:mod:`sat.padding`, chosen by
-  :mod:`pipeline.train.capacity`), still eager: the same function, every shape fixed;
-* ``compiled``: ``static``, and the model compiled once for those shapes through DeepSpeed
-  (``engine.compile``, i.e. ``torch.compile(dynamic=False)`` on the module in place: the parameter
-  names, checkpoints and registered weights stay the same);
-* ``captured``: ``compiled``, and on CUDA the forward, loss and backward of a padded batch recorded
-  once as a CUDA graph and replayed (:mod:`pipeline.train.cuda_graphs`); DeepSpeed's gradient
-  all-reduce and optimizer step stay eager.
-
-A batch over capacity is not padded (the loader leaves it as it is) and runs eagerly, with the
-compiled code set aside (``torch.compiler.set_stance("force_eager")``), so that an odd shape never
-triggers a recompilation; :attr:`TrainStep.overflow` counts them.
+How a step runs is ``train.step`` (:data:`STEP_MODES`): ``eager`` (batches as cut, every operator
+dispatched from Python); ``static`` (padded to fixed capacities, :mod:`pipeline.train.capacity`);
+``compiled`` (``static``, the module compiled for those shapes by ``engine.compile``, names and
+weights unchanged); ``captured`` (``compiled``, and on CUDA replayed as a CUDA graph,
+:mod:`pipeline.train.cuda_graphs`). A batch over capacity runs eagerly with the compiled code set
+aside, so an odd shape never recompiles; :attr:`TrainStep.overflow` counts them.
 """
 from __future__ import annotations
 

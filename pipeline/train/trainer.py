@@ -2,32 +2,14 @@
 
 ``Trainer(setup, context)`` builds its parts once from the driver's
 :class:`~pipeline.train.worker_setup.WorkerSetup` and the place it runs in
-(:mod:`pipeline.train.context`: a Ray Train worker, or one local process): data loaders over its
-share of every step's micro-batches (:mod:`pipeline.train.global_batch`: the global batch does not
-depend on the worker count; :mod:`pipeline.train.loader`, :mod:`pipeline.train.batching`), padded
-to fixed capacities when ``train.step`` asks for them (:mod:`pipeline.train.capacity`), the model and
-DeepSpeed engine (:mod:`pipeline.train.engine`; compiled for ``compiled`` and ``captured`` steps, its
-caches under the storage path), the step (:mod:`pipeline.train.step`), the loop state restored from
-the newest intact checkpoint the context or the driver names (:class:`pipeline.train.checkpoint.CheckpointManager`,
-possibly written by a group of another size), and on rank 0 the MLflow system metrics
-(:mod:`pipeline.registry.tracking`). Its first step ends the run's start-up, which rank 0 logs phase
-by phase (:mod:`pipeline.train.startup`) and reports with the first epoch, and what happened since
-the previous worker group (a resize, a restart: :mod:`pipeline.train.elastic`). :meth:`Trainer.fit`
-then runs, per epoch:
-
-* :meth:`Trainer.train_epoch`: the steps, each this rank's share of the global batch accumulated
-  and one reduction (:class:`pipeline.train.step.TrainStep`), the loss accumulated on the device
-  (:class:`pipeline.train.metrics.EpochMeter`), a sample of the batches' predictions kept for the
-  train metric (decoded at the end of the epoch, never per step); ``on_step`` after every step; a
-  checkpoint every ``train.checkpoint_every_steps`` steps and on a preemption notice
-  (:meth:`Trainer.checkpoint_here`);
-* :meth:`Trainer.evaluate_epoch`: validation and test predictions, gathered to rank 0, OGB's
-  metric, the best epoch by validation;
-* :meth:`Trainer.report`: the run's wall-clock and steps so far, whether it stops here (a
-  quality target reached or a plateau, :mod:`pipeline.train.stopping`, decided on rank 0 for all),
-  a checkpoint and the metrics reported to the context (every rank, :mod:`pipeline.train.reporting`);
-  under Ray Train, its controller logs the epoch to MLflow once it has registered the checkpoint
-  (:mod:`pipeline.train.epoch_logger`).
+(:mod:`pipeline.train.context`): data loaders over its share of every step
+(:mod:`pipeline.train.global_batch`), padded when ``train.step`` asks (:mod:`pipeline.train.capacity`),
+the DeepSpeed engine (:mod:`pipeline.train.engine`), the step (:mod:`pipeline.train.step`), the loop
+state restored from the newest intact checkpoint, and on rank 0 the MLflow system metrics.
+:meth:`Trainer.fit` then runs, per epoch, :meth:`Trainer.train_epoch` (steps, checkpoints when due),
+:meth:`Trainer.evaluate_epoch` (validation and test, the best epoch) and :meth:`Trainer.report` (the
+stopping rules, :mod:`pipeline.train.stopping`, a checkpoint and the metrics reported to the context;
+under Ray Train the controller logs them to MLflow, :mod:`pipeline.train.epoch_logger`).
 """
 from __future__ import annotations
 

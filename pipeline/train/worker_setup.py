@@ -1,10 +1,7 @@
 """What a Ray Train worker needs to start, resolved in the driver: :class:`WorkerSetup`.
 
-It travels in ``train_loop_config``, which Ray Train also hands to its controller (in its run
-context), and the controller unpickles it: so this module imports no more than the job's
-configuration. Were the class defined beside the training loop, every run's controller would
-import torch, PyG and satp's worker modules only to read it (~6 s of CPU on 2 cores, measured with
-py-spy before the move).
+It travels in ``train_loop_config``, which Ray Train's controller unpickles too: so this module
+imports no more than the job's configuration (not torch, PyG or the worker modules).
 """
 from __future__ import annotations
 
