@@ -1,23 +1,14 @@
 """Batches built to a node budget with size bucketing, sharded over ranks.
 
-Dense attention pads every graph of a batch to the batch's largest graph, so a
-batch costs ``len(batch) x max(n)`` node slots and ``len(batch) x max(n)^2``
-attention cells. Batches here are built to a budget of padded node slots from
-graphs of similar size: each epoch the split is shuffled with ``seed + epoch``,
-cut into buckets of ``bucket_size`` graphs, each bucket sorted by size and cut
-greedily into batches, and the batch order shuffled again. A graph larger than
-the budget gets a batch of its own: large graphs are never dropped.
+Dense attention pads every graph of a batch to its largest, so a batch costs ``len(batch) x max(n)``
+node slots. Each epoch the split is shuffled with ``seed + epoch``, cut into buckets of
+``bucket_size`` graphs, each bucket sorted by size and cut greedily into batches within the budget,
+and the batch order shuffled again. A graph larger than the budget gets a batch of its own.
 
-Training: :meth:`NodeBudgetSampler.global_batches` is the epoch's one sequence of batches, which
-:mod:`pipeline.train.global_batch` cuts into optimizer steps of ``train.micro_batches_per_step``
-micro-batches and deals to the ranks. Dealt by the sampler itself (``rank``, ``world_size``), each
-rank gets the same number of batches per epoch, fixed at the first epoch's
-``len(batches) // world_size`` (later epochs trim or repeat a few): the per-rank batches over which
-BatchNorm's statistics are recomputed (:mod:`pipeline.train.precise_bn`).
-
-Evaluation: the batches are cut from the split sorted by size (least padding,
-deterministic) and dealt round-robin; ranks may get different counts (no
-collective runs per evaluation step) and nothing is dropped.
+Training cuts :meth:`NodeBudgetSampler.global_batches` into steps (:mod:`pipeline.train.global_batch`);
+dealt by the sampler itself, each rank gets the same number of batches every epoch (those of
+:mod:`pipeline.train.precise_bn`). Evaluation batches are cut from the split sorted by size and dealt
+round-robin; nothing is dropped.
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """Fixed batch capacities, chosen from the data: the shapes a static, compiled or captured step is
 built for (``train.step``; :mod:`sat.padding`).
 
-The sampler's batches of an epoch are a pure function of its seed and the graphs' node counts
-(:mod:`pipeline.train.batching`), and the shards record every graph's edge and subgraph counts, so
-every quantity a padded batch has a capacity for is known for every batch of the first epoch
-before anything is decoded: graphs, nodes, edges, the largest graph, k-subgraph entries and
-edges. Each capacity is the mean plus ``train.capacity_sigmas`` standard deviations of that
-quantity over the batches (NVIDIA's MLPerf GNN code: 5), at most its largest value: the rare
-batch above (one huge graph, a batch of many tiny ones) runs eagerly instead of making every
-step pay for it. Nodes and subgraph entries get one more, for the padding row or entry that
-padding edges need.
+The first epoch's batches are known before anything is decoded (the sampler is a pure function of
+its seed and the node counts; the shards record every graph's edge and subgraph counts). Each
+capacity is the mean plus ``train.capacity_sigmas`` standard deviations of its quantity over those
+batches (NVIDIA's MLPerf GNN code: 5), at most its largest: a rare batch above runs eagerly instead
+of making every step pay for it. Nodes and subgraph entries get one more, for the padding row.
 """
 from __future__ import annotations
 

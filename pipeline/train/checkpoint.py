@@ -121,10 +121,8 @@ def checkpoint_at(path: str, storage: Optional[StorageSettings] = None) -> tuple
 
 class CheckpointManager:
     """The checkpoints of one run folder ``run`` (a path, a URI or a :class:`~runtime.storage.Location`;
-    ``storage``: the job's settings of a URI's store).
-
-    ``damaged``: what was named damaged already (problem -> which checkpoint; the driver's, handed to
-    the workers), so that each damaged checkpoint is named once per run, not once per process."""
+    ``storage``: the job's settings of a URI's store). ``damaged``: what was named damaged already
+    (the driver's, handed to the workers), so each is named once per run."""
 
     def __init__(self, run: str | os.PathLike | Location, damaged: Optional[dict[str, str]] = None,
                  storage: Optional[StorageSettings] = None) -> None:
@@ -144,9 +142,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------ write
     def write(self, local: str | Path, rank: int, epoch: int, after_file: Optional[Callable[[int], None]] = None) -> str:
         """Copy this rank's part of a checkpoint (``local``, written by :func:`save`) into a new
-        directory of the run; return its name. A collective: every rank calls it, and all return, or
-        all raise (see the module docstring). ``after_file``: called with the count of files copied
-        so far (a test hook: :func:`pipeline.train.faults.pause_in_checkpoint`)."""
+        directory of the run; return its name. A collective: all ranks return, or all raise.
+        ``after_file``: a test hook (:func:`pipeline.train.faults.pause_in_checkpoint`)."""
         from pipeline.train.metrics import broadcast_from_rank_zero, gather_objects
 
         local = Path(local)
@@ -215,8 +212,7 @@ class CheckpointManager:
 
     def verify(self, name: str) -> Optional[str]:
         """None when checkpoint ``name`` is whole (see the module docstring), else what is wrong, one
-        line that starts with the file concerned. A checkpoint written before satp listed the ranks'
-        files counts by its state; one listing sizes only (before digests) by its sizes."""
+        line that starts with the file concerned. Older listings without digests are checked by size."""
         state_path = self.path(name, STATE_FILE)
         try:
             state = json.loads(self.location.join(name, STATE_FILE).read_bytes())
@@ -242,11 +238,9 @@ class CheckpointManager:
 
     def newest_intact(self, first: Optional[list[str]] = None, warn: bool = True) -> Optional[str]:
         """The checkpoint to resume from: the newest of ``first`` (Ray Train's registered one, the
-        driver's choice; a tie goes to the first) if it verifies, else the run's newest intact one
-        (Ray Train resumes from the last checkpoint it registered; a run interrupted after its workers
-        wrote newer ones has those too, unregistered: they count as well, so a rerun loses no epoch).
-        One that fails is never used, and (``warn``) named in one ``satp: warning:`` line with the
-        checkpoint used instead, unless named before. None: none is intact."""
+        driver's choice) if it verifies, else the run's newest intact one, registered or not, so a
+        rerun loses no epoch. One that fails is (``warn``) named once in a ``satp: warning:`` line
+        with the checkpoint used instead. None: none is intact."""
         if first:
             newest = max(first, key=self.progress)
             if self.verify(newest) is None:
@@ -294,10 +288,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------ delete
     def prune(self, keep: Optional[str] = None) -> list[str]:
         """Delete the run's checkpoints that Ray's record does not list (an interrupted run's
-        uploads, complete or not), except ``keep`` (the one a rerun resumes from, until Ray registers
-        a newer one); return their names. Ray prunes only what it registered, so without this they
-        would stay for good, beyond ``train.checkpoints_to_keep``. Without Ray's record (a run of
-        another Ray, or none yet) nothing is deleted."""
+        uploads, which Ray never prunes), except ``keep`` (the one a rerun resumes from); return their
+        names. Without Ray's record nothing is deleted."""
         import logging
 
         registered = set(self.registered())

@@ -1,10 +1,6 @@
 """Where a :class:`~pipeline.train.trainer.Trainer` runs: its rank, its device, the run's checkpoints,
-and whom it reports to. One small interface, two places:
-
-* :class:`RayContext`: a Ray Train worker (``ray.train.get_context``; its reports and checkpoints go to
-  Ray Train's controller, which registers them and resumes a restarted group from the last one);
-* :class:`LocalContext`: one process, no Ray (tests, benchmarks, a laptop's debugger): a gloo process
-  group of one for DeepSpeed, reports kept in :attr:`LocalContext.reports`.
+and whom it reports to: :class:`RayContext` (a Ray Train worker) or :class:`LocalContext` (one
+process, no Ray: a gloo group of one for DeepSpeed, reports kept in :attr:`LocalContext.reports`).
 """
 from __future__ import annotations
 

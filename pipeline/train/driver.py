@@ -98,17 +98,12 @@ def train_job(
         register: log and register the best model at the end (``mlflow.registered_model``,
             default ``sat-<task>``). Never happens when the fit fails.
         callbacks: Ray Train ``UserCallback``s (e.g. Tune's ``TuneReportCallback``).
-        fault: test hook, kill one worker once: ``{"rank", "epoch", "step", "marker"}``, or signal the
-            driver after a checkpoint: ``{"signal", "pid", "epoch", "marker"}`` (default: the JSON in
-            ``$SATP_TEST_FAULT``, for tests that run the ``satp`` command).
-        restart: start the run name over when it holds a checkpoint of another configuration
-            (or of this one): its checkpoints are deleted, its MLflow run is detached from it.
-        started_at: wall-clock time the run's start-up counts from (default: when this process
-            started; a sweep's trial, which runs in a process started earlier, gives its own start).
+        fault: a test hook (:mod:`pipeline.train.faults`; default: the JSON in ``$SATP_TEST_FAULT``).
+        restart: start the run name over (its checkpoints deleted, its MLflow run detached from it).
+        started_at: wall-clock time the run's start-up counts from (default: when this process started).
 
-    A rerun with the same ``train.run_name`` and ``train.storage_path`` resumes from the
-    last checkpoint and logs into the same MLflow run, if the configuration is the same
-    (:mod:`pipeline.train.rerun`); raises :class:`pipeline.train.rerun.RerunConflict` otherwise.
+    A rerun of the same run name resumes from its last checkpoint in the same MLflow run if the
+    configuration is the same, else raises :class:`pipeline.train.rerun.RerunConflict`.
     """
     from pipeline.train.lease import WAIT_S
     from pipeline.train.preflight import early_checks
@@ -287,11 +282,8 @@ def _already_finished(plan: JobPlan, decision, register: bool) -> TrainOutcome:
 
 
 def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
-    """Fit the Ray Train ``TorchTrainer``; return its result (with a checkpoint) or raise.
-
-    The workers' process group uses ``resources.collective_backend`` (``auto``: NCCL for workers
-    with whole GPUs, gloo on CPUs and for workers sharing a GPU, which NCCL refuses); DeepSpeed
-    runs on that group (it creates none when torch.distributed is initialised)."""
+    """Fit the Ray Train ``TorchTrainer``; return its result or raise. The workers' process group
+    (DeepSpeed's too) uses the resolved ``resources.collective_backend``."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
@@ -366,11 +358,9 @@ def _group_start_timeout(elastic: bool):
 
 
 def worker_runtime_env(job: JobConfig) -> dict:
-    """The Train workers' runtime environment: only the variables that must be set before a process
-    imports the training modules and that the cluster's workers lack (DeepSpeed reads
-    ``DS_ACCELERATOR`` on import) and the store's credentials and endpoint of a job on one
-    (:func:`pipeline.train.plan.store_env`); what can be set later goes to :attr:`WorkerSetup.process_env`. The
-    job's own runtime environment (its setup hook, a satp cluster's fork server) applies beneath it."""
+    """The Train workers' runtime environment: the variables the cluster's workers lack that must be
+    set before a process imports the training modules (DeepSpeed reads ``DS_ACCELERATOR`` on import),
+    and the store's (:func:`pipeline.train.plan.store_env`); the rest is :attr:`WorkerSetup.process_env`."""
     from runtime.ray_cluster import missing_worker_env
 
     needed = {"OUTDATED_IGNORE": "1", "DS_ACCELERATOR": "cuda" if job.resources.use_gpu else "cpu", **store_env(job)}
@@ -393,11 +383,8 @@ def _storage_full(checkpoints: ckpt.CheckpointManager, full: dict) -> OSError:
 
 
 def _trainer_class():
-    """Ray Train's ``TorchTrainer`` as satp's runs use it (:func:`runtime.ray_private.trainer_class`):
-    ``fit`` answers SIGINT as it does SIGTERM, with :class:`runtime.interrupts.Interrupted`, which
-    unwinds the driver so that it says what was kept. The controller and its workers are actors of
-    this driver: they end with it, when the CLI shuts Ray down; a checkpoint cut short then is never
-    resumed from (:meth:`pipeline.train.checkpoint.CheckpointManager.verify`)."""
+    """Ray Train's ``TorchTrainer`` whose ``fit`` answers SIGINT as it does SIGTERM, with
+    :class:`runtime.interrupts.Interrupted`, so that the driver unwinds and says what was kept."""
     from runtime import interrupts, ray_private
 
     return ray_private.trainer_class(on_sigint=lambda controller: interrupts.install(keep=controller))
@@ -405,13 +392,7 @@ def _trainer_class():
 
 def worker_main(config: dict) -> Optional[dict]:
     """The Ray Train workers' entry: process set-up, then :func:`pipeline.train.worker.worker_loop`;
-    returns ``{"storage_full": ...}`` when a checkpoint did not fit on its disk (see below), else None.
-
-    * PyG's generated modules stay in memory (:mod:`pipeline.pyg_templates`).
-    * DeepSpeed compiles none of its ops (:func:`pipeline.train.engine.skip_deepspeed_jit_ops`).
-    * Ray Train logs every report with its metrics ("Reporting training result ...") and
-      rank 0 prints the same epoch's metrics: Ray's line is dropped (warnings stay).
-    """
+    returns ``{"storage_full": ...}`` when a checkpoint did not fit on its disk, else None."""
     from pipeline import pyg_templates
 
     setup = config["setup"]
@@ -419,7 +400,7 @@ def worker_main(config: dict) -> Optional[dict]:
     pyg_templates.install()
     import ray.train
 
-    # Ray Train's context logs under its file's path
+    # Ray Train's context logs every report's metrics, which rank 0 prints already
     logging.getLogger(os.path.join(os.path.dirname(ray.train.__file__), "v2", "_internal", "execution",
                                    "context.py")).setLevel(logging.WARNING)
     try:

@@ -62,12 +62,9 @@ def read_note(run_dir: Location) -> Optional[dict[str, Any]]:
 def resize_event(note: Optional[dict], command: Optional[float], world_size: int, resumed_step: int,
                  first_step_at: float) -> Optional[dict[str, Any]]:
     """What happened between the previous worker group (its ``note``) and this one, which resumed at
-    global step ``resumed_step`` and finished its first step at ``first_step_at`` (a wall-clock time):
-    ``kind`` ``resize`` (another worker count, in the same command), ``restart`` (the same count: a
-    worker or node replaced) or ``resume`` (a new command); ``from``/``to`` the worker counts,
-    ``steps_lost`` (done after the checkpoint, trained again; exact when the group was lost while
-    writing a checkpoint, else a lower bound, as the note is written every :data:`NOTE_EVERY_S` at most) and ``seconds`` (from the previous group's last note to this
-    group's first step). None without a note."""
+    ``resumed_step`` and finished its first step at ``first_step_at``: ``kind`` ``resize`` (another
+    worker count, same command), ``restart`` (same count) or ``resume`` (a new command), the counts,
+    ``steps_lost`` (a lower bound) and ``seconds`` without progress. None without a note."""
     if note is None:
         return None
     same_command = note.get("command") is not None and note.get("command") == command

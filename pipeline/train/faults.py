@@ -21,12 +21,7 @@ TIMED = ("signal", "pause_in_checkpoint", "hold")  # faults that are not maybe_f
 
 def maybe_fail(fault: dict, rank: int, epoch: int, step: int, seconds: float) -> None:
     """Kill this worker once, at step ``step`` of epoch ``epoch``, no sooner than ``seconds`` into
-    the epoch.
-
-    Ray Train registers a reported checkpoint when its controller next polls the workers
-    (every 2 s); a worker group that dies sooner after a report resumes from the checkpoint
-    before. Waiting out ``seconds`` makes the kill land after the registration, however fast
-    the epoch runs."""
+    the epoch (so that it lands after Ray Train registered the epoch before, however fast it runs)."""
     if rank != fault.get("rank", 0) or epoch != fault.get("epoch", 0) or step < fault.get("step", 0):
         return
     marker = Path(fault["marker"])

@@ -90,11 +90,9 @@ class GlobalBatches:
 
 
 class RankStream:
-    """Rank ``rank``'s micro-batches of ``batches`` from :attr:`start` on (set before iterating: the
-    position a restored checkpoint gives), step after step, epoch after epoch, without end: the
-    sampler of the run's training DataLoader, iterated once for the whole run (its workers then
-    prepare the next epoch's first micro-batches while an epoch ends and is evaluated). A rank with
-    no share (more workers than micro-batches) never reads one."""
+    """Rank ``rank``'s micro-batches of ``batches`` from :attr:`start` on, without end: the sampler of
+    the run's training DataLoader, iterated once for the whole run (so its workers prepare the next
+    epoch while one is evaluated). A rank with no share never reads one."""
 
     def __init__(self, batches: GlobalBatches, rank: int, world: int, start: Position = Position(0)) -> None:
         self.batches, self.rank, self.world, self.start = batches, rank, world, start

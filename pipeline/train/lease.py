@@ -155,16 +155,12 @@ def _say(line: str) -> None:
 
 def lease_record(run_dir: str | Path, storage=None):
     """The lease of ``run_dir``: a :class:`FileRecord`, or an :class:`ObjectRecord` of an ``s3://``
-    URI (another scheme has no conditional write here: refused in one line)."""
+    URI (the pre-flight refuses other schemes: :func:`pipeline.train.preflight.check_run_store`)."""
     from runtime.storage import is_uri
 
     if not is_uri(str(run_dir)):
         return FileRecord(Path(run_dir) / LEASE_FILE)
-    uri = f"{str(run_dir).rstrip('/')}/{LEASE_FILE}"
-    if not uri.startswith("s3://"):
-        raise ValueError(f"{uri}: a run's lease needs conditional writes, which satp makes on S3 only; use an "
-                         "s3:// URI or a path of a file system every node mounts")
-    return ObjectRecord(uri, storage)
+    return ObjectRecord(f"{str(run_dir).rstrip('/')}/{LEASE_FILE}", storage)
 
 
 # ----------------------------------------------------------------------------- holding it
@@ -247,12 +243,8 @@ class RunLease:
                 return
 
     def _refresh(self) -> bool:
-        """Write a new heartbeat into the lease if it is still this holder's; whether to go on.
-
-        Every writer replaces the record whole, so one that cannot be read was damaged where it
-        lies: it is written again, and so is a lease deleted under its holder (if no other command
-        created one meanwhile). A record of another holder means this one lost the lease; a record
-        replaced between the read and the write here (an object's ``If-Match`` fails) is read again."""
+        """Write a new heartbeat into the lease if it is still this holder's; whether to go on. An
+        unreadable or deleted record is written again; another holder's means the lease was lost."""
         try:
             seen = self.record.read()
         except (OSError, ValueError) as exc:

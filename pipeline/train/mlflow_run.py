@@ -1,8 +1,6 @@
 """The MLflow side of one training run, in the driver: open (or find again) its run, close it, tag
-how it stopped, and log and register the best model with its [CLS] attention plot.
-
-One writer per run: the driver opens and closes it, Ray Train's controller logs each epoch
-(:mod:`pipeline.train.epoch_logger`), the workers log nothing. Every function reads the run's
+how it stopped, and log and register the best model with its [CLS] attention plot. Ray Train's
+controller logs the epochs (:mod:`pipeline.train.epoch_logger`). Every function reads the run's
 :class:`~pipeline.train.plan.JobPlan`.
 """
 from __future__ import annotations
@@ -35,15 +33,9 @@ LAST_ATTEMPT = "satp.last_attempt"  # how the last attempt to continue a FINISHE
 
 def check_tracking_store(plan: JobPlan) -> None:
     """Stop in one line (a ``ValueError``) when the tracking store cannot be read, or does not know
-    the MLflow run that the run's checkpoints log to (``plan.previous``, an examined plan's).
-
-    A run's checkpoints record its MLflow run (``state.json``: ``mlflow_run_id``). A store without
-    that run was deleted or replaced since: a SQLite file removed, which MLflow would silently
-    create again, empty. Going on would log the resumed epochs into a new MLflow run without the
-    earlier ones and register the model as version 1 of a store that holds none of its history
-    ("nothing trained" and a fresh registration). So nothing starts and the checkpoints are kept;
-    the ways on are to restore the database (or point ``mlflow.tracking_uri`` at the store that has
-    the run), or ``--restart`` to train the run over into this store. Runs before Ray starts."""
+    the MLflow run that the run's checkpoints log to (``plan.previous``'s ``mlflow_run_id``): a store
+    deleted or replaced since (MLflow would silently create a SQLite file again, empty), into which
+    the resumed run would log without its history. Runs before Ray starts."""
     from mlflow.exceptions import MlflowException
 
     uri, previous = plan.job.mlflow.tracking_uri, plan.previous
@@ -75,11 +67,8 @@ def check_tracking_store(plan: JobPlan) -> None:
 @contextlib.contextmanager
 def writing(plan: JobPlan, doing: str, outcome: str, rerun: str = "run the same command") -> Iterator[None]:
     """MLflow's errors while ``doing`` as one line, with the advice its cause asks for (``outcome``: what
-    that leaves of the run; ``rerun``: what to do once fixed): a full disk under the tracking database
-    or its artifacts (an ``OSError`` naming the file, or the artifact folder: free space there), a
-    tracking server that failed (a ``ValueError`` naming it and how: HTTP 5xx, a connection reset or
-    refused; check the server and its artifact store), any other error of the tracking store (a
-    ``ValueError`` naming the URI)."""
+    that leaves of the run; ``rerun``: what to do once fixed): a full disk (an ``OSError`` naming the
+    file or folder), a failed tracking server or any other error of the store (a ``ValueError``)."""
     from mlflow.exceptions import MlflowException
 
     uri = plan.job.mlflow.tracking_uri
@@ -128,13 +117,8 @@ def _unreadable(uri: str, exc: BaseException) -> str:
 
 def open_run(plan: JobPlan, action: str) -> tuple[JobPlan, Optional[str]]:
     """Open the run's MLflow run; return the plan with it (``plan.setup.run_id``) and its status
-    before (None: new).
-
-    A fresh start never logs into an MLflow run that holds another training's history: a
-    restarted run name, or one whose checkpoints are gone while its MLflow run has metrics,
-    gets a new MLflow run (the old one is detached from the key, see
-    :func:`pipeline.registry.tracking.retire_run`). A store that cannot be written is one line
-    (:func:`writing`)."""
+    before (None: new). A fresh start never logs into an MLflow run that holds another training's
+    history: it gets a new one (:func:`pipeline.registry.tracking.retire_run`)."""
     with writing(plan, "opening the run's MLflow run", "nothing was trained"):
         return _open_run(plan, action)
 
@@ -236,9 +220,7 @@ def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
 
 def promote_version(plan: JobPlan, state: dict, name: str, version: int) -> dict:
     """Move the champion alias to ``version`` of ``name`` only if its validation metric beats the
-    champion's (the rule of sweeps too); ``{"champion", "reason"}``. A run stopped between
-    registering and this decision has it made by its next command (the version lacks the tag
-    ``satp.champion_decision``: :func:`pipeline.train.driver._already_finished`)."""
+    champion's (the rule of sweeps too); ``{"champion", "reason"}``."""
     from pipeline.registry.versions import CHAMPION, promote
 
     metric, mode = plan.task.metric, plan.task.mode

@@ -125,12 +125,8 @@ class JobPlan:
         ``resume`` (from the previous checkpoint) or ``finished`` (it has done ``train.epochs``, or
         the job's stopping rules ended it: nothing is trained); raises
         :class:`~pipeline.train.rerun.RerunConflict` when it holds another configuration's checkpoint.
-
-        With the shards attached (:meth:`with_shards`) it always decides. Before, the data may not
-        exist yet: a conflict raises at once, raw files that changed under the run included (their
-        fingerprint is taken here, from its cache unless they changed); when the job's shards exist
-        already for the raw files as they are, the answer is the same as after (a finished run then
-        needs no Ray at all); else None (decided after the data)."""
+        Before :meth:`with_shards` a conflict raises at once, and the answer is known only when the
+        job's shards exist for the raw files as they are (else None: decided after the data)."""
         from pipeline.registry.versions import git_commit
 
         if not self.examined:

@@ -100,12 +100,8 @@ def recompute_batchnorm_stats(
 ) -> RecomputedStatistics:
     """Replace the running mean and variance of ``module``'s BatchNorm layers by their average over
     ``batches`` (each batch weighing the same, as BatchNorm's cumulative average does), computed by
-    ``forward(batch)`` with the module in evaluation mode except its BatchNorm layers (dropout off).
-
-    With ``torch.distributed`` initialised and several ranks, the ranks' averages are averaged, so
-    every rank evaluates with the same statistics. The module's modes and momenta are restored.
-    Returns the number of batches run and the shift of the statistics; with no batch, the
-    statistics are left as they were.
+    ``forward(batch)`` with the module in evaluation mode except its BatchNorm layers (dropout off),
+    then averaged over the ranks. With no batch, the statistics are left as they were.
     """
     layers = batchnorm_layers(module)
     if not layers:

@@ -278,12 +278,9 @@ def local_node(count_gpus: bool = True) -> dict:
         cpus = float(os.cpu_count() or 1)
     gpus = 0.0
     if count_gpus:
-        try:
-            import torch
+        import torch
 
-            gpus = float(torch.cuda.device_count()) if torch.cuda.is_available() else 0.0
-        except ImportError:
-            pass
+        gpus = float(torch.cuda.device_count()) if torch.cuda.is_available() else 0.0
     return {"Alive": True, "Resources": {"CPU": cpus, "GPU": gpus}}
 
 

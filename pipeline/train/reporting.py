@@ -29,10 +29,8 @@ STAGING_PREFIX = "satp-ckpt-"
 
 def staging_folder() -> tempfile.TemporaryDirectory:
     """A local folder for this process's part of a checkpoint, named after the process; first the
-    folders of processes that have ended are removed: a worker killed while it wrote one (SIGKILL,
-    the OOM killer, Ray's memory monitor) never removed its own, several MB each. Only folders of
-    processes this one can see are looked at (``<machine>``: :func:`pipeline.train.lease.this_machine`,
-    which tells containers that share a temporary directory apart)."""
+    folders of ended processes of this machine (:func:`pipeline.train.lease.this_machine`) are
+    removed: a worker killed while it wrote one never removed its own."""
     import hashlib
 
     from pipeline.train.lease import process_running, process_started, this_machine

@@ -171,12 +171,9 @@ class Trainer:
             self.close()
 
     def _restore(self) -> None:
-        """Restore the newest of the context's checkpoint (the last one Ray Train registered, in this
-        fit or the run before) and the driver's ``resume_from`` (a complete checkpoint that an
-        interrupted run wrote but Ray never registered), verified first: a damaged one is named in
-        one warning line and the run's newest intact checkpoint is restored instead
-        (:meth:`pipeline.train.checkpoint.CheckpointManager.newest_intact`); with none intact, the run
-        starts from its first epoch. Rank 0 verifies and decides for all."""
+        """Restore the newer of the context's checkpoint (Ray Train's registered one: newer after a
+        retry within the fit) and the plan's ``resume_from``, verified, else the newest intact one
+        (:meth:`pipeline.train.checkpoint.CheckpointManager.newest_intact`). Rank 0 decides for all."""
         candidates = [n for n in (self.context.restored_checkpoint(), self.setup.resume_from) if n]
         if not candidates:
             return
@@ -319,13 +316,9 @@ class Trainer:
                 log.warning("MLflow: worker-group event not logged (%s)", exc)
 
     def evaluate_epoch(self, epoch: int) -> dict[str, Any]:
-        """Validation and test metrics (rank 0), and the best epoch by validation.
-
-        With ``train.precise_bn_batches``, the validation metric under BatchNorm's moving averages
-        is kept as ``val_<metric>_running_bn`` before the statistics are recomputed
-        (:mod:`pipeline.train.precise_bn`), with how far the moving averages were from the new
-        statistics (``bn_var_ratio``, ``bn_worst_layer_var_ratio``, ``bn_mean_shift``); the metrics,
-        the best epoch and the weights kept use the recomputed ones."""
+        """Validation and test metrics (rank 0), and the best epoch by validation. With
+        ``train.precise_bn_batches``, ``val_<metric>_running_bn`` is the metric before BatchNorm's
+        statistics are recomputed (:mod:`pipeline.train.precise_bn`); everything else uses them after."""
         task, metric, forward = self.task, self.task.metric, self.step.forward
         started = time.perf_counter()
         self.step.overflow = 0
