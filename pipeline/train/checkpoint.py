@@ -108,11 +108,6 @@ def load_best_weights(directory: str | Path) -> Optional[dict]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def checkpoint_name() -> str:
-    """A new checkpoint's directory name, as Ray Train names its own (``checkpoint_<date>_<time>``)."""
-    return f"{PREFIX}{datetime.datetime.now().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
-
-
 def checkpoint_at(path: str, storage: Optional[StorageSettings] = None) -> tuple["CheckpointManager", str]:
     """The manager of the run folder that holds checkpoint ``path`` (a path or a URI), and its name."""
     run, name = str(path).rstrip("/").rsplit("/", 1)
@@ -147,7 +142,8 @@ class CheckpointManager:
         from pipeline.train.metrics import broadcast_from_rank_zero, gather_objects
 
         local = Path(local)
-        name = broadcast_from_rank_zero(checkpoint_name() if rank == 0 else None)
+        # named as Ray Train names its own (checkpoint_<date>_<time>)
+        name = broadcast_from_rank_zero(f"{PREFIX}{datetime.datetime.now():%Y-%m-%d_%H-%M-%S.%f}" if rank == 0 else None)
         problem, relative = None, ""
         try:
             rank_file = RANK_FILE.format(rank=rank)
@@ -292,8 +288,10 @@ class CheckpointManager:
         names. Without Ray's record nothing is deleted."""
         import logging
 
+        import pyarrow.fs as pafs
+
         registered = set(self.registered())
-        if not registered and not self._exists(self._at(SNAPSHOT)):
+        if not registered and self.fs.get_file_info(self._at(SNAPSHOT)).type == pafs.FileType.NotFound:
             return []
         removed = sorted(n for n in self.list() if n not in registered and n != keep)
         for name in removed:
@@ -328,11 +326,6 @@ class CheckpointManager:
                 self.fs.delete_file(info.path)
 
     # ------------------------------------------------------------------ file system
-    def _exists(self, path: str) -> bool:
-        import pyarrow.fs as pafs
-
-        return self.fs.get_file_info(path).type != pafs.FileType.NotFound
-
     def _delete(self, name: str) -> None:
         with contextlib.suppress(OSError):
             self.fs.delete_dir(self._at(name))

@@ -65,8 +65,8 @@ class Holder:
     token: str  # this holding, unique
     command: str
 
-    def describe(self, now: Optional[float] = None) -> str:
-        now = time.time() if now is None else now
+    def describe(self) -> str:
+        now = time.time()
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         return (f"{self.command} on host {self.host}, pid {self.pid}, since {since} "
                 f"(last heartbeat {max(0.0, now - self.heartbeat):.0f} s ago)")
@@ -136,14 +136,11 @@ def decode(data: bytes) -> Holder:
         raise ValueError(f"not a lease record ({type(exc).__name__})") from None
 
 
-def expiry(holder: Holder, now: Optional[float] = None) -> Optional[str]:
+def expiry(holder: Holder) -> Optional[str]:
     """Why ``holder``'s lease has expired (see the module docstring), or None while it holds."""
-    now = time.time() if now is None else now
     if holder.machine == this_machine():
-        if not process_running(holder.pid, holder.pid_started):
-            return "its process is no longer running"
-        return None
-    age = now - holder.heartbeat
+        return None if process_running(holder.pid, holder.pid_started) else "its process is no longer running"
+    age = time.time() - holder.heartbeat
     if age > EXPIRES_S:
         return f"its last heartbeat is {age:.0f} s old (more than {EXPIRES_S:.0f} s)"
     return None

@@ -119,28 +119,22 @@ def open_run(plan: JobPlan, action: str) -> tuple[JobPlan, Optional[str]]:
     """Open the run's MLflow run; return the plan with it (``plan.setup.run_id``) and its status
     before (None: new). A fresh start never logs into an MLflow run that holds another training's
     history: it gets a new one (:func:`pipeline.registry.tracking.retire_run`)."""
-    with writing(plan, "opening the run's MLflow run", "nothing was trained"):
-        return _open_run(plan, action)
-
-
-def _open_run(plan: JobPlan, action: str) -> tuple[JobPlan, Optional[str]]:
     import yaml
 
     job, setup = plan.job, plan.setup
     uri = job.mlflow.tracking_uri
-    existing = tracking.find_training_run(uri, job.mlflow.experiment, plan.run_key)
-    if existing is not None and action in ("fresh", "restart") and (
-            action == "restart" or existing.data.metrics or existing.info.status == "FINISHED"):
-        why = ("run started over (--restart)" if action == "restart"
-               else "its checkpoints were gone: the run name started over")
-        tracking.retire_run(uri, existing.info.run_id, plan.run_key, why)
-        existing = None
-    config_text = yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False)
-    params = job.model_dump(mode="json")
-    params["model"] = setup.model_config
-    params["shard_dir"] = setup.shard_dir
-    run_id = tracking.open_run(uri, job.mlflow.experiment, plan.run_key, job.train.run_name, params, config_text)
-    tracking.client(uri).set_tag(run_id, "satp.config_hash", setup.provenance["config_hash"])
+    with writing(plan, "opening the run's MLflow run", "nothing was trained"):
+        existing = tracking.find_training_run(uri, job.mlflow.experiment, plan.run_key)
+        if existing is not None and action in ("fresh", "restart") and (
+                action == "restart" or existing.data.metrics or existing.info.status == "FINISHED"):
+            why = ("run started over (--restart)" if action == "restart"
+                   else "its checkpoints were gone: the run name started over")
+            tracking.retire_run(uri, existing.info.run_id, plan.run_key, why)
+            existing = None
+        config_text = yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False)
+        params = dict(job.model_dump(mode="json"), model=setup.model_config, shard_dir=setup.shard_dir)
+        run_id = tracking.open_run(uri, job.mlflow.experiment, plan.run_key, job.train.run_name, params, config_text)
+        tracking.client(uri).set_tag(run_id, "satp.config_hash", setup.provenance["config_hash"])
     return plan.with_setup(run_id=run_id), existing.info.status if existing is not None else None
 
 

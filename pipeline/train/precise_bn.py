@@ -96,7 +96,7 @@ def statistics_shift(layers: list[_BatchNorm], old: list[tuple[torch.Tensor, tor
 
 @torch.no_grad()
 def recompute_batchnorm_stats(
-    module: torch.nn.Module, batches: Iterable[Any], forward: Callable[[Any], Any], average_ranks: bool = True
+    module: torch.nn.Module, batches: Iterable[Any], forward: Callable[[Any], Any]
 ) -> RecomputedStatistics:
     """Replace the running mean and variance of ``module``'s BatchNorm layers by their average over
     ``batches`` (each batch weighing the same, as BatchNorm's cumulative average does), computed by
@@ -129,8 +129,7 @@ def recompute_batchnorm_stats(
             bn.running_var.copy_(var)
             bn.num_batches_tracked.copy_(count)
         return RecomputedStatistics(0)
-    if average_ranks:
-        _average_over_ranks(layers)
+    _average_over_ranks(layers)
     return RecomputedStatistics(seen, statistics_shift(layers, [(mean, var) for _m, mean, var, _c in saved]))
 
 

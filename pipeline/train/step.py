@@ -119,15 +119,10 @@ class TrainStep:
             return self.engine(batch, validate=False)
 
 
-def evaluate(engine, task: Task, loader, device: torch.device,
-             forward: Optional[Callable[[Any], torch.Tensor]] = None) -> tuple[list, list]:
+def evaluate(engine, task: Task, loader, forward: Callable[[Any], torch.Tensor]) -> tuple[list, list]:
     """This rank's ``(predictions, targets)`` over the batches of ``loader`` (in loader order), the
-    padding of padded batches left out. ``forward(batch)``: the model's output (default: ``engine``
-    on the batch moved to ``device``; a worker passes :meth:`TrainStep.forward`)."""
+    padding of padded batches left out; ``forward``: :meth:`TrainStep.forward`."""
     engine.eval()
-    if forward is None:
-        def forward(batch):
-            return engine(to_device(batch, device), validate=False)
     predictions: list[torch.Tensor] = []
     targets: list = []
     with torch.no_grad():

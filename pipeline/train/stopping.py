@@ -10,19 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-SPLITS = ("train", "val", "test")
-
-
-def target_metrics(task_metric: str) -> list[str]:
-    """The metric names a target may name for a task whose metric is ``task_metric``."""
-    return [f"{split}_{task_metric}" for split in SPLITS]
-
-
 def check_target(target, task_metric: str) -> None:
     """Raise a one-line ``ValueError`` when ``train.target.metric`` is not one the task reports."""
-    if target is not None and target.metric not in target_metrics(task_metric):
-        raise ValueError(f"train.target.metric {target.metric!r}: this task reports "
-                         f"{', '.join(target_metrics(task_metric))}")
+    reported = [f"{split}_{task_metric}" for split in ("train", "val", "test")]
+    if target is not None and target.metric not in reported:
+        raise ValueError(f"train.target.metric {target.metric!r}: this task reports {', '.join(reported)}")
 
 
 def reached(value: Optional[float], target: float, mode: str) -> bool:

@@ -324,10 +324,10 @@ class Trainer:
         self.step.overflow = 0
         running_bn = None
         if self.statistics_batches is not None:
-            running_bn = gather_objects(evaluate(self.engine, task, self.eval_loaders["valid"], self.device, forward))
+            running_bn = gather_objects(evaluate(self.engine, task, self.eval_loaders["valid"], forward))
             self.statistics_batches.set_epoch(epoch)
             recomputed = recompute_batchnorm_stats(self.engine.module, self.statistics_loader, forward)
-        results = {split: gather_objects(evaluate(self.engine, task, loader, self.device, forward))
+        results = {split: gather_objects(evaluate(self.engine, task, loader, forward))
                    for split, loader in self.eval_loaders.items()}
         metrics: dict[str, Any] = {"eval_seconds": time.perf_counter() - started,
                                    "eval_overflow_batches": self.step.overflow}
