@@ -175,7 +175,7 @@ def test_fit_gives_ray_train_the_resolved_backend(monkeypatch, tmp_path):
         job = load_job("jobs/code2.yaml", sets + [f"train.storage_path={tmp_path}", "train.run_name=x",
                                                   "mlflow.enabled=false"])
         setup = WorkerSetup(job=job, shard_dir=str(tmp_path), model_config={}, task_name="code2", task_state={},
-                            precision="auto", run_id=None, tracking_uri=None)
+                            run_id=None)
         with pytest.raises(Stop):
             train_mod._fit(job, setup, None)
         assert seen["torch_config"].backend == backend

@@ -215,8 +215,6 @@ def _against_shards(job: JobConfig, task_name: str, shard_dir: str | Path) -> tu
         model_config=dataclasses.asdict(model_config),
         task_name=task_name,
         task_state={k: v for k, v in task.state().items() if k != "name"},
-        precision=job.train.precision,  # "auto" resolved in the workers (the driver may have no GPU)
         run_id=None,
-        tracking_uri=job.mlflow.tracking_uri if job.mlflow.enabled else None,
     )
     return setup, task, manifest

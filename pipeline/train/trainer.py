@@ -99,7 +99,7 @@ class Trainer:
             self.statistics_batches = statistics_batches(job, train_ds, self.rank, self.world)
             self.statistics_loader = make_loader(train_ds, self.statistics_batches, collator, train.loader_workers, pin)
         self.startup["loaders"] = startup.now()
-        self.precision = resolve_precision(setup.precision, use_gpu)  # "auto" is resolved where the GPU is
+        self.precision = resolve_precision(train.precision, use_gpu)  # "auto" is resolved where the GPU is
         if compiles_model(train.step):
             keep_compile_caches(train.storage_path)
         self.engine = build_engine(model, train, self.precision, self.batches.steps_per_epoch, self.world,
@@ -139,10 +139,10 @@ class Trainer:
         self.note = elastic.ProgressNote(run_dir, command, self.world) if self.rank == 0 else None
 
         self.logger, self.segment = None, 0
-        if self.rank == 0 and setup.run_id and setup.tracking_uri:
+        if self.rank == 0 and setup.run_id:
             from pipeline.registry.tracking import RankZeroLogger
 
-            self.logger = RankZeroLogger(setup.tracking_uri, setup.run_id, job.mlflow.log_system_metrics)
+            self.logger = RankZeroLogger(job.mlflow.tracking_uri, setup.run_id, job.mlflow.log_system_metrics)
             damage = "; ".join(f"{where}: {problem}" for problem, where in self.checkpoints.damaged.items())
             self.segment = self.logger.resume(self.state["history"], self.state["epoch"],
                                               damage or "the checkpoints after it are missing")

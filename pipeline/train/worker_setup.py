@@ -20,9 +20,7 @@ class WorkerSetup:
     model_config: dict
     task_name: str
     task_state: dict
-    precision: str
-    run_id: Optional[str]
-    tracking_uri: Optional[str]
+    run_id: Optional[str]  # the MLflow run (mlflow.enabled)
     fault: Optional[dict] = None
     provenance: Optional[dict] = None  # config hash + git commits, recorded in every checkpoint (pipeline.train.rerun)
     resume_from: Optional[str] = None  # the name of a complete checkpoint newer than Ray's record (pipeline.train.plan)
