@@ -77,8 +77,6 @@ class NodeBudgetSampler:
         max_graphs: Optional[int] = None,
         indices: Optional[np.ndarray] = None,
     ) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world of {world_size}")
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.indices = np.arange(len(self.sizes)) if indices is None else np.asarray(indices, dtype=np.int64)
         if len(self.indices) == 0:

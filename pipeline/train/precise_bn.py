@@ -35,8 +35,6 @@ class StatisticsBatches:
     evaluation after every epoch sees fresh random batches of the training distribution."""
 
     def __init__(self, sampler: NodeBudgetSampler, count: int) -> None:
-        if count < 1:
-            raise ValueError(f"StatisticsBatches: count must be >= 1, got {count}")
         self.sampler, self.count = sampler, int(count)
 
     def set_epoch(self, epoch: int) -> None:

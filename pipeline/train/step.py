@@ -7,7 +7,7 @@ with an empty share still joins the reduction). At ZeRO stage 0 that is one expl
 step; stages 1 and 2 reduce in DeepSpeed's own gradient accumulation
 (:func:`pipeline.train.engine.accumulation_steps`).
 
-How a step runs is ``train.step`` (:data:`STEP_MODES`): ``eager`` (batches as cut, every operator
+How a step runs is ``train.step``: ``eager`` (batches as cut, every operator
 dispatched from Python); ``static`` (padded to fixed capacities, :mod:`pipeline.train.capacity`);
 ``compiled`` (``static``, the module compiled for those shapes by ``engine.compile``, names and
 weights unchanged); ``captured`` (``compiled``, and on CUDA replayed as a CUDA graph,
@@ -25,9 +25,6 @@ from pipeline.tasks import Task
 from pipeline.train.engine import optimizer_step
 from pipeline.train.loader import to_device
 from sat.padding import padding_of
-
-STEP_MODES = ("eager", "static", "compiled", "captured")
-
 
 def pads_batches(mode: str) -> bool:
     """Whether ``train.step = mode`` pads batches to fixed capacities."""
@@ -47,8 +44,6 @@ class TrainStep:
 
     def __init__(self, engine, task: Task, grad_clip: float, clip_here: bool, mode: str = "eager",
                  device: Optional[torch.device] = None) -> None:
-        if mode not in STEP_MODES:
-            raise ValueError(f"train.step: expected one of {list(STEP_MODES)}, got {mode!r}")
         self.engine = engine
         self.task = task
         self.grad_clip = grad_clip
