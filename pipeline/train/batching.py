@@ -57,12 +57,9 @@ def padding_stats(batches: Sequence[np.ndarray], sizes: np.ndarray) -> dict[str,
 
 
 class NodeBudgetSampler:
-    """Per-rank batch sampler: yields the graph ids of a batch at a time (an array), the sampler of
-    a ``torch.utils.data.DataLoader`` with ``batch_size=None`` over a dataset indexed by whole
-    batches (:class:`pipeline.train.loader.GraphBatches`).
-
-    The batches of an epoch are a pure function of ``(seed, epoch)``.
-    """
+    """Per-rank batch sampler: yields a batch's graph ids at a time (the sampler of a DataLoader with
+    ``batch_size=None`` over :class:`pipeline.train.loader.GraphBatches`). The batches of an epoch
+    are a pure function of ``(seed, epoch)``."""
 
     def __init__(
         self,

@@ -79,10 +79,8 @@ def describe(capacity: Optional[Capacity]) -> str:
 def run_capacities(job, config, train_split: tuple,
                    eval_splits: Sequence[tuple]) -> tuple[dict[str, Optional[Capacity]], float]:
     """The training and evaluation capacities of a run whose ``train.step`` pads batches (else
-    ``None`` each), and the share of the first epoch's training batches over the training capacity
-    (they run eagerly): over the training sampler's first epoch, and over the evaluation splits'
-    batches. ``train_split`` and each of ``eval_splits``: ``(dataset, sampler)`` (every rank's
-    batches are measured, so that every rank pads to the same capacity)."""
+    ``None`` each), and the share of the first epoch's training batches over the training capacity.
+    ``train_split`` and each of ``eval_splits``: ``(dataset, sampler)``, every rank's batches measured."""
     from pipeline.train.step import pads_batches
 
     if not pads_batches(job.train.step):

@@ -74,9 +74,9 @@ class RayContext(TrainContext):
 
 
 class LocalContext(TrainContext):
-    """One process, no Ray: rank 0 of 1 on ``device`` (default the CPU; a job with
-    ``resources.use_gpu`` gives a CUDA device), the run's checkpoints in ``run_dir``; each report is kept in :attr:`reports`
-    (``(metrics, checkpoint name)``) and the last one is what a new trainer in this context restores."""
+    """One process, no Ray: rank 0 of 1 on ``device`` (default the CPU), the run's checkpoints in
+    ``run_dir``; each report is kept in :attr:`reports` (``(metrics, checkpoint name)``), the last
+    one what a new trainer in this context restores."""
 
     def __init__(self, run_dir: str | os.PathLike, device: Optional[torch.device] = None) -> None:
         self.rank, self.world = 0, 1

@@ -122,10 +122,9 @@ class CapturedSteps:
         return _Graph(graph, batch_tensors(static), outputs if isinstance(outputs, tuple) else (outputs,))
 
     def train(self, batch: Any, scale: float = 1.0, index: int = 0, count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward, loss (scaled by ``scale`` for the backward pass) and backward of a padded batch,
-        replayed: micro-batch ``index`` of this rank's ``count`` in the step. After the last one the
-        parameters hold the step's gradients; the caller then reduces them and steps the optimizer
-        (:meth:`pipeline.train.step.TrainStep.finish`)."""
+        """Forward, loss (scaled by ``scale``) and backward of a padded batch, replayed: micro-batch
+        ``index`` of this rank's ``count`` in the step. After the last one the parameters hold the
+        step's gradients (:meth:`pipeline.train.step.TrainStep.finish` then reduces and steps)."""
         if self._train is None:
             self._train = self._capture(self._forward_backward, batch, training=True)
         self._scale.fill_(scale)

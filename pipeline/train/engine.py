@@ -39,8 +39,7 @@ def resolve_precision(precision: str, use_gpu: bool) -> str:
 
 def accumulation_steps(train: TrainConfig, world_size: int) -> int:
     """DeepSpeed's ``gradient_accumulation_steps``: 1 at ZeRO stage 0 (satp accumulates and reduces
-    itself), else every rank's share of a step, which must then be equal (the gradients are reduced
-    in hooks at every backward pass: uneven shares would leave a rank waiting in one)."""
+    itself), else every rank's share of a step, which must then be equal."""
     if train.zero_stage == 0:
         return 1
     k = train.micro_batches_per_step or world_size
@@ -143,10 +142,8 @@ def build_model(config) -> torch.nn.Module:
 
 def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, steps_per_epoch: int, world_size: int,
                  compile_model: bool = False):
-    """``deepspeed.initialize`` with AdamW and the job's lr schedule (:func:`lr_schedule`); returns the engine.
-    ``compile_model``: DeepSpeed's ``engine.compile`` (``torch.compile`` of the module in place, for
-    fixed shapes: ``dynamic=False``; it compiles on the first call of each kind of batch). DeepSpeed
-    compiles none of its ops (:func:`skip_deepspeed_jit_ops`)."""
+    """``deepspeed.initialize`` with AdamW and the job's lr schedule (:func:`lr_schedule`); returns the
+    engine. ``compile_model``: ``engine.compile`` (``torch.compile`` in place, ``dynamic=False``)."""
     import deepspeed
 
     skip_deepspeed_jit_ops()
@@ -181,10 +178,8 @@ def current_lr(engine) -> float:
 
 
 def keep_compile_caches(storage_path: str) -> None:
-    """Point Inductor's and Triton's caches at ``<storage_path>/.satp-compile-cache``, so that a
-    rerun or a resumed run (any run stored there: the caches are keyed by what they compiled) loads
-    the compiled kernels instead of compiling again. Storage behind a URI (``s3://...``) keeps
-    PyTorch's default caches (local to the node)."""
+    """Point Inductor's and Triton's caches at ``<storage_path>/.satp-compile-cache``, so that a rerun
+    loads the compiled kernels instead of compiling again (storage behind a URI keeps the defaults)."""
     if "://" in storage_path:
         return
     root = Path(storage_path) / ".satp-compile-cache"

@@ -41,9 +41,8 @@ def share(micro_batches: int, rank: int, world: int) -> range:
 
 
 class GlobalBatches:
-    """The steps of a run over a shuffled training sampler (its ``rank``/``world_size`` unused: the
-    sequence is every rank's); see the module docstring. ``per_node``: the loss averages over nodes
-    (node tasks), not graphs."""
+    """The steps of a run over a shuffled training sampler (see the module docstring). ``per_node``:
+    the loss averages over nodes (node tasks), not graphs."""
 
     def __init__(self, sampler: NodeBudgetSampler, micro_batches_per_step: int, per_node: bool = False) -> None:
         self.sampler = sampler

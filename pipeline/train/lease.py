@@ -166,9 +166,8 @@ class RunLease:
 
     def __init__(self, run_dir: str | Path, run_name: str, command: str = "satp train", kind: str = "run",
                  key: str = "train.run_name", storage=None) -> None:
-        """``kind`` / ``key``: what the folder is and the job key that names it, for the messages (a
-        sweep's folder: ``"sweep"``, ``"tune.name"``); ``storage``: the job's store settings
-        (:class:`runtime.storage.StorageSettings`) where ``run_dir`` is a URI."""
+        """``kind`` / ``key``: what the folder is and the job key that names it, for the messages;
+        ``storage``: the job's store settings where ``run_dir`` is a URI."""
         self.record = lease_record(run_dir, storage)
         self.path = self.record.path  # named in every message
         self.run_name, self.command, self.kind, self.key = run_name, command, kind, key

@@ -35,12 +35,9 @@ def open_split(shard_dir: str | Path, split: str, storage=None):
 
 
 class BatchCollator:
-    """A ``Batch`` (or a list of ``SATData``, collated by PyG) -> the batch, checked and carrying its
-    ``graph_layout`` for a model of ``config``, padded to ``capacity`` when given and when it fits
-    (``node_targets``: one target per node, as node tasks have); see the module docstring.
-
-    Picklable (DataLoader worker processes receive a copy).
-    """
+    """A ``Batch`` (or a list of ``SATData``) -> the batch, checked and carrying its ``graph_layout``
+    for a model of ``config``, padded to ``capacity`` when given and when it fits (``node_targets``:
+    node tasks); see the module docstring."""
 
     def __init__(self, config: SATConfig, capacity: Optional[Capacity] = None, node_targets: bool = False) -> None:
         self.config = config
@@ -178,11 +175,8 @@ def make_loader(dataset, sampler, collator: BatchCollator, workers: int, pin_mem
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch``'s tensors (and layout) on ``device``, copied without blocking; a no-op on the CPU.
-
-    PyG moves a batch in place: read what is needed from the CPU batch first. Host lists
-    (``y_tokens``) are left alone rather than walked item by item.
-    """
+    """``batch``'s tensors (and layout) on ``device``, copied without blocking (in place: read what
+    is needed from the CPU batch first); host lists (``y_tokens``) stay. A no-op on the CPU."""
     if device.type == "cpu":
         return batch
     keys = [key for key, value in batch if not isinstance(value, list)]

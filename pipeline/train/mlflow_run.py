@@ -157,9 +157,8 @@ def close_failed(plan: JobPlan, previous_status: Optional[str], exc: BaseExcepti
 
 
 def close_finished(plan: JobPlan, state: dict) -> None:
-    """A fit that succeeded: the MLflow run's tags (its target, why it stopped early if it did, and a
-    ``satp.last_attempt`` that said an earlier continuation failed now says this one finished), then
-    the run FINISHED."""
+    """A fit that succeeded: the MLflow run's tags (its target, an early stop, a ``satp.last_attempt``
+    that said an earlier continuation failed), then the run FINISHED."""
     client = tracking.client(plan.job.mlflow.tracking_uri)
     run_id, target = plan.setup.run_id, plan.job.train.target
     if target is not None:

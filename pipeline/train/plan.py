@@ -36,8 +36,7 @@ log = logging.getLogger(__name__)
 
 def resolve_job(job: JobConfig) -> JobConfig:
     """Fill the defaults that depend on where the driver runs (absolute paths), in a copy; raises a
-    one-line ``ValueError`` on a name that cannot be a folder or an MLflow name
-    (:mod:`pipeline.config.names`: checked before the run's lease is written under the run name)."""
+    one-line ``ValueError`` on a name that cannot be a folder or an MLflow name."""
     check_names(job)
     job = job.model_copy(deep=True)
     train = job.train
@@ -62,9 +61,8 @@ def run_checkpoints(job: JobConfig) -> CheckpointManager:
 
 
 def store_env(job: JobConfig) -> dict[str, str]:
-    """What the job's Ray processes need in their environment to reach its object store as this driver
-    does (:func:`runtime.storage.forwarded_env`: credentials, endpoint, region) when a path of the job
-    is a URI, else nothing."""
+    """What the job's Ray processes need in their environment to reach its object store
+    (:func:`runtime.storage.forwarded_env`) when a path of the job is a URI, else nothing."""
     paths = (job.shards.root, job.train.storage_path, job.tune.storage_path if job.tune is not None else None)
     return forwarded_env() if any(is_uri(p or "") for p in paths) else {}
 
@@ -177,9 +175,8 @@ def _decide(job, config: dict, commit: str, previous: Optional[Previous], restar
 
 
 def worker_setup(job: JobConfig, shard_dir: str | Path) -> WorkerSetup:
-    """The workers' setup of ``job`` on the shards in ``shard_dir`` (the model configured from their
-    features), for callers that need the model without a run: a sweep's parameter count, the
-    loader benchmark, a trainer stepped without Ray."""
+    """The workers' setup of ``job`` on the shards in ``shard_dir``, for callers that need the model
+    without a run (a sweep's parameter count, benchmarks)."""
     from pipeline.tasks import task_name_for
 
     task_name = task_name_for(job.train.task, job.data.name)

@@ -31,8 +31,7 @@ def batchnorm_layers(module: torch.nn.Module) -> list[_BatchNorm]:
 
 class StatisticsBatches:
     """The sampler of the batches that :func:`recompute_batchnorm_stats` runs: the first ``count``
-    batches of ``sampler``'s epoch (a shuffled training sampler with a seed of its own), so
-    evaluation after every epoch sees fresh random batches of the training distribution."""
+    batches of ``sampler``'s epoch (shuffled, with a seed of its own): fresh ones every epoch."""
 
     def __init__(self, sampler: NodeBudgetSampler, count: int) -> None:
         self.sampler, self.count = sampler, int(count)
@@ -49,12 +48,10 @@ class StatisticsBatches:
 
 @dataclass(frozen=True)
 class StatisticsShift:
-    """Training's moving averages against the recomputed statistics, over every channel of every
-    BatchNorm layer.
+    """Training's moving averages against the recomputed statistics, over every BatchNorm channel.
 
-    ``var_ratio``: the geometric mean of running variance / recomputed variance (1: no shift; above 1:
-    the variance training saw was inflated, as dropout in front of the layer does).
-    ``worst_layer_var_ratio``: the same per layer, the layer farthest from 1 (by its logarithm).
+    ``var_ratio``: the geometric mean of running variance / recomputed variance (above 1: inflated,
+    as by dropout); ``worst_layer_var_ratio``: the same for the layer farthest from 1;
     ``mean_shift``: the mean of |running mean - recomputed mean| / recomputed standard deviation.
     """
 

@@ -78,11 +78,9 @@ def _range(res) -> str:
 
 
 def worker_count_problem(job) -> Optional[str]:
-    """What no worker count of the job can run (one line), or None. At ZeRO stage 0 every count
-    runs any global batch (a worker's share of a step may be uneven, or empty); ZeRO stages 1 and 2
-    partition the optimizer state by the worker count (DeepSpeed loads their checkpoints only at the
-    count that wrote them) and reduce gradients at every backward pass (every worker must take the
-    same share of a step)."""
+    """What no worker count of the job can run (one line), or None: ZeRO stages 1 and 2 partition the
+    optimizer state by the worker count and reduce gradients at every backward pass, so they need
+    one count and equal shares of a step; at stage 0 every count runs any global batch."""
     train, res = job.train, job.resources
     if train.zero_stage == 0:
         return None
@@ -128,11 +126,9 @@ def check_shard_features(model, manifest: dict, shard_dir) -> None:
 
 # ----------------------------------------------------------------------------- data root
 def check_writable_dir(key: str, path: str | Path, default: str = "") -> None:
-    """Raise ``ValueError`` (one line naming ``key``, the path and why) unless ``path`` is a
-    directory where this process can create one, or can be created. Tried for real: the missing
-    directories and a probe directory inside are created and removed again (permission bits say
-    nothing for root, nor for ``/proc`` or a full or read-only file system). ``default``: how the
-    path was chosen, when ``key`` is unset."""
+    """Raise ``ValueError`` (one line naming ``key``, the path and why) unless ``path`` is, or can be
+    created as, a directory this process can write: tried for real, as permission bits say nothing
+    for root, ``/proc`` or a full or read-only file system. ``default``: how an unset ``key`` chose it."""
     path = Path(path).expanduser()
     missing, node = [], path.absolute()
     while not node.exists() and node != node.parent:
@@ -228,10 +224,8 @@ def check_data_root(data) -> None:
 
 
 def check_raw_values(folder: Path, name: str) -> None:
-    """Every raw value of the dataset in ``folder`` in its range, its line counts and splits
-    (:func:`preprocessing.conversion.check_values`, one line naming the file, line, graph and field),
-    unless its columnar store was converted from these very files (checked then) or the raw files
-    are over :data:`RAW_CHECK_BYTES` (the conversion checks them)."""
+    """Every raw value of the dataset in ``folder`` in its range (:func:`preprocessing.conversion.check_values`),
+    unless its columnar store was converted from these very files or they are over :data:`RAW_CHECK_BYTES`."""
     from preprocessing.columnar import raw_fingerprint, required_files, store_is_current
 
     files = [folder / rel for rel in required_files(name)]
@@ -269,9 +263,8 @@ def worker_slots(nodes: list[dict], need: dict[str, float]) -> int:
 
 
 def local_node(count_gpus: bool = True) -> dict:
-    """This machine as the one node of the local Ray cluster a command would start (Ray counts
-    the CPUs this process may use and the visible NVIDIA GPUs; ``count_gpus=False``: a job that
-    asks for none, so torch need not be imported to count them)."""
+    """This machine as the one node of the local Ray cluster a command would start (``count_gpus=False``:
+    a job that asks for none, so torch need not be imported to count them)."""
     try:
         cpus = float(len(os.sched_getaffinity(0)))
     except AttributeError:
@@ -343,9 +336,8 @@ def _ray_connected() -> bool:
 
 
 def check_output_dirs(job) -> None:
-    """Step 2 for what a run reads and writes: ``shards.root`` (:func:`check_shards_root`);
-    ``train.storage_path`` (unset: the runs directory's ``ray/``) and ``tune.storage_path`` can be
-    written (:func:`check_run_store` where a URI)."""
+    """Step 2 for what a run reads and writes: ``shards.root``, ``train.storage_path`` and
+    ``tune.storage_path`` (:func:`check_run_store` where a URI)."""
     from pipeline.config.train import runs_dir
     from runtime.storage import is_uri
 
@@ -362,9 +354,8 @@ def check_output_dirs(job) -> None:
 
 
 def check_shards_root(job) -> None:
-    """``shards.root`` can be created (:func:`check_writable_dir`; one that exists may be read-only:
-    shared shards, built already), or on a store (:func:`runtime.storage.check`) answers, takes the
-    credentials, holds the bucket and can be listed (the build checks writing when it has shards to write)."""
+    """``shards.root`` exists (it may be read-only: shared shards) or can be created, or on a store
+    answers and can be listed (:func:`runtime.storage.check`; the build checks writing)."""
     from runtime.storage import check, is_uri
 
     if is_uri(job.shards.root):
@@ -374,10 +365,8 @@ def check_shards_root(job) -> None:
 
 
 def check_run_store(key: str, uri: str, storage=None) -> None:
-    """``key`` (``train.storage_path``, ``tune.storage_path``) a URI: the store answers, takes the
-    credentials, holds the bucket and lets them write there, and can hold the run's lease (a
-    conditional write: S3 only, :mod:`pipeline.train.lease`); one ``ValueError`` line naming the URI
-    otherwise, within seconds."""
+    """``key`` (``train.storage_path``, ``tune.storage_path``) a URI: the store can be written and can
+    hold the run's lease (a conditional write: S3 only); else one ``ValueError`` line naming the URI."""
     from runtime.storage import check
 
     if not uri.startswith("s3://"):
@@ -391,8 +380,7 @@ def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] =
     """Steps 1-3 of :func:`preflight`, and, when a new local cluster would start, this machine's
     resources: nothing here starts or imports Ray, and only GPU jobs import torch.
 
-    ``jobs``: a list, or a mapping from a name to the job (``compare.variants.sub2``): a problem of
-    one job's own settings (steps 1 and 2's output directories) then starts with its name."""
+    ``jobs``: a list, or a mapping from a name to the job: a problem of one job then starts with its name."""
     from runtime.ray_address import probe, resolve_address
 
     named = jobs.items() if isinstance(jobs, Mapping) else [(None, job) for job in jobs]
@@ -423,10 +411,8 @@ def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] =
 def preflight(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None, num_workers: Optional[int] = None,
               extra_cpus: float = 0.0, ray_env: Optional[dict] = None) -> None:
     """Check ``jobs`` (every variant of a sweep, optionally by name: see :func:`early_checks`) and
-    connect to Ray; see the module docstring. ``num_workers`` / ``extra_cpus``: what one unit of work needs when it is not the job's own
-    request (a sweep: its largest swept worker count, plus the Tune trial's CPUs). ``ray_env``:
-    environment variables of a new Ray connection (see :func:`runtime.ray_cluster.connect`).
-    """
+    connect to Ray. ``num_workers`` / ``extra_cpus``: what a sweep's trial needs beyond the job's own
+    request; ``ray_env``: environment variables of a new Ray connection."""
     jobs = jobs if isinstance(jobs, Mapping) else list(jobs)
     early_checks(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus)
     connect_and_check(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus, ray_env=ray_env)

@@ -78,11 +78,9 @@ def _short(value: Any) -> str:
 
 
 def differences(old: Any, new: Any, prefix: str = "", defaults: Any = _ABSENT) -> list[str]:
-    """``["train.lr 0.002 -> 0.01", ...]``: the dotted keys where ``old`` and ``new`` differ.
-
-    A key that ``old`` lacks and ``new`` holds at its value in ``defaults`` is no difference: a
-    setting added to satp after the checkpoint was written, left at its default, changes nothing
-    the checkpoint's run did."""
+    """``["train.lr 0.002 -> 0.01", ...]``: the dotted keys where ``old`` and ``new`` differ. A key
+    that ``old`` lacks and ``new`` holds at its value in ``defaults`` (a setting added to satp since,
+    left at its default) is no difference."""
     if isinstance(old, dict) and isinstance(new, dict):
         out = []
         for key in sorted(set(old) | set(new), key=str):
@@ -175,10 +173,9 @@ def stopped_by_rules(job, task_name: str, state: dict) -> Optional[str]:
 
 
 def job_shard_dir(job, fingerprint: Optional[str] = None) -> Optional[Path | str]:
-    """Where the job's shards are (or will be), for its raw files as they are now:
-    ``<shards.root>/<dataset>-<config hash>-<raw fingerprint>`` (:func:`preprocessing.shard_dir`;
-    ``fingerprint``: the raw files', when the caller has it). None while the dataset folder is
-    absent: it is built with the shards."""
+    """Where the job's shards are (or will be) for its raw files as they are now
+    (:func:`preprocessing.shard_dir`; ``fingerprint``: the raw files', when the caller has it).
+    None while the dataset folder is absent: it is built with the shards."""
     import preprocessing
     from preprocessing.sources import dataset_dir
 

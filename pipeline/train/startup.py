@@ -27,9 +27,8 @@ PHASES = (
 
 
 def process_started(pid: Optional[int] = None) -> float:
-    """Wall-clock time at which process ``pid`` (default: this one) started, to the clock tick on Linux:
-    now less the time since its start, both read from ``/proc`` (psutil adds the boot time in whole
-    seconds, up to a second early: a worker forked half a second after the fit looked started before it)."""
+    """Wall-clock time at which process ``pid`` (default: this one) started, to the clock tick from
+    ``/proc`` on Linux (psutil's is up to a second early)."""
     from pipeline.train.lease import process_started as start_ticks
 
     pid = pid or os.getpid()
@@ -49,10 +48,8 @@ def now() -> float:
 
 def breakdown(marks: dict[str, float]) -> dict[str, float]:
     """Seconds per phase of :data:`PHASES` for the events in ``marks`` (event -> wall-clock time;
-    ``command``: the start), and ``to_first_step`` from the start; phases whose end or start is
-    missing are left out. An event stamped before the one it follows (a worker process Ray had
-    started earlier, clocks of two nodes a little apart) ends its phase at zero seconds, so the
-    phases always add up to ``to_first_step``."""
+    ``command``: the start), and ``to_first_step``; phases missing an end are left out. An event
+    stamped before the one it follows ends its phase at zero, so the phases add up."""
     out: dict[str, float] = {}
     previous = marks.get("command")
     for event, phase in PHASES:
@@ -74,8 +71,7 @@ FORKED_FROM = "forked_from"
 
 def warm(marks: dict[str, float]) -> Optional[bool]:
     """Whether the rank-0 worker ran in a process started before the workers were asked for (a
-    warm one; a forked one never is: it is forked when asked for); None
-    when the events are missing."""
+    forked one never is); None when the events are missing."""
     if "worker_process" not in marks or "fit" not in marks:
         return None
     return FORKED_FROM not in marks and marks["worker_process"] < marks["fit"]

@@ -37,10 +37,9 @@ def compiles_model(mode: str) -> bool:
 
 
 class TrainStep:
-    """``accumulate(batch, scale)`` per micro-batch, ``finish()`` per step (``step(batch)``: both, for
-    a step of one micro-batch), outputs and losses on the engine's device, detached; ``forward(batch)``
-    for evaluation. ``batch``: on the CPU (pinned, for copies that overlap the previous step) or on
-    the device already. See the module docstring for ``mode``."""
+    """``accumulate(batch, scale)`` per micro-batch, ``finish()`` per step (``step(batch)``: both),
+    outputs and losses on the device, detached; ``forward(batch)`` for evaluation. ``batch``: on the
+    CPU (pinned) or on the device already."""
 
     def __init__(self, engine, task: Task, grad_clip: float, clip_here: bool, mode: str = "eager",
                  device: Optional[torch.device] = None) -> None:
@@ -103,9 +102,8 @@ class TrainStep:
 
     @torch.no_grad()
     def forward(self, batch: Any) -> torch.Tensor:
-        """The model's output on ``batch`` in the mode the module is in (evaluation, or the BatchNorm
-        statistics pass of :mod:`pipeline.train.precise_bn`), without gradients. Captured only in
-        evaluation mode: a graph replays what it recorded, and the statistics pass changes modes."""
+        """The model's output on ``batch`` in the mode the module is in, without gradients; replayed
+        only in evaluation mode (the BatchNorm statistics pass, :mod:`pipeline.train.precise_bn`, is not)."""
         padded = self._padded(batch)
         if padded and self.graphs is not None and not any(m.training for m in self.engine.module.modules()):
             return self.graphs.evaluate(batch)

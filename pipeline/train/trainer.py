@@ -191,8 +191,7 @@ class Trainer:
     # ------------------------------------------------------------------ epochs
     def train_epoch(self, epoch: int) -> dict[str, Any]:
         """Train one epoch (from the step the run is at); returns its metrics (train metric on rank 0
-        only). Every step: this rank's share of the global batch accumulated, one reduction
-        (:class:`pipeline.train.step.TrainStep`); a checkpoint when one is due (:meth:`checkpoint_here`)."""
+        only). A checkpoint when one is due (:meth:`checkpoint_here`)."""
         train, task, device, fault = self.job.train, self.task, self.device, self.setup.fault
         self.engine.train()
         steps = self.batches.steps_per_epoch
@@ -350,9 +349,7 @@ class Trainer:
         return metrics
 
     def report(self, epoch: int, metrics: dict[str, Any]) -> bool:
-        """Checkpoint and report the epoch's end (every rank); return whether the run stops here.
-        MLflow gets the epoch from Ray Train's controller once the checkpoint is registered
-        (:mod:`pipeline.train.epoch_logger`)."""
+        """Checkpoint and report the epoch's end (every rank); return whether the run stops here."""
         metric, state, task = self.task.metric, self.state, self.task
         self._count_elapsed()
         metrics["elapsed_s"] = state["elapsed_s"]
