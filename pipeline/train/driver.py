@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -141,7 +142,7 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
 
     pyg_templates.install()
     # start-up events (pipeline.train.startup)
-    marks = {"command": started_at or startup.process_started(command_pid()), "plan": startup.now()}
+    marks = {"command": started_at or startup.process_started(command_pid()), "plan": time.time()}
     job, train = plan.job, plan.job.train
     plan = plan.examine()  # what the run name holds, found once (the lease keeps other commands from changing it)
     early = plan.decision()
@@ -150,10 +151,10 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
     if early is not None and early.action == "finished" and shard_dir is None:  # no Ray started
         return _already_finished(plan.with_shards(rerun.job_shard_dir(job)), early, register)
     connect_and_check([job], address=plan.address, ray_env=store_env(job))
-    marks["ray"] = startup.now()
+    marks["ray"] = time.time()
     plan = plan.with_shards(shard_dir if shard_dir is not None else prepare_data(job, plan.address))
     _say_padding_cost(plan)
-    marks["shards"] = startup.now()
+    marks["shards"] = time.time()
     decision = plan.decision()
     if decision.action == "finished":
         return _already_finished(plan, decision, register)
@@ -305,7 +306,7 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
         target = train.target.model_dump() if train.target is not None else None
         callbacks.append(RegisteredEpochLogger(job.mlflow.tracking_uri, setup.run_id, TASK_CLASSES[setup.task_name].metric,
                                                target))
-    setup = dataclasses.replace(setup, process_env=process_env, startup=dict(setup.startup or {}, fit=startup.now()))
+    setup = dataclasses.replace(setup, process_env=process_env, startup=dict(setup.startup or {}, fit=time.time()))
     trainer = _trainer_class()(
         worker_main,
         train_loop_config={"setup": setup},

@@ -191,7 +191,9 @@ class RunLease:
             try:
                 if self.record.create(encode(mine)):
                     self.holder = mine
-                    self._start_heartbeat()
+                    self._stop.clear()
+                    self._thread = threading.Thread(target=self._beat, name="satp-lease-heartbeat", daemon=True)
+                    self._thread.start()
                     return self
             except OSError as exc:
                 raise lease_error(exc, self.path, "write the run's lease") from None
@@ -227,11 +229,6 @@ class RunLease:
         if self.record.remove_if(seen):
             _say(f"{self.path}: the lease of {self.kind} {self.run_name!r} held by {who} has expired ({why}): taken over")
         return None
-
-    def _start_heartbeat(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._beat, name="satp-lease-heartbeat", daemon=True)
-        self._thread.start()
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

@@ -170,14 +170,6 @@ def close_finished(plan: JobPlan, state: dict) -> None:
     tracking.close_run(plan.job.mlflow.tracking_uri, run_id, "FINISHED")
 
 
-def manifest_hash(manifest: dict) -> str:
-    """The shards' configuration hash, as the registered version's ``data_manifest_hash``."""
-    for key in ("config_hash", "transform_hash", "hash"):
-        if manifest.get(key):
-            return str(manifest[key])
-    return ""
-
-
 def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
     """Log the best epoch's weights into the run, register them, and move the champion alias to
     them only if they beat its validation metric (the same rule as sweeps)."""
@@ -196,7 +188,7 @@ def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
                  rerun="run the same command, which registers it then"):
         registered = register(
             model, job=job, task=task, model_config=config, best=state["best"], constant=state.get("constant"),
-            run_id=setup.run_id, tracking_uri=job.mlflow.tracking_uri, data_manifest_hash=manifest_hash(plan.manifest),
+            run_id=setup.run_id, tracking_uri=job.mlflow.tracking_uri, data_manifest_hash=plan.manifest.get("config_hash", ""),
             # what prediction needs to featurise new inputs (transform, code2 node tables)
             extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json"),
                    **input_spec(setup.shard_dir, job.storage.settings())},

@@ -65,15 +65,6 @@ class StatisticsShift:
                 "bn_mean_shift": self.mean_shift}
 
 
-@dataclass(frozen=True)
-class RecomputedStatistics:
-    """What :func:`recompute_batchnorm_stats` did: the batches run (0: nothing changed) and, when
-    it changed the statistics, how far the old ones were from the new (:class:`StatisticsShift`)."""
-
-    batches: int
-    shift: Optional[StatisticsShift] = None
-
-
 def statistics_shift(layers: list[_BatchNorm], old: list[tuple[torch.Tensor, torch.Tensor]]) -> StatisticsShift:
     """:class:`StatisticsShift` of ``layers``' current statistics against ``old`` (running mean and
     variance per layer, in the same order)."""
@@ -92,15 +83,16 @@ def statistics_shift(layers: list[_BatchNorm], old: list[tuple[torch.Tensor, tor
 @torch.no_grad()
 def recompute_batchnorm_stats(
     module: torch.nn.Module, batches: Iterable[Any], forward: Callable[[Any], Any]
-) -> RecomputedStatistics:
+) -> Optional[StatisticsShift]:
     """Replace the running mean and variance of ``module``'s BatchNorm layers by their average over
     ``batches`` (each batch weighing the same, as BatchNorm's cumulative average does), computed by
     ``forward(batch)`` with the module in evaluation mode except its BatchNorm layers (dropout off),
-    then averaged over the ranks. With no batch, the statistics are left as they were.
+    then averaged over the ranks; returns how far the old statistics were from the new. With no
+    batch (or no BatchNorm layer) the statistics are left as they were: None.
     """
     layers = batchnorm_layers(module)
     if not layers:
-        return RecomputedStatistics(0)
+        return None
     was_training = module.training
     saved = [(bn.momentum, bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone())
              for bn in layers]
@@ -123,9 +115,9 @@ def recompute_batchnorm_stats(
             bn.running_mean.copy_(mean)
             bn.running_var.copy_(var)
             bn.num_batches_tracked.copy_(count)
-        return RecomputedStatistics(0)
+        return None
     _average_over_ranks(layers)
-    return RecomputedStatistics(seen, statistics_shift(layers, [(mean, var) for _m, mean, var, _c in saved]))
+    return statistics_shift(layers, [(mean, var) for _m, mean, var, _c in saved])
 
 
 def _average_over_ranks(layers: list[_BatchNorm]) -> None:

@@ -42,10 +42,6 @@ def process_started(pid: Optional[int] = None) -> float:
     return float(psutil.Process(pid).create_time())
 
 
-def now() -> float:
-    return time.time()
-
-
 def breakdown(marks: dict[str, float]) -> dict[str, float]:
     """Seconds per phase of :data:`PHASES` for the events in ``marks`` (event -> wall-clock time;
     ``command``: the start), and ``to_first_step``; phases missing an end are left out. An event

@@ -56,7 +56,7 @@ class Trainer:
         self.setup, self.context, self.on_step = setup, context, on_step
         self.job = job = setup.job
         train = job.train
-        self.startup = dict(setup.startup or {}, worker_process=startup.process_started(), worker=startup.now())
+        self.startup = dict(setup.startup or {}, worker_process=startup.process_started(), worker=time.time())
         if fork_server.forked_from() is not None:
             self.startup[startup.FORKED_FROM] = fork_server.forked_from()
         self.rank, self.world, self.device = context.rank, context.world, context.device
@@ -98,7 +98,7 @@ class Trainer:
         if train.precise_bn_batches and batchnorm_layers(model):
             self.statistics_batches = statistics_batches(job, train_ds, self.rank, self.world)
             self.statistics_loader = make_loader(train_ds, self.statistics_batches, collator, train.loader_workers, pin)
-        self.startup["loaders"] = startup.now()
+        self.startup["loaders"] = time.time()
         self.precision = resolve_precision(train.precision, use_gpu)  # "auto" is resolved where the GPU is
         if compiles_model(train.step):
             keep_compile_caches(train.storage_path)
@@ -152,7 +152,7 @@ class Trainer:
             for kind, capacity in self.capacities.items():
                 if capacity is not None:
                     self.logger.client.set_tag(setup.run_id, f"satp.capacity.{kind}", json.dumps(capacity.to_dict()))
-        self.startup["engine"] = startup.now()
+        self.startup["engine"] = time.time()
 
     def fit(self) -> None:
         """Train from the restored position to ``train.epochs`` (or a stop by the job's rules)."""
@@ -217,7 +217,7 @@ class Trainer:
                 cpu_batch = next(batches)
                 meter.data_wait += time.perf_counter() - waited
                 if first_epoch and step == start and index == 0:
-                    self.startup["first_batch"] = startup.now()
+                    self.startup["first_batch"] = time.time()
                 if fault and not set(faults.TIMED) & fault.keys():
                     faults.maybe_fail(fault, self.rank, epoch, step, meter.seconds)
                 size, sampled = task.batch_size(cpu_batch), step % sample_every == 0 and index == 0
@@ -297,7 +297,7 @@ class Trainer:
         start-up and what happened since the previous group (:func:`pipeline.train.elastic.resize_event`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.startup["first_step"] = startup.now()
+        self.startup["first_step"] = time.time()
         if self.rank != 0:
             return
         log.info("%s", startup.describe(self.startup))
@@ -325,7 +325,7 @@ class Trainer:
         if self.statistics_batches is not None:
             running_bn = gather_objects(evaluate(self.engine, task, self.eval_loaders["valid"], forward))
             self.statistics_batches.set_epoch(epoch)
-            recomputed = recompute_batchnorm_stats(self.engine.module, self.statistics_loader, forward)
+            shift = recompute_batchnorm_stats(self.engine.module, self.statistics_loader, forward)
         results = {split: gather_objects(evaluate(self.engine, task, loader, forward))
                    for split, loader in self.eval_loaders.items()}
         metrics: dict[str, Any] = {"eval_seconds": time.perf_counter() - started,
@@ -334,8 +334,8 @@ class Trainer:
             return metrics
         if running_bn is not None:
             metrics[f"val_{metric}_running_bn"] = task.score(*concat_gathered(running_bn))
-            if recomputed.shift is not None:
-                metrics.update(recomputed.shift.metrics())
+            if shift is not None:
+                metrics.update(shift.metrics())
         val_score = task.score(*concat_gathered(results["valid"]))
         test_preds, test_targets = concat_gathered(results["test"])
         metrics[f"val_{metric}"] = val_score
