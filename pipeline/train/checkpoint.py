@@ -6,20 +6,15 @@ copies it into the run's storage, where the parts make one directory::
 
     ds/latest, ds/<tag>/...   DeepSpeed engine: module, optimizer (per ZeRO rank), lr scheduler
     best_model.pt             rank 0: fp32 state dict of the best epoch by validation
-    state.json                rank 0: epoch, global step, position (pipeline.train.global_batch),
-                              wall-clock, best, history, MLflow run id, model config, task,
-                              world size, worker-group events, provenance
+    state.json                rank 0: epoch, global step, position, wall-clock, best, history,
+                              MLflow run id, model config, task, world size, events, provenance
     rank_<r>.json             every rank, written last: its files' sizes and sha256 digests
 
 :class:`CheckpointManager` is the one place that writes, verifies, lists, picks and prunes a run
-folder's checkpoints (a local folder or an object store alike). One is resumed from only when
-:meth:`~CheckpointManager.verify` finds it whole (a part never written, a file cut short or changed
-since fails), else the newest intact one is, with one warning line.
-
-The copy into storage is satp's, not Ray Train's upload, so that a full disk ends the run instead
-of being retried ``max_failures`` times: the ranks compare outcomes, rank 0 removes a partial
-checkpoint and all raise together (:class:`StorageFull`, turned into the run's end by
-:func:`pipeline.train.driver.worker_main`; any other ``OSError`` is a worker failure).
+folder's checkpoints (a local folder or an object store alike); one is resumed from only when
+:meth:`~CheckpointManager.verify` finds it whole. The copy is satp's, not Ray Train's upload, so a
+full disk ends the run (:class:`StorageFull` on every rank, the partial checkpoint removed) instead
+of being retried ``max_failures`` times.
 """
 from __future__ import annotations
 

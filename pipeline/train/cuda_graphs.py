@@ -2,20 +2,16 @@
 
 On a GPU a step of SAT costs what the host takes to launch its kernels. Over batches padded to fixed
 capacities (:mod:`sat.padding`) every kernel has the same shapes and input addresses, so the step is
-recorded once as a CUDA graph and replayed: one launch per step. Captured, per kind of batch:
+recorded once as a CUDA graph and replayed: one launch. Captured, per kind of batch: the training
+forward under the engine's autocast, the scaled loss and ``backward()`` (not DeepSpeed's wrappers,
+whose host code a replay would skip; the all-reduce and ``engine.step()`` run eagerly around it,
+:meth:`pipeline.train.step.TrainStep.finish`), and the evaluation forward.
 
-* training: the module's forward under the engine's autocast (``cache_enabled=False``), the loss
-  times the micro-batch's scale (a device tensor filled before each replay) and ``backward()`` (not
-  DeepSpeed's wrappers, whose host code a replay would skip); the gradient all-reduce and
-  ``engine.step()`` run eagerly around it (:meth:`pipeline.train.step.TrainStep.finish`);
-* evaluation: the module's forward in evaluation mode, without gradients.
-
-Each new padded batch is copied into the captured batch's tensors before the replay; outputs and
-gradients are the graph's own tensors, overwritten by the next replay (a rank with several
-micro-batches in a step sums the gradients apart, and they are attached again after each replay:
-DeepSpeed's zero_grad sets them to None). Before the capture the step runs :data:`WARMUP_STEPS`
-times on a side stream, after which BatchNorm's statistics are restored and the gradients cleared.
-fp16 (a host-side loss scaler) and ZeRO stages above 0 (gradient hooks) are refused in one line.
+Each padded batch is copied into the captured batch's tensors before a replay; outputs and gradients
+are the graph's own tensors, overwritten by the next replay (several micro-batches' gradients are
+summed apart, and attached again after each step: DeepSpeed's zero_grad sets them to None). The
+capture follows :data:`WARMUP_STEPS` steps on a side stream, after which BatchNorm's statistics are
+restored. fp16 (a host-side loss scaler) and ZeRO stages above 0 (gradient hooks) are refused.
 """
 from __future__ import annotations
 

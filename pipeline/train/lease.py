@@ -1,26 +1,19 @@
 """The run lease: one command at a time per run name (``train.storage_path`` + ``train.run_name``),
 and per sweep (``tune.storage_path`` + ``tune.name``: :mod:`pipeline.sweep.trials`).
 
-Two commands on one run name would write into one checkpoint folder and one MLflow run. So every
-command holds a lease on the run before anything else: ``<run folder>/satp-lease.json``, saying
-who holds it (host, pid, since when, last heartbeat); a second command stops, before Ray starts,
-in one line naming the holder. A file with a heartbeat, not ``flock``: the folder may be on storage
-that several nodes mount (NFS), where advisory locks are unreliable, and a lock outlives a killed holder.
-
-* created atomically (:mod:`pipeline.train.lease_records`: a hard link on a file system, a
-  conditional put on S3);
-* refreshed by its holder every :data:`HEARTBEAT_S` seconds (a holder that finds another's record
-  stops refreshing and says so);
-* expired when its holder is gone: on the same machine (boot and pid namespace) when its process no
-  longer runs; from another machine when its heartbeat is older than :data:`EXPIRES_S` (clocks
-  agree within that, as NTP keeps them); an unreadable one when unmodified for as long;
-* an expired lease is taken over with one ``satp: warning:`` line, only if it is still the record
-  judged expired;
-* released (deleted, if still this holder's) when the command ends, however it ends.
+Every command holds a lease on its run before anything else, ``<run folder>/satp-lease.json``
+(host, pid, since when, last heartbeat); a second command stops before Ray starts, naming the
+holder. A file with a heartbeat, not ``flock``: the folder may be on storage several nodes mount
+(NFS), where advisory locks are unreliable, and a lock outlives a killed holder. The lease is
+created atomically (:mod:`pipeline.train.lease_records`), refreshed every :data:`HEARTBEAT_S`,
+expired when its holder is gone (on the same machine: its process no longer runs; from another:
+no heartbeat for :data:`EXPIRES_S`, clocks agreeing as NTP keeps them; unreadable: unmodified as
+long), taken over with one ``satp: warning:`` line only if still the record judged expired, and
+released when the command ends, however it ends.
 
 ``satp train`` refuses at once; :func:`pipeline.train.driver.train_job` (Tune trials, the demo)
-waits up to :data:`WAIT_S`, so that a trial retried on another node after its node died is not
-refused while the old heartbeat still looks fresh.
+waits up to :data:`WAIT_S`, so a trial retried on another node is not refused while its old
+heartbeat still looks fresh.
 """
 from __future__ import annotations
 

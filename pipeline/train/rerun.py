@@ -1,27 +1,19 @@
 """Reruns: what a run name already holds, and what this job may do with it.
 
-Ray Train resumes from the last checkpoint under ``train.storage_path`` + ``train.run_name`` whenever
-it is fitted again: right for an interrupted run, wrong for a finished one (nothing to train, its
-model registered again) or one of another configuration (weights of another shape, or registered
-under a configuration that did not train them). So before Ray Train starts, the plan's decision
+Ray Train resumes from the last checkpoint under a run name whenever it is fitted again: right for
+an interrupted run, wrong for a finished one or one of another configuration (weights of another
+shape, or registered under a configuration that did not train them). So the plan's decision
 (:meth:`pipeline.train.plan.JobPlan.decision`) reads the run's newest intact checkpoint
 (:func:`previous_run`) and compares a hash of everything that shapes the weights
-(:func:`weights_config`, recorded in every checkpoint's ``state.json["provenance"]``):
+(:func:`weights_config`, recorded in every checkpoint's provenance): the same configuration
+resumes, or is ``finished`` after ``train.epochs`` (its model reported, registered if it was not);
+another is a :class:`RerunConflict` (one line naming what differs; a new ``train.run_name`` or
+``--restart`` goes on); no checkpoint is ``fresh``.
 
-========================  ===============================================================
-same configuration        ``resume`` from its checkpoint, or ``finished`` when it has done
-                          ``train.epochs`` (its model is reported, registered if it was not)
-another configuration     :class:`RerunConflict` (one line naming what differs; a new
-                          ``train.run_name`` or ``--restart`` goes on)
-no checkpoint             ``fresh``
-========================  ===============================================================
-
-In the hash: the model section, the task, the ``train`` section but :data:`RESUMABLE_TRAIN_KEYS`
-(what a resumed run may change without changing what its weights are: the epoch count, the stopping
-rules, cadences, how a step runs), and the shards' config hash and source fingerprint. Not the
-worker count nor the ``resources`` and ``mlflow`` sections: the global batch does not depend on the
-worker count (:mod:`pipeline.train.global_batch`). The provenance also lists the git commits of the
-code that trained the run, which a registered version records.
+In the hash: the model section, the task, the ``train`` section but :data:`RESUMABLE_TRAIN_KEYS`,
+and the shards' config hash and source fingerprint; not the ``resources`` (the global batch does not
+depend on the worker count, :mod:`pipeline.train.global_batch`) nor ``mlflow`` sections. The
+provenance also lists the git commits that trained the run, which a registered version records.
 """
 from __future__ import annotations
 

@@ -274,18 +274,20 @@ class Trainer:
 
     def checkpoint_here(self, epoch: int, meter: EpochMeter, reason: str) -> None:
         """A checkpoint within ``epoch`` at the run's position (every rank), reported to Ray Train."""
-        state = self.state
-        state["position"] = self.position.to_dict()
-        state["epoch_partial"] = meter.partial(self.device)  # a collective
+        partial = meter.partial(self.device)  # a collective
         self._count_elapsed()
-        state["world_size"] = self.world
-        state["provenance"] = self.setup.provenance
-        if self.note is not None:  # exact before a checkpoint: a group lost while writing it lost these steps
-            self.note.write(state["steps"], force=True)
-        self.reports.write(state, self.best_weights, {"elapsed_s": state["elapsed_s"]}, epoch)
+        self._save(epoch, partial, {"elapsed_s": self.state["elapsed_s"]})
         if self.rank == 0:
-            log.info("checkpoint at global step %d (epoch %d, step %d of %d; %s)", state["steps"], epoch,
+            log.info("checkpoint at global step %d (epoch %d, step %d of %d; %s)", self.state["steps"], epoch,
                      self.position.step, self.batches.steps_per_epoch, reason)
+
+    def _save(self, epoch: int, partial: Optional[dict], metrics: dict[str, Any]) -> None:
+        """Checkpoint the state at the run's position and report ``metrics`` with it (every rank)."""
+        self.state.update(position=self.position.to_dict(), epoch_partial=partial, world_size=self.world,
+                          provenance=self.setup.provenance)  # a resumed run may add a git commit
+        if self.note is not None:  # exact before a checkpoint: a group lost while writing it lost these steps
+            self.note.write(self.state["steps"], force=True)
+        self.reports.write(self.state, self.best_weights, metrics, epoch)
 
     def _count_elapsed(self) -> None:
         now = time.perf_counter()
@@ -372,13 +374,7 @@ class Trainer:
         state["stopped"] = broadcast_from_rank_zero(stopped)
         state["epoch"] = epoch
         self.position = Position(epoch + 1)
-        state["position"] = self.position.to_dict()
-        state["epoch_partial"] = None
-        state["world_size"] = self.world
-        state["provenance"] = self.setup.provenance  # a resumed run may add a git commit
-        if self.note is not None:
-            self.note.write(state["steps"], force=True)
-        self.reports.write(state, self.best_weights, metrics, epoch)
+        self._save(epoch, None, metrics)
         if self.rank == 0:
             log.info("epoch %d: %s", epoch, {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
             if state["stopped"]:
