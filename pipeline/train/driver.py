@@ -2,23 +2,17 @@
 
 :func:`train_job` (the demo, Tune trials, Python callers) resolves the job into a
 :class:`~pipeline.train.plan.JobPlan` and hands it to :func:`train_plan`, which ``satp train``
-calls with the plan it built. In order, each step before the costly ones:
+calls with the plan it built. In order, each step before the costly ones: the run's lease
+(:mod:`pipeline.train.lease`); the plan's decision before the data (a conflict stops here, a
+finished run whose shards exist needs no Ray) and the tracking store
+(:func:`pipeline.train.mlflow_run.check_tracking_store`); Ray and its resources
+(:func:`pipeline.train.preflight.connect_and_check`); the data (:func:`prepare_data`,
+:meth:`~pipeline.train.plan.JobPlan.with_shards`); the decision on the shards (restart, resume or
+finished); the MLflow run, then Ray Train's ``TorchTrainer`` (:func:`pipeline.train.worker.worker_loop`);
+only when the fit succeeded, the best model registered.
 
-0. the run's lease (:mod:`pipeline.train.lease`), held to the end;
-1. the plan's decision before the data (:meth:`pipeline.train.plan.JobPlan.decision`): a checkpoint
-   of another configuration stops here, a finished run whose shards exist needs no Ray; the
-   tracking store must know the run's MLflow run (:func:`pipeline.train.mlflow_run.check_tracking_store`);
-   then Ray connected and its resources checked (:func:`pipeline.train.preflight.connect_and_check`);
-2. :func:`prepare_data` and :meth:`JobPlan.with_shards <pipeline.train.plan.JobPlan.with_shards>`;
-3. the plan's decision on the shards: restart, resume, or finished (its model is reported);
-4. the MLflow run (:mod:`pipeline.train.mlflow_run`), then a Ray Train ``TorchTrainer`` whose
-   workers run :func:`pipeline.train.worker.worker_loop`;
-5. only when the fit succeeded: the best model logged and registered.
-
-A retry after a lost worker or node (``FailureConfig``) and a resize of an elastic run
-(:mod:`pipeline.train.elastic`) resume from the newest checkpoint, in the same MLflow run. A full
-disk under ``train.storage_path`` is not retried (:func:`worker_main`). A failed attempt marks its
-MLflow run FAILED, unless it had FINISHED before (:func:`pipeline.train.mlflow_run.close_failed`).
+A retry after a lost worker or node and a resize of an elastic run resume from the newest checkpoint
+in the same MLflow run; a full disk under ``train.storage_path`` ends the run (:func:`worker_main`).
 """
 from __future__ import annotations
 

@@ -37,8 +37,7 @@ class RegisteredEpochLogger(UserCallback):
         return self._client
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint: Optional[Any]) -> None:
-        # imported here, not with the module: the controller loads this class when it starts, and
-        # the checkpoint and reporting modules bring torch (seconds of a new controller's start on 2 cores)
+        # imported here: the controller loads this class when it starts, and these modules bring torch
         from pipeline.train import checkpoint as ckpt
         from pipeline.train.reporting import STEP_KEYS
 

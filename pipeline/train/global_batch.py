@@ -1,16 +1,11 @@
 """The global batch: optimizer steps that are the same at any worker count.
 
-A step is ``train.micro_batches_per_step`` (k) micro-batches, taken in order from one sequence per
-epoch (:meth:`NodeBudgetSampler.global_batches <pipeline.train.batching.NodeBudgetSampler.global_batches>`,
-a pure function of ``train.seed`` and the epoch). An epoch is ``steps_per_epoch`` steps, fixed by the
-first epoch's sequence; later epochs trim or repeat a few micro-batches to fill as many.
-
-Micro-batch ``j`` of a step goes to rank ``j % W`` of W workers (0 to ceil(k / W) per rank). Its loss
-(a mean over its units: graphs, or nodes for node tasks) is scaled by ``W x units_j / units of the
-step`` before its backward pass: DeepSpeed's average over the ranks then leaves the gradient of the
-mean loss over the step's units, the same at every W (:meth:`GlobalBatches.scales`), with no
-communication. The position is ``(epoch, step)`` (:class:`Position`), recorded in every checkpoint:
-a run resumed at another worker count takes the same next global batch (as Megatron does).
+A step is ``train.micro_batches_per_step`` (k) micro-batches taken in order from one sequence per
+epoch (:meth:`~pipeline.train.batching.NodeBudgetSampler.global_batches`); an epoch is a fixed number
+of steps. Micro-batch ``j`` goes to rank ``j % W``, its loss scaled by ``W x units_j / units of the
+step``, so DeepSpeed's average over the ranks leaves the gradient of the mean loss over the step's
+units at every W (:meth:`GlobalBatches.scales`). The position ``(epoch, step)`` (:class:`Position`) is
+in every checkpoint: a run resumed at another worker count takes the same next global batch.
 """
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """A training job resolved once, at the edge: :class:`JobPlan`, which every later step reads.
 
-A plan is read-only: each stage makes the next plan from the one before (``dataclasses.replace``),
-so what a stage decided cannot change under the stages after it:
-
-* :meth:`JobPlan.resolve` (no data, no Ray): the defaults that depend on where the driver runs
-  (:func:`resolve_job`), the task, the Ray address, whether the run starts over, its checkpoints;
-* :meth:`JobPlan.examine` (under the run's lease): the run's newest intact checkpoint, found once;
-* :meth:`JobPlan.with_shards` (after the data stage): the shards checked against the job, the
-  model built once, the task with the shards' vocabulary and the workers'
-  :class:`~pipeline.train.worker_setup.WorkerSetup`;
-* :meth:`JobPlan.decision`: the one place that decides whether the run is finished, resumes (from
-  which checkpoint) or starts (:mod:`pipeline.train.rerun` compares the configurations).
+A plan is read-only: each stage makes the next plan from the one before (``dataclasses.replace``).
+:meth:`JobPlan.resolve` (no data, no Ray) fills the driver's defaults and the task;
+:meth:`JobPlan.examine` (under the run's lease) finds the run's newest intact checkpoint once;
+:meth:`JobPlan.with_shards` checks the shards, builds the model once and makes the workers'
+:class:`~pipeline.train.worker_setup.WorkerSetup`; :meth:`JobPlan.decision` is the one place that
+decides whether the run is finished, resumes (from which checkpoint) or starts.
 
 This module imports no more than the job's configuration: ``satp train`` reads a run's lease and
 checkpoints with it before its heavy imports.

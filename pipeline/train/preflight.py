@@ -1,18 +1,13 @@
 """Pre-flight: what a job can get wrong that the driver can see, checked before Ray starts (a
 mistake found later costs Ray's start, preprocessing, an MLflow run and every worker's retries).
 
-1. :func:`check_config`: the job alone (names, precision against the hardware, warm-up against the
-   epochs, worker counts against ZeRO, the model against the features the shards will hold);
-2. :func:`check_data_root` and :func:`check_output_dirs`: the dataset folder complete and its raw
-   values in range, or buildable; the output directories writable;
-3. the Ray address answers (:func:`runtime.ray_address.probe`); steps 1-3 are :func:`early_checks`,
-   which ``satp train`` runs before it imports torch and Ray;
-4. a training run's rerun decision (:meth:`pipeline.train.plan.JobPlan.decision`);
+1. :func:`check_config`: the job alone; 2. :func:`check_data_root` and :func:`check_output_dirs`:
+the dataset complete and in range, or buildable, the output directories writable; 3. the Ray
+address answers. Steps 1-3 are :func:`early_checks`, which ``satp train`` runs before it imports
+torch and Ray. 4. A training run's rerun decision (:meth:`pipeline.train.plan.JobPlan.decision`).
 5. :func:`connect_and_check`: Ray connected, then :func:`check_resources`: the alive nodes hold the
-   job's workers, counted per node (``resources.wait_for_nodes: true`` skips it).
-
-:meth:`pipeline.train.plan.JobPlan.with_shards` then checks the model against the real shards
-(:func:`check_shard_features`).
+job's workers, counted per node (``resources.wait_for_nodes: true`` skips it). Then
+:meth:`~pipeline.train.plan.JobPlan.with_shards` checks the model against the real shards.
 """
 from __future__ import annotations
 
@@ -413,7 +408,6 @@ def preflight(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = No
     """Check ``jobs`` (every variant of a sweep, optionally by name: see :func:`early_checks`) and
     connect to Ray. ``num_workers`` / ``extra_cpus``: what a sweep's trial needs beyond the job's own
     request; ``ray_env``: environment variables of a new Ray connection."""
-    jobs = jobs if isinstance(jobs, Mapping) else list(jobs)
     early_checks(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus)
     connect_and_check(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus, ray_env=ray_env)
 

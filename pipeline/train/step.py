@@ -2,17 +2,14 @@
 
 :meth:`TrainStep.accumulate` runs a micro-batch's forward (``validate=False``: the loader checked it),
 its loss scaled for the global batch (:mod:`pipeline.train.global_batch`) and DeepSpeed's backward;
-:meth:`TrainStep.finish` then reduces the gradients over the ranks and steps the optimizer (a rank
-with an empty share still joins the reduction). At ZeRO stage 0 that is one explicit all-reduce per
-step; stages 1 and 2 reduce in DeepSpeed's own gradient accumulation
-(:func:`pipeline.train.engine.accumulation_steps`).
+:meth:`TrainStep.finish` reduces the gradients over the ranks (at ZeRO stage 0 one explicit
+all-reduce; stages 1 and 2 in DeepSpeed's accumulation) and steps the optimizer.
 
-How a step runs is ``train.step``: ``eager`` (batches as cut, every operator
-dispatched from Python); ``static`` (padded to fixed capacities, :mod:`pipeline.train.capacity`);
-``compiled`` (``static``, the module compiled for those shapes by ``engine.compile``, names and
-weights unchanged); ``captured`` (``compiled``, and on CUDA replayed as a CUDA graph,
-:mod:`pipeline.train.cuda_graphs`). A batch over capacity runs eagerly with the compiled code set
-aside, so an odd shape never recompiles; :attr:`TrainStep.overflow` counts them.
+``train.step``: ``eager`` (batches as cut); ``static`` (padded to fixed capacities,
+:mod:`pipeline.train.capacity`); ``compiled`` (``static``, the module compiled by ``engine.compile``);
+``captured`` (``compiled``, replayed as a CUDA graph on CUDA, :mod:`pipeline.train.cuda_graphs`). A
+batch over capacity runs eagerly with the compiled code set aside, so an odd shape never
+recompiles; :attr:`TrainStep.overflow` counts them.
 """
 from __future__ import annotations
 
