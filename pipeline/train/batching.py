@@ -1,14 +1,11 @@
 """Batches built to a node budget with size bucketing, sharded over ranks.
 
-Dense attention pads every graph of a batch to its largest, so a batch costs ``len(batch) x max(n)``
-node slots. Each epoch the split is shuffled with ``seed + epoch``, cut into buckets of
-``bucket_size`` graphs, each bucket sorted by size and cut greedily into batches within the budget,
-and the batch order shuffled again. A graph larger than the budget gets a batch of its own.
-
-Training cuts :meth:`NodeBudgetSampler.global_batches` into steps (:mod:`pipeline.train.global_batch`);
-dealt by the sampler itself, each rank gets the same number of batches every epoch (those of
-:mod:`pipeline.train.precise_bn`). Evaluation batches are cut from the split sorted by size and dealt
-round-robin; nothing is dropped.
+Dense attention pads every graph of a batch to its largest. Each epoch the split is shuffled with
+``seed + epoch``, cut into buckets of ``bucket_size`` graphs, each sorted by size and cut greedily
+into batches within the budget of padded node slots, and the batch order shuffled again; a graph
+over the budget gets a batch of its own. Training cuts :meth:`NodeBudgetSampler.global_batches` into
+steps (:mod:`pipeline.train.global_batch`); evaluation batches are cut from the split sorted by size
+and dealt round-robin, nothing dropped.
 """
 from __future__ import annotations
 

@@ -203,7 +203,7 @@ class CheckpointManager:
 
     def verify(self, name: str) -> Optional[str]:
         """None when checkpoint ``name`` is whole (see the module docstring), else what is wrong, one
-        line that starts with the file concerned. Older listings without digests are checked by size."""
+        line that starts with the file concerned. A listing of sizes only is checked by size."""
         state_path = self.path(name, STATE_FILE)
         try:
             state = json.loads(self.location.join(name, STATE_FILE).read_bytes())

@@ -8,7 +8,7 @@ finished run whose shards exist needs no Ray) and the tracking store
 (:func:`pipeline.train.mlflow_run.check_tracking_store`); Ray and its resources
 (:func:`pipeline.train.preflight.connect_and_check`); the data (:func:`prepare_data`,
 :meth:`~pipeline.train.plan.JobPlan.with_shards`); the decision on the shards (restart, resume or
-finished); the MLflow run, then Ray Train's ``TorchTrainer`` (:func:`pipeline.train.worker.worker_loop`);
+finished); the MLflow run, then Ray Train's ``TorchTrainer`` (:func:`worker_main`);
 only when the fit succeeded, the best model registered.
 
 A retry after a lost worker or node and a resize of an elastic run resume from the newest checkpoint
@@ -29,7 +29,6 @@ from pipeline.config import JobConfig
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mlflow_run, rerun, startup
 from pipeline.train.plan import JobPlan, store_env
-from pipeline.train.worker import worker_loop
 from pipeline.train.worker_setup import WorkerSetup
 from runtime.command import command_pid
 
@@ -386,8 +385,10 @@ def _trainer_class():
 
 
 def worker_main(config: dict) -> Optional[dict]:
-    """The Ray Train workers' entry: process set-up, then :func:`pipeline.train.worker.worker_loop`;
-    returns ``{"storage_full": ...}`` when a checkpoint did not fit on its disk, else None."""
+    """The Ray Train workers' entry (``train_loop_per_worker``, ``config = {"setup": WorkerSetup}``):
+    process set-up, then a :class:`~pipeline.train.trainer.Trainer` in a
+    :class:`~pipeline.train.context.RayContext`; returns ``{"storage_full": ...}`` when a checkpoint
+    did not fit on its disk, else None."""
     from pipeline import pyg_templates
 
     setup = config["setup"]
@@ -398,10 +399,13 @@ def worker_main(config: dict) -> Optional[dict]:
     # Ray Train's context logs every report's metrics, which rank 0 prints already
     logging.getLogger(os.path.join(os.path.dirname(ray.train.__file__), "v2", "_internal", "execution",
                                    "context.py")).setLevel(logging.WARNING)
+    from pipeline.train.context import RayContext
+    from pipeline.train.trainer import Trainer
+
     try:
-        worker_loop(config)
+        Trainer(setup, RayContext(setup.job)).fit()
     except ckpt.StorageFull as full:
-        # every rank stops here together (pipeline.train.checkpoint.persist); returning instead of
+        # every rank stops here together (CheckpointManager.write); returning instead of
         # raising ends the fit as done (a raise would be a worker failure, retried max_failures
         # times on the same full disk): rank 0's value reaches the driver (Result.return_value)
         return {"storage_full": full.details}

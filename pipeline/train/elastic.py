@@ -1,14 +1,11 @@
 """What an elastic run records about its worker groups: progress notes, resize events, preemption.
 
-Ray Train changes a run's worker count by tearing the worker group down and starting a new one from
-the newest checkpoint, telling the workers nothing beforehand. So rank 0 of every group leaves a
-note on the run's storage (:class:`ProgressNote`: global step, worker count, time; at most every
-:data:`NOTE_EVERY_S`, and before every checkpoint), and rank 0 of the next group reads it: the
-previous count, the steps trained again, how long the run made no progress (:func:`resize_event`).
-
-A preemption notice (a node drained with reason preemption) reaches the workers through
-``ray.train.get_preemption_info()``, a collective: the workers ask every
-``train.preemption_check_steps`` steps (:class:`PreemptionCheck`) and checkpoint at once on the first.
+Ray Train resizes a run by starting a new worker group from the newest checkpoint, telling the old
+one nothing. So rank 0 of every group leaves a note on the run's storage (:class:`ProgressNote`), and
+rank 0 of the next reads it: the previous count, the steps trained again, the time without progress
+(:func:`resize_event`). A preemption notice (a node drained) reaches the workers through
+``ray.train.get_preemption_info()``, a collective asked every ``train.preemption_check_steps``
+steps (:class:`PreemptionCheck`); the workers checkpoint at once on the first.
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """The DeepSpeed engine of a worker: precision, ZeRO stage, clipping, AdamW and the schedule.
 
-A ``torch.optim.AdamW`` (fused on CUDA) is passed to ``deepspeed.initialize`` with a ``LambdaLR`` of
-the paper's schedule (:func:`lr_schedule`), stepped once per optimizer step. Mixed precision is
-DeepSpeed's ``torch_autocast`` (fp32 weights and optimizer state): bf16 where supported, fp16 with a
-gradient scaler on GPUs without it, or fp32. Without ZeRO partitioning (stage 0, no fp16 scaler)
-gradients are clipped here with one foreach norm (:func:`optimizer_step`) and DeepSpeed's backward
-all-reduce is off: a rank accumulates its share of the step and the step reduces once
-(:meth:`pipeline.train.step.TrainStep.finish`). DeepSpeed's throughput timer, which synchronises the
-device twice per step, is off.
+``torch.optim.AdamW`` (fused on CUDA) and a ``LambdaLR`` of the paper's schedule (:func:`lr_schedule`)
+are passed to ``deepspeed.initialize``. Mixed precision is DeepSpeed's ``torch_autocast``: bf16 where
+supported, fp16 with a gradient scaler on GPUs without it, or fp32. At ZeRO stage 0 without the fp16
+scaler, gradients are clipped here with one foreach norm (:func:`optimizer_step`) and DeepSpeed's
+backward all-reduce is off: the step reduces once (:meth:`pipeline.train.step.TrainStep.finish`).
 """
 from __future__ import annotations
 

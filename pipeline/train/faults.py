@@ -57,7 +57,7 @@ def maybe_hold(fault: dict, world_size: int, global_step: int, before: Callable[
 
 
 def pause_in_checkpoint(fault: Optional[dict], rank: int, global_step: int) -> Optional[Callable[[int], None]]:
-    """The hook :func:`pipeline.train.checkpoint.persist` calls after each file it copies (its count
+    """The hook :meth:`pipeline.train.checkpoint.CheckpointManager.write` calls after each file it copies (its count
     so far): after the first, it writes the marker (this process's pid) and sleeps ``seconds``, once,
     on rank ``rank`` in the checkpoint of step ``step``; None where no such fault applies."""
     pause = (fault or {}).get("pause_in_checkpoint")
