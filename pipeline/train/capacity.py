@@ -1,11 +1,10 @@
 """Fixed batch capacities, chosen from the data: the shapes a static, compiled or captured step is
 built for (``train.step``; :mod:`sat.padding`).
 
-The first epoch's batches are known before anything is decoded (the sampler is a pure function of
-its seed and the node counts; the shards record every graph's edge and subgraph counts). Each
-capacity is the mean plus ``train.capacity_sigmas`` standard deviations of its quantity over those
-batches (NVIDIA's MLPerf GNN code: 5), at most its largest: a rare batch above runs eagerly instead
-of making every step pay for it. Nodes and subgraph entries get one more, for the padding row.
+Each capacity is the mean plus ``train.capacity_sigmas`` standard deviations of its quantity over
+the first epoch's batches, known before anything is decoded (NVIDIA's MLPerf GNN code: 5), at most
+its largest: a rare batch above runs eagerly instead of making every step pay for it. Nodes and
+subgraph entries get one more, for the padding row.
 """
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
     from pipeline.train.lease import RunLease
     from runtime.interrupts import deferred
 
-    taken = None if lease is not None else RunLease(plan.run_dir, plan.job.train.run_name,
+    taken = None if lease is not None else RunLease(plan.checkpoints.named, plan.job.train.run_name,
                                                     storage=plan.job.storage.settings()).acquire(lease_wait_s)
     try:
         return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault,

@@ -1,12 +1,8 @@
 """Test hooks of a worker: faults at chosen moments of a real run (``$SATP_TEST_FAULT``, JSON, or
-``train_job(fault=...)``). Each fires once per run (its ``marker`` file says it has).
-
-* ``{rank, epoch, step, seconds, marker}``: :func:`maybe_fail`, the worker dies (SIGKILL);
-* ``{signal, pid, epoch, marker}``: :func:`maybe_signal`, the driver gets a signal after a checkpoint;
-* ``{pause_in_checkpoint: {rank, step, seconds}, marker}``: :func:`pause_in_checkpoint`, a rank
-  pauses half-way through copying its part of a checkpoint;
-* ``{hold: {step, world_size}}``: :func:`maybe_hold`, a group of that size stops after that global
-  step until Ray Train tears it down (a resize).
+``train_job(fault=...)``), each once per run (its ``marker`` file says it fired): :func:`maybe_fail`
+(the worker dies), :func:`maybe_signal` (the driver gets a signal after a checkpoint),
+:func:`pause_in_checkpoint` (a rank pauses half-way through copying its part of a checkpoint) and
+:func:`maybe_hold` (a group stops after a global step until Ray Train tears it down).
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """Data loading of a worker: shard splits, node-budget batches built on the CPU, device transfer.
 
-A DataLoader worker process builds a whole batch per call: the sampler yields a batch's graph ids
-(``batch_size=None``), :class:`GraphBatches` decodes and collates them at once
-(:meth:`preprocessing.reader.ShardDataset.batch`), and :class:`BatchCollator` checks the values
-(:func:`sat.validation.validate_batch`: the step runs the model with ``validate=False``) and attaches
-the :class:`sat.layout.GraphLayout` computed from the node counts, so the model reads nothing back
-from the accelerator. Given a fixed capacity (:mod:`pipeline.train.capacity`) a batch that fits is
-padded to it (:func:`sat.padding.pad_batch`); one that does not runs eagerly.
-
-The batch travels to the main process as a :class:`PackedBatch` (all its tensors in one buffer,
-pinned by the loader's thread), and :func:`to_device` copies it without blocking.
+A DataLoader worker process builds a whole batch per call: :class:`GraphBatches` decodes and collates
+the sampler's graph ids at once (:meth:`preprocessing.reader.ShardDataset.batch`), and
+:class:`BatchCollator` checks the values (:func:`sat.validation.validate_batch`) and attaches the
+:class:`sat.layout.GraphLayout`, so the model reads nothing back from the accelerator; given a fixed
+capacity (:mod:`pipeline.train.capacity`) a batch that fits is padded to it. The batch travels as a
+:class:`PackedBatch` (one buffer, pinned by the loader's thread); :func:`to_device` copies it without blocking.
 """
 from __future__ import annotations
 

@@ -222,7 +222,6 @@ def _log_attention_plot(plan: JobPlan, model: torch.nn.Module) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from mlflow.tracking import MlflowClient
 
         test = open_split(plan.setup.shard_dir, "test", plan.job.storage.settings())
         sizes = np.asarray(test.num_nodes)
@@ -244,7 +243,7 @@ def _log_attention_plot(plan: JobPlan, model: torch.nn.Module) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "cls_attention.png"
             fig.savefig(path, dpi=100)
-            MlflowClient(plan.job.mlflow.tracking_uri).log_artifact(plan.setup.run_id, str(path), artifact_path="plots")
+            tracking.client(plan.job.mlflow.tracking_uri).log_artifact(plan.setup.run_id, str(path), artifact_path="plots")
         plt.close(fig)
     except Exception as exc:  # interpretability plot: never fail a run over it
         log.info("no [CLS] attention plot: %s", exc)

@@ -94,10 +94,6 @@ class JobPlan:
         """The run's identity across attempts: ``<storage path>/<run name>`` (MLflow tag)."""
         return f"{self.job.train.storage_path}/{self.job.train.run_name}"
 
-    @property
-    def run_dir(self) -> Path | str:
-        return run_dir(self.job)
-
     def examine(self) -> "JobPlan":
         """This plan with the run's newest intact checkpoint (:func:`pipeline.train.rerun.previous_run`,
         which names what is damaged), found once: under the run's lease nothing else changes it."""

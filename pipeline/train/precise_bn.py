@@ -1,13 +1,10 @@
 """BatchNorm statistics recomputed before an evaluation ("precise BN", ``train.precise_bn_batches``).
 
-Training's moving averages of BatchNorm's statistics mix batches taken under different weights
-(Wu & Johnson, "Rethinking 'Batch' in BatchNorm", 2021, Sec. 3), and dropout in front of a
-BatchNorm layer shifts the variance it sees between training and evaluation (Li et al., CVPR 2019);
-SAT's layers add dropped-out outputs to the residual right before their BatchNorm.
-:func:`recompute_batchnorm_stats` replaces every layer's running mean and variance by their plain
-average over a few training batches (:class:`StatisticsBatches`, a seed of their own) run with
-dropout off, and says how far the moving averages were (:class:`StatisticsShift`: a variance ratio
-above 1 is dropout's shift, a mean shift a stale average).
+Training's moving averages mix batches taken under different weights (Wu & Johnson, "Rethinking
+'Batch' in BatchNorm", 2021, Sec. 3), and dropout right before a BatchNorm layer, as in SAT's
+layers, shifts the variance it sees (Li et al., CVPR 2019). :func:`recompute_batchnorm_stats`
+replaces the running statistics by their plain average over a few training batches run with dropout
+off (:class:`StatisticsBatches`), and says how far the moving averages were (:class:`StatisticsShift`).
 """
 from __future__ import annotations
 

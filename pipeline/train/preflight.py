@@ -30,9 +30,7 @@ RAW_CHECK_BYTES = 64 << 20
 # ----------------------------------------------------------------------------- the job alone
 def feature_problem(model, subgraphs: bool, rwpe: int, lap_pe: int, where: str) -> Optional[str]:
     """What the model reads that the shards lack (``where`` names the shards' side), or None.
-
-    ``subgraphs``: the shards hold k-hop subgraph indices; ``rwpe`` / ``lap_pe``: the width of
-    those columns (0: absent)."""
+    ``subgraphs``: the shards hold k-hop subgraph indices; ``rwpe`` / ``lap_pe``: those widths (0: absent)."""
     if model.needs_subgraphs and not subgraphs:
         return (f"model.extractor: 'subgraph' reads each node's k-hop subgraph indices, and {where} hold none "
                 f"(transform.k_hops: 0); set transform.k_hops (e.g. {model.k_hops}) or use extractor: subtree")

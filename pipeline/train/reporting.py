@@ -1,11 +1,9 @@
 """A worker's checkpoints and reports to Ray Train, and the per-step losses they carry.
 
-A checkpoint (epoch end, ``train.checkpoint_every_steps``, a preemption notice) is a collective of
-every rank at the same global step: ``engine.save_checkpoint``, satp's copy into the run's storage
-(:meth:`pipeline.train.checkpoint.CheckpointManager.write`) and the context's report. The report
-carries the loss of every step since the previous one (``step_losses``, summed over the ranks in one
-all-reduce) and the worker count, which Ray Train's controller logs once it has registered the
-checkpoint (:mod:`pipeline.train.epoch_logger`).
+A checkpoint is a collective of every rank at the same global step: ``engine.save_checkpoint``,
+satp's copy into the run's storage (:meth:`pipeline.train.checkpoint.CheckpointManager.write`) and
+the context's report, which carries every step's loss since the previous one (summed over the ranks
+in one all-reduce) for Ray Train's controller to log (:mod:`pipeline.train.epoch_logger`).
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """When a run stops before ``train.epochs``: a quality target reached, or a validation plateau.
 
-``train.target`` (``{metric: val_acc, value: 0.865}``) is scored as MLPerf Training does: the
-wall-clock (``elapsed_s``, training and evaluation over resumed segments) to the first evaluation
-that reaches it, read off the history by :func:`time_to_target`. ``train.patience`` stops a run after
-that many evaluations in a row without a new best validation metric. Both are pure functions of the
-history, so a rerun applies them to a checkpoint's history as the workers did (:mod:`pipeline.train.rerun`).
+``train.target`` is scored as MLPerf Training does: the wall-clock (``elapsed_s``) to the first
+evaluation that reaches it (:func:`time_to_target`). ``train.patience`` stops a run after that many
+evaluations without a new best validation metric. Both are pure functions of the history, so a
+rerun applies them to a checkpoint's history as the workers did.
 """
 from __future__ import annotations
 

@@ -70,7 +70,6 @@ class Trainer:
         self.task = make_task(setup.task_name, vocab=train_ds.vocab, **setup.task_state)
         model_config = SATConfig.from_dict(setup.model_config)
         pin = self.device.type == "cuda"
-        # the run's global batches (every rank's), and this rank's share of them
         self.batches = GlobalBatches(split_sampler(job, train_ds, shuffle=True), train.micro_batches_per_step,
                                      per_node=self.task.node_level)
         self.stream = RankStream(self.batches, self.rank, self.world)
@@ -86,7 +85,6 @@ class Trainer:
                      describe(self.capacities["eval"]))
         collator, eval_collator = (BatchCollator(model_config, capacity=self.capacities[kind],
                                                  node_targets=self.task.node_level) for kind in ("train", "eval"))
-        # one iterator serves the whole run, from the stream's start position on
         self.train_loader = make_loader(train_ds, self.stream, collator, train.loader_workers, pin)
         self._train_batches: Optional[Iterator] = None  # made by the first epoch trained, kept for the run
         self.eval_loaders = {split: make_loader(eval_splits[split], eval_samplers[split], eval_collator,
