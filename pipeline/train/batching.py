@@ -136,9 +136,8 @@ def subset_indices(n: int, limit: Optional[int], seed: int) -> Optional[np.ndarr
 
 def split_sampler(job, dataset, shuffle: bool, rank: int = 0, world: int = 1,
                   seed: Optional[int] = None) -> NodeBudgetSampler:
-    """The node-budget batches of one rank over a split of ``job`` (a :class:`pipeline.config.JobConfig`):
-    shuffled per epoch for training (by ``train.seed``, or ``seed``), sorted by size for evaluation
-    (``train.eval_node_budget``, default twice the training budget)."""
+    """The node-budget batches of one rank over a split of ``job``: shuffled per epoch for training (by
+    ``train.seed``, or ``seed``), sorted by size for evaluation (``train.eval_node_budget``, else twice)."""
     train = job.train
     return NodeBudgetSampler(
         np.asarray(dataset.num_nodes),

@@ -80,9 +80,8 @@ def describe(event: dict[str, Any]) -> str:
 
 
 class PreemptionCheck:
-    """Asks the trainer's context every ``every`` global steps whether a node of the worker group is being
-    drained (a collective: every rank asks at the same steps); :meth:`notice` says once per group
-    that one is."""
+    """Asks the trainer's context every ``every`` global steps (a collective) whether a node of the
+    worker group is being drained; :meth:`notice` says it once per group."""
 
     def __init__(self, every: int, ask: Callable[[], Optional[Any]]) -> None:
         self.every, self.ask = int(every), ask

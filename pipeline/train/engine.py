@@ -170,10 +170,6 @@ def optimizer_step(engine, grad_clip: float, clip_here: bool) -> None:
     engine.step()
 
 
-def current_lr(engine) -> float:
-    return float(engine.optimizer.param_groups[0]["lr"])
-
-
 def keep_compile_caches(storage_path: str) -> None:
     """Point Inductor's and Triton's caches at ``<storage_path>/.satp-compile-cache``, so that a rerun
     loads the compiled kernels instead of compiling again (storage behind a URI keeps the defaults)."""

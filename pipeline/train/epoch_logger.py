@@ -19,9 +19,8 @@ log = logging.getLogger(__name__)
 
 
 class RegisteredEpochLogger(UserCallback):
-    """Log rank 0's metrics of each registered report: its steps' losses and worker count (step =
-    global step) and, at an epoch's end, the epoch's metrics (step = epoch) and the plots of the curves
-    (:func:`pipeline.registry.tracking.log_curves`; ``target``: the job's ``train.target``, if any)."""
+    """Log rank 0's metrics of each registered report: its steps' losses and worker count and, at an
+    epoch's end, the epoch's metrics and curves (``target``: the job's ``train.target``, if any)."""
 
     def __init__(self, tracking_uri: str, run_id: str, metric: str, target: Optional[dict[str, Any]] = None) -> None:
         self.tracking_uri, self.run_id, self.metric, self.target = tracking_uri, run_id, metric, target

@@ -1,8 +1,6 @@
-"""Where a run's lease lies (:mod:`pipeline.train.lease`): a file of a local or shared file system
-(:class:`FileRecord`), or an object of an S3 store (:class:`ObjectRecord`), behind one set of
-operations, each atomic where two commands race: ``create`` (only if none exists), ``read``,
-``rewrite`` (only if unchanged since read: a heartbeat) and ``remove_if`` (only if unchanged since
-read: an expired lease taken over, or released)."""
+"""Where a run's lease lies (:mod:`pipeline.train.lease`): a file (:class:`FileRecord`) or an S3
+object (:class:`ObjectRecord`), with the same operations, each atomic where two commands race:
+``create`` (only if none exists), ``read``, ``rewrite`` and ``remove_if`` (only if unchanged since read)."""
 from __future__ import annotations
 
 import dataclasses

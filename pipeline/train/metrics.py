@@ -1,6 +1,5 @@
-"""Training metrics of a worker: accumulated on the device during an epoch, reduced across ranks
-once at its end (a step never reads a value back to the host), plus the collectives that gather
-per-graph predictions for OGB's evaluators on rank 0."""
+"""Training metrics of a worker, accumulated on the device and reduced across ranks once per epoch,
+and the collectives that gather predictions to rank 0."""
 from __future__ import annotations
 
 import time

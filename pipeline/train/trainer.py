@@ -27,8 +27,7 @@ from pipeline.train import elastic, faults, startup, stopping
 from pipeline.train.batching import split_sampler
 from pipeline.train.capacity import describe, run_capacities
 from pipeline.train.context import TrainContext
-from pipeline.train.engine import (build_engine, build_model, clips_outside_deepspeed, current_lr, keep_compile_caches,
-                                   resolve_precision)
+from pipeline.train.engine import build_engine, build_model, clips_outside_deepspeed, keep_compile_caches, resolve_precision
 from pipeline.train.global_batch import GlobalBatches, Position, RankStream
 from pipeline.train.loader import BatchCollator, make_loader, open_split
 from pipeline.train.metrics import EpochMeter, broadcast_from_rank_zero, concat_gathered, gather_objects
@@ -245,7 +244,8 @@ class Trainer:
             if fault and "hold" in fault:
                 faults.maybe_hold(fault, self.world, global_step,
                                   lambda: self.note is not None and self.note.write(global_step, force=True))
-        metrics: dict[str, Any] = {"epoch": epoch, **meter.reduce(device), "lr": current_lr(self.engine),
+        metrics: dict[str, Any] = {"epoch": epoch, **meter.reduce(device),
+                                   "lr": float(self.engine.optimizer.param_groups[0]["lr"]),
                                    "steps": self.state["steps"], "overflow_batches": self.step.overflow}
         if first_epoch and self.rank == 0:
             metrics.update(startup.metrics(self.startup))
