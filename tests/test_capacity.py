@@ -3,10 +3,9 @@ first epoch's batches, at most their largest, one more node and subgraph entry f
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from pipeline.train.batching import NodeBudgetSampler
-from pipeline.train.capacity import batch_totals, bound, choose_capacity, describe, overflow_share
+from pipeline.train.capacity import batch_totals, bound, capacity_for, describe, share_over
 
 
 def test_bound_is_mean_plus_sigmas_at_most_the_largest():
@@ -27,12 +26,10 @@ def test_capacity_of_a_sampler_epoch():
     assert totals["nodes"].tolist() == [int(nodes[b].sum()) for b in batches]
     assert totals["graph_nodes"].tolist() == [int(nodes[b].max()) for b in batches]
     assert totals["subgraph_edges"].tolist() == [11 * int(nodes[b].sum()) for b in batches]
-    wide = choose_capacity(batches, sizes, sigmas=5.0)
+    wide = capacity_for(totals, sigmas=5.0)
     assert wide.nodes == totals["nodes"].max() + 1 and wide.subgraph_entries == totals["subgraph_entries"].max() + 1
     assert wide.graphs == totals["graphs"].max() and wide.graph_nodes == nodes.max()
-    assert overflow_share(batches, sizes, wide) == 0.0
-    tight = choose_capacity(batches, sizes, sigmas=1.0)  # each quantity's mean + 1 sd: some batches over it
-    assert 0.0 < overflow_share(batches, sizes, tight) < 1.0
+    assert share_over(totals, wide) == 0.0
+    tight = capacity_for(totals, sigmas=1.0)  # each quantity's mean + 1 sd: some batches over it
+    assert 0.0 < share_over(totals, tight) < 1.0
     assert "subgraph entries" in describe(tight) and describe(None).startswith("none")
-    with pytest.raises(ValueError, match="no batches"):
-        choose_capacity([], sizes, 5.0)

@@ -189,7 +189,7 @@ def test_lease_holder_killed_is_named_and_taken_over(tmp_path, capfd):
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(lease.LeaseHeld) as refused:
             lease.RunLease(run_dir, "run").acquire()
-        assert str(refused.value).startswith(f"{lease.lease_path(run_dir)}: run 'run' is held by holder on host "
+        assert str(refused.value).startswith(f"{run_dir / lease.LEASE_FILE}: run 'run' is held by holder on host "
                                              f"{socket.gethostname()}, pid {holder.pid}, since "), refused.value
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -202,7 +202,7 @@ def test_lease_holder_killed_is_named_and_taken_over(tmp_path, capfd):
     with lease.RunLease(run_dir, "run") as mine:
         assert mine.holder.pid == os.getpid()
     (line,) = satp_lines(capfd.readouterr().err)
-    assert line.startswith(f"satp: warning: {lease.lease_path(run_dir)}: the lease of run 'run' held by holder on host "), line
+    assert line.startswith(f"satp: warning: {run_dir / lease.LEASE_FILE}: the lease of run 'run' held by holder on host "), line
     assert f"pid {holder.pid}" in line and "its process is no longer running" in line, line
     assert list(run_dir.iterdir()) == []
 
@@ -215,8 +215,8 @@ def test_lease_damaged_is_refused_while_fresh_and_taken_over_once_stale(tmp_path
 
     run_dir = tmp_path / "run"
     with lease.RunLease(run_dir, "run"):
-        data = lease.lease_path(run_dir).read_bytes()
-    path = lease.lease_path(run_dir)
+        data = (run_dir / lease.LEASE_FILE).read_bytes()
+    path = run_dir / lease.LEASE_FILE
     for damaged in (data[: len(data) // 2], data.replace(b'"pid":', b'"pad":')):
         path.write_bytes(damaged)
         with pytest.raises(lease.LeaseHeld) as held:

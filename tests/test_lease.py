@@ -25,21 +25,21 @@ def record(run_dir: Path, **fields) -> Holder:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / "record.tmp"
     tmp.write_bytes(lease.encode(holder))
-    os.replace(tmp, lease.lease_path(run_dir))  # whole, as every writer of a lease writes it
+    os.replace(tmp, run_dir / lease.LEASE_FILE)  # whole, as every writer of a lease writes it
     return holder
 
 
 def test_taken_released_and_taken_again(tmp_path):
     run_dir = tmp_path / "runs" / "r"  # created by the lease
     with RunLease(run_dir, "r") as held:
-        on_file = lease.decode(lease.lease_path(run_dir).read_bytes())
+        on_file = lease.decode((run_dir / lease.LEASE_FILE).read_bytes())
         assert (on_file.pid, on_file.host, on_file.token) == (os.getpid(), socket.gethostname(), held.holder.token)
         assert sorted(p.name for p in run_dir.iterdir()) == [lease.LEASE_FILE]  # no temporary file left
-    assert not lease.lease_path(run_dir).exists()
+    assert not (run_dir / lease.LEASE_FILE).exists()
     with pytest.raises(RuntimeError):
         with RunLease(run_dir, "r"):
             raise RuntimeError("the command failed")
-    assert not lease.lease_path(run_dir).exists()
+    assert not (run_dir / lease.LEASE_FILE).exists()
 
 
 def test_a_holder_on_another_machine_expires_with_its_heartbeat(tmp_path, capfd):
@@ -55,7 +55,7 @@ def test_a_holder_on_another_machine_expires_with_its_heartbeat(tmp_path, capfd)
 
 def _on_file(run_dir: Path):
     try:
-        return lease.decode(lease.lease_path(run_dir).read_bytes())
+        return lease.decode((run_dir / lease.LEASE_FILE).read_bytes())
     except (OSError, ValueError):
         return None
 
@@ -64,7 +64,7 @@ def test_the_heartbeat_refreshes_repairs_and_a_holder_that_lost_its_lease_leaves
                                                                                             capfd):
     monkeypatch.setattr(lease, "HEARTBEAT_S", 0.05)
     run_dir = tmp_path / "r"
-    path = lease.lease_path(run_dir)
+    path = run_dir / lease.LEASE_FILE
     with RunLease(run_dir, "r") as held:
         first = held.holder.heartbeat
         deadline = time.monotonic() + 30

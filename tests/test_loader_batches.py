@@ -234,21 +234,21 @@ def test_shard_sizes_are_the_items_sizes(shards):
 def test_loader_pads_the_batches_that_fit_its_capacity(shards):
     """With a capacity (``train.step`` static, compiled, captured) the loader pads every batch that fits
     to the same shapes and leaves the others (over the capacity: run eagerly) as they come."""
-    from pipeline.train.capacity import choose_capacity, graph_sizes, overflow_share
+    from pipeline.train.capacity import batch_totals, capacity_for, graph_sizes, share_over
     from pipeline.train.cuda_graphs import batch_tensors
     from sat.padding import fits, padding_of
 
     plain = _collator(shards)
     sampler = NodeBudgetSampler(shards.num_nodes, 120, seed=1, bucket_size=8)
     sizes = graph_sizes(shards, subgraphs=plain.config.needs_subgraphs)
-    roomy = choose_capacity(sampler.global_batches(0), sizes, sigmas=5.0)  # every batch fits...
+    roomy = capacity_for(batch_totals(sampler.global_batches(0), sizes), sigmas=5.0)  # every batch fits...
     median_nodes = int(np.median([shards.num_nodes[b].sum() for b in sampler.global_batches(0)]))
     capacity = dataclasses.replace(roomy, nodes=median_nodes + 1)  # ...but those over the median node count
     collator = BatchCollator(plain.config, capacity=capacity, node_targets=shards.manifest["task"] == "pattern")
     batches = list(make_loader(shards, sampler, collator, workers=0, pin_memory=False))
     padded = [b for b in batches if padding_of(b) is not None]
     over = [b for b in batches if padding_of(b) is None]
-    assert padded and over and len(over) == round(overflow_share(sampler.epoch_batches(), sizes, capacity) * len(batches))
+    assert padded and over and len(over) == round(share_over(batch_totals(sampler.epoch_batches(), sizes), capacity) * len(batches))
     assert all(not fits(b, capacity) and b.graph_layout.node_mask is None for b in over)
     shapes = {tuple((tuple(t.shape), t.dtype) for t in batch_tensors(b)) for b in padded}
     assert len(shapes) == 1 and padded[0].num_nodes == capacity.nodes

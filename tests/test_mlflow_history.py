@@ -82,8 +82,7 @@ def test_a_continuation_that_finishes_clears_the_failed_attempt(run, tmp_path):
     values["mlflow"]["tracking_uri"] = uri
     plan = JobPlan.resolve(JobConfig.model_validate(values))
     plan = dataclasses.replace(plan, setup=WorkerSetup(job=plan.job, shard_dir=str(tmp_path), model_config={},
-                                                       task_name="code2", task_state={}, precision="fp32",
-                                                       run_id=run_id, tracking_uri=uri))
+                                                       task_name="code2", task_state={}, run_id=run_id))
     client = mlflow_run.tracking.client(uri)
     mlflow_run.close_finished(plan, {"epoch": 1})
     assert mlflow_run.LAST_ATTEMPT not in client.get_run(run_id).data.tags  # nothing to say after a plain finish

@@ -68,11 +68,11 @@ def test_a_bad_name_is_one_line_in_the_preflight(command, job, key, value, tmp_p
 def test_a_python_caller_is_refused_before_the_lease_is_written(tmp_path):
     """``train_job`` (sweeps' trials, the demo) resolves its plan, and the names, before it writes the lease."""
     from pipeline.config import load_job
-    from pipeline.train.plan import JobPlan
+    from pipeline.train.plan import JobPlan, run_dir
 
     job = load_job(JOB, [f"train.storage_path={tmp_path / 'ray'}", "train.run_name=../escape"])
     with pytest.raises(ValueError, match=r"^train.run_name: '../escape': it leads out of the storage path"):
         JobPlan.resolve(job)
     nested = JobPlan.resolve(load_job(JOB, [f"train.storage_path={tmp_path / 'ray'}", "train.run_name=x/y"]))
-    assert nested.run_dir == tmp_path / "ray" / "x" / "y"
+    assert run_dir(nested.job) == tmp_path / "ray" / "x" / "y"
     assert not any(tmp_path.iterdir())

@@ -61,6 +61,6 @@ def test_the_captured_refusal_on_cpu_advises_eager(tmp_path):
     from pipeline.train.preflight import check_config
 
     with pytest.raises(ValueError) as refused:
-        check_config(_job(tmp_path, step="captured"), task=False)
+        check_config(_job(tmp_path, step="captured"))
     line = str(refused.value)
     assert "on CPU use 'eager' (the default)" in line and "use 'compiled' or 'static'" not in line, line

@@ -37,18 +37,23 @@ BIN = Path(sys.executable).parent
 
 
 def _wait_for_dashboard(address: str, alive, log: Path) -> None:
-    """Until the dashboard at ``address`` answers over HTTP (an authentication error is an answer)."""
+    """Until the dashboard at ``address`` answers over HTTP (an authentication error is an answer)
+    and lists the head node alive (a submit right after ``ray start`` would find no node yet)."""
+    from ray.util.state import list_nodes
+
     deadline = time.time() + 90
     while True:
         try:
             urllib.request.urlopen(f"{address}/api/version", timeout=2).read()
-            return
+            if list_nodes(address=address, filters=[("state", "=", "ALIVE")]):
+                return
         except urllib.error.HTTPError:
             return
-        except OSError:
-            if not alive() or time.time() > deadline:
-                raise RuntimeError(f"the test's Ray head node did not start: {log.read_text()[-2000:]}")
-            time.sleep(1)
+        except Exception:  # not answering yet: OSError, the State API's errors
+            pass
+        if not alive() or time.time() > deadline:
+            raise RuntimeError(f"the test's Ray head node did not start: {log.read_text()[-2000:]}")
+        time.sleep(1)
 
 
 @pytest.fixture(scope="module")

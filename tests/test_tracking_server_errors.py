@@ -108,8 +108,7 @@ def plan(tmp_path, monkeypatch):
         values["mlflow"]["tracking_uri"] = uri
         made = JobPlan.resolve(JobConfig.model_validate(values))
         return dataclasses.replace(made, setup=WorkerSetup(job=made.job, shard_dir=str(tmp_path), model_config={},
-                                                           task_name="code2", task_state={}, precision="fp32",
-                                                           run_id=None, tracking_uri=uri,
+                                                           task_name="code2", task_state={}, run_id=None,
                                                            provenance={"config_hash": "cfg"}))
 
     return at

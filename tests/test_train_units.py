@@ -50,13 +50,11 @@ def test_eval_sampler_covers_every_graph_once():
     assert sorted(seen.tolist()) == list(range(1001))
 
 
-def test_sampler_state_round_trip_and_subset():
+def test_sampler_epochs_are_a_function_of_seed_and_epoch_and_subset():
     s = sizes(500)
     a = NodeBudgetSampler(s, 2000, seed=1)
     a.set_epoch(4)
-    b = NodeBudgetSampler(s, 2000, seed=99)
-    b.load_state_dict(a.state_dict())
-    assert all(np.array_equal(x, y) for x, y in zip(a.epoch_batches(), b.epoch_batches()))
+    assert all(np.array_equal(x, y) for x, y in zip(a.epoch_batches(), NodeBudgetSampler(s, 2000, seed=1).epoch_batches(4)))
     idx = subset_indices(500, 100, seed=0)
     assert len(idx) == 100 and len(set(idx.tolist())) == 100
     assert subset_indices(500, None, 0) is None
@@ -177,7 +175,7 @@ def test_fit_gives_ray_train_the_resolved_backend(monkeypatch, tmp_path):
         job = load_job("jobs/code2.yaml", sets + [f"train.storage_path={tmp_path}", "train.run_name=x",
                                                   "mlflow.enabled=false"])
         setup = WorkerSetup(job=job, shard_dir=str(tmp_path), model_config={}, task_name="code2", task_state={},
-                            precision="auto", run_id=None, tracking_uri=None)
+                            run_id=None)
         with pytest.raises(Stop):
             train_mod._fit(job, setup, None)
         assert seen["torch_config"].backend == backend

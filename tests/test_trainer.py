@@ -152,12 +152,12 @@ out = {"action": decision.action}
 if decision.action != "finished":
     plan = plan.with_setup(provenance=decision.provenance,
                            resume_from=decision.previous.name if decision.action == "resume" else None)
-    context = LocalContext(plan.run_dir)
+    context = LocalContext(plan.checkpoints.named)
     steps = []
     trainer = Trainer(plan.setup, context, on_step=lambda t, global_step: steps.append(global_step))
     out["start_epoch"] = trainer.position.epoch
     trainer.fit()
-    out.update(steps=steps, steps_per_epoch=trainer.batches.steps_per_epoch, run_dir=str(plan.run_dir),
+    out.update(steps=steps, steps_per_epoch=trainer.batches.steps_per_epoch, run_dir=plan.checkpoints.named,
                reports=[[m["epoch"], m["global_step"], m.get("val_acc"), c] for m, c in context.reports])
 print("RESULT " + json.dumps(out))
 '''

@@ -106,7 +106,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     job = load_job(job_path, args.overrides)
     # the pre-flight's first steps before the heavy imports (the job alone, the data root, the
     # --address, this machine for a local cluster): seconds; train_plan runs the rest of it
-    early_checks([job], address=args.address, task=False)
+    early_checks([job], address=args.address)
     report = _divert_ray_output(job)
     _logging()
     resolved = resolve_job(job)
@@ -124,7 +124,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from pipeline.train.plan import JobPlan
         from runtime.ray_logs import RetryNotice
 
-        plan = JobPlan.resolve(job, address=args.address, restart=args.restart, early_checked=True)
+        plan = JobPlan.resolve(job, address=args.address, restart=args.restart)
         notice = RetryNotice(job.train.max_failures, "train.max_failures", str(report))
         outcome = train_plan(plan, register=not args.no_register, lease=lease, callbacks=[notice])
     except KeyboardInterrupt as exc:

@@ -1,23 +1,11 @@
 """Batches built to a node budget with size bucketing, sharded over ranks.
 
-Dense attention pads every graph of a batch to the batch's largest graph, so a
-batch costs ``len(batch) x max(n)`` node slots and ``len(batch) x max(n)^2``
-attention cells. Batches here are built to a budget of padded node slots from
-graphs of similar size: each epoch the split is shuffled with ``seed + epoch``,
-cut into buckets of ``bucket_size`` graphs, each bucket sorted by size and cut
-greedily into batches, and the batch order shuffled again. A graph larger than
-the budget gets a batch of its own: large graphs are never dropped.
-
-Training: :meth:`NodeBudgetSampler.global_batches` is the epoch's one sequence of batches, which
-:mod:`pipeline.train.global_batch` cuts into optimizer steps of ``train.micro_batches_per_step``
-micro-batches and deals to the ranks. Dealt by the sampler itself (``rank``, ``world_size``), each
-rank gets the same number of batches per epoch, fixed at the first epoch's
-``len(batches) // world_size`` (later epochs trim or repeat a few): the per-rank batches over which
-BatchNorm's statistics are recomputed (:mod:`pipeline.train.precise_bn`).
-
-Evaluation: the batches are cut from the split sorted by size (least padding,
-deterministic) and dealt round-robin; ranks may get different counts (no
-collective runs per evaluation step) and nothing is dropped.
+Dense attention pads every graph of a batch to its largest. Each epoch the split is shuffled with
+``seed + epoch``, cut into buckets of ``bucket_size`` graphs, each sorted by size and cut greedily
+into batches within the budget of padded node slots, and the batch order shuffled again; a graph
+over the budget gets a batch of its own. Training cuts :meth:`NodeBudgetSampler.global_batches` into
+steps (:mod:`pipeline.train.global_batch`); evaluation batches are cut from the split sorted by size
+and dealt round-robin, nothing dropped.
 """
 from __future__ import annotations
 
@@ -29,11 +17,8 @@ import numpy as np
 def pack(order: np.ndarray, sizes: np.ndarray, node_budget: int, max_graphs: Optional[int] = None) -> list[np.ndarray]:
     """Cut ``order`` (graph indices, sorted by size, ascending) greedily into batches of at most
     ``node_budget`` padded node slots (graphs x largest graph) and ``max_graphs`` graphs; a graph
-    larger than the budget gets a batch of its own.
-
-    Sorted, a batch's last graph is its largest, and its slots grow with every graph added, so a
-    batch is the longest run from its first graph whose slots fit: one vectorised test per batch
-    (the epoch's batches are cut in the main process, at the start of every epoch)."""
+    larger than the budget gets a batch of its own. Sorted, a batch is the longest run from its first
+    graph whose slots fit: one vectorised test per batch."""
     ordered = np.asarray(sizes, dtype=np.int64)[order]
     if ordered.size > 1 and bool((ordered[1:] < ordered[:-1]).any()):
         raise ValueError("pack needs the graphs sorted by size")
@@ -69,13 +54,9 @@ def padding_stats(batches: Sequence[np.ndarray], sizes: np.ndarray) -> dict[str,
 
 
 class NodeBudgetSampler:
-    """Per-rank batch sampler: yields the graph ids of a batch at a time (an array), the sampler of
-    a ``torch.utils.data.DataLoader`` with ``batch_size=None`` over a dataset indexed by whole
-    batches (:class:`pipeline.train.loader.GraphBatches`).
-
-    Its whole state is ``(seed, epoch)``: the batches of an epoch are a pure
-    function of them, which is what a checkpoint stores (``state_dict``).
-    """
+    """Per-rank batch sampler: yields a batch's graph ids at a time (the sampler of a DataLoader with
+    ``batch_size=None`` over :class:`pipeline.train.loader.GraphBatches`). The batches of an epoch
+    are a pure function of ``(seed, epoch)``."""
 
     def __init__(
         self,
@@ -90,8 +71,6 @@ class NodeBudgetSampler:
         max_graphs: Optional[int] = None,
         indices: Optional[np.ndarray] = None,
     ) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world of {world_size}")
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.indices = np.arange(len(self.sizes)) if indices is None else np.asarray(indices, dtype=np.int64)
         if len(self.indices) == 0:
@@ -105,17 +84,9 @@ class NodeBudgetSampler:
         if shuffle:
             self._per_rank = max(1, len(self.global_batches(0)) // world_size)
 
-    # -- state ---------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
-    def state_dict(self) -> dict:
-        return {"seed": self.seed, "epoch": self.epoch}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
-
-    # -- batches -------------------------------------------------------------
     def global_batches(self, epoch: int) -> list[np.ndarray]:
         """Every rank's batches of ``epoch`` before they are dealt (training: before the count per rank
         is evened out): what the fixed batch capacities are measured on (:mod:`pipeline.train.capacity`)."""
@@ -165,9 +136,8 @@ def subset_indices(n: int, limit: Optional[int], seed: int) -> Optional[np.ndarr
 
 def split_sampler(job, dataset, shuffle: bool, rank: int = 0, world: int = 1,
                   seed: Optional[int] = None) -> NodeBudgetSampler:
-    """The node-budget batches of one rank over a split of ``job`` (a :class:`pipeline.config.JobConfig`):
-    shuffled per epoch for training (by ``train.seed``, or ``seed``), sorted by size for evaluation
-    (``train.eval_node_budget``, default twice the training budget)."""
+    """The node-budget batches of one rank over a split of ``job``: shuffled per epoch for training (by
+    ``train.seed``, or ``seed``), sorted by size for evaluation (``train.eval_node_budget``, else twice)."""
     train = job.train
     return NodeBudgetSampler(
         np.asarray(dataset.num_nodes),

@@ -1,15 +1,10 @@
 """Fixed batch capacities, chosen from the data: the shapes a static, compiled or captured step is
 built for (``train.step``; :mod:`sat.padding`).
 
-The sampler's batches of an epoch are a pure function of its seed and the graphs' node counts
-(:mod:`pipeline.train.batching`), and the shards record every graph's edge and subgraph counts, so
-every quantity a padded batch has a capacity for is known for every batch of the first epoch
-before anything is decoded: graphs, nodes, edges, the largest graph, k-subgraph entries and
-edges. Each capacity is the mean plus ``train.capacity_sigmas`` standard deviations of that
-quantity over the batches (NVIDIA's MLPerf GNN code: 5), at most its largest value: the rare
-batch above (one huge graph, a batch of many tiny ones) runs eagerly instead of making every
-step pay for it. Nodes and subgraph entries get one more, for the padding row or entry that
-padding edges need.
+Each capacity is the mean plus ``train.capacity_sigmas`` standard deviations of its quantity over
+the first epoch's batches, known before anything is decoded (NVIDIA's MLPerf GNN code: 5), at most
+its largest: a rare batch above runs eagerly instead of making every step pay for it. Nodes and
+subgraph entries get one more, for the padding row.
 """
 from __future__ import annotations
 
@@ -27,16 +22,9 @@ SUMMED = {"nodes": "num_nodes", "edges": "edge_index", "subgraph_entries": "subg
 
 def graph_sizes(dataset, subgraphs: bool) -> dict[str, np.ndarray]:
     """Every graph's node and edge counts (and k-subgraph entries and edges when ``subgraphs``),
-    from a :class:`preprocessing.reader.ShardDataset`'s offsets, or from the items of an in-memory
-    dataset (a list of graphs)."""
+    from a :class:`preprocessing.reader.ShardDataset`'s offsets."""
     columns = [c for field, c in SUMMED.items() if subgraphs or not field.startswith("subgraph")]
-    sizes_of = getattr(dataset, "sizes", None)
-    if sizes_of is not None:
-        return {c: np.asarray(sizes_of(c), dtype=np.int64) for c in columns}
-    items = [dataset[i] for i in range(len(dataset))]
-    axis = {"num_nodes": None, "edge_index": 1, "subgraph_node_index": 0, "subgraph_edge_index": 1}
-    return {c: np.asarray([g.num_nodes if axis[c] is None else getattr(g, c).size(axis[c]) for g in items],
-                          dtype=np.int64) for c in columns}
+    return {c: np.asarray(dataset.sizes(c), dtype=np.int64) for c in columns}
 
 
 def batch_totals(batches: Sequence[np.ndarray], sizes: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -56,16 +44,9 @@ def bound(values: np.ndarray, sigmas: float) -> int:
     return int(min(values.max(), math.ceil(values.mean() + sigmas * values.std())))
 
 
-def choose_capacity(batches: Sequence[np.ndarray], sizes: dict[str, np.ndarray], sigmas: float) -> Capacity:
-    """The :class:`~sat.padding.Capacity` for ``batches`` (graph id arrays, e.g. a sampler's first
-    epoch) of graphs of ``sizes`` (:func:`graph_sizes`); see the module docstring."""
-    if not len(batches):
-        raise ValueError("choose_capacity: no batches to measure")
-    return capacity_for(batch_totals(batches, sizes), sigmas)
-
-
 def capacity_for(totals: dict[str, np.ndarray], sigmas: float) -> Capacity:
-    """The capacity for batches of these :func:`batch_totals` (those of several splits concatenated)."""
+    """The :class:`~sat.padding.Capacity` for batches of these :func:`batch_totals` (those of several
+    splits concatenated); see the module docstring."""
     subgraphs = "subgraph_entries" in totals
     return Capacity(
         nodes=bound(totals["nodes"], sigmas) + 1,
@@ -77,15 +58,8 @@ def capacity_for(totals: dict[str, np.ndarray], sigmas: float) -> Capacity:
     )
 
 
-def overflow_share(batches: Sequence[np.ndarray], sizes: dict[str, np.ndarray], capacity: Capacity) -> float:
-    """The share of ``batches`` that exceed ``capacity`` (they run eagerly)."""
-    if not len(batches):
-        return 0.0
-    return _share_over(batch_totals(batches, sizes), capacity)
-
-
-def _share_over(totals: dict[str, np.ndarray], capacity: Capacity) -> float:
-    """The share of the batches of these :func:`batch_totals` that exceed ``capacity``."""
+def share_over(totals: dict[str, np.ndarray], capacity: Capacity) -> float:
+    """The share of the batches of these :func:`batch_totals` that exceed ``capacity`` (they run eagerly)."""
     count = len(totals["graphs"])
     return float(np.mean([bool(capacity.shortfall(**{k: int(v[i]) for k, v in totals.items()})) for i in range(count)]))
 
@@ -104,10 +78,8 @@ def describe(capacity: Optional[Capacity]) -> str:
 def run_capacities(job, config, train_split: tuple,
                    eval_splits: Sequence[tuple]) -> tuple[dict[str, Optional[Capacity]], float]:
     """The training and evaluation capacities of a run whose ``train.step`` pads batches (else
-    ``None`` each), and the share of the first epoch's training batches over the training capacity
-    (they run eagerly): over the training sampler's first epoch, and over the evaluation splits'
-    batches. ``train_split`` and each of ``eval_splits``: ``(dataset, sampler)`` (every rank's
-    batches are measured, so that every rank pads to the same capacity)."""
+    ``None`` each), and the share of the first epoch's training batches over the training capacity.
+    ``train_split`` and each of ``eval_splits``: ``(dataset, sampler)``, every rank's batches measured."""
     from pipeline.train.step import pads_batches
 
     if not pads_batches(job.train.step):
@@ -122,4 +94,4 @@ def run_capacities(job, config, train_split: tuple,
     train_totals = totals(*train_split)
     train = capacity_for(train_totals, sigmas)
     return ({"train": train, "eval": capacity_for(merged, sigmas) if merged is not None else None},
-            _share_over(train_totals, train))
+            share_over(train_totals, train))

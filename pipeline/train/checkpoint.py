@@ -1,34 +1,20 @@
 """Checkpoints (at epoch ends, every ``train.checkpoint_every_steps`` steps, on a preemption notice):
 DeepSpeed engine state + the loop's state + the best weights.
 
-Layout of a checkpoint directory (each rank writes its own files into a local folder, :func:`save`,
-then :meth:`CheckpointManager.write` copies them into the run's storage; the ranks' parts make one
-directory there, which Ray Train registers once every rank has reported it)::
+Each rank writes its part into a local folder (:func:`save`), then :meth:`CheckpointManager.write`
+copies it into the run's storage, where the parts make one directory::
 
     ds/latest, ds/<tag>/...   DeepSpeed engine: module, optimizer (per ZeRO rank), lr scheduler
     best_model.pt             rank 0: fp32 state dict of the best epoch by validation
-    state.json                rank 0: last epoch done, global step, the position in the epoch's
-                              sequence (pipeline.train.global_batch.Position), wall-clock,
-                              best-so-far, metric history, MLflow run id, model config, task,
-                              world size (the ranks that wrote parts), worker-group events
-    rank_<r>.json             every rank, written last: its files, their sizes and sha256 digests
+    state.json                rank 0: epoch, global step, position, wall-clock, best, history,
+                              MLflow run id, model config, task, world size, events, provenance
+    rank_<r>.json             every rank, written last: its files' sizes and sha256 digests
 
-:class:`CheckpointManager` is the one place that writes, verifies, lists, picks and prunes the
-checkpoints of a run folder, over a ``pyarrow.fs`` file system (:func:`runtime.storage.resolve`: a
-local folder or an object store alike). A checkpoint is resumed from only when
-:meth:`~CheckpointManager.verify` finds it whole: every rank's list is there, and every file it lists
-has the size and the digest recorded when it was written. That catches a part never written (a rank
-killed, or the run interrupted, between the upload and Ray Train's registration), a file cut short
-(a disk error, a copy stopped half-way) and one changed since (a flipped bit, an overwrite). What fails
-is named in one warning line, once per run, and the newest intact checkpoint is used instead.
-
-The copy into storage is satp's, not Ray Train's upload, so that a full disk ends the run: a worker
-whose upload fails is a failed worker, which Ray Train restarts ``max_failures`` times, each attempt
-leaving another partial checkpoint on the disk that is full. Here every rank copies its part, the
-ranks compare outcomes, and on any failure rank 0 removes the partial checkpoint and all ranks raise
-together: :class:`StorageFull` when the disk (or a quota) is full, which the workers' entry turns into
-the end of the run (:func:`pipeline.train.driver.worker_main`), else the ``OSError`` (a worker
-failure, retried as before). The checkpoint is then reported to Ray Train as it lies in storage.
+:class:`CheckpointManager` is the one place that writes, verifies, lists, picks and prunes a run
+folder's checkpoints (a local folder or an object store alike); one is resumed from only when
+:meth:`~CheckpointManager.verify` finds it whole. The copy is satp's, not Ray Train's upload, so a
+full disk ends the run (:class:`StorageFull` on every rank, the partial checkpoint removed) instead
+of being retried ``max_failures`` times.
 """
 from __future__ import annotations
 
@@ -117,11 +103,6 @@ def load_best_weights(directory: str | Path) -> Optional[dict]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def checkpoint_name() -> str:
-    """A new checkpoint's directory name, as Ray Train names its own (``checkpoint_<date>_<time>``)."""
-    return f"{PREFIX}{datetime.datetime.now().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
-
-
 def checkpoint_at(path: str, storage: Optional[StorageSettings] = None) -> tuple["CheckpointManager", str]:
     """The manager of the run folder that holds checkpoint ``path`` (a path or a URI), and its name."""
     run, name = str(path).rstrip("/").rsplit("/", 1)
@@ -130,10 +111,8 @@ def checkpoint_at(path: str, storage: Optional[StorageSettings] = None) -> tuple
 
 class CheckpointManager:
     """The checkpoints of one run folder ``run`` (a path, a URI or a :class:`~runtime.storage.Location`;
-    ``storage``: the job's settings of a URI's store).
-
-    ``damaged``: what was named damaged already (problem -> which checkpoint; the driver's, handed to
-    the workers), so that each damaged checkpoint is named once per run, not once per process."""
+    ``storage``: the job's settings of a URI's store). ``damaged``: what was named damaged already
+    (the driver's, handed to the workers), so each is named once per run."""
 
     def __init__(self, run: str | os.PathLike | Location, damaged: Optional[dict[str, str]] = None,
                  storage: Optional[StorageSettings] = None) -> None:
@@ -153,13 +132,13 @@ class CheckpointManager:
     # ------------------------------------------------------------------ write
     def write(self, local: str | Path, rank: int, epoch: int, after_file: Optional[Callable[[int], None]] = None) -> str:
         """Copy this rank's part of a checkpoint (``local``, written by :func:`save`) into a new
-        directory of the run; return its name. A collective: every rank calls it, and all return, or
-        all raise (see the module docstring). ``after_file``: called with the count of files copied
-        so far (a test hook: :func:`pipeline.train.faults.pause_in_checkpoint`)."""
+        directory of the run; return its name. A collective: all ranks return, or all raise.
+        ``after_file``: a test hook (:func:`pipeline.train.faults.pause_in_checkpoint`)."""
         from pipeline.train.metrics import broadcast_from_rank_zero, gather_objects
 
         local = Path(local)
-        name = broadcast_from_rank_zero(checkpoint_name() if rank == 0 else None)
+        # named as Ray Train names its own (checkpoint_<date>_<time>)
+        name = broadcast_from_rank_zero(f"{PREFIX}{datetime.datetime.now():%Y-%m-%d_%H-%M-%S.%f}" if rank == 0 else None)
         problem, relative = None, ""
         try:
             rank_file = RANK_FILE.format(rank=rank)
@@ -224,8 +203,7 @@ class CheckpointManager:
 
     def verify(self, name: str) -> Optional[str]:
         """None when checkpoint ``name`` is whole (see the module docstring), else what is wrong, one
-        line that starts with the file concerned. A checkpoint written before satp listed the ranks'
-        files counts by its state; one listing sizes only (before digests) by its sizes."""
+        line that starts with the file concerned. A listing of sizes only is checked by size."""
         state_path = self.path(name, STATE_FILE)
         try:
             state = json.loads(self.location.join(name, STATE_FILE).read_bytes())
@@ -251,11 +229,9 @@ class CheckpointManager:
 
     def newest_intact(self, first: Optional[list[str]] = None, warn: bool = True) -> Optional[str]:
         """The checkpoint to resume from: the newest of ``first`` (Ray Train's registered one, the
-        driver's choice; a tie goes to the first) if it verifies, else the run's newest intact one
-        (Ray Train resumes from the last checkpoint it registered; a run interrupted after its workers
-        wrote newer ones has those too, unregistered: they count as well, so a rerun loses no epoch).
-        One that fails is never used, and (``warn``) named in one ``satp: warning:`` line with the
-        checkpoint used instead, unless named before. None: none is intact."""
+        driver's choice) if it verifies, else the run's newest intact one, registered or not, so a
+        rerun loses no epoch. One that fails is (``warn``) named once in a ``satp: warning:`` line
+        with the checkpoint used instead. None: none is intact."""
         if first:
             newest = max(first, key=self.progress)
             if self.verify(newest) is None:
@@ -303,14 +279,14 @@ class CheckpointManager:
     # ------------------------------------------------------------------ delete
     def prune(self, keep: Optional[str] = None) -> list[str]:
         """Delete the run's checkpoints that Ray's record does not list (an interrupted run's
-        uploads, complete or not), except ``keep`` (the one a rerun resumes from, until Ray registers
-        a newer one); return their names. Ray prunes only what it registered, so without this they
-        would stay for good, beyond ``train.checkpoints_to_keep``. Without Ray's record (a run of
-        another Ray, or none yet) nothing is deleted."""
+        uploads, which Ray never prunes), except ``keep`` (the one a rerun resumes from); return their
+        names. Without Ray's record nothing is deleted."""
         import logging
 
+        import pyarrow.fs as pafs
+
         registered = set(self.registered())
-        if not registered and not self._exists(self._at(SNAPSHOT)):
+        if not registered and self.fs.get_file_info(self._at(SNAPSHOT)).type == pafs.FileType.NotFound:
             return []
         removed = sorted(n for n in self.list() if n not in registered and n != keep)
         for name in removed:
@@ -345,11 +321,6 @@ class CheckpointManager:
                 self.fs.delete_file(info.path)
 
     # ------------------------------------------------------------------ file system
-    def _exists(self, path: str) -> bool:
-        import pyarrow.fs as pafs
-
-        return self.fs.get_file_info(path).type != pafs.FileType.NotFound
-
     def _delete(self, name: str) -> None:
         with contextlib.suppress(OSError):
             self.fs.delete_dir(self._at(name))

@@ -1,10 +1,6 @@
 """Where a :class:`~pipeline.train.trainer.Trainer` runs: its rank, its device, the run's checkpoints,
-and whom it reports to. One small interface, two places:
-
-* :class:`RayContext`: a Ray Train worker (``ray.train.get_context``; its reports and checkpoints go to
-  Ray Train's controller, which registers them and resumes a restarted group from the last one);
-* :class:`LocalContext`: one process, no Ray (tests, benchmarks, a laptop's debugger): a gloo process
-  group of one for DeepSpeed, reports kept in :attr:`LocalContext.reports`.
+and whom it reports to: :class:`RayContext` (a Ray Train worker) or :class:`LocalContext` (one
+process, no Ray: a gloo group of one for DeepSpeed, reports kept in :attr:`LocalContext.reports`).
 """
 from __future__ import annotations
 
@@ -78,9 +74,9 @@ class RayContext(TrainContext):
 
 
 class LocalContext(TrainContext):
-    """One process, no Ray: rank 0 of 1 on ``device`` (default the CPU; a job with
-    ``resources.use_gpu`` gives a CUDA device), the run's checkpoints in ``run_dir``; each report is kept in :attr:`reports`
-    (``(metrics, checkpoint name)``) and the last one is what a new trainer in this context restores."""
+    """One process, no Ray: rank 0 of 1 on ``device`` (default the CPU), the run's checkpoints in
+    ``run_dir``; each report is kept in :attr:`reports` (``(metrics, checkpoint name)``), the last
+    one what a new trainer in this context restores."""
 
     def __init__(self, run_dir: str | os.PathLike, device: Optional[torch.device] = None) -> None:
         self.rank, self.world = 0, 1

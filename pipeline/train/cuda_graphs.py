@@ -1,38 +1,17 @@
 """Training and evaluation steps captured as CUDA graphs (``train.step: captured``).
 
-A training step of SAT launches ~1,200-1,800 kernels from Python; on an H100/H200 the host takes
-~50 ms to issue them while the kernels take 10-13 ms. Over batches padded to fixed capacities
-(:mod:`sat.padding`) every kernel of a step has the same shapes and the same input addresses, so
-the step can be recorded once as a CUDA graph and replayed: one launch per step (the recipe of
-PyTorch's "whole network capture" and of NVIDIA's MLPerf GNN code).
+On a GPU a step of SAT costs what the host takes to launch its kernels. Over batches padded to fixed
+capacities (:mod:`sat.padding`) every kernel has the same shapes and input addresses, so the step is
+recorded once as a CUDA graph and replayed: one launch. Captured, per kind of batch: the training
+forward under the engine's autocast, the scaled loss and ``backward()`` (not DeepSpeed's wrappers,
+whose host code a replay would skip; the all-reduce and ``engine.step()`` run eagerly around it,
+:meth:`pipeline.train.step.TrainStep.finish`), and the evaluation forward.
 
-What is captured, per kind of batch (the training capacity and the evaluation capacity):
-
-* training: the module's forward under the engine's autocast (``cache_enabled=False``, as CUDA
-  graphs require), the task's loss times the micro-batch's scale (a one-element device tensor the
-  graph reads, filled before each replay: :mod:`pipeline.train.global_batch`), and
-  ``backward()``. Not DeepSpeed's ``engine.forward`` / ``engine.backward`` wrappers: they run host
-  code per call (timers, hooks that scale the loss), which a replay would skip. What they do for a
-  ZeRO-0 bf16/fp32 engine is done around the replay instead, once per step
-  (:meth:`pipeline.train.step.TrainStep.finish`): the gradients are all-reduced eagerly by
-  ``engine.allreduce_gradients()`` (several ranks), then :func:`pipeline.train.engine.optimizer_step`
-  clips them and calls ``engine.step()`` (fused AdamW, zeroed gradients, the lr schedule, DeepSpeed's
-  step counters): ~10-20 launches, none of them per parameter.
-* evaluation: the module's forward in evaluation mode, without gradients.
-
-Inputs are the tensors of the batch used for the capture (its attributes and its layout's index
-tensors, :meth:`sat.layout.GraphLayout.tensors`): each new padded batch is copied into them (from
-pinned memory, without blocking) before the replay. Outputs (the model's output and the loss) are
-the graph's own tensors, overwritten by the next replay: the training loop reads them at once.
-The gradients are the graph's tensors too: ``engine.step()`` sets ``param.grad = None`` (DeepSpeed's
-zero_grad), so they are attached again after every replay. A replay overwrites them: a rank that
-accumulates several micro-batches in a step sums them into buffers of its own (one foreach copy or
-add per micro-batch), which become the gradients after its last one.
-
-Before the capture the step runs three times on a side stream (PyTorch's requirement: lazy
-initialisation, cuDNN/cuBLAS workspaces, ``torch.compile``'s compilation); BatchNorm's running
-statistics are restored afterwards and the gradients cleared, so the warm-up trains nothing.
-fp16 (a loss scaler on the host) and ZeRO stages above 0 (gradient hooks) are refused in one line.
+Each padded batch is copied into the captured batch's tensors before a replay; outputs and gradients
+are the graph's own tensors, overwritten by the next replay (several micro-batches' gradients are
+summed apart, and attached again after each step: DeepSpeed's zero_grad sets them to None). The
+capture follows :data:`WARMUP_STEPS` steps on a side stream, after which BatchNorm's statistics are
+restored. fp16 (a host-side loss scaler) and ZeRO stages above 0 (gradient hooks) are refused.
 """
 from __future__ import annotations
 
@@ -139,10 +118,9 @@ class CapturedSteps:
         return _Graph(graph, batch_tensors(static), outputs if isinstance(outputs, tuple) else (outputs,))
 
     def train(self, batch: Any, scale: float = 1.0, index: int = 0, count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward, loss (scaled by ``scale`` for the backward pass) and backward of a padded batch,
-        replayed: micro-batch ``index`` of this rank's ``count`` in the step. After the last one the
-        parameters hold the step's gradients; the caller then reduces them and steps the optimizer
-        (:meth:`pipeline.train.step.TrainStep.finish`)."""
+        """Forward, loss (scaled by ``scale``) and backward of a padded batch, replayed: micro-batch
+        ``index`` of this rank's ``count`` in the step. After the last one the parameters hold the
+        step's gradients (:meth:`pipeline.train.step.TrainStep.finish` then reduces and steps)."""
         if self._train is None:
             self._train = self._capture(self._forward_backward, batch, training=True)
         self._scale.fill_(scale)

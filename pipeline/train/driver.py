@@ -1,42 +1,18 @@
 """Distributed training, the driver side: :func:`train_plan` checks a job, builds and fits the trainer.
 
-:func:`train_job` is the reusable entry point (the demo, Tune trials and Python callers); it
-resolves the job into a :class:`~pipeline.train.plan.JobPlan` once and hands it to
-:func:`train_plan`, which ``satp train`` calls with the plan it built. In order, each step before
-the costly ones:
+:func:`train_job` (the demo, Tune trials, Python callers) resolves the job into a
+:class:`~pipeline.train.plan.JobPlan` and hands it to :func:`train_plan`, which ``satp train``
+calls with the plan it built. In order, each step before the costly ones: the run's lease
+(:mod:`pipeline.train.lease`); the plan's decision before the data (a conflict stops here, a
+finished run whose shards exist needs no Ray) and the tracking store
+(:func:`pipeline.train.mlflow_run.check_tracking_store`); Ray and its resources
+(:func:`pipeline.train.preflight.connect_and_check`); the data (:func:`prepare_data`,
+:meth:`~pipeline.train.plan.JobPlan.with_shards`); the decision on the shards (restart, resume or
+finished); the MLflow run, then Ray Train's ``TorchTrainer`` (:func:`worker_main`);
+only when the fit succeeded, the best model registered.
 
-0. the run's lease (:mod:`pipeline.train.lease`), held to the end: a second command of the same run
-   name stops here, in one line naming the one that holds it;
-1. :func:`pipeline.train.preflight.early_checks`: the job alone, its data root, the Ray address;
-   then the plan's decision (:meth:`pipeline.train.plan.JobPlan.decision`, before the data): a run
-   name that holds a checkpoint of another configuration stops here, a finished one whose shards
-   exist needs no Ray; a tracking store that
-   does not know the MLflow run the run's checkpoints log to stops here too
-   (:func:`pipeline.train.mlflow_run.check_tracking_store`); then
-   :func:`pipeline.train.preflight.connect_and_check`: Ray connected, its resources against the
-   request;
-2. :func:`prepare_data` (the preprocessing stage; reuses finished shards) and
-   :meth:`JobPlan.with_shards <pipeline.train.plan.JobPlan.with_shards>`: the model against
-   the shards' features, the model built once;
-3. the plan's decision again, on the shards: what the run name already holds. A run of
-   another configuration is never resumed into; a finished run of the same
-   configuration is not trained or registered again (its model is reported);
-4. the MLflow run (:mod:`pipeline.train.mlflow_run`), then a Ray Train V2
-   ``TorchTrainer`` whose workers run :func:`pipeline.train.worker.worker_loop` (a
-   :class:`~pipeline.train.trainer.Trainer` in a Ray Train context);
-5. only when the fit succeeded: the best model logged and registered, with the
-   configuration hash and commits its checkpoint recorded.
-
-The workers (:mod:`pipeline.train.trainer`) train, evaluate, checkpoint and report every
-epoch; Ray Train's controller logs each epoch to MLflow once it has registered
-the epoch's checkpoint (:mod:`pipeline.train.epoch_logger`). A retry after a worker or a node was lost
-(``FailureConfig``), and a resize of an elastic run (``resources.num_workers: [min, max]``: Ray Train's
-elastic scaling, :mod:`pipeline.train.elastic`), resume from the newest checkpoint, in the same MLflow run. A full disk under
-``train.storage_path`` is not retried: the run ends with one line (:func:`worker_main`, :func:`_fit`).
-A failed attempt marks its own MLflow run FAILED, except a run that had
-FINISHED before (a continuation with more epochs): it stays FINISHED, with the
-failure in its ``satp.last_attempt`` tag, since its registered versions are
-sound.
+A retry after a lost worker or node and a resize of an elastic run resume from the newest checkpoint
+in the same MLflow run; a full disk under ``train.storage_path`` ends the run (:func:`worker_main`).
 """
 from __future__ import annotations
 
@@ -45,14 +21,14 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.config import JobConfig
 from pipeline.train import checkpoint as ckpt
 from pipeline.train import mlflow_run, rerun, startup
-from pipeline.train.plan import JobPlan, run_checkpoints, store_env
-from pipeline.train.worker import worker_loop
+from pipeline.train.plan import JobPlan, store_env
 from pipeline.train.worker_setup import WorkerSetup
 from runtime.command import command_pid
 
@@ -89,9 +65,6 @@ def prepare_data(job: JobConfig, address: Optional[str] = None) -> Path | str:
     import preprocessing
     from pipeline.console import show_progress
 
-    for section in ("data", "transform", "shards"):
-        if not hasattr(job, section):
-            raise ValueError(f"job {job.name!r} has no {section!r} section (preprocessing not configured)")
     log.info("preprocessing: %s into %s", job.data.name, job.shards.root)
     return preprocessing.preprocess(job.data, job.transform, job.shards, address=address, progress=show_progress(),
                                     storage=job.storage.settings())
@@ -119,20 +92,17 @@ def train_job(
         register: log and register the best model at the end (``mlflow.registered_model``,
             default ``sat-<task>``). Never happens when the fit fails.
         callbacks: Ray Train ``UserCallback``s (e.g. Tune's ``TuneReportCallback``).
-        fault: test hook, kill one worker once: ``{"rank", "epoch", "step", "marker"}``, or signal the
-            driver after a checkpoint: ``{"signal", "pid", "epoch", "marker"}`` (default: the JSON in
-            ``$SATP_TEST_FAULT``, for tests that run the ``satp`` command).
-        restart: start the run name over when it holds a checkpoint of another configuration
-            (or of this one): its checkpoints are deleted, its MLflow run is detached from it.
-        started_at: wall-clock time the run's start-up counts from (default: when this process
-            started; a sweep's trial, which runs in a process started earlier, gives its own start).
+        fault: a test hook (:mod:`pipeline.train.faults`; default: the JSON in ``$SATP_TEST_FAULT``).
+        restart: start the run name over (its checkpoints deleted, its MLflow run detached from it).
+        started_at: wall-clock time the run's start-up counts from (default: when this process started).
 
-    A rerun with the same ``train.run_name`` and ``train.storage_path`` resumes from the
-    last checkpoint and logs into the same MLflow run, if the configuration is the same
-    (:mod:`pipeline.train.rerun`); raises :class:`pipeline.train.rerun.RerunConflict` otherwise.
+    A rerun of the same run name resumes from its last checkpoint in the same MLflow run if the
+    configuration is the same, else raises :class:`pipeline.train.rerun.RerunConflict`.
     """
     from pipeline.train.lease import WAIT_S
+    from pipeline.train.preflight import early_checks
 
+    early_checks([job], address=address)
     return train_plan(JobPlan.resolve(job, address=address, restart=restart), shard_dir=shard_dir, register=register,
                       callbacks=callbacks, fault=fault, lease_wait_s=WAIT_S, started_at=started_at)
 
@@ -140,14 +110,14 @@ def train_job(
 def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, register: bool = True,
                callbacks: Optional[list] = None, fault: Optional[dict] = None, lease_wait_s: float = 0.0,
                started_at: Optional[float] = None, lease=None) -> TrainOutcome:
-    """:func:`train_job` of a job resolved into ``plan`` (``satp train`` builds it at the edge), under
-    the run's lease (:mod:`pipeline.train.lease`): ``lease``, the one the caller holds, else taken
+    """:func:`train_job` of a job resolved into ``plan`` whose :func:`~pipeline.train.preflight.early_checks`
+    passed (``satp train`` runs them at the edge), under the run's lease (:mod:`pipeline.train.lease`): ``lease``, the one the caller holds, else taken
     here; another command holding it is an error (a one-line :class:`~pipeline.train.lease.LeaseHeld`)
     unless it expires within ``lease_wait_s``."""
     from pipeline.train.lease import RunLease
     from runtime.interrupts import deferred
 
-    taken = None if lease is not None else RunLease(plan.run_dir, plan.job.train.run_name,
+    taken = None if lease is not None else RunLease(plan.checkpoints.named, plan.job.train.run_name,
                                                     storage=plan.job.storage.settings()).acquire(lease_wait_s)
     try:
         return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault,
@@ -161,14 +131,12 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
 def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], register: bool, callbacks: Optional[list],
                        fault: Optional[dict], started_at: Optional[float]) -> TrainOutcome:
     from pipeline import pyg_templates
-    from pipeline.train.preflight import connect_and_check, early_checks
+    from pipeline.train.preflight import connect_and_check
 
     pyg_templates.install()
     # start-up events (pipeline.train.startup)
-    marks = {"command": started_at or startup.process_started(command_pid()), "plan": startup.now()}
+    marks = {"command": started_at or startup.process_started(command_pid()), "plan": time.time()}
     job, train = plan.job, plan.job.train
-    if not plan.early_checked:
-        early_checks([job], address=plan.address, task=False)  # the task was resolved with the plan
     plan = plan.examine()  # what the run name holds, found once (the lease keeps other commands from changing it)
     early = plan.decision()
     if job.mlflow.enabled and not plan.restart:
@@ -176,10 +144,10 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
     if early is not None and early.action == "finished" and shard_dir is None:  # no Ray started
         return _already_finished(plan.with_shards(rerun.job_shard_dir(job)), early, register)
     connect_and_check([job], address=plan.address, ray_env=store_env(job))
-    marks["ray"] = startup.now()
+    marks["ray"] = time.time()
     plan = plan.with_shards(shard_dir if shard_dir is not None else prepare_data(job, plan.address))
     _say_padding_cost(plan)
-    marks["shards"] = startup.now()
+    marks["shards"] = time.time()
     decision = plan.decision()
     if decision.action == "finished":
         return _already_finished(plan, decision, register)
@@ -194,7 +162,6 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
         previous = decision.previous
         log.info("resuming run %s after epoch %d, at global step %d (%s)", train.run_name, previous.epoch,
                  previous.steps, previous.checkpoint)
-        # the newest complete checkpoint, which Ray may not have registered (an interrupted run)
         resume_from = previous.name
         checkpoints.prune(keep=previous.name)
     plan = plan.with_setup(damaged=checkpoints.damaged,  # said once here: the workers do not say it again
@@ -206,12 +173,12 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
         plan, previous_status = mlflow_run.open_run(plan, decision.action)
     try:
         result = _fit(job, plan.setup, callbacks)
+        if (result.return_value or {}).get("storage_full"):
+            raise _storage_full(checkpoints, result.return_value["storage_full"])
         name = Path(result.checkpoint.path).name
         state, best_weights = checkpoints.load(name)
         checkpoint_path = checkpoints.path(name)
         checkpoints.prune(keep=name)
-        if state["epoch"] != train.epochs - 1 and not state.get("stopped"):
-            raise RuntimeError(f"training stopped after epoch {state['epoch']} of {train.epochs}")
         registered = None
         if job.mlflow.enabled and register and best_weights is not None:
             registered = mlflow_run.log_best_model(plan, state, best_weights)
@@ -309,20 +276,17 @@ def _already_finished(plan: JobPlan, decision, register: bool) -> TrainOutcome:
 
 
 def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
-    """Fit the Ray Train ``TorchTrainer``; return its result (with a checkpoint) or raise.
-
-    The workers' process group uses ``resources.collective_backend`` (``auto``: NCCL for workers
-    with whole GPUs, gloo on CPUs and for workers sharing a GPU, which NCCL refuses); DeepSpeed
-    runs on that group (it creates none when torch.distributed is initialised)."""
+    """Fit the Ray Train ``TorchTrainer``; return its result or raise. The workers' process group
+    (DeepSpeed's too) uses the resolved ``resources.collective_backend``."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
     from runtime.storage import ray_storage
 
+    from pipeline.train.preflight import worker_resources
+
     train, res = job.train, job.resources
-    resources = {"CPU": res.cpus_per_worker}
-    if res.use_gpu:
-        resources["GPU"] = res.gpus_per_worker
+    resources = worker_resources(res)
     process_env = {"OMP_NUM_THREADS": str(res.torch_threads or max(1, int(res.cpus_per_worker)))}
     for key in ("RAY_COLOR_PREFIX", "TQDM_DISABLE"):  # what this command's console asks for
         if os.environ.get(key):
@@ -335,7 +299,7 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
         target = train.target.model_dump() if train.target is not None else None
         callbacks.append(RegisteredEpochLogger(job.mlflow.tracking_uri, setup.run_id, TASK_CLASSES[setup.task_name].metric,
                                                target))
-    setup = dataclasses.replace(setup, process_env=process_env, startup=dict(setup.startup or {}, fit=startup.now()))
+    setup = dataclasses.replace(setup, process_env=process_env, startup=dict(setup.startup or {}, fit=time.time()))
     trainer = _trainer_class()(
         worker_main,
         train_loop_config={"setup": setup},
@@ -357,12 +321,9 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
              ", ".join(f"{v:g} {k}" for k, v in resources.items()), res.torch_backend)
     with _group_start_timeout(res.elastic):
         result = trainer.fit()
-    if getattr(result, "error", None) is not None:
+    if result.error is not None:
         raise result.error
-    full = (getattr(result, "return_value", None) or {}).get("storage_full")
-    if full:
-        raise _storage_full(job, full)
-    if result.checkpoint is None:
+    if result.checkpoint is None and not (result.return_value or {}).get("storage_full"):
         raise RuntimeError("training finished without a checkpoint")
     return result
 
@@ -370,12 +331,8 @@ def _fit(job: JobConfig, setup: WorkerSetup, callbacks: Optional[list]):
 #: Ray Train's setting (read by its controller, passed on from the driver's environment): how long a
 #: new worker group waits for its placement group before the controller tries again
 GROUP_START_TIMEOUT_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-#: its value in elastic runs (Train's default: 60 s). Ray Train's elastic policy sizes a new group by
-#: the resources it last saw, which count a lost node's CPUs for a while after the node is marked dead:
-#: the group that replaces a lost node's first asks for the old size and waits out this timeout, then
-#: the next attempt takes what the cluster holds (seen in tests/test_elastic.py: 78 s from the node's
-#: loss to the first step, 60 of them this wait). A placement group of resources that exist is ready
-#: in well under a second; an elastic policy only asks for what it saw free.
+#: its value in elastic runs (Train's default: 60 s): the group that replaces a lost node's first asks
+#: for the old size (Ray still counts the dead node's CPUs) and waits this out before it takes what is left
 ELASTIC_GROUP_START_TIMEOUT_S = 15.0
 
 
@@ -383,8 +340,7 @@ ELASTIC_GROUP_START_TIMEOUT_S = 15.0
 def _group_start_timeout(elastic: bool):
     """While an elastic run's ``fit`` starts its controller: :data:`GROUP_START_TIMEOUT_VAR` at
     :data:`ELASTIC_GROUP_START_TIMEOUT_S` in this process's environment, which Ray Train passes on to
-    the controller (and its workers; their runtime environment so differs from a fixed-size run's, and
-    the warm pool keeps processes of it once an elastic run used them). A value the user set stays."""
+    the controller. A value the user set stays."""
     if not elastic or GROUP_START_TIMEOUT_VAR in os.environ:
         yield
         return
@@ -396,11 +352,9 @@ def _group_start_timeout(elastic: bool):
 
 
 def worker_runtime_env(job: JobConfig) -> dict:
-    """The Train workers' runtime environment: only the variables that must be set before a process
-    imports the training modules and that the cluster's workers lack (DeepSpeed reads
-    ``DS_ACCELERATOR`` on import) and the store's credentials and endpoint of a job on one
-    (:func:`pipeline.train.plan.store_env`); what can be set later goes to :attr:`WorkerSetup.process_env`. The
-    job's own runtime environment (its setup hook, a satp cluster's fork server) applies beneath it."""
+    """The Train workers' runtime environment: the variables the cluster's workers lack that must be
+    set before a process imports the training modules (DeepSpeed reads ``DS_ACCELERATOR`` on import),
+    and the store's (:func:`pipeline.train.plan.store_env`); the rest is :attr:`WorkerSetup.process_env`."""
     from runtime.ray_cluster import missing_worker_env
 
     needed = {"OUTDATED_IGNORE": "1", "DS_ACCELERATOR": "cuda" if job.resources.use_gpu else "cpu", **store_env(job)}
@@ -408,11 +362,10 @@ def worker_runtime_env(job: JobConfig) -> dict:
     return {"env_vars": missing} if missing else {}
 
 
-def _storage_full(job: JobConfig, full: dict) -> OSError:
+def _storage_full(checkpoints: ckpt.CheckpointManager, full: dict) -> OSError:
     """The one-line error of a checkpoint that did not fit on its disk (see :func:`worker_main`)."""
     import errno
 
-    checkpoints = run_checkpoints(job)
     kept = checkpoints.newest_intact()
     what = (f"the checkpoint of epoch {checkpoints.state(kept)['epoch']} ({checkpoints.path(kept)}) is kept: free space "
             f"there and run the same command to resume after it" if kept is not None else
@@ -424,25 +377,18 @@ def _storage_full(job: JobConfig, full: dict) -> OSError:
 
 
 def _trainer_class():
-    """Ray Train's ``TorchTrainer`` as satp's runs use it (:func:`runtime.ray_private.trainer_class`):
-    ``fit`` answers SIGINT as it does SIGTERM, with :class:`runtime.interrupts.Interrupted`, which
-    unwinds the driver so that it says what was kept. The controller and its workers are actors of
-    this driver: they end with it, when the CLI shuts Ray down; a checkpoint cut short then is never
-    resumed from (:meth:`pipeline.train.checkpoint.CheckpointManager.verify`)."""
+    """Ray Train's ``TorchTrainer`` whose ``fit`` answers SIGINT as it does SIGTERM, with
+    :class:`runtime.interrupts.Interrupted`, so that the driver unwinds and says what was kept."""
     from runtime import interrupts, ray_private
 
     return ray_private.trainer_class(on_sigint=lambda controller: interrupts.install(keep=controller))
 
 
 def worker_main(config: dict) -> Optional[dict]:
-    """The Ray Train workers' entry: process set-up, then :func:`pipeline.train.worker.worker_loop`;
-    returns ``{"storage_full": ...}`` when a checkpoint did not fit on its disk (see below), else None.
-
-    * PyG's generated modules stay in memory (:mod:`pipeline.pyg_templates`).
-    * DeepSpeed compiles none of its ops (:func:`pipeline.train.engine.skip_deepspeed_jit_ops`).
-    * Ray Train logs every report with its metrics ("Reporting training result ...") and
-      rank 0 prints the same epoch's metrics: Ray's line is dropped (warnings stay).
-    """
+    """The Ray Train workers' entry (``train_loop_per_worker``, ``config = {"setup": WorkerSetup}``):
+    process set-up, then a :class:`~pipeline.train.trainer.Trainer` in a
+    :class:`~pipeline.train.context.RayContext`; returns ``{"storage_full": ...}`` when a checkpoint
+    did not fit on its disk, else None."""
     from pipeline import pyg_templates
 
     setup = config["setup"]
@@ -450,13 +396,16 @@ def worker_main(config: dict) -> Optional[dict]:
     pyg_templates.install()
     import ray.train
 
-    # Ray Train's context logs under its file's path
+    # Ray Train's context logs every report's metrics, which rank 0 prints already
     logging.getLogger(os.path.join(os.path.dirname(ray.train.__file__), "v2", "_internal", "execution",
                                    "context.py")).setLevel(logging.WARNING)
+    from pipeline.train.context import RayContext
+    from pipeline.train.trainer import Trainer
+
     try:
-        worker_loop(config)
+        Trainer(setup, RayContext(setup.job)).fit()
     except ckpt.StorageFull as full:
-        # every rank stops here together (pipeline.train.checkpoint.persist); returning instead of
+        # every rank stops here together (CheckpointManager.write); returning instead of
         # raising ends the fit as done (a raise would be a worker failure, retried max_failures
         # times on the same full disk): rank 0's value reaches the driver (Result.return_value)
         return {"storage_full": full.details}

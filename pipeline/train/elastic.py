@@ -1,24 +1,11 @@
 """What an elastic run records about its worker groups: progress notes, resize events, preemption.
 
-Ray Train (2.60) changes a run's worker count by tearing the whole worker group down and starting
-a new one from the newest reported checkpoint: on a lost node (fewer workers, down to the job's
-minimum), and when a node joins (at the next resize check, ``resources.resize_check_s``). It tells
-the workers nothing beforehand, so what was trained since the last checkpoint is lost, and the new
-group cannot ask the old one how far it had got. So rank 0 of every group leaves a note on the
-run's storage, :data:`NOTE_FILE`, with the global step it has reached, its worker count and the
-time (:class:`ProgressNote`, written after a step at most every :data:`NOTE_EVERY_S`, and before every
-checkpoint), and rank 0 of
-the next group reads it before its first step: the previous count, how many steps were done after
-the checkpoint it resumes from (lost, trained again), and, once its first step is done, how long
-the run made no progress (:func:`resize_event`). The run's storage is shared by every node, so the
-note outlives the node that wrote it.
-
-A preemption notice (a node drained with ``ray drain-node ... --reason DRAIN_NODE_REASON_PREEMPTION``,
-which a cloud's spot reclaim or an autoscaler sends) reaches the workers through
-``ray.train.get_preemption_info()`` (alpha in Ray 2.60): a collective through Ray's synchronisation
-actor (a few milliseconds), so the workers ask every ``train.preemption_check_steps`` steps, all at
-the same global steps (:class:`PreemptionCheck`), and write a checkpoint at once on the first
-notice; Ray Train keeps them running until the node's deadline, then restarts the group without it.
+Ray Train resizes a run by starting a new worker group from the newest checkpoint, telling the old
+one nothing. So rank 0 of every group leaves a note on the run's storage (:class:`ProgressNote`), and
+rank 0 of the next reads it: the previous count, the steps trained again, the time without progress
+(:func:`resize_event`). A preemption notice (a node drained) reaches the workers through
+``ray.train.get_preemption_info()``, a collective asked every ``train.preemption_check_steps``
+steps (:class:`PreemptionCheck`); the workers checkpoint at once on the first.
 """
 from __future__ import annotations
 
@@ -72,12 +59,9 @@ def read_note(run_dir: Location) -> Optional[dict[str, Any]]:
 def resize_event(note: Optional[dict], command: Optional[float], world_size: int, resumed_step: int,
                  first_step_at: float) -> Optional[dict[str, Any]]:
     """What happened between the previous worker group (its ``note``) and this one, which resumed at
-    global step ``resumed_step`` and finished its first step at ``first_step_at`` (a wall-clock time):
-    ``kind`` ``resize`` (another worker count, in the same command), ``restart`` (the same count: a
-    worker or node replaced) or ``resume`` (a new command); ``from``/``to`` the worker counts,
-    ``steps_lost`` (done after the checkpoint, trained again; exact when the group was lost while
-    writing a checkpoint, else a lower bound, as the note is written every :data:`NOTE_EVERY_S` at most) and ``seconds`` (from the previous group's last note to this
-    group's first step). None without a note."""
+    ``resumed_step`` and finished its first step at ``first_step_at``: ``kind`` ``resize`` (another
+    worker count, same command), ``restart`` (same count) or ``resume`` (a new command), the counts,
+    ``steps_lost`` (a lower bound) and ``seconds`` without progress. None without a note."""
     if note is None:
         return None
     same_command = note.get("command") is not None and note.get("command") == command
@@ -96,9 +80,8 @@ def describe(event: dict[str, Any]) -> str:
 
 
 class PreemptionCheck:
-    """Asks the trainer's context every ``every`` global steps whether a node of the worker group is being
-    drained (a collective: every rank asks at the same steps); :meth:`notice` says once per group
-    that one is."""
+    """Asks the trainer's context every ``every`` global steps (a collective) whether a node of the
+    worker group is being drained; :meth:`notice` says it once per group."""
 
     def __init__(self, every: int, ask: Callable[[], Optional[Any]]) -> None:
         self.every, self.ask = int(every), ask

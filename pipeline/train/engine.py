@@ -1,24 +1,10 @@
 """The DeepSpeed engine of a worker: precision, ZeRO stage, clipping, AdamW and the schedule.
 
-A ``torch.optim.AdamW`` is passed to ``deepspeed.initialize`` (a DeepSpeed-config
-optimizer JIT-compiles ``fused_adam``, 85 s on CPU), together with a
-``LambdaLR`` implementing the paper's schedule: linear warm-up, then cosine
-decay (OGB) or the Transformer's inverse square root (PATTERN, CLUSTER; :func:`lr_schedule`),
-stepped once per optimizer step by the engine.
-
-Mixed precision is DeepSpeed's ``torch_autocast`` (weights and optimizer state
-in fp32, forward under ``torch.autocast``): bf16 on CPUs and GPUs that support
-it, fp16 (with a gradient scaler) on GPUs that lack bf16, or plain fp32.
-
-The optimizer step (:func:`optimizer_step`) avoids per-parameter work on the host: AdamW is
-torch's fused (CUDA) or foreach implementation, and without ZeRO partitioning (stage 0, no fp16
-scaler) gradients are clipped here with one foreach norm instead of DeepSpeed's loop over the
-parameters (a norm kernel, a host-made tensor and a multiply per parameter). At stage 0 DeepSpeed's
-all-reduce in the backward pass is switched off: a rank accumulates its share of the step's
-micro-batches, which may differ between ranks, and the step reduces once, explicitly, on every rank
-(:meth:`pipeline.train.step.TrainStep.finish`); at stages 1 and 2 DeepSpeed's own gradient
-accumulation runs over the share (:func:`accumulation_steps`). DeepSpeed's throughput timer, which
-synchronises the device twice per step, is off.
+``torch.optim.AdamW`` (fused on CUDA) and a ``LambdaLR`` of the paper's schedule (:func:`lr_schedule`)
+are passed to ``deepspeed.initialize``. Mixed precision is DeepSpeed's ``torch_autocast``: bf16 where
+supported, fp16 with a gradient scaler on GPUs without it, or fp32. At ZeRO stage 0 without the fp16
+scaler, gradients are clipped here with one foreach norm (:func:`optimizer_step`) and DeepSpeed's
+backward all-reduce is off: the step reduces once (:meth:`pipeline.train.step.TrainStep.finish`).
 """
 from __future__ import annotations
 
@@ -40,22 +26,17 @@ def resolve_precision(precision: str, use_gpu: bool) -> str:
         return precision
     if use_gpu:
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if cpu_supports_bf16() else "fp32"
-
-
-def cpu_supports_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as fh:
             flags = fh.read()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
     except OSError:
-        return False
+        return "fp32"
+    return "bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "fp32"
 
 
 def accumulation_steps(train: TrainConfig, world_size: int) -> int:
     """DeepSpeed's ``gradient_accumulation_steps``: 1 at ZeRO stage 0 (satp accumulates and reduces
-    itself), else every rank's share of a step, which must then be equal (the gradients are reduced
-    in hooks at every backward pass: uneven shares would leave a rank waiting in one)."""
+    itself), else every rank's share of a step, which must then be equal."""
     if train.zero_stage == 0:
         return 1
     k = train.micro_batches_per_step or world_size
@@ -76,12 +57,9 @@ def deepspeed_config(train: TrainConfig, precision: str, world_size: int) -> dic
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
-        # the throughput timer synchronises the device at the start and end of every step by
-        # default; the worker measures throughput itself, once per epoch
         "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
-    # always explicit: DeepSpeed clips at 1.0 when the key is absent (its default), which would
-    # clip a second time, or clip a job that turned clipping off (grad_clip: 0)
+    # always explicit: DeepSpeed clips at 1.0 when the key is absent
     clip_here = clips_outside_deepspeed(train, precision)
     config["gradient_clipping"] = 0.0 if clip_here else float(train.grad_clip)
     if precision in ("bf16", "fp16"):
@@ -136,13 +114,8 @@ def clips_outside_deepspeed(train: TrainConfig, precision: str) -> bool:
 
 
 def skip_deepspeed_jit_ops() -> None:
-    """Mark DeepSpeed's CPU shared-memory communication op unavailable.
-
-    DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce op (``deepspeed_shm_comm``,
-    30-60 s with a C++ compiler, cached in ``~/.cache/torch_extensions``) when it sets up
-    communication. The op serves only ``inference_all_reduce`` (DeepSpeed inference); training
-    all-reduces go through ``torch.distributed`` (gloo), the installed implementation. So it is
-    marked unavailable and nothing is compiled."""
+    """Mark DeepSpeed's CPU shared-memory communication op unavailable, so that its CPU accelerator
+    does not JIT-compile it: it serves only DeepSpeed inference; training all-reduces go through gloo."""
     if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
         return
     try:
@@ -166,15 +139,11 @@ def build_model(config) -> torch.nn.Module:
 
 def build_engine(model: torch.nn.Module, train: TrainConfig, precision: str, steps_per_epoch: int, world_size: int,
                  compile_model: bool = False):
-    """``deepspeed.initialize`` with AdamW and the job's lr schedule (:func:`lr_schedule`); returns the engine.
-    ``compile_model``: DeepSpeed's ``engine.compile`` (``torch.compile`` of the module in place, for
-    fixed shapes: ``dynamic=False``; it compiles on the first call of each kind of batch). DeepSpeed
-    compiles none of its ops (:func:`skip_deepspeed_jit_ops`)."""
+    """``deepspeed.initialize`` with AdamW and the job's lr schedule (:func:`lr_schedule`); returns the
+    engine. ``compile_model``: ``engine.compile`` (``torch.compile`` in place, ``dynamic=False``)."""
     import deepspeed
 
     skip_deepspeed_jit_ops()
-    if "RANK" not in os.environ:
-        raise RuntimeError("DeepSpeed needs RANK/WORLD_SIZE/MASTER_ADDR (run inside a Ray Train worker)")
     on_cuda = next(model.parameters()).is_cuda or os.environ.get("DS_ACCELERATOR") == "cuda"
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=train.lr, weight_decay=train.weight_decay, **({"fused": True} if on_cuda else {})
@@ -201,15 +170,9 @@ def optimizer_step(engine, grad_clip: float, clip_here: bool) -> None:
     engine.step()
 
 
-def current_lr(engine) -> float:
-    return float(engine.optimizer.param_groups[0]["lr"])
-
-
 def keep_compile_caches(storage_path: str) -> None:
-    """Point Inductor's and Triton's caches at ``<storage_path>/.satp-compile-cache``, so that a
-    rerun or a resumed run (any run stored there: the caches are keyed by what they compiled) loads
-    the compiled kernels instead of compiling again. Storage behind a URI (``s3://...``) keeps
-    PyTorch's default caches (local to the node)."""
+    """Point Inductor's and Triton's caches at ``<storage_path>/.satp-compile-cache``, so that a rerun
+    loads the compiled kernels instead of compiling again (storage behind a URI keeps the defaults)."""
     if "://" in storage_path:
         return
     root = Path(storage_path) / ".satp-compile-cache"

@@ -1,13 +1,9 @@
 """MLflow logging from Ray Train's controller, once a report's checkpoint is registered: each
-epoch's metrics (step = epoch), and each step's loss and worker count (``train_step_loss`` and
-``world_size``, step = global step; :mod:`pipeline.train.reporting`).
+epoch's metrics (step = epoch), and each step's loss and worker count (step = global step).
 
-A worker's ``ray.train.report`` hands its checkpoint to the controller, which registers it when it
-next polls the worker group. A worker (or its node) lost between the two resumes from the
-checkpoint before, and re-runs the epoch. Had rank 0 logged that epoch itself, MLflow would hold it
-twice (once for the lost attempt). The controller calls its report callbacks only after the
-checkpoint manager has registered the report, so logging here writes each epoch that the run keeps,
-once. What a failed write misses, the next resume catches up from the checkpoint's history
+Logged here, not by rank 0: a worker lost between its report and the registration re-runs the epoch,
+which MLflow would then hold twice. The controller calls this only for registered reports, so each
+epoch the run keeps is logged once; what a failed write misses, the next resume catches up
 (:meth:`pipeline.registry.tracking.RankZeroLogger.resume`).
 """
 from __future__ import annotations
@@ -23,9 +19,8 @@ log = logging.getLogger(__name__)
 
 
 class RegisteredEpochLogger(UserCallback):
-    """Log rank 0's metrics of each registered report: its steps' losses and worker count (step =
-    global step) and, at an epoch's end, the epoch's metrics (step = epoch) and the plots of the curves
-    (:func:`pipeline.registry.tracking.log_curves`; ``target``: the job's ``train.target``, if any)."""
+    """Log rank 0's metrics of each registered report: its steps' losses and worker count and, at an
+    epoch's end, the epoch's metrics and curves (``target``: the job's ``train.target``, if any)."""
 
     def __init__(self, tracking_uri: str, run_id: str, metric: str, target: Optional[dict[str, Any]] = None) -> None:
         self.tracking_uri, self.run_id, self.metric, self.target = tracking_uri, run_id, metric, target
@@ -41,8 +36,7 @@ class RegisteredEpochLogger(UserCallback):
         return self._client
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint: Optional[Any]) -> None:
-        # imported here, not with the module: the controller loads this class when it starts, and
-        # the checkpoint and reporting modules bring torch (seconds of a new controller's start on 2 cores)
+        # imported here: the controller loads this class when it starts, and these modules bring torch
         from pipeline.train import checkpoint as ckpt
         from pipeline.train.reporting import STEP_KEYS
 

@@ -1,16 +1,8 @@
 """Test hooks of a worker: faults at chosen moments of a real run (``$SATP_TEST_FAULT``, JSON, or
-``train_job(fault=...)``), so that tests see what a user would after a crash, an interrupt or a lost
-node. Each fires once per run (its ``marker`` file says it has); a worker without a ``fault`` never
-calls them.
-
-* ``{rank, epoch, step, seconds, marker}``: :func:`maybe_fail`, the worker dies (SIGKILL);
-* ``{signal, pid, epoch, marker}``: :func:`maybe_signal`, the driver gets a signal after a checkpoint;
-* ``{pause_in_checkpoint: {rank, step, seconds}, marker}``: :func:`pause_in_checkpoint`, a rank
-  stops half-way through copying its part of the checkpoint of global step ``step`` into storage, so
-  that a test can take its node away while a checkpoint is being written;
-* ``{hold: {step, world_size}}``: :func:`maybe_hold`, a worker group of ``world_size`` workers stops
-  after global step ``step`` until Ray Train tears it down (a resize): what it would train next is
-  left to the next group, however fast the machine is.
+``train_job(fault=...)``), each once per run (its ``marker`` file says it fired): :func:`maybe_fail`
+(the worker dies), :func:`maybe_signal` (the driver gets a signal after a checkpoint),
+:func:`pause_in_checkpoint` (a rank pauses half-way through copying its part of a checkpoint) and
+:func:`maybe_hold` (a group stops after a global step until Ray Train tears it down).
 """
 from __future__ import annotations
 
@@ -25,12 +17,7 @@ TIMED = ("signal", "pause_in_checkpoint", "hold")  # faults that are not maybe_f
 
 def maybe_fail(fault: dict, rank: int, epoch: int, step: int, seconds: float) -> None:
     """Kill this worker once, at step ``step`` of epoch ``epoch``, no sooner than ``seconds`` into
-    the epoch.
-
-    Ray Train registers a reported checkpoint when its controller next polls the workers
-    (every 2 s); a worker group that dies sooner after a report resumes from the checkpoint
-    before. Waiting out ``seconds`` makes the kill land after the registration, however fast
-    the epoch runs."""
+    the epoch (so that it lands after Ray Train registered the epoch before, however fast it runs)."""
     if rank != fault.get("rank", 0) or epoch != fault.get("epoch", 0) or step < fault.get("step", 0):
         return
     marker = Path(fault["marker"])
@@ -66,7 +53,7 @@ def maybe_hold(fault: dict, world_size: int, global_step: int, before: Callable[
 
 
 def pause_in_checkpoint(fault: Optional[dict], rank: int, global_step: int) -> Optional[Callable[[int], None]]:
-    """The hook :func:`pipeline.train.checkpoint.persist` calls after each file it copies (its count
+    """The hook :meth:`pipeline.train.checkpoint.CheckpointManager.write` calls after each file it copies (its count
     so far): after the first, it writes the marker (this process's pid) and sleeps ``seconds``, once,
     on rank ``rank`` in the checkpoint of step ``step``; None where no such fault applies."""
     pause = (fault or {}).get("pause_in_checkpoint")

@@ -1,23 +1,11 @@
 """The global batch: optimizer steps that are the same at any worker count.
 
-A step is ``train.micro_batches_per_step`` (k) node-budget micro-batches, taken in order from one
-sequence per epoch: :meth:`NodeBudgetSampler.global_batches <pipeline.train.batching.NodeBudgetSampler.global_batches>`,
-a pure function of ``train.seed`` and the epoch. An epoch is ``steps_per_epoch`` steps, fixed by the
-first epoch's sequence (``len // k``, at least 1); later epochs trim or repeat a few micro-batches to
-fill as many, so the learning-rate schedule knows its length and neither depends on the workers.
-
-The k micro-batches of a step are dealt round-robin: micro-batch ``j`` goes to rank ``j % W`` of W
-workers, so rank r accumulates ``len(range(r, k, W))`` of them, between 0 (W > k) and ceil(k / W).
-Each micro-batch's loss (a mean over its units: graphs, or nodes for node tasks) is scaled by
-``W x units_j / units_of_the_step`` before its backward pass: DeepSpeed averages the ranks' summed
-gradients (divides by W), which leaves ``sum_j units_j x grad_j / units_of_the_step``, the gradient of
-the mean loss over the step's units, the same at every W (:meth:`GlobalBatches.scales`). The units
-of every micro-batch of the step are known to every rank from the sequence, so the scale needs no
-communication.
-
-Megatron keeps its global batch the same way (one sample stream sliced per rank, resumed from the
-samples consumed); here the position is ``(epoch, step)`` (:class:`Position`), recorded in every
-checkpoint, and a run resumed at another worker count takes the same next global batch.
+A step is ``train.micro_batches_per_step`` (k) micro-batches taken in order from one sequence per
+epoch (:meth:`~pipeline.train.batching.NodeBudgetSampler.global_batches`); an epoch is a fixed number
+of steps. Micro-batch ``j`` goes to rank ``j % W``, its loss scaled by ``W x units_j / units of the
+step``, so DeepSpeed's average over the ranks leaves the gradient of the mean loss over the step's
+units at every W (:meth:`GlobalBatches.scales`). The position ``(epoch, step)`` (:class:`Position`) is
+in every checkpoint: a run resumed at another worker count takes the same next global batch.
 """
 from __future__ import annotations
 
@@ -44,28 +32,16 @@ class Position:
 
 def share(micro_batches: int, rank: int, world: int) -> range:
     """The indices (within a step) of the micro-batches rank ``rank`` of ``world`` accumulates."""
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} outside a world of {world}")
     return range(rank, micro_batches, world)
 
 
-def shares(micro_batches: int, world: int) -> list[int]:
-    """How many micro-batches each of ``world`` ranks accumulates per step."""
-    return [len(share(micro_batches, r, world)) for r in range(world)]
-
-
 class GlobalBatches:
-    """The steps of a run over a shuffled training sampler (its ``rank``/``world_size`` unused: the
-    sequence is every rank's); see the module docstring. ``per_node``: the loss averages over nodes
-    (node tasks), not graphs."""
+    """The steps of a run over a shuffled training sampler (see the module docstring). ``per_node``:
+    the loss averages over nodes (node tasks), not graphs."""
 
     def __init__(self, sampler: NodeBudgetSampler, micro_batches_per_step: int, per_node: bool = False) -> None:
-        if not sampler.shuffle:
-            raise ValueError("the global batch is cut from a shuffled (training) sampler")
         self.sampler = sampler
         self.micro_batches = int(micro_batches_per_step)
-        if self.micro_batches < 1:
-            raise ValueError(f"train.micro_batches_per_step: expected >= 1, got {micro_batches_per_step}")
         self.per_node = per_node
         self._epochs: dict[int, list[np.ndarray]] = {}
         self.steps_per_epoch = max(1, len(sampler.global_batches(0)) // self.micro_batches)
@@ -84,8 +60,6 @@ class GlobalBatches:
 
     def step(self, epoch: int, step: int) -> list[np.ndarray]:
         """The k micro-batches (graph ids) of step ``step`` of ``epoch``: the global batch."""
-        if not 0 <= step < self.steps_per_epoch:
-            raise ValueError(f"step {step} outside an epoch of {self.steps_per_epoch} steps")
         k = self.micro_batches
         return self.epoch(epoch)[step * k : (step + 1) * k]
 
@@ -102,11 +76,9 @@ class GlobalBatches:
 
 
 class RankStream:
-    """Rank ``rank``'s micro-batches of ``batches`` from :attr:`start` on (set before iterating: the
-    position a restored checkpoint gives), step after step, epoch after epoch, without end: the
-    sampler of the run's training DataLoader, iterated once for the whole run (its workers then
-    prepare the next epoch's first micro-batches while an epoch ends and is evaluated). A rank with
-    no share (more workers than micro-batches) never reads one."""
+    """Rank ``rank``'s micro-batches of ``batches`` from :attr:`start` on, without end: the sampler of
+    the run's training DataLoader, iterated once for the whole run (so its workers prepare the next
+    epoch while one is evaluated). A rank with no share never reads one."""
 
     def __init__(self, batches: GlobalBatches, rank: int, world: int, start: Position = Position(0)) -> None:
         self.batches, self.rank, self.world, self.start = batches, rank, world, start

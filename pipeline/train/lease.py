@@ -1,47 +1,19 @@
 """The run lease: one command at a time per run name (``train.storage_path`` + ``train.run_name``),
 and per sweep (``tune.storage_path`` + ``tune.name``: :mod:`pipeline.sweep.trials`).
 
-Two commands training one run name at once write into one checkpoint folder and one MLflow run:
-each deletes the other's checkpoints as "never registered", epochs are logged twice, and one of
-them dies in the middle of an upload. So ``satp train`` (and every :func:`pipeline.train.driver.train_job`)
-holds a lease on the run before anything else: a file ``<storage_path>/<run_name>/satp-lease.json``
-that says who holds it (host, pid, since when, last heartbeat). A second command finds it and
-stops, before Ray starts, in one line naming the holder.
+Every command holds a lease on its run before anything else, ``<run folder>/satp-lease.json``
+(host, pid, since when, last heartbeat); a second command stops before Ray starts, naming the
+holder. A file with a heartbeat, not ``flock``: the folder may be on storage several nodes mount
+(NFS), where advisory locks are unreliable, and a lock outlives a killed holder. The lease is
+created atomically (:mod:`pipeline.train.lease_records`), refreshed every :data:`HEARTBEAT_S`,
+expired when its holder is gone (on the same machine: its process no longer runs; from another:
+no heartbeat for :data:`EXPIRES_S`, clocks agreeing as NTP keeps them; unreadable: unmodified as
+long), taken over with one ``satp: warning:`` line only if still the record judged expired, and
+released when the command ends, however it ends.
 
-Why a file with a heartbeat, and not ``flock``: the run's folder may be on storage that several
-nodes mount (README, *Several nodes*), where advisory locks are unreliable (NFS) or absent, and a
-lock file alone outlives a holder that was killed. The rules:
-
-* created atomically: the record is written to a temporary file, then hard-linked to the lease's
-  name (``link`` fails if the name exists, atomically also over NFS, unlike ``O_EXCL`` on old
-  NFS clients; a lost reply is told apart by the temporary file's link count);
-* refreshed by its holder every :data:`HEARTBEAT_S` seconds (a daemon thread writes a new record
-  and renames it over the lease; a holder that finds another holder's record in it stops
-  refreshing and says so);
-* expired when its holder is gone: on the same machine (same boot and pid namespace) when its
-  process no longer runs (or its pid now belongs to a process started later); from another
-  machine when its heartbeat is older than :data:`EXPIRES_S` seconds (the machines' clocks are
-  assumed to agree within that, as NTP keeps them). A lease that cannot be read (cut short,
-  bytes flipped: its checksum fails) expires when its file was not modified for that long;
-* an expired lease is taken over with one ``satp: warning:`` line naming it and its holder: it is
-  renamed aside, and put back if what was renamed is no longer the record that was judged
-  expired (its holder refreshed it meanwhile, or another command took it over first);
-* released (deleted, if it is still this holder's) when the command ends: normally, with an
-  error, or interrupted.
-
-On an object store (``train.storage_path`` / ``tune.storage_path`` an ``s3://`` URI, no disk that
-the nodes share) the lease is the object ``<storage_path>/<run_name>/satp-lease.json``, under the
-same rules, each made atomic by a conditional request of the S3 API (:mod:`runtime.storage`):
-created with ``If-None-Match: *`` (refused if the object exists: of two commands on two nodes, one
-creates it), refreshed and released with ``If-Match: <ETag>`` of the record its holder last read or
-wrote (refused if another command replaced it meanwhile), an expired one deleted with ``If-Match``
-of the record judged expired; an unreadable object expires when it was not modified for
-:data:`EXPIRES_S`, by the store's clock.
-
-Waiting: ``satp train`` refuses at once; :func:`pipeline.train.driver.train_job` (Tune trials, the
-demo, Python callers) waits up to :data:`WAIT_S` for a lease held from another machine to expire,
-so that a trial that Tune retries on another node after its node died is not refused for the
-minute its old heartbeat still looks fresh.
+``satp train`` refuses at once; :func:`pipeline.train.driver.train_job` (Tune trials, the demo)
+waits up to :data:`WAIT_S`, so a trial retried on another node is not refused while its old
+heartbeat still looks fresh.
 """
 from __future__ import annotations
 
@@ -86,15 +58,11 @@ class Holder:
     token: str  # this holding, unique
     command: str
 
-    def describe(self, now: Optional[float] = None) -> str:
-        now = time.time() if now is None else now
+    def describe(self) -> str:
+        now = time.time()
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         return (f"{self.command} on host {self.host}, pid {self.pid}, since {since} "
                 f"(last heartbeat {max(0.0, now - self.heartbeat):.0f} s ago)")
-
-
-def lease_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / LEASE_FILE
 
 
 # ----------------------------------------------------------------------------- this machine
@@ -161,14 +129,11 @@ def decode(data: bytes) -> Holder:
         raise ValueError(f"not a lease record ({type(exc).__name__})") from None
 
 
-def expiry(holder: Holder, now: Optional[float] = None) -> Optional[str]:
+def expiry(holder: Holder) -> Optional[str]:
     """Why ``holder``'s lease has expired (see the module docstring), or None while it holds."""
-    now = time.time() if now is None else now
     if holder.machine == this_machine():
-        if not process_running(holder.pid, holder.pid_started):
-            return "its process is no longer running"
-        return None
-    age = now - holder.heartbeat
+        return None if process_running(holder.pid, holder.pid_started) else "its process is no longer running"
+    age = time.time() - holder.heartbeat
     if age > EXPIRES_S:
         return f"its last heartbeat is {age:.0f} s old (more than {EXPIRES_S:.0f} s)"
     return None
@@ -180,16 +145,12 @@ def _say(line: str) -> None:
 
 def lease_record(run_dir: str | Path, storage=None):
     """The lease of ``run_dir``: a :class:`FileRecord`, or an :class:`ObjectRecord` of an ``s3://``
-    URI (another scheme has no conditional write here: refused in one line)."""
+    URI (the pre-flight refuses other schemes: :func:`pipeline.train.preflight.check_run_store`)."""
     from runtime.storage import is_uri
 
     if not is_uri(str(run_dir)):
-        return FileRecord(lease_path(run_dir))
-    uri = f"{str(run_dir).rstrip('/')}/{LEASE_FILE}"
-    if not uri.startswith("s3://"):
-        raise ValueError(f"{uri}: a run's lease needs conditional writes, which satp makes on S3 only; use an "
-                         "s3:// URI or a path of a file system every node mounts")
-    return ObjectRecord(uri, storage)
+        return FileRecord(Path(run_dir) / LEASE_FILE)
+    return ObjectRecord(f"{str(run_dir).rstrip('/')}/{LEASE_FILE}", storage)
 
 
 # ----------------------------------------------------------------------------- holding it
@@ -198,9 +159,8 @@ class RunLease:
 
     def __init__(self, run_dir: str | Path, run_name: str, command: str = "satp train", kind: str = "run",
                  key: str = "train.run_name", storage=None) -> None:
-        """``kind`` / ``key``: what the folder is and the job key that names it, for the messages (a
-        sweep's folder: ``"sweep"``, ``"tune.name"``); ``storage``: the job's store settings
-        (:class:`runtime.storage.StorageSettings`) where ``run_dir`` is a URI."""
+        """``kind`` / ``key``: what the folder is and the job key that names it, for the messages;
+        ``storage``: the job's store settings where ``run_dir`` is a URI."""
         self.record = lease_record(run_dir, storage)
         self.path = self.record.path  # named in every message
         self.run_name, self.command, self.kind, self.key = run_name, command, kind, key
@@ -217,14 +177,16 @@ class RunLease:
         self.record.prepare(EXPIRES_S)
         while True:
             now = time.time()
-            pid = command_pid()  # the process the user started (the warm driver's caller, if it ran it)
+            pid = command_pid()  # the process the user started
             mine = Holder(host=socket.gethostname(), machine=this_machine(), pid=pid,
                           pid_started=process_started(pid), started=now, heartbeat=now,
                           token=uuid.uuid4().hex, command=self.command)
             try:
                 if self.record.create(encode(mine)):
                     self.holder = mine
-                    self._start_heartbeat()
+                    self._stop.clear()
+                    self._thread = threading.Thread(target=self._beat, name="satp-lease-heartbeat", daemon=True)
+                    self._thread.start()
                     return self
             except OSError as exc:
                 raise lease_error(exc, self.path, "write the run's lease") from None
@@ -261,23 +223,14 @@ class RunLease:
             _say(f"{self.path}: the lease of {self.kind} {self.run_name!r} held by {who} has expired ({why}): taken over")
         return None
 
-    def _start_heartbeat(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._beat, name="satp-lease-heartbeat", daemon=True)
-        self._thread.start()
-
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             if not self._refresh():
                 return
 
     def _refresh(self) -> bool:
-        """Write a new heartbeat into the lease if it is still this holder's; whether to go on.
-
-        Every writer replaces the record whole, so one that cannot be read was damaged where it
-        lies: it is written again, and so is a lease deleted under its holder (if no other command
-        created one meanwhile). A record of another holder means this one lost the lease; a record
-        replaced between the read and the write here (an object's ``If-Match`` fails) is read again."""
+        """Write a new heartbeat into the lease if it is still this holder's; whether to go on. An
+        unreadable or deleted record is written again; another holder's means the lease was lost."""
         try:
             seen = self.record.read()
         except (OSError, ValueError) as exc:

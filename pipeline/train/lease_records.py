@@ -1,19 +1,16 @@
-"""Where a run's lease lies (:mod:`pipeline.train.lease`): a file of a local or shared file system
-(:class:`FileRecord`), or an object of an S3 store (:class:`ObjectRecord`), behind one set of
-operations, each atomic where two commands race: ``create`` (only if none exists), ``read``,
-``rewrite`` (only if unchanged since read: a heartbeat) and ``remove_if`` (only if unchanged since
-read: an expired lease taken over, or released)."""
+"""Where a run's lease lies (:mod:`pipeline.train.lease`): a file (:class:`FileRecord`) or an S3
+object (:class:`ObjectRecord`), with the same operations, each atomic where two commands race:
+``create`` (only if none exists), ``read``, ``rewrite`` and ``remove_if`` (only if unchanged since read)."""
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import time
 import uuid
 from pathlib import Path
 from typing import Optional
 
-FULL = (errno.ENOSPC, errno.EDQUOT)
+from pipeline.train.checkpoint import FULL
 
 
 def lease_error(exc: OSError, path: Path, doing: str) -> OSError:
@@ -25,7 +22,6 @@ def lease_error(exc: OSError, path: Path, doing: str) -> OSError:
         error = OSError(f"{path}: cannot {doing} ({exc.strerror or exc})")
     error.errno = exc.errno
     return error
-
 
 
 def _write_new(path: Path, data: bytes) -> Path:

@@ -1,25 +1,11 @@
 """Data loading of a worker: shard splits, node-budget batches built on the CPU, device transfer.
 
-A DataLoader worker process builds a whole batch per call: the loader's sampler yields the id
-array of a batch (``batch_size=None``) and :class:`GraphBatches` turns it into a finished batch:
-
-* decoding and PyG collation at once, straight from the memory-mapped shard columns
-  (:meth:`preprocessing.reader.ShardDataset.batch`, equal to ``Batch.from_data_list`` of the items);
-  a dataset without that method (a list of in-memory graphs) gives its items to
-  :meth:`torch_geometric.data.Batch.from_data_list`;
-* then :class:`BatchCollator`: the value checks of :func:`sat.validation.validate_batch` (the step
-  then runs the model with ``validate=False``) and the :class:`sat.layout.GraphLayout` (graph
-  offsets, ``cu_seqlens``, largest graph, dense blocks, [CLS] positions) from the graphs' node
-  counts, attached as ``batch.graph_layout``: everything the model would otherwise compute from the
-  batch on the accelerator, with values read back to the host. Given a fixed capacity
-  (``train.step`` other than ``eager``: :mod:`pipeline.train.capacity`), a batch that fits is padded
-  to it here (:func:`sat.padding.pad_batch`, with its fixed-capacity layout); one that does not is
-  left as it is, to run eagerly.
-
-The batch travels to the main process as a :class:`PackedBatch`: all its tensors in one buffer.
-With ``pin_memory`` the loader's thread page-locks that buffer, and :func:`to_device` copies the
-batch with ``non_blocking=True``, so the copy overlaps the previous step. :func:`make_loader`'s
-loader yields the batches unpacked (views of the buffer).
+A DataLoader worker process builds a whole batch per call: :class:`GraphBatches` decodes and collates
+the sampler's graph ids at once (:meth:`preprocessing.reader.ShardDataset.batch`), and
+:class:`BatchCollator` checks the values (:func:`sat.validation.validate_batch`) and attaches the
+:class:`sat.layout.GraphLayout`, so the model reads nothing back from the accelerator; given a fixed
+capacity (:mod:`pipeline.train.capacity`) a batch that fits is padded to it. The batch travels as a
+:class:`PackedBatch` (one buffer, pinned by the loader's thread); :func:`to_device` copies it without blocking.
 """
 from __future__ import annotations
 
@@ -45,18 +31,12 @@ def open_split(shard_dir: str | Path, split: str, storage=None):
 
 
 class BatchCollator:
-    """A ``Batch`` (or a list of ``SATData``, collated by PyG) -> the batch, checked and carrying its
-    ``graph_layout`` for a model of ``config``, padded to ``capacity`` when given and when it fits
-    (``node_targets``: one target per node, as node tasks have); see the module docstring.
+    """A ``Batch`` (or a list of ``SATData``) -> the batch, checked and carrying its ``graph_layout``
+    for a model of ``config``, padded to ``capacity`` when given and when it fits (``node_targets``:
+    node tasks); see the module docstring."""
 
-    Picklable (DataLoader worker processes receive a copy).
-    """
-
-    def __init__(self, config: SATConfig, validate: bool = True, bucket_ratio: Optional[float] = 1.5,
-                 capacity: Optional[Capacity] = None, node_targets: bool = False) -> None:
+    def __init__(self, config: SATConfig, capacity: Optional[Capacity] = None, node_targets: bool = False) -> None:
         self.config = config
-        self.validate = validate
-        self.bucket_ratio = bucket_ratio
         self.capacity = capacity
         self.node_targets = node_targets
 
@@ -69,12 +49,11 @@ class BatchCollator:
 
         if not isinstance(batch, Batch):
             batch = Batch.from_data_list(batch)
-        if self.validate:
-            validate_batch(self.config, batch)
+        validate_batch(self.config, batch)
         cls_token = self.config.readout == "cls"
         if self.capacity is not None and fits(batch, self.capacity):
             return pad_batch(batch, self.capacity, self.node_targets, cls_token)
-        batch.graph_layout = GraphLayout.from_sizes(torch.diff(batch.ptr), self.bucket_ratio, cls_token=cls_token)
+        batch.graph_layout = GraphLayout.from_sizes(torch.diff(batch.ptr), cls_token=cls_token)
         return batch
 
 
@@ -122,15 +101,9 @@ class _TensorsIn(pickle.Unpickler):
 
 class PackedBatch:
     """A finished batch in transit from a DataLoader worker process: the bytes of all its tensors in
-    one buffer (contiguous, each at a multiple of 64 bytes), everything else pickled.
-
-    Sent as it is, a batch's ~40 tensors (attributes, PyG's slice and increment dicts, the layout)
-    would each become a shared-memory segment whose file descriptor the main process fetches over a
-    connection of its own to the worker, and the pin-memory thread would walk every attribute,
-    each string of ``y_tokens`` included. Packed, the batch is one segment, pinned as one buffer,
-    and :meth:`unpack` rebuilds it in the main process from views of that buffer (equal tensors,
-    each contiguous). The loader's ``collate_fn``: packs the batch :class:`GraphBatches` made.
-    """
+    one buffer (each at a multiple of 64 bytes), everything else pickled. Sent as it is, each of a
+    batch's ~40 tensors would be a shared-memory segment of its own; packed, it is one, pinned as one
+    buffer, and :meth:`unpack` rebuilds the batch from views of it. The loader's ``collate_fn``."""
 
     def __init__(self, batch: Any) -> None:
         tensors: list[torch.Tensor] = []
@@ -198,11 +171,8 @@ def make_loader(dataset, sampler, collator: BatchCollator, workers: int, pin_mem
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch``'s tensors (and layout) on ``device``, copied without blocking; a no-op on the CPU.
-
-    PyG moves a batch in place: read what is needed from the CPU batch first. Host lists
-    (``y_tokens``) are left alone rather than walked item by item.
-    """
+    """``batch``'s tensors (and layout) on ``device``, copied without blocking (in place: read what
+    is needed from the CPU batch first); host lists (``y_tokens``) stay. A no-op on the CPU."""
     if device.type == "cpu":
         return batch
     keys = [key for key, value in batch if not isinstance(value, list)]

@@ -1,6 +1,5 @@
-"""Training metrics of a worker: accumulated on the device during an epoch, reduced across ranks
-once at its end (a step never reads a value back to the host), plus the collectives that gather
-per-graph predictions for OGB's evaluators on rank 0."""
+"""Training metrics of a worker, accumulated on the device and reduced across ranks once per epoch,
+and the collectives that gather predictions to rank 0."""
 from __future__ import annotations
 
 import time
@@ -51,12 +50,9 @@ def sum_across(values: list[float], device: torch.device) -> list[float]:
 
 
 class EpochMeter:
-    """One epoch of one rank: loss summed on the device (weighted by the task's batch size: graphs,
-    or nodes for node-level tasks), host counters, timing (after a resume within the epoch, of the
-    steps since: :meth:`carry` brings the loss of the steps before).
-
-    ``data_wait`` is the time the loop spent blocked on the data loader.
-    """
+    """One epoch of one rank: loss summed on the device (weighted by the task's batch size), host
+    counters, timing, ``data_wait`` (blocked on the loader); :meth:`carry` brings the loss of the
+    steps before a resume within the epoch."""
 
     def __init__(self, device: torch.device) -> None:
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)

@@ -1,8 +1,6 @@
 """The MLflow side of one training run, in the driver: open (or find again) its run, close it, tag
-how it stopped, and log and register the best model with its [CLS] attention plot.
-
-One writer per run: the driver opens and closes it, Ray Train's controller logs each epoch
-(:mod:`pipeline.train.epoch_logger`), the workers log nothing. Every function reads the run's
+how it stopped, and log and register the best model with its [CLS] attention plot. Ray Train's
+controller logs the epochs (:mod:`pipeline.train.epoch_logger`). Every function reads the run's
 :class:`~pipeline.train.plan.JobPlan`.
 """
 from __future__ import annotations
@@ -22,6 +20,7 @@ import torch
 
 from pipeline.registry import tracking
 from pipeline.registry.empty_store import database_path
+from pipeline.train.checkpoint import FULL
 from pipeline.train.loader import open_split
 from pipeline.train.plan import JobPlan
 from pipeline.train.engine import build_model
@@ -29,21 +28,14 @@ from sat.config import SATConfig
 
 log = logging.getLogger(__name__)
 
-FULL = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota, is full
 LAST_ATTEMPT = "satp.last_attempt"  # how the last attempt to continue a FINISHED run ended (close_failed)
 
 
 def check_tracking_store(plan: JobPlan) -> None:
     """Stop in one line (a ``ValueError``) when the tracking store cannot be read, or does not know
-    the MLflow run that the run's checkpoints log to (``plan.previous``, an examined plan's).
-
-    A run's checkpoints record its MLflow run (``state.json``: ``mlflow_run_id``). A store without
-    that run was deleted or replaced since: a SQLite file removed, which MLflow would silently
-    create again, empty. Going on would log the resumed epochs into a new MLflow run without the
-    earlier ones and register the model as version 1 of a store that holds none of its history
-    ("nothing trained" and a fresh registration). So nothing starts and the checkpoints are kept;
-    the ways on are to restore the database (or point ``mlflow.tracking_uri`` at the store that has
-    the run), or ``--restart`` to train the run over into this store. Runs before Ray starts."""
+    the MLflow run that the run's checkpoints log to (``plan.previous``'s ``mlflow_run_id``): a store
+    deleted or replaced since (MLflow would silently create a SQLite file again, empty), into which
+    the resumed run would log without its history. Runs before Ray starts."""
     from mlflow.exceptions import MlflowException
 
     uri, previous = plan.job.mlflow.tracking_uri, plan.previous
@@ -75,11 +67,8 @@ def check_tracking_store(plan: JobPlan) -> None:
 @contextlib.contextmanager
 def writing(plan: JobPlan, doing: str, outcome: str, rerun: str = "run the same command") -> Iterator[None]:
     """MLflow's errors while ``doing`` as one line, with the advice its cause asks for (``outcome``: what
-    that leaves of the run; ``rerun``: what to do once fixed): a full disk under the tracking database
-    or its artifacts (an ``OSError`` naming the file, or the artifact folder: free space there), a
-    tracking server that failed (a ``ValueError`` naming it and how: HTTP 5xx, a connection reset or
-    refused; check the server and its artifact store), any other error of the tracking store (a
-    ``ValueError`` naming the URI)."""
+    that leaves of the run; ``rerun``: what to do once fixed): a full disk (an ``OSError`` naming the
+    file or folder), a failed tracking server or any other error of the store (a ``ValueError``)."""
     from mlflow.exceptions import MlflowException
 
     uri = plan.job.mlflow.tracking_uri
@@ -128,35 +117,24 @@ def _unreadable(uri: str, exc: BaseException) -> str:
 
 def open_run(plan: JobPlan, action: str) -> tuple[JobPlan, Optional[str]]:
     """Open the run's MLflow run; return the plan with it (``plan.setup.run_id``) and its status
-    before (None: new).
-
-    A fresh start never logs into an MLflow run that holds another training's history: a
-    restarted run name, or one whose checkpoints are gone while its MLflow run has metrics,
-    gets a new MLflow run (the old one is detached from the key, see
-    :func:`pipeline.registry.tracking.retire_run`). A store that cannot be written is one line
-    (:func:`writing`)."""
-    with writing(plan, "opening the run's MLflow run", "nothing was trained"):
-        return _open_run(plan, action)
-
-
-def _open_run(plan: JobPlan, action: str) -> tuple[JobPlan, Optional[str]]:
+    before (None: new). A fresh start never logs into an MLflow run that holds another training's
+    history: it gets a new one (:func:`pipeline.registry.tracking.retire_run`)."""
     import yaml
 
     job, setup = plan.job, plan.setup
     uri = job.mlflow.tracking_uri
-    existing = tracking.find_training_run(uri, job.mlflow.experiment, plan.run_key)
-    if existing is not None and action in ("fresh", "restart") and (
-            action == "restart" or existing.data.metrics or existing.info.status == "FINISHED"):
-        why = ("run started over (--restart)" if action == "restart"
-               else "its checkpoints were gone: the run name started over")
-        tracking.retire_run(uri, existing.info.run_id, plan.run_key, why)
-        existing = None
-    config_text = yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False)
-    params = job.model_dump(mode="json")
-    params["model"] = setup.model_config
-    params["shard_dir"] = setup.shard_dir
-    run_id = tracking.open_run(uri, job.mlflow.experiment, plan.run_key, job.train.run_name, params, config_text)
-    tracking.client(uri).set_tag(run_id, "satp.config_hash", setup.provenance["config_hash"])
+    with writing(plan, "opening the run's MLflow run", "nothing was trained"):
+        existing = tracking.find_training_run(uri, job.mlflow.experiment, plan.run_key)
+        if existing is not None and action in ("fresh", "restart") and (
+                action == "restart" or existing.data.metrics or existing.info.status == "FINISHED"):
+            why = ("run started over (--restart)" if action == "restart"
+                   else "its checkpoints were gone: the run name started over")
+            tracking.retire_run(uri, existing.info.run_id, plan.run_key, why)
+            existing = None
+        config_text = yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False)
+        params = dict(job.model_dump(mode="json"), model=setup.model_config, shard_dir=setup.shard_dir)
+        run_id = tracking.open_run(uri, job.mlflow.experiment, plan.run_key, job.train.run_name, params, config_text)
+        tracking.client(uri).set_tag(run_id, "satp.config_hash", setup.provenance["config_hash"])
     return plan.with_setup(run_id=run_id), existing.info.status if existing is not None else None
 
 
@@ -179,9 +157,8 @@ def close_failed(plan: JobPlan, previous_status: Optional[str], exc: BaseExcepti
 
 
 def close_finished(plan: JobPlan, state: dict) -> None:
-    """A fit that succeeded: the MLflow run's tags (its target, why it stopped early if it did, and a
-    ``satp.last_attempt`` that said an earlier continuation failed now says this one finished), then
-    the run FINISHED."""
+    """A fit that succeeded: the MLflow run's tags (its target, an early stop, a ``satp.last_attempt``
+    that said an earlier continuation failed), then the run FINISHED."""
     client = tracking.client(plan.job.mlflow.tracking_uri)
     run_id, target = plan.setup.run_id, plan.job.train.target
     if target is not None:
@@ -191,14 +168,6 @@ def close_finished(plan: JobPlan, state: dict) -> None:
     if LAST_ATTEMPT in client.get_run(run_id).data.tags:
         client.set_tag(run_id, LAST_ATTEMPT, f"finished {time.strftime('%Y-%m-%d %H:%M:%S')} (epoch {state['epoch']})")
     tracking.close_run(plan.job.mlflow.tracking_uri, run_id, "FINISHED")
-
-
-def manifest_hash(manifest: dict) -> str:
-    """The shards' configuration hash, as the registered version's ``data_manifest_hash``."""
-    for key in ("config_hash", "transform_hash", "hash"):
-        if manifest.get(key):
-            return str(manifest[key])
-    return ""
 
 
 def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
@@ -219,7 +188,7 @@ def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
                  rerun="run the same command, which registers it then"):
         registered = register(
             model, job=job, task=task, model_config=config, best=state["best"], constant=state.get("constant"),
-            run_id=setup.run_id, tracking_uri=job.mlflow.tracking_uri, data_manifest_hash=manifest_hash(plan.manifest),
+            run_id=setup.run_id, tracking_uri=job.mlflow.tracking_uri, data_manifest_hash=plan.manifest.get("config_hash", ""),
             # what prediction needs to featurise new inputs (transform, code2 node tables)
             extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json"),
                    **input_spec(setup.shard_dir, job.storage.settings())},
@@ -236,9 +205,7 @@ def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
 
 def promote_version(plan: JobPlan, state: dict, name: str, version: int) -> dict:
     """Move the champion alias to ``version`` of ``name`` only if its validation metric beats the
-    champion's (the rule of sweeps too); ``{"champion", "reason"}``. A run stopped between
-    registering and this decision has it made by its next command (the version lacks the tag
-    ``satp.champion_decision``: :func:`pipeline.train.driver._already_finished`)."""
+    champion's (the rule of sweeps too); ``{"champion", "reason"}``."""
     from pipeline.registry.versions import CHAMPION, promote
 
     metric, mode = plan.task.metric, plan.task.mode
@@ -255,9 +222,8 @@ def _log_attention_plot(plan: JobPlan, model: torch.nn.Module) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from mlflow.tracking import MlflowClient
 
-        test = open_split(plan.shard_dir, "test", plan.job.storage.settings())
+        test = open_split(plan.setup.shard_dir, "test", plan.job.storage.settings())
         sizes = np.asarray(test.num_nodes)
         index = int(np.argsort(sizes)[len(sizes) // 2])  # a median-size graph
         from torch_geometric.data import Batch
@@ -277,7 +243,7 @@ def _log_attention_plot(plan: JobPlan, model: torch.nn.Module) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "cls_attention.png"
             fig.savefig(path, dpi=100)
-            MlflowClient(plan.job.mlflow.tracking_uri).log_artifact(plan.setup.run_id, str(path), artifact_path="plots")
+            tracking.client(plan.job.mlflow.tracking_uri).log_artifact(plan.setup.run_id, str(path), artifact_path="plots")
         plt.close(fig)
     except Exception as exc:  # interpretability plot: never fail a run over it
         log.info("no [CLS] attention plot: %s", exc)

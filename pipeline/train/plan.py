@@ -1,28 +1,14 @@
 """A training job resolved once, at the edge: :class:`JobPlan`, which every later step reads.
 
-A job file says what to train; the driver needs more, and each piece is derived here once
-instead of again in every step that needs it. A plan is read-only: each stage makes the next
-plan from the one before (``dataclasses.replace``), so what a stage decided cannot change under
-the stages after it:
+A plan is read-only: each stage makes the next plan from the one before (``dataclasses.replace``).
+:meth:`JobPlan.resolve` (no data, no Ray) fills the driver's defaults and the task;
+:meth:`JobPlan.examine` (under the run's lease) finds the run's newest intact checkpoint once;
+:meth:`JobPlan.with_shards` checks the shards, builds the model once and makes the workers'
+:class:`~pipeline.train.worker_setup.WorkerSetup`; :meth:`JobPlan.decision` is the one place that
+decides whether the run is finished, resumes (from which checkpoint) or starts.
 
-* :meth:`JobPlan.resolve` (no data, no Ray): the defaults that depend on where the driver runs
-  (run name, absolute storage path, tracking URI: :func:`resolve_job`), the task (its name, and
-  through it the metric and mode; a ``train.target`` is checked against that metric), the Ray
-  address, whether the run name starts over, and the run's checkpoints
-  (:class:`~pipeline.train.checkpoint.CheckpointManager`);
-* :meth:`JobPlan.examine` (under the run's lease): the run's newest intact checkpoint, found once;
-* :meth:`JobPlan.with_shards` (after the data stage): the shards checked against the job (splits
-  not empty, features the model reads present), the model built once to catch a bad
-  configuration before any worker starts, the task object with the shards' vocabulary, and the
-  worker setup (:class:`~pipeline.train.worker_setup.WorkerSetup`: model config, task state, precision),
-  which is what the workers receive;
-* :meth:`JobPlan.decision`: whether the run is finished, resumes (from which checkpoint) or starts
-  (:mod:`pipeline.train.rerun` compares the configurations): the one place that decides it.
-
-``satp train`` builds the plan and hands it to :func:`pipeline.train.driver.train_plan`;
-:func:`pipeline.train.driver.train_job` (sweeps' trials, the demo, Python callers) builds it
-from a job. This module imports no more than the job's configuration: ``satp train`` reads a
-run's lease and checkpoints with it before its heavy imports.
+This module imports no more than the job's configuration: ``satp train`` reads a run's lease and
+checkpoints with it before its heavy imports.
 """
 from __future__ import annotations
 
@@ -45,8 +31,7 @@ log = logging.getLogger(__name__)
 
 def resolve_job(job: JobConfig) -> JobConfig:
     """Fill the defaults that depend on where the driver runs (absolute paths), in a copy; raises a
-    one-line ``ValueError`` on a name that cannot be a folder or an MLflow name
-    (:mod:`pipeline.config.names`: checked before the run's lease is written under the run name)."""
+    one-line ``ValueError`` on a name that cannot be a folder or an MLflow name."""
     check_names(job)
     job = job.model_copy(deep=True)
     train = job.train
@@ -71,9 +56,8 @@ def run_checkpoints(job: JobConfig) -> CheckpointManager:
 
 
 def store_env(job: JobConfig) -> dict[str, str]:
-    """What the job's Ray processes need in their environment to reach its object store as this driver
-    does (:func:`runtime.storage.forwarded_env`: credentials, endpoint, region) when a path of the job
-    is a URI, else nothing."""
+    """What the job's Ray processes need in their environment to reach its object store
+    (:func:`runtime.storage.forwarded_env`) when a path of the job is a URI, else nothing."""
     paths = (job.shards.root, job.train.storage_path, job.tune.storage_path if job.tune is not None else None)
     return forwarded_env() if any(is_uri(p or "") for p in paths) else {}
 
@@ -87,7 +71,6 @@ class JobPlan:
     checkpoints: CheckpointManager  # the run folder's
     address: Optional[str] = None  # Ray cluster (None: $RAY_ADDRESS, else a new local one)
     restart: bool = False  # start the run name over when it holds a checkpoint
-    early_checked: bool = False  # preflight.early_checks passed (satp train runs them before its heavy imports)
     examined: bool = False  # :attr:`previous` looked up (:meth:`examine`)
     previous: Optional[Previous] = None  # the run's newest intact checkpoint
     setup: Optional[WorkerSetup] = None  # after with_shards
@@ -95,43 +78,21 @@ class JobPlan:
     manifest: dict = dataclasses.field(default_factory=dict)  # the train split's, after with_shards
 
     @classmethod
-    def resolve(cls, job: JobConfig, *, address: Optional[str] = None, restart: bool = False,
-                early_checked: bool = False) -> "JobPlan":
+    def resolve(cls, job: JobConfig, *, address: Optional[str] = None, restart: bool = False) -> "JobPlan":
         """The plan of ``job`` before any data exists; raises a one-line ``ValueError`` on an unknown
         task or a target its task does not report, or a bad name (:func:`resolve_job`)."""
         from pipeline.tasks import TASK_CLASSES, task_name_for
         from pipeline.train import stopping
 
         job = resolve_job(job)
-        task_name = task_name_for(job.train.task, getattr(getattr(job, "data", None), "name", None))
+        task_name = task_name_for(job.train.task, job.data.name)
         stopping.check_target(job.train.target, TASK_CLASSES[task_name].metric)
-        return cls(job=job, task_name=task_name, checkpoints=run_checkpoints(job), address=address,
-                   restart=restart, early_checked=early_checked)
-
-    @property
-    def metric(self) -> str:
-        from pipeline.tasks import TASK_CLASSES
-
-        return TASK_CLASSES[self.task_name].metric
-
-    @property
-    def mode(self) -> str:
-        from pipeline.tasks import TASK_CLASSES
-
-        return TASK_CLASSES[self.task_name].mode
+        return cls(job=job, task_name=task_name, checkpoints=run_checkpoints(job), address=address, restart=restart)
 
     @property
     def run_key(self) -> str:
         """The run's identity across attempts: ``<storage path>/<run name>`` (MLflow tag)."""
         return f"{self.job.train.storage_path}/{self.job.train.run_name}"
-
-    @property
-    def run_dir(self) -> Path | str:
-        return run_dir(self.job)
-
-    @property
-    def shard_dir(self) -> Optional[str]:
-        return self.setup.shard_dir if self.setup is not None else None
 
     def examine(self) -> "JobPlan":
         """This plan with the run's newest intact checkpoint (:func:`pipeline.train.rerun.previous_run`,
@@ -153,12 +114,8 @@ class JobPlan:
         ``resume`` (from the previous checkpoint) or ``finished`` (it has done ``train.epochs``, or
         the job's stopping rules ended it: nothing is trained); raises
         :class:`~pipeline.train.rerun.RerunConflict` when it holds another configuration's checkpoint.
-
-        With the shards attached (:meth:`with_shards`) it always decides. Before, the data may not
-        exist yet: a conflict raises at once, raw files that changed under the run included (their
-        fingerprint is taken here, from its cache unless they changed); when the job's shards exist
-        already for the raw files as they are, the answer is the same as after (a finished run then
-        needs no Ray at all); else None (decided after the data)."""
+        Before :meth:`with_shards` a conflict raises at once, and the answer is known only when the
+        job's shards exist for the raw files as they are (else None: decided after the data)."""
         from pipeline.registry.versions import git_commit
 
         if not self.examined:
@@ -197,9 +154,7 @@ def _decide(job, config: dict, commit: str, previous: Optional[Previous], restar
         return Decision("restart", previous, fresh)
     recorded = previous.provenance
     if recorded.get("config_hash") != digest:
-        if recorded.get("config") is None:
-            raise rerun.RerunConflict(rerun.conflict_message(job, previous, None))
-        diffs = rerun.config_differences(job, recorded["config"], config, recorded.get("data_settings"))
+        diffs = rerun.config_differences(job, recorded.get("config") or {}, config, recorded.get("data_settings"))
         if diffs:
             raise rerun.RerunConflict(rerun.conflict_message(job, previous, diffs))
     commits = previous.commits or [commit]
@@ -211,12 +166,11 @@ def _decide(job, config: dict, commit: str, previous: Optional[Previous], restar
 
 
 def worker_setup(job: JobConfig, shard_dir: str | Path) -> WorkerSetup:
-    """The workers' setup of ``job`` on the shards in ``shard_dir`` (the model configured from their
-    features), for callers that need the model without a run: a sweep's parameter count, the
-    loader benchmark, a trainer stepped without Ray."""
+    """The workers' setup of ``job`` on the shards in ``shard_dir``, for callers that need the model
+    without a run (a sweep's parameter count, benchmarks)."""
     from pipeline.tasks import task_name_for
 
-    task_name = task_name_for(job.train.task, getattr(getattr(job, "data", None), "name", None))
+    task_name = task_name_for(job.train.task, job.data.name)
     return _against_shards(job, task_name, shard_dir)[0]
 
 
@@ -249,8 +203,6 @@ def _against_shards(job: JobConfig, task_name: str, shard_dir: str | Path) -> tu
         model_config=dataclasses.asdict(model_config),
         task_name=task_name,
         task_state={k: v for k, v in task.state().items() if k != "name"},
-        precision=job.train.precision,  # "auto" resolved in the workers (the driver may have no GPU)
         run_id=None,
-        tracking_uri=job.mlflow.tracking_uri if job.mlflow.enabled else None,
     )
     return setup, task, manifest

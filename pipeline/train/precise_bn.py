@@ -1,27 +1,10 @@
 """BatchNorm statistics recomputed before an evaluation ("precise BN", ``train.precise_bn_batches``).
 
-In training, BatchNorm normalises with each batch's own statistics and keeps an exponential moving
-average of them (momentum 0.1: about the last 10 batches) for evaluation. Two things can make that
-average a poor stand-in for the statistics the evaluated model actually sees:
-
-* the average mixes batches taken under different weights and carries the noise of the last few
-  batches (Wu & Johnson, "Rethinking 'Batch' in BatchNorm", 2021, Sec. 3: "precise BN");
-* dropout in front of a BatchNorm layer changes the variance it sees between training and
-  evaluation (Li et al., "Understanding the Disharmony between Dropout and Batch Normalization by
-  Variance Shift", CVPR 2019); SAT's layers add the dropped-out attention and FFN outputs to the
-  residual right before their BatchNorm.
-
-:func:`recompute_batchnorm_stats` replaces every BatchNorm layer's running mean and variance by
-their plain average over a few training batches, run forward with dropout off (the model in
-evaluation mode, only the BatchNorm layers in training mode) and nothing else changed: the
-statistics the evaluated model will use, under its current weights. :class:`StatisticsBatches`
-picks those batches: the first ``count`` batches of a shuffled pass over the training split, with a
-seed of their own, so neither the training order nor its random state moves.
-
-It also says how far the moving averages were from the recomputed statistics
-(:class:`StatisticsShift`), which tells the two causes above apart: dropout's variance shift
-inflates the running variance (a ratio above 1 in every epoch), a stale or noisy average moves the
-running mean (a mean shift, in units of the recomputed standard deviation).
+Training's moving averages mix batches taken under different weights (Wu & Johnson, "Rethinking
+'Batch' in BatchNorm", 2021, Sec. 3), and dropout right before a BatchNorm layer, as in SAT's
+layers, shifts the variance it sees (Li et al., CVPR 2019). :func:`recompute_batchnorm_stats`
+replaces the running statistics by their plain average over a few training batches run with dropout
+off (:class:`StatisticsBatches`), and says how far the moving averages were (:class:`StatisticsShift`).
 """
 from __future__ import annotations
 
@@ -45,12 +28,9 @@ def batchnorm_layers(module: torch.nn.Module) -> list[_BatchNorm]:
 
 class StatisticsBatches:
     """The sampler of the batches that :func:`recompute_batchnorm_stats` runs: the first ``count``
-    batches of ``sampler``'s epoch (a shuffled training sampler with a seed of its own), so
-    evaluation after every epoch sees fresh random batches of the training distribution."""
+    batches of ``sampler``'s epoch (shuffled, with a seed of its own): fresh ones every epoch."""
 
     def __init__(self, sampler: NodeBudgetSampler, count: int) -> None:
-        if count < 1:
-            raise ValueError(f"StatisticsBatches: count must be >= 1, got {count}")
         self.sampler, self.count = sampler, int(count)
 
     def set_epoch(self, epoch: int) -> None:
@@ -65,12 +45,10 @@ class StatisticsBatches:
 
 @dataclass(frozen=True)
 class StatisticsShift:
-    """Training's moving averages against the recomputed statistics, over every channel of every
-    BatchNorm layer.
+    """Training's moving averages against the recomputed statistics, over every BatchNorm channel.
 
-    ``var_ratio``: the geometric mean of running variance / recomputed variance (1: no shift; above 1:
-    the variance training saw was inflated, as dropout in front of the layer does).
-    ``worst_layer_var_ratio``: the same per layer, the layer farthest from 1 (by its logarithm).
+    ``var_ratio``: the geometric mean of running variance / recomputed variance (above 1: inflated,
+    as by dropout); ``worst_layer_var_ratio``: the same for the layer farthest from 1;
     ``mean_shift``: the mean of |running mean - recomputed mean| / recomputed standard deviation.
     """
 
@@ -82,15 +60,6 @@ class StatisticsShift:
         """As the run logs them: ``bn_var_ratio``, ``bn_worst_layer_var_ratio``, ``bn_mean_shift``."""
         return {"bn_var_ratio": self.var_ratio, "bn_worst_layer_var_ratio": self.worst_layer_var_ratio,
                 "bn_mean_shift": self.mean_shift}
-
-
-@dataclass(frozen=True)
-class RecomputedStatistics:
-    """What :func:`recompute_batchnorm_stats` did: the batches run (0: nothing changed) and, when
-    it changed the statistics, how far the old ones were from the new (:class:`StatisticsShift`)."""
-
-    batches: int
-    shift: Optional[StatisticsShift] = None
 
 
 def statistics_shift(layers: list[_BatchNorm], old: list[tuple[torch.Tensor, torch.Tensor]]) -> StatisticsShift:
@@ -110,20 +79,17 @@ def statistics_shift(layers: list[_BatchNorm], old: list[tuple[torch.Tensor, tor
 
 @torch.no_grad()
 def recompute_batchnorm_stats(
-    module: torch.nn.Module, batches: Iterable[Any], forward: Callable[[Any], Any], average_ranks: bool = True
-) -> RecomputedStatistics:
+    module: torch.nn.Module, batches: Iterable[Any], forward: Callable[[Any], Any]
+) -> Optional[StatisticsShift]:
     """Replace the running mean and variance of ``module``'s BatchNorm layers by their average over
     ``batches`` (each batch weighing the same, as BatchNorm's cumulative average does), computed by
-    ``forward(batch)`` with the module in evaluation mode except its BatchNorm layers (dropout off).
-
-    With ``torch.distributed`` initialised and several ranks, the ranks' averages are averaged, so
-    every rank evaluates with the same statistics. The module's modes and momenta are restored.
-    Returns the number of batches run and the shift of the statistics; with no batch, the
-    statistics are left as they were.
+    ``forward(batch)`` with the module in evaluation mode except its BatchNorm layers (dropout off),
+    then averaged over the ranks; returns how far the old statistics were from the new. With no
+    batch (or no BatchNorm layer) the statistics are left as they were: None.
     """
     layers = batchnorm_layers(module)
     if not layers:
-        return RecomputedStatistics(0)
+        return None
     was_training = module.training
     saved = [(bn.momentum, bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone())
              for bn in layers]
@@ -146,10 +112,9 @@ def recompute_batchnorm_stats(
             bn.running_mean.copy_(mean)
             bn.running_var.copy_(var)
             bn.num_batches_tracked.copy_(count)
-        return RecomputedStatistics(0)
-    if average_ranks:
-        _average_over_ranks(layers)
-    return RecomputedStatistics(seen, statistics_shift(layers, [(mean, var) for _m, mean, var, _c in saved]))
+        return None
+    _average_over_ranks(layers)
+    return statistics_shift(layers, [(mean, var) for _m, mean, var, _c in saved])
 
 
 def _average_over_ranks(layers: list[_BatchNorm]) -> None:

@@ -1,41 +1,13 @@
-"""Pre-flight: what a job can get wrong that the driver can see, checked before Ray starts.
+"""Pre-flight: what a job can get wrong that the driver can see, checked before Ray starts (a
+mistake found later costs Ray's start, preprocessing, an MLflow run and every worker's retries).
 
-``satp train`` and ``satp tune`` (and every trial of a sweep, through
-:func:`pipeline.train.driver.train_job`) call :func:`preflight`, the one function for this. A mistake
-found later costs minutes: Ray starts (~10 s), data are preprocessed, an MLflow run is opened,
-workers start (20-30 s each try), the model fails in every worker's forward pass and the worker
-group is retried ``max_failures`` times. In the order of cost:
-
-1. :func:`check_config`: the job alone (no data, no Ray, no torch): the names that become paths
-   or MLflow names (:mod:`pipeline.config.names`), precision against the hardware asked for, the
-   warm-up against the epochs, the worker counts against ZeRO (:func:`worker_count_problem`), the
-   model against the features the shards will hold (``extractor: subgraph`` needs
-   ``transform.k_hops > 0``, ``pe: rwpe`` needs
-   ``transform.rwpe_steps == model.pe_dim``, ``pe: lap`` needs ``transform.lap_pe_dim ==
-   model.pe_dim``), the task.
-2. :func:`check_data_root`: ``data.root`` is a directory or can be created (tried:
-   :func:`check_writable_dir`; ``/proc/nope`` fails here, not after Ray started); a dataset folder
-   that exists looks complete, and its raw values lie in their ranges (:func:`check_raw_values`); one
-   that is absent can be built (``pycode``: its source
-   directories exist; ``ogb``: the download address answers within seconds).
-   :func:`check_output_dirs`: ``shards.root`` can be created, ``train.storage_path`` written.
-3. the Ray address answers as a Ray cluster within ~10 s (:func:`runtime.ray_address.probe`), else
-   a one-line error; without an address, this machine holds the job's workers (a local cluster
-   would); steps 1-3 are :func:`early_checks`, which ``satp train`` also runs right after reading
-   the job, before it imports torch and Ray;
-4. a training run, between steps 3 and 5: what its run name holds
-   (:meth:`pipeline.train.plan.JobPlan.decision`): a checkpoint of another configuration, or of
-   raw files that changed since, stops it here, a finished run of this one whose shards exist
-   needs no Ray;
-5. :func:`connect_and_check`: :func:`runtime.ray_cluster.connect` (without an address, a new local Ray starts), then
-   :func:`check_resources`: the cluster's alive nodes can hold the job's workers (an elastic
-   run's minimum), counted per node (a worker never spans nodes), and, for an elastic run, which of
-   its counts take equal shares of a step (:func:`describe_counts`, logged); the error gives the numbers (``4 worker(s) x (1 CPU, 1
-   GPU); this machine (a local Ray cluster) has 2 CPU, 0 GPU on 1 node(s), room for 0``). An autoscaling cluster, where
-   Ray adds nodes on demand, sets ``resources.wait_for_nodes: true`` to skip this.
-
-After it, :meth:`pipeline.train.plan.JobPlan.with_shards` checks the model against the real shards
-(:func:`check_shard_features`, from the manifest's columns) before any worker starts.
+1. :func:`check_config`: the job alone; 2. :func:`check_data_root` and :func:`check_output_dirs`:
+the dataset complete and in range, or buildable, the output directories writable; 3. the Ray
+address answers. Steps 1-3 are :func:`early_checks`, which ``satp train`` runs before it imports
+torch and Ray. 4. A training run's rerun decision (:meth:`pipeline.train.plan.JobPlan.decision`).
+5. :func:`connect_and_check`: Ray connected, then :func:`check_resources`: the alive nodes hold the
+job's workers, counted per node (``resources.wait_for_nodes: true`` skips it). Then
+:meth:`~pipeline.train.plan.JobPlan.with_shards` checks the model against the real shards.
 """
 from __future__ import annotations
 
@@ -50,17 +22,15 @@ from typing import Any, Iterable, Mapping, Optional
 log = logging.getLogger(__name__)
 
 DOWNLOAD_PROBE_S = 10.0
-#: Raw files (gzip, as stored) up to this size have their values checked in the pre-flight (~20 MB/s
-#: on a busy 2-core machine: seconds); larger ones by their conversion, on Ray, in parallel.
+#: Raw files (gzip, as stored) up to this size have their values checked here; larger ones by their
+#: conversion, on Ray, in parallel.
 RAW_CHECK_BYTES = 64 << 20
 
 
 # ----------------------------------------------------------------------------- the job alone
 def feature_problem(model, subgraphs: bool, rwpe: int, lap_pe: int, where: str) -> Optional[str]:
     """What the model reads that the shards lack (``where`` names the shards' side), or None.
-
-    ``subgraphs``: the shards hold k-hop subgraph indices; ``rwpe`` / ``lap_pe``: the width of
-    those columns (0: absent)."""
+    ``subgraphs``: the shards hold k-hop subgraph indices; ``rwpe`` / ``lap_pe``: those widths (0: absent)."""
     if model.needs_subgraphs and not subgraphs:
         return (f"model.extractor: 'subgraph' reads each node's k-hop subgraph indices, and {where} hold none "
                 f"(transform.k_hops: 0); set transform.k_hops (e.g. {model.k_hops}) or use extractor: subtree")
@@ -73,9 +43,8 @@ def feature_problem(model, subgraphs: bool, rwpe: int, lap_pe: int, where: str) 
     return None
 
 
-def check_config(job, task: bool = True) -> None:
-    """Step 1 (see the module docstring); raises ``ValueError`` with one line. ``task=False``
-    leaves out the task check, the one that imports torch."""
+def check_config(job) -> None:
+    """Step 1 (see the module docstring); raises ``ValueError`` with one line."""
     from pipeline.config.names import check_names
 
     check_names(job)  # run name, MLflow names: before anything is written under them
@@ -95,10 +64,6 @@ def check_config(job, task: bool = True) -> None:
     problem = feature_problem(job.model, t.k_hops > 0, t.rwpe_steps, t.lap_pe_dim, "the job's shards")
     if problem:
         raise ValueError(problem)
-    if task:
-        from pipeline.tasks import task_name_for  # torch: last, after the checks that need nothing
-
-        task_name_for(train.task, getattr(job.data, "name", None))
 
 
 def _range(res) -> str:
@@ -106,11 +71,9 @@ def _range(res) -> str:
 
 
 def worker_count_problem(job) -> Optional[str]:
-    """What no worker count of the job can run (one line), or None. At ZeRO stage 0 every count
-    runs any global batch (a worker's share of a step may be uneven, or empty); ZeRO stages 1 and 2
-    partition the optimizer state by the worker count (DeepSpeed loads their checkpoints only at the
-    count that wrote them) and reduce gradients at every backward pass (every worker must take the
-    same share of a step)."""
+    """What no worker count of the job can run (one line), or None: ZeRO stages 1 and 2 partition the
+    optimizer state by the worker count and reduce gradients at every backward pass, so they need
+    one count and equal shares of a step; at stage 0 every count runs any global batch."""
     train, res = job.train, job.resources
     if train.zero_stage == 0:
         return None
@@ -156,11 +119,9 @@ def check_shard_features(model, manifest: dict, shard_dir) -> None:
 
 # ----------------------------------------------------------------------------- data root
 def check_writable_dir(key: str, path: str | Path, default: str = "") -> None:
-    """Raise ``ValueError`` (one line naming ``key``, the path and why) unless ``path`` is a
-    directory where this process can create one, or can be created. Tried for real: the missing
-    directories and a probe directory inside are created and removed again (permission bits say
-    nothing for root, nor for ``/proc`` or a full or read-only file system). ``default``: how the
-    path was chosen, when ``key`` is unset."""
+    """Raise ``ValueError`` (one line naming ``key``, the path and why) unless ``path`` is, or can be
+    created as, a directory this process can write: tried for real, as permission bits say nothing
+    for root, ``/proc`` or a full or read-only file system. ``default``: how an unset ``key`` chose it."""
     path = Path(path).expanduser()
     missing, node = [], path.absolute()
     while not node.exists() and node != node.parent:
@@ -256,11 +217,8 @@ def check_data_root(data) -> None:
 
 
 def check_raw_values(folder: Path, name: str) -> None:
-    """Every raw value of the dataset in ``folder`` in its range, its line counts and splits
-    (:func:`preprocessing.conversion.check_values`, one line naming the file, line, graph and field),
-    unless its columnar store was converted from these very files (checked then) or the raw files
-    are over :data:`RAW_CHECK_BYTES` (the conversion checks them, one Ray task per file). A value
-    out of range otherwise surfaced a minute later, after Ray had started."""
+    """Every raw value of the dataset in ``folder`` in its range (:func:`preprocessing.conversion.check_values`),
+    unless its columnar store was converted from these very files or they are over :data:`RAW_CHECK_BYTES`."""
     from preprocessing.columnar import raw_fingerprint, required_files, store_is_current
 
     files = [folder / rel for rel in required_files(name)]
@@ -274,7 +232,8 @@ def check_raw_values(folder: Path, name: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the cluster
-def _need_per_worker(res) -> dict[str, float]:
+def worker_resources(res) -> dict[str, float]:
+    """What one worker of ``res`` (the job's ``resources``) asks Ray for."""
     need = {"CPU": float(res.cpus_per_worker)}
     if res.use_gpu:
         need["GPU"] = float(res.gpus_per_worker)
@@ -297,21 +256,17 @@ def worker_slots(nodes: list[dict], need: dict[str, float]) -> int:
 
 
 def local_node(count_gpus: bool = True) -> dict:
-    """This machine as the one node of the local Ray cluster a command would start (Ray counts
-    the CPUs this process may use and the visible NVIDIA GPUs; ``count_gpus=False``: a job that
-    asks for none, so torch need not be imported to count them)."""
+    """This machine as the one node of the local Ray cluster a command would start (``count_gpus=False``:
+    a job that asks for none, so torch need not be imported to count them)."""
     try:
         cpus = float(len(os.sched_getaffinity(0)))
     except AttributeError:
         cpus = float(os.cpu_count() or 1)
     gpus = 0.0
     if count_gpus:
-        try:
-            import torch
+        import torch
 
-            gpus = float(torch.cuda.device_count()) if torch.cuda.is_available() else 0.0
-        except ImportError:
-            pass
+        gpus = float(torch.cuda.device_count()) if torch.cuda.is_available() else 0.0
     return {"Alive": True, "Resources": {"CPU": cpus, "GPU": gpus}}
 
 
@@ -323,7 +278,7 @@ def check_resources(job, num_workers: Optional[int] = None, extra_cpus: float = 
     if res.wait_for_nodes:
         return
     workers = num_workers or res.min_workers  # an elastic run starts once its minimum fits
-    need = _need_per_worker(res)
+    need = worker_resources(res)
     if nodes is None:
         import ray
 
@@ -374,9 +329,8 @@ def _ray_connected() -> bool:
 
 
 def check_output_dirs(job) -> None:
-    """Step 2 for what a run reads and writes: ``shards.root`` (:func:`check_shards_root`);
-    ``train.storage_path`` (unset: the runs directory's ``ray/``) and ``tune.storage_path`` can be
-    written (:func:`check_run_store` where a URI)."""
+    """Step 2 for what a run reads and writes: ``shards.root``, ``train.storage_path`` and
+    ``tune.storage_path`` (:func:`check_run_store` where a URI)."""
     from pipeline.config.train import runs_dir
     from runtime.storage import is_uri
 
@@ -393,9 +347,8 @@ def check_output_dirs(job) -> None:
 
 
 def check_shards_root(job) -> None:
-    """``shards.root`` can be created (:func:`check_writable_dir`; one that exists may be read-only:
-    shared shards, built already), or on a store (:func:`runtime.storage.check`) answers, takes the
-    credentials, holds the bucket and can be listed (the build checks writing when it has shards to write)."""
+    """``shards.root`` exists (it may be read-only: shared shards) or can be created, or on a store
+    answers and can be listed (:func:`runtime.storage.check`; the build checks writing)."""
     from runtime.storage import check, is_uri
 
     if is_uri(job.shards.root):
@@ -405,10 +358,8 @@ def check_shards_root(job) -> None:
 
 
 def check_run_store(key: str, uri: str, storage=None) -> None:
-    """``key`` (``train.storage_path``, ``tune.storage_path``) a URI: the store answers, takes the
-    credentials, holds the bucket and lets them write there, and can hold the run's lease (a
-    conditional write: S3 only, :mod:`pipeline.train.lease`); one ``ValueError`` line naming the URI
-    otherwise, within seconds."""
+    """``key`` (``train.storage_path``, ``tune.storage_path``) a URI: the store can be written and can
+    hold the run's lease (a conditional write: S3 only); else one ``ValueError`` line naming the URI."""
     from runtime.storage import check
 
     if not uri.startswith("s3://"):
@@ -418,20 +369,18 @@ def check_run_store(key: str, uri: str, storage=None) -> None:
 
 
 def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None,
-                 num_workers: Optional[int] = None, extra_cpus: float = 0.0, task: bool = True) -> None:
+                 num_workers: Optional[int] = None, extra_cpus: float = 0.0) -> None:
     """Steps 1-3 of :func:`preflight`, and, when a new local cluster would start, this machine's
-    resources: nothing here starts or imports Ray, and only ``task=True`` (and GPU jobs) import
-    torch, so ``satp train`` runs it right after reading the job, before its heavy imports.
+    resources: nothing here starts or imports Ray, and only GPU jobs import torch.
 
-    ``jobs``: a list, or a mapping from a name to the job (``compare.variants.sub2``): a problem of
-    one job's own settings (steps 1 and 2's output directories) then starts with its name."""
+    ``jobs``: a list, or a mapping from a name to the job: a problem of one job then starts with its name."""
     from runtime.ray_address import probe, resolve_address
 
     named = jobs.items() if isinstance(jobs, Mapping) else [(None, job) for job in jobs]
     seen = set()
     for name, job in named:
         try:
-            check_config(job, task=task)
+            check_config(job)
             check_output_dirs(job)
         except ValueError as exc:
             if name is None:
@@ -454,15 +403,9 @@ def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] =
 
 def preflight(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None, num_workers: Optional[int] = None,
               extra_cpus: float = 0.0, ray_env: Optional[dict] = None) -> None:
-    """Check ``jobs`` (a job, or every variant of a sweep, optionally by name: see
-    :func:`early_checks`) and connect to Ray; see the module docstring. A training run takes the
-    steps one by one, with its rerun decision between them (:func:`pipeline.train.driver.train_plan`).
-
-    ``num_workers`` / ``extra_cpus``: what one unit of work needs when it is not the job's own
-    request (a sweep: its largest swept worker count, plus the Tune trial's CPUs). ``ray_env``:
-    environment variables of a new Ray connection (see :func:`runtime.ray_cluster.connect`).
-    """
-    jobs = jobs if isinstance(jobs, Mapping) else list(jobs)
+    """Check ``jobs`` (every variant of a sweep, optionally by name: see :func:`early_checks`) and
+    connect to Ray. ``num_workers`` / ``extra_cpus``: what a sweep's trial needs beyond the job's own
+    request; ``ray_env``: environment variables of a new Ray connection."""
     early_checks(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus)
     connect_and_check(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus, ray_env=ray_env)
 

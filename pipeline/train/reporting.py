@@ -1,19 +1,9 @@
 """A worker's checkpoints and reports to Ray Train, and the per-step losses they carry.
 
-A checkpoint is written at every epoch's end, every ``train.checkpoint_every_steps`` global steps and
-on a preemption notice (:mod:`pipeline.train.elastic`); each is a collective of every rank, at the
-same global steps on every rank, as Ray Train and DeepSpeed require: ``engine.save_checkpoint``,
-satp's copy into the run's storage (:meth:`pipeline.train.checkpoint.CheckpointManager.write`, all ranks
-succeed or all raise) and the context's report (``ray.train.report`` in a Ray Train worker: every rank,
-the same number of times). The report carries, from
-rank 0, the loss of every step since the previous report (``step_losses``: ``[global step, loss]``
-pairs) and the worker count, which Ray Train's controller logs to MLflow over the global step once
-it has registered the checkpoint (:mod:`pipeline.train.epoch_logger`): steps trained again after a
-resize are logged once, as the run kept them.
-
-A step's loss is the mean over the units of the whole global batch: each rank adds its micro-batches'
-losses weighted by ``units_j / units of the step`` on the device (no host read per step), and the
-parts are summed over the ranks once per report (one all-reduce of a vector).
+A checkpoint is a collective of every rank at the same global step: ``engine.save_checkpoint``,
+satp's copy into the run's storage (:meth:`pipeline.train.checkpoint.CheckpointManager.write`) and
+the context's report, which carries every step's loss since the previous one (summed over the ranks
+in one all-reduce) for Ray Train's controller to log (:mod:`pipeline.train.epoch_logger`).
 """
 from __future__ import annotations
 
@@ -37,10 +27,8 @@ STAGING_PREFIX = "satp-ckpt-"
 
 def staging_folder() -> tempfile.TemporaryDirectory:
     """A local folder for this process's part of a checkpoint, named after the process; first the
-    folders of processes that have ended are removed: a worker killed while it wrote one (SIGKILL,
-    the OOM killer, Ray's memory monitor) never removed its own, several MB each. Only folders of
-    processes this one can see are looked at (``<machine>``: :func:`pipeline.train.lease.this_machine`,
-    which tells containers that share a temporary directory apart)."""
+    folders of ended processes of this machine (:func:`pipeline.train.lease.this_machine`) are
+    removed: a worker killed while it wrote one never removed its own."""
     import hashlib
 
     from pipeline.train.lease import process_running, process_started, this_machine

@@ -1,44 +1,19 @@
 """Reruns: what a run name already holds, and what this job may do with it.
 
-A training run is named by ``train.storage_path`` + ``train.run_name``; Ray Train resumes from
-the last checkpoint under that name whenever it is fitted again. That is right for a run that
-was interrupted, and wrong for anything else: a run that finished would be "resumed" with nothing
-to train and its model registered again, and a run of another configuration would load weights
-of another shape, or, worse, of the same shape, and register them under a configuration that
-did not train them. So before Ray Train starts, the plan's decision
+Ray Train resumes from the last checkpoint under a run name whenever it is fitted again: right for
+an interrupted run, wrong for a finished one or one of another configuration (weights of another
+shape, or registered under a configuration that did not train them). So the plan's decision
 (:meth:`pipeline.train.plan.JobPlan.decision`) reads the run's newest intact checkpoint
-(:func:`previous_run`: no trainer needed) and compares a hash of everything that shapes the
-weights (:func:`weights_config`), recorded in every checkpoint (``state.json["provenance"]``):
+(:func:`previous_run`) and compares a hash of everything that shapes the weights
+(:func:`weights_config`, recorded in every checkpoint's provenance): the same configuration
+resumes, or is ``finished`` after ``train.epochs`` (its model reported, registered if it was not);
+another is a :class:`RerunConflict` (one line naming what differs; a new ``train.run_name`` or
+``--restart`` goes on); no checkpoint is ``fresh``.
 
-========================  ===============================================================
-same configuration        the run continues from its checkpoint (``resume``), or, when it
-                          has done ``train.epochs`` already, nothing is trained
-                          (``finished``): its model is reported (registered if it was not)
-another configuration     nothing starts (:class:`RerunConflict`, one line naming what
-                          differs and the two ways on: a new ``train.run_name``, or
-                          ``--restart``, which deletes the run's checkpoints and starts it
-                          over in a new MLflow run; registered versions stay)
-no checkpoint             a fresh run (``fresh``)
-========================  ===============================================================
-
-What is in the hash: the job's model section, the task, the ``train`` section except the keys below
-(``train.micro_batches_per_step``, the global batch, stays in), and the data: the shards' config hash
-and their source's fingerprint. The worker count is not: a step's global batch and the epoch's
-sequence do not depend on it (:mod:`pipeline.train.global_batch`), so a run resumes, or Ray Train
-resizes it, at any count, at the same global step with the same remaining global batches. Left out, because a resumed run may change them without changing
-what its weights are: ``train.epochs`` (raising it continues a run; the learning-rate schedule
-is laid out again over the new length, from the step reached), the stopping rules
-(``train.target``, ``train.patience``: a run that stopped under the job's rules is finished, one
-they no longer stop, e.g. at a higher target, continues; :mod:`pipeline.train.stopping`), evaluation cadence and batch size
-(``eval_every``, ``eval_node_budget``), logging, checkpoint cadence and retention
-(``checkpoint_every_steps``, ``preemption_check_steps``, ``checkpoints_to_keep``), ``max_failures``,
-``loader_workers``, how the step runs (``step``, ``capacity_sigmas``: padded, compiled or captured
-steps compute the same function), the run's name and storage path, the ``resources`` section (workers, their count included, may
-run on other nodes) and the ``mlflow`` section. ``train.eval_subset`` stays in: it picks the
-best epoch, i.e. the weights that get registered.
-
-The checkpoint's provenance also lists the git commits of the code that trained it (one per
-resumed segment when the code changed between them): a registered version records those.
+In the hash: the model section, the task, the ``train`` section but :data:`RESUMABLE_TRAIN_KEYS`,
+and the shards' config hash and source fingerprint; not the ``resources`` (the global batch does not
+depend on the worker count, :mod:`pipeline.train.global_batch`) nor ``mlflow`` sections. The
+provenance also lists the git commits that trained the run, which a registered version records.
 """
 from __future__ import annotations
 
@@ -48,12 +23,12 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-#: ``train`` keys a resumed run may change (see the module docstring).
+#: ``train`` keys a resumed run may change (``eval_subset`` is not one: it picks the registered epoch).
 RESUMABLE_TRAIN_KEYS = frozenset({
     "epochs", "eval_every", "eval_node_budget", "log_every_steps", "run_name", "storage_path",
     "checkpoints_to_keep", "checkpoint_every_steps", "preemption_check_steps", "max_failures", "loader_workers",
     "target", "patience",
-    "step", "capacity_sigmas",  # how a step runs, not what it computes (pipeline.train.step_modes)
+    "step", "capacity_sigmas",  # how a step runs, not what it computes (pipeline.train.step)
 })
 
 
@@ -61,16 +36,9 @@ class RerunConflict(ValueError):
     """The run name holds a checkpoint of another configuration (a one-line message)."""
 
 
-def weights_config(job, manifest: dict, task_name: Optional[str] = None) -> dict[str, Any]:
-    """Everything that shapes the weights of a run (see the module docstring), JSON-ready.
-
-    Read from the job and the shards' manifest only (no data, no Ray): what the task derives
-    from the data (vocabulary, encoder widths) is pinned by the data's hashes. ``task_name``: the
-    plan's (:class:`pipeline.train.plan.JobPlan`); without it, derived from the job."""
-    if task_name is None:
-        from pipeline.tasks import task_name_for
-
-        task_name = task_name_for(job.train.task, job.data.name)
+def weights_config(job, manifest: dict, task_name: str) -> dict[str, Any]:
+    """Everything that shapes the weights of a run (see the module docstring), JSON-ready, from the
+    job and the shards' manifest only: what the task derives from the data is pinned by its hashes."""
     return {
         "model": dataclasses.asdict(job.model),
         "task": task_name,
@@ -102,11 +70,9 @@ def _short(value: Any) -> str:
 
 
 def differences(old: Any, new: Any, prefix: str = "", defaults: Any = _ABSENT) -> list[str]:
-    """``["train.lr 0.002 -> 0.01", ...]``: the dotted keys where ``old`` and ``new`` differ.
-
-    A key that ``old`` lacks and ``new`` holds at its value in ``defaults`` is no difference: a
-    setting added to satp after the checkpoint was written, left at its default, changes nothing
-    the checkpoint's run did."""
+    """``["train.lr 0.002 -> 0.01", ...]``: the dotted keys where ``old`` and ``new`` differ. A key
+    that ``old`` lacks and ``new`` holds at its value in ``defaults`` (a setting added to satp since,
+    left at its default) is no difference."""
     if isinstance(old, dict) and isinstance(new, dict):
         out = []
         for key in sorted(set(old) | set(new), key=str):
@@ -145,10 +111,6 @@ class Previous:
     checkpoints: Any  # the run's pipeline.train.checkpoint.CheckpointManager
     name: str
     state: dict
-
-    @property
-    def run_dir(self) -> str:
-        return self.checkpoints.named
 
     @property
     def checkpoint(self) -> str:
@@ -203,10 +165,9 @@ def stopped_by_rules(job, task_name: str, state: dict) -> Optional[str]:
 
 
 def job_shard_dir(job, fingerprint: Optional[str] = None) -> Optional[Path | str]:
-    """Where the job's shards are (or will be), for its raw files as they are now:
-    ``<shards.root>/<dataset>-<config hash>-<raw fingerprint>`` (:func:`preprocessing.shard_dir`;
-    ``fingerprint``: the raw files', when the caller has it). None while the dataset folder is
-    absent: it is built with the shards."""
+    """Where the job's shards are (or will be) for its raw files as they are now
+    (:func:`preprocessing.shard_dir`; ``fingerprint``: the raw files', when the caller has it).
+    None while the dataset folder is absent: it is built with the shards."""
     import preprocessing
     from preprocessing.sources import dataset_dir
 
@@ -227,14 +188,11 @@ def job_manifest(job, fingerprint: Optional[str] = None) -> Optional[dict]:
         return None
 
 
-def conflict_message(job, previous: Previous, diffs: Optional[list[str]]) -> str:
+def conflict_message(job, previous: Previous, diffs: list[str]) -> str:
     train = job.train
-    if diffs is None:
-        what = "a checkpoint that records no configuration (written before satp recorded one)"
-    else:
-        shown = "; ".join(diffs[:4]) + (f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else "")
-        what = f"a checkpoint of another configuration ({shown})"
-    return (f"run {train.run_name!r} ({previous.run_dir}) holds {what}, after epoch {previous.epoch}; "
+    shown = "; ".join(diffs[:4]) + (f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else "")
+    return (f"run {train.run_name!r} ({previous.checkpoints.named}) holds a checkpoint of another configuration "
+            f"({shown}), after epoch {previous.epoch}; "
             f"it is not resumed into: pick a new run name (--set train.run_name={train.run_name}-2), "
             f"or pass --restart to start it over (its checkpoints are deleted; MLflow runs and registered "
             f"models stay)")

@@ -1,14 +1,8 @@
 """Where the time from ``satp train`` to the first training step goes.
 
-A run's start-up is a chain of events, each stamped with the wall clock where it happens: in the
-driver (the command's process started, the plan made, Ray connected and the cluster checked, the
-shards ready, the Ray Train workers asked for) and in the rank-0 worker (its process started, the worker running, its
-data loaders and batch capacities ready, the DeepSpeed engine built and restored, the first batch
-in hand, the first step done: compilation and CUDA-graph capture happen in it). The durations
-between consecutive events are the phases of :data:`PHASES`; the worker logs them in one line and
-reports them with its first epoch (``startup_<phase>_s`` and ``startup_to_first_step_s`` in MLflow).
-The clocks of the driver's node and the worker's are assumed to agree (NTP), as Ray's own
-timestamps do.
+A run's start-up is a chain of wall-clock events in the driver and the rank-0 worker; the durations
+between consecutive ones are the phases of :data:`PHASES`, which the worker logs in one line and
+reports with its first epoch (``startup_<phase>_s``). The nodes' clocks are assumed to agree (NTP).
 """
 from __future__ import annotations
 
@@ -33,9 +27,8 @@ PHASES = (
 
 
 def process_started(pid: Optional[int] = None) -> float:
-    """Wall-clock time at which process ``pid`` (default: this one) started, to the clock tick on Linux:
-    now less the time since its start, both read from ``/proc`` (psutil adds the boot time in whole
-    seconds, up to a second early: a worker forked half a second after the fit looked started before it)."""
+    """Wall-clock time at which process ``pid`` (default: this one) started, to the clock tick from
+    ``/proc`` on Linux (psutil's is up to a second early)."""
     from pipeline.train.lease import process_started as start_ticks
 
     pid = pid or os.getpid()
@@ -49,16 +42,10 @@ def process_started(pid: Optional[int] = None) -> float:
     return float(psutil.Process(pid).create_time())
 
 
-def now() -> float:
-    return time.time()
-
-
 def breakdown(marks: dict[str, float]) -> dict[str, float]:
     """Seconds per phase of :data:`PHASES` for the events in ``marks`` (event -> wall-clock time;
-    ``command``: the start), and ``to_first_step`` from the start; phases whose end or start is
-    missing are left out. An event stamped before the one it follows (a worker process Ray had
-    started earlier, clocks of two nodes a little apart) ends its phase at zero seconds, so the
-    phases always add up to ``to_first_step``."""
+    ``command``: the start), and ``to_first_step``; phases missing an end are left out. An event
+    stamped before the one it follows ends its phase at zero, so the phases add up."""
     out: dict[str, float] = {}
     previous = marks.get("command")
     for event, phase in PHASES:
@@ -80,8 +67,7 @@ FORKED_FROM = "forked_from"
 
 def warm(marks: dict[str, float]) -> Optional[bool]:
     """Whether the rank-0 worker ran in a process started before the workers were asked for (a
-    warm one; a forked one never is: it is forked when asked for); None
-    when the events are missing."""
+    forked one never is); None when the events are missing."""
     if "worker_process" not in marks or "fit" not in marks:
         return None
     return FORKED_FROM not in marks and marks["worker_process"] < marks["fit"]

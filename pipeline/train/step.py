@@ -1,34 +1,15 @@
 """One optimisation step of a worker, and evaluation over a split: nothing read back to the host.
 
-:class:`TrainStep` moves a micro-batch to the device, runs forward (``validate=False``: the data
-loader checked the batch on the CPU, see :mod:`pipeline.train.loader`), the task's loss scaled for
-the global batch (:mod:`pipeline.train.global_batch`) and DeepSpeed's backward
-(:meth:`TrainStep.accumulate`), returning the detached output and loss as device tensors; once a rank
-has accumulated its share of the step, :meth:`TrainStep.finish` reduces the gradients over the ranks
-and steps the optimizer (:func:`pipeline.train.engine.optimizer_step`). A rank's share may be empty
-(more workers than micro-batches): it still joins the reduction, with zero gradients. At ZeRO stage 0
-the reduction is one explicit all-reduce per step on every rank, whatever the shares; ZeRO stages 1
-and 2 reduce in DeepSpeed's own gradient accumulation (``gradient_accumulation_steps`` = the share,
-which must then be the same on every rank: :func:`pipeline.train.engine.accumulation_steps`).
-:func:`evaluate` keeps each batch's predictions on the device and decodes them once.
+:meth:`TrainStep.accumulate` runs a micro-batch's forward (``validate=False``: the loader checked it),
+its loss scaled for the global batch (:mod:`pipeline.train.global_batch`) and DeepSpeed's backward;
+:meth:`TrainStep.finish` reduces the gradients over the ranks (at ZeRO stage 0 one explicit
+all-reduce; stages 1 and 2 in DeepSpeed's accumulation) and steps the optimizer.
 
-How a step runs is ``train.step`` (:data:`STEP_MODES`):
-
-* ``eager``: batches as the sampler cuts them, every operator dispatched from Python (~3,200 per
-  step of the PATTERN model, each a kernel launch on a GPU: the step costs what the host takes to
-  issue them, ~50 ms on an H100/H200 whatever the batch);
-* ``static``: batches padded to fixed capacities (:mod:`sat.padding`, chosen by
-  :mod:`pipeline.train.capacity`), still eager: the same function, every shape fixed;
-* ``compiled``: ``static``, and the model compiled once for those shapes through DeepSpeed
-  (``engine.compile``, i.e. ``torch.compile(dynamic=False)`` on the module in place: the parameter
-  names, checkpoints and registered weights stay the same);
-* ``captured``: ``compiled``, and on CUDA the forward, loss and backward of a padded batch recorded
-  once as a CUDA graph and replayed (:mod:`pipeline.train.cuda_graphs`); DeepSpeed's gradient
-  all-reduce and optimizer step stay eager.
-
-A batch over capacity is not padded (the loader leaves it as it is) and runs eagerly, with the
-compiled code set aside (``torch.compiler.set_stance("force_eager")``), so that an odd shape never
-triggers a recompilation; :attr:`TrainStep.overflow` counts them.
+``train.step``: ``eager`` (batches as cut); ``static`` (padded to fixed capacities,
+:mod:`pipeline.train.capacity`); ``compiled`` (``static``, the module compiled by ``engine.compile``);
+``captured`` (``compiled``, replayed as a CUDA graph on CUDA, :mod:`pipeline.train.cuda_graphs`). A
+batch over capacity runs eagerly with the compiled code set aside, so an odd shape never
+recompiles; :attr:`TrainStep.overflow` counts them.
 """
 from __future__ import annotations
 
@@ -42,9 +23,6 @@ from pipeline.train.engine import optimizer_step
 from pipeline.train.loader import to_device
 from sat.padding import padding_of
 
-STEP_MODES = ("eager", "static", "compiled", "captured")
-
-
 def pads_batches(mode: str) -> bool:
     """Whether ``train.step = mode`` pads batches to fixed capacities."""
     return mode != "eager"
@@ -56,15 +34,12 @@ def compiles_model(mode: str) -> bool:
 
 
 class TrainStep:
-    """``accumulate(batch, scale)`` per micro-batch, ``finish()`` per step (``step(batch)``: both, for
-    a step of one micro-batch), outputs and losses on the engine's device, detached; ``forward(batch)``
-    for evaluation. ``batch``: on the CPU (pinned, for copies that overlap the previous step) or on
-    the device already. See the module docstring for ``mode``."""
+    """``accumulate(batch, scale)`` per micro-batch, ``finish()`` per step (``step(batch)``: both),
+    outputs and losses on the device, detached; ``forward(batch)`` for evaluation. ``batch``: on the
+    CPU (pinned) or on the device already."""
 
     def __init__(self, engine, task: Task, grad_clip: float, clip_here: bool, mode: str = "eager",
                  device: Optional[torch.device] = None) -> None:
-        if mode not in STEP_MODES:
-            raise ValueError(f"train.step: expected one of {list(STEP_MODES)}, got {mode!r}")
         self.engine = engine
         self.task = task
         self.grad_clip = grad_clip
@@ -124,9 +99,8 @@ class TrainStep:
 
     @torch.no_grad()
     def forward(self, batch: Any) -> torch.Tensor:
-        """The model's output on ``batch`` in the mode the module is in (evaluation, or the BatchNorm
-        statistics pass of :mod:`pipeline.train.precise_bn`), without gradients. Captured only in
-        evaluation mode: a graph replays what it recorded, and the statistics pass changes modes."""
+        """The model's output on ``batch`` in the mode the module is in, without gradients; replayed
+        only in evaluation mode (the BatchNorm statistics pass, :mod:`pipeline.train.precise_bn`, is not)."""
         padded = self._padded(batch)
         if padded and self.graphs is not None and not any(m.training for m in self.engine.module.modules()):
             return self.graphs.evaluate(batch)
@@ -135,15 +109,10 @@ class TrainStep:
             return self.engine(batch, validate=False)
 
 
-def evaluate(engine, task: Task, loader, device: torch.device,
-             forward: Optional[Callable[[Any], torch.Tensor]] = None) -> tuple[list, list]:
+def evaluate(engine, task: Task, loader, forward: Callable[[Any], torch.Tensor]) -> tuple[list, list]:
     """This rank's ``(predictions, targets)`` over the batches of ``loader`` (in loader order), the
-    padding of padded batches left out. ``forward(batch)``: the model's output (default: ``engine``
-    on the batch moved to ``device``; a worker passes :meth:`TrainStep.forward`)."""
+    padding of padded batches left out; ``forward``: :meth:`TrainStep.forward`."""
     engine.eval()
-    if forward is None:
-        def forward(batch):
-            return engine(to_device(batch, device), validate=False)
     predictions: list[torch.Tensor] = []
     targets: list = []
     with torch.no_grad():

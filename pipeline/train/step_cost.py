@@ -1,18 +1,9 @@
 """What a padded step (``train.step: static`` or ``compiled``) costs on CPU workers, said before they start.
 
-Padding buys fixed shapes, which pay on a GPU, where a step of SAT costs what the host takes to
-launch its ~3,200 kernels whatever the batch (docs/gpu.md). A CPU has no launches to save, and the
-padding is work: every batch is padded to the capacity (:mod:`pipeline.train.capacity`: mean + k
-sigma of the batches' sizes), and its attention is one dense block of ``graph slots x longest graph
-x longest graph`` at the capacity's longest graph, where an eager batch's attention runs over blocks
-of graphs of similar size (:class:`sat.layout.GraphLayout`). On code2-shaped data (a few very large
-functions among small ones) the capacity's longest graph is several times a typical batch's: a
-local code2 job took 123-126 s an epoch padded against 3-6 s eager.
-
-Bucketed capacities (several fixed block shapes) would keep the shapes static without that
-padding; until a GPU run measures what they save there, the pre-flight says what padding costs on
-this data instead (:func:`padding_cost`: the node rows and attention work of the first epoch's
-batches padded, against the same batches eager) and CPU jobs keep ``train.step: eager``.
+Padding buys fixed shapes, which pay on a GPU (kernel launches). A CPU has none to save, and padding
+every batch to the capacity (dense attention over ``graph slots x longest graph^2``) can cost several
+times an eager epoch on data with a few very large graphs. :func:`padding_cost` compares the node rows
+and attention work of the first epoch's batches padded and eager, and says it in one line.
 """
 from __future__ import annotations
 

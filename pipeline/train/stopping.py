@@ -1,36 +1,19 @@
 """When a run stops before ``train.epochs``: a quality target reached, or a validation plateau.
 
-Time to a fixed quality target is how MLPerf Training scores a system: the wall-clock from the
-start of training to the evaluation that first reaches the target, evaluation included. A job
-names its target (``train.target: {metric: val_acc, value: 0.865}``); every evaluated epoch's
-history entry carries ``elapsed_s`` (wall seconds of training and evaluation since the run's
-first step, summed over resumed segments: the start-up of a segment is not counted) and
-``steps`` (optimizer steps so far), so :func:`time_to_target` reads the answer off the history.
-
-``train.patience`` is early stopping on a plateau: the run stops after ``patience`` evaluations
-in a row without a new best validation metric (the one that picks the registered weights).
-
-Both rules are pure functions of the metric history, so a rerun applies them to a checkpoint's
-history as the workers did (:mod:`pipeline.train.rerun`: a run that stopped under the job's rules is
-finished; one whose rules changed, e.g. a higher target, continues).
+``train.target`` is scored as MLPerf Training does: the wall-clock (``elapsed_s``) to the first
+evaluation that reaches it (:func:`time_to_target`). ``train.patience`` stops a run after that many
+evaluations without a new best validation metric. Both are pure functions of the history, so a
+rerun applies them to a checkpoint's history as the workers did.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-SPLITS = ("train", "val", "test")
-
-
-def target_metrics(task_metric: str) -> list[str]:
-    """The metric names a target may name for a task whose metric is ``task_metric``."""
-    return [f"{split}_{task_metric}" for split in SPLITS]
-
-
 def check_target(target, task_metric: str) -> None:
     """Raise a one-line ``ValueError`` when ``train.target.metric`` is not one the task reports."""
-    if target is not None and target.metric not in target_metrics(task_metric):
-        raise ValueError(f"train.target.metric {target.metric!r}: this task reports "
-                         f"{', '.join(target_metrics(task_metric))}")
+    reported = [f"{split}_{task_metric}" for split in ("train", "val", "test")]
+    if target is not None and target.metric not in reported:
+        raise ValueError(f"train.target.metric {target.metric!r}: this task reports {', '.join(reported)}")
 
 
 def reached(value: Optional[float], target: float, mode: str) -> bool:

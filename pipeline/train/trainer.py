@@ -2,32 +2,14 @@
 
 ``Trainer(setup, context)`` builds its parts once from the driver's
 :class:`~pipeline.train.worker_setup.WorkerSetup` and the place it runs in
-(:mod:`pipeline.train.context`: a Ray Train worker, or one local process): data loaders over its
-share of every step's micro-batches (:mod:`pipeline.train.global_batch`: the global batch does not
-depend on the worker count; :mod:`pipeline.train.loader`, :mod:`pipeline.train.batching`), padded
-to fixed capacities when ``train.step`` asks for them (:mod:`pipeline.train.capacity`), the model and
-DeepSpeed engine (:mod:`pipeline.train.engine`; compiled for ``compiled`` and ``captured`` steps, its
-caches under the storage path), the step (:mod:`pipeline.train.step`), the loop state restored from
-the newest intact checkpoint the context or the driver names (:class:`pipeline.train.checkpoint.CheckpointManager`,
-possibly written by a group of another size), and on rank 0 the MLflow system metrics
-(:mod:`pipeline.registry.tracking`). Its first step ends the run's start-up, which rank 0 logs phase
-by phase (:mod:`pipeline.train.startup`) and reports with the first epoch, and what happened since
-the previous worker group (a resize, a restart: :mod:`pipeline.train.elastic`). :meth:`Trainer.fit`
-then runs, per epoch:
-
-* :meth:`Trainer.train_epoch`: the steps, each this rank's share of the global batch accumulated
-  and one reduction (:class:`pipeline.train.step.TrainStep`), the loss accumulated on the device
-  (:class:`pipeline.train.metrics.EpochMeter`), a sample of the batches' predictions kept for the
-  train metric (decoded at the end of the epoch, never per step); ``on_step`` after every step; a
-  checkpoint every ``train.checkpoint_every_steps`` steps and on a preemption notice
-  (:meth:`Trainer.checkpoint_here`);
-* :meth:`Trainer.evaluate_epoch`: validation and test predictions, gathered to rank 0, OGB's
-  metric, the best epoch by validation;
-* :meth:`Trainer.report`: the run's wall-clock and steps so far, whether it stops here (a
-  quality target reached or a plateau, :mod:`pipeline.train.stopping`, decided on rank 0 for all),
-  a checkpoint and the metrics reported to the context (every rank, :mod:`pipeline.train.reporting`);
-  under Ray Train, its controller logs the epoch to MLflow once it has registered the checkpoint
-  (:mod:`pipeline.train.epoch_logger`).
+(:mod:`pipeline.train.context`): data loaders over its share of every step
+(:mod:`pipeline.train.global_batch`), padded when ``train.step`` asks (:mod:`pipeline.train.capacity`),
+the DeepSpeed engine (:mod:`pipeline.train.engine`), the step (:mod:`pipeline.train.step`), the loop
+state restored from the newest intact checkpoint, and on rank 0 the MLflow system metrics.
+:meth:`Trainer.fit` then runs, per epoch, :meth:`Trainer.train_epoch` (steps, checkpoints when due),
+:meth:`Trainer.evaluate_epoch` (validation and test, the best epoch) and :meth:`Trainer.report` (the
+stopping rules, :mod:`pipeline.train.stopping`, a checkpoint and the metrics reported to the context;
+under Ray Train the controller logs them to MLflow, :mod:`pipeline.train.epoch_logger`).
 """
 from __future__ import annotations
 
@@ -45,8 +27,7 @@ from pipeline.train import elastic, faults, startup, stopping
 from pipeline.train.batching import split_sampler
 from pipeline.train.capacity import describe, run_capacities
 from pipeline.train.context import TrainContext
-from pipeline.train.engine import (build_engine, build_model, clips_outside_deepspeed, current_lr, keep_compile_caches,
-                                   resolve_precision)
+from pipeline.train.engine import build_engine, build_model, clips_outside_deepspeed, keep_compile_caches, resolve_precision
 from pipeline.train.global_batch import GlobalBatches, Position, RankStream
 from pipeline.train.loader import BatchCollator, make_loader, open_split
 from pipeline.train.metrics import EpochMeter, broadcast_from_rank_zero, concat_gathered, gather_objects
@@ -74,7 +55,7 @@ class Trainer:
         self.setup, self.context, self.on_step = setup, context, on_step
         self.job = job = setup.job
         train = job.train
-        self.startup = dict(setup.startup or {}, worker_process=startup.process_started(), worker=startup.now())
+        self.startup = dict(setup.startup or {}, worker_process=startup.process_started(), worker=time.time())
         if fork_server.forked_from() is not None:
             self.startup[startup.FORKED_FROM] = fork_server.forked_from()
         self.rank, self.world, self.device = context.rank, context.world, context.device
@@ -88,7 +69,6 @@ class Trainer:
         self.task = make_task(setup.task_name, vocab=train_ds.vocab, **setup.task_state)
         model_config = SATConfig.from_dict(setup.model_config)
         pin = self.device.type == "cuda"
-        # the run's global batches (every rank's), and this rank's share of them
         self.batches = GlobalBatches(split_sampler(job, train_ds, shuffle=True), train.micro_batches_per_step,
                                      per_node=self.task.node_level)
         self.stream = RankStream(self.batches, self.rank, self.world)
@@ -104,7 +84,6 @@ class Trainer:
                      describe(self.capacities["eval"]))
         collator, eval_collator = (BatchCollator(model_config, capacity=self.capacities[kind],
                                                  node_targets=self.task.node_level) for kind in ("train", "eval"))
-        # one iterator serves the whole run, from the stream's start position on
         self.train_loader = make_loader(train_ds, self.stream, collator, train.loader_workers, pin)
         self._train_batches: Optional[Iterator] = None  # made by the first epoch trained, kept for the run
         self.eval_loaders = {split: make_loader(eval_splits[split], eval_samplers[split], eval_collator,
@@ -116,8 +95,8 @@ class Trainer:
         if train.precise_bn_batches and batchnorm_layers(model):
             self.statistics_batches = statistics_batches(job, train_ds, self.rank, self.world)
             self.statistics_loader = make_loader(train_ds, self.statistics_batches, collator, train.loader_workers, pin)
-        self.startup["loaders"] = startup.now()
-        self.precision = resolve_precision(setup.precision, use_gpu)  # "auto" is resolved where the GPU is
+        self.startup["loaders"] = time.time()
+        self.precision = resolve_precision(train.precision, use_gpu)  # "auto" is resolved where the GPU is
         if compiles_model(train.step):
             keep_compile_caches(train.storage_path)
         self.engine = build_engine(model, train, self.precision, self.batches.steps_per_epoch, self.world,
@@ -157,10 +136,10 @@ class Trainer:
         self.note = elastic.ProgressNote(run_dir, command, self.world) if self.rank == 0 else None
 
         self.logger, self.segment = None, 0
-        if self.rank == 0 and setup.run_id and setup.tracking_uri:
+        if self.rank == 0 and setup.run_id:
             from pipeline.registry.tracking import RankZeroLogger
 
-            self.logger = RankZeroLogger(setup.tracking_uri, setup.run_id, job.mlflow.log_system_metrics)
+            self.logger = RankZeroLogger(job.mlflow.tracking_uri, setup.run_id, job.mlflow.log_system_metrics)
             damage = "; ".join(f"{where}: {problem}" for problem, where in self.checkpoints.damaged.items())
             self.segment = self.logger.resume(self.state["history"], self.state["epoch"],
                                               damage or "the checkpoints after it are missing")
@@ -170,7 +149,7 @@ class Trainer:
             for kind, capacity in self.capacities.items():
                 if capacity is not None:
                     self.logger.client.set_tag(setup.run_id, f"satp.capacity.{kind}", json.dumps(capacity.to_dict()))
-        self.startup["engine"] = startup.now()
+        self.startup["engine"] = time.time()
 
     def fit(self) -> None:
         """Train from the restored position to ``train.epochs`` (or a stop by the job's rules)."""
@@ -189,12 +168,9 @@ class Trainer:
             self.close()
 
     def _restore(self) -> None:
-        """Restore the newest of the context's checkpoint (the last one Ray Train registered, in this
-        fit or the run before) and the driver's ``resume_from`` (a complete checkpoint that an
-        interrupted run wrote but Ray never registered), verified first: a damaged one is named in
-        one warning line and the run's newest intact checkpoint is restored instead
-        (:meth:`pipeline.train.checkpoint.CheckpointManager.newest_intact`); with none intact, the run
-        starts from its first epoch. Rank 0 verifies and decides for all."""
+        """Restore the newer of the context's checkpoint (Ray Train's registered one: newer after a
+        retry within the fit) and the plan's ``resume_from``, verified, else the newest intact one
+        (:meth:`pipeline.train.checkpoint.CheckpointManager.newest_intact`). Rank 0 decides for all."""
         candidates = [n for n in (self.context.restored_checkpoint(), self.setup.resume_from) if n]
         if not candidates:
             return
@@ -212,8 +188,7 @@ class Trainer:
     # ------------------------------------------------------------------ epochs
     def train_epoch(self, epoch: int) -> dict[str, Any]:
         """Train one epoch (from the step the run is at); returns its metrics (train metric on rank 0
-        only). Every step: this rank's share of the global batch accumulated, one reduction
-        (:class:`pipeline.train.step.TrainStep`); a checkpoint when one is due (:meth:`checkpoint_here`)."""
+        only). A checkpoint when one is due (:meth:`checkpoint_here`)."""
         train, task, device, fault = self.job.train, self.task, self.device, self.setup.fault
         self.engine.train()
         steps = self.batches.steps_per_epoch
@@ -239,7 +214,7 @@ class Trainer:
                 cpu_batch = next(batches)
                 meter.data_wait += time.perf_counter() - waited
                 if first_epoch and step == start and index == 0:
-                    self.startup["first_batch"] = startup.now()
+                    self.startup["first_batch"] = time.time()
                 if fault and not set(faults.TIMED) & fault.keys():
                     faults.maybe_fail(fault, self.rank, epoch, step, meter.seconds)
                 size, sampled = task.batch_size(cpu_batch), step % sample_every == 0 and index == 0
@@ -269,7 +244,8 @@ class Trainer:
             if fault and "hold" in fault:
                 faults.maybe_hold(fault, self.world, global_step,
                                   lambda: self.note is not None and self.note.write(global_step, force=True))
-        metrics: dict[str, Any] = {"epoch": epoch, **meter.reduce(device), "lr": current_lr(self.engine),
+        metrics: dict[str, Any] = {"epoch": epoch, **meter.reduce(device),
+                                   "lr": float(self.engine.optimizer.param_groups[0]["lr"]),
                                    "steps": self.state["steps"], "overflow_batches": self.step.overflow}
         if first_epoch and self.rank == 0:
             metrics.update(startup.metrics(self.startup))
@@ -296,18 +272,20 @@ class Trainer:
 
     def checkpoint_here(self, epoch: int, meter: EpochMeter, reason: str) -> None:
         """A checkpoint within ``epoch`` at the run's position (every rank), reported to Ray Train."""
-        state = self.state
-        state["position"] = self.position.to_dict()
-        state["epoch_partial"] = meter.partial(self.device)  # a collective
+        partial = meter.partial(self.device)  # a collective
         self._count_elapsed()
-        state["world_size"] = self.world
-        state["provenance"] = self.setup.provenance
-        if self.note is not None:  # exact before a checkpoint: a group lost while writing it lost these steps
-            self.note.write(state["steps"], force=True)
-        self.reports.write(state, self.best_weights, {"elapsed_s": state["elapsed_s"]}, epoch)
+        self._save(epoch, partial, {"elapsed_s": self.state["elapsed_s"]})
         if self.rank == 0:
-            log.info("checkpoint at global step %d (epoch %d, step %d of %d; %s)", state["steps"], epoch,
+            log.info("checkpoint at global step %d (epoch %d, step %d of %d; %s)", self.state["steps"], epoch,
                      self.position.step, self.batches.steps_per_epoch, reason)
+
+    def _save(self, epoch: int, partial: Optional[dict], metrics: dict[str, Any]) -> None:
+        """Checkpoint the state at the run's position and report ``metrics`` with it (every rank)."""
+        self.state.update(position=self.position.to_dict(), epoch_partial=partial, world_size=self.world,
+                          provenance=self.setup.provenance)  # a resumed run may add a git commit
+        if self.note is not None:  # exact before a checkpoint: a group lost while writing it lost these steps
+            self.note.write(self.state["steps"], force=True)
+        self.reports.write(self.state, self.best_weights, metrics, epoch)
 
     def _count_elapsed(self) -> None:
         now = time.perf_counter()
@@ -319,7 +297,7 @@ class Trainer:
         start-up and what happened since the previous group (:func:`pipeline.train.elastic.resize_event`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.startup["first_step"] = startup.now()
+        self.startup["first_step"] = time.time()
         if self.rank != 0:
             return
         log.info("%s", startup.describe(self.startup))
@@ -337,22 +315,18 @@ class Trainer:
                 log.warning("MLflow: worker-group event not logged (%s)", exc)
 
     def evaluate_epoch(self, epoch: int) -> dict[str, Any]:
-        """Validation and test metrics (rank 0), and the best epoch by validation.
-
-        With ``train.precise_bn_batches``, the validation metric under BatchNorm's moving averages
-        is kept as ``val_<metric>_running_bn`` before the statistics are recomputed
-        (:mod:`pipeline.train.precise_bn`), with how far the moving averages were from the new
-        statistics (``bn_var_ratio``, ``bn_worst_layer_var_ratio``, ``bn_mean_shift``); the metrics,
-        the best epoch and the weights kept use the recomputed ones."""
+        """Validation and test metrics (rank 0), and the best epoch by validation. With
+        ``train.precise_bn_batches``, ``val_<metric>_running_bn`` is the metric before BatchNorm's
+        statistics are recomputed (:mod:`pipeline.train.precise_bn`); everything else uses them after."""
         task, metric, forward = self.task, self.task.metric, self.step.forward
         started = time.perf_counter()
         self.step.overflow = 0
         running_bn = None
         if self.statistics_batches is not None:
-            running_bn = gather_objects(evaluate(self.engine, task, self.eval_loaders["valid"], self.device, forward))
+            running_bn = gather_objects(evaluate(self.engine, task, self.eval_loaders["valid"], forward))
             self.statistics_batches.set_epoch(epoch)
-            recomputed = recompute_batchnorm_stats(self.engine.module, self.statistics_loader, forward)
-        results = {split: gather_objects(evaluate(self.engine, task, loader, self.device, forward))
+            shift = recompute_batchnorm_stats(self.engine.module, self.statistics_loader, forward)
+        results = {split: gather_objects(evaluate(self.engine, task, loader, forward))
                    for split, loader in self.eval_loaders.items()}
         metrics: dict[str, Any] = {"eval_seconds": time.perf_counter() - started,
                                    "eval_overflow_batches": self.step.overflow}
@@ -360,8 +334,8 @@ class Trainer:
             return metrics
         if running_bn is not None:
             metrics[f"val_{metric}_running_bn"] = task.score(*concat_gathered(running_bn))
-            if recomputed.shift is not None:
-                metrics.update(recomputed.shift.metrics())
+            if shift is not None:
+                metrics.update(shift.metrics())
         val_score = task.score(*concat_gathered(results["valid"]))
         test_preds, test_targets = concat_gathered(results["test"])
         metrics[f"val_{metric}"] = val_score
@@ -375,9 +349,7 @@ class Trainer:
         return metrics
 
     def report(self, epoch: int, metrics: dict[str, Any]) -> bool:
-        """Checkpoint and report the epoch's end (every rank); return whether the run stops here.
-        MLflow gets the epoch from Ray Train's controller once the checkpoint is registered
-        (:mod:`pipeline.train.epoch_logger`)."""
+        """Checkpoint and report the epoch's end (every rank); return whether the run stops here."""
         metric, state, task = self.task.metric, self.state, self.task
         self._count_elapsed()
         metrics["elapsed_s"] = state["elapsed_s"]
@@ -400,13 +372,7 @@ class Trainer:
         state["stopped"] = broadcast_from_rank_zero(stopped)
         state["epoch"] = epoch
         self.position = Position(epoch + 1)
-        state["position"] = self.position.to_dict()
-        state["epoch_partial"] = None
-        state["world_size"] = self.world
-        state["provenance"] = self.setup.provenance  # a resumed run may add a git commit
-        if self.note is not None:
-            self.note.write(state["steps"], force=True)
-        self.reports.write(state, self.best_weights, metrics, epoch)
+        self._save(epoch, None, metrics)
         if self.rank == 0:
             log.info("epoch %d: %s", epoch, {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
             if state["stopped"]:

@@ -1,10 +1,7 @@
 """What a Ray Train worker needs to start, resolved in the driver: :class:`WorkerSetup`.
 
-It travels in ``train_loop_config``, which Ray Train also hands to its controller (in its run
-context), and the controller unpickles it: so this module imports no more than the job's
-configuration. Were the class defined beside the training loop, every run's controller would
-import torch, PyG and satp's worker modules only to read it (~6 s of CPU on 2 cores, measured with
-py-spy before the move).
+It travels in ``train_loop_config``, which Ray Train's controller unpickles too: so this module
+imports no more than the job's configuration (not torch, PyG or the worker modules).
 """
 from __future__ import annotations
 
@@ -23,9 +20,7 @@ class WorkerSetup:
     model_config: dict
     task_name: str
     task_state: dict
-    precision: str
-    run_id: Optional[str]
-    tracking_uri: Optional[str]
+    run_id: Optional[str]  # the MLflow run (mlflow.enabled)
     fault: Optional[dict] = None
     provenance: Optional[dict] = None  # config hash + git commits, recorded in every checkpoint (pipeline.train.rerun)
     resume_from: Optional[str] = None  # the name of a complete checkpoint newer than Ray's record (pipeline.train.plan)
