@@ -536,6 +536,7 @@ def test_more_ctrl_c_while_the_first_is_handled_keep_status_130_and_tear_the_clu
         # and no $RAY_ADDRESS (the session's cluster, set for the other tests' commands)
         env = satp_env(TMPDIR=str(private), SATP_HOME=str(tmp_path / "home"))
         env.pop("RAY_ADDRESS", None)
+        env.pop("SATP_FORK_SOCKET", None)
         proc = subprocess.Popen(train_command(job, None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env, cwd=ROOT, start_new_session=True)
         drained = Drain(proc)

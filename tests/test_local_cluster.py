@@ -32,7 +32,7 @@ def _satp(cluster, *argv: str, timeout: float = 600, cwd=None) -> subprocess.Com
 def cluster(tmp_path_factory):
     home = tmp_path_factory.mktemp("satp-home")
     env = dict(os.environ, SATP_HOME=str(home), PYTHONPATH=str(ROOT))
-    for key in ("RAY_ADDRESS", "PYTEST_CURRENT_TEST", "RAY_AUTH_MODE"):
+    for key in ("RAY_ADDRESS", "SATP_FORK_SOCKET", "PYTEST_CURRENT_TEST", "RAY_AUTH_MODE"):
         env.pop(key, None)
     state = {"env": env, "home": home}
     started = _satp(state, "cluster", "start", "--num-cpus", "2")
@@ -86,7 +86,7 @@ def test_a_cluster_for_several_nodes_is_at_the_address_named_with_token_authenti
     token = tmp_path / "token"
     state = {"env": dict(os.environ, SATP_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
                          RAY_AUTH_TOKEN_PATH=str(token))}
-    for key in ("RAY_ADDRESS", "PYTEST_CURRENT_TEST", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+    for key in ("RAY_ADDRESS", "SATP_FORK_SOCKET", "PYTEST_CURRENT_TEST", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         state["env"].pop(key, None)
     started = _satp(state, "cluster", "start", "--host", "127.0.0.2", "--num-cpus", "1", "--no-dashboard", "--no-wait")
     try:

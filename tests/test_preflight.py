@@ -42,6 +42,7 @@ def _one_line(capsys) -> str:
 def _satp(args: list[str], tmp_path: Path, timeout: float = 300):
     env = dict(os.environ, SATP_RUNS_DIR=str(tmp_path / "runs"))
     env.pop("RAY_ADDRESS", None)
+    env.pop("SATP_FORK_SOCKET", None)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)

@@ -65,6 +65,7 @@ def job_server():
                DS_ACCELERATOR="cpu", PATH=f"{BIN}:{os.environ.get('PATH', '')}", SATP_HOME=str(Path(temp) / "home"),
                **{fork_server.SOCKET_VAR: fork_socket}, **NO_DRAIN)
     env.pop("RAY_ADDRESS", None)
+    env.pop("SATP_FORK_SOCKET", None)
     subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env=env, cwd=ROOT,
                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--node-ip-address=127.0.0.1",
@@ -306,6 +307,7 @@ def test_satp_submit_without_a_cluster_names_what_it_tried(shards, tmp_path, mon
     job = _job_file(tmp_path / "wd", base, "nowhere")
     monkeypatch.setenv("SATP_HOME", str(tmp_path / "home"))  # no satp cluster recorded there
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("SATP_FORK_SOCKET", raising=False)
     assert main(["submit", str(job), "--working-dir", str(tmp_path / "wd")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["satp: error: no Ray job server to submit to: no --address, no $RAY_ADDRESS, and no satp cluster "
@@ -325,6 +327,7 @@ def test_satp_submit_finds_the_satp_cluster_by_itself(shards, tmp_path):
     env = dict(os.environ, SATP_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
                PATH=f"{BIN}:{os.environ.get('PATH', '')}", **NO_DRAIN)  # the job's `python` is this one
     env.pop("RAY_ADDRESS", None)
+    env.pop("SATP_FORK_SOCKET", None)
     job = _job_file(tmp_path / "wd", base, "found")
     start = subprocess.run([sys.executable, "-m", "pipeline.cli", "cluster", "start", "--num-cpus", "1"],
                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
