@@ -1,12 +1,7 @@
 """Connecting to Ray: the satp cluster, a named cluster (fast failure when it does not answer), or a
-new local one.
-
-:func:`connect`: an address (``--address`` or ``$RAY_ADDRESS``) is probed first
-(:func:`runtime.ray_address.probe`); without one, the satp cluster of this machine when one runs
-(:mod:`runtime.local_cluster`), else :func:`init_local_ray` starts a new local cluster
-(``address="local"``: plain ``ray.init()`` may attach to someone else's). Every process of a job runs
-:data:`SETUP_HOOK` first. The local cluster's processes get a private ``TMPDIR``, removed at exit;
-one left by a command killed with SIGKILL is removed by the next (:func:`sweep_orphans`).
+new local one (``address="local"``: plain ``ray.init()`` may attach to someone else's). The local
+cluster's processes get a private ``TMPDIR``, removed at exit or by the next command
+(:func:`sweep_orphans`).
 """
 from __future__ import annotations
 

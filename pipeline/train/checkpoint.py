@@ -1,20 +1,10 @@
 """Checkpoints (at epoch ends, every ``train.checkpoint_every_steps`` steps, on a preemption notice):
-DeepSpeed engine state + the loop's state + the best weights.
-
-Each rank writes its part into a local folder (:func:`save`), then :meth:`CheckpointManager.write`
-copies it into the run's storage, where the parts make one directory::
-
-    ds/latest, ds/<tag>/...   DeepSpeed engine: module, optimizer (per ZeRO rank), lr scheduler
-    best_model.pt             rank 0: fp32 state dict of the best epoch by validation
-    state.json                rank 0: epoch, global step, position, wall-clock, best, history,
-                              MLflow run id, model config, task, world size, events, provenance
-    rank_<r>.json             every rank, written last: its files' sizes and sha256 digests
+DeepSpeed engine state (``ds/``), the best weights (``best_model.pt``), the loop's state
+(``state.json``) and every rank's file digests (``rank_<r>.json``, written last).
 
 :class:`CheckpointManager` is the one place that writes, verifies, lists, picks and prunes a run
-folder's checkpoints (a local folder or an object store alike); one is resumed from only when
-:meth:`~CheckpointManager.verify` finds it whole. The copy is satp's, not Ray Train's upload, so a
-full disk ends the run (:class:`StorageFull` on every rank, the partial checkpoint removed) instead
-of being retried ``max_failures`` times.
+folder's checkpoints; one is resumed from only when it verifies whole. The copy is satp's, not Ray
+Train's upload, so a full disk ends the run (:class:`StorageFull`) instead of being retried.
 """
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """Distributed training, the driver side: :func:`train_plan` checks a job, builds and fits the trainer.
 
-:func:`train_job` (the demo, Tune trials, Python callers) resolves the job into a
-:class:`~pipeline.train.plan.JobPlan` and hands it to :func:`train_plan`, which ``satp train``
-calls with the plan it built. In order, each step before the costly ones: the run's lease
-(:mod:`pipeline.train.lease`); the plan's decision before the data (a conflict stops here, a
-finished run whose shards exist needs no Ray) and the tracking store
-(:func:`pipeline.train.mlflow_run.check_tracking_store`); Ray and its resources
-(:func:`pipeline.train.preflight.connect_and_check`); the data (:func:`prepare_data`,
-:meth:`~pipeline.train.plan.JobPlan.with_shards`); the decision on the shards (restart, resume or
-finished); the MLflow run, then Ray Train's ``TorchTrainer`` (:func:`worker_main`);
-only when the fit succeeded, the best model registered.
-
-A retry after a lost worker or node and a resize of an elastic run resume from the newest checkpoint
-in the same MLflow run; a full disk under ``train.storage_path`` ends the run (:func:`worker_main`).
+Each step runs before the costly ones: the run's lease, the plan's decision and the tracking store,
+Ray and its resources, the data, the MLflow run, then Ray Train's ``TorchTrainer``
+(:func:`worker_main`); only when the fit succeeded, the best model registered. A retry resumes
+from the newest checkpoint in the same MLflow run.
 """
 from __future__ import annotations
 

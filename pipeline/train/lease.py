@@ -1,19 +1,10 @@
 """The run lease: one command at a time per run name (``train.storage_path`` + ``train.run_name``),
 and per sweep (``tune.storage_path`` + ``tune.name``: :mod:`pipeline.sweep.trials`).
 
-Every command holds a lease on its run before anything else, ``<run folder>/satp-lease.json``
-(host, pid, since when, last heartbeat); a second command stops before Ray starts, naming the
-holder. A file with a heartbeat, not ``flock``: the folder may be on storage several nodes mount
-(NFS), where advisory locks are unreliable, and a lock outlives a killed holder. The lease is
-created atomically (:mod:`pipeline.train.lease_records`), refreshed every :data:`HEARTBEAT_S`,
-expired when its holder is gone (on the same machine: its process no longer runs; from another:
-no heartbeat for :data:`EXPIRES_S`, clocks agreeing as NTP keeps them; unreadable: unmodified as
-long), taken over with one ``satp: warning:`` line only if still the record judged expired, and
-released when the command ends, however it ends.
-
-``satp train`` refuses at once; :func:`pipeline.train.driver.train_job` (Tune trials, the demo)
-waits up to :data:`WAIT_S`, so a trial retried on another node is not refused while its old
-heartbeat still looks fresh.
+``<run folder>/satp-lease.json`` with a heartbeat, not ``flock``: the folder may be on storage
+several nodes mount (NFS), where advisory locks are unreliable, and a lock outlives a killed holder.
+A lease whose holder is gone expires (:data:`EXPIRES_S` without a heartbeat from another machine).
+``satp train`` refuses at once; :func:`pipeline.train.driver.train_job` waits up to :data:`WAIT_S`.
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Pre-flight: what a job can get wrong that the driver can see, checked before Ray starts (a
 mistake found later costs Ray's start, preprocessing, an MLflow run and every worker's retries).
 
-1. :func:`check_config`: the job alone; 2. :func:`check_data_root` and :func:`check_output_dirs`:
-the dataset complete and in range, or buildable, the output directories writable; 3. the Ray
-address answers. Steps 1-3 are :func:`early_checks`, which ``satp train`` runs before it imports
-torch and Ray. 4. A training run's rerun decision (:meth:`pipeline.train.plan.JobPlan.decision`).
-5. :func:`connect_and_check`: Ray connected, then :func:`check_resources`: the alive nodes hold the
-job's workers, counted per node (``resources.wait_for_nodes: true`` skips it). Then
-:meth:`~pipeline.train.plan.JobPlan.with_shards` checks the model against the real shards.
+:func:`early_checks` (the job alone, its data and output folders, the Ray address) runs before
+torch and Ray are imported; :func:`connect_and_check` then checks the alive nodes against the
+job's workers (:func:`check_resources`).
 """
 from __future__ import annotations
 
