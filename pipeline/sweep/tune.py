@@ -1,10 +1,8 @@
 """ASHA hyperparameter sweeps of a job (``satp tune JOB.yaml``), logged to MLflow.
 
-:func:`run_sweep` runs the job's ``tune:`` section (:mod:`pipeline.config.tune`) on the driver of
-:mod:`pipeline.sweep.runner`: every trial is a full Ray Train run reporting each epoch to Tune and
-ASHA. At the end the sweep's plot, table and metrics go to its parent run, and the best trial (by the
-sweep's metric, best epoch) is registered from its last checkpoint, into its child run; the
-``champion`` alias moves to it only if it beats the current champion's validation metric.
+:func:`run_sweep` runs the job's ``tune:`` section on the driver of :mod:`pipeline.sweep.runner`;
+at the end the best trial is registered from its checkpoint, and the ``champion`` alias moves to it
+only if it beats the current champion's validation metric.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The DeepSpeed engine of a worker: precision, ZeRO stage, clipping, AdamW and the schedule.
 
-``torch.optim.AdamW`` (fused on CUDA) and a ``LambdaLR`` of the paper's schedule (:func:`lr_schedule`)
-are passed to ``deepspeed.initialize``. Mixed precision is DeepSpeed's ``torch_autocast``: bf16 where
-supported, fp16 with a gradient scaler on GPUs without it, or fp32. At ZeRO stage 0 without the fp16
-scaler, gradients are clipped here with one foreach norm (:func:`optimizer_step`) and DeepSpeed's
-backward all-reduce is off: the step reduces once (:meth:`pipeline.train.step.TrainStep.finish`).
+Mixed precision is DeepSpeed's ``torch_autocast`` (bf16 where supported, else fp16 with a scaler, or
+fp32). At ZeRO stage 0 without the fp16 scaler, gradients are clipped here with one foreach norm
+(:func:`optimizer_step`) and the step reduces once (:meth:`pipeline.train.step.TrainStep.finish`).
 """
 from __future__ import annotations
 

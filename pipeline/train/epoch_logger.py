@@ -2,9 +2,7 @@
 epoch's metrics (step = epoch), and each step's loss and worker count (step = global step).
 
 Logged here, not by rank 0: a worker lost between its report and the registration re-runs the epoch,
-which MLflow would then hold twice. The controller calls this only for registered reports, so each
-epoch the run keeps is logged once; what a failed write misses, the next resume catches up
-(:meth:`pipeline.registry.tracking.RankZeroLogger.resume`).
+which MLflow would then hold twice.
 """
 from __future__ import annotations
 
