@@ -54,9 +54,10 @@ def padding_stats(batches: Sequence[np.ndarray], sizes: np.ndarray) -> dict[str,
 
 
 class NodeBudgetSampler:
-    """Per-rank batch sampler: yields a batch's graph ids at a time (the sampler of a DataLoader with
-    ``batch_size=None`` over :class:`pipeline.train.loader.GraphBatches`). The batches of an epoch
-    are a pure function of ``(seed, epoch)``."""
+    """Node-budget batches of a split, and one rank's round-robin share of them (the sampler of a
+    DataLoader with ``batch_size=None`` over :class:`pipeline.train.loader.GraphBatches`). The batches
+    of an epoch are a pure function of ``(seed, epoch)``; training deals them by
+    :class:`pipeline.train.global_batch.GlobalBatches`."""
 
     def __init__(
         self,
@@ -80,16 +81,13 @@ class NodeBudgetSampler:
         self.shuffle, self.seed = shuffle, int(seed)
         self.bucket_size, self.max_graphs = int(bucket_size), max_graphs
         self.epoch = 0
-        self._per_rank: Optional[int] = None
-        if shuffle:
-            self._per_rank = max(1, len(self.global_batches(0)) // world_size)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
     def global_batches(self, epoch: int) -> list[np.ndarray]:
-        """Every rank's batches of ``epoch`` before they are dealt (training: before the count per rank
-        is evened out): what the fixed batch capacities are measured on (:mod:`pipeline.train.capacity`)."""
+        """Every rank's batches of ``epoch`` before they are dealt: what the fixed batch capacities are
+        measured on (:mod:`pipeline.train.capacity`)."""
         sizes = self.sizes
         if not self.shuffle:
             order = self.indices[np.argsort(sizes[self.indices], kind="stable")]
@@ -105,25 +103,14 @@ class NodeBudgetSampler:
 
     def epoch_batches(self, epoch: Optional[int] = None) -> list[np.ndarray]:
         """This rank's batches for ``epoch`` (default: the current one)."""
-        epoch = self.epoch if epoch is None else epoch
-        batches = self.global_batches(epoch)
-        if not self.shuffle:
-            return batches[self.rank :: self.world_size]
-        need = self._per_rank * self.world_size
-        if len(batches) < need:  # repeat a few (random, since shuffled) batches
-            reps = -(-need // len(batches))
-            batches = (batches * reps)[:need]
-        batches = batches[:need]
-        return batches[self.rank :: self.world_size]
+        return self.global_batches(self.epoch if epoch is None else epoch)[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[np.ndarray]:
         """This rank's batches of the current epoch: an array of graph ids each."""
         return iter(self.epoch_batches())
 
     def __len__(self) -> int:
-        if self.shuffle:
-            return int(self._per_rank)
-        return len(self.global_batches(0)[self.rank :: self.world_size])
+        return len(self.epoch_batches())
 
 
 def subset_indices(n: int, limit: Optional[int], seed: int) -> Optional[np.ndarray]:
