@@ -1,9 +1,5 @@
 """Where a shard directory lives, a folder or a prefix on an object store (``shards.root`` a URI),
-behind one set of operations, so that the build and the readers run the same code on both.
-
-``writer``/``write``: in a folder a temporary file, fsync, rename; on a store one upload, visible
-only once complete. ``digest_matches``: a file's sha256; on a store True (the reader checks it).
-``lock()``: ``flock`` beside the folder; for a store on this machine."""
+behind one set of operations, so that the build and the readers run the same code on both."""
 from __future__ import annotations
 
 import contextlib

@@ -1,8 +1,6 @@
 """Logging a trained model to MLflow, registering it once, and loading it back (:func:`load_model`:
-weights and ``satp_model.json`` only, :mod:`pipeline.registry.model_format`). A version is registered
-only for weights that no version of the same run holds; of two commands registering the same weights
-at once the later deletes its copy. What a version records (configuration, data hash, commit) is what
-the weights' checkpoint recorded (``provenance``)."""
+weights and ``satp_model.json`` only). A version is registered only for weights that no version of
+the same run holds; what it records is what the weights' checkpoint recorded (``provenance``)."""
 from __future__ import annotations
 
 import dataclasses

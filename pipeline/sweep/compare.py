@@ -1,14 +1,9 @@
 """Variants of a job compared at equal budget over seeds (``satp compare JOB.yaml``), on Ray Tune + MLflow.
 
-:func:`run_compare` runs the job's ``compare:`` section (:mod:`pipeline.config.compare`) on the driver
-of :mod:`pipeline.sweep.runner`: a Tune grid over variant x seed, each trial a full Ray Train run of the
-job with the variant's keys (:meth:`pipeline.sweep.trials.SweepContext.settings`) and ``train.seed``
-set, all to the last epoch (no scheduler). The default name ends in the hash of job, variants and
-seeds, so a rerun of the same configuration resumes.
-
-A trial's result is its test metric at its best validation epoch; per variant, the mean and the
-sample standard deviation (``ddof=1``) over seeds go to the parent run as ``<variant>.test_<metric>_mean``
-and ``_std``, with ``compare.md`` (the printed table), ``plots/compare.png`` and ``trials.json``.
+:func:`run_compare` runs a Tune grid over variant x seed, each trial a full Ray Train run to the last
+epoch. A trial's result is its test metric at its best validation epoch; per variant, the mean and the
+sample standard deviation over seeds go to the parent run, with ``compare.md``, ``plots/compare.png``
+and ``trials.json``. The default name ends in a hash of job, variants and seeds: a rerun resumes.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""Batches built to a node budget with size bucketing, sharded over ranks.
+"""Batches built to a node budget with size bucketing.
 
 Dense attention pads every graph of a batch to its largest. Each epoch the split is shuffled with
-``seed + epoch``, cut into buckets of ``bucket_size`` graphs, each sorted by size and cut greedily
-into batches within the budget of padded node slots, and the batch order shuffled again; a graph
-over the budget gets a batch of its own. Training cuts :meth:`NodeBudgetSampler.global_batches` into
-steps (:mod:`pipeline.train.global_batch`); evaluation batches are cut from the split sorted by size
-and dealt round-robin, nothing dropped.
+``seed + epoch``, cut into buckets sorted by size and cut greedily into batches within the budget of
+padded node slots, and the batch order shuffled again; a graph over the budget gets a batch of its
+own. Evaluation batches are cut from the split sorted by size, nothing dropped.
 """
 from __future__ import annotations
 
