@@ -22,7 +22,7 @@ from pipeline.config.names import check_names
 from pipeline.console import plural
 from pipeline.registry import tracking
 from pipeline.sweep.runner import run_trials
-from pipeline.sweep.summary import TrialSummary
+from pipeline.sweep.summary import TrialsOutcome, TrialSummary
 from pipeline.sweep.space import apply_config, base_job_dict, resolve_paths, task_metric, validate_raw, variant_key
 from pipeline.sweep.trials import VARIANT
 
@@ -69,19 +69,10 @@ class VariantSummary:
         return self._mean_std(self.val)
 
 
-@dataclasses.dataclass
-class CompareOutcome:
-    name: str
-    path: str  # the Tune experiment directory
-    metric: str  # the task metric (acc, f1)
+@dataclasses.dataclass(kw_only=True)
+class CompareOutcome(TrialsOutcome):  # metric: the task metric (acc, f1)
     epochs: int
     variants: list[VariantSummary]
-    trials: list[TrialSummary]
-    parent_run_id: Optional[str]
-    tracking_uri: Optional[str]
-    resumed: bool
-    seconds: float
-    interrupted: bool = False
 
 
 def summarize_variants(job: JobConfig, trials: list[TrialSummary], parameters: dict[str, Optional[int]]) -> list[VariantSummary]:
@@ -218,8 +209,7 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
         outcome = CompareOutcome(name=name, path=run.path, metric=m, epochs=job.train.epochs,
                                  variants=summarize_variants(job, trials, parameters), trials=trials,
                                  parent_run_id=parent_id, tracking_uri=run.tracking_uri, resumed=run.resumed,
-                                 seconds=time.time() - start,
-                                 interrupted=run.interrupted)
+                                 seconds=time.time() - start, interrupted=run.interrupted)
 
         values: dict[str, float] = {}
         for v in outcome.variants:
