@@ -1,6 +1,6 @@
 """MLflow tracking: one MLflow run per training run, keyed by the tag ``satp.run_key`` (storage path +
 run name), so that a resumed or retried run logs into the same one (:func:`open_run`); a run started
-over gets a new one, the old one detached (:func:`retire_run`)."""
+over gets a new one, the old one detached (:func:`retire`)."""
 from __future__ import annotations
 
 import logging
@@ -183,11 +183,6 @@ def find_training_run(tracking_uri: str, experiment: str, run_key: str):
     mlflow_client = client(tracking_uri)
     exp = mlflow_client.get_experiment_by_name(experiment)
     return find_run(mlflow_client, exp.experiment_id, {RUN_KEY_TAG: run_key}) if exp is not None else None
-
-
-def retire_run(tracking_uri: str, run_id: str, run_key: str, why: str) -> None:
-    """Detach a training run's MLflow run from its run key (:func:`retire`)."""
-    retire(client(tracking_uri), run_id, RUN_KEY_TAG, run_key, why)
 
 
 def retire(mlflow_client, run_id: str, key_tag: str, key: str, why: str) -> None:

@@ -63,26 +63,27 @@ def prepare_data(job: JobConfig, address: Optional[str] = None) -> Path | str:
 
 def train_job(job: JobConfig, *, shard_dir: Optional[str | Path] = None, address: Optional[str] = None,
               register: bool = True, callbacks: Optional[list] = None, fault: Optional[dict] = None,
-              restart: bool = False) -> TrainOutcome:
+              restart: bool = False, started_at: Optional[float] = None) -> TrainOutcome:
     """Train ``job`` on Ray Train (+ DeepSpeed) and register the best model; return the outcome.
 
     ``shard_dir``: the preprocessed shards (default: the job's preprocessing, :func:`prepare_data`);
     ``address``: the Ray cluster (default ``$RAY_ADDRESS``, else a new local one); ``register``: the best
     model, only when the fit succeeded; ``callbacks``: Ray Train ``UserCallback``s; ``fault``: a test hook
-    (:mod:`pipeline.train.faults`); ``restart``: start the run name over. A rerun of the same run name
-    resumes, or raises :class:`pipeline.train.rerun.RerunConflict` for another configuration.
+    (:mod:`pipeline.train.faults`); ``restart``: start the run name over; ``started_at``: when the run's
+    start-up began (default: when this process started). A rerun of the same run name resumes, or
+    raises :class:`pipeline.train.rerun.RerunConflict` for another configuration.
     """
     from pipeline.train.lease import WAIT_S
     from pipeline.train.preflight import early_checks
 
     early_checks([job], address=address)
     return train_plan(JobPlan.resolve(job, address=address, restart=restart), shard_dir=shard_dir, register=register,
-                      callbacks=callbacks, fault=fault, lease_wait_s=WAIT_S)
+                      callbacks=callbacks, fault=fault, lease_wait_s=WAIT_S, started_at=started_at)
 
 
 def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, register: bool = True,
                callbacks: Optional[list] = None, fault: Optional[dict] = None, lease_wait_s: float = 0.0,
-               lease=None) -> TrainOutcome:
+               started_at: Optional[float] = None, lease=None) -> TrainOutcome:
     """:func:`train_job` of a job resolved into ``plan`` whose :func:`~pipeline.train.preflight.early_checks`
     passed (``satp train`` runs them at the edge), under the run's lease (:mod:`pipeline.train.lease`): ``lease``, the one the caller holds, else taken
     here; another command holding it is an error (a one-line :class:`~pipeline.train.lease.LeaseHeld`)
@@ -93,7 +94,8 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
     taken = None if lease is not None else RunLease(plan.checkpoints.named, plan.job.train.run_name,
                                                     storage=plan.job.storage.settings()).acquire(lease_wait_s)
     try:
-        return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault)
+        return _train_under_lease(plan, shard_dir=shard_dir, register=register, callbacks=callbacks, fault=fault,
+                                  started_at=started_at)
     finally:
         if taken is not None:
             with deferred():
@@ -101,13 +103,13 @@ def train_plan(plan: JobPlan, *, shard_dir: Optional[str | Path] = None, registe
 
 
 def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], register: bool, callbacks: Optional[list],
-                       fault: Optional[dict]) -> TrainOutcome:
+                       fault: Optional[dict], started_at: Optional[float]) -> TrainOutcome:
     from pipeline import pyg_templates
     from pipeline.train.preflight import connect_and_check
 
     pyg_templates.install()
     # start-up events (pipeline.train.startup)
-    marks = {"command": startup.process_started(command_pid()), "plan": time.time()}
+    marks = {"command": started_at or startup.process_started(command_pid()), "plan": time.time()}
     job, train = plan.job, plan.job.train
     plan = plan.examine()  # what the run name holds, found once (the lease keeps other commands from changing it)
     early = plan.decision()

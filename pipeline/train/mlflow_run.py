@@ -118,7 +118,7 @@ def _unreadable(uri: str, exc: BaseException) -> str:
 def open_run(plan: JobPlan, action: str) -> tuple[JobPlan, Optional[str]]:
     """Open the run's MLflow run; return the plan with it (``plan.setup.run_id``) and its status
     before (None: new). A fresh start never logs into an MLflow run that holds another training's
-    history: it gets a new one (:func:`pipeline.registry.tracking.retire_run`)."""
+    history: it gets a new one (:func:`pipeline.registry.tracking.retire`)."""
     import yaml
 
     job, setup = plan.job, plan.setup
@@ -129,7 +129,7 @@ def open_run(plan: JobPlan, action: str) -> tuple[JobPlan, Optional[str]]:
                 action == "restart" or existing.data.metrics or existing.info.status == "FINISHED"):
             why = ("run started over (--restart)" if action == "restart"
                    else "its checkpoints were gone: the run name started over")
-            tracking.retire_run(uri, existing.info.run_id, plan.run_key, why)
+            tracking.retire(tracking.client(uri), existing.info.run_id, tracking.RUN_KEY_TAG, plan.run_key, why)
             existing = None
         config_text = yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False)
         params = dict(job.model_dump(mode="json"), model=setup.model_config, shard_dir=setup.shard_dir)
