@@ -12,24 +12,17 @@ import signal
 import sys
 
 
+#: the modules that register each area's subcommands (``register(sub)``), imported when the parser is built
+AREAS = ("data_commands", "train_commands", "sweep_commands", "registry_commands", "cluster_commands")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
     parser = argparse.ArgumentParser(prog="satp", description="Structure-Aware Transformer pipeline")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from pipeline.cli.data_commands import register as register_preprocessing
-
-    register_preprocessing(sub)
-    from pipeline.cli.train_commands import register as register_training
-
-    register_training(sub)
-    from pipeline.cli.sweep_commands import register as register_sweeps  # tune, compare
-
-    register_sweeps(sub)
-    from pipeline.cli.registry_commands import register as register_registry  # models, predict
-
-    register_registry(sub)
-    from pipeline.cli.cluster_commands import register as register_cluster  # cluster start / status / stop
-
-    register_cluster(sub)
+    for area in AREAS:
+        importlib.import_module(f"pipeline.cli.{area}").register(sub)
     return parser
 
 
