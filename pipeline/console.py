@@ -1,7 +1,8 @@
 """What the ``satp`` command writes to the terminal, and what it writes to files.
 
 :func:`setup` decides once, before Ray or tqdm are imported (Ray's log handler keeps the stream it
-finds): without a terminal, no colour codes and no progress bars. ``satp train`` keeps Ray's own
+finds): without a terminal, no colour codes and no progress bars (``--no-progress``: none on a
+terminal either); a variable the user set already is left as it is. ``satp train`` keeps Ray's own
 output in the run's log file, the terminal showing only satp's own lines (:func:`divert_ray_output`).
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Connecting to Ray: the satp cluster, a named cluster (fast failure when it does not answer), or a
-new local one (``address="local"``: plain ``ray.init()`` may attach to someone else's). The local
-cluster's processes get a private ``TMPDIR``, removed at exit or by the next command
+"""Connecting to Ray (:func:`connect`): an address (``--address`` or ``$RAY_ADDRESS``) probed first,
+failing fast when it does not answer; without one, the satp cluster of this machine when one runs,
+else a new local one (``address="local"``: plain ``ray.init()`` may attach to someone else's). The
+local cluster's processes get a private ``TMPDIR``, removed at exit or by the next command
 (:func:`sweep_orphans`).
 """
 from __future__ import annotations

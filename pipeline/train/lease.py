@@ -3,8 +3,9 @@ and per sweep (``tune.storage_path`` + ``tune.name``: :mod:`pipeline.sweep.trial
 
 ``<run folder>/satp-lease.json`` with a heartbeat, not ``flock``: the folder may be on storage
 several nodes mount (NFS), where advisory locks are unreliable, and a lock outlives a killed holder.
-A lease whose holder is gone expires (:data:`EXPIRES_S` without a heartbeat from another machine).
-``satp train`` refuses at once; :func:`pipeline.train.driver.train_job` waits up to :data:`WAIT_S`.
+A lease expires when its holder is gone: on the same machine, its process no longer runs; from
+another, no heartbeat for :data:`EXPIRES_S` (unreadable: unmodified as long). ``satp train`` refuses
+at once; :func:`pipeline.train.driver.train_job` waits up to :data:`WAIT_S`.
 """
 from __future__ import annotations
 

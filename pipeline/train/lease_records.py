@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from pipeline.train.checkpoint import FULL
+from preprocessing.write_errors import FULL
 
 
 def lease_error(exc: OSError, path: Path, doing: str) -> OSError:

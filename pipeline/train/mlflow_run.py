@@ -20,7 +20,7 @@ import torch
 
 from pipeline.registry import tracking
 from pipeline.registry.empty_store import database_path
-from pipeline.train.checkpoint import FULL
+from preprocessing.write_errors import FULL
 from pipeline.train.loader import open_split
 from pipeline.train.plan import JobPlan
 from pipeline.train.engine import build_model

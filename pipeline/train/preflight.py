@@ -40,7 +40,7 @@ def feature_problem(model, subgraphs: bool, rwpe: int, lap_pe: int, where: str) 
 
 
 def check_config(job) -> None:
-    """Step 1 (see the module docstring); raises ``ValueError`` with one line."""
+    """The job alone: its names, model and settings; raises ``ValueError`` with one line."""
     from pipeline.config.names import check_names
 
     check_names(job)  # run name, MLflow names: before anything is written under them
@@ -184,7 +184,7 @@ def _probe_download(url: str) -> Optional[str]:
 
 
 def check_data_root(data) -> None:
-    """Step 2 (see the module docstring); raises ``ValueError`` naming ``data.root``."""
+    """The dataset complete and in range, or buildable; raises ``ValueError`` naming ``data.root``."""
     from preprocessing.ogb_layout import OGB_DIR
 
     root = Path(data.root).expanduser()
@@ -268,8 +268,8 @@ def local_node(count_gpus: bool = True) -> dict:
 
 def check_resources(job, num_workers: Optional[int] = None, extra_cpus: float = 0.0,
                     address: Optional[str] = None, nodes: Optional[list[dict]] = None) -> None:
-    """Step 5 (see the module docstring): raises ``ValueError`` with the numbers. ``nodes``:
-    ``ray.nodes()`` entries (default: the connected cluster's)."""
+    """The alive nodes hold the job's workers, counted per node (``resources.wait_for_nodes: true`` skips
+    it): raises ``ValueError`` with the numbers. ``nodes``: ``ray.nodes()`` entries (default: the connected cluster's)."""
     res = job.resources
     if res.wait_for_nodes:
         return
@@ -325,7 +325,7 @@ def _ray_connected() -> bool:
 
 
 def check_output_dirs(job) -> None:
-    """Step 2 for what a run reads and writes: ``shards.root``, ``train.storage_path`` and
+    """The folders a run reads and writes, writable: ``shards.root``, ``train.storage_path`` and
     ``tune.storage_path`` (:func:`check_run_store` where a URI)."""
     from pipeline.config.train import runs_dir
     from runtime.storage import is_uri
@@ -366,7 +366,7 @@ def check_run_store(key: str, uri: str, storage=None) -> None:
 
 def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None,
                  num_workers: Optional[int] = None, extra_cpus: float = 0.0) -> None:
-    """Steps 1-3 of :func:`preflight`, and, when a new local cluster would start, this machine's
+    """The checks before Ray (the module docstring), and, when a new local cluster would start, this machine's
     resources: nothing here starts or imports Ray, and only GPU jobs import torch.
 
     ``jobs``: a list, or a mapping from a name to the job: a problem of one job then starts with its name."""
@@ -397,19 +397,10 @@ def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] =
         check_resources(jobs[0], num_workers=num_workers, extra_cpus=extra_cpus, nodes=[node])
 
 
-def preflight(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None, num_workers: Optional[int] = None,
-              extra_cpus: float = 0.0, ray_env: Optional[dict] = None) -> None:
-    """Check ``jobs`` (every variant of a sweep, optionally by name: see :func:`early_checks`) and
-    connect to Ray. ``num_workers`` / ``extra_cpus``: what a sweep's trial needs beyond the job's own
-    request; ``ray_env``: environment variables of a new Ray connection."""
-    early_checks(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus)
-    connect_and_check(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus, ray_env=ray_env)
-
-
 def connect_and_check(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None,
                       num_workers: Optional[int] = None, extra_cpus: float = 0.0,
                       ray_env: Optional[dict] = None) -> None:
-    """Step 5: connect to Ray (the satp cluster, or a new local one without an address), then check
+    """Connect to Ray (the satp cluster, or a new local one without an address), then check
     its resources against the first job's request."""
     from runtime.ray_cluster import connect, resolve_address
 

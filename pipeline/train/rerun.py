@@ -5,6 +5,10 @@ finished run or one of another configuration. So the plan's decision reads the r
 checkpoint (:func:`previous_run`) and compares a hash of everything that shapes the weights
 (:func:`weights_config`): the same configuration resumes (or is ``finished``), another is a
 :class:`RerunConflict`, no checkpoint is ``fresh``.
+
+In the hash: the model section, the task, the ``train`` section but :data:`RESUMABLE_TRAIN_KEYS`,
+and the shards' config hash and source fingerprint; not the ``resources`` nor ``mlflow`` sections.
+The provenance also lists the git commits that trained the run, which a registered version records.
 """
 from __future__ import annotations
 
