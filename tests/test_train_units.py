@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.train.batching import NodeBudgetSampler, pack, padding_stats, subset_indices
+from benchmarks.cpu.training import padding_stats
+from pipeline.train.batching import NodeBudgetSampler, pack, subset_indices
 from pipeline.train.engine import clips_outside_deepspeed, deepspeed_config, resolve_precision, warmup_cosine
 from pipeline.tasks import Code2Task, PPATask, best_constant_sequence, make_task, task_name_for
 from pipeline.config.train import TrainConfig

@@ -7,7 +7,7 @@ own. Evaluation batches are cut from the split sorted by size, nothing dropped.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -32,23 +32,6 @@ def pack(order: np.ndarray, sizes: np.ndarray, node_budget: int, max_graphs: Opt
         batches.append(order[start : start + count])
         start += count
     return batches
-
-
-def padding_stats(batches: Sequence[np.ndarray], sizes: np.ndarray) -> dict[str, float]:
-    """Share of padded node slots and of padded attention cells over ``batches``."""
-    slots = used_slots = cells = used_cells = 0
-    for b in batches:
-        s = sizes[b].astype(np.int64)
-        m = int(s.max())
-        slots += len(s) * m
-        used_slots += int(s.sum())
-        cells += len(s) * m * m
-        used_cells += int((s * s).sum())
-    return {
-        "node_padding": 1.0 - used_slots / max(slots, 1),
-        "attention_padding": 1.0 - used_cells / max(cells, 1),
-        "batches": float(len(batches)),
-    }
 
 
 class NodeBudgetSampler:
