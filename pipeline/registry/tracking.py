@@ -174,10 +174,6 @@ def _note_changed_params(mlflow_client, run, params: dict, config_text: str) -> 
     _log_job(mlflow_client, run.info.run_id, config_text)
 
 
-def close_run(tracking_uri: str, run_id: str, status: str) -> None:
-    client(tracking_uri).set_terminated(run_id, status=status)
-
-
 def find_training_run(tracking_uri: str, experiment: str, run_key: str):
     """The MLflow run of a training run (by its ``satp.run_key`` tag), or None."""
     mlflow_client = client(tracking_uri)

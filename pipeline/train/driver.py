@@ -243,7 +243,7 @@ def _already_finished(plan: JobPlan, decision, register: bool) -> TrainOutcome:
                 log.info("run %s finished before its model was registered: registering it now", job.train.run_name)
                 registered = mlflow_run.log_best_model(plan, state, best_weights)
         if plan.setup.run_id is not None and (found is None or found.info.status != "FINISHED"):
-            tracking.close_run(uri, plan.setup.run_id, "FINISHED")
+            client.set_terminated(plan.setup.run_id, status="FINISHED")
     log.info("run %s finished already (epoch %d, same configuration): nothing to train", job.train.run_name,
              previous.epoch)
     return _outcome(plan, state, previous.checkpoint, registered, trained=False)

@@ -149,9 +149,10 @@ def close_failed(plan: JobPlan, previous_status: Optional[str], exc: BaseExcepti
         if previous_status == "FINISHED":
             client = tracking.client(uri)
             client.set_tag(run_id, LAST_ATTEMPT, f"failed {time.strftime('%Y-%m-%d %H:%M:%S')}: {first}"[:500])
-            tracking.close_run(uri, run_id, "FINISHED")
+            client.set_terminated(run_id, status="FINISHED")
         else:
-            tracking.close_run(uri, run_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+            status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+            tracking.client(uri).set_terminated(run_id, status=status)
     except Exception:  # the tracking store must not hide the training error
         pass
 
@@ -167,7 +168,7 @@ def close_finished(plan: JobPlan, state: dict) -> None:
         client.set_tag(run_id, "satp.stopped", str(state["stopped"])[:500])
     if LAST_ATTEMPT in client.get_run(run_id).data.tags:
         client.set_tag(run_id, LAST_ATTEMPT, f"finished {time.strftime('%Y-%m-%d %H:%M:%S')} (epoch {state['epoch']})")
-    tracking.close_run(plan.job.mlflow.tracking_uri, run_id, "FINISHED")
+    client.set_terminated(run_id, status="FINISHED")
 
 
 def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
