@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from runtime import fork_server, local_cluster
+from runtime.command import warn
 from runtime.ports import free_ports
 from runtime.ray_address import probe, resolve_address
 
@@ -115,8 +116,7 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
         if record is not None and not record.named_by(target.split("://")[-1]):
             record = None
     else:
-        record = local_cluster.for_command(warn=lambda line: print(f"satp: warning: {line}", file=sys.stderr,
-                                                                   flush=True))
+        record = local_cluster.for_command(warn=warn)
         target = record.address if record is not None else None
     if target:
         log.info("connecting to the %s at %s", "satp cluster" if record is not None else "Ray cluster", target)

@@ -63,6 +63,7 @@ def _on_fork_server(args: argparse.Namespace, argv: list[str]):
     if args.command != "train":
         return None
     from runtime import fork_server, local_cluster
+    from runtime.command import warn
 
     if fork_server.forked_for() is not None:
         return None
@@ -80,11 +81,7 @@ def _on_fork_server(args: argparse.Namespace, argv: list[str]):
     except ValueError as exc:
         print(f"satp: error: {exc}", file=sys.stderr)
         return 2
-    return fork_server.run_command(record.fork_socket, argv, _warn, defaults=record.worker_env)
-
-
-def _warn(line: str) -> None:
-    print(f"satp: warning: {line}", file=sys.stderr, flush=True)
+    return fork_server.run_command(record.fork_socket, argv, warn, defaults=record.worker_env)
 
 
 def _interrupted(exc: KeyboardInterrupt) -> int:

@@ -21,7 +21,7 @@ from pipeline.train import checkpoint as ckpt
 from pipeline.train import mlflow_run, rerun, startup
 from pipeline.train.plan import JobPlan, store_env
 from pipeline.train.worker_setup import WorkerSetup
-from runtime.command import command_pid
+from runtime.command import command_pid, warn
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,6 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
 
 def _say_padding_cost(plan: JobPlan) -> None:
     """One warning line when ``train.step`` pads batches for CPU workers at a cost (:mod:`pipeline.train.step_cost`)."""
-    import sys
-
     from pipeline.train.loader import open_split
     from pipeline.train.step_cost import padding_cost
     from sat.config import SATConfig
@@ -179,7 +177,7 @@ def _say_padding_cost(plan: JobPlan) -> None:
     line = padding_cost(plan.job, SATConfig.from_dict(plan.setup.model_config),
                         open_split(plan.setup.shard_dir, "train", plan.job.storage.settings()))
     if line:
-        print(f"satp: warning: {line}", file=sys.stderr, flush=True)
+        warn(line)
 
 
 def _outcome(plan: JobPlan, state: dict, checkpoint_path: str, registered: Optional[dict], **extra) -> TrainOutcome:

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.train.lease_records import FileRecord, ObjectRecord, lease_error
-from runtime.command import command_pid
+from runtime.command import command_pid, warn
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +130,6 @@ def expiry(holder: Holder) -> Optional[str]:
     return None
 
 
-def _say(line: str) -> None:
-    print(f"satp: warning: {line}", file=sys.stderr, flush=True)
-
-
 def lease_record(run_dir: str | Path, storage=None):
     """The lease of ``run_dir``: a :class:`FileRecord`, or an :class:`ObjectRecord` of an ``s3://``
     URI (the pre-flight refuses other schemes: :func:`pipeline.train.preflight.check_run_store`)."""
@@ -212,7 +207,7 @@ class RunLease:
             return (f"{self.path}: {self.kind} {self.run_name!r} is held by {who}; {expires}: wait for it, or pick "
                     f"another {self.key}")
         if self.record.remove_if(seen):
-            _say(f"{self.path}: the lease of {self.kind} {self.run_name!r} held by {who} has expired ({why}): taken over")
+            warn(f"{self.path}: the lease of {self.kind} {self.run_name!r} held by {who} has expired ({why}): taken over")
         return None
 
     def _beat(self) -> None:
@@ -234,7 +229,7 @@ class RunLease:
             on_file = None
         if on_file is not None and on_file.token != self.holder.token:
             self.lost = f"it is now held by {on_file.describe()}"
-            _say(f"{self.path}: this command no longer holds the lease of {self.kind} {self.run_name!r} ({self.lost})")
+            warn(f"{self.path}: this command no longer holds the lease of {self.kind} {self.run_name!r} ({self.lost})")
             return False
         self.holder = dataclasses.replace(self.holder, heartbeat=time.time())
         try:

@@ -309,13 +309,15 @@ def _say_if_waiting(workers: int, need: dict[str, float], extra_cpus: float, add
         return
     import ray
 
+    from runtime.command import warn
+
     free = ray.available_resources()
     short = {k: workers * v + (extra_cpus if k == "CPU" else 0.0) for k, v in need.items()
              if free.get(k, 0.0) + 1e-9 < workers * v + (extra_cpus if k == "CPU" else 0.0)}
     if short:
         held = ", ".join(f"{free.get(k, 0.0):g} of the {k} free, {v:g} needed" for k, v in short.items())
-        print(f"satp: warning: the Ray cluster{f' at {address}' if address else ''} is busy with other runs "
-              f"({held}): this run waits until they end", file=sys.stderr, flush=True)
+        warn(f"the Ray cluster{f' at {address}' if address else ''} is busy with other runs ({held}): this run "
+             "waits until they end")
 
 
 # ----------------------------------------------------------------------------- the one entry point
