@@ -6,6 +6,7 @@ which MLflow would then hold twice.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Optional
 
@@ -22,16 +23,13 @@ class RegisteredEpochLogger(UserCallback):
 
     def __init__(self, tracking_uri: str, run_id: str, metric: str, target: Optional[dict[str, Any]] = None) -> None:
         self.tracking_uri, self.run_id, self.metric, self.target = tracking_uri, run_id, metric, target
-        self._client = None
 
     def __getstate__(self) -> dict:  # shipped to the controller actor; the client is made there
-        return {**self.__dict__, "_client": None}
+        return {k: v for k, v in self.__dict__.items() if k != "client"}
 
-    @property
+    @functools.cached_property
     def client(self):
-        if self._client is None:
-            self._client = tracking.client(self.tracking_uri)
-        return self._client
+        return tracking.client(self.tracking_uri)
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint: Optional[Any]) -> None:
         # imported here: the controller loads this class when it starts, and these modules bring torch
