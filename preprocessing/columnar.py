@@ -1,9 +1,11 @@
 """The columnar raw store: a dataset's OGB raw layout as memory-mapped Arrow files.
 
 OGB's loader reads a whole dataset into memory, so the raw CSVs are converted once per raw
-fingerprint (:mod:`preprocessing.conversion`) into ``<dataset>/columnar/``, one Arrow IPC file per
-raw CSV. :meth:`ColumnarStore.chunk` reads some graphs' rows and adds the reverse of every undirected
-edge, as OGB's loader does."""
+fingerprint (:mod:`preprocessing.conversion`) into ``<dataset>/columnar/``: one Arrow IPC file per
+raw CSV (column ``values``, narrowest exact dtype), a sidecar per finished file (fingerprint, rows,
+bytes, xxh3), ``store.json`` last, and ``fingerprint.json`` (:func:`raw_fingerprint`'s cache).
+:meth:`ColumnarStore.chunk` reads some graphs' rows and adds the reverse of every undirected edge
+right after it, as OGB's loader does. Sizes are checked at every open, checksums once per build."""
 from __future__ import annotations
 
 import hashlib

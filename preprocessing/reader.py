@@ -3,9 +3,13 @@
 >>> ds = ShardDataset(shard_dir, "train")   # len(ds), ds[i], ds.num_nodes, ds.vocab, ds.manifest
 >>> ds.batch([5, 2, 9])                    # == Batch.from_data_list([ds[5], ds[2], ds[9]])
 
-Tensor values are read (``pread``) as items need them, so a reader's memory is the same whatever the
-data size; a shard's sha256 is checked when first opened. :func:`featurise` turns new raw graphs
-into ``SATData`` exactly as training data were made."""
+Items own their tensors. :meth:`ShardDataset.batch` decodes a mini-batch column by column (PyG's
+offsets added at once). Every shard must have its recorded size on construction; its sha256 is
+checked when it is first opened. Tensor values are read (``pread``) as items need them, not mapped,
+so a reader's memory is the same whatever the data size. Pickling keeps only the path and settings.
+A directory on an object store is read through the node's shard cache
+(:mod:`preprocessing.shard_cache`), with read-ahead. :func:`featurise` turns new raw graphs into
+``SATData`` exactly as training data were made."""
 from __future__ import annotations
 
 import hashlib
