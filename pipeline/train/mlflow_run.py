@@ -181,9 +181,9 @@ def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
              default_model_name(job, plan.task.name))
     with writing(plan, f"registering the model of run {job.train.run_name!r}", "nothing was registered",
                  rerun="run the same command, which registers it then"):
-        registered, model = register_weights(
-            job, plan.task, state, best_weights, run_id=setup.run_id, shard_dir=setup.shard_dir,
-            manifest_hash=plan.manifest.get("config_hash", ""),
+        registered, model = register_weights(  # the configuration and code that trained them: the checkpoint's
+            job, plan.task, {**state, "provenance": state.get("provenance") or setup.provenance}, best_weights,
+            run_id=setup.run_id, shard_dir=setup.shard_dir, manifest_hash=plan.manifest.get("config_hash", ""),
             extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json")})
     _log_attention_plot(plan, model)
     name = registered["registered_model"]
