@@ -312,7 +312,7 @@ def _runner(conn: socket.socket, mine: dict) -> Optional[dict]:
 def _report(conn: socket.socket, pid: int) -> None:
     """Tell the client ``pid``, then how it ended; kill it should the client go first."""
     status = None
-    try:
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client died before it read the reply
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         ended = os.pidfd_open(pid)
         while status is None:
@@ -321,8 +321,6 @@ def _report(conn: socket.socket, pid: int) -> None:
                 _, status = os.waitpid(pid, 0)
             elif not conn.recv(1):
                 break
-    except (BrokenPipeError, ConnectionResetError):  # the client died before it read the reply
-        pass
     if status is None:  # the client is gone: so is what it asked for
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)

@@ -352,10 +352,8 @@ def _signal_and_wait(procs: list, sig: int, timeout_s: float) -> list:
 
     procs = [p for p in procs if not _ended(p)]
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
     signalled, deadline = procs, time.monotonic() + timeout_s
     while procs and time.monotonic() < deadline:
         time.sleep(0.05)

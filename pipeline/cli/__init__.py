@@ -6,6 +6,7 @@ come back in well under a second; torch, Ray and MLflow load only in the command
 """
 from __future__ import annotations
 
+import contextlib
 import argparse
 import os
 import signal
@@ -93,18 +94,14 @@ def _interrupted(exc: KeyboardInterrupt) -> int:
     ending()  # also drops what the training's handler kept alive (see runtime.interrupts)
     interrupted = as_interrupted(exc)
     if "runtime.ray_cluster" in sys.modules:  # a connection under way in a thread ends first
-        try:
+        with contextlib.suppress(BaseException):  # noqa: BLE001 - its error says nothing more than the interrupt
             sys.modules["runtime.ray_cluster"].wait_for_background_connect()
-        except BaseException:  # noqa: BLE001 - its error says nothing more than the interrupt
-            pass
     if "ray" in sys.modules:
         import ray
 
         if ray.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # the line still comes
                 ray.shutdown()
-            except Exception:  # the line still comes
-                pass
     kept = interrupted.kept or ("finished work is kept (shards and checkpoints are written whole or not "
                                 "at all): the same command continues from it")
     print(f"satp: interrupted ({interrupted.signal_name}): {kept}", file=sys.stderr, flush=True)

@@ -3,6 +3,7 @@ run name), so that a resumed or retried run logs into the same one (:func:`open_
 over gets a new one, the old one detached (:func:`retire`)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -271,10 +272,8 @@ class RankZeroLogger:
 
     def close(self) -> None:
         if self.monitor is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.monitor.finish()
-            except Exception:
-                pass
             self.monitor = None
 
 

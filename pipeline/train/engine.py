@@ -6,6 +6,7 @@ fp32). At ZeRO stage 0 without the fp16 scaler, gradients are clipped here with 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -116,12 +117,10 @@ def skip_deepspeed_jit_ops() -> None:
     does not JIT-compile it: it serves only DeepSpeed inference; training all-reduces go through gloo."""
     if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
         return
-    try:
+    with contextlib.suppress(ImportError, AttributeError, TypeError):
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    except (ImportError, AttributeError, TypeError):
-        pass
 
 
 def build_model(config) -> torch.nn.Module:

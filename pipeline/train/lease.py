@@ -9,6 +9,7 @@ at once; :func:`pipeline.train.driver.train_job` waits up to :data:`WAIT_S`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -248,12 +249,11 @@ class RunLease:
             self._thread = None
         if self.holder is None:
             return
-        try:
+        # gone, or another holder's now, or the store does not answer (it expires)
+        with contextlib.suppress(OSError, ValueError):
             seen = self.record.read()
             if seen is not None and decode(seen.data).token == self.holder.token:
                 self.record.remove_if(seen)
-        except (OSError, ValueError):
-            pass  # gone, or another holder's now, or the store does not answer (it expires)
         self.holder = None
 
     def __enter__(self) -> "RunLease":

@@ -142,7 +142,7 @@ def close_failed(plan: JobPlan, previous_status: Optional[str], exc: BaseExcepti
     """A failed attempt marks its MLflow run FAILED, unless the run had FINISHED before: a failed
     continuation leaves it FINISHED (its registered versions are sound), with the failure tagged."""
     uri, run_id = plan.job.mlflow.tracking_uri, plan.setup.run_id
-    try:
+    with contextlib.suppress(Exception):  # the tracking store must not hide the training error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if isinstance(exc, KeyboardInterrupt):
             first = f"interrupted ({first or 'SIGINT'})"
@@ -153,8 +153,6 @@ def close_failed(plan: JobPlan, previous_status: Optional[str], exc: BaseExcepti
         else:
             status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
             tracking.client(uri).set_terminated(run_id, status=status)
-    except Exception:  # the tracking store must not hide the training error
-        pass
 
 
 def close_finished(plan: JobPlan, state: dict) -> None:

@@ -7,6 +7,7 @@ job's workers (:func:`check_resources`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -140,10 +141,8 @@ def check_writable_dir(key: str, path: str | Path, default: str = "") -> None:
         raise ValueError(f"{where} {what} (mkdir {exc.filename or path}: {exc.strerror or exc})") from None
     finally:
         for directory in reversed(made):
-            try:
+            with contextlib.suppress(OSError):
                 directory.rmdir()
-            except OSError:
-                pass
 
 
 def _ogb_url(name: str) -> Optional[str]:
@@ -268,8 +267,9 @@ def local_node(count_gpus: bool = True) -> dict:
 
 def check_resources(job, num_workers: Optional[int] = None, extra_cpus: float = 0.0,
                     address: Optional[str] = None, nodes: Optional[list[dict]] = None) -> None:
-    """The alive nodes hold the job's workers, counted per node (``resources.wait_for_nodes: true`` skips
-    it): raises ``ValueError`` with the numbers. ``nodes``: ``ray.nodes()`` entries (default: the connected cluster's)."""
+    """The alive nodes hold the job's workers, counted per node (``resources.wait_for_nodes: true``
+    skips it): raises ``ValueError`` with the numbers. ``nodes``: ``ray.nodes()`` entries (default:
+    the connected cluster's)."""
     res = job.resources
     if res.wait_for_nodes:
         return
