@@ -152,15 +152,8 @@ def open_run(tracking_uri: str, experiment: str, run_key: str, run_name: str, pa
     if found is not None:
         _note_changed_params(mlflow_client, found, params, config_text)
     else:
-        _log_job(mlflow_client, run_id, config_text)
+        mlflow_client.log_text(run_id, config_text, "job.yaml")
     return run_id
-
-
-def _log_job(mlflow_client, run_id: str, config_text: str) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "job.yaml"
-        path.write_text(config_text)
-        mlflow_client.log_artifact(run_id, str(path))
 
 
 def _note_changed_params(mlflow_client, run, params: dict, config_text: str) -> None:
@@ -172,7 +165,7 @@ def _note_changed_params(mlflow_client, run, params: dict, config_text: str) -> 
         return
     for key, value in changed.items():
         mlflow_client.set_tag(run.info.run_id, f"satp.param.{key}", f"{value} (was {logged[key]})"[:500])
-    _log_job(mlflow_client, run.info.run_id, config_text)
+    mlflow_client.log_text(run.info.run_id, config_text, "job.yaml")
 
 
 def find_training_run(tracking_uri: str, experiment: str, run_key: str):

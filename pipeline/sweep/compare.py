@@ -217,14 +217,12 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
         tracking.log_metrics(client, parent_id, values, step=0)
         table = format_table(outcome)
         with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "compare.md").write_text(f"# {name}\n\n{table}\n")
-            client.log_artifact(parent_id, str(Path(tmp) / "compare.md"))
+            client.log_text(parent_id, f"# {name}\n\n{table}\n", "compare.md")
             png = Path(tmp) / "compare.png"
             plot_compare(outcome, png)
             client.log_artifact(parent_id, str(png), artifact_path="plots")
             rows = [dataclasses.asdict(t) for t in trials]
-            (Path(tmp) / "trials.json").write_text(json.dumps(rows, indent=1, default=str))
-            client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
+            client.log_text(parent_id, json.dumps(rows, indent=1, default=str), "trials.json")
         if not outcome.interrupted:
             failed = all(t.status != "finished" for t in trials)
             client.set_terminated(parent_id, status="FAILED" if failed else "FINISHED")

@@ -86,8 +86,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
             plot_sweep(trials, val_metric, png, title=f"{name}: {val_metric} per trial ({plural(len(trials), 'trial')})")
             client.log_artifact(parent_id, str(png), artifact_path="plots")
             table = [{k: v for k, v in dataclasses.asdict(t).items() if k != "curves"} for t in trials]
-            (Path(tmp) / "trials.json").write_text(json.dumps(table, indent=1, default=str))
-            client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
+            client.log_text(parent_id, json.dumps(table, indent=1, default=str), "trials.json")
 
         summary = {"trials": len(trials), "trials_early_stopped": sum(t.status == "early_stopped" for t in trials),
                    "trials_failed": sum(t.status == "error" for t in trials)}
