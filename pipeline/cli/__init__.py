@@ -6,8 +6,8 @@ come back in well under a second; torch, Ray and MLflow load only in the command
 """
 from __future__ import annotations
 
-import contextlib
 import argparse
+import contextlib
 import os
 import signal
 import sys

@@ -12,7 +12,6 @@ def add_job_arguments(parser, example: str) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in logs)")
 
 
-
 def log_to_stderr() -> None:
     """satp's INFO log records on standard error, with their time and logger."""
     import logging

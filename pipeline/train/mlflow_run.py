@@ -20,10 +20,10 @@ import torch
 
 from pipeline.registry import tracking
 from pipeline.registry.empty_store import database_path
-from preprocessing.write_errors import FULL
 from pipeline.train.loader import open_split
 from pipeline.train.plan import JobPlan
 from pipeline.train.engine import build_model
+from preprocessing.write_errors import FULL
 from sat.config import SATConfig
 
 log = logging.getLogger(__name__)
