@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from preprocessing.shard_places import sha256_file
 from preprocessing.write_errors import FULL, error_number
-from runtime.command import warn
+from runtime import command
 from runtime.storage import Location, StorageSettings, resolve
 
 DS_DIR = "ds"
@@ -238,7 +238,7 @@ class CheckpointManager:
                 epoch = self.progress(name)[0]
                 what = f"epoch {epoch}" if epoch >= 0 else "epoch unknown"
                 self.damaged[problem] = f"the checkpoint of {what} ({name})"
-                warn(f"{problem}; checkpoint {name} ({what}) is damaged and not resumed from; {instead}")
+                command.warn(f"{problem}; checkpoint {name} ({what}) is damaged and not resumed from; {instead}")
         return chosen
 
     def load(self, name: str) -> tuple[dict[str, Any], Optional[dict]]:
