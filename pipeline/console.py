@@ -1,11 +1,9 @@
 """What the ``satp`` command writes to the terminal, and what it writes to files.
 
 :func:`setup` decides once, before Ray or tqdm are imported (Ray's log handler keeps the stream it
-finds): with standard error not a terminal, colour codes are stripped from standard output and error,
-Ray does not colour and tqdm bars are off (``--no-progress`` turns them off on a terminal too); a
-variable the user set already is left as it is. ``satp train`` keeps Ray's own output (tracebacks of
-every rank when a worker is lost, ...) in the run's log file, the terminal showing only satp's own
-lines, which satp's code in Ray's processes marks (:func:`divert_ray_output`).
+finds): without a terminal, no colour codes and no progress bars (``--no-progress``: none on a
+terminal either); a variable the user set already is left as it is. ``satp train`` keeps Ray's own
+output in the run's log file, the terminal showing only satp's own lines (:func:`divert_ray_output`).
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ PyG writes a ``propagate()`` per ``MessagePassing`` class to ``$TMPDIR`` and nev
 """
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 
@@ -23,10 +24,8 @@ def _in_memory(original):
             with open(path) as fh:
                 lines = fh.readlines()
             linecache.cache[path] = (sum(map(len, lines)), None, lines, path)
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
         return module
 
     module_from_template.__wrapped__ = original

@@ -1,11 +1,8 @@
 """Build, resume and validate a shard directory, one Ray task per shard.
 
 :func:`preprocess` names the directory by the configuration and the raw files' fingerprint
-(:func:`shard_dir`), converts the raw files into the columnar store unless it is current
-(:mod:`preprocessing.conversion`), plans the shards, skips the finished ones (sidecar with the same
-key and sha256), computes the others as Ray tasks that read the memory-mapped store and write their
-shard themselves (:mod:`preprocessing.shard_places`), and writes ``manifest.json`` last. The driver
-holds per-graph arrays only, never the dataset."""
+(:func:`shard_dir`), skips the finished shards, computes the others as Ray tasks that write their
+shard themselves, and writes ``manifest.json`` last. The driver never holds the dataset."""
 from __future__ import annotations
 
 import hashlib

@@ -8,6 +8,7 @@ bytes, xxh3), ``store.json`` last, and ``fingerprint.json`` (:func:`raw_fingerpr
 right after it, as OGB's loader does. Sizes are checked at every open, checksums once per build."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -118,12 +119,10 @@ def raw_fingerprint(folder: Path, name: str) -> str:
         raise ValueError(f"{folder}: RELEASE_v1.txt missing, not a complete OGB dataset folder (delete it to rebuild)")
     signature = _signature(folder, name)
     cache = folder / STORE_DIR / FINGERPRINT_FILE
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         cached = json.loads(cache.read_text())
         if cached["dataset"] == name and cached["files"] == signature:
             return cached["fingerprint"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
     started = time.time_ns()
     digest = hashlib.sha256(name.encode())
     for rel in required_files(name):

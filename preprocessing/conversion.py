@@ -1,9 +1,6 @@
-"""OGB's raw layout into the columnar raw store (:mod:`preprocessing.columnar`), streaming.
-
-One pass per raw file in bounded memory: :data:`BLOCK_BYTES` at a time, parsed by Arrow's CSV
-reader, checked (:mod:`preprocessing.raw_checks`), written as record batches of :data:`BATCH_ROWS`
-rows under a temporary name, renamed, then its sidecar; ``store.json`` last. Every error is one line
-naming the file (and line, graph)."""
+"""OGB's raw layout into the columnar raw store (:mod:`preprocessing.columnar`), streaming: one pass
+per raw file in bounded memory, checked (:mod:`preprocessing.raw_checks`), written under a temporary
+name and renamed. Every error is one line naming the file (and line, graph)."""
 from __future__ import annotations
 
 import gzip

@@ -25,11 +25,10 @@ def writer_lock(path: Path, what: str) -> Iterator[None]:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
             print(f"satp: {what} is being written by {holder}: waiting for it to finish", file=sys.stderr, flush=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
-        try:  # who holds it, for the line of a waiting writer (a full disk may refuse it: the lock holds anyway)
+        # who holds it, for the line of a waiting writer (a full disk may refuse it: the lock holds anyway)
+        with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"satp (pid {os.getpid()} on {socket.gethostname()})\n".encode(), 0)
-        except OSError:
-            pass
         yield
     finally:
         os.close(fd)

@@ -1,10 +1,8 @@
 """Python source -> ogbg-code2 raw layout (``satp data pycode --out ROOT [--source DIR ...]``).
 
-Every function definition of the files (:mod:`preprocessing.source_files`) becomes one graph
-(:mod:`preprocessing.python_graphs`). Node types and attributes are indexed by their frequency in
-the train split (at most 98 and 10030 with the special entries, the real dataset's sizes); the
-split is by project, ~80/10/10. Deterministic whatever the number of parsing processes; memory is
-bounded (parsers write compact per-chunk arrays to temporary files, streamed twice). See ``docs/data.md``."""
+Every function definition of the files becomes one graph (:mod:`preprocessing.python_graphs`); node
+types and attributes are indexed by frequency in the train split, split by project (~80/10/10).
+Deterministic whatever the number of parsing processes, in bounded memory. See ``docs/data.md``."""
 from __future__ import annotations
 
 import ast

@@ -1,10 +1,7 @@
-"""PATTERN and CLUSTER regenerated offline by the SBM recipe of Dwivedi et al.
-
-``satp data sbm-pattern --out ROOT [--seed S] [--graphs N] [--force]`` (and ``sbm-cluster``).
-Source: Dwivedi et al., "Benchmarking Graph Neural Networks" (JMLR 2023, arXiv:2003.00982), the
-notebooks ``data/SBMs/generate_SBM_{PATTERN,CLUSTER}.ipynb`` with the parameters that generated
-the released files, re-implemented (vectorised numpy, own random stream): the graphs follow the
-benchmark's distribution, they are not the released graphs.
+"""PATTERN and CLUSTER regenerated offline by the SBM recipe of Dwivedi et al., "Benchmarking Graph
+Neural Networks" (JMLR 2023, arXiv:2003.00982): ``satp data sbm-pattern --out ROOT [--seed S]
+[--graphs N] [--force]`` (and ``sbm-cluster``). The notebooks' parameters, re-implemented with numpy:
+the graphs follow the benchmark's distribution, they are not the released graphs.
 
 - PATTERN (2 classes): 100 pattern instances (``n0 ~ U{5..34}`` nodes, Erdos-Renyi p = 0.5, node
   attributes ``U{0,1,2}``); a graph is an SBM of 5 communities of sizes ``U{5..34}`` (p = 0.5,
@@ -13,9 +10,8 @@ benchmark's distribution, they are not the released graphs.
 - CLUSTER (6 classes): an SBM of 6 communities (p = 0.55, q = 0.25), shuffled; one random node
   per community gets input ``1 + label``, the others 0. 10,000 / 1,000 / 1,000 graphs.
 
-Edge statistics count both directions, as the table of Chen et al. (ICML 2022) does. Layout: OGB-like
-gzip CSVs (``raw/edge.csv.gz`` one line per undirected edge, ``u < v``), built under a temporary
-name (:mod:`preprocessing.ogb_layout`); the same ``(name, graphs, seed)`` gives byte-identical files."""
+Layout: OGB-like gzip CSVs (:mod:`preprocessing.ogb_layout`); the same ``(name, graphs, seed)`` gives
+byte-identical files."""
 from __future__ import annotations
 
 import functools

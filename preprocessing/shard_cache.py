@@ -1,13 +1,9 @@
 """The shards a node reads from an object store, cached on its local disk, bounded.
 
-``<storage.cache_dir>/<sha256>.arrow`` (named by content), ``.<sha256>.lock`` (shared while mapped,
-exclusive while downloading), ``.<sha256>.arrow.tmp-<id>`` (a download in progress). A download is
-one streamed GET on S3 (some servers read the whole object for each ranged GET), :data:`PIECE`-byte
-reads elsewhere; hashed as it comes, renamed once its size and sha256 match; a mismatch or missing
-object is fetched once more, then refused in one line. The cache holds at most
-``storage.cache_max_gb`` (default :data:`FREE_SHARE` of the disk's free space, at most
-:data:`DEFAULT_CAP_GB`); room is made by evicting the least recently used shards no reader maps, so
-a split larger than the cache streams through it."""
+``<storage.cache_dir>/<sha256>.arrow`` (named by content), locked shared while mapped and exclusive
+while downloading; a download is renamed into place once its size and sha256 match. The cache holds
+at most ``storage.cache_max_gb``; the least recently used shards no reader maps are evicted, so a
+split larger than the cache streams through it."""
 from __future__ import annotations
 
 import concurrent.futures

@@ -1,9 +1,5 @@
 """Where a shard directory lives, a folder or a prefix on an object store (``shards.root`` a URI),
-behind one set of operations, so that the build and the readers run the same code on both.
-
-``writer``/``write``: in a folder a temporary file, fsync, rename; on a store one upload, visible
-only once complete. ``digest_matches``: a file's sha256; on a store True (the reader checks it).
-``lock()``: ``flock`` beside the folder; for a store on this machine."""
+behind one set of operations, so that the build and the readers run the same code on both."""
 from __future__ import annotations
 
 import contextlib
@@ -19,13 +15,14 @@ from preprocessing.write_errors import write_error
 from runtime.storage import Location, StorageSettings, is_uri, resolve, storage_error, validate
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path) -> str:
     return digest_file(path, hashlib.sha256())
 
 
-def digest_file(path: Path, digest) -> str:
-    """``digest`` (a hashlib-style object: ``update``, ``hexdigest``) of a file's bytes, read in 4 MiB chunks."""
-    with open(path, "rb") as fh:
+def digest_file(path, digest) -> str:
+    """``digest`` (a hashlib-style object: ``update``, ``hexdigest``) of a file's bytes, read in 4 MiB
+    chunks: a path, or a binary stream (closed after)."""
+    with (open(path, "rb") if isinstance(path, (str, os.PathLike)) else path) as fh:
         while chunk := fh.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()

@@ -1,11 +1,8 @@
 """A synthetic ogbg-ppa in OGB's raw layout (``satp data synthetic-ppa --out ROOT [--graphs N] [--workers N]``).
 
-Shaped like the real dataset (~243 nodes, average degree ~18, 7 float edge features in [0, 1],
-37 classes, split by species): each graph is a degree-corrected SBM whose class sets its number of
-blocks, share of within-block edges, degree heterogeneity and edge-feature prototype. Groups of ~10
-graphs ("species") go whole to train/valid/test (~60/20/20). Graphs are made in blocks of
-:data:`BLOCK_GRAPHS`, each with its own random stream and gzip member; the bytes depend on
-``(graphs, seed)`` only."""
+Shaped like the real dataset (~243 nodes, average degree ~18, 7 float edge features, 37 classes,
+split by species): each graph a degree-corrected SBM whose class sets its structure and edge
+features. The bytes depend on ``(graphs, seed)`` only."""
 from __future__ import annotations
 
 import sys

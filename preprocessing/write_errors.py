@@ -14,6 +14,11 @@ def _arrow_errno(exc: OSError) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def error_number(exc: OSError) -> int | None:
+    """The error number of ``exc``; pyarrow's file systems may carry it in the message only."""
+    return _arrow_errno(exc) or exc.errno
+
+
 def os_reason(exc: OSError) -> str:
     """``No space left on device`` of an OSError, also of pyarrow's (``Error writing bytes to file.
     Detail: [errno 28] ...``, without ``errno`` set)."""
@@ -26,7 +31,7 @@ def os_reason(exc: OSError) -> str:
 def write_error(path, exc: OSError, kept: str) -> OSError:
     """The one-line ``OSError`` of a write of ``path`` that failed with ``exc`` (``kept``: what stays,
     e.g. ``the shards finished before it are kept``), with its errno."""
-    number = _arrow_errno(exc) or exc.errno
+    number = error_number(exc)
     if number in FULL:
         error = OSError(f"{path}: could not write it ({os.strerror(number)}); {kept}: free space there and run the "
                         "same command again")

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 from runtime.fork_server import forked_for
 from runtime.local_cluster import LOOPBACK_ENV, ClusterRecord
+
+
+def warn(line: str) -> None:
+    """One ``satp: warning:`` line on standard error."""
+    print(f"satp: warning: {line}", file=sys.stderr, flush=True)
 
 
 def command_pid() -> int:

@@ -1,13 +1,10 @@
 """One process per CPU-only satp cluster that imported the heavy stack once, and forks on request.
 
-The server (``python -m runtime.fork_server --serve SOCKET``, started by :mod:`runtime.local_cluster`)
-imports :data:`MODULES` once, then forks per request on its Unix socket a Ray worker (the job's
-``py_executable``: :func:`executable`) or a ``satp train`` command (:func:`run_command`), with the
-client's argv, environment, folder, import path and standard streams; the client waits, forwarding
-signals, and exits with its status (should it die first, the process is killed). Ray and satp's own
-packages are never imported ahead, and a client whose interpreter or whose values of the variables
-the imports read differ is refused. The socket is 0600 in the cluster's 0700
-folder; both ends check the peer's user id (``SO_PEERCRED``). Standard library only at import.
+The server (started by :mod:`runtime.local_cluster`) imports :data:`MODULES` once, then forks per
+request on its Unix socket a Ray worker (:func:`executable`) or a ``satp train`` command
+(:func:`run_command`) with the client's argv, environment, folder and standard streams. A client
+whose interpreter or imported settings differ is refused; the socket is 0600 in the cluster's 0700
+folder and both ends check the peer's user id. Standard library only at import.
 """
 from __future__ import annotations
 
@@ -315,7 +312,7 @@ def _runner(conn: socket.socket, mine: dict) -> Optional[dict]:
 def _report(conn: socket.socket, pid: int) -> None:
     """Tell the client ``pid``, then how it ended; kill it should the client go first."""
     status = None
-    try:
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client died before it read the reply
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         ended = os.pidfd_open(pid)
         while status is None:
@@ -324,8 +321,6 @@ def _report(conn: socket.socket, pid: int) -> None:
                 _, status = os.waitpid(pid, 0)
             elif not conn.recv(1):
                 break
-    except (BrokenPipeError, ConnectionResetError):  # the client died before it read the reply
-        pass
     if status is None:  # the client is gone: so is what it asked for
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)

@@ -1,11 +1,8 @@
 """Ctrl-C and SIGTERM in satp's commands: an exception that unwinds, so the command can say what
 it kept and shut Ray down, instead of dying where the signal landed.
 
-Every place that starts or joins Ray calls :func:`install` after it (Ray installs exiting handlers).
-The CLI turns :class:`Interrupted` into one line and status 130 / 143 of the first signal. Clean-up
-runs under :func:`deferred`, where a signal waits for the end of the block, then :func:`ending`
-ignores signals until exit. An :class:`Interrupted` a finalizer dropped arrives again
-(:data:`sys.unraisablehook`).
+Every place that starts or joins Ray calls :func:`install` after it (Ray installs exiting handlers);
+clean-up runs under :func:`deferred`, where a signal waits for the end of the block.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """``satp cluster``: one local Ray cluster that outlives commands, private to its user, on loopback.
 
-``satp cluster start`` starts a head node (``ray start --head``) and, on a CPU-only machine, a fork
-server (:mod:`runtime.fork_server`); every satp command without ``--address`` that runs the same
-Python environment then uses it (:func:`for_command`). Private: everything lies in a 0700 folder
-(:func:`check_private`), the record ``$SATP_HOME/cluster.json`` is 0600, Ray's token authentication
-is on. On loopback: every port on 127.0.0.1 (:data:`LOOPBACK_ENV`); ``host``: the head of a cluster
-other nodes join (docs/security.md). ``satp cluster stop`` stops exactly this cluster's processes.
+``satp cluster start`` starts a head node and, on a CPU-only machine, a fork server
+(:mod:`runtime.fork_server`); every satp command without ``--address`` in the same Python environment
+then uses it (:func:`for_command`). Everything lies in a 0700 folder (:func:`check_private`), Ray's
+token authentication is on, every port on 127.0.0.1 (docs/security.md).
 """
 from __future__ import annotations
 
@@ -354,10 +352,8 @@ def _signal_and_wait(procs: list, sig: int, timeout_s: float) -> list:
 
     procs = [p for p in procs if not _ended(p)]
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
     signalled, deadline = procs, time.monotonic() + timeout_s
     while procs and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -1,12 +1,8 @@
-"""Connecting to Ray: the satp cluster, a named cluster (fast failure when it does not answer), or a
-new local one.
-
-:func:`connect`: an address (``--address`` or ``$RAY_ADDRESS``) is probed first
-(:func:`runtime.ray_address.probe`); without one, the satp cluster of this machine when one runs
-(:mod:`runtime.local_cluster`), else :func:`init_local_ray` starts a new local cluster
-(``address="local"``: plain ``ray.init()`` may attach to someone else's). Every process of a job runs
-:data:`SETUP_HOOK` first. The local cluster's processes get a private ``TMPDIR``, removed at exit;
-one left by a command killed with SIGKILL is removed by the next (:func:`sweep_orphans`).
+"""Connecting to Ray (:func:`connect`): an address (``--address`` or ``$RAY_ADDRESS``) probed first,
+failing fast when it does not answer; without one, the satp cluster of this machine when one runs,
+else a new local one (``address="local"``: plain ``ray.init()`` may attach to someone else's). The
+local cluster's processes get a private ``TMPDIR``, removed at exit or by the next command
+(:func:`sweep_orphans`).
 """
 from __future__ import annotations
 
@@ -20,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from runtime import fork_server, local_cluster
+from runtime.command import warn
 from runtime.ports import free_ports
 from runtime.ray_address import probe, resolve_address
 
@@ -119,8 +116,7 @@ def _connect(address: Optional[str], env_vars: Optional[dict], log_to_driver: bo
         if record is not None and not record.named_by(target.split("://")[-1]):
             record = None
     else:
-        record = local_cluster.for_command(warn=lambda line: print(f"satp: warning: {line}", file=sys.stderr,
-                                                                   flush=True))
+        record = local_cluster.for_command(warn=warn)
         target = record.address if record is not None else None
     if target:
         log.info("connecting to the %s at %s", "satp cluster" if record is not None else "Ray cluster", target)

@@ -1,9 +1,9 @@
 """Ray Train's console noise kept off the console, in the worker processes of satp's clusters.
 
-:func:`quiet_ray_train_noise` (the job's ``worker_process_setup_hook``) lowers Ray Train's "safe to
-ignore" ``GetTimeoutError`` tracebacks to DEBUG, drops the placement-group cleaner's every-second
-warning, and marks satp's own log records in an actor with :data:`MARK`. :class:`RetryNotice` says
-in one line what was lost when Ray Train restarts the worker group, and where the run went on from.
+:func:`quiet_ray_train_noise` (the job's ``worker_process_setup_hook``, and run by a process that
+imports this module ahead) lowers Ray Train's "safe to ignore" ``GetTimeoutError`` tracebacks to
+DEBUG, drops the placement-group cleaner's every-second warning, and marks satp's own log records in
+an actor with :data:`MARK`. :class:`RetryNotice` says in one line what a worker-group restart lost.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """Where data live: a plain path or a URI of an object store or any other file system, resolved into
 a ``pyarrow.fs`` file system and a path inside it.
 
-Schemes: ``s3://bucket/prefix`` (also MinIO or moto at ``endpoint_url``); ``file:///path``; any other
-scheme ``pyarrow.fs`` knows (``gs://``, ``hdfs://``); else a protocol fsspec knows. Anything else is
-refused in one line (``s3:/bucket``, a URI that lost a slash, is never a local folder). The job's
-``storage`` settings override the standard variables; credentials come from the standard chain
-only (:func:`forwarded_env`). A bucket is never created. Faults (:func:`storage_error`) are one
-line naming the URI, what failed and what to do; :func:`check` is the pre-flight.
+Schemes: ``s3://`` (also MinIO at ``endpoint_url``), ``file://``, any other scheme ``pyarrow.fs``
+or fsspec knows; anything else is refused in one line. Credentials come from the standard chain only
+(:func:`forwarded_env`); a bucket is never created. Faults (:func:`storage_error`) are one line.
 """
 from __future__ import annotations
 

@@ -217,7 +217,8 @@ def test_compare_table_and_plot(tmp_path):
     trials.append(TrialSummary("t9", {"variant": "sat", "train.seed": 0}, "error", 0, None, None, None, {}, None))
     variants = [VariantSummary("gcn", {"model.architecture": "gnn"}, [0, 1], [0.69, 0.70], [0.7, 0.7], 1234, 30.0),
                 VariantSummary("sat", {}, [], [], [], None, None)]
-    outcome = CompareOutcome("c", "/tmp/c", "acc", 2, variants, trials, None, None, False, 1.0)
+    outcome = CompareOutcome(name="c", path="/tmp/c", metric="acc", epochs=2, variants=variants, trials=trials,
+                             parent_run_id=None, tracking_uri=None, resumed=False, seconds=1.0)
     table = format_table(outcome)
     assert "| gcn | model.architecture=\"gnn\" | 1,234 | 0.6950 ± 0.0071 |" in table
     assert "| sat | (the job) | - | - |" in table and "sat-seed0 (error)" in table

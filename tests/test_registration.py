@@ -1,7 +1,7 @@
 """One way to register a trained model: :func:`pipeline.registry.versions.register` and the default
 name it builds (:func:`~pipeline.registry.versions.default_model_name`), which training
-(``pipeline.train.mlflow_run.log_best_model``), sweeps (``pipeline.sweep.registration.register_best``) and
-a sweep's rerun (``pipeline.sweep.tune``) all use. The name ``sat-<task>`` was built in three places.
+and sweeps (both through ``pipeline.train.mlflow_run.register_weights``) and a sweep's rerun
+(``pipeline.sweep.tune``) all use. The name ``sat-<task>`` was built in three places.
 On a real SQLite MLflow store with a tiny untrained model, no Ray."""
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ def test_register_names_and_tags_the_version(tmp_path):
     tiny = tiny_model("pattern")
     client = MlflowClient(uri)
     for job, name, constant in ((unnamed, "sat-pattern", 0.25), (named, "mine", None)):
-        reg = register(tiny.model, job=job, task=tiny.task, model_config=tiny.config,
-                       best={"val": 0.5, "test": 0.375, "epoch": 3}, constant=constant, run_id=new_run(uri, exp_id),
-                       tracking_uri=uri, data_manifest_hash="abc", extra=tiny.extra, provenance=None)
+        state = {"best": {"val": 0.5, "test": 0.375, "epoch": 3}, "constant": constant}
+        reg = register(tiny.model, job=job, task=tiny.task, model_config=tiny.config, state=state,
+                       run_id=new_run(uri, exp_id), data_manifest_hash="abc", extra=tiny.extra)
         assert (reg["registered_model"], reg["registered_uri"]) == (name, f"models:/{name}/1"), reg
         tags = client.get_model_version(name, "1").tags
         metrics = {k: v for k, v in tags.items() if k.startswith("metric.")}

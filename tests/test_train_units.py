@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.train.batching import NodeBudgetSampler, pack, padding_stats, subset_indices
+from benchmarks.cpu.training import padding_stats
+from pipeline.train.batching import NodeBudgetSampler, pack, subset_indices
 from pipeline.train.engine import clips_outside_deepspeed, deepspeed_config, resolve_precision, warmup_cosine
 from pipeline.tasks import Code2Task, PPATask, best_constant_sequence, make_task, task_name_for
 from pipeline.config.train import TrainConfig
@@ -28,12 +29,14 @@ def test_pack_respects_budget_and_keeps_large_graphs():
     assert any(len(b) == 1 and s[b[0]] == 300 for b in batches)  # too large: alone, not dropped
 
 
-def test_train_sampler_equal_batches_per_rank_and_deterministic():
+def test_train_sampler_deals_every_batch_and_is_deterministic():
     s = sizes()
     ranks = [NodeBudgetSampler(s, 4000, rank=r, world_size=2, seed=3) for r in range(2)]
     for epoch in range(3):
         per_rank = [r.epoch_batches(epoch) for r in ranks]
-        assert len(per_rank[0]) == len(per_rank[1]) == len(ranks[0])
+        cut = ranks[0].global_batches(epoch)
+        assert [b.tolist() for b in per_rank[0]] == [b.tolist() for b in cut[0::2]]
+        assert [b.tolist() for b in per_rank[1]] == [b.tolist() for b in cut[1::2]]
         again = NodeBudgetSampler(s, 4000, rank=0, world_size=2, seed=3).epoch_batches(epoch)
         assert all(np.array_equal(a, b) for a, b in zip(again, per_rank[0]))
     first = np.concatenate(ranks[0].epoch_batches(0))

@@ -22,6 +22,23 @@ PACKAGES = ("asyncio", "multiprocessing", "email", "idlelib", "tkinter")
 EPOCHS = 2
 
 
+def padding_stats(batches: list[np.ndarray], sizes: np.ndarray) -> dict[str, float]:
+    """Share of padded node slots and of padded attention cells over ``batches``."""
+    slots = used_slots = cells = used_cells = 0
+    for b in batches:
+        s = sizes[b].astype(np.int64)
+        m = int(s.max())
+        slots += len(s) * m
+        used_slots += int(s.sum())
+        cells += len(s) * m * m
+        used_cells += int((s * s).sum())
+    return {
+        "node_padding": 1.0 - used_slots / max(slots, 1),
+        "attention_padding": 1.0 - used_cells / max(cells, 1),
+        "batches": float(len(batches)),
+    }
+
+
 def _job(base: Path, workers: int):
     import yaml
 
@@ -38,7 +55,7 @@ def _job(base: Path, workers: int):
 
 
 def _synthetic_padding(node_budget: int) -> dict:
-    from pipeline.train.batching import NodeBudgetSampler, padding_stats
+    from pipeline.train.batching import NodeBudgetSampler
 
     rng = np.random.default_rng(0)
     sizes = np.clip(rng.lognormal(np.log(125) - 0.75**2 / 2, 0.75, 20000), 10, 1000).astype(int)
@@ -50,7 +67,7 @@ def run() -> str:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import ray
 
-    from pipeline.train.batching import NodeBudgetSampler, padding_stats
+    from pipeline.train.batching import NodeBudgetSampler
     from pipeline.train.driver import prepare_data, train_job
     from pipeline.train.loader import open_split
 

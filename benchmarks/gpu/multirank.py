@@ -240,24 +240,18 @@ def rank_balance(sizes: np.ndarray, node_budget: int, world: int, epochs: int = 
     ``sum(n^2)``), averaged over the steps of ``epochs`` epochs. A synchronous step waits for its
     busiest rank, so ``mean(max/mean)`` is the time a step takes against perfectly balanced work
     where the step time is proportional to that measure."""
-    import functools
-
     from pipeline.train.batching import NodeBudgetSampler
+    from pipeline.train.global_batch import GlobalBatches
 
-    sampler = NodeBudgetSampler(sizes, node_budget, rank=0, world_size=world, seed=seed, bucket_size=bucket_size)
-    # every rank cuts the same global batches: cut them once per epoch, deal them as each rank would
-    sampler.global_batches = functools.lru_cache(maxsize=None)(sampler.global_batches)
+    sampler = NodeBudgetSampler(sizes, node_budget, seed=seed, bucket_size=bucket_size)
+    dealt = GlobalBatches(sampler, world)  # a step of one micro-batch per rank, as a run of ``world`` ranks deals them
     ratios: dict[str, list[float]] = {"graphs": [], "nodes": [], "attention": []}
     started = time.perf_counter()
     sampler.global_batches(epochs)  # an epoch's cut, timed (every rank makes it when its epoch starts)
     cut_s = time.perf_counter() - started
     for epoch in range(epochs):
-        per_rank = []
-        for r in range(world):
-            sampler.rank = r
-            per_rank.append(sampler.epoch_batches(epoch))
-        for step in range(len(per_rank[0])):
-            batches = [per_rank[r][step] for r in range(world)]
+        for step in range(dealt.steps_per_epoch):
+            batches = dealt.step(epoch, step)
             for key, work in (("graphs", [len(b) for b in batches]),
                               ("nodes", [int(sizes[b].sum()) for b in batches]),
                               ("attention", [int((sizes[b].astype(np.int64) ** 2).sum()) for b in batches])):

@@ -7,29 +7,23 @@ come back in well under a second; torch, Ray and MLflow load only in the command
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 
 
+#: the modules that register each area's subcommands (``register(sub)``), imported when the parser is built
+AREAS = ("data_commands", "train_commands", "sweep_commands", "registry_commands", "cluster_commands")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
     parser = argparse.ArgumentParser(prog="satp", description="Structure-Aware Transformer pipeline")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from pipeline.cli.data_commands import register as register_preprocessing
-
-    register_preprocessing(sub)
-    from pipeline.cli.train_commands import register as register_training
-
-    register_training(sub)
-    from pipeline.cli.sweep_commands import register as register_sweeps  # tune, compare
-
-    register_sweeps(sub)
-    from pipeline.cli.registry_commands import register as register_registry  # models, predict
-
-    register_registry(sub)
-    from pipeline.cli.cluster_commands import register as register_cluster  # cluster start / status / stop
-
-    register_cluster(sub)
+    for area in AREAS:
+        importlib.import_module(f"pipeline.cli.{area}").register(sub)
     return parser
 
 
@@ -70,6 +64,7 @@ def _on_fork_server(args: argparse.Namespace, argv: list[str]):
     if args.command != "train":
         return None
     from runtime import fork_server, local_cluster
+    from runtime.command import warn
 
     if fork_server.forked_for() is not None:
         return None
@@ -87,11 +82,7 @@ def _on_fork_server(args: argparse.Namespace, argv: list[str]):
     except ValueError as exc:
         print(f"satp: error: {exc}", file=sys.stderr)
         return 2
-    return fork_server.run_command(record.fork_socket, argv, _warn, defaults=record.worker_env)
-
-
-def _warn(line: str) -> None:
-    print(f"satp: warning: {line}", file=sys.stderr, flush=True)
+    return fork_server.run_command(record.fork_socket, argv, warn, defaults=record.worker_env)
 
 
 def _interrupted(exc: KeyboardInterrupt) -> int:
@@ -103,18 +94,14 @@ def _interrupted(exc: KeyboardInterrupt) -> int:
     ending()  # also drops what the training's handler kept alive (see runtime.interrupts)
     interrupted = as_interrupted(exc)
     if "runtime.ray_cluster" in sys.modules:  # a connection under way in a thread ends first
-        try:
+        with contextlib.suppress(BaseException):  # noqa: BLE001 - its error says nothing more than the interrupt
             sys.modules["runtime.ray_cluster"].wait_for_background_connect()
-        except BaseException:  # noqa: BLE001 - its error says nothing more than the interrupt
-            pass
     if "ray" in sys.modules:
         import ray
 
         if ray.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # the line still comes
                 ray.shutdown()
-            except Exception:  # the line still comes
-                pass
     kept = interrupted.kept or ("finished work is kept (shards and checkpoints are written whole or not "
                                 "at all): the same command continues from it")
     print(f"satp: interrupted ({interrupted.signal_name}): {kept}", file=sys.stderr, flush=True)

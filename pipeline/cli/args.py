@@ -1,4 +1,4 @@
-"""Arguments shared by the job commands (nothing heavy imported: ``satp --help`` comes back at once)."""
+"""Arguments and logging shared by the job commands (nothing heavy imported: ``satp --help`` comes back at once)."""
 from __future__ import annotations
 
 
@@ -11,3 +11,10 @@ def add_job_arguments(parser, example: str) -> None:
                         help="Ray cluster address, e.g. 10.0.0.5:6379 (default $RAY_ADDRESS, else a new local Ray)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in logs)")
 
+
+def log_to_stderr() -> None:
+    """satp's INFO log records on standard error, with their time and logger."""
+    import logging
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)

@@ -1,11 +1,9 @@
-"""``satp submit JOB.yaml``: ``satp train JOB.yaml`` as a Ray job (:class:`ray.job_submission.JobSubmissionClient`,
-whose CLI takes no job YAML), its logs streamed, its exit status the job's (:func:`exit_status`).
+"""``satp submit JOB.yaml``: ``satp train JOB.yaml`` as a Ray job (:class:`ray.job_submission.JobSubmissionClient`),
+its logs streamed, its exit status the job's (:func:`exit_status`).
 
-Before anything is uploaded it runs ``satp train``'s pre-flight (:func:`preflight`, :func:`check_cluster`)
-and sums what Ray would upload by its documented rules (``excludes``, ``.gitignore`` / ``.rayignore``:
-:class:`IgnoreRules`), refusing in one line what Ray's job server would refuse after zipping it
-(:func:`check_upload_size`). For a cluster on this machine the job's relative paths resolve against
-the local project directory (``SATP_WORKDIR``, :func:`enter_workdir`).
+Before anything is uploaded it runs ``satp train``'s pre-flight and sums what Ray would upload by its
+documented rules (:class:`IgnoreRules`), refusing in one line what Ray's job server would refuse
+after zipping it (:func:`check_upload_size`).
 """
 from __future__ import annotations
 

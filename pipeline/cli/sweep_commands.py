@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.args import add_job_arguments
+from pipeline.cli.args import add_job_arguments, log_to_stderr
 
 RESTART_HELP = ("start the {what} over (deletes its folder: Tune's state and its trials' Train runs; MLflow runs "
                 "and registered versions stay) when it ran another job; without it such a rerun stops before Ray starts")
@@ -30,9 +30,7 @@ def run_section_command(args: argparse.Namespace) -> int:
     returns an outcome, printed by that module's ``format_outcome`` after Ray has shut down, as the
     command's last output; a Tune stopped on Ctrl-C ends with status 130."""
     import importlib
-    import logging
     import signal
-    import sys
     from pathlib import Path
 
     from pipeline.config import load_job
@@ -45,7 +43,7 @@ def run_section_command(args: argparse.Namespace) -> int:
     if getattr(job, section) is None:
         raise ValueError(f"{job_path}: no {section}: section (see {args.example})")
     check_names(job)  # before the heavy imports: seconds
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    log_to_stderr()
     module_name, function = args.run.split(":")
     module = importlib.import_module(module_name)
     outcome = getattr(module, function)(job, address=args.address, restart=args.restart)

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 
-from pipeline.cli.args import add_job_arguments
+from pipeline.cli.args import add_job_arguments, log_to_stderr
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,10 +38,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job end to end, locally on CPU (offline Python-source dataset)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_demo)
-
-
-def _logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
 
 
 def summary(outcome) -> str:
@@ -108,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # --address, this machine for a local cluster): seconds; train_plan runs the rest of it
     early_checks([job], address=args.address)
     report = _divert_ray_output(job)
-    _logging()
+    log_to_stderr()
     resolved = resolve_job(job)
     # the run's lease, held to the end: a run another command holds is refused here, before Ray
     lease = RunLease(run_dir(resolved), resolved.train.run_name, storage=resolved.storage.settings()).acquire()
@@ -174,5 +168,5 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from pipeline.cli.demo import run_demo
 
-    _logging()
+    log_to_stderr()
     return run_demo(args.overrides)

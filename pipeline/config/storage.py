@@ -1,8 +1,6 @@
-"""The ``storage`` section of a job: how an object store is reached (``endpoint_url``, ``region``) and
-what a node caches of it (``cache_dir``, ``cache_max_gb``), when ``shards.root`` is a URI
-(:mod:`runtime.storage`; defaults in docs/nodes.md). Credentials never go in a job file: the standard
-variables and files supply them (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``~/.aws``, the instance's
-role; ``GOOGLE_APPLICATION_CREDENTIALS``).
+"""The ``storage`` section of a job: how an object store is reached and what a node caches of it,
+when ``shards.root`` is a URI (:mod:`runtime.storage`; docs/nodes.md). Credentials never go in a job
+file: the standard variables and files supply them.
 """
 from __future__ import annotations
 

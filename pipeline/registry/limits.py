@@ -6,6 +6,7 @@ at the deadline (checked between functions and batches)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 
@@ -86,3 +87,7 @@ class Budget:
         """Stop the request's work once its deadline passed."""
         if time.monotonic() > self.deadline:
             raise PastDeadline(f"the request ran past {self.limits.seconds:g} s ({TIMEOUT_SETTING}); its work stopped")
+
+
+#: no caps and no deadline (a library call's default; counting in it is harmless)
+UNLIMITED = Budget(Limits(math.inf, math.inf, math.inf, math.inf, math.inf))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pipeline.registry import json_graphs as jg
-from pipeline.registry.limits import Budget
+from pipeline.registry.limits import UNLIMITED, Budget
 
 BATCH_GRAPHS = 32
 #: nodes of one model batch (a larger graph goes alone): what a request's deadline waits for at most
@@ -100,15 +100,14 @@ class Predictor:
 
     # -- graphs -> predictions
     @torch.no_grad()
-    def predict_graphs(self, graphs: Sequence[Any], budget: Optional[Budget] = None) -> list:
+    def predict_graphs(self, graphs: Sequence[Any], budget: Budget = UNLIMITED) -> list:
         """Per-graph predictions for ``SATData`` graphs (node tasks: a list per graph); ``budget``: a served
         request's deadline, checked before each batch."""
         from torch_geometric.data import Batch
 
         out: list = []
         for chunk in _batches(list(graphs)):
-            if budget is not None:
-                budget.check_time()
+            budget.check_time()
             predictions = self.task.predict(self.model(Batch.from_data_list(chunk)))
             if self.task.node_level:  # one flat list over the batch's nodes -> one list per graph
                 ends = np.cumsum([g.num_nodes for g in chunk])
@@ -132,7 +131,7 @@ class Predictor:
             inputs = [inputs]
         return self.predict_graphs(inputs)
 
-    def predict_json(self, values: list[dict], where: str, budget: Optional[Budget] = None) -> list:
+    def predict_json(self, values: list[dict], where: str, budget: Budget) -> list:
         """Predictions for the pyfunc's JSON inputs: ``{"source": text}`` for code2, else JSON graphs.
         ``budget``: a served request's caps (checked on the whole request first) and deadline."""
         if self.task_name != "code2":
@@ -140,17 +139,14 @@ class Predictor:
         for i, value in enumerate(values):
             if not isinstance(value.get("source"), str):
                 raise ValueError(f"{where} {i}: a code2 model takes {{'source': Python source text}}")
-            if budget is not None:
-                budget.source(value["source"], f"{where} {i}")
+            budget.source(value["source"], f"{where} {i}")
         parsed = []
         for i, value in enumerate(values):
-            if budget is not None:
-                budget.check_time()
+            budget.check_time()
             parsed.append(self._functions(value["source"], f"<{where} {i}>"))
-        if budget is not None:
-            for i, functions in enumerate(parsed):
-                for fn, nodes in functions:
-                    budget.graph(nodes, f"{where} {i}: function {fn.name} (line {fn.lineno})")
+        for i, functions in enumerate(parsed):
+            for fn, nodes in functions:
+                budget.graph(nodes, f"{where} {i}: function {fn.name} (line {fn.lineno})")
         return [[dataclasses.asdict(p) for p in self._predict_functions(functions, budget)] for functions in parsed]
 
     # -- Python source (code2)
@@ -193,15 +189,14 @@ class Predictor:
         return [(node, 1 + sizes[id(node)]) for node in order if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
     def _function_graphs(self, functions: list[tuple[ast.AST, int]],
-                         budget: Optional[Budget] = None) -> list[tuple[str, int, list[str], Any]]:
+                         budget: Budget = UNLIMITED) -> list[tuple[str, int, list[str], Any]]:
         from preprocessing.python_graphs import code_to_raw_graph
 
         type2idx = {t: i for i, t in enumerate(self._spec["node_types"])}
         attr2idx = {a: i for i, a in enumerate(self._spec["node_attributes"])}
         raws = []
         for i, (fn, _) in enumerate(functions):
-            if budget is not None:
-                budget.check_time()
+            budget.check_time()
             raw = code_to_raw_graph(fn, type2idx, attr2idx)
             raw["graph_id"] = i
             raws.append(raw)
@@ -209,18 +204,18 @@ class Predictor:
         return [(fn.name, fn.lineno, list(raw["y_tokens"]), d) for (fn, _), raw, d in zip(functions, raws, data)]
 
     def _predict_functions(self, functions: list[tuple[ast.AST, int]],
-                           budget: Optional[Budget] = None) -> list[FunctionPrediction]:
+                           budget: Budget = UNLIMITED) -> list[FunctionPrediction]:
         items = self._function_graphs(functions, budget)
         preds = self.predict_graphs([d for *_, d in items], budget) if items else []
         return [FunctionPrediction(name, line, actual, list(p)) for (name, line, actual, _), p in zip(items, preds)]
 
-    def _featurise(self, raws: list[dict], task: str, budget: Optional[Budget] = None) -> list:
+    def _featurise(self, raws: list[dict], task: str, budget: Budget = UNLIMITED) -> list:
         """Raw graphs -> ``SATData`` by the path training data took (:func:`preprocessing.reader.featurise`)."""
         from preprocessing.reader import featurise
 
         if not raws:
             return []
-        return featurise(raws, task, self._transform(), self.vocab, None if budget is None else budget.check_time)
+        return featurise(raws, task, self._transform(), self.vocab, budget.check_time)
 
     # -- graph files and shards
     def graphs_from_file(self, path: str | Path, split: str = "test") -> tuple[list[Any], list[str]]:
@@ -247,16 +242,15 @@ class Predictor:
         ids = ds.graph_ids
         return [ds[i] for i in range(len(ds))], [f"{split}[{i}] graph {int(g)}" for i, g in enumerate(ids)]
 
-    def graphs_from_json(self, values: list, where: str, budget: Optional[Budget] = None) -> tuple[list[Any], list[str]]:
+    def graphs_from_json(self, values: list, where: str, budget: Budget = UNLIMITED) -> tuple[list[Any], list[str]]:
         """``(graphs, labels)`` of JSON graphs (:mod:`pipeline.registry.json_graphs`; ``where``: named in
         errors; undirected edges, listed once or both ways). ``budget``: every graph's ``num_nodes`` is
         checked against its caps before any graph is built."""
         self._require(JSON_TASKS, f"{where} (JSON graphs)")
         if not values:
             raise ValueError(f"{where}: no graphs (an empty list)")
-        if budget is not None:
-            for i, g in enumerate(values):
-                budget.graph(jg.num_nodes(g, f"{where}: graph {i}"), f"{where}: graph {i}")
+        for i, g in enumerate(values):
+            budget.graph(jg.num_nodes(g, f"{where}: graph {i}"), f"{where}: graph {i}")
         raws = []
         for i, g in enumerate(values):
             at = f"{where}: graph {i}"

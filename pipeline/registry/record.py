@@ -6,10 +6,11 @@ and parameters, logged before the files. :func:`record_problem` compares the fil
 loading refuses a version that differs, and ``satp models`` marks it."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Mapping, Optional
+
+from preprocessing.shard_places import sha256_file
 
 #: A version's two files (:mod:`pipeline.registry.model_format`).
 META_FILE = "satp_model.json"
@@ -28,17 +29,9 @@ _IDENTITY = (
 )
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def files_tag(paths: Mapping[str, Path]) -> str:
     """The :data:`FILES_TAG` value of the files about to be logged (``{file name: path}``)."""
-    return json.dumps({name: file_sha256(Path(path)) for name, path in sorted(paths.items())}, sort_keys=True)
+    return json.dumps({name: sha256_file(Path(path)) for name, path in sorted(paths.items())}, sort_keys=True)
 
 
 def metric_tag(value: float) -> str:
@@ -140,7 +133,7 @@ def record_problem(version, meta: Mapping[str, Any], files: Path, logged=None) -
         return f"the {FILES_TAG} record of version {number} is damaged"
     for name, digest in sorted(digests.items()):
         path = files / name
-        actual = file_sha256(path) if path.is_file() else "missing"
+        actual = sha256_file(path) if path.is_file() else "missing"
         if actual != digest:
             differs.append(f"{name} sha256 {_short(actual)} (recorded {_short(digest)})")
     differs += _metric_tags(tags, meta.get("metrics") or {})

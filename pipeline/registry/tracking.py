@@ -1,8 +1,9 @@
 """MLflow tracking: one MLflow run per training run, keyed by the tag ``satp.run_key`` (storage path +
 run name), so that a resumed or retried run logs into the same one (:func:`open_run`); a run started
-over gets a new one, the old one detached (:func:`retire_run`)."""
+over gets a new one, the old one detached (:func:`retire`)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -151,15 +152,8 @@ def open_run(tracking_uri: str, experiment: str, run_key: str, run_name: str, pa
     if found is not None:
         _note_changed_params(mlflow_client, found, params, config_text)
     else:
-        _log_job(mlflow_client, run_id, config_text)
+        mlflow_client.log_text(run_id, config_text, "job.yaml")
     return run_id
-
-
-def _log_job(mlflow_client, run_id: str, config_text: str) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "job.yaml"
-        path.write_text(config_text)
-        mlflow_client.log_artifact(run_id, str(path))
 
 
 def _note_changed_params(mlflow_client, run, params: dict, config_text: str) -> None:
@@ -171,11 +165,7 @@ def _note_changed_params(mlflow_client, run, params: dict, config_text: str) -> 
         return
     for key, value in changed.items():
         mlflow_client.set_tag(run.info.run_id, f"satp.param.{key}", f"{value} (was {logged[key]})"[:500])
-    _log_job(mlflow_client, run.info.run_id, config_text)
-
-
-def close_run(tracking_uri: str, run_id: str, status: str) -> None:
-    client(tracking_uri).set_terminated(run_id, status=status)
+    mlflow_client.log_text(run.info.run_id, config_text, "job.yaml")
 
 
 def find_training_run(tracking_uri: str, experiment: str, run_key: str):
@@ -183,11 +173,6 @@ def find_training_run(tracking_uri: str, experiment: str, run_key: str):
     mlflow_client = client(tracking_uri)
     exp = mlflow_client.get_experiment_by_name(experiment)
     return find_run(mlflow_client, exp.experiment_id, {RUN_KEY_TAG: run_key}) if exp is not None else None
-
-
-def retire_run(tracking_uri: str, run_id: str, run_key: str, why: str) -> None:
-    """Detach a training run's MLflow run from its run key (:func:`retire`)."""
-    retire(client(tracking_uri), run_id, RUN_KEY_TAG, run_key, why)
 
 
 def retire(mlflow_client, run_id: str, key_tag: str, key: str, why: str) -> None:
@@ -280,10 +265,8 @@ class RankZeroLogger:
 
     def close(self) -> None:
         if self.monitor is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.monitor.finish()
-            except Exception:
-                pass
             self.monitor = None
 
 

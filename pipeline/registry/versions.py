@@ -1,8 +1,6 @@
 """Logging a trained model to MLflow, registering it once, and loading it back (:func:`load_model`:
-weights and ``satp_model.json`` only, :mod:`pipeline.registry.model_format`). A version is registered
-only for weights that no version of the same run holds; of two commands registering the same weights
-at once the later deletes its copy. What a version records (configuration, data hash, commit) is what
-the weights' checkpoint recorded (``provenance``)."""
+weights and ``satp_model.json`` only). A version is registered only for weights that no version of
+the same run holds; what it records is what the weights' checkpoint recorded (``provenance``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -47,19 +45,19 @@ def default_model_name(job, task_name: str) -> str:
     return job.mlflow.registered_model or f"sat-{task_name}"
 
 
-def register(model: torch.nn.Module, *, job, task: Task, model_config: SATConfig, best: Mapping[str, Any],
-             constant: Optional[float], run_id: str, tracking_uri: str, data_manifest_hash: str,
-             extra: dict[str, Any], provenance: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """Register the best epoch's ``model`` of run ``run_id`` (a training run or a sweep's best trial) as a
-    version of :func:`default_model_name`, tagged with the best epoch's metrics; the alias is :func:`promote`'s."""
-    metric = task.metric
+def register(model: torch.nn.Module, *, job, task: Task, model_config: SATConfig, state: Mapping[str, Any],
+             run_id: str, data_manifest_hash: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """Register the best epoch's ``model`` of run ``run_id`` (a training run or a sweep's best trial;
+    ``state``: its checkpoint's) as a version of :func:`default_model_name`, tagged with the best
+    epoch's metrics and the checkpoint's provenance; the alias is :func:`promote`'s."""
+    best, metric = state["best"], task.metric
     metrics = {f"best_val_{metric}": best["val"], f"best_test_{metric}": best["test"], "best_epoch": best["epoch"],
-               f"constant_{metric}": constant}
+               f"constant_{metric}": state.get("constant")}
     return log_and_register(model, task=task, model_config=model_config, vocab=getattr(task, "vocab", None),
-                            run_id=run_id, tracking_uri=tracking_uri, registered_model=default_model_name(job, task.name),
-                            data_manifest_hash=data_manifest_hash,
+                            run_id=run_id, tracking_uri=job.mlflow.tracking_uri,
+                            registered_model=default_model_name(job, task.name), data_manifest_hash=data_manifest_hash,
                             metrics={k: v for k, v in metrics.items() if v is not None}, extra=extra,
-                            provenance=provenance)
+                            provenance=state.get("provenance"))
 
 
 def log_and_register(model: torch.nn.Module, *, task: Task, model_config: SATConfig, vocab: Optional[list[str]],

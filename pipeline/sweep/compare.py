@@ -1,14 +1,9 @@
 """Variants of a job compared at equal budget over seeds (``satp compare JOB.yaml``), on Ray Tune + MLflow.
 
-:func:`run_compare` runs the job's ``compare:`` section (:mod:`pipeline.config.compare`) on the driver
-of :mod:`pipeline.sweep.runner`: a Tune grid over variant x seed, each trial a full Ray Train run of the
-job with the variant's keys (:meth:`pipeline.sweep.trials.SweepContext.settings`) and ``train.seed``
-set, all to the last epoch (no scheduler). The default name ends in the hash of job, variants and
-seeds, so a rerun of the same configuration resumes.
-
-A trial's result is its test metric at its best validation epoch; per variant, the mean and the
-sample standard deviation (``ddof=1``) over seeds go to the parent run as ``<variant>.test_<metric>_mean``
-and ``_std``, with ``compare.md`` (the printed table), ``plots/compare.png`` and ``trials.json``.
+:func:`run_compare` runs a Tune grid over variant x seed, each trial a full Ray Train run to the last
+epoch. A trial's result is its test metric at its best validation epoch; per variant, the mean and the
+sample standard deviation over seeds go to the parent run, with ``compare.md``, ``plots/compare.png``
+and ``trials.json``. The default name ends in a hash of job, variants and seeds: a rerun resumes.
 """
 from __future__ import annotations
 
@@ -27,7 +22,7 @@ from pipeline.config.names import check_names
 from pipeline.console import plural
 from pipeline.registry import tracking
 from pipeline.sweep.runner import run_trials
-from pipeline.sweep.summary import TrialSummary
+from pipeline.sweep.summary import TrialsOutcome, TrialSummary
 from pipeline.sweep.space import apply_config, base_job_dict, resolve_paths, task_metric, validate_raw, variant_key
 from pipeline.sweep.trials import VARIANT
 
@@ -74,19 +69,10 @@ class VariantSummary:
         return self._mean_std(self.val)
 
 
-@dataclasses.dataclass
-class CompareOutcome:
-    name: str
-    path: str  # the Tune experiment directory
-    metric: str  # the task metric (acc, f1)
+@dataclasses.dataclass(kw_only=True)
+class CompareOutcome(TrialsOutcome):  # metric: the task metric (acc, f1)
     epochs: int
     variants: list[VariantSummary]
-    trials: list[TrialSummary]
-    parent_run_id: Optional[str]
-    tracking_uri: Optional[str]
-    resumed: bool
-    seconds: float
-    interrupted: bool = False
 
 
 def summarize_variants(job: JobConfig, trials: list[TrialSummary], parameters: dict[str, Optional[int]]) -> list[VariantSummary]:
@@ -193,11 +179,9 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
     from pipeline.train.plan import resolve_job
 
     start = time.time()
-    if job.compare is None:
-        raise ValueError(f"job {job.name!r} has no compare: section")
+    jobs = variant_jobs(job)  # a job without a compare: section stops here
     cmp = job.compare
     _, m, mode = task_metric(job)
-    jobs = variant_jobs(job)
     job = resolve_job(job)
     base = resolve_paths(base_job_dict(job))
     base["mlflow"]["enabled"] = False
@@ -223,8 +207,7 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
         outcome = CompareOutcome(name=name, path=run.path, metric=m, epochs=job.train.epochs,
                                  variants=summarize_variants(job, trials, parameters), trials=trials,
                                  parent_run_id=parent_id, tracking_uri=run.tracking_uri, resumed=run.resumed,
-                                 seconds=time.time() - start,
-                                 interrupted=run.interrupted)
+                                 seconds=time.time() - start, interrupted=run.interrupted)
 
         values: dict[str, float] = {}
         for v in outcome.variants:
@@ -234,14 +217,12 @@ def run_compare(job: JobConfig, *, address: Optional[str] = None, verbose: int =
         tracking.log_metrics(client, parent_id, values, step=0)
         table = format_table(outcome)
         with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "compare.md").write_text(f"# {name}\n\n{table}\n")
-            client.log_artifact(parent_id, str(Path(tmp) / "compare.md"))
+            client.log_text(parent_id, f"# {name}\n\n{table}\n", "compare.md")
             png = Path(tmp) / "compare.png"
             plot_compare(outcome, png)
             client.log_artifact(parent_id, str(png), artifact_path="plots")
             rows = [dataclasses.asdict(t) for t in trials]
-            (Path(tmp) / "trials.json").write_text(json.dumps(rows, indent=1, default=str))
-            client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
+            client.log_text(parent_id, json.dumps(rows, indent=1, default=str), "trials.json")
         if not outcome.interrupted:
             failed = all(t.status != "finished" for t in trials)
             client.set_terminated(parent_id, status="FAILED" if failed else "FINISHED")

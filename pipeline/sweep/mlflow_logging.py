@@ -3,6 +3,7 @@
 trial reported just before an interruption, caught up from its checkpoint."""
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -67,19 +68,13 @@ class SweepLogger(Callback):
         self.sweep_key = sweep_key
         self.ctx = ctx
         self._runs: dict[str, str] = {}
-        self._client = None
 
     def __getstate__(self):  # Tune pickles its callbacks with the experiment state
-        state = self.__dict__.copy()
-        state["_client"] = None
-        state["_runs"] = {}
-        return state
+        return {**{k: v for k, v in self.__dict__.items() if k != "client"}, "_runs": {}}
 
-    @property
+    @functools.cached_property
     def client(self):
-        if self._client is None:
-            self._client = tracking.client(self.tracking_uri)
-        return self._client
+        return tracking.client(self.tracking_uri)
 
     def run_id(self, trial) -> str:
         tid = trial.trial_id

@@ -1,10 +1,8 @@
 """What a sweep or comparison ran, recorded in its folder, so that its reruns behave like a run's.
 
-Tune restores a sweep as it first ran (space, scheduler, finished trials): a job changed meanwhile
-would reach only the unfinished trials. So the sweep records its job as resolved, with its section
-(:func:`recorded_job`, ``satp-sweep.json``), and a rerun of another job is refused before Ray starts
-(:func:`check_rerun`) unless ``--restart`` empties the folder first (:func:`start`; the old MLflow
-runs and registered versions stay). Not recorded: what names the folder and what each trial sets itself.
+Tune restores a sweep as it first ran: a job changed meanwhile would reach only the unfinished
+trials. So the sweep records its job (``satp-sweep.json``), and a rerun of another job is refused
+before Ray starts (:func:`check_rerun`) unless ``--restart`` empties the folder first.
 """
 from __future__ import annotations
 

@@ -19,15 +19,10 @@ def register_best(job: JobConfig, best: TrialSummary, ctx: SweepContext, *, task
                   tracking_uri: str, parent_run_id: str) -> dict[str, Any]:
     """Log the best trial's best-epoch model into its child run, register it, and move the
     champion alias to it if it beats the current champion's validation metric."""
-    import torch
-
     from pipeline.train import checkpoint as ckpt
-    from pipeline.registry.predict import input_spec
-    from pipeline.registry.versions import register
     from pipeline.tasks import make_task
     from pipeline.train.loader import open_split
-    from pipeline.train.engine import build_model
-    from sat.config import SATConfig
+    from pipeline.train.mlflow_run import register_weights
 
     if not best.checkpoint_path:
         raise RuntimeError(f"trial {best.trial_id} reported no checkpoint")
@@ -36,23 +31,15 @@ def register_best(job: JobConfig, best: TrialSummary, ctx: SweepContext, *, task
     state, weights = checkpoints.load(name)
     if weights is None:
         raise RuntimeError(f"{best.checkpoint_path}: no best weights in the trial's checkpoint")
-    config = SATConfig.from_dict(state["model_config"])
-    model = build_model(config)
-    model.load_state_dict(weights)
-    model.eval()
     shard_dir, sweep_name = ctx.shard_dirs[variant_key(best.config, ctx.data_keys)], ctx.name
     extra = {"run_name": f"{sweep_name}-{best.trial_id}",
              "job": trial_job(ctx, best.config, best.trial_id).model_dump(mode="json"),
-             "sweep": {"name": sweep_name, "trial_id": best.trial_id, "parent_run_id": parent_run_id},
-             **input_spec(shard_dir, storage)}
+             "sweep": {"name": sweep_name, "trial_id": best.trial_id, "parent_run_id": parent_run_id}}
     train = open_split(shard_dir, "train", storage)
-    vocab, manifest_hash = train.vocab, (train.manifest or {}).get("config_hash", "")
     task_state = dict(state["task"])
-    task = make_task(task_state.pop("name"), vocab=vocab, **task_state)
-    with torch.no_grad():
-        reg = register(model, job=job, task=task, model_config=config, best=state["best"],
-                       constant=state.get("constant"), run_id=best.run_id, tracking_uri=tracking_uri,
-                       data_manifest_hash=manifest_hash, extra=extra, provenance=state.get("provenance"))
+    task = make_task(task_state.pop("name"), vocab=train.vocab, **task_state)
+    reg, _ = register_weights(job, task, state, weights, run_id=best.run_id, shard_dir=shard_dir,
+                              manifest_hash=(train.manifest or {}).get("config_hash", ""), extra=extra)
     name = reg["registered_model"]
     client = tracking.client(tracking_uri)
     client.set_model_version_tag(name, str(reg["version"]), "satp.sweep", sweep_name)

@@ -67,7 +67,7 @@ def run_trials(job: JobConfig, section: str, name: str, base: dict, jobs: Mappin
     import preprocessing
     from pipeline.registry.addresses import check_reachable
     from pipeline.train.plan import store_env
-    from pipeline.train.preflight import preflight
+    from pipeline.train.preflight import connect_and_check, early_checks
     from preprocessing.config import config_hash
     from runtime.storage import absolute, ray_storage
 
@@ -83,9 +83,10 @@ def run_trials(job: JobConfig, section: str, name: str, base: dict, jobs: Mappin
         tracking_uri = job.mlflow.tracking_uri
         check_reachable(tracking_uri)  # fail fast, before any preprocessing or trial
         listed = list(jobs.values()) if isinstance(jobs, Mapping) else list(jobs)
-        preflight(jobs, address=address, num_workers=max(j.resources.max_workers for j in listed),
-                  extra_cpus=cfg.trial_cpus,
-                  ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0", **store_env(job)})
+        trial = {"num_workers": max(j.resources.max_workers for j in listed), "extra_cpus": cfg.trial_cpus}
+        early_checks(jobs, address=address, **trial)
+        connect_and_check(jobs, address=address, ray_env={"OUTDATED_IGNORE": "1", "RAY_USAGE_STATS_ENABLED": "0",
+                                                           **store_env(job)}, **trial)
 
         built: dict[str, str] = {}  # every distinct preprocessing once, here: the trials only read shards
         shard_dirs: dict[str, str] = {}

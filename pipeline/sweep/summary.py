@@ -43,20 +43,26 @@ class TrialSummary:
         return int(self.config.get("train.seed", 0))
 
 
-@dataclasses.dataclass
-class SweepOutcome:
+@dataclasses.dataclass(kw_only=True)
+class TrialsOutcome:
+    """What ``satp tune`` and ``satp compare`` return: the trials, and where they ran and were logged."""
+
     name: str
     path: str  # the Tune experiment directory
     metric: str
-    mode: str
     trials: list[TrialSummary]
-    best: Optional[TrialSummary]
     parent_run_id: Optional[str]
     tracking_uri: Optional[str]
-    registered: Optional[dict[str, Any]]  # registered_uri, version, champion (bool), reason
     resumed: bool
     seconds: float
     interrupted: bool = False
+
+
+@dataclasses.dataclass(kw_only=True)
+class SweepOutcome(TrialsOutcome):
+    mode: str
+    best: Optional[TrialSummary]
+    registered: Optional[dict[str, Any]]  # registered_uri, version, champion (bool), reason
 
     @property
     def early_stopped(self) -> list[TrialSummary]:

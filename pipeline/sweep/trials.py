@@ -161,10 +161,8 @@ def fit_trials(sweep_dir: str | Path, trainable, new_tuner, client, parent_id: s
         results = tuner.fit()
         release_after_sweep()
     except BaseException:
-        try:
+        with contextlib.suppress(Exception):
             client.set_terminated(parent_id, status="FAILED")
-        except Exception:
-            pass
         raise
     finally:
         tune_log.removeFilter(hint)

@@ -1,10 +1,8 @@
 """ASHA hyperparameter sweeps of a job (``satp tune JOB.yaml``), logged to MLflow.
 
-:func:`run_sweep` runs the job's ``tune:`` section (:mod:`pipeline.config.tune`) on the driver of
-:mod:`pipeline.sweep.runner`: every trial is a full Ray Train run reporting each epoch to Tune and
-ASHA. At the end the sweep's plot, table and metrics go to its parent run, and the best trial (by the
-sweep's metric, best epoch) is registered from its last checkpoint, into its child run; the
-``champion`` alias moves to it only if it beats the current champion's validation metric.
+:func:`run_sweep` runs the job's ``tune:`` section on the driver of :mod:`pipeline.sweep.runner`;
+at the end the best trial is registered from its checkpoint, and the ``champion`` alias moves to it
+only if it beats the current champion's validation metric.
 """
 from __future__ import annotations
 
@@ -88,8 +86,7 @@ def run_sweep(job: JobConfig, *, address: Optional[str] = None, verbose: int = 1
             plot_sweep(trials, val_metric, png, title=f"{name}: {val_metric} per trial ({plural(len(trials), 'trial')})")
             client.log_artifact(parent_id, str(png), artifact_path="plots")
             table = [{k: v for k, v in dataclasses.asdict(t).items() if k != "curves"} for t in trials]
-            (Path(tmp) / "trials.json").write_text(json.dumps(table, indent=1, default=str))
-            client.log_artifact(parent_id, str(Path(tmp) / "trials.json"))
+            client.log_text(parent_id, json.dumps(table, indent=1, default=str), "trials.json")
 
         summary = {"trials": len(trials), "trials_early_stopped": sum(t.status == "early_stopped" for t in trials),
                    "trials_failed": sum(t.status == "error" for t in trials)}

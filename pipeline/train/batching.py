@@ -1,15 +1,13 @@
-"""Batches built to a node budget with size bucketing, sharded over ranks.
+"""Batches built to a node budget with size bucketing.
 
 Dense attention pads every graph of a batch to its largest. Each epoch the split is shuffled with
-``seed + epoch``, cut into buckets of ``bucket_size`` graphs, each sorted by size and cut greedily
-into batches within the budget of padded node slots, and the batch order shuffled again; a graph
-over the budget gets a batch of its own. Training cuts :meth:`NodeBudgetSampler.global_batches` into
-steps (:mod:`pipeline.train.global_batch`); evaluation batches are cut from the split sorted by size
-and dealt round-robin, nothing dropped.
+``seed + epoch``, cut into buckets sorted by size and cut greedily into batches within the budget of
+padded node slots, and the batch order shuffled again; a graph over the budget gets a batch of its
+own. Evaluation batches are cut from the split sorted by size, nothing dropped.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -36,27 +34,11 @@ def pack(order: np.ndarray, sizes: np.ndarray, node_budget: int, max_graphs: Opt
     return batches
 
 
-def padding_stats(batches: Sequence[np.ndarray], sizes: np.ndarray) -> dict[str, float]:
-    """Share of padded node slots and of padded attention cells over ``batches``."""
-    slots = used_slots = cells = used_cells = 0
-    for b in batches:
-        s = sizes[b].astype(np.int64)
-        m = int(s.max())
-        slots += len(s) * m
-        used_slots += int(s.sum())
-        cells += len(s) * m * m
-        used_cells += int((s * s).sum())
-    return {
-        "node_padding": 1.0 - used_slots / max(slots, 1),
-        "attention_padding": 1.0 - used_cells / max(cells, 1),
-        "batches": float(len(batches)),
-    }
-
-
 class NodeBudgetSampler:
-    """Per-rank batch sampler: yields a batch's graph ids at a time (the sampler of a DataLoader with
-    ``batch_size=None`` over :class:`pipeline.train.loader.GraphBatches`). The batches of an epoch
-    are a pure function of ``(seed, epoch)``."""
+    """Node-budget batches of a split, and one rank's round-robin share of them (the sampler of a
+    DataLoader with ``batch_size=None`` over :class:`pipeline.train.loader.GraphBatches`). The batches
+    of an epoch are a pure function of ``(seed, epoch)``; training deals them by
+    :class:`pipeline.train.global_batch.GlobalBatches`."""
 
     def __init__(
         self,
@@ -80,16 +62,13 @@ class NodeBudgetSampler:
         self.shuffle, self.seed = shuffle, int(seed)
         self.bucket_size, self.max_graphs = int(bucket_size), max_graphs
         self.epoch = 0
-        self._per_rank: Optional[int] = None
-        if shuffle:
-            self._per_rank = max(1, len(self.global_batches(0)) // world_size)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
     def global_batches(self, epoch: int) -> list[np.ndarray]:
-        """Every rank's batches of ``epoch`` before they are dealt (training: before the count per rank
-        is evened out): what the fixed batch capacities are measured on (:mod:`pipeline.train.capacity`)."""
+        """Every rank's batches of ``epoch`` before they are dealt: what the fixed batch capacities are
+        measured on (:mod:`pipeline.train.capacity`)."""
         sizes = self.sizes
         if not self.shuffle:
             order = self.indices[np.argsort(sizes[self.indices], kind="stable")]
@@ -105,25 +84,14 @@ class NodeBudgetSampler:
 
     def epoch_batches(self, epoch: Optional[int] = None) -> list[np.ndarray]:
         """This rank's batches for ``epoch`` (default: the current one)."""
-        epoch = self.epoch if epoch is None else epoch
-        batches = self.global_batches(epoch)
-        if not self.shuffle:
-            return batches[self.rank :: self.world_size]
-        need = self._per_rank * self.world_size
-        if len(batches) < need:  # repeat a few (random, since shuffled) batches
-            reps = -(-need // len(batches))
-            batches = (batches * reps)[:need]
-        batches = batches[:need]
-        return batches[self.rank :: self.world_size]
+        return self.global_batches(self.epoch if epoch is None else epoch)[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[np.ndarray]:
         """This rank's batches of the current epoch: an array of graph ids each."""
         return iter(self.epoch_batches())
 
     def __len__(self) -> int:
-        if self.shuffle:
-            return int(self._per_rank)
-        return len(self.global_batches(0)[self.rank :: self.world_size])
+        return len(self.epoch_batches())
 
 
 def subset_indices(n: int, limit: Optional[int], seed: int) -> Optional[np.ndarray]:

@@ -2,9 +2,8 @@
 built for (``train.step``; :mod:`sat.padding`).
 
 Each capacity is the mean plus ``train.capacity_sigmas`` standard deviations of its quantity over
-the first epoch's batches, known before anything is decoded (NVIDIA's MLPerf GNN code: 5), at most
-its largest: a rare batch above runs eagerly instead of making every step pay for it. Nodes and
-subgraph entries get one more, for the padding row.
+the first epoch's batches (NVIDIA's MLPerf GNN code: 5), at most its largest: a rare batch above
+runs eagerly instead of making every step pay for it.
 """
 from __future__ import annotations
 

@@ -1,35 +1,24 @@
 """Checkpoints (at epoch ends, every ``train.checkpoint_every_steps`` steps, on a preemption notice):
-DeepSpeed engine state + the loop's state + the best weights.
-
-Each rank writes its part into a local folder (:func:`save`), then :meth:`CheckpointManager.write`
-copies it into the run's storage, where the parts make one directory::
-
-    ds/latest, ds/<tag>/...   DeepSpeed engine: module, optimizer (per ZeRO rank), lr scheduler
-    best_model.pt             rank 0: fp32 state dict of the best epoch by validation
-    state.json                rank 0: epoch, global step, position, wall-clock, best, history,
-                              MLflow run id, model config, task, world size, events, provenance
-    rank_<r>.json             every rank, written last: its files' sizes and sha256 digests
+DeepSpeed engine state (``ds/``), the best weights (``best_model.pt``), the loop's state
+(``state.json``) and every rank's file digests (``rank_<r>.json``, written last).
 
 :class:`CheckpointManager` is the one place that writes, verifies, lists, picks and prunes a run
-folder's checkpoints (a local folder or an object store alike); one is resumed from only when
-:meth:`~CheckpointManager.verify` finds it whole. The copy is satp's, not Ray Train's upload, so a
-full disk ends the run (:class:`StorageFull` on every rank, the partial checkpoint removed) instead
-of being retried ``max_failures`` times.
+folder's checkpoints; one is resumed from only when it verifies whole. The copy is satp's, not Ray
+Train's upload, so a full disk ends the run (:class:`StorageFull`) instead of being retried.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
-import hashlib
 import json
 import os
-import re
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from preprocessing.shard_places import sha256_file
+from preprocessing.write_errors import FULL, error_number
+from runtime import command
 from runtime.storage import Location, StorageSettings, resolve
 
 DS_DIR = "ds"
@@ -39,7 +28,6 @@ BEST_FILE = "best_model.pt"
 RANK_FILE = "rank_{rank}.json"
 PREFIX = "checkpoint_"
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's record of a run's checkpoints
-FULL = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota, is full
 CHUNK = 1 << 22
 
 
@@ -68,7 +56,7 @@ def save(directory: str | Path, engine, state: dict[str, Any], best_state_dict: 
         tmp.write_text(json.dumps(state, indent=1, default=_jsonable))
         os.replace(tmp, directory / STATE_FILE)
     # this rank's directory holds its files only (the ranks' parts meet in storage)
-    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(open(p, "rb"))}
+    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(directory.rglob("*")) if p.is_file()}
     (directory / RANK_FILE.format(rank=rank)).write_text(json.dumps({"files": files}))
     return directory
@@ -151,7 +139,7 @@ class CheckpointManager:
                 if after_file is not None:
                     after_file(copied)
         except OSError as exc:
-            problem = (_errno(exc), self.path(name, relative).rstrip("/"), exc.strerror or str(exc).splitlines()[0])
+            problem = (error_number(exc), self.path(name, relative).rstrip("/"), exc.strerror or str(exc).splitlines()[0])
         problems = [p for p in gather_objects(problem) if p is not None]
         if problems:
             if rank == 0:  # every rank has stopped writing (they all reached the gather)
@@ -250,8 +238,7 @@ class CheckpointManager:
                 epoch = self.progress(name)[0]
                 what = f"epoch {epoch}" if epoch >= 0 else "epoch unknown"
                 self.damaged[problem] = f"the checkpoint of {what} ({name})"
-                print(f"satp: warning: {problem}; checkpoint {name} ({what}) is damaged and not resumed from; "
-                      f"{instead}", file=sys.stderr, flush=True)
+                command.warn(f"{problem}; checkpoint {name} ({what}) is damaged and not resumed from; {instead}")
         return chosen
 
     def load(self, name: str) -> tuple[dict[str, Any], Optional[dict]]:
@@ -334,26 +321,9 @@ class CheckpointManager:
         if info.size != recorded["size"]:
             how = "cut short" if info.size < recorded["size"] else "grown"
             return f"{info.size} bytes where {recorded['size']} were written ({how})"
-        if "sha256" in recorded and _sha256(self.fs.open_input_stream(path)) != recorded["sha256"]:
+        if "sha256" in recorded and sha256_file(self.fs.open_input_stream(path)) != recorded["sha256"]:
             return "its content differs from what was written (sha256 mismatch: changed since)"
         return None
-
-
-def _sha256(stream) -> str:
-    """The sha256 digest of what ``stream`` holds (read in chunks, then closed)."""
-    digest = hashlib.sha256()
-    with stream:
-        while chunk := stream.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _errno(exc: OSError) -> Optional[int]:
-    """The error number of ``exc``; pyarrow's file systems may carry it in the message only."""
-    if exc.errno:
-        return exc.errno
-    found = re.search(r"errno (\d+)", str(exc), re.IGNORECASE)
-    return int(found.group(1)) if found else None
 
 
 def _jsonable(value: Any) -> Any:

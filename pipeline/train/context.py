@@ -5,7 +5,6 @@ process, no Ray: a gloo group of one for DeepSpeed, reports kept in :attr:`Local
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any, Optional
 
@@ -100,9 +99,9 @@ def _process_group_of_one() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
     if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        from runtime.ports import free_ports
+
+        os.environ["MASTER_PORT"] = str(free_ports(1)[0])
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)

@@ -1,17 +1,9 @@
 """Training and evaluation steps captured as CUDA graphs (``train.step: captured``).
 
-On a GPU a step of SAT costs what the host takes to launch its kernels. Over batches padded to fixed
-capacities (:mod:`sat.padding`) every kernel has the same shapes and input addresses, so the step is
-recorded once as a CUDA graph and replayed: one launch. Captured, per kind of batch: the training
-forward under the engine's autocast, the scaled loss and ``backward()`` (not DeepSpeed's wrappers,
-whose host code a replay would skip; the all-reduce and ``engine.step()`` run eagerly around it,
-:meth:`pipeline.train.step.TrainStep.finish`), and the evaluation forward.
-
-Each padded batch is copied into the captured batch's tensors before a replay; outputs and gradients
-are the graph's own tensors, overwritten by the next replay (several micro-batches' gradients are
-summed apart, and attached again after each step: DeepSpeed's zero_grad sets them to None). The
-capture follows :data:`WARMUP_STEPS` steps on a side stream, after which BatchNorm's statistics are
-restored. fp16 (a host-side loss scaler) and ZeRO stages above 0 (gradient hooks) are refused.
+On a GPU a step of SAT costs what the host takes to launch its kernels; over batches padded to fixed
+capacities (:mod:`sat.padding`) every kernel has the same shapes and addresses, so the step is
+recorded once and replayed: one launch. The all-reduce and ``engine.step()`` run eagerly around it
+(:meth:`pipeline.train.step.TrainStep.finish`). fp16 and ZeRO stages above 0 are refused.
 """
 from __future__ import annotations
 

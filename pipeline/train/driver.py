@@ -1,18 +1,9 @@
 """Distributed training, the driver side: :func:`train_plan` checks a job, builds and fits the trainer.
 
-:func:`train_job` (the demo, Tune trials, Python callers) resolves the job into a
-:class:`~pipeline.train.plan.JobPlan` and hands it to :func:`train_plan`, which ``satp train``
-calls with the plan it built. In order, each step before the costly ones: the run's lease
-(:mod:`pipeline.train.lease`); the plan's decision before the data (a conflict stops here, a
-finished run whose shards exist needs no Ray) and the tracking store
-(:func:`pipeline.train.mlflow_run.check_tracking_store`); Ray and its resources
-(:func:`pipeline.train.preflight.connect_and_check`); the data (:func:`prepare_data`,
-:meth:`~pipeline.train.plan.JobPlan.with_shards`); the decision on the shards (restart, resume or
-finished); the MLflow run, then Ray Train's ``TorchTrainer`` (:func:`worker_main`);
-only when the fit succeeded, the best model registered.
-
-A retry after a lost worker or node and a resize of an elastic run resume from the newest checkpoint
-in the same MLflow run; a full disk under ``train.storage_path`` ends the run (:func:`worker_main`).
+Each step runs before the costly ones: the run's lease, the plan's decision and the tracking store,
+Ray and its resources, the data, the MLflow run, then Ray Train's ``TorchTrainer``
+(:func:`worker_main`); only when the fit succeeded, the best model registered. A retry resumes
+from the newest checkpoint in the same MLflow run.
 """
 from __future__ import annotations
 
@@ -30,7 +21,7 @@ from pipeline.train import checkpoint as ckpt
 from pipeline.train import mlflow_run, rerun, startup
 from pipeline.train.plan import JobPlan, store_env
 from pipeline.train.worker_setup import WorkerSetup
-from runtime.command import command_pid
+from runtime.command import command_pid, warn
 
 log = logging.getLogger(__name__)
 
@@ -70,34 +61,17 @@ def prepare_data(job: JobConfig, address: Optional[str] = None) -> Path | str:
                                     storage=job.storage.settings())
 
 
-def train_job(
-    job: JobConfig,
-    *,
-    shard_dir: Optional[str | Path] = None,
-    address: Optional[str] = None,
-    register: bool = True,
-    callbacks: Optional[list] = None,
-    fault: Optional[dict] = None,
-    restart: bool = False,
-    started_at: Optional[float] = None,
-) -> TrainOutcome:
+def train_job(job: JobConfig, *, shard_dir: Optional[str | Path] = None, address: Optional[str] = None,
+              register: bool = True, callbacks: Optional[list] = None, fault: Optional[dict] = None,
+              restart: bool = False, started_at: Optional[float] = None) -> TrainOutcome:
     """Train ``job`` on Ray Train (+ DeepSpeed) and register the best model; return the outcome.
 
-    Args:
-        job: a validated job (:func:`pipeline.config.load_job`).
-        shard_dir: the preprocessed shards; default: run the job's preprocessing
-            (:func:`prepare_data`, which reuses finished shards).
-        address: Ray cluster address for ``ray.init`` when Ray is not initialised
-            (default: ``$RAY_ADDRESS``, else a new local cluster).
-        register: log and register the best model at the end (``mlflow.registered_model``,
-            default ``sat-<task>``). Never happens when the fit fails.
-        callbacks: Ray Train ``UserCallback``s (e.g. Tune's ``TuneReportCallback``).
-        fault: a test hook (:mod:`pipeline.train.faults`; default: the JSON in ``$SATP_TEST_FAULT``).
-        restart: start the run name over (its checkpoints deleted, its MLflow run detached from it).
-        started_at: wall-clock time the run's start-up counts from (default: when this process started).
-
-    A rerun of the same run name resumes from its last checkpoint in the same MLflow run if the
-    configuration is the same, else raises :class:`pipeline.train.rerun.RerunConflict`.
+    ``shard_dir``: the preprocessed shards (default: the job's preprocessing, :func:`prepare_data`);
+    ``address``: the Ray cluster (default ``$RAY_ADDRESS``, else a new local one); ``register``: the best
+    model, only when the fit succeeded; ``callbacks``: Ray Train ``UserCallback``s; ``fault``: a test hook
+    (:mod:`pipeline.train.faults`); ``restart``: start the run name over; ``started_at``: when the run's
+    start-up began (default: when this process started). A rerun of the same run name resumes, or
+    raises :class:`pipeline.train.rerun.RerunConflict` for another configuration.
     """
     from pipeline.train.lease import WAIT_S
     from pipeline.train.preflight import early_checks
@@ -196,8 +170,6 @@ def _train_under_lease(plan: JobPlan, *, shard_dir: Optional[str | Path], regist
 
 def _say_padding_cost(plan: JobPlan) -> None:
     """One warning line when ``train.step`` pads batches for CPU workers at a cost (:mod:`pipeline.train.step_cost`)."""
-    import sys
-
     from pipeline.train.loader import open_split
     from pipeline.train.step_cost import padding_cost
     from sat.config import SATConfig
@@ -205,7 +177,7 @@ def _say_padding_cost(plan: JobPlan) -> None:
     line = padding_cost(plan.job, SATConfig.from_dict(plan.setup.model_config),
                         open_split(plan.setup.shard_dir, "train", plan.job.storage.settings()))
     if line:
-        print(f"satp: warning: {line}", file=sys.stderr, flush=True)
+        warn(line)
 
 
 def _outcome(plan: JobPlan, state: dict, checkpoint_path: str, registered: Optional[dict], **extra) -> TrainOutcome:
@@ -269,7 +241,7 @@ def _already_finished(plan: JobPlan, decision, register: bool) -> TrainOutcome:
                 log.info("run %s finished before its model was registered: registering it now", job.train.run_name)
                 registered = mlflow_run.log_best_model(plan, state, best_weights)
         if plan.setup.run_id is not None and (found is None or found.info.status != "FINISHED"):
-            tracking.close_run(uri, plan.setup.run_id, "FINISHED")
+            client.set_terminated(plan.setup.run_id, status="FINISHED")
     log.info("run %s finished already (epoch %d, same configuration): nothing to train", job.train.run_name,
              previous.epoch)
     return _outcome(plan, state, previous.checkpoint, registered, trained=False)

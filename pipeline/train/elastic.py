@@ -1,11 +1,8 @@
 """What an elastic run records about its worker groups: progress notes, resize events, preemption.
 
 Ray Train resizes a run by starting a new worker group from the newest checkpoint, telling the old
-one nothing. So rank 0 of every group leaves a note on the run's storage (:class:`ProgressNote`), and
-rank 0 of the next reads it: the previous count, the steps trained again, the time without progress
-(:func:`resize_event`). A preemption notice (a node drained) reaches the workers through
-``ray.train.get_preemption_info()``, a collective asked every ``train.preemption_check_steps``
-steps (:class:`PreemptionCheck`); the workers checkpoint at once on the first.
+one nothing: so rank 0 of every group leaves a note (:class:`ProgressNote`) that the next reads
+(:func:`resize_event`). On a preemption notice (:class:`PreemptionCheck`) the workers checkpoint at once.
 """
 from __future__ import annotations
 

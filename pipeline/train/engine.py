@@ -1,13 +1,12 @@
 """The DeepSpeed engine of a worker: precision, ZeRO stage, clipping, AdamW and the schedule.
 
-``torch.optim.AdamW`` (fused on CUDA) and a ``LambdaLR`` of the paper's schedule (:func:`lr_schedule`)
-are passed to ``deepspeed.initialize``. Mixed precision is DeepSpeed's ``torch_autocast``: bf16 where
-supported, fp16 with a gradient scaler on GPUs without it, or fp32. At ZeRO stage 0 without the fp16
-scaler, gradients are clipped here with one foreach norm (:func:`optimizer_step`) and DeepSpeed's
-backward all-reduce is off: the step reduces once (:meth:`pipeline.train.step.TrainStep.finish`).
+Mixed precision is DeepSpeed's ``torch_autocast`` (bf16 where supported, else fp16 with a scaler, or
+fp32). At ZeRO stage 0 without the fp16 scaler, gradients are clipped here with one foreach norm
+(:func:`optimizer_step`) and the step reduces once (:meth:`pipeline.train.step.TrainStep.finish`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -118,12 +117,10 @@ def skip_deepspeed_jit_ops() -> None:
     does not JIT-compile it: it serves only DeepSpeed inference; training all-reduces go through gloo."""
     if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
         return
-    try:
+    with contextlib.suppress(ImportError, AttributeError, TypeError):
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    except (ImportError, AttributeError, TypeError):
-        pass
 
 
 def build_model(config) -> torch.nn.Module:

@@ -2,12 +2,11 @@
 epoch's metrics (step = epoch), and each step's loss and worker count (step = global step).
 
 Logged here, not by rank 0: a worker lost between its report and the registration re-runs the epoch,
-which MLflow would then hold twice. The controller calls this only for registered reports, so each
-epoch the run keeps is logged once; what a failed write misses, the next resume catches up
-(:meth:`pipeline.registry.tracking.RankZeroLogger.resume`).
+which MLflow would then hold twice.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Optional
 
@@ -24,16 +23,13 @@ class RegisteredEpochLogger(UserCallback):
 
     def __init__(self, tracking_uri: str, run_id: str, metric: str, target: Optional[dict[str, Any]] = None) -> None:
         self.tracking_uri, self.run_id, self.metric, self.target = tracking_uri, run_id, metric, target
-        self._client = None
 
     def __getstate__(self) -> dict:  # shipped to the controller actor; the client is made there
-        return {**self.__dict__, "_client": None}
+        return {k: v for k, v in self.__dict__.items() if k != "client"}
 
-    @property
+    @functools.cached_property
     def client(self):
-        if self._client is None:
-            self._client = tracking.client(self.tracking_uri)
-        return self._client
+        return tracking.client(self.tracking_uri)
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint: Optional[Any]) -> None:
         # imported here: the controller loads this class when it starts, and these modules bring torch

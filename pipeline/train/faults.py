@@ -1,8 +1,5 @@
 """Test hooks of a worker: faults at chosen moments of a real run (``$SATP_TEST_FAULT``, JSON, or
-``train_job(fault=...)``), each once per run (its ``marker`` file says it fired): :func:`maybe_fail`
-(the worker dies), :func:`maybe_signal` (the driver gets a signal after a checkpoint),
-:func:`pause_in_checkpoint` (a rank pauses half-way through copying its part of a checkpoint) and
-:func:`maybe_hold` (a group stops after a global step until Ray Train tears it down).
+``train_job(fault=...)``), each once per run (its ``marker`` file says it fired).
 """
 from __future__ import annotations
 

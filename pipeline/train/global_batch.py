@@ -1,11 +1,9 @@
 """The global batch: optimizer steps that are the same at any worker count.
 
 A step is ``train.micro_batches_per_step`` (k) micro-batches taken in order from one sequence per
-epoch (:meth:`~pipeline.train.batching.NodeBudgetSampler.global_batches`); an epoch is a fixed number
-of steps. Micro-batch ``j`` goes to rank ``j % W``, its loss scaled by ``W x units_j / units of the
-step``, so DeepSpeed's average over the ranks leaves the gradient of the mean loss over the step's
-units at every W (:meth:`GlobalBatches.scales`). The position ``(epoch, step)`` (:class:`Position`) is
-in every checkpoint: a run resumed at another worker count takes the same next global batch.
+epoch; micro-batch ``j`` goes to rank ``j % W``, its loss scaled so that DeepSpeed's average over the
+ranks is the mean loss over the step's units at every W (:meth:`GlobalBatches.scales`). A run resumed
+at another worker count takes the same next global batch (:class:`Position`).
 """
 from __future__ import annotations
 

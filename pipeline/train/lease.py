@@ -1,29 +1,21 @@
 """The run lease: one command at a time per run name (``train.storage_path`` + ``train.run_name``),
 and per sweep (``tune.storage_path`` + ``tune.name``: :mod:`pipeline.sweep.trials`).
 
-Every command holds a lease on its run before anything else, ``<run folder>/satp-lease.json``
-(host, pid, since when, last heartbeat); a second command stops before Ray starts, naming the
-holder. A file with a heartbeat, not ``flock``: the folder may be on storage several nodes mount
-(NFS), where advisory locks are unreliable, and a lock outlives a killed holder. The lease is
-created atomically (:mod:`pipeline.train.lease_records`), refreshed every :data:`HEARTBEAT_S`,
-expired when its holder is gone (on the same machine: its process no longer runs; from another:
-no heartbeat for :data:`EXPIRES_S`, clocks agreeing as NTP keeps them; unreadable: unmodified as
-long), taken over with one ``satp: warning:`` line only if still the record judged expired, and
-released when the command ends, however it ends.
-
-``satp train`` refuses at once; :func:`pipeline.train.driver.train_job` (Tune trials, the demo)
-waits up to :data:`WAIT_S`, so a trial retried on another node is not refused while its old
-heartbeat still looks fresh.
+``<run folder>/satp-lease.json`` with a heartbeat, not ``flock``: the folder may be on storage
+several nodes mount (NFS), where advisory locks are unreliable, and a lock outlives a killed holder.
+A lease expires when its holder is gone: on the same machine, its process no longer runs; from
+another, no heartbeat for :data:`EXPIRES_S` (unreadable: unmodified as long). ``satp train`` refuses
+at once; :func:`pipeline.train.driver.train_job` waits up to :data:`WAIT_S`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -31,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.train.lease_records import FileRecord, ObjectRecord, lease_error
-from runtime.command import command_pid
+from runtime.command import command_pid, warn
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +131,6 @@ def expiry(holder: Holder) -> Optional[str]:
     return None
 
 
-def _say(line: str) -> None:
-    print(f"satp: warning: {line}", file=sys.stderr, flush=True)
-
-
 def lease_record(run_dir: str | Path, storage=None):
     """The lease of ``run_dir``: a :class:`FileRecord`, or an :class:`ObjectRecord` of an ``s3://``
     URI (the pre-flight refuses other schemes: :func:`pipeline.train.preflight.check_run_store`)."""
@@ -220,7 +208,7 @@ class RunLease:
             return (f"{self.path}: {self.kind} {self.run_name!r} is held by {who}; {expires}: wait for it, or pick "
                     f"another {self.key}")
         if self.record.remove_if(seen):
-            _say(f"{self.path}: the lease of {self.kind} {self.run_name!r} held by {who} has expired ({why}): taken over")
+            warn(f"{self.path}: the lease of {self.kind} {self.run_name!r} held by {who} has expired ({why}): taken over")
         return None
 
     def _beat(self) -> None:
@@ -242,7 +230,7 @@ class RunLease:
             on_file = None
         if on_file is not None and on_file.token != self.holder.token:
             self.lost = f"it is now held by {on_file.describe()}"
-            _say(f"{self.path}: this command no longer holds the lease of {self.kind} {self.run_name!r} ({self.lost})")
+            warn(f"{self.path}: this command no longer holds the lease of {self.kind} {self.run_name!r} ({self.lost})")
             return False
         self.holder = dataclasses.replace(self.holder, heartbeat=time.time())
         try:
@@ -261,12 +249,11 @@ class RunLease:
             self._thread = None
         if self.holder is None:
             return
-        try:
+        # gone, or another holder's now, or the store does not answer (it expires)
+        with contextlib.suppress(OSError, ValueError):
             seen = self.record.read()
             if seen is not None and decode(seen.data).token == self.holder.token:
                 self.record.remove_if(seen)
-        except (OSError, ValueError):
-            pass  # gone, or another holder's now, or the store does not answer (it expires)
         self.holder = None
 
     def __enter__(self) -> "RunLease":

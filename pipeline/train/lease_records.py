@@ -3,6 +3,7 @@ object (:class:`ObjectRecord`), with the same operations, each atomic where two 
 ``create`` (only if none exists), ``read``, ``rewrite`` and ``remove_if`` (only if unchanged since read)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -10,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from pipeline.train.checkpoint import FULL
+from preprocessing.write_errors import FULL
 
 
 def lease_error(exc: OSError, path: Path, doing: str) -> OSError:
@@ -66,10 +67,8 @@ def _take_over(path: Path, seen: bytes) -> bool:
     try:
         if aside.read_bytes() == seen:
             return True
-        try:  # refreshed or taken meanwhile: what was renamed is a live lease, put it back
+        with contextlib.suppress(FileExistsError):  # refreshed or taken meanwhile: a live lease, put back
             os.link(aside, path)
-        except FileExistsError:
-            pass
         return False
     finally:
         aside.unlink(missing_ok=True)
@@ -79,11 +78,9 @@ def _sweep(path: Path, stale_after_s: float) -> None:
     """Remove what writers of the lease killed mid-write left beside it (a temporary record, a record
     renamed aside), once older than ``stale_after_s`` (the lease's expiry: no live writer keeps one that long)."""
     for left in path.parent.glob(f".{path.name}.*"):
-        try:
+        with contextlib.suppress(OSError):
             if time.time() - left.stat().st_mtime > stale_after_s:
                 left.unlink()
-        except OSError:
-            pass
 
 
 @dataclasses.dataclass(frozen=True)

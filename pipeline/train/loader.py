@@ -1,11 +1,8 @@
 """Data loading of a worker: shard splits, node-budget batches built on the CPU, device transfer.
 
-A DataLoader worker process builds a whole batch per call: :class:`GraphBatches` decodes and collates
-the sampler's graph ids at once (:meth:`preprocessing.reader.ShardDataset.batch`), and
-:class:`BatchCollator` checks the values (:func:`sat.validation.validate_batch`) and attaches the
-:class:`sat.layout.GraphLayout`, so the model reads nothing back from the accelerator; given a fixed
-capacity (:mod:`pipeline.train.capacity`) a batch that fits is padded to it. The batch travels as a
-:class:`PackedBatch` (one buffer, pinned by the loader's thread); :func:`to_device` copies it without blocking.
+A DataLoader worker builds, checks and lays out a whole batch per call (:class:`GraphBatches`,
+:class:`BatchCollator`), so the model reads nothing back from the accelerator; it travels as one
+pinned buffer (:class:`PackedBatch`) that :func:`to_device` copies without blocking.
 """
 from __future__ import annotations
 

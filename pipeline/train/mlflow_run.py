@@ -20,10 +20,10 @@ import torch
 
 from pipeline.registry import tracking
 from pipeline.registry.empty_store import database_path
-from pipeline.train.checkpoint import FULL
 from pipeline.train.loader import open_split
 from pipeline.train.plan import JobPlan
 from pipeline.train.engine import build_model
+from preprocessing.write_errors import FULL
 from sat.config import SATConfig
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def _unreadable(uri: str, exc: BaseException) -> str:
 def open_run(plan: JobPlan, action: str) -> tuple[JobPlan, Optional[str]]:
     """Open the run's MLflow run; return the plan with it (``plan.setup.run_id``) and its status
     before (None: new). A fresh start never logs into an MLflow run that holds another training's
-    history: it gets a new one (:func:`pipeline.registry.tracking.retire_run`)."""
+    history: it gets a new one (:func:`pipeline.registry.tracking.retire`)."""
     import yaml
 
     job, setup = plan.job, plan.setup
@@ -129,7 +129,7 @@ def open_run(plan: JobPlan, action: str) -> tuple[JobPlan, Optional[str]]:
                 action == "restart" or existing.data.metrics or existing.info.status == "FINISHED"):
             why = ("run started over (--restart)" if action == "restart"
                    else "its checkpoints were gone: the run name started over")
-            tracking.retire_run(uri, existing.info.run_id, plan.run_key, why)
+            tracking.retire(tracking.client(uri), existing.info.run_id, tracking.RUN_KEY_TAG, plan.run_key, why)
             existing = None
         config_text = yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False)
         params = dict(job.model_dump(mode="json"), model=setup.model_config, shard_dir=setup.shard_dir)
@@ -142,18 +142,17 @@ def close_failed(plan: JobPlan, previous_status: Optional[str], exc: BaseExcepti
     """A failed attempt marks its MLflow run FAILED, unless the run had FINISHED before: a failed
     continuation leaves it FINISHED (its registered versions are sound), with the failure tagged."""
     uri, run_id = plan.job.mlflow.tracking_uri, plan.setup.run_id
-    try:
+    with contextlib.suppress(Exception):  # the tracking store must not hide the training error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if isinstance(exc, KeyboardInterrupt):
             first = f"interrupted ({first or 'SIGINT'})"
         if previous_status == "FINISHED":
             client = tracking.client(uri)
             client.set_tag(run_id, LAST_ATTEMPT, f"failed {time.strftime('%Y-%m-%d %H:%M:%S')}: {first}"[:500])
-            tracking.close_run(uri, run_id, "FINISHED")
+            client.set_terminated(run_id, status="FINISHED")
         else:
-            tracking.close_run(uri, run_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
-    except Exception:  # the tracking store must not hide the training error
-        pass
+            status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+            tracking.client(uri).set_terminated(run_id, status=status)
 
 
 def close_finished(plan: JobPlan, state: dict) -> None:
@@ -167,33 +166,24 @@ def close_finished(plan: JobPlan, state: dict) -> None:
         client.set_tag(run_id, "satp.stopped", str(state["stopped"])[:500])
     if LAST_ATTEMPT in client.get_run(run_id).data.tags:
         client.set_tag(run_id, LAST_ATTEMPT, f"finished {time.strftime('%Y-%m-%d %H:%M:%S')} (epoch {state['epoch']})")
-    tracking.close_run(plan.job.mlflow.tracking_uri, run_id, "FINISHED")
+    client.set_terminated(run_id, status="FINISHED")
 
 
 def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
     """Log the best epoch's weights into the run, register them, and move the champion alias to
     them only if they beat its validation metric (the same rule as sweeps)."""
-    from pipeline.registry.predict import input_spec
-    from pipeline.registry.versions import default_model_name, register
+    from pipeline.registry.versions import default_model_name
 
-    job, setup, task = plan.job, plan.setup, plan.task
-    config = SATConfig.from_dict(setup.model_config)
-    model = build_model(config)
-    model.load_state_dict(best_weights)
-    model.eval()
+    job, setup = plan.job, plan.setup
     log.info("logging the best model (epoch %s) to MLflow and registering it as %s", state["best"]["epoch"],
-             default_model_name(job, task.name))
-    _log_attention_plot(plan, model)
+             default_model_name(job, plan.task.name))
     with writing(plan, f"registering the model of run {job.train.run_name!r}", "nothing was registered",
                  rerun="run the same command, which registers it then"):
-        registered = register(
-            model, job=job, task=task, model_config=config, best=state["best"], constant=state.get("constant"),
-            run_id=setup.run_id, tracking_uri=job.mlflow.tracking_uri, data_manifest_hash=plan.manifest.get("config_hash", ""),
-            # what prediction needs to featurise new inputs (transform, code2 node tables)
-            extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json"),
-                   **input_spec(setup.shard_dir, job.storage.settings())},
-            provenance=state.get("provenance") or setup.provenance,  # the configuration and code that trained them
-        )
+        registered, model = register_weights(  # the configuration and code that trained them: the checkpoint's
+            job, plan.task, {**state, "provenance": state.get("provenance") or setup.provenance}, best_weights,
+            run_id=setup.run_id, shard_dir=setup.shard_dir, manifest_hash=plan.manifest.get("config_hash", ""),
+            extra={"run_name": job.train.run_name, "job": job.model_dump(mode="json")})
+    _log_attention_plot(plan, model)
     name = registered["registered_model"]
     if registered.get("reason"):  # these weights of this run were registered before
         log.info("%s: %s", name, registered["reason"])
@@ -201,6 +191,24 @@ def log_best_model(plan: JobPlan, state: dict, best_weights: dict) -> dict:
         os.kill(os.getpid(), signal.SIGKILL)
     registered.update(promote_version(plan, state, name, registered["version"]))
     return registered
+
+
+def register_weights(job, task, state: dict, weights: dict, *, run_id: str, shard_dir: str, manifest_hash: str,
+                     extra: dict) -> tuple[dict, torch.nn.Module]:
+    """Register the best epoch's ``weights`` (``state``: their checkpoint's) of run ``run_id`` (a training
+    run, a sweep's best trial) with what prediction needs to featurise new inputs (the transform and
+    code2's node tables of ``shard_dir``); returns the registration and the model."""
+    from pipeline.registry.predict import input_spec
+    from pipeline.registry.versions import register
+
+    config = SATConfig.from_dict(state["model_config"])
+    model = build_model(config)
+    model.load_state_dict(weights)
+    model.eval()
+    registered = register(model, job=job, task=task, model_config=config, state=state, run_id=run_id,
+                          data_manifest_hash=manifest_hash,
+                          extra={**extra, **input_spec(shard_dir, job.storage.settings())})
+    return registered, model
 
 
 def promote_version(plan: JobPlan, state: dict, name: str, version: int) -> dict:
@@ -214,36 +222,24 @@ def promote_version(plan: JobPlan, state: dict, name: str, version: int) -> dict
 
 
 def _log_attention_plot(plan: JobPlan, model: torch.nn.Module) -> None:
-    """[CLS] attention over one test graph's nodes, when the model offers it (best effort)."""
-    if not hasattr(model, "cls_attention"):
+    """[CLS] attention over one test graph's nodes, when the model has a [CLS] readout (best effort)."""
+    if model.cls is None:
         return
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from torch_geometric.data import Batch
 
         test = open_split(plan.setup.shard_dir, "test", plan.job.storage.settings())
         sizes = np.asarray(test.num_nodes)
         index = int(np.argsort(sizes)[len(sizes) // 2])  # a median-size graph
-        from torch_geometric.data import Batch
-
-        batch = Batch.from_data_list([test[index]])
-        with torch.no_grad():
-            attn = model.cls_attention(batch)
-        if isinstance(attn, (list, tuple)):
-            attn = attn[-1]
-        weights = attn.detach().float().reshape(-1, attn.shape[-1]).mean(0).cpu().numpy() if attn.dim() > 1 else attn.numpy()
-        fig, ax = plt.subplots(figsize=(8, 3))
+        weights = model.cls_attention(Batch.from_data_list([test[index]]))[0].cpu().numpy()
+        fig, ax = tracking.subplots(figsize=(8, 3))
         ax.bar(np.arange(len(weights)), weights)
         ax.set_xlabel("node (DFS order)")
         ax.set_ylabel("[CLS] attention")
         ax.set_title(f"test graph {index} ({len(weights)} nodes)")
-        fig.tight_layout()
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "cls_attention.png"
-            fig.savefig(path, dpi=100)
+            tracking.save_figure(fig, path)
             tracking.client(plan.job.mlflow.tracking_uri).log_artifact(plan.setup.run_id, str(path), artifact_path="plots")
-        plt.close(fig)
     except Exception as exc:  # interpretability plot: never fail a run over it
         log.info("no [CLS] attention plot: %s", exc)

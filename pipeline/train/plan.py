@@ -1,14 +1,9 @@
 """A training job resolved once, at the edge: :class:`JobPlan`, which every later step reads.
 
-A plan is read-only: each stage makes the next plan from the one before (``dataclasses.replace``).
-:meth:`JobPlan.resolve` (no data, no Ray) fills the driver's defaults and the task;
-:meth:`JobPlan.examine` (under the run's lease) finds the run's newest intact checkpoint once;
-:meth:`JobPlan.with_shards` checks the shards, builds the model once and makes the workers'
-:class:`~pipeline.train.worker_setup.WorkerSetup`; :meth:`JobPlan.decision` is the one place that
-decides whether the run is finished, resumes (from which checkpoint) or starts.
-
-This module imports no more than the job's configuration: ``satp train`` reads a run's lease and
-checkpoints with it before its heavy imports.
+A plan is read-only: each stage makes the next one (``dataclasses.replace``); :meth:`JobPlan.decision`
+is the one place that decides whether the run is finished, resumes or starts. This module imports
+no more than the job's configuration: ``satp train`` reads a run's lease and checkpoints with it
+before its heavy imports.
 """
 from __future__ import annotations
 

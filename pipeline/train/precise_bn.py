@@ -17,6 +17,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipeline.train.batching import NodeBudgetSampler, split_sampler
+from pipeline.train.global_batch import GlobalBatches
 
 PRECISE_BN_SEED_OFFSET = 104729  # the statistics batches' seed: train.seed + this
 
@@ -27,20 +28,21 @@ def batchnorm_layers(module: torch.nn.Module) -> list[_BatchNorm]:
 
 
 class StatisticsBatches:
-    """The sampler of the batches that :func:`recompute_batchnorm_stats` runs: the first ``count``
-    batches of ``sampler``'s epoch (shuffled, with a seed of its own): fresh ones every epoch."""
+    """The sampler of the batches that :func:`recompute_batchnorm_stats` runs: this rank's micro-batch of
+    each of the first ``count`` global steps of ``sampler``'s epoch (shuffled, with a seed of its own),
+    so every rank runs as many: fresh ones every epoch."""
 
-    def __init__(self, sampler: NodeBudgetSampler, count: int) -> None:
-        self.sampler, self.count = sampler, int(count)
+    def __init__(self, sampler: NodeBudgetSampler, count: int, rank: int = 0, world: int = 1) -> None:
+        self.steps, self.count, self.rank, self.epoch = GlobalBatches(sampler, world), int(count), rank, 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+        self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        return iter(self.sampler.epoch_batches()[: self.count])
+        return iter([self.steps.step(self.epoch, s)[self.rank] for s in range(len(self))])
 
     def __len__(self) -> int:
-        return min(self.count, len(self.sampler))
+        return min(self.count, self.steps.steps_per_epoch)
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,5 @@ def _average_over_ranks(layers: list[_BatchNorm]) -> None:
 def statistics_batches(job, dataset, rank: int = 0, world: int = 1) -> StatisticsBatches:
     """The training batches over which BatchNorm's statistics are recomputed before an evaluation
     (``train.precise_bn_batches`` of them, shuffled with a seed apart from the training order's)."""
-    sampler = split_sampler(job, dataset, shuffle=True, rank=rank, world=world,
-                            seed=job.train.seed + PRECISE_BN_SEED_OFFSET)
-    return StatisticsBatches(sampler, job.train.precise_bn_batches)
+    sampler = split_sampler(job, dataset, shuffle=True, seed=job.train.seed + PRECISE_BN_SEED_OFFSET)
+    return StatisticsBatches(sampler, job.train.precise_bn_batches, rank, world)

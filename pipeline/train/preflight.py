@@ -1,16 +1,13 @@
 """Pre-flight: what a job can get wrong that the driver can see, checked before Ray starts (a
 mistake found later costs Ray's start, preprocessing, an MLflow run and every worker's retries).
 
-1. :func:`check_config`: the job alone; 2. :func:`check_data_root` and :func:`check_output_dirs`:
-the dataset complete and in range, or buildable, the output directories writable; 3. the Ray
-address answers. Steps 1-3 are :func:`early_checks`, which ``satp train`` runs before it imports
-torch and Ray. 4. A training run's rerun decision (:meth:`pipeline.train.plan.JobPlan.decision`).
-5. :func:`connect_and_check`: Ray connected, then :func:`check_resources`: the alive nodes hold the
-job's workers, counted per node (``resources.wait_for_nodes: true`` skips it). Then
-:meth:`~pipeline.train.plan.JobPlan.with_shards` checks the model against the real shards.
+:func:`early_checks` (the job alone, its data and output folders, the Ray address) runs before
+torch and Ray are imported; :func:`connect_and_check` then checks the alive nodes against the
+job's workers (:func:`check_resources`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -44,7 +41,7 @@ def feature_problem(model, subgraphs: bool, rwpe: int, lap_pe: int, where: str) 
 
 
 def check_config(job) -> None:
-    """Step 1 (see the module docstring); raises ``ValueError`` with one line."""
+    """The job alone: its names, model and settings; raises ``ValueError`` with one line."""
     from pipeline.config.names import check_names
 
     check_names(job)  # run name, MLflow names: before anything is written under them
@@ -144,10 +141,8 @@ def check_writable_dir(key: str, path: str | Path, default: str = "") -> None:
         raise ValueError(f"{where} {what} (mkdir {exc.filename or path}: {exc.strerror or exc})") from None
     finally:
         for directory in reversed(made):
-            try:
+            with contextlib.suppress(OSError):
                 directory.rmdir()
-            except OSError:
-                pass
 
 
 def _ogb_url(name: str) -> Optional[str]:
@@ -188,7 +183,7 @@ def _probe_download(url: str) -> Optional[str]:
 
 
 def check_data_root(data) -> None:
-    """Step 2 (see the module docstring); raises ``ValueError`` naming ``data.root``."""
+    """The dataset complete and in range, or buildable; raises ``ValueError`` naming ``data.root``."""
     from preprocessing.ogb_layout import OGB_DIR
 
     root = Path(data.root).expanduser()
@@ -272,8 +267,9 @@ def local_node(count_gpus: bool = True) -> dict:
 
 def check_resources(job, num_workers: Optional[int] = None, extra_cpus: float = 0.0,
                     address: Optional[str] = None, nodes: Optional[list[dict]] = None) -> None:
-    """Step 5 (see the module docstring): raises ``ValueError`` with the numbers. ``nodes``:
-    ``ray.nodes()`` entries (default: the connected cluster's)."""
+    """The alive nodes hold the job's workers, counted per node (``resources.wait_for_nodes: true``
+    skips it): raises ``ValueError`` with the numbers. ``nodes``: ``ray.nodes()`` entries (default:
+    the connected cluster's)."""
     res = job.resources
     if res.wait_for_nodes:
         return
@@ -313,13 +309,15 @@ def _say_if_waiting(workers: int, need: dict[str, float], extra_cpus: float, add
         return
     import ray
 
+    from runtime.command import warn
+
     free = ray.available_resources()
     short = {k: workers * v + (extra_cpus if k == "CPU" else 0.0) for k, v in need.items()
              if free.get(k, 0.0) + 1e-9 < workers * v + (extra_cpus if k == "CPU" else 0.0)}
     if short:
         held = ", ".join(f"{free.get(k, 0.0):g} of the {k} free, {v:g} needed" for k, v in short.items())
-        print(f"satp: warning: the Ray cluster{f' at {address}' if address else ''} is busy with other runs "
-              f"({held}): this run waits until they end", file=sys.stderr, flush=True)
+        warn(f"the Ray cluster{f' at {address}' if address else ''} is busy with other runs ({held}): this run "
+             "waits until they end")
 
 
 # ----------------------------------------------------------------------------- the one entry point
@@ -329,7 +327,7 @@ def _ray_connected() -> bool:
 
 
 def check_output_dirs(job) -> None:
-    """Step 2 for what a run reads and writes: ``shards.root``, ``train.storage_path`` and
+    """The folders a run reads and writes, writable: ``shards.root``, ``train.storage_path`` and
     ``tune.storage_path`` (:func:`check_run_store` where a URI)."""
     from pipeline.config.train import runs_dir
     from runtime.storage import is_uri
@@ -370,7 +368,7 @@ def check_run_store(key: str, uri: str, storage=None) -> None:
 
 def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None,
                  num_workers: Optional[int] = None, extra_cpus: float = 0.0) -> None:
-    """Steps 1-3 of :func:`preflight`, and, when a new local cluster would start, this machine's
+    """The checks before Ray (the module docstring), and, when a new local cluster would start, this machine's
     resources: nothing here starts or imports Ray, and only GPU jobs import torch.
 
     ``jobs``: a list, or a mapping from a name to the job: a problem of one job then starts with its name."""
@@ -401,19 +399,10 @@ def early_checks(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] =
         check_resources(jobs[0], num_workers=num_workers, extra_cpus=extra_cpus, nodes=[node])
 
 
-def preflight(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None, num_workers: Optional[int] = None,
-              extra_cpus: float = 0.0, ray_env: Optional[dict] = None) -> None:
-    """Check ``jobs`` (every variant of a sweep, optionally by name: see :func:`early_checks`) and
-    connect to Ray. ``num_workers`` / ``extra_cpus``: what a sweep's trial needs beyond the job's own
-    request; ``ray_env``: environment variables of a new Ray connection."""
-    early_checks(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus)
-    connect_and_check(jobs, address=address, num_workers=num_workers, extra_cpus=extra_cpus, ray_env=ray_env)
-
-
 def connect_and_check(jobs: Iterable | Mapping[str, Any], *, address: Optional[str] = None,
                       num_workers: Optional[int] = None, extra_cpus: float = 0.0,
                       ray_env: Optional[dict] = None) -> None:
-    """Step 5: connect to Ray (the satp cluster, or a new local one without an address), then check
+    """Connect to Ray (the satp cluster, or a new local one without an address), then check
     its resources against the first job's request."""
     from runtime.ray_cluster import connect, resolve_address
 

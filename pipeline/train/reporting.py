@@ -1,9 +1,7 @@
 """A worker's checkpoints and reports to Ray Train, and the per-step losses they carry.
 
-A checkpoint is a collective of every rank at the same global step: ``engine.save_checkpoint``,
-satp's copy into the run's storage (:meth:`pipeline.train.checkpoint.CheckpointManager.write`) and
-the context's report, which carries every step's loss since the previous one (summed over the ranks
-in one all-reduce) for Ray Train's controller to log (:mod:`pipeline.train.epoch_logger`).
+A checkpoint is a collective of every rank at the same global step; the report carries every step's
+loss since the previous one for Ray Train's controller to log (:mod:`pipeline.train.epoch_logger`).
 """
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
 """Reruns: what a run name already holds, and what this job may do with it.
 
-Ray Train resumes from the last checkpoint under a run name whenever it is fitted again: right for
-an interrupted run, wrong for a finished one or one of another configuration (weights of another
-shape, or registered under a configuration that did not train them). So the plan's decision
-(:meth:`pipeline.train.plan.JobPlan.decision`) reads the run's newest intact checkpoint
-(:func:`previous_run`) and compares a hash of everything that shapes the weights
-(:func:`weights_config`, recorded in every checkpoint's provenance): the same configuration
-resumes, or is ``finished`` after ``train.epochs`` (its model reported, registered if it was not);
-another is a :class:`RerunConflict` (one line naming what differs; a new ``train.run_name`` or
-``--restart`` goes on); no checkpoint is ``fresh``.
+Ray Train resumes from the last checkpoint under a run name whenever it is fitted again: wrong for a
+finished run or one of another configuration. So the plan's decision reads the run's newest intact
+checkpoint (:func:`previous_run`) and compares a hash of everything that shapes the weights
+(:func:`weights_config`): the same configuration resumes (or is ``finished``), another is a
+:class:`RerunConflict`, no checkpoint is ``fresh``.
 
 In the hash: the model section, the task, the ``train`` section but :data:`RESUMABLE_TRAIN_KEYS`,
-and the shards' config hash and source fingerprint; not the ``resources`` (the global batch does not
-depend on the worker count, :mod:`pipeline.train.global_batch`) nor ``mlflow`` sections. The
-provenance also lists the git commits that trained the run, which a registered version records.
+and the shards' config hash and source fingerprint; not the ``resources`` nor ``mlflow`` sections.
+The provenance also lists the git commits that trained the run, which a registered version records.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Where the time from ``satp train`` to the first training step goes.
-
-A run's start-up is a chain of wall-clock events in the driver and the rank-0 worker; the durations
-between consecutive ones are the phases of :data:`PHASES`, which the worker logs in one line and
-reports with its first epoch (``startup_<phase>_s``). The nodes' clocks are assumed to agree (NTP).
+"""Where the time from ``satp train`` to the first training step goes: wall-clock events in the
+driver and the rank-0 worker, whose differences are the phases of :data:`PHASES`, logged and reported
+with the first epoch (``startup_<phase>_s``).
 """
 from __future__ import annotations
 

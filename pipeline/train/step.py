@@ -1,15 +1,11 @@
 """One optimisation step of a worker, and evaluation over a split: nothing read back to the host.
 
-:meth:`TrainStep.accumulate` runs a micro-batch's forward (``validate=False``: the loader checked it),
-its loss scaled for the global batch (:mod:`pipeline.train.global_batch`) and DeepSpeed's backward;
 :meth:`TrainStep.finish` reduces the gradients over the ranks (at ZeRO stage 0 one explicit
-all-reduce; stages 1 and 2 in DeepSpeed's accumulation) and steps the optimizer.
-
-``train.step``: ``eager`` (batches as cut); ``static`` (padded to fixed capacities,
-:mod:`pipeline.train.capacity`); ``compiled`` (``static``, the module compiled by ``engine.compile``);
-``captured`` (``compiled``, replayed as a CUDA graph on CUDA, :mod:`pipeline.train.cuda_graphs`). A
-batch over capacity runs eagerly with the compiled code set aside, so an odd shape never
-recompiles; :attr:`TrainStep.overflow` counts them.
+all-reduce; stages 1 and 2 in DeepSpeed's accumulation) and steps the optimizer. ``train.step``:
+``eager`` (batches as cut); ``static`` (padded to fixed capacities, :mod:`pipeline.train.capacity`);
+``compiled`` (``static``, compiled by ``engine.compile``); ``captured`` (``compiled``, replayed as a
+CUDA graph, :mod:`pipeline.train.cuda_graphs`). A batch over capacity runs eagerly with the compiled
+code set aside, so an odd shape never recompiles.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """What a padded step (``train.step: static`` or ``compiled``) costs on CPU workers, said before they start.
 
-Padding buys fixed shapes, which pay on a GPU (kernel launches). A CPU has none to save, and padding
-every batch to the capacity (dense attention over ``graph slots x longest graph^2``) can cost several
-times an eager epoch on data with a few very large graphs. :func:`padding_cost` compares the node rows
-and attention work of the first epoch's batches padded and eager, and says it in one line.
+Padding buys fixed shapes, which pay on a GPU (kernel launches); on a CPU, padding every batch to the
+capacity can cost several times an eager epoch. :func:`padding_cost` says it in one line.
 """
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """One job's training on one rank: :class:`Trainer`, built and stepped with or without Ray.
 
-``Trainer(setup, context)`` builds its parts once from the driver's
-:class:`~pipeline.train.worker_setup.WorkerSetup` and the place it runs in
-(:mod:`pipeline.train.context`): data loaders over its share of every step
-(:mod:`pipeline.train.global_batch`), padded when ``train.step`` asks (:mod:`pipeline.train.capacity`),
-the DeepSpeed engine (:mod:`pipeline.train.engine`), the step (:mod:`pipeline.train.step`), the loop
-state restored from the newest intact checkpoint, and on rank 0 the MLflow system metrics.
-:meth:`Trainer.fit` then runs, per epoch, :meth:`Trainer.train_epoch` (steps, checkpoints when due),
-:meth:`Trainer.evaluate_epoch` (validation and test, the best epoch) and :meth:`Trainer.report` (the
-stopping rules, :mod:`pipeline.train.stopping`, a checkpoint and the metrics reported to the context;
-under Ray Train the controller logs them to MLflow, :mod:`pipeline.train.epoch_logger`).
+``Trainer(setup, context)`` builds its loaders, DeepSpeed engine and step once, restores the newest
+intact checkpoint; :meth:`Trainer.fit` then runs, per epoch, :meth:`Trainer.train_epoch`,
+:meth:`Trainer.evaluate_epoch` and :meth:`Trainer.report` (stopping rules, checkpoint, metrics).
 """
 from __future__ import annotations
 
