@@ -65,7 +65,6 @@ def job_server():
                DS_ACCELERATOR="cpu", PATH=f"{BIN}:{os.environ.get('PATH', '')}", SATP_HOME=str(Path(temp) / "home"),
                **{fork_server.SOCKET_VAR: fork_socket}, **NO_DRAIN)
     env.pop("RAY_ADDRESS", None)
-    env.pop("SATP_FORK_SOCKET", None)
     subprocess.Popen([sys.executable, "-m", "runtime.fork_server", "--serve", fork_socket], env=env, cwd=ROOT,
                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--node-ip-address=127.0.0.1",
