@@ -7,13 +7,11 @@ satp imports ``ray._private``, ``ray._raylet``, ``ray.core.generated`` or ``ray.
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable, Optional
 
 #: the Ray releases these uses were tested on (pyproject.toml pins ray to them)
 TESTED_ON = ("2.60",)
 
-log = logging.getLogger(__name__)
 
 
 def disable_failure_signal_handler() -> bool:
@@ -64,12 +62,6 @@ def trainer_class(on_sigint: Optional[Callable[[object], None]] = None) -> type:
     """
     from ray.train.torch import TorchTrainer
 
-    try:
-        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-    except ImportError:
-        log.debug("Ray Train's internal callbacks moved: the plain TorchTrainer runs")
-        return TorchTrainer
     if not all(hasattr(TorchTrainer, name) for name in ("_register_sigint_handler", "_create_default_callbacks")):
         return TorchTrainer
 
@@ -81,7 +73,8 @@ def trainer_class(on_sigint: Optional[Callable[[object], None]] = None) -> type:
                 on_sigint(controller)
 
         def _create_default_callbacks(self) -> list:
-            unused = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
-            return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unused)]
+            # by name, not by importing Ray Train's internal modules: a renamed callback is kept
+            unused = {"PlacementGroupCleanerCallback"} | (set() if self.datasets else {"DatasetsCallback"})
+            return [cb for cb in super()._create_default_callbacks() if type(cb).__name__ not in unused]
 
     return SatpTrainer
