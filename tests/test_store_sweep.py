@@ -87,4 +87,4 @@ def test_a_killed_sweep_resumes_from_the_bucket(s3_server, tiny_setting, tmp_pat
         checkpoints = CheckpointManager(f"{tune_root}/s/train/s-{child.data.tags['satp.trial_id']}")
         history = checkpoints.state(checkpoints.newest_intact())["history"]
         assert [h["epoch"] for h in history] == [0, 1, 2]
-        assert [m.step for m in mlflow.get_metric_history(child.info.run_id, "val_f1")] == [0, 1, 2]
+        assert sorted(m.step for m in mlflow.get_metric_history(child.info.run_id, "val_f1")) == [0, 1, 2]
