@@ -75,8 +75,9 @@ def ray_cluster(tmp_path_factory):
 
 #: the modules ``--beside`` runs in a second pytest process, in this order (none uses the session's
 #: cluster): first those that start Ray clusters of their own and wait on them half the time, then
-#: some that compute in their own processes. A fresh clone's suite on 2 cores: 990 s of pytest in one
-#: process, 745-765 s with these beside; six more of the kind did not shorten it (benchmarks/RESULTS.md)
+#: some that compute in their own processes. On 2 cores the two processes keep both busy (97-100%):
+#: moving three modules of the session's cluster beside, on a second cluster of that process's own,
+#: took the two from 1,738 s / 807 s to 1,687 s / 1,536 s, no shorter in all (benchmarks/RESULTS.md)
 BESIDE_MODULES = ("test_elastic.py", "test_node_loss.py", "test_store_nodes.py", "test_submit.py",
                   "test_edge_messages.py", "test_global_batch.py", "test_compile.py")
 #: the process running them, its output file and its test count
