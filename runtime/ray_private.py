@@ -13,7 +13,6 @@ from typing import Callable, Optional
 TESTED_ON = ("2.60",)
 
 
-
 def disable_failure_signal_handler() -> bool:
     """Keep the next ``ray.init`` of this process from installing the core worker's failure-signal
     handler (``ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER``, read when the core worker starts).

@@ -19,7 +19,12 @@ from pathlib import Path
 import torch
 import yaml
 
+from runtime import fork_server
+
 ROOT = Path(__file__).resolve().parents[1]
+#: what names the session's Ray cluster to a command (tests/conftest.py's ``ray_cluster``): dropped by a
+#: test whose command must find no cluster, or a satp cluster of its own
+SESSION_CLUSTER_VARS = ("RAY_ADDRESS", fork_server.SOCKET_VAR)
 
 
 # ----------------------------------------------------------------------------- processes and waiting

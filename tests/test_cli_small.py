@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
+from tests.helpers import SESSION_CLUSTER_VARS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +55,7 @@ def web_server():
 def test_a_web_server_address_is_one_line_without_rays_warning(web_server, tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(f"name: t\nmodel: {{}}\ndata: {{name: ogbg-ppa, root: {tmp_path / 'data'}}}\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SATP_FORK_SOCKET")}
+    env = {k: v for k, v in os.environ.items() if k not in SESSION_CLUSTER_VARS}
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "preprocess", str(job), "--address", web_server],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 2
@@ -90,7 +91,7 @@ def test_preprocess_starts_ray_as_every_command_does(tmp_path):
             "import atexit; atexit.register(lambda: print(calls))\n"
             f"preprocess(DataConfig(name='ogbg-ppa', root={str(tmp_path)!r}), TransformConfig(), "
             f"ShardConfig(root={str(tmp_path / 'shards')!r}), progress=False)\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SATP_FORK_SOCKET")}
+    env = {k: v for k, v in os.environ.items() if k not in SESSION_CLUSTER_VARS}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 7, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[((None,), {'log_to_driver': False, 'dashboard': False})]"

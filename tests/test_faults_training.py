@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import (Drain, checkpoint_epochs, checkpoint_part, fault_job, process_state, run_satp_train,
-                           satp_env, satp_lines, tiny_job_dict, tracebacks, train_command, wait_until)
+from tests.helpers import (SESSION_CLUSTER_VARS, Drain, checkpoint_epochs, checkpoint_part, fault_job, process_state,
+                           run_satp_train, satp_env, satp_lines, tiny_job_dict, tracebacks, train_command, wait_until)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -535,8 +535,8 @@ def test_more_ctrl_c_while_the_first_is_handled_keep_status_130_and_tear_the_clu
         # SATP_HOME without a record: not the session's satp cluster, a local Ray of the command's own
         # and no $RAY_ADDRESS (the session's cluster, set for the other tests' commands)
         env = satp_env(TMPDIR=str(private), SATP_HOME=str(tmp_path / "home"))
-        env.pop("RAY_ADDRESS", None)
-        env.pop("SATP_FORK_SOCKET", None)
+        for key in SESSION_CLUSTER_VARS:
+            env.pop(key, None)
         proc = subprocess.Popen(train_command(job, None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env, cwd=ROOT, start_new_session=True)
         drained = Drain(proc)

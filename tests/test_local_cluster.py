@@ -15,7 +15,7 @@ import pytest
 
 from runtime import local_cluster
 from runtime.ray_cluster import ORPHAN_PREFIX
-from tests.helpers import LOOPBACK_IPS, listening_sockets
+from tests.helpers import LOOPBACK_IPS, SESSION_CLUSTER_VARS, listening_sockets
 
 ROOT = Path(__file__).resolve().parents[1]
 SATP = [sys.executable, "-m", "pipeline.cli"]
@@ -32,7 +32,7 @@ def _satp(cluster, *argv: str, timeout: float = 600, cwd=None) -> subprocess.Com
 def cluster(tmp_path_factory):
     home = tmp_path_factory.mktemp("satp-home")
     env = dict(os.environ, SATP_HOME=str(home), PYTHONPATH=str(ROOT))
-    for key in ("RAY_ADDRESS", "SATP_FORK_SOCKET", "PYTEST_CURRENT_TEST", "RAY_AUTH_MODE"):
+    for key in (*SESSION_CLUSTER_VARS, "PYTEST_CURRENT_TEST", "RAY_AUTH_MODE"):
         env.pop(key, None)
     state = {"env": env, "home": home}
     started = _satp(state, "cluster", "start", "--num-cpus", "2")
@@ -86,7 +86,7 @@ def test_a_cluster_for_several_nodes_is_at_the_address_named_with_token_authenti
     token = tmp_path / "token"
     state = {"env": dict(os.environ, SATP_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
                          RAY_AUTH_TOKEN_PATH=str(token))}
-    for key in ("RAY_ADDRESS", "SATP_FORK_SOCKET", "PYTEST_CURRENT_TEST", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+    for key in (*SESSION_CLUSTER_VARS, "PYTEST_CURRENT_TEST", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         state["env"].pop(key, None)
     started = _satp(state, "cluster", "start", "--host", "127.0.0.2", "--num-cpus", "1", "--no-dashboard", "--no-wait")
     try:

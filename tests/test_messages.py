@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from pipeline.cli import main
-from tests.helpers import small_python_source
+from tests.helpers import SESSION_CLUSTER_VARS, small_python_source
 from tests.helpers import tiny_data, tiny_job_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,7 +224,7 @@ def test_healthy_train_run_logged_to_files(tmp_path, tmp_path_factory):
     job.write_text(yaml.safe_dump(values))
     tmp = Path(tempfile.mkdtemp(prefix="satpt", dir="/tmp"))  # short: Ray's sockets go below it (107 bytes)
     env = dict(os.environ, TMPDIR=str(tmp))
-    for key in ("RAY_ADDRESS", "SATP_FORK_SOCKET", "RAY_AUTH_MODE", "RAY_COLOR_PREFIX", "TQDM_DISABLE"):
+    for key in (*SESSION_CLUSTER_VARS, "RAY_AUTH_MODE", "RAY_COLOR_PREFIX", "TQDM_DISABLE"):
         env.pop(key, None)
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
         proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", str(job)], stdout=out, stderr=err,

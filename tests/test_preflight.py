@@ -14,6 +14,7 @@ import yaml
 
 from pipeline.cli import main
 from runtime.ports import free_ports
+from tests.helpers import SESSION_CLUSTER_VARS
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_JOB = ROOT / "jobs" / "code2-local.yaml"
@@ -41,8 +42,8 @@ def _one_line(capsys) -> str:
 
 def _satp(args: list[str], tmp_path: Path, timeout: float = 300):
     env = dict(os.environ, SATP_RUNS_DIR=str(tmp_path / "runs"))
-    env.pop("RAY_ADDRESS", None)
-    env.pop("SATP_FORK_SOCKET", None)
+    for key in SESSION_CLUSTER_VARS:
+        env.pop(key, None)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)

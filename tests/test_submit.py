@@ -29,7 +29,7 @@ import yaml
 from runtime import fork_server
 from runtime.local_cluster import stop_processes
 from runtime.ports import free_ports
-from tests.helpers import tiny_data, tiny_job_dict, wait_until
+from tests.helpers import SESSION_CLUSTER_VARS, tiny_data, tiny_job_dict, wait_until
 from tests.ray_nodes import NO_DRAIN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -305,8 +305,8 @@ def test_satp_submit_without_a_cluster_names_what_it_tried(shards, tmp_path, mon
     base, _ = shards
     job = _job_file(tmp_path / "wd", base, "nowhere")
     monkeypatch.setenv("SATP_HOME", str(tmp_path / "home"))  # no satp cluster recorded there
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.delenv("SATP_FORK_SOCKET", raising=False)
+    for key in SESSION_CLUSTER_VARS:
+        monkeypatch.delenv(key, raising=False)
     assert main(["submit", str(job), "--working-dir", str(tmp_path / "wd")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["satp: error: no Ray job server to submit to: no --address, no $RAY_ADDRESS, and no satp cluster "
@@ -325,8 +325,8 @@ def test_satp_submit_finds_the_satp_cluster_by_itself(shards, tmp_path):
     base, _ = shards
     env = dict(os.environ, SATP_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
                PATH=f"{BIN}:{os.environ.get('PATH', '')}", **NO_DRAIN)  # the job's `python` is this one
-    env.pop("RAY_ADDRESS", None)
-    env.pop("SATP_FORK_SOCKET", None)
+    for key in SESSION_CLUSTER_VARS:
+        env.pop(key, None)
     job = _job_file(tmp_path / "wd", base, "found")
     start = subprocess.run([sys.executable, "-m", "pipeline.cli", "cluster", "start", "--num-cpus", "1"],
                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)

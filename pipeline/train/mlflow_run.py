@@ -146,13 +146,12 @@ def close_failed(plan: JobPlan, previous_status: Optional[str], exc: BaseExcepti
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if isinstance(exc, KeyboardInterrupt):
             first = f"interrupted ({first or 'SIGINT'})"
+        client = tracking.client(uri)
         if previous_status == "FINISHED":
-            client = tracking.client(uri)
             client.set_tag(run_id, LAST_ATTEMPT, f"failed {time.strftime('%Y-%m-%d %H:%M:%S')}: {first}"[:500])
             client.set_terminated(run_id, status="FINISHED")
         else:
-            status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
-            tracking.client(uri).set_terminated(run_id, status=status)
+            client.set_terminated(run_id, status="KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
 
 
 def close_finished(plan: JobPlan, state: dict) -> None:
